@@ -1,0 +1,68 @@
+#pragma once
+// Every tunable of ferry, in one place.
+//
+// A `settings` value is an immutable snapshot: it is loaded once (defaults <- FERRY_CONFIG file <-
+// FERRY_* environment) and handed to the runtime that uses it; nothing re-reads the environment
+// behind its back. Each tunable is one row of the table in src/core/settings.cpp with its
+// environment variable, default, parser and documentation; `ferry info --settings` prints the
+// table and docs/settings.md is checked against it by a test.
+#include <ferry/core/export.hpp>
+#include <ferry/core/log.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ferry {
+
+// Which device backend a runtime prefers for its default device.
+// automatic: the first CUDA GPU when a driver and a GPU are present, else sim:0.
+enum class backend_choice { automatic, cuda, sim };
+FERRY_API std::string_view to_string(backend_choice b) noexcept;
+
+struct FERRY_API settings {
+  // core
+  log_level log = log_level::warn;
+  std::chrono::nanoseconds deadline = std::chrono::seconds(30);
+  // device
+  backend_choice backend = backend_choice::automatic;
+  std::string cuda_driver = "libcuda.so.1";
+  std::string nvml_library = "libnvidia-ml.so.1";
+  int sim_devices = 2;
+  std::uint64_t sim_capacity = 1ull << 30;
+  std::uint64_t sim_granularity = 2ull << 20;
+  int sim_copy_engines = 2;
+  double sim_copy_gbps = 0;  // 0: as fast as memcpy
+  // io
+  std::string cufile_library = "libcufile.so.0";
+
+  // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
+  using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;
+
+  // Defaults only.
+  static settings defaults();
+  // Defaults, then the file named by FERRY_CONFIG (if set), then the process environment.
+  // Throws invalid_argument naming the variable, its value and where it came from.
+  static settings from_env();
+  // As from_env, with the environment given by `env` (tests use this).
+  static settings load(const lookup_fn& env);
+  // Applies one "FERRY_NAME" = "value" pair; throws like load(). `origin` names where it came from.
+  void set(std::string_view name, std::string_view value, std::string_view origin = "override");
+
+  struct row {
+    std::string name;           // FERRY_...
+    std::string value;          // current value, printed the way it is parsed
+    std::string default_value;  // default, likewise
+    std::string doc;
+  };
+  // All tunables with this snapshot's values, in table order.
+  std::vector<row> describe() const;
+  // Names of all tunables, in table order.
+  static std::vector<std::string_view> names();
+};
+
+}  // namespace ferry

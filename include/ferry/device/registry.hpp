@@ -1,0 +1,60 @@
+#pragma once
+// Finds devices by name and says which backends work here.
+//
+// Names: "gpu:N" and "cuda:N" (the same CUDA device), "sim:N". The CUDA driver is loaded the
+// first time a CUDA device or the CUDA status is asked for, so CPU-only work never pays for it.
+// Default device (FERRY_BACKEND): auto = gpu:0 when a driver and a GPU are present, else sim:0.
+#include <ferry/core/export.hpp>
+#include <ferry/core/settings.hpp>
+#include <ferry/device/device.hpp>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ferry {
+
+struct backend_status {
+  std::string name;       // "cuda", "sim"
+  bool built = false;     // compiled into this build
+  bool available = false;
+  std::string reason;     // why not available
+  int driver_version = 0; // cuda: e.g. 13000
+  int device_count = 0;
+};
+
+struct peer_info {
+  bool access = false;  // a can read/write b's memory directly
+  std::string link;     // "nvlink", "pcie", "sim", "-", "unknown"
+  int performance_rank = -1;
+};
+
+class FERRY_API device_registry {
+ public:
+  explicit device_registry(settings s);
+  ~device_registry();
+  device_registry(const device_registry&) = delete;
+  device_registry& operator=(const device_registry&) = delete;
+
+  // The device of that name, created on first use. Throws invalid_argument for a malformed name,
+  // out_of_range for an index past the last device, unavailable (with the reason) when the
+  // backend is missing.
+  device& get(std::string_view name);
+  device& default_device();
+  // All CUDA devices (loading the driver), then all sim devices.
+  std::vector<device*> all();
+  backend_status cuda_status();
+  backend_status sim_status() const;
+  peer_info peer(device& a, device& b);
+  const settings& config() const noexcept { return settings_; }
+
+ private:
+  settings settings_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<device>> cuda_;
+  std::vector<std::unique_ptr<device>> sim_;
+};
+
+}  // namespace ferry

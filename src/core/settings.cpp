@@ -1,0 +1,219 @@
+#include <ferry/core/error.hpp>
+#include <ferry/core/settings.hpp>
+#include <ferry/core/units.hpp>
+
+#include "core/logging.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <fstream>
+
+extern char** environ;
+
+namespace ferry {
+
+std::string_view to_string(backend_choice b) noexcept {
+  switch (b) {
+    case backend_choice::automatic: return "auto";
+    case backend_choice::cuda: return "cuda";
+    case backend_choice::sim: return "sim";
+  }
+  return "?";
+}
+
+namespace {
+
+// A parse failure inside a row: the caller adds the variable name and origin.
+struct bad_value {
+  std::string why;
+};
+
+std::int64_t parse_int(std::string_view v, std::int64_t lo, std::int64_t hi) {
+  std::int64_t n = 0;
+  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc() || p != v.data() + v.size()) throw bad_value{"not an integer"};
+  if (n < lo || n > hi) throw bad_value{fmt::format("out of range [{}, {}]", lo, hi)};
+  return n;
+}
+
+double parse_double(std::string_view v, double lo, double hi) {
+  std::string s(v);
+  char* end = nullptr;
+  double d = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size()) throw bad_value{"not a number"};
+  if (!(d >= lo && d <= hi)) throw bad_value{fmt::format("out of range [{}, {}]", lo, hi)};
+  return d;
+}
+
+std::uint64_t parse_size_in(std::string_view v, std::uint64_t lo, std::uint64_t hi, bool pow2 = false) {
+  std::uint64_t n;
+  try {
+    n = parse_size(v);
+  } catch (const error& e) {
+    throw bad_value{e.detail()};
+  }
+  if (n < lo || n > hi) throw bad_value{fmt::format("out of range [{}, {}]", format_size(lo), format_size(hi))};
+  if (pow2 && (n & (n - 1)) != 0) throw bad_value{"must be a power of two"};
+  return n;
+}
+
+template <typename E, std::size_t N>
+E parse_enum(std::string_view v, const std::pair<std::string_view, E> (&choices)[N]) {
+  for (auto& [name, e] : choices)
+    if (v == name) return e;
+  std::string list;
+  for (auto& [name, e] : choices) list += (list.empty() ? "" : "|") + std::string(name);
+  throw bad_value{fmt::format("expected one of {}", list)};
+}
+
+constexpr std::pair<std::string_view, log_level> log_levels[] = {
+    {"trace", log_level::trace}, {"debug", log_level::debug}, {"info", log_level::info},
+    {"warn", log_level::warn},   {"error", log_level::error}, {"off", log_level::off}};
+constexpr std::pair<std::string_view, backend_choice> backends[] = {
+    {"auto", backend_choice::automatic}, {"cuda", backend_choice::cuda}, {"sim", backend_choice::sim}};
+
+std::string nonempty(std::string_view v) {
+  if (v.empty()) throw bad_value{"must not be empty"};
+  return std::string(v);
+}
+
+std::string show_double(double d) { return fmt::format("{}", d); }
+
+// One tunable. `apply` parses text into the snapshot (throws bad_value); `show` prints it back in
+// a form `apply` accepts, so describe() output can be pasted into a config file.
+struct setting_def {
+  std::string_view name;
+  std::string_view doc;
+  void (*apply)(settings&, std::string_view);
+  std::string (*show)(const settings&);
+};
+
+// clang-format off
+const setting_def table[] = {
+  {"FERRY_LOG", "Log level: trace|debug|info|warn|error|off. Logs go to stderr.",
+   [](settings& s, std::string_view v) { s.log = parse_enum(v, log_levels); },
+   [](const settings& s) { return std::string(to_string(s.log)); }},
+  {"FERRY_DEADLINE", "Default deadline of every wait (stream sync, transfer, request) when the caller gives none.",
+   [](settings& s, std::string_view v) {
+     try { s.deadline = parse_duration(v); } catch (const error& e) { throw bad_value{e.detail()}; }
+     if (s.deadline <= std::chrono::nanoseconds::zero()) throw bad_value{"must be positive"};
+   },
+   [](const settings& s) { return format_duration(s.deadline); }},
+  {"FERRY_BACKEND", "Default device: auto (first CUDA GPU if a driver and GPU are present, else sim:0) | cuda | sim.",
+   [](settings& s, std::string_view v) { s.backend = parse_enum(v, backends); },
+   [](const settings& s) { return std::string(to_string(s.backend)); }},
+  {"FERRY_CUDA_DRIVER", "CUDA driver library loaded at run time (dlopen); ferry never links against it.",
+   [](settings& s, std::string_view v) { s.cuda_driver = nonempty(v); },
+   [](const settings& s) { return s.cuda_driver; }},
+  {"FERRY_NVML_LIBRARY", "NVML library loaded at run time for PCIe/BAR1/NVLink facts (optional).",
+   [](settings& s, std::string_view v) { s.nvml_library = nonempty(v); },
+   [](const settings& s) { return s.nvml_library; }},
+  {"FERRY_SIM_DEVICES", "Number of simulated devices (sim:0 .. sim:N-1), 0..64.",
+   [](settings& s, std::string_view v) { s.sim_devices = static_cast<int>(parse_int(v, 0, 64)); },
+   [](const settings& s) { return std::to_string(s.sim_devices); }},
+  {"FERRY_SIM_CAPACITY", "Memory capacity of each simulated device (allocations beyond it fail with out_of_memory).",
+   [](settings& s, std::string_view v) { s.sim_capacity = parse_size_in(v, 64 * KiB, 1ull << 40); },
+   [](const settings& s) { return format_size(s.sim_capacity); }},
+  {"FERRY_SIM_GRANULARITY", "Physical chunk granularity of simulated devices (power of two, >= page size; CUDA uses 2MiB).",
+   [](settings& s, std::string_view v) { s.sim_granularity = parse_size_in(v, 4 * KiB, 1 * GiB, true); },
+   [](const settings& s) { return format_size(s.sim_granularity); }},
+  {"FERRY_SIM_COPY_ENGINES", "Worker threads acting as copy engines of each simulated device, 1..64.",
+   [](settings& s, std::string_view v) { s.sim_copy_engines = static_cast<int>(parse_int(v, 1, 64)); },
+   [](const settings& s) { return std::to_string(s.sim_copy_engines); }},
+  {"FERRY_SIM_COPY_GBPS", "Throttle of each simulated copy engine in GB/s (0 = unthrottled); models slow links in tests.",
+   [](settings& s, std::string_view v) { s.sim_copy_gbps = parse_double(v, 0, 1e6); },
+   [](const settings& s) { return show_double(s.sim_copy_gbps); }},
+  {"FERRY_CUFILE_LIBRARY", "cuFile (GPUDirect Storage) library loaded at run time (optional).",
+   [](settings& s, std::string_view v) { s.cufile_library = nonempty(v); },
+   [](const settings& s) { return s.cufile_library; }},
+};
+// clang-format on
+
+const setting_def* find_def(std::string_view name) {
+  for (auto& d : table)
+    if (d.name == name) return &d;
+  return nullptr;
+}
+
+std::string_view trim(std::string_view s) {
+  auto issp = [](char c) { return c == ' ' || c == '\t' || c == '\r'; };
+  while (!s.empty() && issp(s.front())) s.remove_prefix(1);
+  while (!s.empty() && issp(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+// FERRY_CONFIG: "NAME = value" lines, '#' comments. Unknown names are errors (a typo must not be ignored).
+void apply_file(settings& s, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail_errno(errno, "settings.load", "FERRY_CONFIG=" + path, "cannot open config file");
+  std::string line;
+  for (int lineno = 1; std::getline(in, line); ++lineno) {
+    std::string_view l = trim(line);
+    if (l.empty() || l.front() == '#') continue;
+    auto eq = l.find('=');
+    std::string origin = fmt::format("{}:{}", path, lineno);
+    if (eq == std::string_view::npos)
+      fail(errc::invalid_argument, "settings.load", origin, fmt::format("expected NAME = value, got '{}'", l));
+    std::string_view name = trim(l.substr(0, eq)), value = trim(l.substr(eq + 1));
+    if (!find_def(name))
+      fail(errc::invalid_argument, "settings.load", origin, fmt::format("unknown setting '{}'", name));
+    s.set(name, value, origin);
+  }
+}
+
+}  // namespace
+
+void settings::set(std::string_view name, std::string_view value, std::string_view origin) {
+  const setting_def* d = find_def(name);
+  if (!d) fail(errc::not_found, "settings.set", std::string(name), fmt::format("unknown setting (from {})", origin));
+  try {
+    d->apply(*this, value);
+  } catch (const bad_value& b) {
+    fail(errc::invalid_argument, "settings.parse", fmt::format("{}='{}' (from {})", name, value, origin), b.why);
+  }
+}
+
+settings settings::defaults() { return settings{}; }
+
+settings settings::load(const lookup_fn& env) {
+  settings s;
+  if (auto cfg = env("FERRY_CONFIG"); cfg && !cfg->empty()) apply_file(s, *cfg);
+  for (auto& d : table)
+    if (auto v = env(d.name)) s.set(d.name, *v, "environment");
+  return s;
+}
+
+settings settings::from_env() {
+  settings s = load([](std::string_view n) -> std::optional<std::string> {
+    if (const char* v = std::getenv(std::string(n).c_str())) return std::string(v);
+    return std::nullopt;
+  });
+  // A misspelt FERRY_* variable would otherwise be silently ignored.
+  for (char** e = environ; e && *e; ++e) {
+    std::string_view kv(*e);
+    if (!kv.starts_with("FERRY_")) continue;
+    auto name = kv.substr(0, kv.find('='));
+    if (name != "FERRY_CONFIG" && !find_def(name))
+      log::warn("settings", "ignoring unknown environment variable {} (see `ferry info --settings`)", name);
+  }
+  return s;
+}
+
+std::vector<settings::row> settings::describe() const {
+  static const settings def;
+  std::vector<row> rows;
+  rows.reserve(std::size(table));
+  for (auto& d : table) rows.push_back({std::string(d.name), d.show(*this), d.show(def), std::string(d.doc)});
+  return rows;
+}
+
+std::vector<std::string_view> settings::names() {
+  std::vector<std::string_view> n;
+  for (auto& d : table) n.push_back(d.name);
+  return n;
+}
+
+}  // namespace ferry

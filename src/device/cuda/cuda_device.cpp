@@ -1,0 +1,378 @@
+#include "device/cuda/cuda_device.hpp"
+
+#include "core/logging.hpp"
+#include "device/cuda/driver.hpp"
+#include "device/cuda/nvml.hpp"
+
+#include <fmt/format.h>
+
+#include <thread>
+
+namespace ferry::detail {
+extern const unsigned char ferry_cuda_kernels[];
+extern const std::size_t ferry_cuda_kernels_size;
+}  // namespace ferry::detail
+
+namespace ferry::cuda {
+namespace {
+
+const driver_api& api_or_throw(const settings& s, std::string_view op) {
+  const driver_status& st = load(s.cuda_driver);
+  if (!st.api) fail(errc::unavailable, std::string(op), "cuda", st.reason);
+  return *st.api;
+}
+
+CUmemAccess_flags to_cu(access a) {
+  switch (a) {
+    case access::none: return CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    case access::read: return CU_MEM_ACCESS_FLAGS_PROT_READ;
+    case access::read_write: return CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  return CU_MEM_ACCESS_FLAGS_PROT_NONE;
+}
+
+class cuda_device;
+
+class cuda_event final : public event {
+ public:
+  cuda_event(const driver_api& api, CUcontext ctx, CUevent e, std::string name)
+      : api_(api), ctx_(ctx), e_(e), name_(std::move(name)) {}
+  ~cuda_event() override {
+    api_.cuCtxSetCurrent(ctx_);
+    api_.cuEventDestroy(e_);
+  }
+  CUevent handle() const { return e_; }
+
+ private:
+  bool do_query() override {
+    api_.cuCtxSetCurrent(ctx_);
+    CUresult r = api_.cuEventQuery(e_);
+    if (r == CUDA_ERROR_NOT_READY) return false;
+    check(r, "event.query", name_);
+    return true;
+  }
+  std::string do_describe() const override { return name_; }
+  const driver_api& api_;
+  CUcontext ctx_;
+  CUevent e_;
+  std::string name_;
+};
+
+class cuda_device final : public device {
+ public:
+  cuda_device(int ordinal, const settings& s) : device(make_info(ordinal, s), s.deadline), api_(api_or_throw(s, "cuda.open")) {
+    check(api_.cuDeviceGet(&dev_, ordinal), "cuda.open", id());
+    check(api_.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuda.open", id());
+    CUmemAllocationProp prop = device_prop(location::on_device());
+    size_t g = 0;
+    check(api_.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "cuda.granularity", id());
+    info_.granularity = g;
+  }
+  ~cuda_device() override {
+    if (module_) {
+      api_.cuCtxSetCurrent(ctx_);
+      api_.cuModuleUnload(module_);
+    }
+    api_.cuDevicePrimaryCtxRelease(dev_);
+  }
+
+  const driver_api& api() const { return api_; }
+  void make_current() const { check(api_.cuCtxSetCurrent(ctx_), "cuda.set_context", id()); }
+  CUcontext context() const { return ctx_; }
+  std::uint64_t next_stream_serial() { return ++streams_; }
+
+  // Kernels of kernels.cu, loaded on first use.
+  CUfunction kernel(const char* name) {
+    std::call_once(module_once_, [&] {
+      make_current();
+      check(api_.cuModuleLoadData(&module_, detail::ferry_cuda_kernels), "cuda.load_kernels", id());
+      check(api_.cuModuleGetFunction(&fill_, module_, "ferry_fill_pattern"), "cuda.load_kernels", id());
+      check(api_.cuModuleGetFunction(&checksum_, module_, "ferry_checksum"), "cuda.load_kernels", id());
+    });
+    return std::string_view(name) == "ferry_fill_pattern" ? fill_ : checksum_;
+  }
+  unsigned launch_blocks() const { return static_cast<unsigned>(sm_count_ * 8); }
+
+ private:
+  static device_info make_info(int ordinal, const settings& s) {
+    const driver_api& api = api_or_throw(s, "cuda.open");
+    device_info i;
+    i.backend = "cuda";
+    i.ordinal = ordinal;
+    std::string res = fmt::format("cuda:{}", ordinal);
+    CUdevice d = 0;
+    check(api.cuDeviceGet(&d, ordinal), "cuda.open", res);
+    char name[256] = {};
+    check(api.cuDeviceGetName(name, sizeof name, d), "cuda.device_name", res);
+    i.name = name;
+    CUuuid u{};
+    if (api.cuDeviceGetUuid(&u, d) == CUDA_SUCCESS) {
+      auto* b = reinterpret_cast<const unsigned char*>(u.bytes);
+      i.uuid = fmt::format("GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+                           b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+                           b[14], b[15]);
+    }
+    size_t total = 0;
+    check(api.cuDeviceTotalMem(&total, d), "cuda.total_memory", res);
+    i.total_memory = total;
+    auto attr = [&](CUdevice_attribute a, int fallback) {
+      int v = fallback;
+      return api.cuDeviceGetAttribute(&v, a, d) == CUDA_SUCCESS ? v : fallback;
+    };
+    i.cc_major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, 0);
+    i.cc_minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, 0);
+    i.numa_node = attr(CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, -1);
+    i.copy_engines = attr(CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT, 0);
+    char bus[32] = {};
+    if (api.cuDeviceGetPCIBusId(bus, sizeof bus, d) == CUDA_SUCCESS) i.pci_bus_id = bus;
+    nvml::gpu_facts f = nvml::query(s.nvml_library, i.pci_bus_id);
+    if (!f.error.empty()) log::debug("cuda", "{}: NVML: {}", res, f.error);
+    i.bar1_total = f.bar1_total;
+    i.pcie_gen_current = f.pcie_gen_current;
+    i.pcie_width_current = f.pcie_width_current;
+    i.pcie_gen_max = f.pcie_gen_max;
+    i.pcie_width_max = f.pcie_width_max;
+    return i;
+  }
+
+  CUmemAllocationProp device_prop(location where) {
+    CUmemAllocationProp p{};
+    p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    if (where.kind == memory_kind::device) {
+      p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      p.location.id = info_.ordinal;
+      int rdma = 0;
+      if (api_.cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev_) ==
+              CUDA_SUCCESS && rdma)
+        p.allocFlags.gpuDirectRDMACapable = 1;
+    } else {
+      p.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+      p.location.id = where.id >= 0 ? where.id : (info_.numa_node >= 0 ? info_.numa_node : 0);
+    }
+    return p;
+  }
+
+  memory_usage do_memory() override {
+    make_current();
+    size_t f = 0, t = 0;
+    check(api_.cuMemGetInfo(&f, &t), "cuda.memory_info", id());
+    return {f, t};
+  }
+  std::uint64_t do_granularity(location where) override {
+    if (where.kind == memory_kind::device) return info_.granularity;
+    CUmemAllocationProp p = device_prop(where);
+    size_t g = 0;
+    check(api_.cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "cuda.granularity",
+          fmt::format("{} host numa {}", id(), p.location.id));
+    return g;
+  }
+  std::uint64_t do_allocate(std::uint64_t bytes, location where) override {
+    make_current();
+    CUmemAllocationProp p = device_prop(where);
+    CUmemGenericAllocationHandle h = 0;
+    check(api_.cuMemCreate(&h, bytes, &p, 0), "device.allocate",
+          fmt::format("{} bytes={} location={}", id(), bytes,
+                      where.kind == memory_kind::device ? "device" : fmt::format("host numa {}", p.location.id)));
+    std::lock_guard l(numa_mu_);
+    host_numa_[h] = where.kind == memory_kind::host ? p.location.id : -1;
+    return h;
+  }
+  void do_free(std::uint64_t handle, std::uint64_t, location) noexcept override {
+    api_.cuCtxSetCurrent(ctx_);
+    if (CUresult r = api_.cuMemRelease(handle); r != CUDA_SUCCESS)
+      log::error("cuda", "{}: cuMemRelease failed: {}", id(), describe(r));
+    std::lock_guard l(numa_mu_);
+    host_numa_.erase(handle);
+  }
+  std::uintptr_t do_reserve(std::uint64_t bytes, std::uint64_t alignment) override {
+    make_current();
+    CUdeviceptr p = 0;
+    check(api_.cuMemAddressReserve(&p, bytes, alignment, 0, 0), "device.reserve", fmt::format("{} bytes={}", id(), bytes));
+    return static_cast<std::uintptr_t>(p);
+  }
+  void do_release(std::uintptr_t base, std::uint64_t bytes) noexcept override {
+    api_.cuCtxSetCurrent(ctx_);
+    if (CUresult r = api_.cuMemAddressFree(base, bytes); r != CUDA_SUCCESS)
+      log::error("cuda", "{}: cuMemAddressFree failed: {}", id(), describe(r));
+  }
+  void do_map(std::uintptr_t va, std::uint64_t bytes, std::uint64_t handle, location) override {
+    make_current();
+    check(api_.cuMemMap(va, bytes, 0, handle, 0), "device.map", fmt::format("{} va={}", id(), describe_range(va, bytes)));
+  }
+  void do_unmap(std::uintptr_t va, std::uint64_t bytes) noexcept override {
+    api_.cuCtxSetCurrent(ctx_);
+    if (CUresult r = api_.cuMemUnmap(va, bytes); r != CUDA_SUCCESS)
+      log::error("cuda", "{}: cuMemUnmap({}) failed: {}", id(), describe_range(va, bytes), describe(r));
+  }
+  void do_set_access(std::uintptr_t va, std::uint64_t bytes, const mapping& m,
+                     std::span<const access_desc> grants) override {
+    make_current();
+    std::vector<CUmemAccessDesc> d;
+    for (auto& g : grants) {
+      CUmemAccessDesc a{};
+      a.flags = to_cu(g.flags);
+      if (g.who.kind == memory_kind::device) {
+        a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        a.location.id = g.who.id >= 0 ? g.who.id : info_.ordinal;
+      } else {
+        std::lock_guard l(numa_mu_);
+        a.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+        a.location.id = host_numa_.count(m.chunk) ? host_numa_[m.chunk] : 0;
+      }
+      d.push_back(a);
+    }
+    check(api_.cuMemSetAccess(va, bytes, d.data(), d.size()), "device.set_access",
+          fmt::format("{} va={}", id(), describe_range(va, bytes)));
+  }
+  std::unique_ptr<stream> do_create_stream() override;
+
+  const driver_api& api_;
+  CUdevice dev_ = 0;
+  CUcontext ctx_ = nullptr;
+  int sm_count_ = [this] {
+    int v = 0;
+    api_.cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, info_.ordinal);
+    return v > 0 ? v : 16;
+  }();
+  std::once_flag module_once_;
+  CUmodule module_ = nullptr;
+  CUfunction fill_ = nullptr, checksum_ = nullptr;
+  std::mutex numa_mu_;
+  std::map<std::uint64_t, int> host_numa_;
+  std::atomic<std::uint64_t> streams_{0};
+};
+
+class cuda_stream final : public stream {
+ public:
+  explicit cuda_stream(cuda_device& d)
+      : stream(d), dev_(d), api_(d.api()), name_(fmt::format("{} stream#{}", d.id(), d.next_stream_serial())) {
+    d.make_current();
+    check(api_.cuStreamCreate(&s_, CU_STREAM_NON_BLOCKING), "stream.create", name_);
+  }
+  ~cuda_stream() override {
+    try {
+      do_synchronize(deadline_after(dev_.default_timeout()));
+    } catch (const error& e) {
+      log::warn("cuda", "{} destroyed with failed or unfinished work: {}", name_, e.what());
+    }
+    api_.cuCtxSetCurrent(dev_.context());
+    if (scratch_) api_.cuMemFree(scratch_);
+    api_.cuStreamDestroy(s_);
+  }
+
+ private:
+  void do_copy(void* dst, const void* src, std::size_t bytes) override {
+    dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.copy", "dst");
+    dev_.check_access(src, bytes, false, dev_.info().ordinal, "stream.copy", "src");
+    dev_.make_current();
+    check(api_.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes, s_),
+          "stream.copy", fmt::format("{} dst={} src={}", name_, describe_range(dst, bytes), describe_range(src, bytes)));
+  }
+  void launch(const char* kernel, void** args, std::size_t bytes) {
+    unsigned blocks = static_cast<unsigned>(std::min<std::size_t>(dev_.launch_blocks(), (bytes / 8 + 255) / 256 + 1));
+    check(api_.cuLaunchKernel(dev_.kernel(kernel), blocks, 1, 1, 256, 1, 1, 0, s_, args, nullptr), "stream.launch",
+          fmt::format("{} {}", name_, kernel));
+  }
+  void do_fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) override {
+    dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.fill_pattern", "dst");
+    dev_.make_current();
+    unsigned long long b = bytes, sd = seed;
+    void* args[] = {&dst, &b, &sd};
+    launch("ferry_fill_pattern", args, bytes);
+  }
+  void do_checksum(const void* src, std::size_t bytes, std::uint64_t* result) override {
+    dev_.check_access(src, bytes, false, dev_.info().ordinal, "stream.checksum", "src");
+    dev_.make_current();
+    if (!scratch_) check(api_.cuMemAlloc(&scratch_, 8), "stream.checksum", name_ + " scratch");
+    check(api_.cuMemsetD8Async(scratch_, 0, 8, s_), "stream.checksum", name_);
+    unsigned long long b = bytes;
+    void* args[] = {const_cast<void**>(&src), &b, &scratch_};
+    launch("ferry_checksum", args, bytes);
+    check(api_.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(result), scratch_, 8, s_), "stream.checksum", name_);
+  }
+  std::unique_ptr<event> do_record() override {
+    dev_.make_current();
+    CUevent e = nullptr;
+    check(api_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "stream.record", name_);
+    if (CUresult r = api_.cuEventRecord(e, s_); r != CUDA_SUCCESS) {
+      api_.cuEventDestroy(e);
+      check(r, "stream.record", name_);
+    }
+    return std::make_unique<cuda_event>(api_, dev_.context(), e, name_ + " event");
+  }
+  void do_wait(event& e) override {
+    auto* ce = dynamic_cast<cuda_event*>(&e);
+    if (!ce) fail(errc::invalid_argument, "stream.wait", name_, "event belongs to another backend");
+    dev_.make_current();
+    check(api_.cuStreamWaitEvent(s_, ce->handle(), 0), "stream.wait", name_);
+  }
+  bool do_idle() override {
+    dev_.make_current();
+    CUresult r = api_.cuStreamQuery(s_);
+    if (r == CUDA_ERROR_NOT_READY) return false;
+    check(r, "stream.query", name_);
+    return true;
+  }
+  void do_synchronize(deadline until) override {
+    // Poll rather than cuStreamSynchronize: a blocking call cannot honour a deadline.
+    auto sleep = std::chrono::microseconds(0);
+    while (!do_idle()) {
+      if (std::chrono::steady_clock::now() >= until)
+        fail(errc::timeout, "stream.synchronize", name_, "deadline expired before the stream's work completed");
+      if (sleep.count() == 0) std::this_thread::yield();
+      else std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2 + std::chrono::microseconds(1), std::chrono::microseconds(500));
+    }
+  }
+
+  cuda_device& dev_;
+  const driver_api& api_;
+  std::string name_;
+  CUstream s_ = nullptr;
+  CUdeviceptr scratch_ = 0;
+};
+
+std::unique_ptr<stream> cuda_device::do_create_stream() { return std::make_unique<cuda_stream>(*this); }
+
+}  // namespace
+
+backend_probe probe(const settings& s) {
+  const driver_status& st = load(s.cuda_driver);
+  backend_probe p;
+  p.available = st.api != nullptr && st.device_count > 0;
+  p.driver_version = st.version;
+  p.device_count = st.device_count;
+  p.reason = st.api ? (st.device_count ? "" : "driver loaded but no CUDA device is visible") : st.reason;
+  return p;
+}
+
+std::unique_ptr<device> create_device(int ordinal, const settings& s) {
+  return std::make_unique<cuda_device>(ordinal, s);
+}
+
+peer_link query_peer(const settings& s, int a, int b) {
+  const driver_api& api = api_or_throw(s, "cuda.peer");
+  peer_link l;
+  CUdevice da = 0, db = 0;
+  std::string res = fmt::format("cuda:{}<->cuda:{}", a, b);
+  check(api.cuDeviceGet(&da, a), "cuda.peer", res);
+  check(api.cuDeviceGet(&db, b), "cuda.peer", res);
+  int can = 0;
+  check(api.cuDeviceCanAccessPeer(&can, da, db), "cuda.peer", res);
+  l.access = can != 0;
+  int v = 0;
+  if (api.cuDeviceGetP2PAttribute(&v, CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, da, db) == CUDA_SUCCESS)
+    l.performance_rank = v;
+  if (api.cuDeviceGetP2PAttribute(&v, CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, da, db) == CUDA_SUCCESS)
+    l.native_atomics = v != 0;
+  char ba[32] = {}, bb[32] = {};
+  api.cuDeviceGetPCIBusId(ba, sizeof ba, da);
+  api.cuDeviceGetPCIBusId(bb, sizeof bb, db);
+  nvml::p2p_facts f = nvml::query_p2p(s.nvml_library, ba, bb);
+  if (!l.access) l.link = "-";
+  else if (f.known) l.link = f.nvlink ? "nvlink" : "pcie";
+  else l.link = "unknown";
+  return l;
+}
+
+}  // namespace ferry::cuda

@@ -1,0 +1,30 @@
+#pragma once
+// The cuda backend: ferry's device interface on the CUDA driver VMM API (cuMemCreate, cuMemMap,
+// cuMemSetAccess, ...), streams and events, with the driver loaded at run time (driver.hpp).
+#include <ferry/core/settings.hpp>
+#include <ferry/device/device.hpp>
+
+#include <memory>
+#include <string>
+
+namespace ferry::cuda {
+
+struct backend_probe {
+  bool available = false;
+  std::string reason;  // why not, when unavailable
+  int driver_version = 0;
+  int device_count = 0;
+};
+backend_probe probe(const settings& s);
+
+std::unique_ptr<device> create_device(int ordinal, const settings& s);
+
+struct peer_link {
+  bool access = false;   // cuDeviceCanAccessPeer
+  std::string link;      // "nvlink", "pcie", "-"
+  int performance_rank = -1;
+  bool native_atomics = false;
+};
+peer_link query_peer(const settings& s, int a, int b);
+
+}  // namespace ferry::cuda

@@ -1,0 +1,358 @@
+#include <ferry/device/device.hpp>
+
+#include "core/logging.hpp"
+
+#include <fmt/format.h>
+
+#include <thread>
+
+namespace ferry {
+
+namespace {
+std::string access_name(access a) {
+  switch (a) {
+    case access::none: return "none";
+    case access::read: return "r";
+    case access::read_write: return "rw";
+  }
+  return "?";
+}
+bool aligned(std::uint64_t v, std::uint64_t a) { return a && v % a == 0; }
+}  // namespace
+
+// ---- physical_chunk / va_range ---------------------------------------------------------------
+
+physical_chunk& physical_chunk::operator=(physical_chunk&& o) noexcept {
+  if (this != &o) {
+    reset();
+    owner_ = std::exchange(o.owner_, nullptr);
+    handle_ = std::exchange(o.handle_, 0);
+    size_ = std::exchange(o.size_, 0);
+    where_ = o.where_;
+  }
+  return *this;
+}
+
+void physical_chunk::reset() noexcept {
+  if (owner_) owner_->release_chunk(*this);
+  owner_ = nullptr;
+  handle_ = size_ = 0;
+}
+
+va_range& va_range::operator=(va_range&& o) noexcept {
+  if (this != &o) {
+    reset();
+    owner_ = std::exchange(o.owner_, nullptr);
+    base_ = std::exchange(o.base_, 0);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+void va_range::reset() noexcept {
+  if (owner_) owner_->release_range(*this);
+  owner_ = nullptr;
+  base_ = size_ = 0;
+}
+
+// ---- event / stream --------------------------------------------------------------------------
+
+event::~event() = default;
+
+void event::wait(deadline until) {
+  // Poll with a growing back-off: CUDA offers no blocking wait with a timeout, and a blocked
+  // cuEventSynchronize could hang forever on a wedged device.
+  auto sleep = std::chrono::microseconds(1);
+  while (!do_query()) {
+    if (std::chrono::steady_clock::now() >= until)
+      fail(errc::timeout, "event.wait", do_describe(), "deadline expired before the work completed");
+    std::this_thread::sleep_for(sleep);
+    sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
+  }
+}
+
+stream::~stream() = default;
+
+void stream::copy(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  if (!dst || !src)
+    fail(errc::invalid_argument, "stream.copy", fmt::format("{} dst={} src={}", owner_->id(), dst, src),
+         "null pointer");
+  if (reinterpret_cast<std::uintptr_t>(dst) + bytes < reinterpret_cast<std::uintptr_t>(dst) ||
+      reinterpret_cast<std::uintptr_t>(src) + bytes < reinterpret_cast<std::uintptr_t>(src))
+    fail(errc::out_of_range, "stream.copy", fmt::format("{} bytes={}", owner_->id(), bytes),
+         "length overflows the address space");
+  owner_->counters().get("copies").add();
+  owner_->counters().get("copy_bytes").add(bytes);
+  do_copy(dst, src, bytes);
+}
+
+void stream::fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) {
+  if (bytes == 0) return;
+  if (!dst || reinterpret_cast<std::uintptr_t>(dst) % 8)
+    fail(errc::invalid_argument, "stream.fill_pattern", fmt::format("{} {}", owner_->id(), describe_range(dst, bytes)),
+         "destination must be non-null and 8-byte aligned");
+  do_fill_pattern(dst, bytes, seed);
+}
+
+void stream::checksum(const void* src, std::size_t bytes, std::uint64_t* result) {
+  if (!result)
+    fail(errc::invalid_argument, "stream.checksum", owner_->id(), "result pointer is null");
+  if (bytes != 0 && (!src || reinterpret_cast<std::uintptr_t>(src) % 8))
+    fail(errc::invalid_argument, "stream.checksum", fmt::format("{} {}", owner_->id(), describe_range(src, bytes)),
+         "source must be non-null and 8-byte aligned");
+  do_checksum(src, bytes, result);
+}
+
+std::unique_ptr<event> stream::record() { return do_record(); }
+void stream::wait(event& e) { do_wait(e); }
+bool stream::idle() { return do_idle(); }
+void stream::synchronize(deadline until) { do_synchronize(until); }
+void stream::synchronize() { do_synchronize(deadline_after(owner_->default_timeout())); }
+
+// ---- device ----------------------------------------------------------------------------------
+
+device::device(device_info info, std::chrono::nanoseconds default_timeout)
+    : info_(std::move(info)),
+      default_timeout_(default_timeout),
+      c_alloc_(stats_.get("chunks_allocated")),
+      c_alloc_bytes_(stats_.get("chunk_bytes_allocated")),
+      c_free_(stats_.get("chunks_freed")),
+      c_map_(stats_.get("maps")),
+      c_unmap_(stats_.get("unmaps")) {}
+
+device::~device() {
+  // Ranges and chunks must not outlive their device; anything left is a leak in the caller.
+  if (!mappings_.empty() || !ranges_.empty() || !chunks_.empty())
+    log::warn("device", "{} destroyed with {} mappings, {} ranges, {} chunks still alive", id(), mappings_.size(),
+              ranges_.size(), chunks_.size());
+}
+
+std::uint64_t device::granularity(location where) { return do_granularity(where); }
+
+physical_chunk device::allocate(std::uint64_t bytes, location where) {
+  std::uint64_t g = do_granularity(where);
+  if (bytes == 0 || !aligned(bytes, g))
+    fail(errc::invalid_argument, "device.allocate", fmt::format("{} bytes={}", id(), bytes),
+         fmt::format("size must be a positive multiple of the granularity {}", g));
+  if (where.kind == memory_kind::device && where.id != -1 && where.id != info_.ordinal)
+    fail(errc::invalid_argument, "device.allocate", id(),
+         fmt::format("device memory of another device ({}) requested; allocate on that device", where.id));
+  physical_chunk c;
+  c.handle_ = do_allocate(bytes, where);
+  c.owner_ = this;
+  c.size_ = bytes;
+  c.where_ = where;
+  {
+    std::lock_guard lock(mu_);
+    chunks_[c.handle_] = chunk_state{bytes, where, 0, false};
+  }
+  c_alloc_.add();
+  c_alloc_bytes_.add(bytes);
+  return c;
+}
+
+void device::release_chunk(physical_chunk& c) noexcept {
+  std::lock_guard lock(mu_);
+  auto it = chunks_.find(c.handle_);
+  if (it == chunks_.end()) return;
+  if (it->second.mappings > 0) {
+    it->second.released = true;  // freed by the last unmap
+    return;
+  }
+  do_free(c.handle_, it->second.size, it->second.where);
+  chunks_.erase(it);
+  c_free_.add();
+}
+
+va_range device::reserve(std::uint64_t bytes) {
+  std::uint64_t g = do_granularity(location::on_device());
+  if (bytes == 0 || !aligned(bytes, g))
+    fail(errc::invalid_argument, "device.reserve", fmt::format("{} bytes={}", id(), bytes),
+         fmt::format("size must be a positive multiple of the granularity {}", g));
+  va_range r;
+  r.base_ = do_reserve(bytes, g);
+  r.owner_ = this;
+  r.size_ = bytes;
+  std::lock_guard lock(mu_);
+  ranges_[r.base_] = bytes;
+  return r;
+}
+
+void device::release_range(va_range& r) noexcept {
+  std::lock_guard lock(mu_);
+  auto it = ranges_.find(r.base_);
+  if (it == ranges_.end()) return;
+  // Unmap whatever the caller left mapped, so the range can be returned.
+  for (auto m = mappings_.lower_bound(r.base_); m != mappings_.end() && m->first < r.base_ + r.size_;) {
+    auto next = std::next(m);
+    try {
+      unmap_locked(m->first, m->second.size);
+    } catch (...) {
+    }
+    m = next;
+  }
+  do_release(r.base_, r.size_);
+  ranges_.erase(it);
+}
+
+const device::mapping* device::find_mapping(std::uintptr_t p, std::uintptr_t* base) const {
+  auto it = mappings_.upper_bound(p);
+  if (it == mappings_.begin()) return nullptr;
+  --it;
+  if (p >= it->first + it->second.size) return nullptr;
+  if (base) *base = it->first;
+  return &it->second;
+}
+
+bool device::owns(const void* p, std::size_t bytes) const {
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard lock(mu_);
+  auto it = ranges_.upper_bound(a);
+  if (it == ranges_.begin()) return false;
+  --it;
+  return a >= it->first && a + bytes <= it->first + it->second;
+}
+
+std::string device::describe_address(const void* p) const {
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard lock(mu_);
+  std::uintptr_t base = 0;
+  if (const mapping* m = find_mapping(a, &base))
+    return fmt::format("mapped at {} ({} chunk, device {}, host {})", describe_range(base, m->size),
+                       m->where.kind == memory_kind::device ? "device" : "host", access_name(m->device_access),
+                       access_name(m->host_access));
+  auto it = ranges_.upper_bound(a);
+  if (it != ranges_.begin() && a < std::prev(it)->first + std::prev(it)->second)
+    return fmt::format("reserved but not mapped (range {})", describe_range(std::prev(it)->first, std::prev(it)->second));
+  return "not in any range of " + id();
+}
+
+void device::check_access(const void* p, std::size_t bytes, bool write, int engine_ordinal, std::string_view op,
+                          std::string_view side) const {
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard lock(mu_);
+  auto r = ranges_.upper_bound(a + bytes - 1);
+  // Only ranges overlapping [a, a+bytes) matter; find the first one.
+  if (r == ranges_.begin()) return;
+  auto first = ranges_.upper_bound(a);
+  if (first != ranges_.begin() && std::prev(first)->first + std::prev(first)->second > a) --first;
+  for (auto it = first; it != r; ++it) {
+    std::uintptr_t lo = std::max(a, it->first), hi = std::min(a + bytes, it->first + it->second);
+    for (std::uintptr_t cur = lo; cur < hi;) {
+      std::uintptr_t base = 0;
+      const mapping* m = find_mapping(cur, &base);
+      std::string res = fmt::format("{} {}={}", id(), side, describe_range(p, bytes));
+      if (!m)
+        fail(errc::bad_address, std::string(op), res, fmt::format("{:#x} is reserved on {} but not mapped", cur, id()));
+      bool self = engine_ordinal == info_.ordinal;
+      auto bit = engine_ordinal >= 0 && engine_ordinal < 64 ? std::uint64_t{1} << engine_ordinal : 0;
+      bool ok = self ? (write ? m->device_access == access::read_write : m->device_access != access::none)
+                     : (write ? (m->peer_write & bit) != 0 : (m->peer_read & bit) != 0);
+      if (!ok)
+        fail(errc::bad_address, std::string(op), res,
+             fmt::format("{:#x} is mapped on {} without {} access for {}:{}", cur, id(), write ? "write" : "read",
+                         info_.backend, engine_ordinal));
+      cur = base + m->size;
+    }
+  }
+}
+
+void device::map(void* va, const physical_chunk& chunk) {
+  auto a = reinterpret_cast<std::uintptr_t>(va);
+  std::string res = fmt::format("{} va={}", id(), describe_range(va, chunk.size()));
+  if (!chunk) fail(errc::invalid_argument, "device.map", res, "empty chunk");
+  if (chunk.owner() != this)
+    fail(errc::invalid_argument, "device.map", res,
+         fmt::format("chunk belongs to {}", chunk.owner()->id()));
+  std::uint64_t g = do_granularity(location::on_device());
+  if (!aligned(a, g))
+    fail(errc::invalid_argument, "device.map", res, fmt::format("address not aligned to the granularity {}", g));
+  std::lock_guard lock(mu_);
+  auto r = ranges_.upper_bound(a);
+  if (r == ranges_.begin() || a + chunk.size() > std::prev(r)->first + std::prev(r)->second ||
+      a < std::prev(r)->first)
+    fail(errc::bad_address, "device.map", res, "not inside a range reserved on this device");
+  auto next = mappings_.lower_bound(a);
+  if ((next != mappings_.end() && next->first < a + chunk.size()) || find_mapping(a))
+    fail(errc::busy, "device.map", res, "overlaps an existing mapping");
+  do_map(a, chunk.size(), chunk.handle(), chunk.where());
+  mappings_[a] = mapping{chunk.size(), chunk.handle(), chunk.where()};
+  chunks_[chunk.handle()].mappings++;
+  c_map_.add();
+}
+
+void device::unmap_locked(std::uintptr_t a, std::uint64_t bytes) {
+  std::string res = fmt::format("{} va={}", id(), describe_range(a, bytes));
+  // The range must be exactly a run of whole mappings.
+  std::uintptr_t p = a;
+  while (p < a + bytes) {
+    auto it = mappings_.find(p);
+    if (it == mappings_.end())
+      fail(errc::bad_address, "device.unmap", res,
+           fmt::format("no mapping starts at {:#x} (ranges must cover whole mappings)", p));
+    p += it->second.size;
+  }
+  if (p != a + bytes)
+    fail(errc::invalid_argument, "device.unmap", res, "range ends inside a mapping");
+  for (p = a; p < a + bytes;) {
+    auto it = mappings_.find(p);
+    std::uint64_t sz = it->second.size, h = it->second.chunk;
+    do_unmap(p, sz);
+    mappings_.erase(it);
+    c_unmap_.add();
+    auto c = chunks_.find(h);
+    if (c != chunks_.end() && --c->second.mappings == 0 && c->second.released) {
+      do_free(h, c->second.size, c->second.where);
+      chunks_.erase(c);
+      c_free_.add();
+    }
+    p += sz;
+  }
+}
+
+void device::unmap(void* va, std::uint64_t bytes) {
+  if (bytes == 0) fail(errc::invalid_argument, "device.unmap", id(), "zero length");
+  std::lock_guard lock(mu_);
+  unmap_locked(reinterpret_cast<std::uintptr_t>(va), bytes);
+}
+
+void device::set_access(void* va, std::uint64_t bytes, std::span<const access_desc> grants) {
+  auto a = reinterpret_cast<std::uintptr_t>(va);
+  std::string res = fmt::format("{} va={}", id(), describe_range(va, bytes));
+  if (bytes == 0) fail(errc::invalid_argument, "device.set_access", res, "zero length");
+  std::lock_guard lock(mu_);
+  // Validate everything before changing anything.
+  for (auto& g : grants)
+    if (g.who.kind == memory_kind::device && (g.who.id < -1 || g.who.id >= 64))
+      fail(errc::out_of_range, "device.set_access", res, fmt::format("device ordinal {} out of range", g.who.id));
+  for (std::uintptr_t p = a; p < a + bytes;) {
+    auto it = mappings_.find(p);
+    if (it == mappings_.end())
+      fail(errc::bad_address, "device.set_access", res, fmt::format("{:#x} is not the start of a mapping", p));
+    for (auto& g : grants)
+      if (g.who.kind == memory_kind::host && g.flags != access::none && it->second.where.kind == memory_kind::device)
+        fail(errc::not_supported, "device.set_access", res,
+             "the CPU cannot be granted access to device memory; map a host chunk instead");
+    p += it->second.size;
+    if (p > a + bytes) fail(errc::invalid_argument, "device.set_access", res, "range ends inside a mapping");
+  }
+  for (std::uintptr_t p = a; p < a + bytes;) {
+    auto& m = mappings_.find(p)->second;
+    do_set_access(p, m.size, m, grants);
+    for (auto& g : grants) {
+      if (g.who.kind == memory_kind::host) m.host_access = g.flags;
+      else if (g.who.id == -1 || g.who.id == info_.ordinal) m.device_access = g.flags;
+      else if (g.who.id >= 0 && g.who.id < 64) {
+        auto bit = std::uint64_t{1} << g.who.id;
+        m.peer_read = g.flags != access::none ? (m.peer_read | bit) : (m.peer_read & ~bit);
+        m.peer_write = g.flags == access::read_write ? (m.peer_write | bit) : (m.peer_write & ~bit);
+      }
+    }
+    p += m.size;
+  }
+}
+
+std::unique_ptr<stream> device::create_stream() { return do_create_stream(); }
+
+}  // namespace ferry

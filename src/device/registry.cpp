@@ -1,0 +1,111 @@
+#include <ferry/device/registry.hpp>
+
+#include "device/sim/sim_device.hpp"
+#ifdef FERRY_HAVE_CUDA
+#include "device/cuda/cuda_device.hpp"
+#endif
+
+#include <fmt/format.h>
+
+#include <charconv>
+
+namespace ferry {
+
+device_registry::device_registry(settings s) : settings_(std::move(s)) {
+  sim_.resize(static_cast<std::size_t>(settings_.sim_devices));
+}
+
+// Streams and ranges held by callers must be gone before this; devices go in reverse order.
+device_registry::~device_registry() = default;
+
+backend_status device_registry::cuda_status() {
+  backend_status b;
+  b.name = "cuda";
+#ifdef FERRY_HAVE_CUDA
+  b.built = true;
+  auto p = cuda::probe(settings_);
+  b.available = p.available;
+  b.reason = p.reason;
+  b.driver_version = p.driver_version;
+  b.device_count = p.device_count;
+#else
+  b.reason = "this build of ferry has no CUDA support (nvcc was not found when it was built)";
+#endif
+  return b;
+}
+
+backend_status device_registry::sim_status() const {
+  backend_status b{"sim", true, settings_.sim_devices > 0, "", 0, settings_.sim_devices};
+  if (!b.available) b.reason = "FERRY_SIM_DEVICES=0";
+  return b;
+}
+
+device& device_registry::get(std::string_view name) {
+  auto colon = name.find(':');
+  std::string_view kind = name.substr(0, colon);
+  int index = -1;
+  if (colon != std::string_view::npos) {
+    auto num = name.substr(colon + 1);
+    auto [p, ec] = std::from_chars(num.data(), num.data() + num.size(), index);
+    if (ec != std::errc() || p != num.data() + num.size() || num.empty()) index = -1;
+  }
+  if (index < 0 || (kind != "gpu" && kind != "cuda" && kind != "sim"))
+    fail(errc::invalid_argument, "device.lookup", fmt::format("'{}'", name),
+         "expected a device name like gpu:0, cuda:0 or sim:0");
+  std::lock_guard l(mu_);
+  if (kind == "sim") {
+    if (static_cast<std::size_t>(index) >= sim_.size())
+      fail(errc::out_of_range, "device.lookup", std::string(name),
+           fmt::format("there are {} sim devices (FERRY_SIM_DEVICES)", sim_.size()));
+    auto& d = sim_[static_cast<std::size_t>(index)];
+    if (!d) d = sim::create_device(index, settings_);
+    return *d;
+  }
+  backend_status st = cuda_status();
+  if (!st.available) fail(errc::unavailable, "device.lookup", std::string(name), "CUDA unavailable: " + st.reason);
+  if (index >= st.device_count)
+    fail(errc::out_of_range, "device.lookup", std::string(name),
+         fmt::format("this machine has {} CUDA device(s)", st.device_count));
+#ifdef FERRY_HAVE_CUDA
+  if (cuda_.empty()) cuda_.resize(static_cast<std::size_t>(st.device_count));
+  auto& d = cuda_[static_cast<std::size_t>(index)];
+  if (!d) d = cuda::create_device(index, settings_);
+  return *d;
+#else
+  fail(errc::internal, "device.lookup", std::string(name), "unreachable");
+#endif
+}
+
+device& device_registry::default_device() {
+  switch (settings_.backend) {
+    case backend_choice::cuda: return get("cuda:0");
+    case backend_choice::sim: return get("sim:0");
+    case backend_choice::automatic: break;
+  }
+  return cuda_status().available ? get("cuda:0") : get("sim:0");
+}
+
+std::vector<device*> device_registry::all() {
+  std::vector<device*> out;
+  backend_status st = cuda_status();
+  if (st.available)
+    for (int i = 0; i < st.device_count; ++i) out.push_back(&get(fmt::format("cuda:{}", i)));
+  for (int i = 0; i < settings_.sim_devices; ++i) out.push_back(&get(fmt::format("sim:{}", i)));
+  return out;
+}
+
+peer_info device_registry::peer(device& a, device& b) {
+  peer_info p;
+  if (&a == &b) return {true, "self", 0};
+  if (a.info().backend != b.info().backend) return {false, "-", -1};
+  if (a.info().backend == "sim") return {true, "sim", 0};
+#ifdef FERRY_HAVE_CUDA
+  auto l = cuda::query_peer(settings_, a.info().ordinal, b.info().ordinal);
+  p.access = l.access;
+  p.link = l.link;
+  p.performance_rank = l.performance_rank;
+#endif
+  return p;
+}
+
+}  // namespace ferry

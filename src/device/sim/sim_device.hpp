@@ -1,0 +1,21 @@
+#pragma once
+// The sim backend: a CPU-only model of an accelerator, so that every layer above `device` can be
+// tested on machines without a GPU. It models what matters to those layers, not speed:
+//  - device memory is an arena (one memfd) with a hard capacity: exceeding it is out_of_memory;
+//  - a mapped device chunk is PROT_NONE for the CPU (touching it raises SIGSEGV, as on CUDA);
+//    host chunks become CPU-accessible when the host is granted access;
+//  - copy engines are worker threads that reach device memory through a private view of the
+//    arena, and host memory through process_vm_readv/writev, so a bad host pointer is an EFAULT
+//    error reported like a device error instead of a crash;
+//  - copies are validated when enqueued: an unmapped or inaccessible address is bad_address.
+#include <ferry/core/settings.hpp>
+#include <ferry/device/device.hpp>
+
+#include <memory>
+
+namespace ferry::sim {
+
+// Creates sim device `ordinal` from the settings' FERRY_SIM_* values.
+std::unique_ptr<device> create_device(int ordinal, const settings& s);
+
+}  // namespace ferry::sim

@@ -1,0 +1,287 @@
+// The device interface's conformance suite: the same tests against every backend.
+//   ferry_device_conformance --backend=sim    (CPU, label "cpu")
+//   ferry_device_conformance --backend=cuda   (label "gpu"; exits 77 = skipped when no GPU is usable)
+#include <ferry/core/checksum.hpp>
+#include <ferry/device/registry.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+using namespace ferry;
+using ::testing::HasSubstr;
+
+namespace {
+
+std::string g_backend = "sim";
+device_registry* g_registry = nullptr;
+
+std::vector<std::uint64_t> random_words(std::size_t n, std::uint64_t seed) {
+  std::vector<std::uint64_t> v(n);
+  std::mt19937_64 rng(seed);
+  for (auto& w : v) w = rng();
+  return v;
+}
+
+// A reserved range with device chunks mapped and read-write for the device.
+struct mapped_region {
+  device& dev;
+  va_range va;
+  std::vector<physical_chunk> chunks;
+  mapped_region(device& d, std::size_t nchunks, location where = location::on_device()) : dev(d) {
+    std::uint64_t g = std::max(d.granularity(), d.granularity(where));
+    va = d.reserve(g * nchunks);
+    for (std::size_t i = 0; i < nchunks; ++i) {
+      chunks.push_back(d.allocate(g, where));
+      d.map(va.at(i * g), chunks.back());
+    }
+    access_desc rw[] = {{location::on_device(), access::read_write}};
+    d.set_access(va.base(), va.size(), rw);
+  }
+  std::uint64_t size() const { return va.size(); }
+};
+
+class DeviceConformance : public ::testing::Test {
+ protected:
+  device& dev() { return g_registry->get(g_backend + ":0"); }
+  std::uint64_t gran() { return dev().granularity(); }
+};
+
+TEST_F(DeviceConformance, InfoIsFilledIn) {
+  const device_info& i = dev().info();
+  EXPECT_EQ(i.backend, g_backend);
+  EXPECT_EQ(i.ordinal, 0);
+  EXPECT_FALSE(i.name.empty());
+  EXPECT_GT(i.total_memory, 0u);
+  EXPECT_GT(i.granularity, 0u);
+  EXPECT_EQ(i.granularity & (i.granularity - 1), 0u) << "granularity is a power of two";
+  memory_usage m = dev().memory();
+  EXPECT_LE(m.free, m.total);
+}
+
+TEST_F(DeviceConformance, MapCopyRoundTripWithRandomData) {
+  mapped_region r(dev(), 3);
+  auto src = random_words(r.size() / 8, 1);
+  std::vector<std::uint64_t> back(src.size(), 0);
+  auto s = dev().create_stream();
+  s->copy(r.va.base(), src.data(), r.size());
+  s->copy(back.data(), r.va.base(), r.size());
+  s->synchronize();
+  EXPECT_EQ(std::memcmp(src.data(), back.data(), r.size()), 0);
+  // Unaligned offsets and odd lengths across chunk boundaries.
+  std::vector<unsigned char> bytes(r.size(), 0);
+  std::uint64_t off = gran() - 3, len = gran() + 11;
+  s->copy(bytes.data(), r.va.at(off), len);
+  s->synchronize();
+  EXPECT_EQ(std::memcmp(bytes.data(), reinterpret_cast<const unsigned char*>(src.data()) + off, len), 0);
+}
+
+TEST_F(DeviceConformance, DeviceToDeviceCopyWithinTheDevice) {
+  mapped_region a(dev(), 1), b(dev(), 1);
+  auto s = dev().create_stream();
+  s->fill_pattern(a.va.base(), a.size(), 99);
+  s->copy(b.va.base(), a.va.base(), a.size());
+  std::uint64_t sum = 0;
+  s->checksum(b.va.base(), b.size(), &sum);
+  s->synchronize();
+  EXPECT_EQ(sum, pattern_checksum(b.size(), 99));
+}
+
+TEST_F(DeviceConformance, DeviceChecksumAndPatternMatchTheCpu) {
+  mapped_region r(dev(), 2);
+  auto s = dev().create_stream();
+  for (std::uint64_t len : {std::uint64_t{8}, std::uint64_t{13}, std::uint64_t{4096 + 5}, r.size()}) {
+    auto src = random_words(r.size() / 8, len);
+    std::uint64_t got = 0;
+    s->copy(r.va.base(), src.data(), len);
+    s->checksum(r.va.base(), len, &got);
+    s->synchronize();
+    EXPECT_EQ(got, checksum64(src.data(), len)) << "len " << len;
+    s->fill_pattern(r.va.base(), len, 7);
+    std::vector<unsigned char> back(len);
+    s->copy(back.data(), r.va.base(), len);
+    s->synchronize();
+    EXPECT_EQ(checksum64(back.data(), len), pattern_checksum(len, 7)) << "len " << len;
+  }
+}
+
+TEST_F(DeviceConformance, HostChunkIsCoherentForCpuAndDeviceAtTheSameAddress) {
+  std::uint64_t g = dev().granularity(location::on_host());
+  va_range va = dev().reserve(std::max(g, gran()));
+  physical_chunk c = dev().allocate(va.size(), location::on_host());
+  dev().map(va.base(), c);
+  access_desc grants[] = {{location::on_device(), access::read_write}, {location::on_host(), access::read_write}};
+  dev().set_access(va.base(), va.size(), grants);
+  // CPU writes, device reads the same address.
+  fill_pattern(va.base(), va.size(), 5);
+  auto s = dev().create_stream();
+  std::uint64_t sum = 0;
+  s->checksum(va.base(), va.size(), &sum);
+  s->synchronize();
+  EXPECT_EQ(sum, pattern_checksum(va.size(), 5));
+  // Device writes, CPU reads the same address.
+  s->fill_pattern(va.base(), va.size(), 6);
+  s->synchronize();
+  EXPECT_EQ(checksum64(va.base(), va.size()), pattern_checksum(va.size(), 6));
+  dev().unmap(va.base(), va.size());
+}
+
+TEST_F(DeviceConformance, MapRejectsBadInput) {
+  va_range va = dev().reserve(2 * gran());
+  physical_chunk c = dev().allocate(gran());
+  auto text = [&](auto f) {
+    try {
+      f();
+    } catch (const error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_THAT(text([&] { dev().map(va.at(4096), c); }), HasSubstr("not aligned to the granularity"));
+  EXPECT_THAT(text([&] { dev().map(va.at(2 * gran()), c); }), HasSubstr("not inside a range reserved"));
+  dev().map(va.base(), c);
+  physical_chunk c2 = dev().allocate(gran());
+  EXPECT_THAT(text([&] { dev().map(va.base(), c2); }), HasSubstr("overlaps an existing mapping"));
+  EXPECT_THAT(text([&] { dev().unmap(va.at(gran()), gran()); }), HasSubstr("no mapping starts at"));
+  EXPECT_THAT(text([&] { dev().allocate(gran() + 1); }), HasSubstr("multiple of the granularity"));
+  EXPECT_THAT(text([&] { dev().allocate(0); }), HasSubstr("positive multiple"));
+  EXPECT_THAT(text([&] { dev().reserve(gran() / 2); }), HasSubstr("multiple of the granularity"));
+  access_desc cpu[] = {{location::on_host(), access::read_write}};
+  EXPECT_THAT(text([&] { dev().set_access(va.base(), gran(), cpu); }), HasSubstr("cannot be granted access to device memory"));
+  EXPECT_THAT(text([&] { dev().set_access(va.at(gran()), gran(), cpu); }), HasSubstr("is not the start of a mapping"));
+  dev().unmap(va.base(), gran());
+}
+
+TEST_F(DeviceConformance, CopyToUnmappedOrInaccessibleAddressIsBadAddress) {
+  va_range va = dev().reserve(2 * gran());
+  physical_chunk c = dev().allocate(gran());
+  dev().map(va.base(), c);  // mapped but no access granted yet
+  std::vector<std::uint64_t> host(512, 1);
+  auto s = dev().create_stream();
+  try {
+    s->copy(va.at(gran()), host.data(), 4096);
+    s->synchronize();
+    FAIL() << "copy into an unmapped address succeeded";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::bad_address);
+    EXPECT_THAT(e.what(), HasSubstr("reserved on " + dev().id() + " but not mapped"));
+    EXPECT_THAT(e.what(), HasSubstr("dst="));
+  }
+  try {
+    s->copy(va.base(), host.data(), 4096);
+    FAIL() << "copy into a mapping without access succeeded";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::bad_address);
+    EXPECT_THAT(e.what(), HasSubstr("without write access"));
+  }
+  // The stream still works after refused requests.
+  access_desc rw[] = {{location::on_device(), access::read_write}};
+  dev().set_access(va.base(), gran(), rw);
+  s->copy(va.base(), host.data(), 4096);
+  s->synchronize();
+  dev().unmap(va.base(), gran());
+}
+
+TEST_F(DeviceConformance, NullAndOverflowingArgumentsAreRefused) {
+  auto s = dev().create_stream();
+  std::uint64_t x = 0;
+  EXPECT_THROW(s->copy(nullptr, &x, 8), error);
+  EXPECT_THROW(s->copy(&x, reinterpret_cast<void*>(~std::uintptr_t{0} - 4), 64), error);
+  EXPECT_THROW(s->fill_pattern(reinterpret_cast<char*>(&x) + 1, 4, 1), error);
+  EXPECT_THROW(s->checksum(&x, 8, nullptr), error);
+}
+
+TEST_F(DeviceConformance, EventsOrderWorkAcrossStreams) {
+  mapped_region r(dev(), 1);
+  auto a = dev().create_stream();
+  auto b = dev().create_stream();
+  a->fill_pattern(r.va.base(), r.size(), 11);
+  auto e = a->record();
+  b->wait(*e);
+  std::uint64_t sum = 0;
+  b->checksum(r.va.base(), r.size(), &sum);
+  b->synchronize();
+  EXPECT_TRUE(e->done());
+  EXPECT_EQ(sum, pattern_checksum(r.size(), 11));
+  e->wait(deadline_after(std::chrono::seconds(5)));
+  EXPECT_TRUE(a->idle());
+}
+
+TEST_F(DeviceConformance, ChunkReleasedWhileMappedStaysUsableUntilUnmapped) {
+  va_range va = dev().reserve(gran());
+  {
+    physical_chunk c = dev().allocate(gran());
+    dev().map(va.base(), c);
+  }  // released here, still mapped
+  access_desc rw[] = {{location::on_device(), access::read_write}};
+  dev().set_access(va.base(), gran(), rw);
+  auto s = dev().create_stream();
+  s->fill_pattern(va.base(), gran(), 3);
+  std::uint64_t sum = 0;
+  s->checksum(va.base(), gran(), &sum);
+  s->synchronize();
+  EXPECT_EQ(sum, pattern_checksum(gran(), 3));
+  dev().unmap(va.base(), gran());
+}
+
+TEST_F(DeviceConformance, RangeReleaseUnmapsWhatIsLeft) {
+  auto before = dev().counters().get("unmaps").value();
+  {
+    mapped_region r(dev(), 2);
+  }
+  EXPECT_EQ(dev().counters().get("unmaps").value(), before + 2);
+}
+
+TEST_F(DeviceConformance, PeerCopyWhenASecondDeviceExists) {
+  device* other = nullptr;
+  try {
+    other = &g_registry->get(g_backend + ":1");
+  } catch (const error&) {
+    GTEST_SKIP() << "only one " << g_backend << " device";
+  }
+  peer_info p = g_registry->peer(dev(), *other);
+  if (!p.access) GTEST_SKIP() << "no peer access between " << dev().id() << " and " << other->id();
+  mapped_region mine(dev(), 2);
+  // Memory of the other device, granted to both.
+  va_range va = other->reserve(mine.size());
+  std::vector<physical_chunk> cs;
+  for (std::uint64_t off = 0; off < va.size(); off += other->granularity()) {
+    cs.push_back(other->allocate(other->granularity()));
+    other->map(va.at(off), cs.back());
+  }
+  access_desc both[] = {{location::on_device(other->info().ordinal), access::read_write},
+                        {location::on_device(dev().info().ordinal), access::read_write}};
+  other->set_access(va.base(), va.size(), both);
+  auto s = dev().create_stream();
+  auto src = random_words(mine.size() / 8, 77);
+  s->copy(mine.va.base(), src.data(), mine.size());
+  s->copy(va.base(), mine.va.base(), mine.size());  // this device's engine writes the peer
+  s->synchronize();
+  auto t = other->create_stream();
+  std::uint64_t sum = 0;
+  t->checksum(va.base(), va.size(), &sum);
+  t->synchronize();
+  EXPECT_EQ(sum, checksum64(src.data(), mine.size()));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i)
+    if (std::strncmp(argv[i], "--backend=", 10) == 0) g_backend = argv[i] + 10;
+  settings s = settings::from_env();
+  if (g_backend == "sim") s.sim_capacity = std::max<std::uint64_t>(s.sim_capacity, 256ull << 20);
+  device_registry registry(s);
+  g_registry = &registry;
+  if (g_backend == "cuda") {
+    backend_status st = registry.cuda_status();
+    if (!st.available) {
+      std::printf("SKIPPED: no usable CUDA device: %s\n", st.reason.c_str());
+      return 77;
+    }
+  }
+  return RUN_ALL_TESTS();
+}
