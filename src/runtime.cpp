@@ -1,10 +1,36 @@
 #include <ferry/runtime.hpp>
 
+#include "device/sim/sim_device.hpp"
+
 namespace ferry {
 
 runtime::runtime() : runtime(settings::from_env()) {}
 
 runtime::runtime(settings s) : devices_((set_log_level(s.log), std::move(s))) {}
+
+// The engine first (its workers hold streams), then the cache (pools hold registrations), then devices.
+runtime::~runtime() {
+  engine_.reset();
+  cache_.reset();
+}
+
+registration_cache& runtime::registrations() {
+  std::call_once(mem_once_, [&] {
+    if (devices_.cuda_status().available)
+      if (auto c = make_cuda_client(config().cuda_driver)) clients_.push_back(std::move(c));
+    clients_.push_back(sim::make_client());
+    clients_.push_back(make_host_client(config().cuda_driver));
+    std::vector<peer_memory_client*> raw;
+    for (auto& c : clients_) raw.push_back(c.get());
+    cache_ = std::make_unique<registration_cache>(raw, config().pin_limit);
+  });
+  return *cache_;
+}
+
+transfer_engine& runtime::engine() {
+  std::call_once(engine_once_, [&] { engine_ = std::make_unique<transfer_engine>(devices_, registrations(), config()); });
+  return *engine_;
+}
 
 const char* version() noexcept { return FERRY_VERSION; }
 

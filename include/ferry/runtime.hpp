@@ -1,9 +1,15 @@
 #pragma once
 // The runtime: one per process (or per independent user), owning the settings snapshot and
-// everything built from it. Later layers (transfer engine, files, network) hang off it.
+// everything built from it: devices, the registration cache with its memory clients, and the
+// transfer engine. Parts are created on first use, so a CPU-only tool never loads the CUDA driver.
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
 #include <ferry/device/registry.hpp>
+#include <ferry/mem/registration.hpp>
+#include <ferry/xfer/engine.hpp>
+
+#include <memory>
+#include <mutex>
 
 namespace ferry {
 
@@ -12,12 +18,21 @@ class FERRY_API runtime {
   // From FERRY_* environment (and FERRY_CONFIG). Applies FERRY_LOG to the process logger.
   runtime();
   explicit runtime(settings s);
+  ~runtime();
 
   const settings& config() const noexcept { return devices_.config(); }
   device_registry& devices() noexcept { return devices_; }
+  // Pointer classification and DMA registrations: clients for CUDA memory (when a driver is
+  // present), sim devices and host memory, in that order.
+  registration_cache& registrations();
+  transfer_engine& engine();
 
  private:
   device_registry devices_;
+  std::once_flag mem_once_, engine_once_;
+  std::vector<std::unique_ptr<peer_memory_client>> clients_;
+  std::unique_ptr<registration_cache> cache_;
+  std::unique_ptr<transfer_engine> engine_;
 };
 
 // Version of the library ("0.1.0") and whether it was built with CUDA.

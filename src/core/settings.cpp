@@ -75,6 +75,12 @@ constexpr std::pair<std::string_view, log_level> log_levels[] = {
 constexpr std::pair<std::string_view, backend_choice> backends[] = {
     {"auto", backend_choice::automatic}, {"cuda", backend_choice::cuda}, {"sim", backend_choice::sim}};
 
+bool parse_bool(std::string_view v) {
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+  throw bad_value{"expected 1|0|true|false|yes|no|on|off"};
+}
+
 std::string nonempty(std::string_view v) {
   if (v.empty()) throw bad_value{"must not be empty"};
   return std::string(v);
@@ -126,6 +132,33 @@ const setting_def table[] = {
   {"FERRY_SIM_COPY_GBPS", "Throttle of each simulated copy engine in GB/s (0 = unthrottled); models slow links in tests.",
    [](settings& s, std::string_view v) { s.sim_copy_gbps = parse_double(v, 0, 1e6); },
    [](const settings& s) { return show_double(s.sim_copy_gbps); }},
+  {"FERRY_SIM_PEER", "Whether simulated devices have peer access to each other (0 tests the staged GPU<->GPU path).",
+   [](settings& s, std::string_view v) { s.sim_peer = parse_bool(v); },
+   [](const settings& s) { return std::string(s.sim_peer ? "1" : "0"); }},
+  {"FERRY_PIN_LIMIT", "Bytes the registration cache keeps pinned for unused registrations before evicting (LRU).",
+   [](settings& s, std::string_view v) { s.pin_limit = parse_size_in(v, 0, 1ull << 50); },
+   [](const settings& s) { return format_size(s.pin_limit); }},
+  {"FERRY_STAGING_BYTES", "Size of each pinned bounce buffer used by staged transfers.",
+   [](settings& s, std::string_view v) { s.staging_bytes = parse_size_in(v, 64 * KiB, 1 * GiB); },
+   [](const settings& s) { return format_size(s.staging_bytes); }},
+  {"FERRY_STAGING_BUFFERS", "Pinned bounce buffers per NUMA node, 1..1024.",
+   [](settings& s, std::string_view v) { s.staging_buffers = static_cast<int>(parse_int(v, 1, 1024)); },
+   [](const settings& s) { return std::to_string(s.staging_buffers); }},
+  {"FERRY_XFER_THREADS", "Transfer engine worker threads (each drives its own streams and bounce copies), 0..256; 0 = min(8, cores).",
+   [](settings& s, std::string_view v) { s.xfer_threads = static_cast<int>(parse_int(v, 0, 256)); },
+   [](const settings& s) { return std::to_string(s.xfer_threads); }},
+  {"FERRY_XFER_CHUNK", "Largest piece a request is split into, so big copies spread over workers and streams.",
+   [](settings& s, std::string_view v) { s.xfer_chunk = parse_size_in(v, 64 * KiB, 4 * GiB); },
+   [](const settings& s) { return format_size(s.xfer_chunk); }},
+  {"FERRY_XFER_BATCH_SMALL", "Requests up to this size are grouped into one work item (one synchronization).",
+   [](settings& s, std::string_view v) { s.xfer_batch_small = parse_size_in(v, 0, 1 * GiB); },
+   [](const settings& s) { return format_size(s.xfer_batch_small); }},
+  {"FERRY_XFER_PAGEABLE", "Pageable host memory: auto (bounce the first time, register a range copied again) | register | bounce.",
+   [](settings& s, std::string_view v) {
+     if (v != "auto" && v != "register" && v != "bounce") throw bad_value{"expected one of auto|register|bounce"};
+     s.xfer_pageable = std::string(v);
+   },
+   [](const settings& s) { return s.xfer_pageable; }},
   {"FERRY_CUFILE_LIBRARY", "cuFile (GPUDirect Storage) library loaded at run time (optional).",
    [](settings& s, std::string_view v) { s.cufile_library = nonempty(v); },
    [](const settings& s) { return s.cufile_library; }},

@@ -1,4 +1,5 @@
 #include <ferry/core/error.hpp>
+#include <ferry/core/settings.hpp>
 #include <ferry/core/units.hpp>
 
 #include <fmt/format.h>
@@ -8,7 +9,15 @@
 #include <charconv>
 #include <limits>
 
+#include <thread>
+
 namespace ferry {
+
+int default_xfer_threads() noexcept {
+  unsigned n = std::thread::hardware_concurrency();
+  return static_cast<int>(n == 0 ? 4 : std::min(8u, n));
+}
+
 namespace {
 
 std::string lower(std::string_view s) {

@@ -175,7 +175,7 @@ va_range device::reserve(std::uint64_t bytes) {
   r.owner_ = this;
   r.size_ = bytes;
   std::lock_guard lock(mu_);
-  ranges_[r.base_] = bytes;
+  ranges_[r.base_] = range_rec{bytes, ++next_range_serial_};
   return r;
 }
 
@@ -211,7 +211,24 @@ bool device::owns(const void* p, std::size_t bytes) const {
   auto it = ranges_.upper_bound(a);
   if (it == ranges_.begin()) return false;
   --it;
-  return a >= it->first && a + bytes <= it->first + it->second;
+  return a >= it->first && a + bytes <= it->first + it->second.size;
+}
+
+std::optional<device::range_info> device::range_containing(const void* p) const {
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard lock(mu_);
+  auto it = ranges_.upper_bound(a);
+  if (it == ranges_.begin()) return std::nullopt;
+  --it;
+  if (a >= it->first + it->second.size) return std::nullopt;
+  return range_info{it->first, it->second.size, it->second.serial};
+}
+
+void device::enable_peer_access(device& peer) {
+  if (&peer == this) return;
+  if (peer.info().backend != info_.backend)
+    fail(errc::not_supported, "device.enable_peer_access", id() + " -> " + peer.id(), "devices of different backends");
+  do_enable_peer_access(peer);
 }
 
 std::string device::describe_address(const void* p) const {
@@ -223,8 +240,9 @@ std::string device::describe_address(const void* p) const {
                        m->where.kind == memory_kind::device ? "device" : "host", access_name(m->device_access),
                        access_name(m->host_access));
   auto it = ranges_.upper_bound(a);
-  if (it != ranges_.begin() && a < std::prev(it)->first + std::prev(it)->second)
-    return fmt::format("reserved but not mapped (range {})", describe_range(std::prev(it)->first, std::prev(it)->second));
+  if (it != ranges_.begin() && a < std::prev(it)->first + std::prev(it)->second.size)
+    return fmt::format("reserved but not mapped (range {})",
+                       describe_range(std::prev(it)->first, std::prev(it)->second.size));
   return "not in any range of " + id();
 }
 
@@ -236,9 +254,9 @@ void device::check_access(const void* p, std::size_t bytes, bool write, int engi
   // Only ranges overlapping [a, a+bytes) matter; find the first one.
   if (r == ranges_.begin()) return;
   auto first = ranges_.upper_bound(a);
-  if (first != ranges_.begin() && std::prev(first)->first + std::prev(first)->second > a) --first;
+  if (first != ranges_.begin() && std::prev(first)->first + std::prev(first)->second.size > a) --first;
   for (auto it = first; it != r; ++it) {
-    std::uintptr_t lo = std::max(a, it->first), hi = std::min(a + bytes, it->first + it->second);
+    std::uintptr_t lo = std::max(a, it->first), hi = std::min(a + bytes, it->first + it->second.size);
     for (std::uintptr_t cur = lo; cur < hi;) {
       std::uintptr_t base = 0;
       const mapping* m = find_mapping(cur, &base);
@@ -270,7 +288,7 @@ void device::map(void* va, const physical_chunk& chunk) {
     fail(errc::invalid_argument, "device.map", res, fmt::format("address not aligned to the granularity {}", g));
   std::lock_guard lock(mu_);
   auto r = ranges_.upper_bound(a);
-  if (r == ranges_.begin() || a + chunk.size() > std::prev(r)->first + std::prev(r)->second ||
+  if (r == ranges_.begin() || a + chunk.size() > std::prev(r)->first + std::prev(r)->second.size ||
       a < std::prev(r)->first)
     fail(errc::bad_address, "device.map", res, "not inside a range reserved on this device");
   auto next = mappings_.lower_bound(a);

@@ -98,7 +98,7 @@ peer_info device_registry::peer(device& a, device& b) {
   peer_info p;
   if (&a == &b) return {true, "self", 0};
   if (a.info().backend != b.info().backend) return {false, "-", -1};
-  if (a.info().backend == "sim") return {true, "sim", 0};
+  if (a.info().backend == "sim") return {settings_.sim_peer, settings_.sim_peer ? "sim" : "-", 0};
 #ifdef FERRY_HAVE_CUDA
   auto l = cuda::query_peer(settings_, a.info().ordinal, b.info().ordinal);
   p.access = l.access;

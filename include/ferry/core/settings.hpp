@@ -24,6 +24,8 @@ namespace ferry {
 enum class backend_choice { automatic, cuda, sim };
 FERRY_API std::string_view to_string(backend_choice b) noexcept;
 
+FERRY_API int default_xfer_threads() noexcept;  // min(8, hardware threads)
+
 struct FERRY_API settings {
   // core
   log_level log = log_level::warn;
@@ -37,6 +39,16 @@ struct FERRY_API settings {
   std::uint64_t sim_granularity = 2ull << 20;
   int sim_copy_engines = 2;
   double sim_copy_gbps = 0;  // 0: as fast as memcpy
+  bool sim_peer = true;
+  // mem
+  std::uint64_t pin_limit = 8ull << 30;
+  std::uint64_t staging_bytes = 8ull << 20;
+  int staging_buffers = 16;
+  // xfer
+  int xfer_threads = 0;  // 0: default_xfer_threads()
+  std::uint64_t xfer_chunk = 16ull << 20;
+  std::uint64_t xfer_batch_small = 1ull << 20;
+  std::string xfer_pageable = "auto";
   // io
   std::string cufile_library = "libcufile.so.0";
 

@@ -218,6 +218,17 @@ class FERRY_API device {
   // The default wait deadline for this device's streams.
   std::chrono::nanoseconds default_timeout() const noexcept { return default_timeout_; }
 
+  struct range_info {
+    std::uintptr_t base = 0;
+    std::uint64_t size = 0;
+    std::uint64_t serial = 0;  // unique per reservation: a released and re-reserved VA gets a new one
+  };
+  // The reservation containing p, if any.
+  std::optional<range_info> range_containing(const void* p) const;
+  // Lets this device's copy engines reach memory of `peer` directly (CUDA: cuCtxEnablePeerAccess).
+  // Idempotent. Throws not_supported when the pair has no peer access.
+  void enable_peer_access(device& peer);
+
   // True if [p, p+bytes) lies inside one of this device's reservations.
   bool owns(const void* p, std::size_t bytes = 1) const;
   // Describes the mapping state of an address, for error messages: "mapped (device chunk, rw)".
@@ -264,6 +275,7 @@ class FERRY_API device {
   virtual void do_set_access(std::uintptr_t va, std::uint64_t bytes, const mapping& m,
                              std::span<const access_desc> grants) = 0;
   virtual std::unique_ptr<stream> do_create_stream() = 0;
+  virtual void do_enable_peer_access(device& peer) = 0;
 
   struct chunk_state {
     std::uint64_t size;
@@ -275,7 +287,12 @@ class FERRY_API device {
 
   std::chrono::nanoseconds default_timeout_;
   mutable std::mutex mu_;
-  std::map<std::uintptr_t, std::uint64_t> ranges_;  // base -> size
+  struct range_rec {
+    std::uint64_t size;
+    std::uint64_t serial;
+  };
+  std::map<std::uintptr_t, range_rec> ranges_;  // base -> size, serial
+  std::uint64_t next_range_serial_ = 0;
   std::map<std::uintptr_t, mapping> mappings_;      // va -> mapping
   std::map<std::uint64_t, chunk_state> chunks_;     // handle -> state
   ferry::stats stats_;

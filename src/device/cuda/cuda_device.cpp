@@ -1,11 +1,12 @@
 #include "device/cuda/cuda_device.hpp"
 
 #include "core/logging.hpp"
-#include "device/cuda/driver.hpp"
+#include "mem/cuda/driver.hpp"
 #include "device/cuda/nvml.hpp"
 
 #include <fmt/format.h>
 
+#include <set>
 #include <thread>
 
 namespace ferry::detail {
@@ -225,7 +226,21 @@ class cuda_device final : public device {
           fmt::format("{} va={}", id(), describe_range(va, bytes)));
   }
   std::unique_ptr<stream> do_create_stream() override;
+  void do_enable_peer_access(device& peer) override {
+    auto* p = dynamic_cast<cuda_device*>(&peer);
+    std::lock_guard l(numa_mu_);
+    if (peers_enabled_.count(p)) return;
+    int can = 0;
+    check(api_.cuDeviceCanAccessPeer(&can, dev_, p->dev_), "device.enable_peer_access", id() + " -> " + peer.id());
+    if (!can)
+      fail(errc::not_supported, "device.enable_peer_access", id() + " -> " + peer.id(), "the GPUs have no peer access");
+    make_current();
+    CUresult r = api_.cuCtxEnablePeerAccess(p->ctx_, 0);
+    if (r != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) check(r, "device.enable_peer_access", id() + " -> " + peer.id());
+    peers_enabled_.insert(p);
+  }
 
+  std::set<cuda_device*> peers_enabled_;
   const driver_api& api_;
   CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;

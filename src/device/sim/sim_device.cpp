@@ -293,6 +293,7 @@ class sim_device final : public device {
  public:
   sim_device(int ordinal, const settings& s)
       : device(make_info(ordinal, s), s.deadline),
+        peer_access_(s.sim_peer),
         capacity_(s.sim_capacity),
         granularity_(s.sim_granularity),
         alloc_(s.sim_capacity),
@@ -412,6 +413,11 @@ class sim_device final : public device {
   }
   void do_set_access(std::uintptr_t va, std::uint64_t bytes, const mapping& m,
                      std::span<const access_desc> grants) override {
+    for (auto& g : grants)
+      if (g.who.kind == memory_kind::device && g.who.id >= 0 && g.who.id != info_.ordinal && !peer_access_ &&
+          g.flags != access::none)
+        fail(errc::not_supported, "device.set_access", fmt::format("{} va={}", id(), describe_range(va, bytes)),
+             fmt::format("sim:{} has no peer access to {} (FERRY_SIM_PEER=0)", g.who.id, id()));
     for (auto& g : grants) {
       if (g.who.kind != memory_kind::host || m.where.kind != memory_kind::host) continue;
       int prot = g.flags == access::read_write ? PROT_READ | PROT_WRITE : g.flags == access::read ? PROT_READ : PROT_NONE;
@@ -420,7 +426,13 @@ class sim_device final : public device {
     }
   }
   std::unique_ptr<stream> do_create_stream() override;
+  void do_enable_peer_access(device& peer) override {
+    if (!peer_access_)
+      fail(errc::not_supported, "device.enable_peer_access", id() + " -> " + peer.id(),
+           "peer access between sim devices is off (FERRY_SIM_PEER=0)");
+  }
 
+  bool peer_access_;
   std::uint64_t capacity_, granularity_;
   std::once_flag arena_once_;
   std::unique_ptr<backing> arena_;
@@ -644,7 +656,32 @@ class sim_stream final : public stream {
 
 std::unique_ptr<stream> sim_device::do_create_stream() { return std::make_unique<sim_stream>(*this); }
 
+// Peer-memory client for sim device ranges: no pinning needed; a range's serial is its buffer id.
+class sim_client final : public peer_memory_client {
+ public:
+  std::string_view name() const noexcept override { return "sim"; }
+  std::optional<memory_region> acquire(const void* p, std::uint64_t) override {
+    std::lock_guard l(g_devices_mu);
+    for (sim_device* d : g_devices)
+      if (auto r = d->range_containing(p))
+        return memory_region{memory_type::device, d->id(), d->info().ordinal, r->base, r->size, r->serial, this};
+    return std::nullopt;
+  }
+  std::uint64_t pin(const memory_region&, std::uintptr_t, std::uint64_t) override { return 0; }
+  void unpin(std::uint64_t, std::uintptr_t, std::uint64_t) noexcept override {}
+  bool pin_is_free() const noexcept override { return true; }
+  bool still_valid(const memory_region& r) override {
+    std::lock_guard l(g_devices_mu);
+    for (sim_device* d : g_devices)
+      if (auto rr = d->range_containing(reinterpret_cast<const void*>(r.base)))
+        return rr->serial == r.buffer_id && rr->base == r.base;
+    return false;
+  }
+};
+
 }  // namespace
+
+std::unique_ptr<peer_memory_client> make_client() { return std::make_unique<sim_client>(); }
 
 std::unique_ptr<device> create_device(int ordinal, const settings& s) {
   return std::make_unique<sim_device>(ordinal, s);

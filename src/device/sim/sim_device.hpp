@@ -10,6 +10,7 @@
 //  - copies are validated when enqueued: an unmapped or inaccessible address is bad_address.
 #include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
+#include <ferry/mem/memory.hpp>
 
 #include <memory>
 
@@ -17,5 +18,8 @@ namespace ferry::sim {
 
 // Creates sim device `ordinal` from the settings' FERRY_SIM_* values.
 std::unique_ptr<device> create_device(int ordinal, const settings& s);
+
+// The peer-memory client that recognises addresses in any live sim device's ranges.
+std::unique_ptr<peer_memory_client> make_client();
 
 }  // namespace ferry::sim

@@ -1,4 +1,4 @@
-#include "device/cuda/driver.hpp"
+#include "mem/cuda/driver.hpp"
 
 #include <ferry/core/error.hpp>
 

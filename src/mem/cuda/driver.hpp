@@ -1,5 +1,6 @@
 #pragma once
-// The CUDA driver API, loaded at run time. ferry never links against libcuda.so.1: it dlopens
+// The CUDA driver API, loaded at run time. It lives in `mem` because pointer classification and host
+// memory registration need it; `device` (the cuda backend) uses it from here. ferry never links against libcuda.so.1: it dlopens
 // the library named by FERRY_CUDA_DRIVER and resolves every entry point with cuGetProcAddress
 // at the ABI version of the cuda.h it was built with. Without a driver, load() reports why and
 // everything CUDA says "unavailable". Only cuda.h's types and declarations are used (for decltype).
@@ -21,7 +22,8 @@ namespace ferry::cuda {
   X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemAlloc) X(cuMemFree) X(cuMemsetD8Async)                 \
   X(cuMemcpyAsync) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamQuery) X(cuStreamWaitEvent)              \
   X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventQuery) X(cuModuleLoadData)                  \
-  X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel)
+  X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel) X(cuPointerGetAttributes) X(cuMemHostRegister)      \
+  X(cuMemHostUnregister) X(cuCtxEnablePeerAccess) X(cuMemGetHandleForAddressRange)
 
 struct driver_api {
 #define FERRY_CUDA_DECLARE(name) decltype(&::name) name = nullptr;

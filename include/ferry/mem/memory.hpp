@@ -1,0 +1,57 @@
+#pragma once
+// What a pointer points to, and who can make it DMA-able: the PeerDirect idea in user space.
+//
+// A peer_memory_client owns one kind of memory (host, CUDA device, sim device, later unified memory
+// and network registrations). The registration cache asks each client in turn whether it owns a
+// range (acquire), asks the owner to pin it for DMA, releases it later (lazy unpinning), and
+// tells the owner's callers when the memory goes away (invalidation; the dma-buf move_notify idea).
+#include <ferry/core/export.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace ferry {
+
+enum class memory_type {
+  unknown,        // null, unmapped, or owned by nobody we know
+  host_pageable,  // ordinary process memory
+  host_pinned,    // page-locked and registered with the CUDA driver (cudaHostAlloc / cudaHostRegister)
+  device,         // device memory (CUDA or sim)
+  managed,        // CUDA managed memory
+};
+FERRY_API std::string_view to_string(memory_type t) noexcept;
+
+class peer_memory_client;
+
+// The allocation (or mapping) a pointer belongs to.
+struct memory_region {
+  memory_type type = memory_type::unknown;
+  std::string owner;             // "host", "cuda:0", "sim:1"
+  int ordinal = -1;              // device ordinal for device/managed memory
+  std::uintptr_t base = 0;       // start of the allocation when known, else of the asked range
+  std::uint64_t size = 0;
+  std::uint64_t buffer_id = 0;   // CUDA buffer id: changes when memory is freed and re-allocated
+  peer_memory_client* client = nullptr;
+  bool contains(std::uintptr_t p, std::uint64_t n) const { return p >= base && p + n <= base + size; }
+};
+
+class FERRY_API peer_memory_client {
+ public:
+  virtual ~peer_memory_client();
+  virtual std::string_view name() const noexcept = 0;
+  // Does this client own [p, p+n)? If so, describe the region it belongs to.
+  virtual std::optional<memory_region> acquire(const void* p, std::uint64_t n) = 0;
+  // Pins [base, base+size) of a region this client owns so that copy engines can DMA to/from it
+  // (get_pages + dma_map). Returns an opaque cookie for unpin. Throws on failure.
+  virtual std::uint64_t pin(const memory_region& r, std::uintptr_t base, std::uint64_t size) = 0;
+  // Undoes pin (put_pages). Must tolerate memory that is already gone.
+  virtual void unpin(std::uint64_t cookie, std::uintptr_t base, std::uint64_t size) noexcept = 0;
+  // Cheap check on a cache hit: is the region still the same memory (not freed and re-allocated)?
+  virtual bool still_valid(const memory_region& r) = 0;
+  // Pinning costs real time (milliseconds per GiB); device memory needs no pinning.
+  virtual bool pin_is_free() const noexcept { return false; }
+};
+
+}  // namespace ferry

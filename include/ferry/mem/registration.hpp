@@ -1,0 +1,99 @@
+#pragma once
+// The registration cache: lazy unpinning of DMA registrations (the GPUDirect RDMA notes' advice:
+// pinning costs milliseconds, so keep registrations until memory pressure or invalidation).
+//
+//  - acquire(p, n) returns a handle covering [p, p+n): cached registrations are reused (a hit is a
+//    lookup), gaps are registered through the owning peer_memory_client; overlapping and adjacent
+//    ranges are covered by several registrations, never registered twice.
+//  - Registrations not held by any handle stay pinned until the pinned-bytes limit forces LRU
+//    eviction (FERRY_PIN_LIMIT).
+//  - Memory that goes away is never used through a stale entry: host munmap/brk are seen through
+//    UCX's memory hooks (libucm), CUDA frees through buffer ids checked on every hit; affected
+//    entries are dropped and the holders' invalidation callbacks run.
+// Thread-safe.
+#include <ferry/core/export.hpp>
+#include <ferry/core/stats.hpp>
+#include <ferry/mem/memory.hpp>
+
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+namespace ferry {
+
+class registration_cache;
+
+struct registration_stats {
+  std::uint64_t hits = 0, misses = 0, evictions = 0, invalidations = 0, stale_detected = 0;
+  std::uint64_t bytes_pinned = 0, entries = 0;
+};
+
+// A set of registrations covering one acquired range; releases them when destroyed.
+class FERRY_API registration {
+ public:
+  registration() = default;
+  registration(registration&&) noexcept;
+  registration& operator=(registration&&) noexcept;
+  ~registration();
+
+  explicit operator bool() const noexcept { return cache_ != nullptr; }
+  const memory_region& region() const noexcept { return region_; }
+  // False once any covering registration was invalidated (the memory went away or moved).
+  bool valid() const noexcept;
+  // Called (once, from the invalidating thread) when a covering registration is invalidated.
+  void on_invalidate(std::function<void()> cb);
+
+ private:
+  friend class registration_cache;
+  struct entry;
+  registration_cache* cache_ = nullptr;
+  memory_region region_;
+  std::vector<std::shared_ptr<entry>> entries_;
+};
+
+class FERRY_API registration_cache {
+ public:
+  // Clients are asked in order; the last one should accept any host pointer.
+  registration_cache(std::vector<peer_memory_client*> clients, std::uint64_t pin_limit_bytes);
+  ~registration_cache();
+  registration_cache(const registration_cache&) = delete;
+  registration_cache& operator=(const registration_cache&) = delete;
+
+  void add_client(peer_memory_client* c, bool first = true);
+
+  // What [p, p+n) is. Throws invalid_argument for null/overflowing ranges; unknown memory is
+  // reported as memory_type::unknown, not thrown.
+  memory_region classify(const void* p, std::uint64_t n);
+
+  // Registers (or finds) [p, p+n) for DMA. Throws bad_address for unknown memory, or the client's
+  // pinning error.
+  registration acquire(const void* p, std::uint64_t n);
+  // True if [p, p+n) is fully covered by valid cached registrations (no side effects but a check).
+  bool cached(const void* p, std::uint64_t n);
+
+  // Drops every registration overlapping [base, base+size) (memory unmapped or freed).
+  void invalidate(std::uintptr_t base, std::uint64_t size);
+  // Drops all unused registrations.
+  void trim();
+
+  registration_stats stats() const;
+  std::uint64_t pin_limit() const noexcept { return pin_limit_; }
+
+ private:
+  friend class registration;
+  struct impl;
+  void release(registration& r) noexcept;
+  void apply_pending();
+  std::uint64_t pin_limit_;
+  std::unique_ptr<impl> impl_;
+};
+
+// Peer-memory client for host memory: pins with cuMemHostRegister when a CUDA driver is present,
+// else mlock (so the cache's behaviour is the same on CPU-only machines).
+FERRY_API std::unique_ptr<peer_memory_client> make_host_client(const std::string& cuda_driver);
+// Peer-memory client for CUDA device, managed and already-pinned host memory (cuPointerGetAttributes);
+// null when no CUDA driver is usable.
+FERRY_API std::unique_ptr<peer_memory_client> make_cuda_client(const std::string& cuda_driver);
+
+}  // namespace ferry

@@ -1,0 +1,101 @@
+#pragma once
+// The transfer engine: one asynchronous API for batches of {dst, src, bytes} between host memory
+// (pageable or pinned), GPU memory (same GPU or another) and sim devices.
+//
+// Shaped like io_uring: submit a batch -> poll or wait -> read per-request results. For each
+// request the engine classifies both pointers (registration cache) and picks a path:
+//   direct      both sides reachable by one device's copy engine (device<->pinned host, same device)
+//   peer        GPU<->GPU with peer access (NVLink/PCIe), after enabling it once per pair
+//   registered  pageable host memory registered through the cache (cached: lazy unpinning)
+//   bounce      pageable host memory pipelined through pinned staging buffers on several workers
+//   staged      device<->device without peer access: through a pinned host buffer
+//   host        host<->host memcpy
+// The choice is counted in stats ("path.*") and logged at debug level. Large requests are split
+// into chunks spread over workers (each with its own streams, so over the GPU's copy engines);
+// small requests are grouped into one work item. Every batch has a deadline; cancel() stops what
+// has not started; one failing request never hides the others: each has its own result.
+#include <ferry/core/export.hpp>
+#include <ferry/core/settings.hpp>
+#include <ferry/core/stats.hpp>
+#include <ferry/device/registry.hpp>
+#include <ferry/mem/registration.hpp>
+
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+namespace ferry {
+
+struct transfer_request {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  std::uint64_t bytes = 0;
+};
+
+enum class request_state { pending, done, failed, cancelled, timed_out };
+enum class transfer_path { none, direct, peer, registered, bounce, staged, host };
+FERRY_API std::string_view to_string(request_state s) noexcept;
+FERRY_API std::string_view to_string(transfer_path p) noexcept;
+
+struct request_result {
+  request_state state = request_state::pending;
+  transfer_path path = transfer_path::none;
+  std::uint64_t bytes_done = 0;
+  std::optional<error> err;  // set for failed / cancelled / timed_out
+};
+
+struct transfer_options {
+  std::optional<deadline> until;  // default: now + FERRY_DEADLINE
+};
+
+class transfer_engine;
+
+// A submitted batch. Destroying it cancels what has not started and waits for what has.
+class FERRY_API transfer_batch {
+ public:
+  transfer_batch() = default;
+  transfer_batch(transfer_batch&&) noexcept = default;
+  transfer_batch& operator=(transfer_batch&&) noexcept;
+  ~transfer_batch();
+
+  // True once every request reached a final state. Never blocks.
+  bool poll() const;
+  // Blocks until every request is final or the batch deadline passes; then unfinished requests
+  // become timed_out. Returns true when all requests are done (none failed).
+  bool wait();
+  // Requests not yet started become cancelled; started chunks finish.
+  void cancel();
+  std::uint64_t bytes_done() const;
+  std::uint64_t bytes_total() const;
+  std::vector<request_result> results() const;
+  // Throws the first failed request's error (with its index) if any request did not complete.
+  void check() const;
+
+  struct state;  // opaque
+
+ private:
+  friend class transfer_engine;
+  std::shared_ptr<state> s_;
+};
+
+class FERRY_API transfer_engine {
+ public:
+  transfer_engine(device_registry& devices, registration_cache& cache, const settings& s);
+  ~transfer_engine();
+  transfer_engine(const transfer_engine&) = delete;
+  transfer_engine& operator=(const transfer_engine&) = delete;
+
+  transfer_batch submit(std::span<const transfer_request> requests, transfer_options o = {});
+  // Submit one request and wait; throws its error.
+  void copy(void* dst, const void* src, std::uint64_t bytes, transfer_options o = {});
+
+  ferry::stats& counters() noexcept;
+  int workers() const noexcept;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,163 @@
+// The peer-memory clients of the mem layer: host memory and CUDA-known memory.
+#include <ferry/core/error.hpp>
+#include <ferry/mem/registration.hpp>
+
+#include "core/logging.hpp"
+#ifdef FERRY_HAVE_CUDA
+#include "mem/cuda/driver.hpp"
+#endif
+
+#include <fmt/format.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+namespace ferry {
+namespace {
+
+std::uintptr_t page_size() { return static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE)); }
+
+// True when every page of [p, p+n) is mapped (msync reports ENOMEM for unmapped pages).
+bool mapped(const void* p, std::uint64_t n) {
+  auto a = reinterpret_cast<std::uintptr_t>(p) & ~(page_size() - 1);
+  auto e = reinterpret_cast<std::uintptr_t>(p) + n;
+  return ::msync(reinterpret_cast<void*>(a), e - a, MS_ASYNC) == 0;
+}
+
+#ifdef FERRY_HAVE_CUDA
+// A context for driver calls that need one: the primary context of device 0.
+struct cuda_ctx {
+  const cuda::driver_api* api = nullptr;
+  CUcontext ctx = nullptr;
+  explicit cuda_ctx(const std::string& lib) {
+    const cuda::driver_status& st = cuda::load(lib);
+    if (!st.api || st.device_count == 0) return;
+    CUdevice d = 0;
+    if (st.api->cuDeviceGet(&d, 0) != CUDA_SUCCESS || st.api->cuDevicePrimaryCtxRetain(&ctx, d) != CUDA_SUCCESS) return;
+    api = st.api;
+  }
+  void current() const { api->cuCtxSetCurrent(ctx); }
+};
+#endif
+
+class host_client final : public peer_memory_client {
+ public:
+  explicit host_client([[maybe_unused]] const std::string& driver)
+#ifdef FERRY_HAVE_CUDA
+      : cuda_(driver)
+#endif
+  {
+  }
+  std::string_view name() const noexcept override { return "host"; }
+  std::optional<memory_region> acquire(const void* p, std::uint64_t n) override {
+    if (!mapped(p, n)) return std::nullopt;
+    return memory_region{memory_type::host_pageable, "host", -1, reinterpret_cast<std::uintptr_t>(p), n, 0, this};
+  }
+  std::uint64_t pin(const memory_region&, std::uintptr_t base, std::uint64_t size) override {
+#ifdef FERRY_HAVE_CUDA
+    if (cuda_.api) {
+      cuda_.current();
+      cuda::check(cuda_.api->cuMemHostRegister(reinterpret_cast<void*>(base), size, CU_MEMHOSTREGISTER_PORTABLE),
+                  "mem.pin", fmt::format("host {}", describe_range(base, size)));
+      return 1;
+    }
+#endif
+    // No CUDA: page-lock so the cache behaves (and costs) the same way on CPU-only machines.
+    if (::mlock(reinterpret_cast<void*>(base), size) != 0)
+      fail_errno(errno, "mem.pin", fmt::format("host {}", describe_range(base, size)), "mlock failed (RLIMIT_MEMLOCK?)");
+    return 2;
+  }
+  void unpin(std::uint64_t cookie, std::uintptr_t base, std::uint64_t size) noexcept override {
+#ifdef FERRY_HAVE_CUDA
+    if (cookie == 1 && cuda_.api) {
+      cuda_.current();
+      cuda_.api->cuMemHostUnregister(reinterpret_cast<void*>(base));
+      return;
+    }
+#endif
+    if (cookie == 2) ::munlock(reinterpret_cast<void*>(base), size);
+  }
+  // Host memory that goes away is reported by the munmap hooks; nothing to check per hit.
+  bool still_valid(const memory_region&) override { return true; }
+
+ private:
+#ifdef FERRY_HAVE_CUDA
+  cuda_ctx cuda_;
+#endif
+};
+
+#ifdef FERRY_HAVE_CUDA
+class cuda_client final : public peer_memory_client {
+ public:
+  explicit cuda_client(cuda_ctx c) : c_(std::move(c)) {}
+  std::string_view name() const noexcept override { return "cuda"; }
+  std::optional<memory_region> acquire(const void* p, std::uint64_t n) override {
+    c_.current();
+    unsigned type = 0;
+    int ordinal = -1;
+    unsigned managed = 0;
+    unsigned long long buffer_id = 0;
+    CUdeviceptr start = 0;
+    size_t size = 0;
+    CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                   CU_POINTER_ATTRIBUTE_IS_MANAGED, CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                   CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+    void* data[] = {&type, &ordinal, &managed, &buffer_id, &start, &size};
+    if (c_.api->cuPointerGetAttributes(6, attrs, data, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS || type == 0)
+      return std::nullopt;  // not memory the driver knows: host pageable, or foreign
+    memory_region r;
+    r.client = this;
+    r.buffer_id = buffer_id;
+    r.base = start ? static_cast<std::uintptr_t>(start) : reinterpret_cast<std::uintptr_t>(p);
+    r.size = size ? size : n;
+    if (managed) {
+      r.type = memory_type::managed;
+      r.ordinal = ordinal;
+      r.owner = fmt::format("cuda:{}", ordinal);
+    } else if (type == CU_MEMORYTYPE_DEVICE) {
+      r.type = memory_type::device;
+      r.ordinal = ordinal;
+      r.owner = fmt::format("cuda:{}", ordinal);
+    } else if (type == CU_MEMORYTYPE_HOST) {
+      r.type = memory_type::host_pinned;
+      r.owner = "host";
+    } else {
+      return std::nullopt;
+    }
+    return r;
+  }
+  // Device, managed and already-pinned host memory need no pinning for CUDA copy engines.
+  std::uint64_t pin(const memory_region&, std::uintptr_t, std::uint64_t) override { return 0; }
+  void unpin(std::uint64_t, std::uintptr_t, std::uint64_t) noexcept override {}
+  bool pin_is_free() const noexcept override { return true; }
+  // cudaFree + cudaMalloc at the same address gives a new buffer id.
+  bool still_valid(const memory_region& r) override {
+    c_.current();
+    unsigned long long id = 0;
+    CUpointer_attribute a = CU_POINTER_ATTRIBUTE_BUFFER_ID;
+    void* d = &id;
+    return c_.api->cuPointerGetAttributes(1, &a, &d, static_cast<CUdeviceptr>(r.base)) == CUDA_SUCCESS &&
+           id == r.buffer_id && id != 0;
+  }
+
+ private:
+  cuda_ctx c_;
+};
+#endif
+
+}  // namespace
+
+std::unique_ptr<peer_memory_client> make_host_client(const std::string& cuda_driver) {
+  return std::make_unique<host_client>(cuda_driver);
+}
+
+std::unique_ptr<peer_memory_client> make_cuda_client([[maybe_unused]] const std::string& cuda_driver) {
+#ifdef FERRY_HAVE_CUDA
+  cuda_ctx c(cuda_driver);
+  if (c.api) return std::make_unique<cuda_client>(std::move(c));
+#endif
+  return nullptr;
+}
+
+}  // namespace ferry

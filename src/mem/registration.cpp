@@ -1,0 +1,409 @@
+#include <ferry/core/error.hpp>
+#include <ferry/mem/registration.hpp>
+
+#include "core/logging.hpp"
+
+#include <fmt/format.h>
+#include <ucm/api/ucm.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <list>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+
+namespace ferry {
+
+std::string_view to_string(memory_type t) noexcept {
+  switch (t) {
+    case memory_type::unknown: return "unknown";
+    case memory_type::host_pageable: return "host_pageable";
+    case memory_type::host_pinned: return "host_pinned";
+    case memory_type::device: return "device";
+    case memory_type::managed: return "managed";
+  }
+  return "?";
+}
+
+peer_memory_client::~peer_memory_client() = default;
+
+struct registration::entry {
+  std::uintptr_t base = 0;
+  std::uint64_t size = 0;
+  memory_region region;
+  std::uint64_t cookie = 0;
+  int refs = 0;                      // handles holding it (cache mutex)
+  std::atomic<bool> valid{true};
+  bool in_index = true;
+  std::list<std::shared_ptr<entry>>::iterator lru;
+  bool in_lru = false;
+  std::vector<std::function<void()>> callbacks;  // cache mutex
+};
+
+namespace {
+
+std::uintptr_t page_size() {
+  static const std::uintptr_t p = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  return p;
+}
+
+// Every live cache, for the process-wide munmap hook. Hooks take it shared (glibc's rwlock prefers
+// readers), so a hook fired inside a cache operation of another thread never waits for a writer.
+std::shared_mutex g_caches_mu;
+std::vector<registration_cache*> g_caches;
+thread_local int t_inside_cache = 0;  // >0 while this thread holds a cache lock
+
+struct inside_guard {
+  inside_guard() { ++t_inside_cache; }
+  ~inside_guard() { --t_inside_cache; }
+};
+
+}  // namespace
+
+struct registration_cache::impl {
+  std::mutex mu;
+  std::vector<peer_memory_client*> clients;
+  std::map<std::uintptr_t, std::shared_ptr<registration::entry>> index;  // non-overlapping, by base
+  std::list<std::shared_ptr<registration::entry>> lru;                   // unused, most recent first
+  std::uint64_t bytes_pinned = 0;
+  registration_stats st;
+  // munmap seen while this thread was inside the cache (cuMemHostUnregister, or malloc creating an
+  // arena under our lock): recorded without locking or allocating, as one covering interval, and
+  // applied before the next lookup so a stale entry is never served. Over-invalidating is harmless.
+  std::atomic<std::uintptr_t> pending_lo{~std::uintptr_t{0}};
+  std::atomic<std::uintptr_t> pending_hi{0};
+  std::atomic<bool> has_pending{false};
+
+  void drop_locked(const std::shared_ptr<registration::entry>& e) {
+    if (e->in_index) {
+      index.erase(e->base);
+      e->in_index = false;
+    }
+    if (e->in_lru) {
+      lru.erase(e->lru);
+      e->in_lru = false;
+    }
+    if (e->refs == 0) unpin_locked(*e);
+  }
+  void unpin_locked(registration::entry& e) {
+    if (e.cookie == ~std::uint64_t{0}) return;  // already unpinned
+    if (e.region.client) e.region.client->unpin(e.cookie, e.base, e.size);
+    if (!e.region.client || !e.region.client->pin_is_free()) bytes_pinned -= e.size;
+    e.cookie = ~std::uint64_t{0};
+  }
+  void evict_locked(std::uint64_t limit) {
+    while (bytes_pinned > limit && !lru.empty()) {
+      auto e = lru.back();
+      drop_locked(e);
+      st.evictions++;
+    }
+  }
+  // Collects the callbacks of every entry overlapping [b, b+n) and drops the entries.
+  std::vector<std::function<void()>> invalidate_locked(std::uintptr_t b, std::uint64_t n) {
+    std::vector<std::function<void()>> cbs;
+    auto it = index.upper_bound(b);
+    if (it != index.begin()) --it;
+    while (it != index.end() && it->first < b + n) {
+      auto e = it->second;
+      ++it;
+      if (e->base + e->size <= b) continue;
+      e->valid = false;
+      st.invalidations++;
+      for (auto& cb : e->callbacks) cbs.push_back(std::move(cb));
+      e->callbacks.clear();
+      drop_locked(e);
+      // The memory is going away: release the pages now even if a holder still has the handle
+      // (PeerDirect's invalidate: holders learn it from valid() and their callback).
+      unpin_locked(*e);
+    }
+    return cbs;
+  }
+};
+
+namespace {
+
+void on_vm_unmapped(ucm_event_type_t, ucm_event_t* ev, void*) {
+  auto b = reinterpret_cast<std::uintptr_t>(ev->vm_unmapped.address);
+  std::uint64_t n = ev->vm_unmapped.size;
+  std::shared_lock l(g_caches_mu);
+  for (registration_cache* c : g_caches) c->invalidate(b, n);
+}
+
+void install_hooks_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    ucs_status_t st = ucm_set_event_handler(UCM_EVENT_VM_UNMAPPED, 1000, on_vm_unmapped, nullptr);
+    if (st != UCS_OK)
+      log::warn("mem", "cannot install memory hooks (libucm: {}); host registrations are checked only on eviction",
+                static_cast<int>(st));
+  });
+}
+
+}  // namespace
+
+// ---- registration handle ----------------------------------------------------------------------
+
+registration::registration(registration&& o) noexcept { *this = std::move(o); }
+registration& registration::operator=(registration&& o) noexcept {
+  if (this != &o) {
+    if (cache_) cache_->release(*this);
+    cache_ = std::exchange(o.cache_, nullptr);
+    region_ = std::move(o.region_);
+    entries_ = std::move(o.entries_);
+  }
+  return *this;
+}
+registration::~registration() {
+  if (cache_) cache_->release(*this);
+}
+bool registration::valid() const noexcept {
+  for (auto& e : entries_)
+    if (!e->valid.load(std::memory_order_acquire)) return false;
+  return cache_ != nullptr;
+}
+void registration::on_invalidate(std::function<void()> cb) {
+  if (!cache_) return;
+  auto shared = std::make_shared<std::function<void()>>(std::move(cb));
+  auto once = std::make_shared<std::once_flag>();
+  bool already = false;
+  {
+    std::lock_guard l(cache_->impl_->mu);
+    for (auto& e : entries_) {
+      if (!e->valid) already = true;
+      else e->callbacks.push_back([shared, once] { std::call_once(*once, *shared); });
+    }
+  }
+  if (already) std::call_once(*once, *shared);
+}
+
+// ---- cache ------------------------------------------------------------------------------------
+
+registration_cache::registration_cache(std::vector<peer_memory_client*> clients, std::uint64_t pin_limit)
+    : pin_limit_(pin_limit), impl_(std::make_unique<impl>()) {
+  for (auto* c : clients)
+    if (c) impl_->clients.push_back(c);
+  install_hooks_once();
+  std::lock_guard l(g_caches_mu);
+  g_caches.push_back(this);
+}
+
+registration_cache::~registration_cache() {
+  {
+    std::lock_guard l(g_caches_mu);
+    std::erase(g_caches, this);
+  }
+  std::lock_guard l(impl_->mu);
+  inside_guard g;
+  while (!impl_->index.empty()) impl_->drop_locked(impl_->index.begin()->second);
+}
+
+void registration_cache::add_client(peer_memory_client* c, bool first) {
+  std::lock_guard l(impl_->mu);
+  if (first) impl_->clients.insert(impl_->clients.begin(), c);
+  else impl_->clients.push_back(c);
+}
+
+namespace {
+void check_range(const void* p, std::uint64_t n, std::string_view op) {
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  if (!p) fail(errc::invalid_argument, std::string(op), describe_range(p, n), "null pointer");
+  if (n == 0) fail(errc::invalid_argument, std::string(op), describe_range(p, n), "zero length");
+  if (a + n < a) fail(errc::out_of_range, std::string(op), describe_range(p, n), "length overflows the address space");
+}
+}  // namespace
+
+void registration_cache::apply_pending() {
+  if (!impl_->has_pending.exchange(false)) return;
+  std::uintptr_t lo = impl_->pending_lo.exchange(~std::uintptr_t{0});
+  std::uintptr_t hi = impl_->pending_hi.exchange(0);
+  if (lo < hi) invalidate(lo, hi - lo);
+}
+
+memory_region registration_cache::classify(const void* p, std::uint64_t n) {
+  check_range(p, n, "mem.classify");
+  apply_pending();
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  {
+    std::lock_guard l(impl_->mu);
+    inside_guard g;
+    auto it = impl_->index.upper_bound(a);
+    if (it != impl_->index.begin()) {
+      auto& e = std::prev(it)->second;
+      if (a >= e->base && a + n <= e->base + e->size && e->region.client && e->region.client->still_valid(e->region))
+        return e->region;
+    }
+  }
+  std::vector<peer_memory_client*> clients;
+  {
+    std::lock_guard l(impl_->mu);
+    clients = impl_->clients;
+  }
+  for (auto* c : clients)
+    if (auto r = c->acquire(p, n)) return *r;
+  return memory_region{memory_type::unknown, "", -1, a, n, 0, nullptr};
+}
+
+bool registration_cache::cached(const void* p, std::uint64_t n) {
+  apply_pending();
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard l(impl_->mu);
+  std::uintptr_t cur = a;
+  auto it = impl_->index.upper_bound(a);
+  if (it != impl_->index.begin()) --it;
+  for (; it != impl_->index.end() && cur < a + n; ++it) {
+    if (it->first > cur) return false;
+    if (it->first + it->second->size > cur) cur = it->first + it->second->size;
+  }
+  return cur >= a + n;
+}
+
+registration registration_cache::acquire(const void* p, std::uint64_t n) {
+  check_range(p, n, "mem.register");
+  apply_pending();
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  registration h;
+  std::vector<std::function<void()>> stale_cbs;
+  {
+    std::lock_guard l(impl_->mu);
+    inside_guard g;
+    auto& I = *impl_;
+    // 1. Walk what is cached over [a, a+n), dropping entries whose memory changed under us.
+    std::vector<std::shared_ptr<registration::entry>> cover;
+    std::vector<std::pair<std::uintptr_t, std::uintptr_t>> gaps;
+    std::uintptr_t cur = a;
+    auto it = I.index.upper_bound(a);
+    if (it != I.index.begin()) --it;
+    while (it != I.index.end() && it->first < a + n) {
+      auto e = it->second;
+      ++it;
+      if (e->base + e->size <= cur) continue;
+      if (e->region.client && !e->region.client->still_valid(e->region)) {
+        // Freed and re-allocated at the same address (CUDA buffer id changed): never serve it.
+        I.st.stale_detected++;
+        auto cbs = I.invalidate_locked(e->base, e->size);
+        stale_cbs.insert(stale_cbs.end(), cbs.begin(), cbs.end());
+        it = I.index.upper_bound(cur);  // index changed
+        if (it != I.index.begin()) --it;
+        continue;
+      }
+      if (e->base > cur) gaps.emplace_back(cur, e->base);
+      cover.push_back(e);
+      cur = std::max(cur, e->base + e->size);
+    }
+    if (cur < a + n) gaps.emplace_back(cur, a + n);
+    if (gaps.empty()) I.st.hits++;
+    else I.st.misses++;
+
+    // 2. Register the gaps through the client that owns the memory.
+    for (auto [g0, g1] : gaps) {
+      memory_region r;
+      bool found = false;
+      for (auto* c : I.clients)
+        if (auto rr = c->acquire(reinterpret_cast<const void*>(g0), g1 - g0)) {
+          r = *rr;
+          found = true;
+          break;
+        }
+      if (!found || r.type == memory_type::unknown)
+        fail(errc::bad_address, "mem.register", describe_range(p, n),
+             fmt::format("{:#x} is not memory that any of ferry's memory clients knows (unmapped or freed?)", g0));
+      // Expand to whole pages (host) or to the allocation (free pins), without overlapping neighbours.
+      std::uintptr_t lo = g0, hi = g1;
+      if (r.client->pin_is_free() && r.size) {
+        lo = std::max<std::uintptr_t>(r.base, 0);
+        hi = r.base + r.size;
+      } else {
+        lo = g0 & ~(page_size() - 1);
+        hi = (g1 + page_size() - 1) & ~(page_size() - 1);
+      }
+      auto next = I.index.lower_bound(g0);
+      if (next != I.index.end()) hi = std::min<std::uintptr_t>(hi, next->first);
+      if (next != I.index.begin()) {
+        auto prev = std::prev(next);
+        lo = std::max<std::uintptr_t>(lo, prev->first + prev->second->size);
+      }
+      lo = std::min(lo, g0);
+      hi = std::max(hi, g1);
+      auto e = std::make_shared<registration::entry>();
+      e->base = lo;
+      e->size = hi - lo;
+      e->region = r;
+      e->cookie = r.client->pin(r, lo, hi - lo);
+      if (!r.client->pin_is_free()) I.bytes_pinned += e->size;
+      I.index[lo] = e;
+      cover.push_back(e);
+    }
+    // 3. Hold them.
+    for (auto& e : cover) {
+      if (e->in_lru) {
+        I.lru.erase(e->lru);
+        e->in_lru = false;
+      }
+      e->refs++;
+    }
+    std::sort(cover.begin(), cover.end(), [](auto& x, auto& y) { return x->base < y->base; });
+    h.cache_ = this;
+    h.region_ = cover.front()->region;
+    h.region_.base = a;
+    h.region_.size = n;
+    h.entries_ = std::move(cover);
+    I.evict_locked(pin_limit_);
+  }
+  for (auto& cb : stale_cbs) cb();
+  return h;
+}
+
+void registration_cache::release(registration& r) noexcept {
+  std::lock_guard l(impl_->mu);
+  inside_guard g;
+  for (auto& e : r.entries_) {
+    if (--e->refs > 0) continue;
+    if (!e->valid || !e->in_index) {
+      impl_->unpin_locked(*e);
+      continue;
+    }
+    impl_->lru.push_front(e);
+    e->lru = impl_->lru.begin();
+    e->in_lru = true;
+  }
+  r.entries_.clear();
+  r.cache_ = nullptr;
+  impl_->evict_locked(pin_limit_);
+}
+
+void registration_cache::invalidate(std::uintptr_t base, std::uint64_t size) {
+  if (t_inside_cache) {  // re-entered from inside the cache: no lock, no allocation
+    std::uintptr_t lo = impl_->pending_lo.load(), hi = impl_->pending_hi.load();
+    while (base < lo && !impl_->pending_lo.compare_exchange_weak(lo, base)) {
+    }
+    while (base + size > hi && !impl_->pending_hi.compare_exchange_weak(hi, base + size)) {
+    }
+    impl_->has_pending = true;
+    return;
+  }
+  std::vector<std::function<void()>> cbs;
+  {
+    std::lock_guard l(impl_->mu);
+    inside_guard g;
+    cbs = impl_->invalidate_locked(base, size);
+  }
+  for (auto& cb : cbs) cb();
+}
+
+void registration_cache::trim() {
+  std::lock_guard l(impl_->mu);
+  inside_guard g;
+  impl_->evict_locked(0);
+}
+
+registration_stats registration_cache::stats() const {
+  std::lock_guard l(impl_->mu);
+  registration_stats s = impl_->st;
+  s.bytes_pinned = impl_->bytes_pinned;
+  s.entries = impl_->index.size();
+  return s;
+}
+
+}  // namespace ferry

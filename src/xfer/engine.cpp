@@ -1,0 +1,507 @@
+#include <ferry/core/error.hpp>
+#include <ferry/core/units.hpp>
+#include <ferry/mem/pinned_pool.hpp>
+#include <ferry/xfer/engine.hpp>
+
+#include "core/logging.hpp"
+
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+namespace ferry {
+
+std::string_view to_string(request_state s) noexcept {
+  switch (s) {
+    case request_state::pending: return "pending";
+    case request_state::done: return "done";
+    case request_state::failed: return "failed";
+    case request_state::cancelled: return "cancelled";
+    case request_state::timed_out: return "timed_out";
+  }
+  return "?";
+}
+
+std::string_view to_string(transfer_path p) noexcept {
+  switch (p) {
+    case transfer_path::none: return "none";
+    case transfer_path::direct: return "direct";
+    case transfer_path::peer: return "peer";
+    case transfer_path::registered: return "registered";
+    case transfer_path::bounce: return "bounce";
+    case transfer_path::staged: return "staged";
+    case transfer_path::host: return "host";
+  }
+  return "?";
+}
+
+struct transfer_batch::state {
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<request_result> results;
+  std::vector<std::uint64_t> sizes;
+  std::vector<int> segs_left;
+  std::size_t unfinished = 0;
+  int items_inflight = 0;  // queued or running work items
+  std::atomic<std::uint64_t> bytes_done{0};
+  std::uint64_t bytes_total = 0;
+  std::atomic<bool> cancelled{false};
+  deadline until;
+
+  // Records the end of one segment of request i.
+  void finish(std::size_t i, std::uint64_t len, const error* e, request_state fail_state = request_state::failed) {
+    std::lock_guard l(mu);
+    request_result& r = results[i];
+    if (r.state != request_state::pending) return;  // already timed out / cancelled
+    if (e && !r.err) r.err = *e;
+    if (!e) {
+      r.bytes_done += len;
+      bytes_done += len;
+    }
+    if (--segs_left[i] > 0) return;
+    r.state = r.err ? (r.err->code() == errc::cancelled ? request_state::cancelled
+                                                        : r.err->code() == errc::timeout ? request_state::timed_out
+                                                                                          : fail_state)
+                    : request_state::done;
+    if (--unfinished == 0) cv.notify_all();
+  }
+  // A request that never reaches the workers (bad input, classification error).
+  void fail_now(std::size_t i, error e) {
+    std::lock_guard l(mu);
+    results[i].state = request_state::failed;
+    results[i].err = std::move(e);
+    segs_left[i] = 0;
+    if (--unfinished == 0) cv.notify_all();
+  }
+  void item_done() {
+    std::lock_guard l(mu);
+    if (--items_inflight == 0) cv.notify_all();
+  }
+};
+
+namespace {
+
+struct segment {
+  std::size_t req;
+  std::byte* dst;
+  const std::byte* src;
+  std::uint64_t len;
+};
+
+struct work_item {
+  std::shared_ptr<transfer_batch::state> b;
+  transfer_path path = transfer_path::none;
+  device* dev = nullptr;   // executing device (source side for staged)
+  device* dev2 = nullptr;  // staged: destination device
+  bool to_device = true;   // bounce: host -> device
+  pinned_pool* pool = nullptr;
+  std::shared_ptr<registration> hold;  // registered path: keeps the pin while copying
+  std::vector<segment> segs;
+};
+
+std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
+
+}  // namespace
+
+struct transfer_engine::impl {
+  device_registry& devices;
+  registration_cache& cache;
+  settings cfg;
+  ferry::stats st;
+  int nworkers;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<work_item> queue;
+  bool stop = false;
+  std::vector<std::thread> threads;
+  std::mutex pools_mu;
+  std::map<int, std::unique_ptr<pinned_pool>> pools;
+  std::mutex peer_mu;
+  std::set<std::pair<device*, device*>> peers_enabled;
+  // auto pageable policy: ranges seen once are bounced; seen again, registered.
+  std::mutex seen_mu;
+  std::list<std::pair<std::uintptr_t, std::uint64_t>> seen;
+
+  impl(device_registry& d, registration_cache& c, const settings& s) : devices(d), cache(c), cfg(s) {
+    nworkers = s.xfer_threads > 0 ? s.xfer_threads : default_xfer_threads();
+    for (int i = 0; i < nworkers; ++i) threads.emplace_back([this] { work(); });
+  }
+  ~impl() {
+    {
+      std::lock_guard l(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    for (auto& t : threads) t.join();
+  }
+
+  pinned_pool& pool(int numa) {
+    std::lock_guard l(pools_mu);
+    auto& p = pools[numa];
+    if (!p) p = std::make_unique<pinned_pool>(cache, cfg.staging_bytes, cfg.staging_buffers, numa);
+    return *p;
+  }
+
+  bool enable_peer(device& a, device& b) {
+    std::lock_guard l(peer_mu);
+    if (peers_enabled.count({&a, &b})) return true;
+    if (!devices.peer(a, b).access) return false;
+    a.enable_peer_access(b);
+    b.enable_peer_access(a);
+    peers_enabled.insert({&a, &b});
+    peers_enabled.insert({&b, &a});
+    return true;
+  }
+
+  bool seen_before(const void* p, std::uint64_t n) {
+    auto key = std::make_pair(reinterpret_cast<std::uintptr_t>(p), n);
+    std::lock_guard l(seen_mu);
+    for (auto it = seen.begin(); it != seen.end(); ++it)
+      if (*it == key) {
+        seen.erase(it);
+        return true;
+      }
+    seen.push_front(key);
+    if (seen.size() > 256) seen.pop_back();
+    return false;
+  }
+
+  void enqueue(std::vector<work_item>& items) {
+    if (items.empty()) return;
+    {
+      std::lock_guard l(mu);
+      for (auto& w : items) queue.push_back(std::move(w));
+    }
+    cv.notify_all();
+  }
+
+  void work() {
+    std::map<device*, std::unique_ptr<stream>> streams;  // this worker's stream per device
+    auto stream_of = [&](device* d) -> stream& {
+      auto& s = streams[d];
+      if (!s) s = d->create_stream();
+      return *s;
+    };
+    for (;;) {
+      work_item w;
+      {
+        std::unique_lock l(mu);
+        cv.wait(l, [&] { return stop || !queue.empty(); });
+        if (queue.empty()) return;
+        w = std::move(queue.front());
+        queue.pop_front();
+      }
+      run(w, stream_of);
+      w.b->item_done();
+    }
+  }
+
+  template <typename StreamOf>
+  void run(work_item& w, StreamOf& stream_of) {
+    auto& b = *w.b;
+    auto skip = [&](const segment& sg) {
+      if (b.cancelled) {
+        error e(errc::cancelled, "xfer.request", fmt::format("request {}", sg.req), "batch cancelled before it ran");
+        b.finish(sg.req, sg.len, &e);
+        return true;
+      }
+      if (std::chrono::steady_clock::now() >= b.until) {
+        error e(errc::timeout, "xfer.request", fmt::format("request {}", sg.req), "batch deadline passed before it ran");
+        b.finish(sg.req, sg.len, &e);
+        return true;
+      }
+      return false;
+    };
+    auto fail_with = [&](const segment& sg, const std::exception& ex) {
+      const error* fe = dynamic_cast<const error*>(&ex);
+      error e = fe ? fe->with_context(fmt::format("request {} ({} path)", sg.req, to_string(w.path)))
+                   : error(errc::internal, "xfer.run", fmt::format("request {}", sg.req), ex.what());
+      b.finish(sg.req, sg.len, &e);
+    };
+
+    if (w.path == transfer_path::direct || w.path == transfer_path::peer || w.path == transfer_path::registered) {
+      // All segments of the item on one stream, one synchronization.
+      std::vector<const segment*> live;
+      for (auto& sg : w.segs)
+        if (!skip(sg)) live.push_back(&sg);
+      if (live.empty()) return;
+      stream& s = stream_of(w.dev);
+      std::vector<const segment*> enqueued;
+      for (const segment* sg : live) {
+        try {
+          s.copy(sg->dst, sg->src, sg->len);
+          enqueued.push_back(sg);
+        } catch (const std::exception& ex) {
+          fail_with(*sg, ex);  // refused at enqueue: only this request fails
+        }
+      }
+      try {
+        s.synchronize(b.until);
+        for (const segment* sg : enqueued) b.finish(sg->req, sg->len, nullptr);
+      } catch (const std::exception& ex) {
+        for (const segment* sg : enqueued) fail_with(*sg, ex);
+      }
+      return;
+    }
+
+    for (segment& sg : w.segs) {
+      if (skip(sg)) continue;
+      try {
+        switch (w.path) {
+          case transfer_path::host:
+            std::memcpy(sg.dst, sg.src, sg.len);
+            break;
+          case transfer_path::bounce: {
+            stream& s = stream_of(w.dev);
+            pinned_pool::buffer buf = w.pool->get(b.until);
+            for (std::uint64_t off = 0; off < sg.len; off += buf.size()) {
+              std::uint64_t n = std::min<std::uint64_t>(buf.size(), sg.len - off);
+              if (w.to_device) {
+                std::memcpy(buf.data(), sg.src + off, n);
+                s.copy(sg.dst + off, buf.data(), n);
+                s.synchronize(b.until);
+              } else {
+                s.copy(buf.data(), sg.src + off, n);
+                s.synchronize(b.until);
+                std::memcpy(sg.dst + off, buf.data(), n);
+              }
+            }
+            break;
+          }
+          case transfer_path::staged: {
+            stream& from = stream_of(w.dev);
+            stream& to = stream_of(w.dev2);
+            pinned_pool::buffer buf = w.pool->get(b.until);
+            for (std::uint64_t off = 0; off < sg.len; off += buf.size()) {
+              std::uint64_t n = std::min<std::uint64_t>(buf.size(), sg.len - off);
+              from.copy(buf.data(), sg.src + off, n);
+              from.synchronize(b.until);
+              to.copy(sg.dst + off, buf.data(), n);
+              to.synchronize(b.until);
+            }
+            break;
+          }
+          default:
+            fail(errc::internal, "xfer.run", fmt::format("request {}", sg.req), "no path");
+        }
+        b.finish(sg.req, sg.len, nullptr);
+      } catch (const std::exception& ex) {
+        fail_with(sg, ex);
+      }
+    }
+  }
+};
+
+// ---- batch ------------------------------------------------------------------------------------
+
+transfer_batch& transfer_batch::operator=(transfer_batch&& o) noexcept {
+  if (this != &o) {
+    this->~transfer_batch();
+    s_ = std::move(o.s_);
+  }
+  return *this;
+}
+
+transfer_batch::~transfer_batch() {
+  if (!s_) return;
+  // The caller's buffers may go away with the batch: nothing may run after this returns.
+  s_->cancelled = true;
+  std::unique_lock l(s_->mu);
+  s_->cv.wait(l, [&] { return s_->items_inflight == 0; });
+}
+
+bool transfer_batch::poll() const {
+  std::lock_guard l(s_->mu);
+  return s_->unfinished == 0;
+}
+
+bool transfer_batch::wait() {
+  std::unique_lock l(s_->mu);
+  if (!s_->cv.wait_until(l, s_->until, [&] { return s_->unfinished == 0; })) {
+    s_->cancelled = true;  // queued work is skipped; running chunks stop at their own deadline
+    for (std::size_t i = 0; i < s_->results.size(); ++i) {
+      auto& r = s_->results[i];
+      if (r.state != request_state::pending) continue;
+      r.state = request_state::timed_out;
+      r.err = error(errc::timeout, "xfer.wait", fmt::format("request {}", i),
+                    fmt::format("deadline passed with {} of {} bytes done", r.bytes_done, s_->sizes[i]));
+      --s_->unfinished;
+    }
+  }
+  for (auto& r : s_->results)
+    if (r.state != request_state::done) return false;
+  return true;
+}
+
+void transfer_batch::cancel() { s_->cancelled = true; }
+std::uint64_t transfer_batch::bytes_done() const { return s_->bytes_done.load(); }
+std::uint64_t transfer_batch::bytes_total() const { return s_->bytes_total; }
+std::vector<request_result> transfer_batch::results() const {
+  std::lock_guard l(s_->mu);
+  return s_->results;
+}
+void transfer_batch::check() const {
+  std::lock_guard l(s_->mu);
+  for (auto& r : s_->results)
+    if (r.state != request_state::done) {
+      if (r.err) throw *r.err;
+      fail(errc::internal, "xfer.check", "batch", "request not finished");
+    }
+}
+
+// ---- engine -----------------------------------------------------------------------------------
+
+transfer_engine::transfer_engine(device_registry& devices, registration_cache& cache, const settings& s)
+    : impl_(std::make_unique<impl>(devices, cache, s)) {}
+transfer_engine::~transfer_engine() = default;
+ferry::stats& transfer_engine::counters() noexcept { return impl_->st; }
+int transfer_engine::workers() const noexcept { return impl_->nworkers; }
+
+namespace {
+bool is_host(memory_type t) { return t == memory_type::host_pageable || t == memory_type::host_pinned; }
+}  // namespace
+
+transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, transfer_options o) {
+  impl& I = *impl_;
+  transfer_batch tb;
+  tb.s_ = std::make_shared<transfer_batch::state>();
+  auto& b = *tb.s_;
+  b.until = o.until.value_or(deadline_after(I.cfg.deadline));
+  b.results.resize(reqs.size());
+  for (auto& r : reqs) b.sizes.push_back(r.bytes);
+  b.segs_left.assign(reqs.size(), 0);
+  b.unfinished = reqs.size();
+
+  std::vector<work_item> items;
+  // Small direct requests of one device are grouped into one item (one synchronization).
+  std::map<std::pair<device*, transfer_path>, std::size_t> open_group;
+  std::map<std::size_t, std::uint64_t> group_bytes;
+  std::uint64_t chunk_cap = std::max<std::uint64_t>(I.cfg.xfer_chunk, 64 * KiB);
+
+  for (std::size_t i = 0; i < reqs.size(); ++i) {
+    const transfer_request& r = reqs[i];
+    std::string res = fmt::format("request {} dst={} src={}", i, describe_range(r.dst, r.bytes), describe_range(r.src, r.bytes));
+    b.bytes_total += r.bytes;
+    try {
+      if (!r.dst || !r.src) fail(errc::invalid_argument, "xfer.submit", res, "null pointer");
+      if (r.bytes == 0) fail(errc::invalid_argument, "xfer.submit", res, "zero length");
+      auto d = reinterpret_cast<std::uintptr_t>(r.dst), s = reinterpret_cast<std::uintptr_t>(r.src);
+      if (d + r.bytes < d || s + r.bytes < s) fail(errc::out_of_range, "xfer.submit", res, "length overflows the address space");
+      if (d < s + r.bytes && s < d + r.bytes) fail(errc::invalid_argument, "xfer.submit", res, "source and destination overlap");
+      memory_region src = I.cache.classify(r.src, r.bytes);
+      memory_region dst = I.cache.classify(r.dst, r.bytes);
+      if (src.type == memory_type::unknown)
+        fail(errc::bad_address, "xfer.submit", res, "source is not mapped memory ferry knows (freed or invalid?)");
+      if (dst.type == memory_type::unknown)
+        fail(errc::bad_address, "xfer.submit", res, "destination is not mapped memory ferry knows (freed or invalid?)");
+
+      work_item w;
+      w.b = tb.s_;
+      device* sdev = is_host(src.type) ? nullptr : &I.devices.get(src.owner);
+      device* ddev = is_host(dst.type) ? nullptr : &I.devices.get(dst.owner);
+      std::uint64_t chunk = chunk_cap;
+      if (!sdev && !ddev) {
+        w.path = transfer_path::host;
+      } else if (sdev && ddev) {
+        if (sdev == ddev) {
+          w.path = transfer_path::direct;
+          w.dev = sdev;
+        } else if (sdev->info().backend == ddev->info().backend && I.enable_peer(*sdev, *ddev)) {
+          w.path = transfer_path::peer;
+          w.dev = ddev;
+        } else {
+          w.path = transfer_path::staged;
+          w.dev = sdev;
+          w.dev2 = ddev;
+          w.pool = &I.pool(ddev->info().numa_node);
+          chunk = I.cfg.staging_bytes;
+        }
+      } else {
+        device* dev = sdev ? sdev : ddev;
+        const memory_region& host = sdev ? dst : src;
+        const void* hp = sdev ? static_cast<const void*>(r.dst) : r.src;
+        w.dev = dev;
+        w.to_device = ddev != nullptr;
+        bool needs_pin = host.type == memory_type::host_pageable && dev->info().backend == "cuda";
+        if (!needs_pin) {
+          w.path = transfer_path::direct;
+        } else {
+          bool reg = I.cfg.xfer_pageable == "register" ||
+                     (I.cfg.xfer_pageable == "auto" && (I.cache.cached(hp, r.bytes) || I.seen_before(hp, r.bytes)));
+          if (reg) {
+            w.path = transfer_path::registered;
+            w.hold = std::make_shared<registration>(I.cache.acquire(hp, r.bytes));
+          } else {
+            w.path = transfer_path::bounce;
+            w.pool = &I.pool(dev->info().numa_node);
+            chunk = I.cfg.staging_bytes;
+          }
+        }
+      }
+      b.results[i].path = w.path;
+      I.st.get(fmt::format("path.{}", to_string(w.path))).add();
+      log::debug("xfer", "{}: {} -> {} via {}", res, src.owner.empty() ? to_string(src.type) : src.owner,
+                 dst.owner.empty() ? to_string(dst.type) : dst.owner, to_string(w.path));
+
+      auto* dp = static_cast<std::byte*>(r.dst);
+      auto* sp = static_cast<const std::byte*>(r.src);
+      bool groupable = w.path == transfer_path::direct || w.path == transfer_path::peer || w.path == transfer_path::host;
+      if (groupable && r.bytes <= I.cfg.xfer_batch_small) {
+        auto key = std::make_pair(w.dev, w.path);
+        auto g = open_group.find(key);
+        if (g == open_group.end() || group_bytes[g->second] + r.bytes > chunk_cap) {
+          items.push_back(std::move(w));
+          g = open_group.insert_or_assign(key, items.size() - 1).first;
+          group_bytes[g->second] = 0;
+        }
+        items[g->second].segs.push_back({i, dp, sp, r.bytes});
+        group_bytes[g->second] += r.bytes;
+        b.segs_left[i] = 1;
+        continue;
+      }
+      // Large requests: split so every worker gets a share, in pieces of at most `chunk`.
+      std::uint64_t piece = std::min(chunk, std::max<std::uint64_t>(round_up(r.bytes / static_cast<std::uint64_t>(I.nworkers), 64 * KiB), 1 * MiB));
+      if (w.path == transfer_path::bounce || w.path == transfer_path::staged) piece = chunk;
+      for (std::uint64_t off = 0; off < r.bytes; off += piece) {
+        work_item c;
+        c.b = w.b;
+        c.path = w.path;
+        c.dev = w.dev;
+        c.dev2 = w.dev2;
+        c.to_device = w.to_device;
+        c.pool = w.pool;
+        c.hold = w.hold;
+        c.segs.push_back({i, dp + off, sp + off, std::min(piece, r.bytes - off)});
+        items.push_back(std::move(c));
+        b.segs_left[i]++;
+      }
+    } catch (const error& e) {
+      b.fail_now(i, e);
+      I.st.get("requests_refused").add();
+    }
+  }
+  I.st.get("requests").add(reqs.size());
+  I.st.get("bytes").add(b.bytes_total);
+  {
+    std::lock_guard l(b.mu);
+    b.items_inflight = static_cast<int>(items.size());
+  }
+  I.enqueue(items);
+  return tb;
+}
+
+void transfer_engine::copy(void* dst, const void* src, std::uint64_t bytes, transfer_options o) {
+  transfer_request r{dst, src, bytes};
+  transfer_batch b = submit({&r, 1}, o);
+  b.wait();
+  b.check();
+}
+
+}  // namespace ferry

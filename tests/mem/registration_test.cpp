@@ -1,0 +1,220 @@
+#include <ferry/core/error.hpp>
+#include <ferry/mem/registration.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <map>
+#include <random>
+#include <thread>
+
+using namespace ferry;
+using ::testing::HasSubstr;
+
+namespace {
+
+// A client over a fake "allocation table": the test allocates and frees regions (changing their
+// buffer id) and the client counts pins per page, so double registration is detected.
+class fake_client final : public peer_memory_client {
+ public:
+  explicit fake_client(std::uintptr_t base, std::uint64_t size) : base_(base), size_(size) {}
+  std::string_view name() const noexcept override { return "fake"; }
+  std::optional<memory_region> acquire(const void* p, std::uint64_t n) override {
+    auto a = reinterpret_cast<std::uintptr_t>(p);
+    if (a < base_ || a + n > base_ + size_) return std::nullopt;
+    std::lock_guard l(mu_);
+    return memory_region{memory_type::host_pageable, "fake", -1, a, n, generation_, this};
+  }
+  std::uint64_t pin(const memory_region&, std::uintptr_t b, std::uint64_t n) override {
+    std::lock_guard l(mu_);
+    for (std::uintptr_t p = b; p < b + n; p += 4096)
+      if (++pages_[p] > 1) double_pins_++;
+    pins_++;
+    return 7;
+  }
+  void unpin(std::uint64_t cookie, std::uintptr_t b, std::uint64_t n) noexcept override {
+    std::lock_guard l(mu_);
+    EXPECT_EQ(cookie, 7u);
+    for (std::uintptr_t p = b; p < b + n; p += 4096) pages_[p]--;
+    unpins_++;
+  }
+  bool still_valid(const memory_region& r) override {
+    std::lock_guard l(mu_);
+    return r.buffer_id == generation_;
+  }
+  void free_and_reallocate() {
+    std::lock_guard l(mu_);
+    generation_++;
+  }
+  int pins() { std::lock_guard l(mu_); return pins_; }
+  int unpins() { std::lock_guard l(mu_); return unpins_; }
+  int double_pins() { std::lock_guard l(mu_); return double_pins_; }
+
+ private:
+  std::uintptr_t base_;
+  std::uint64_t size_;
+  std::mutex mu_;
+  std::uint64_t generation_ = 1;
+  std::map<std::uintptr_t, int> pages_;
+  int pins_ = 0, unpins_ = 0, double_pins_ = 0;
+};
+
+constexpr std::uintptr_t kBase = 0x100000000;  // fake addresses: never dereferenced
+const void* at(std::uint64_t off) { return reinterpret_cast<const void*>(kBase + off); }
+
+TEST(RegistrationCache, SecondAcquireIsAHit) {
+  fake_client c(kBase, 1 << 20);
+  registration_cache cache({&c}, 1 << 20);
+  { auto r = cache.acquire(at(0), 8192); EXPECT_TRUE(r.valid()); }
+  { auto r = cache.acquire(at(100), 4000); EXPECT_TRUE(r.valid()); }  // inside the first
+  EXPECT_EQ(c.pins(), 1);
+  auto st = cache.stats();
+  EXPECT_EQ(st.hits, 1u);
+  EXPECT_EQ(st.misses, 1u);
+  EXPECT_EQ(st.bytes_pinned, 8192u);
+  EXPECT_TRUE(cache.cached(at(0), 8192));
+  EXPECT_FALSE(cache.cached(at(0), 8193));
+}
+
+TEST(RegistrationCache, OverlappingAndAdjacentRangesAreNeverRegisteredTwice) {
+  fake_client c(kBase, 1 << 20);
+  registration_cache cache({&c}, 1 << 20);
+  auto a = cache.acquire(at(0), 8192);
+  auto b = cache.acquire(at(4096), 8192);   // overlaps: only [8K, 12K) is new
+  auto d = cache.acquire(at(12288), 4096);  // adjacent
+  auto e = cache.acquire(at(0), 16384);     // covered by three entries: a hit
+  EXPECT_EQ(c.double_pins(), 0);
+  EXPECT_EQ(c.pins(), 3);
+  EXPECT_EQ(cache.stats().bytes_pinned, 16384u);
+  EXPECT_EQ(cache.stats().hits, 1u);
+  EXPECT_EQ(e.region().base, kBase);
+  EXPECT_EQ(e.region().size, 16384u);
+}
+
+TEST(RegistrationCache, UnusedRegistrationsStayPinnedUntilTheLimitThenLruEvicts) {
+  fake_client c(kBase, 1 << 20);
+  registration_cache cache({&c}, 8192);
+  { auto r = cache.acquire(at(0), 4096); }
+  { auto r = cache.acquire(at(8192), 4096); }
+  EXPECT_EQ(c.unpins(), 0) << "lazy unpinning: released registrations stay pinned under the limit";
+  { auto r = cache.acquire(at(0), 4096); }  // touch: now the most recent
+  { auto r = cache.acquire(at(16384), 4096); }  // over the limit: LRU (the one at 8192) goes
+  EXPECT_EQ(cache.stats().evictions, 1u);
+  EXPECT_TRUE(cache.cached(at(0), 4096));
+  EXPECT_FALSE(cache.cached(at(8192), 4096));
+  EXPECT_LE(cache.stats().bytes_pinned, 8192u);
+  // Registrations in use are never evicted, even over the limit.
+  auto h1 = cache.acquire(at(32768), 8192);
+  auto h2 = cache.acquire(at(65536), 8192);
+  EXPECT_TRUE(h1.valid());
+  EXPECT_TRUE(h2.valid());
+  EXPECT_EQ(cache.stats().bytes_pinned, 16384u);
+}
+
+TEST(RegistrationCache, InvalidationDropsEntriesAndTellsHolders) {
+  fake_client c(kBase, 1 << 20);
+  registration_cache cache({&c}, 1 << 20);
+  auto r = cache.acquire(at(0), 8192);
+  int calls = 0;
+  r.on_invalidate([&] { calls++; });
+  cache.invalidate(kBase + 4096, 100);
+  EXPECT_EQ(calls, 1);
+  EXPECT_FALSE(r.valid());
+  EXPECT_FALSE(cache.cached(at(0), 8192));
+  EXPECT_EQ(cache.stats().invalidations, 1u);
+  EXPECT_EQ(c.unpins(), 1) << "the memory went away: unpinned at once, even while held";
+  r = registration{};
+  EXPECT_EQ(c.unpins(), 1) << "and not a second time on release";
+  auto again = cache.acquire(at(0), 8192);  // a new registration, not the stale one
+  EXPECT_EQ(c.pins(), 2);
+  EXPECT_TRUE(again.valid());
+}
+
+TEST(RegistrationCache, FreedAndReallocatedMemoryIsNeverServedFromAStaleEntry) {
+  fake_client c(kBase, 1 << 20);
+  registration_cache cache({&c}, 1 << 20);
+  auto r = cache.acquire(at(0), 8192);
+  bool told = false;
+  r.on_invalidate([&] { told = true; });
+  c.free_and_reallocate();  // same address, new buffer id
+  auto r2 = cache.acquire(at(0), 8192);
+  EXPECT_EQ(cache.stats().stale_detected, 1u);
+  EXPECT_EQ(cache.stats().hits, 0u);
+  EXPECT_EQ(c.pins(), 2);
+  EXPECT_TRUE(told);
+  EXPECT_FALSE(r.valid());
+  EXPECT_TRUE(r2.valid());
+}
+
+TEST(RegistrationCache, ConcurrentRegistrationFromManyThreads) {
+  fake_client c(kBase, 1 << 20);
+  registration_cache cache({&c}, 256 << 10);
+  std::vector<std::thread> ts;
+  std::atomic<int> invalid{0};
+  for (int t = 0; t < 8; ++t)
+    ts.emplace_back([&, t] {
+      std::mt19937 rng(static_cast<unsigned>(t));
+      for (int i = 0; i < 2000; ++i) {
+        std::uint64_t off = (rng() % 200) * 4096, len = (1 + rng() % 16) * 4096 - rng() % 100;
+        auto r = cache.acquire(at(off), len);
+        if (r.region().size != len || r.region().base != kBase + off) invalid++;
+        if (i % 500 == 0) cache.invalidate(kBase + off, 4096);
+      }
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(invalid.load(), 0);
+  EXPECT_EQ(c.double_pins(), 0);
+  auto st = cache.stats();
+  EXPECT_LE(st.bytes_pinned, 256u << 10);
+  cache.trim();
+  EXPECT_EQ(cache.stats().bytes_pinned, 0u);
+  EXPECT_EQ(c.pins(), c.unpins());
+}
+
+TEST(RegistrationCache, BadInputAndUnknownMemory) {
+  fake_client c(kBase, 1 << 20);
+  registration_cache cache({&c}, 1 << 20);
+  auto text = [&](auto f) {
+    try {
+      f();
+    } catch (const error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_THAT(text([&] { cache.acquire(nullptr, 10); }), HasSubstr("null pointer"));
+  EXPECT_THAT(text([&] { cache.acquire(at(0), 0); }), HasSubstr("zero length"));
+  EXPECT_THAT(text([&] { cache.acquire(reinterpret_cast<void*>(~0ull - 10), 100); }), HasSubstr("overflows"));
+  EXPECT_THAT(text([&] { cache.acquire(at(2 << 20), 100); }), HasSubstr("not memory that any of ferry's memory clients knows"));
+  EXPECT_EQ(cache.classify(at(2 << 20), 100).type, memory_type::unknown);
+}
+
+// The real host client and the munmap hook: unmapped memory is never served from the cache.
+TEST(RegistrationCache, HostMunmapInvalidatesThroughMemoryHooks) {
+  auto host = make_host_client("/nonexistent/libcuda.so.1");  // no CUDA: pins with mlock
+  registration_cache cache({host.get()}, 64 << 20);
+  const std::size_t n = 1 << 20;
+  void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  registration r;
+  try {
+    r = cache.acquire(p, n);
+  } catch (const error& e) {
+    if (e.code() == errc::permission_denied || e.code() == errc::out_of_memory) GTEST_SKIP() << e.what();
+    throw;
+  }
+  EXPECT_EQ(cache.classify(p, n).type, memory_type::host_pageable);
+  bool told = false;
+  r.on_invalidate([&] { told = true; });
+  ::munmap(p, n);
+  EXPECT_TRUE(told) << "libucm's VM_UNMAPPED hook did not reach the cache";
+  EXPECT_FALSE(r.valid());
+  EXPECT_FALSE(cache.cached(p, n));
+  EXPECT_EQ(cache.classify(p, n).type, memory_type::unknown);
+  EXPECT_THROW(cache.acquire(p, n), error);
+}
+
+}  // namespace

@@ -1,0 +1,239 @@
+// The transfer engine on sim devices: every path, batches, deadlines, cancellation, per-request errors.
+#include <ferry/core/checksum.hpp>
+#include <ferry/runtime.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include <sys/mman.h>
+
+using namespace ferry;
+using ::testing::HasSubstr;
+
+namespace {
+
+settings sim_settings() {
+  settings s;
+  s.backend = backend_choice::sim;
+  s.sim_devices = 2;
+  s.sim_capacity = 256ull << 20;
+  s.sim_granularity = 1ull << 20;
+  s.staging_bytes = 1ull << 20;
+  s.staging_buffers = 4;
+  s.xfer_threads = 4;
+  s.xfer_chunk = 4ull << 20;
+  s.deadline = std::chrono::seconds(20);
+  return s;
+}
+
+// Device memory on a sim device, granted to every sim device.
+struct region {
+  va_range va;
+  std::vector<physical_chunk> chunks;
+  region(device& d, std::uint64_t bytes) {
+    std::uint64_t g = d.granularity();
+    bytes = (bytes + g - 1) / g * g;
+    va = d.reserve(bytes);
+    for (std::uint64_t off = 0; off < bytes; off += g) {
+      chunks.push_back(d.allocate(g));
+      d.map(va.at(off), chunks.back());
+    }
+    access_desc grants[] = {{location::on_device(0), access::read_write}, {location::on_device(1), access::read_write}};
+    d.set_access(va.base(), bytes, grants);
+  }
+  std::byte* p(std::uint64_t off = 0) const { return va.at(off); }
+};
+
+std::vector<unsigned char> random_bytes(std::size_t n, unsigned seed) {
+  std::vector<unsigned char> v(n);
+  std::mt19937_64 rng(seed);
+  for (std::size_t i = 0; i < n; i += 8) {
+    auto w = rng();
+    std::memcpy(v.data() + i, &w, std::min<std::size_t>(8, n - i));
+  }
+  return v;
+}
+
+std::uint64_t device_checksum(device& d, const void* p, std::uint64_t n) {
+  auto s = d.create_stream();
+  std::uint64_t sum = 0;
+  s->checksum(p, n, &sum);
+  s->synchronize();
+  return sum;
+}
+
+TEST(Engine, MixedBatchOverEveryPathWithRandomData) {
+  runtime rt(sim_settings());
+  device& d0 = rt.devices().get("sim:0");
+  device& d1 = rt.devices().get("sim:1");
+  region a(d0, 16 << 20), b(d0, 16 << 20), c(d1, 16 << 20);
+  std::vector<std::size_t> sizes = {1, 7, 4096, 65536 + 3, 1 << 20, (9 << 20) + 5};
+  std::vector<std::vector<unsigned char>> src, back;
+  std::vector<transfer_request> reqs;
+  std::uint64_t off = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    src.push_back(random_bytes(sizes[i], static_cast<unsigned>(i)));
+    back.emplace_back(sizes[i], 0);
+    reqs.push_back({a.p(off), src[i].data(), sizes[i]});  // host -> sim:0
+    off += (sizes[i] + 8191) / 8192 * 8192;
+  }
+  transfer_batch up = rt.engine().submit(reqs);
+  ASSERT_TRUE(up.wait());
+  EXPECT_EQ(up.bytes_done(), up.bytes_total());
+  // sim:0 -> sim:0 (direct), sim:0 -> sim:1 (peer), sim:1 -> host (direct)
+  std::vector<transfer_request> hops = {{b.p(), a.p(), off}, {c.p(), b.p(), off}};
+  transfer_batch hop1 = rt.engine().submit({&hops[0], 1});
+  ASSERT_TRUE(hop1.wait());
+  transfer_batch hop2 = rt.engine().submit({&hops[1], 1});
+  ASSERT_TRUE(hop2.wait());
+  EXPECT_EQ(hop1.results()[0].path, transfer_path::direct);
+  EXPECT_EQ(hop2.results()[0].path, transfer_path::peer);
+  std::vector<transfer_request> down;
+  off = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    down.push_back({back[i].data(), c.p(off), sizes[i]});
+    off += (sizes[i] + 8191) / 8192 * 8192;
+  }
+  transfer_batch dn = rt.engine().submit(down);
+  ASSERT_TRUE(dn.wait());
+  for (std::size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(back[i], src[i]) << "request " << i;
+  // host -> host
+  std::vector<unsigned char> h2(sizes.back());
+  rt.engine().copy(h2.data(), src.back().data(), h2.size());
+  EXPECT_EQ(h2, src.back());
+  EXPECT_GE(rt.engine().counters().get("path.host").value(), 1u);
+}
+
+TEST(Engine, StagedThroughHostWithoutPeerAccess) {
+  settings s = sim_settings();
+  s.sim_peer = false;
+  runtime rt(s);
+  device& d0 = rt.devices().get("sim:0");
+  device& d1 = rt.devices().get("sim:1");
+  std::uint64_t n = 5 << 20;
+  va_range va0 = d0.reserve(n + (1 << 20)), va1 = d1.reserve(n + (1 << 20));
+  std::vector<physical_chunk> cs;
+  for (std::uint64_t off = 0; off < va0.size(); off += 1 << 20) {
+    cs.push_back(d0.allocate(1 << 20));
+    d0.map(va0.at(off), cs.back());
+    cs.push_back(d1.allocate(1 << 20));
+    d1.map(va1.at(off), cs.back());
+  }
+  access_desc own[] = {{location::on_device(), access::read_write}};
+  d0.set_access(va0.base(), va0.size(), own);
+  d1.set_access(va1.base(), va1.size(), own);
+  auto st = d0.create_stream();
+  st->fill_pattern(va0.base(), n, 5);
+  st->synchronize();
+  transfer_request r{va1.base(), va0.base(), n};
+  transfer_batch b = rt.engine().submit({&r, 1});
+  ASSERT_TRUE(b.wait()) << (b.results()[0].err ? b.results()[0].err->what() : "");
+  EXPECT_EQ(b.results()[0].path, transfer_path::staged);
+  EXPECT_EQ(device_checksum(d1, va1.base(), n), pattern_checksum(n, 5));
+}
+
+TEST(Engine, OneBadRequestIsReportedWhileTheOthersComplete) {
+  runtime rt(sim_settings());
+  device& d0 = rt.devices().get("sim:0");
+  region a(d0, 4 << 20);
+  va_range unmapped = d0.reserve(1 << 20);
+  auto src = random_bytes(1 << 20, 9);
+  std::vector<unsigned char> back(1 << 20);
+  std::vector<transfer_request> reqs = {
+      {a.p(), src.data(), src.size()},                // fine
+      {unmapped.base(), src.data(), 4096},            // reserved but not mapped
+      {nullptr, src.data(), 10},                      // null
+      {a.p(2 << 20), src.data(), 0},                  // zero length
+      {a.p(1 << 20), src.data(), src.size()},         // fine
+  };
+  transfer_batch b = rt.engine().submit(reqs);
+  EXPECT_FALSE(b.wait());
+  auto res = b.results();
+  EXPECT_EQ(res[0].state, request_state::done);
+  EXPECT_EQ(res[4].state, request_state::done);
+  ASSERT_EQ(res[1].state, request_state::failed);
+  EXPECT_EQ(res[1].err->code(), errc::bad_address);
+  EXPECT_THAT(res[1].err->what(), HasSubstr("reserved on sim:0 but not mapped"));
+  EXPECT_THAT(res[2].err->what(), HasSubstr("null pointer"));
+  EXPECT_THAT(res[3].err->what(), HasSubstr("zero length"));
+  EXPECT_THROW(b.check(), error);
+  rt.engine().copy(back.data(), a.p(1 << 20), back.size());
+  EXPECT_EQ(back, src);
+}
+
+TEST(Engine, FreedHostMemoryIsRefused) {
+  runtime rt(sim_settings());
+  region a(rt.devices().get("sim:0"), 1 << 20);
+  std::size_t n = 1 << 20;
+  void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ::munmap(p, n);
+  try {
+    rt.engine().copy(a.p(), p, n);
+    FAIL() << "copy from unmapped host memory succeeded";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::bad_address);
+    EXPECT_THAT(e.what(), HasSubstr("source is not mapped memory"));
+  }
+}
+
+TEST(Engine, DeadlineExpiryTimesOutUnfinishedRequests) {
+  settings s = sim_settings();
+  s.sim_copy_gbps = 0.02;  // 20 MB/s per copy engine
+  runtime rt(s);
+  region a(rt.devices().get("sim:0"), 32 << 20);
+  std::vector<unsigned char> src(32 << 20, 1);
+  transfer_request r{a.p(), src.data(), src.size()};
+  auto t0 = std::chrono::steady_clock::now();
+  transfer_batch b = rt.engine().submit({&r, 1}, {deadline_after(std::chrono::milliseconds(100))});
+  EXPECT_FALSE(b.wait());
+  auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(waited, std::chrono::milliseconds(1000));
+  auto res = b.results();
+  EXPECT_EQ(res[0].state, request_state::timed_out);
+  EXPECT_EQ(res[0].err->code(), errc::timeout);
+  EXPECT_THAT(res[0].err->what(), HasSubstr("deadline"));
+  EXPECT_LT(b.bytes_done(), b.bytes_total());
+}
+
+TEST(Engine, CancelStopsWhatHasNotStarted) {
+  settings s = sim_settings();
+  s.sim_copy_gbps = 0.05;
+  s.xfer_threads = 1;
+  runtime rt(s);
+  region a(rt.devices().get("sim:0"), 32 << 20);
+  std::vector<unsigned char> src(32 << 20, 2);
+  std::vector<transfer_request> reqs;
+  for (int i = 0; i < 16; ++i) reqs.push_back({a.p(static_cast<std::uint64_t>(i) << 21), src.data(), 2 << 20});
+  transfer_batch b = rt.engine().submit(reqs);
+  b.cancel();
+  b.wait();
+  int cancelled = 0;
+  for (auto& r : b.results()) cancelled += r.state == request_state::cancelled;
+  EXPECT_GE(cancelled, 14);
+  for (auto& r : b.results()) {
+    if (r.state == request_state::cancelled) {
+      EXPECT_EQ(r.err->code(), errc::cancelled);
+    }
+  }
+}
+
+TEST(Engine, ManySmallRequestsAreGroupedAndProgressIsCounted) {
+  runtime rt(sim_settings());
+  region a(rt.devices().get("sim:0"), 4 << 20);
+  auto src = random_bytes(4 << 20, 3);
+  std::vector<transfer_request> reqs;
+  for (std::uint64_t off = 0; off < src.size(); off += 4096) reqs.push_back({a.p(off), src.data() + off, 4096});
+  transfer_batch b = rt.engine().submit(reqs);
+  ASSERT_TRUE(b.wait());
+  EXPECT_TRUE(b.poll());
+  EXPECT_EQ(b.bytes_done(), src.size());
+  EXPECT_EQ(device_checksum(rt.devices().get("sim:0"), a.p(), src.size()), checksum64(src.data(), src.size()));
+  // 1024 requests of 4 KiB in work items of at most FERRY_XFER_CHUNK (4 MiB): one copy per request,
+  // but far fewer synchronizations than requests.
+  EXPECT_EQ(rt.devices().get("sim:0").counters().get("copies").value(), 1024u);
+}
+
+}  // namespace
