@@ -159,6 +159,9 @@ const setting_def table[] = {
      s.xfer_pageable = std::string(v);
    },
    [](const settings& s) { return s.xfer_pageable; }},
+  {"FERRY_XFER_PEER", "Use direct GPU<->GPU (peer) copies where the GPUs allow it; 0 stages them through host memory.",
+   [](settings& s, std::string_view v) { s.xfer_peer = parse_bool(v); },
+   [](const settings& s) { return std::string(s.xfer_peer ? "1" : "0"); }},
   {"FERRY_CUFILE_LIBRARY", "cuFile (GPUDirect Storage) library loaded at run time (optional).",
    [](settings& s, std::string_view v) { s.cufile_library = nonempty(v); },
    [](const settings& s) { return s.cufile_library; }},

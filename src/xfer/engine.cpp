@@ -413,7 +413,7 @@ transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, t
         if (sdev == ddev) {
           w.path = transfer_path::direct;
           w.dev = sdev;
-        } else if (sdev->info().backend == ddev->info().backend && I.enable_peer(*sdev, *ddev)) {
+        } else if (I.cfg.xfer_peer && sdev->info().backend == ddev->info().backend && I.enable_peer(*sdev, *ddev)) {
           w.path = transfer_path::peer;
           w.dev = ddev;
         } else {

@@ -19,4 +19,22 @@ struct demo_options {
 };
 int run_demo(runtime& rt, const demo_options& o);
 
+struct cp_options {
+  std::string src, dst;
+  std::string size = "64MiB";
+  bool progress = false;
+};
+int run_cp(runtime& rt, const cp_options& o);
+
+struct bench_options {
+  std::string device;  // default: the default device
+  std::string peer;    // default: another GPU when there is one
+  std::string sizes = "4KiB,64KiB,1MiB,16MiB,64MiB,256MiB,1GiB";
+  std::string budget = "1GiB";  // bytes moved per trial (iterations = budget / size, 2..2000)
+  int trials = 3;
+  bool json = false;
+  std::string json_out;  // also write the JSON here
+};
+int run_bench_local(runtime& rt, const bench_options& o);
+
 }  // namespace ferry::cli

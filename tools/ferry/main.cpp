@@ -22,6 +22,25 @@ int main(int argc, char** argv) {
   demo_cmd->add_option("--device", demo.device, "Device to use: sim:N, gpu:N (default: FERRY_BACKEND's choice)");
   demo_cmd->add_option("--size", demo.size, "Bytes to move, e.g. 64MiB")->capture_default_str();
 
+  ferry::cli::cp_options cp;
+  auto* cp_cmd = app.add_subcommand("cp", "Copy between local endpoints (host, pinned, gpu:N, sim:N, each +OFFSET) and verify");
+  cp_cmd->add_option("src", cp.src, "Source endpoint")->required();
+  cp_cmd->add_option("dst", cp.dst, "Destination endpoint")->required();
+  cp_cmd->add_option("--size", cp.size, "Bytes to copy, e.g. 1GiB")->capture_default_str();
+  cp_cmd->add_flag("--progress", cp.progress, "Show a progress bar (default: on a terminal, for >= 256 MiB)");
+
+  ferry::cli::bench_options bench;
+  auto* bench_cmd = app.add_subcommand("bench", "Benchmarks against the baselines measured in the same run");
+  bench_cmd->require_subcommand(1);
+  auto* bench_local = bench_cmd->add_subcommand("local", "Host<->GPU, GPU<->GPU: ferry vs cudaMemcpy / cudaMemcpyPeer");
+  bench_local->add_option("--device", bench.device, "Device (default: FERRY_BACKEND's choice)");
+  bench_local->add_option("--peer", bench.peer, "Second GPU for GPU->GPU (default: another GPU if present)");
+  bench_local->add_option("--sizes", bench.sizes, "Comma-separated sizes")->capture_default_str();
+  bench_local->add_option("--budget", bench.budget, "Bytes per trial (iterations = budget / size)")->capture_default_str();
+  bench_local->add_option("--trials", bench.trials, "Trials per measurement (best is kept)")->capture_default_str();
+  bench_local->add_flag("--json", bench.json, "Print JSON");
+  bench_local->add_option("--json-out", bench.json_out, "Also write the JSON to this file");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -31,6 +50,8 @@ int main(int argc, char** argv) {
     ferry::runtime rt;
     if (*info_cmd) return ferry::cli::run_info(rt, info);
     if (*demo_cmd) return ferry::cli::run_demo(rt, demo);
+    if (*cp_cmd) return ferry::cli::run_cp(rt, cp);
+    if (*bench_local) return ferry::cli::run_bench_local(rt, bench);
   } catch (const ferry::error& e) {
     std::fprintf(stderr, "ferry: error: %s\n", e.what());
     return 1;

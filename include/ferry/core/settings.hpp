@@ -49,6 +49,7 @@ struct FERRY_API settings {
   std::uint64_t xfer_chunk = 16ull << 20;
   std::uint64_t xfer_batch_small = 1ull << 20;
   std::string xfer_pageable = "auto";
+  bool xfer_peer = true;
   // io
   std::string cufile_library = "libcufile.so.0";
 

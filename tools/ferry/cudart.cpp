@@ -1,0 +1,47 @@
+#include "cudart.hpp"
+
+#include <ferry/core/error.hpp>
+
+#include <dlfcn.h>
+#include <fmt/format.h>
+
+namespace ferry::cli {
+
+cudart::cudart() {
+  for (const char* lib : {"libcudart.so.13", "libcudart.so.12", "/usr/local/cuda/lib64/libcudart.so.13",
+                          "/usr/local/cuda/lib64/libcudart.so.12", "libcudart.so"}) {
+    handle = ::dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    if (handle) break;
+  }
+  if (!handle) {
+    why = "libcudart not found (baselines need the CUDA runtime)";
+    return;
+  }
+  auto sym = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::decay_t<decltype(fn)>>(::dlsym(handle, name));
+    if (!fn) why += std::string(why.empty() ? "" : ", ") + name;
+  };
+  sym(malloc_, "cudaMalloc");
+  sym(free_, "cudaFree");
+  sym(malloc_host, "cudaMallocHost");
+  sym(free_host, "cudaFreeHost");
+  sym(memcpy_, "cudaMemcpy");
+  sym(memcpy_peer, "cudaMemcpyPeer");
+  sym(set_device, "cudaSetDevice");
+  sym(enable_peer, "cudaDeviceEnablePeerAccess");
+  sym(sync, "cudaDeviceSynchronize");
+  sym(error_string, "cudaGetErrorString");
+  if (!why.empty()) {
+    why = "libcudart lacks " + why;
+    ::dlclose(handle);
+    handle = nullptr;
+  }
+}
+
+void cudart::check(int rc, const char* what) const {
+  if (rc != 0)
+    throw error(errc::device_error, "cudart", what, "baseline call failed",
+                fmt::format("{} (cudaError {})", error_string ? error_string(rc) : "?", rc));
+}
+
+}  // namespace ferry::cli
