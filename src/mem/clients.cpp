@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -18,11 +19,20 @@ namespace {
 
 std::uintptr_t page_size() { return static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE)); }
 
-// True when every page of [p, p+n) is mapped (msync reports ENOMEM for unmapped pages).
+// True when every page of [p, p+n) is mapped (msync reports ENOMEM for unmapped pages) and its
+// first and last bytes are readable: a freed cudaMalloc address stays mapped PROT_NONE inside
+// CUDA's UVA reservation, and must not pass for host memory.
+bool readable_byte(const void* p) {
+  char c;
+  iovec local{&c, 1}, remote{const_cast<void*>(p), 1};
+  ssize_t r = ::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0);
+  return r == 1 || (r < 0 && (errno == ENOSYS || errno == EPERM));  // no process_vm_*: trust msync
+}
 bool mapped(const void* p, std::uint64_t n) {
   auto a = reinterpret_cast<std::uintptr_t>(p) & ~(page_size() - 1);
   auto e = reinterpret_cast<std::uintptr_t>(p) + n;
-  return ::msync(reinterpret_cast<void*>(a), e - a, MS_ASYNC) == 0;
+  if (::msync(reinterpret_cast<void*>(a), e - a, MS_ASYNC) != 0) return false;
+  return readable_byte(p) && readable_byte(static_cast<const char*>(p) + n - 1);
 }
 
 #ifdef FERRY_HAVE_CUDA

@@ -329,14 +329,21 @@ class cuda_stream final : public stream {
     return true;
   }
   void do_synchronize(deadline until) override {
-    // Poll rather than cuStreamSynchronize: a blocking call cannot honour a deadline.
-    auto sleep = std::chrono::microseconds(0);
+    // Poll rather than cuStreamSynchronize: a blocking call cannot honour a deadline. Spin with
+    // yields for the first 100 us (copies finish in microseconds on fast links), then back off to
+    // at most 50 us so a waiter never oversleeps a transfer by more than that.
+    auto start = std::chrono::steady_clock::now();
+    auto sleep = std::chrono::microseconds(2);
     while (!do_idle()) {
-      if (std::chrono::steady_clock::now() >= until)
+      auto now = std::chrono::steady_clock::now();
+      if (now >= until)
         fail(errc::timeout, "stream.synchronize", name_, "deadline expired before the stream's work completed");
-      if (sleep.count() == 0) std::this_thread::yield();
-      else std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2 + std::chrono::microseconds(1), std::chrono::microseconds(500));
+      if (now - start < std::chrono::microseconds(100)) {
+        std::this_thread::yield();
+        continue;
+      }
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, std::chrono::microseconds(50));
     }
   }
 
