@@ -144,7 +144,7 @@ const setting_def table[] = {
   {"FERRY_STAGING_BUFFERS", "Pinned bounce buffers per NUMA node, 1..1024.",
    [](settings& s, std::string_view v) { s.staging_buffers = static_cast<int>(parse_int(v, 1, 1024)); },
    [](const settings& s) { return std::to_string(s.staging_buffers); }},
-  {"FERRY_XFER_THREADS", "Transfer engine worker threads (each drives its own streams and bounce copies), 0..256; 0 = min(8, cores).",
+  {"FERRY_XFER_THREADS", "Transfer engine worker threads (each drives its own streams and bounce copies), 0..256; 0 = half the cores, 2..16.",
    [](settings& s, std::string_view v) { s.xfer_threads = static_cast<int>(parse_int(v, 0, 256)); },
    [](const settings& s) { return std::to_string(s.xfer_threads); }},
   {"FERRY_XFER_CHUNK", "Largest piece a request is split into, so big copies spread over workers and streams.",

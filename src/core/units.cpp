@@ -14,8 +14,9 @@
 namespace ferry {
 
 int default_xfer_threads() noexcept {
+  // Staged copies are bound by CPU memcpy: half the cores, between 2 and 16.
   unsigned n = std::thread::hardware_concurrency();
-  return static_cast<int>(n == 0 ? 4 : std::min(8u, n));
+  return static_cast<int>(std::clamp(n / 2, 2u, 16u));
 }
 
 namespace {

@@ -130,6 +130,9 @@ class cuda_client final : public peer_memory_client {
       r.ordinal = ordinal;
       r.owner = fmt::format("cuda:{}", ordinal);
     } else if (type == CU_MEMORYTYPE_HOST) {
+      // Only a range wholly inside what CUDA registered is pinned; a range that merely starts in a
+      // registered prefix is pageable beyond it (the cache registers the rest).
+      if (!r.contains(reinterpret_cast<std::uintptr_t>(p), n)) return std::nullopt;
       r.type = memory_type::host_pinned;
       r.owner = "host";
     } else {

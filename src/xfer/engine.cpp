@@ -54,6 +54,7 @@ struct transfer_batch::state {
   std::uint64_t bytes_total = 0;
   std::atomic<bool> cancelled{false};
   deadline until;
+  void* engine = nullptr;  // transfer_engine::impl, for wait() to run its own queued work
 
   // Records the end of one segment of request i.
   void finish(std::size_t i, std::uint64_t len, const error* e, request_state fail_state = request_state::failed) {
@@ -171,6 +172,33 @@ struct transfer_engine::impl {
     seen.push_front(key);
     if (seen.size() > 256) seen.pop_back();
     return false;
+  }
+
+  // Streams of threads that help (callers in wait()), per thread and device.
+  std::mutex helper_mu;
+  std::map<std::pair<std::thread::id, device*>, std::unique_ptr<stream>> helper_streams;
+
+  // Runs queued items of batch `b` on the calling thread: for small batches this saves the wake-up
+  // of a worker and of the waiter. Returns when none of b's items is left in the queue.
+  void help(transfer_batch::state* b) {
+    auto stream_of = [&](device* d) -> stream& {
+      std::lock_guard l(helper_mu);
+      auto& s = helper_streams[{std::this_thread::get_id(), d}];
+      if (!s) s = d->create_stream();
+      return *s;
+    };
+    for (;;) {
+      work_item w;
+      {
+        std::lock_guard l(mu);
+        auto it = std::find_if(queue.begin(), queue.end(), [&](const work_item& x) { return x.b.get() == b; });
+        if (it == queue.end()) return;
+        w = std::move(*it);
+        queue.erase(it);
+      }
+      run(w, stream_of);
+      w.b->item_done();
+    }
   }
 
   void enqueue(std::vector<work_item>& items) {
@@ -323,6 +351,7 @@ bool transfer_batch::poll() const {
 }
 
 bool transfer_batch::wait() {
+  if (s_->engine) static_cast<transfer_engine::impl*>(s_->engine)->help(s_.get());
   std::unique_lock l(s_->mu);
   if (!s_->cv.wait_until(l, s_->until, [&] { return s_->unfinished == 0; })) {
     s_->cancelled = true;  // queued work is skipped; running chunks stop at their own deadline
@@ -374,6 +403,7 @@ transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, t
   tb.s_ = std::make_shared<transfer_batch::state>();
   auto& b = *tb.s_;
   b.until = o.until.value_or(deadline_after(I.cfg.deadline));
+  b.engine = &I;
   b.results.resize(reqs.size());
   for (auto& r : reqs) b.sizes.push_back(r.bytes);
   b.segs_left.assign(reqs.size(), 0);
@@ -402,6 +432,12 @@ transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, t
       if (dst.type == memory_type::unknown)
         fail(errc::bad_address, "xfer.submit", res, "destination is not mapped memory ferry knows (freed or invalid?)");
 
+      for (auto* m : {&src, &dst})
+        if ((m->type == memory_type::device || m->type == memory_type::managed) && m->size &&
+            !m->contains(m == &src ? s : d, r.bytes))
+          fail(errc::out_of_range, "xfer.submit", res,
+               fmt::format("{} extends past the end of its allocation on {} ({})", m == &src ? "source" : "destination",
+                           m->owner, describe_range(m->base, m->size)));
       work_item w;
       w.b = tb.s_;
       device* sdev = is_host(src.type) ? nullptr : &I.devices.get(src.owner);
@@ -466,12 +502,11 @@ transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, t
         b.segs_left[i] = 1;
         continue;
       }
-      // Large requests: split so every worker gets a share. Copy-engine paths get one piece per
-      // worker and a single synchronization each: a chunk of a fast link (NVLink: 16 MiB in 40 us)
-      // must not pay a synchronization per chunk. Staged paths go buffer by buffer.
-      std::uint64_t piece = std::max<std::uint64_t>(
-          round_up((r.bytes + static_cast<std::uint64_t>(I.nworkers) - 1) / static_cast<std::uint64_t>(I.nworkers), 64 * KiB),
-          1 * MiB);
+      // Copy-engine paths: one stream already saturates one direction of a link, so a request is
+      // split only to spread very large copies (one piece per 256 MiB, at most one per worker),
+      // each piece with a single synchronization. Staged paths go buffer by buffer over workers.
+      std::uint64_t pieces = std::clamp<std::uint64_t>(r.bytes / (256 * MiB), 1, static_cast<std::uint64_t>(I.nworkers));
+      std::uint64_t piece = round_up((r.bytes + pieces - 1) / pieces, 64 * KiB);
       if (w.path == transfer_path::bounce || w.path == transfer_path::staged) piece = chunk;
       if (w.path == transfer_path::host) piece = std::min(piece, chunk);
       for (std::uint64_t off = 0; off < r.bytes; off += piece) {

@@ -24,7 +24,7 @@ namespace ferry {
 enum class backend_choice { automatic, cuda, sim };
 FERRY_API std::string_view to_string(backend_choice b) noexcept;
 
-FERRY_API int default_xfer_threads() noexcept;  // min(8, hardware threads)
+FERRY_API int default_xfer_threads() noexcept;  // half the hardware threads, 2..16
 
 struct FERRY_API settings {
   // core

@@ -86,6 +86,8 @@ class FERRY_API transfer_engine {
   transfer_engine(const transfer_engine&) = delete;
   transfer_engine& operator=(const transfer_engine&) = delete;
 
+  struct impl;  // opaque
+
   transfer_batch submit(std::span<const transfer_request> requests, transfer_options o = {});
   // Submit one request and wait; throws its error.
   void copy(void* dst, const void* src, std::uint64_t bytes, transfer_options o = {});
@@ -94,7 +96,6 @@ class FERRY_API transfer_engine {
   int workers() const noexcept;
 
  private:
-  struct impl;
   std::unique_ptr<impl> impl_;
 };
 
