@@ -163,6 +163,16 @@ bool registration::valid() const noexcept {
     if (!e->valid.load(std::memory_order_acquire)) return false;
   return cache_ != nullptr;
 }
+std::vector<std::pair<std::uintptr_t, std::uint64_t>> registration::pieces() const {
+  std::vector<std::pair<std::uintptr_t, std::uint64_t>> out;
+  std::uintptr_t lo = region_.base, hi = region_.base + region_.size;
+  for (auto& e : entries_) {
+    std::uintptr_t a = std::max(lo, e->base), b = std::min(hi, e->base + e->size);
+    if (a < b) out.emplace_back(a, b - a);
+  }
+  return out;
+}
+
 void registration::on_invalidate(std::function<void()> cb) {
   if (!cache_) return;
   auto shared = std::make_shared<std::function<void()>>(std::move(cb));

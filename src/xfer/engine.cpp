@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include <sys/prctl.h>
+
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -130,7 +132,10 @@ struct transfer_engine::impl {
   std::mutex seen_mu;
   std::list<std::pair<std::uintptr_t, std::uint64_t>> seen;
 
+  counter* path_count[7] = {};
   impl(device_registry& d, registration_cache& c, const settings& s) : devices(d), cache(c), cfg(s) {
+    for (int p = 0; p <= static_cast<int>(transfer_path::host); ++p)
+      path_count[p] = &st.get(fmt::format("path.{}", to_string(static_cast<transfer_path>(p))));
     nworkers = s.xfer_threads > 0 ? s.xfer_threads : default_xfer_threads();
     for (int i = 0; i < nworkers; ++i) threads.emplace_back([this] { work(); });
   }
@@ -207,10 +212,12 @@ struct transfer_engine::impl {
       std::lock_guard l(mu);
       for (auto& w : items) queue.push_back(std::move(w));
     }
-    cv.notify_all();
+    for (std::size_t i = 0; i < items.size() && i < threads.size(); ++i) cv.notify_one();
   }
 
   void work() {
+    // Precise sleeps while polling for completion (the default 50 us slack is a copy's worth).
+    ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     std::map<device*, std::unique_ptr<stream>> streams;  // this worker's stream per device
     auto stream_of = [&](device* d) -> stream& {
       auto& s = streams[d];
@@ -262,9 +269,22 @@ struct transfer_engine::impl {
       if (live.empty()) return;
       stream& s = stream_of(w.dev);
       std::vector<const segment*> enqueued;
+      auto pieces = w.hold ? w.hold->pieces() : std::vector<std::pair<std::uintptr_t, std::uint64_t>>{};
       for (const segment* sg : live) {
         try {
-          s.copy(sg->dst, sg->src, sg->len);
+          if (pieces.size() <= 1) {
+            s.copy(sg->dst, sg->src, sg->len);
+          } else {
+            // Host side spans several registrations: one copy per registered piece.
+            auto host = reinterpret_cast<std::uintptr_t>(w.to_device ? static_cast<const void*>(sg->src)
+                                                                      : static_cast<const void*>(sg->dst));
+            for (auto [pb, pn] : pieces) {
+              std::uintptr_t a = std::max(host, pb), e = std::min(host + sg->len, pb + pn);
+              if (a >= e) continue;
+              std::uint64_t off = a - host;
+              s.copy(sg->dst + off, sg->src + off, e - a);
+            }
+          }
           enqueued.push_back(sg);
         } catch (const std::exception& ex) {
           fail_with(*sg, ex);  // refused at enqueue: only this request fails
@@ -417,25 +437,27 @@ transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, t
 
   for (std::size_t i = 0; i < reqs.size(); ++i) {
     const transfer_request& r = reqs[i];
-    std::string res = fmt::format("request {} dst={} src={}", i, describe_range(r.dst, r.bytes), describe_range(r.src, r.bytes));
+    auto res_of = [&] {
+      return fmt::format("request {} dst={} src={}", i, describe_range(r.dst, r.bytes), describe_range(r.src, r.bytes));
+    };
     b.bytes_total += r.bytes;
     try {
-      if (!r.dst || !r.src) fail(errc::invalid_argument, "xfer.submit", res, "null pointer");
-      if (r.bytes == 0) fail(errc::invalid_argument, "xfer.submit", res, "zero length");
+      if (!r.dst || !r.src) fail(errc::invalid_argument, "xfer.submit", res_of(), "null pointer");
+      if (r.bytes == 0) fail(errc::invalid_argument, "xfer.submit", res_of(), "zero length");
       auto d = reinterpret_cast<std::uintptr_t>(r.dst), s = reinterpret_cast<std::uintptr_t>(r.src);
-      if (d + r.bytes < d || s + r.bytes < s) fail(errc::out_of_range, "xfer.submit", res, "length overflows the address space");
-      if (d < s + r.bytes && s < d + r.bytes) fail(errc::invalid_argument, "xfer.submit", res, "source and destination overlap");
+      if (d + r.bytes < d || s + r.bytes < s) fail(errc::out_of_range, "xfer.submit", res_of(), "length overflows the address space");
+      if (d < s + r.bytes && s < d + r.bytes) fail(errc::invalid_argument, "xfer.submit", res_of(), "source and destination overlap");
       memory_region src = I.cache.classify(r.src, r.bytes);
       memory_region dst = I.cache.classify(r.dst, r.bytes);
       if (src.type == memory_type::unknown)
-        fail(errc::bad_address, "xfer.submit", res, "source is not mapped memory ferry knows (freed or invalid?)");
+        fail(errc::bad_address, "xfer.submit", res_of(), "source is not mapped memory ferry knows (freed or invalid?)");
       if (dst.type == memory_type::unknown)
-        fail(errc::bad_address, "xfer.submit", res, "destination is not mapped memory ferry knows (freed or invalid?)");
+        fail(errc::bad_address, "xfer.submit", res_of(), "destination is not mapped memory ferry knows (freed or invalid?)");
 
       for (auto* m : {&src, &dst})
         if ((m->type == memory_type::device || m->type == memory_type::managed) && m->size &&
             !m->contains(m == &src ? s : d, r.bytes))
-          fail(errc::out_of_range, "xfer.submit", res,
+          fail(errc::out_of_range, "xfer.submit", res_of(),
                fmt::format("{} extends past the end of its allocation on {} ({})", m == &src ? "source" : "destination",
                            m->owner, describe_range(m->base, m->size)));
       work_item w;
@@ -482,8 +504,8 @@ transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, t
         }
       }
       b.results[i].path = w.path;
-      I.st.get(fmt::format("path.{}", to_string(w.path))).add();
-      log::debug("xfer", "{}: {} -> {} via {}", res, src.owner.empty() ? to_string(src.type) : src.owner,
+      I.path_count[static_cast<int>(w.path)]->add();
+      log::debug("xfer", "{}: {} -> {} via {}", res_of(), src.owner.empty() ? to_string(src.type) : src.owner,
                  dst.owner.empty() ? to_string(dst.type) : dst.owner, to_string(w.path));
 
       auto* dp = static_cast<std::byte*>(r.dst);

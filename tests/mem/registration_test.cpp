@@ -92,6 +92,17 @@ TEST(RegistrationCache, OverlappingAndAdjacentRangesAreNeverRegisteredTwice) {
   EXPECT_EQ(cache.stats().hits, 1u);
   EXPECT_EQ(e.region().base, kBase);
   EXPECT_EQ(e.region().size, 16384u);
+  // DMA must be issued per pinned piece: [0,8K) [8K,12K) [12K,16K).
+  auto pieces = e.pieces();
+  ASSERT_EQ(pieces.size(), 3u);
+  EXPECT_EQ(pieces[0], std::make_pair(kBase, std::uint64_t{8192}));
+  EXPECT_EQ(pieces[1], std::make_pair(kBase + 8192, std::uint64_t{4096}));
+  EXPECT_EQ(pieces[2], std::make_pair(kBase + 12288, std::uint64_t{4096}));
+  auto inner = cache.acquire(at(100), 9000);  // clipped to the asked range
+  auto ip = inner.pieces();
+  ASSERT_EQ(ip.size(), 2u);
+  EXPECT_EQ(ip[0], std::make_pair(kBase + 100, std::uint64_t{8092}));
+  EXPECT_EQ(ip[1], std::make_pair(kBase + 8192, std::uint64_t{908}));
 }
 
 TEST(RegistrationCache, UnusedRegistrationsStayPinnedUntilTheLimitThenLruEvicts) {

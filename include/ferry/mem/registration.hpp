@@ -43,6 +43,10 @@ class FERRY_API registration {
   bool valid() const noexcept;
   // Called (once, from the invalidating thread) when a covering registration is invalidated.
   void on_invalidate(std::function<void()> cb);
+  // The separately pinned pieces covering the acquired range, clipped to it, in address order.
+  // A copy engine may not cross from one piece into the next (CUDA rejects a host range that spans
+  // two registrations), so DMA is issued per piece.
+  std::vector<std::pair<std::uintptr_t, std::uint64_t>> pieces() const;
 
  private:
   friend class registration_cache;
