@@ -4,6 +4,8 @@
 #include <ferry/core/checksum.hpp>
 #include <ferry/device/registry.hpp>
 
+#include "support/errors.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -131,14 +133,7 @@ TEST_F(DeviceConformance, HostChunkIsCoherentForCpuAndDeviceAtTheSameAddress) {
 TEST_F(DeviceConformance, MapRejectsBadInput) {
   va_range va = dev().reserve(2 * gran());
   physical_chunk c = dev().allocate(gran());
-  auto text = [&](auto f) {
-    try {
-      f();
-    } catch (const error& e) {
-      return std::string(e.what());
-    }
-    return std::string("(no error)");
-  };
+  auto text = [](auto f) { return test::error_text(f); };
   EXPECT_THAT(text([&] { dev().map(va.at(4096), c); }), HasSubstr("not aligned to the granularity"));
   EXPECT_THAT(text([&] { dev().map(va.at(2 * gran()), c); }), HasSubstr("not inside a range reserved"));
   dev().map(va.base(), c);

@@ -3,6 +3,8 @@
 #include <ferry/core/checksum.hpp>
 #include <ferry/device/registry.hpp>
 
+#include "support/errors.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -184,14 +186,7 @@ TEST(Sim, ManyStreamsFromManyThreads) {
 
 TEST(Sim, LookupErrors) {
   device_registry reg(small_sim());
-  auto text = [&](std::string_view n) {
-    try {
-      reg.get(n);
-    } catch (const error& e) {
-      return std::string(e.what());
-    }
-    return std::string("(no error)");
-  };
+  auto text = [&](std::string_view n) { return test::error_text([&] { reg.get(n); }); };
   EXPECT_THAT(text("sim:2"), HasSubstr("there are 2 sim devices"));
   EXPECT_THAT(text("tpu:0"), HasSubstr("expected a device name like gpu:0"));
   EXPECT_THAT(text("sim:"), HasSubstr("expected a device name"));

@@ -1,6 +1,8 @@
 #include <ferry/core/error.hpp>
 #include <ferry/mem/registration.hpp>
 
+#include "support/errors.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -188,14 +190,7 @@ TEST(RegistrationCache, ConcurrentRegistrationFromManyThreads) {
 TEST(RegistrationCache, BadInputAndUnknownMemory) {
   fake_client c(kBase, 1 << 20);
   registration_cache cache({&c}, 1 << 20);
-  auto text = [&](auto f) {
-    try {
-      f();
-    } catch (const error& e) {
-      return std::string(e.what());
-    }
-    return std::string("(no error)");
-  };
+  auto text = [](auto f) { return test::error_text(f); };
   EXPECT_THAT(text([&] { cache.acquire(nullptr, 10); }), HasSubstr("null pointer"));
   EXPECT_THAT(text([&] { cache.acquire(at(0), 0); }), HasSubstr("zero length"));
   EXPECT_THAT(text([&] { cache.acquire(reinterpret_cast<void*>(~0ull - 10), 100); }), HasSubstr("overflows"));
