@@ -10,6 +10,7 @@ runtime::runtime(settings s) : devices_((set_log_level(s.log), std::move(s))) {}
 
 // The engine first (its workers hold streams), then the cache (pools hold registrations), then devices.
 runtime::~runtime() {
+  files_.reset();
   engine_.reset();
   cache_.reset();
 }
@@ -30,6 +31,11 @@ registration_cache& runtime::registrations() {
 transfer_engine& runtime::engine() {
   std::call_once(engine_once_, [&] { engine_ = std::make_unique<transfer_engine>(devices_, registrations(), config()); });
   return *engine_;
+}
+
+file_engine& runtime::files() {
+  std::call_once(files_once_, [&] { files_ = std::make_unique<file_engine>(engine(), devices_, registrations(), config()); });
+  return *files_;
 }
 
 const char* version() noexcept { return FERRY_VERSION; }

@@ -5,6 +5,7 @@
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
 #include <ferry/device/registry.hpp>
+#include <ferry/io/file.hpp>
 #include <ferry/mem/registration.hpp>
 #include <ferry/xfer/engine.hpp>
 
@@ -26,13 +27,15 @@ class FERRY_API runtime {
   // present), sim devices and host memory, in that order.
   registration_cache& registrations();
   transfer_engine& engine();
+  file_engine& files();
 
  private:
   device_registry devices_;
-  std::once_flag mem_once_, engine_once_;
+  std::once_flag mem_once_, engine_once_, files_once_;
   std::vector<std::unique_ptr<peer_memory_client>> clients_;
   std::unique_ptr<registration_cache> cache_;
   std::unique_ptr<transfer_engine> engine_;
+  std::unique_ptr<file_engine> files_;
 };
 
 // Version of the library ("0.1.0") and whether it was built with CUDA.

@@ -1,5 +1,6 @@
 #include <ferry/core/checksum.hpp>
 
+#include <algorithm>
 #include <cstring>
 
 namespace ferry {
@@ -32,6 +33,37 @@ std::uint64_t checksum64(const void* src, std::size_t bytes) noexcept {
     sum += splitmix64(w ^ (words * golden64));
   }
   return sum;
+}
+
+void checksum64_stream::update(const void* p, std::size_t n) noexcept {
+  auto* b = static_cast<const unsigned char*>(p);
+  bytes_ += n;
+  while (n) {
+    if (carry_len_ == 0 && n >= 8) {  // fast path: whole words
+      std::uint64_t w;
+      std::memcpy(&w, b, 8);
+      sum_ += splitmix64(w ^ (word_++ * golden64));
+      b += 8;
+      n -= 8;
+      continue;
+    }
+    std::size_t take = std::min<std::size_t>(n, 8 - carry_len_);
+    std::memcpy(reinterpret_cast<unsigned char*>(&carry_) + carry_len_, b, take);
+    carry_len_ += static_cast<unsigned>(take);
+    b += take;
+    n -= take;
+    if (carry_len_ == 8) {
+      sum_ += splitmix64(carry_ ^ (word_++ * golden64));
+      carry_ = 0;
+      carry_len_ = 0;
+    }
+  }
+}
+
+std::uint64_t checksum64_stream::value() const noexcept {
+  std::uint64_t s = sum_ + bytes_ * golden64;
+  if (carry_len_) s += splitmix64(carry_ ^ (word_ * golden64));
+  return s;
 }
 
 std::uint64_t pattern_checksum(std::size_t bytes, std::uint64_t seed) noexcept {

@@ -168,6 +168,37 @@ const setting_def table[] = {
   {"FERRY_CUFILE_LIBRARY", "cuFile (GPUDirect Storage) library loaded at run time (optional).",
    [](settings& s, std::string_view v) { s.cufile_library = nonempty(v); },
    [](const settings& s) { return s.cufile_library; }},
+  {"FERRY_FILE_BACKEND", "File backend: auto (cuFile where handle registration and a probe read work, else io_uring) | io_uring | cufile.",
+   [](settings& s, std::string_view v) {
+     if (v != "auto" && v != "io_uring" && v != "cufile") throw bad_value{"expected one of auto|io_uring|cufile"};
+     s.file_backend = std::string(v);
+   },
+   [](const settings& s) { return s.file_backend; }},
+  {"FERRY_IO_DIRECT", "O_DIRECT for file reads: auto (unless the range is in the page cache) | always | never.",
+   [](settings& s, std::string_view v) {
+     if (v != "auto" && v != "always" && v != "never") throw bad_value{"expected one of auto|always|never"};
+     s.io_direct = std::string(v);
+   },
+   [](const settings& s) { return s.io_direct; }},
+  {"FERRY_IO_THREADS", "File engine threads, each with its own io_uring and staging buffers, 1..64.",
+   [](settings& s, std::string_view v) { s.io_threads = static_cast<int>(parse_int(v, 1, 64)); },
+   [](const settings& s) { return std::to_string(s.io_threads); }},
+  {"FERRY_IO_DEPTH", "File reads/writes in flight per request (queue depth; also staging buffers per thread), 1..256.",
+   [](settings& s, std::string_view v) { s.io_depth = static_cast<int>(parse_int(v, 1, 256)); },
+   [](const settings& s) { return std::to_string(s.io_depth); }},
+  {"FERRY_IO_CHUNK", "Size of each file read/write (and staging buffer), a multiple of 4 KiB.",
+   [](settings& s, std::string_view v) {
+     s.io_chunk = parse_size_in(v, 64 * KiB, 1 * GiB);
+     if (s.io_chunk % (4 * KiB)) throw bad_value{"must be a multiple of 4KiB"};
+   },
+   [](const settings& s) { return format_size(s.io_chunk); }},
+  {"FERRY_IO_INJECT", "Test only: inject faults into file I/O completions: partial, eintr, or partial,eintr. Empty: off.",
+   [](settings& s, std::string_view v) {
+     if (!v.empty() && v != "partial" && v != "eintr" && v != "partial,eintr" && v != "eintr,partial")
+       throw bad_value{"expected partial, eintr, partial,eintr or empty"};
+     s.io_inject = std::string(v);
+   },
+   [](const settings& s) { return s.io_inject; }},
 };
 // clang-format on
 

@@ -33,3 +33,13 @@ TEST(Checksum, LengthMatters) {
 }
 
 TEST(Checksum, DifferentSeedsDiffer) { EXPECT_NE(pattern_checksum(4096, 1), pattern_checksum(4096, 2)); }
+
+TEST(Checksum, StreamingEqualsOneShot) {
+  std::vector<unsigned char> b(100003);
+  fill_pattern(b.data(), b.size(), 9);
+  for (std::size_t piece : {1ul, 3ul, 8ul, 4096ul, 7777ul}) {
+    checksum64_stream s;
+    for (std::size_t off = 0; off < b.size(); off += piece) s.update(b.data() + off, std::min(piece, b.size() - off));
+    EXPECT_EQ(s.value(), checksum64(b.data(), b.size())) << piece;
+  }
+}

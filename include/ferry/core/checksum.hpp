@@ -25,6 +25,17 @@ constexpr std::uint64_t splitmix64(std::uint64_t x) noexcept {
 
 FERRY_API void fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) noexcept;
 FERRY_API std::uint64_t checksum64(const void* src, std::size_t bytes) noexcept;
+// checksum64 over data that arrives in pieces (a file read chunk by chunk).
+class FERRY_API checksum64_stream {
+ public:
+  void update(const void* p, std::size_t n) noexcept;
+  std::uint64_t value() const noexcept;  // checksum64 of everything so far
+
+ private:
+  std::uint64_t sum_ = 0, bytes_ = 0, word_ = 0, carry_ = 0;
+  unsigned carry_len_ = 0;
+};
+
 // Checksum of what fill_pattern(.., bytes, seed) writes, without a buffer.
 FERRY_API std::uint64_t pattern_checksum(std::size_t bytes, std::uint64_t seed) noexcept;
 

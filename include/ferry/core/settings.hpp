@@ -53,6 +53,12 @@ struct FERRY_API settings {
   bool xfer_peer = true;
   // io
   std::string cufile_library = "libcufile.so.0";
+  std::string file_backend = "auto";   // auto | io_uring | cufile
+  std::string io_direct = "auto";      // auto | always | never
+  int io_threads = 2;
+  int io_depth = 16;
+  std::uint64_t io_chunk = 8ull << 20;
+  std::string io_inject;               // test-only fault injection: "partial", "eintr", "partial,eintr"
 
   // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
   using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;

@@ -76,6 +76,7 @@ class FERRY_API transfer_batch {
 
  private:
   friend class transfer_engine;
+  friend transfer_batch make_batch(std::shared_ptr<state> s);
   std::shared_ptr<state> s_;
 };
 

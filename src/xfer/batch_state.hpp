@@ -1,0 +1,69 @@
+#pragma once
+// The shared state behind a transfer_batch handle. Internal to ferry: the transfer engine and the
+// file engine (io) both report into it, so their batches poll, wait, cancel and time out the same way.
+#include <ferry/xfer/engine.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+
+namespace ferry {
+
+struct transfer_batch::state {
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<request_result> results;
+  std::vector<std::uint64_t> sizes;
+  std::vector<int> segs_left;
+  std::size_t unfinished = 0;
+  int items_inflight = 0;  // queued or running work items
+  std::atomic<std::uint64_t> bytes_done{0};
+  std::uint64_t bytes_total = 0;
+  std::atomic<bool> cancelled{false};
+  deadline until;
+  void* engine = nullptr;  // transfer_engine::impl, for wait() to run its own queued work
+
+  // Records the end of one segment of request i.
+  void finish(std::size_t i, std::uint64_t len, const error* e, request_state fail_state = request_state::failed) {
+    std::lock_guard l(mu);
+    request_result& r = results[i];
+    if (r.state != request_state::pending) return;  // already timed out / cancelled
+    if (e && !r.err) r.err = *e;
+    if (!e) {
+      r.bytes_done += len;
+      bytes_done += len;
+    }
+    if (--segs_left[i] > 0) return;
+    r.state = r.err ? (r.err->code() == errc::cancelled ? request_state::cancelled
+                                                        : r.err->code() == errc::timeout ? request_state::timed_out
+                                                                                          : fail_state)
+                    : request_state::done;
+    if (--unfinished == 0) cv.notify_all();
+  }
+  // Progress of request i before it finishes (bytes delivered so far).
+  void progress(std::size_t i, std::uint64_t n) {
+    std::lock_guard l(mu);
+    if (results[i].state != request_state::pending) return;
+    results[i].bytes_done += n;
+    bytes_done += n;
+  }
+  // A request that never reaches the workers (bad input, classification error).
+  void fail_now(std::size_t i, error e) {
+    std::lock_guard l(mu);
+    results[i].state = request_state::failed;
+    results[i].err = std::move(e);
+    segs_left[i] = 0;
+    if (--unfinished == 0) cv.notify_all();
+  }
+  void item_done() {
+    std::lock_guard l(mu);
+    if (--items_inflight == 0) cv.notify_all();
+  }
+};
+
+
+// Builds a batch handle around fresh state (for engines other than the transfer engine).
+std::shared_ptr<transfer_batch::state> make_batch_state(std::size_t requests, deadline until);
+transfer_batch make_batch(std::shared_ptr<transfer_batch::state> s);
+
+}  // namespace ferry

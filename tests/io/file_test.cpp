@@ -1,0 +1,225 @@
+// The file engine on CPU memory and sim devices.
+#include <ferry/core/checksum.hpp>
+#include <ferry/device/mapped_memory.hpp>
+#include <ferry/runtime.hpp>
+
+#include "support/errors.hpp"
+
+#include <fcntl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+using namespace ferry;
+using ::testing::HasSubstr;
+
+namespace {
+
+settings io_settings(const std::string& direct = "auto") {
+  settings s;
+  s.backend = backend_choice::sim;
+  s.sim_capacity = 64ull << 20;
+  s.sim_granularity = 1ull << 20;
+  s.io_chunk = 64ull << 10;
+  s.io_depth = 4;
+  s.io_threads = 2;
+  s.io_direct = direct;
+  s.deadline = std::chrono::seconds(30);
+  return s;
+}
+
+// Unique per process: ctest runs the tests of this file in parallel processes.
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "ferry-io-" + std::to_string(::getpid()) + "-" + name;
+}
+
+std::vector<unsigned char> random_bytes(std::size_t n, unsigned seed) {
+  std::vector<unsigned char> v(n);
+  std::mt19937 rng(seed);
+  for (auto& c : v) c = static_cast<unsigned char>(rng());
+  return v;
+}
+
+void write_file(const std::string& p, const std::vector<unsigned char>& data) {
+  std::ofstream f(p, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+}
+
+class FileRead : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(FileRead, EveryAlignmentOfOffsetLengthAndBufferIntoHostAndSim) {
+  runtime rt(io_settings(GetParam()));
+  std::string p = temp_path("matrix");
+  auto data = random_bytes(1 << 20, 1);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  if (GetParam() == "always" && f->direct_fd() < 0) GTEST_SKIP() << "no O_DIRECT on " << p;
+  mapped_memory dev = allocate_mapped(rt.devices().get("sim:0"), 2 << 20);
+  std::vector<unsigned char> host(1 << 20 | 64);
+  for (std::uint64_t off : {0ul, 1ul, 4095ul, 4096ul, 65537ul}) {
+    for (std::uint64_t len : {1ul, 511ul, 4096ul, 100000ul, 300001ul}) {
+      for (std::uint64_t boff : {0ul, 1ul, 8ul}) {
+        std::memset(host.data(), 0, host.size());
+        ASSERT_EQ(rt.files().read(*f, off, host.data() + boff, len), len);
+        ASSERT_EQ(std::memcmp(host.data() + boff, data.data() + off, len), 0) << off << " " << len << " " << boff;
+        ASSERT_EQ(rt.files().read(*f, off, dev.data() + boff, len), len);
+        std::vector<unsigned char> back(len);
+        rt.engine().copy(back.data(), dev.data() + boff, len);
+        ASSERT_EQ(std::memcmp(back.data(), data.data() + off, len), 0) << "sim " << off << " " << len << " " << boff;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DirectModes, FileRead, ::testing::Values("auto", "always", "never"));
+
+TEST(File, ShortReadAtEndOfFileNeverGarbage) {
+  runtime rt(io_settings("always"));
+  std::string p = temp_path("eof");
+  auto data = random_bytes(10000, 2);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  std::vector<unsigned char> buf(20000, 0xAA);
+  EXPECT_EQ(rt.files().read(*f, 9000, buf.data(), 5000), 1000u);
+  EXPECT_EQ(std::memcmp(buf.data(), data.data() + 9000, 1000), 0);
+  EXPECT_EQ(buf[1000], 0xAA) << "nothing past EOF is written";
+  EXPECT_EQ(rt.files().read(*f, 20000, buf.data(), 10), 0u);
+}
+
+TEST(File, PartialCompletionsAndEintrAreRetried) {
+  settings s = io_settings("never");
+  s.io_inject = "partial,eintr";
+  runtime rt(s);
+  std::string p = temp_path("inject");
+  auto data = random_bytes(3 << 20, 3);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  std::vector<unsigned char> buf(data.size());
+  EXPECT_EQ(rt.files().read(*f, 0, buf.data(), buf.size()), buf.size());
+  EXPECT_EQ(buf, data);
+  EXPECT_GT(rt.files().counters().get("io.partial").value(), 0u);
+  EXPECT_GT(rt.files().counters().get("io.retries").value(), 0u);
+  // Writes too.
+  auto w = file::open(temp_path("inject-w"), open_mode::create);
+  rt.files().write(*w, 0, data.data(), data.size(), true);
+  std::fill(buf.begin(), buf.end(), 0);
+  EXPECT_EQ(rt.files().read(*w, 0, buf.data(), buf.size()), buf.size());
+  EXPECT_EQ(buf, data);
+}
+
+TEST(File, WriteThenReadRoundTripsThroughHostAndSim) {
+  runtime rt(io_settings());
+  auto data = random_bytes((3 << 20) + 777, 4);
+  auto f = file::open(temp_path("rw"), open_mode::create);
+  // Unaligned offset so head and tail take the buffered path and the middle O_DIRECT.
+  rt.files().write(*f, 4097, data.data(), data.size(), true);
+  EXPECT_EQ(f->size(), 4097 + data.size());
+  mapped_memory dev = allocate_mapped(rt.devices().get("sim:0"), 4 << 20);
+  EXPECT_EQ(rt.files().read(*f, 4097, dev.data(), data.size()), data.size());
+  auto s = rt.devices().get("sim:0").create_stream();
+  std::uint64_t sum = 0;
+  s->checksum(dev.data(), data.size(), &sum);
+  s->synchronize();
+  EXPECT_EQ(sum, checksum64(data.data(), data.size()));
+  // Device -> file.
+  auto g = file::open(temp_path("rw2"), open_mode::create);
+  rt.files().write(*g, 0, dev.data(), data.size());
+  std::vector<unsigned char> back(data.size());
+  EXPECT_EQ(rt.files().read(*g, 0, back.data(), back.size()), back.size());
+  EXPECT_EQ(back, data);
+}
+
+TEST(File, SparseFilesBeyondFourGiB) {
+  runtime rt(io_settings());
+  auto f = file::open(temp_path("sparse"), open_mode::create);
+  const std::uint64_t off = (5ull << 30) + 12345;
+  auto data = random_bytes(200000, 5);
+  rt.files().write(*f, off, data.data(), data.size());
+  EXPECT_EQ(f->size(), off + data.size());
+  std::vector<unsigned char> back(data.size());
+  EXPECT_EQ(rt.files().read(*f, off, back.data(), back.size()), back.size());
+  EXPECT_EQ(back, data);
+  std::vector<unsigned char> hole(100000, 1);
+  EXPECT_EQ(rt.files().read(*f, 1ull << 32, hole.data(), hole.size()), hole.size());
+  EXPECT_EQ(std::count(hole.begin(), hole.end(), 0), static_cast<long>(hole.size())) << "a hole reads as zeros";
+  f->resize(0);
+}
+
+TEST(File, TruncatedWhileReadingIsAnErrorNotAHang) {
+  settings s = io_settings("never");
+  s.io_depth = 2;
+  s.sim_copy_gbps = 0.02;  // slow device copies keep the pipeline waiting
+  runtime rt(s);
+  std::string p = temp_path("trunc");
+  auto data = random_bytes(8 << 20, 6);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  mapped_memory dev = allocate_mapped(rt.devices().get("sim:0"), 8 << 20);
+  file_request r{f, 0, dev.data(), data.size(), false};
+  auto t0 = std::chrono::steady_clock::now();
+  transfer_batch b = rt.files().submit({&r, 1});
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  ::truncate(p.c_str(), 1 << 20);
+  EXPECT_FALSE(b.wait());
+  auto res = b.results()[0];
+  EXPECT_EQ(res.state, request_state::failed);
+  ASSERT_TRUE(res.err);
+  EXPECT_THAT(res.err->what(), HasSubstr("truncated while reading"));
+  EXPECT_THAT(res.err->what(), HasSubstr(p));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+}
+
+TEST(File, RemovedWhileReadingStillReadsTheOpenFile) {
+  // POSIX: an open file outlives its name; the read completes with the right data, no hang.
+  runtime rt(io_settings());
+  std::string p = temp_path("removed");
+  auto data = random_bytes(4 << 20, 7);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  std::vector<unsigned char> buf(data.size());
+  file_request r{f, 0, buf.data(), buf.size(), false};
+  transfer_batch b = rt.files().submit({&r, 1});
+  ::unlink(p.c_str());
+  EXPECT_TRUE(b.wait());
+  EXPECT_EQ(buf, data);
+}
+
+TEST(File, ClearErrorsNamingThePath) {
+  runtime rt(io_settings());
+  EXPECT_THAT(test::error_text([] { file::open("/nonexistent/dir/weights.bin", open_mode::read); }),
+              HasSubstr("file.open /nonexistent/dir/weights.bin: cannot open for reading: No such file or directory"));
+  EXPECT_THAT(test::error_text([] { file::open(::testing::TempDir(), open_mode::read); }), HasSubstr("is a directory"));
+  // Read-only file opened for a write request.
+  std::string p = temp_path("ro");
+  write_file(p, random_bytes(100, 8));
+  auto f = file::open(p, open_mode::read);
+  std::vector<unsigned char> buf(100);
+  EXPECT_THAT(test::error_text([&] { rt.files().write(*f, 0, buf.data(), 100); }), HasSubstr("opened read-only"));
+  EXPECT_THAT(test::error_text([&] { rt.files().read(*f, 0, nullptr, 100); }), HasSubstr("null memory pointer"));
+  // Permission denied: root bypasses file modes, so check it as an unprivileged user in a child.
+  ::chmod(p.c_str(), 0000);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    if (::geteuid() == 0 && ::setuid(65534) != 0) _exit(2);
+    std::string t = test::error_text([&] { file::open(p, open_mode::read); });
+    [[maybe_unused]] auto n = ::write(fds[1], t.data(), t.size());
+    _exit(0);
+  }
+  ::close(fds[1]);
+  char msg[512] = {};
+  [[maybe_unused]] auto n = ::read(fds[0], msg, sizeof msg - 1);
+  ::waitpid(pid, nullptr, 0);
+  EXPECT_THAT(std::string(msg), HasSubstr("file.open " + p + ": cannot open for reading: Permission denied"));
+  EXPECT_THAT(std::string(msg), HasSubstr("[permission_denied]"));
+}
+
+}  // namespace
