@@ -21,8 +21,10 @@ int run_demo(runtime& rt, const demo_options& o);
 
 struct cp_options {
   std::string src, dst;
-  std::string size = "64MiB";
+  std::string size;  // default: the source file's size, or 64 MiB for memory
+  std::string via;   // file -> file through this endpoint (default host)
   bool progress = false;
+  bool verify = true;
 };
 int run_cp(runtime& rt, const cp_options& o);
 
@@ -36,5 +38,15 @@ struct bench_options {
   std::string json_out;  // also write the JSON here
 };
 int run_bench_local(runtime& rt, const bench_options& o);
+
+struct bench_file_options {
+  std::string path;            // a directory (the test file is created there) or a file path
+  std::string size = "4GiB";
+  std::string device;          // default: the default device
+  std::string compare_script;  // e.g. scripts/bench-torch-load.py, run on the same file
+  std::string json_out;
+  bool keep = false;           // keep the test file
+};
+int run_bench_file(runtime& rt, const bench_file_options& o);
 
 }  // namespace ferry::cli

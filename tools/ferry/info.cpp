@@ -3,6 +3,7 @@
 #include "commands.hpp"
 
 #include <ferry/core/units.hpp>
+#include <ferry/io/file.hpp>
 #include <ferry/io/probe.hpp>
 #include <ferry/mem/topology.hpp>
 #include <ferry/net/probe.hpp>
@@ -92,6 +93,11 @@ json collect(runtime& rt, const info_options& o) {
   j["ucx"] = to_json(probe_ucx());
   j["io_uring"] = to_json(probe_io_uring());
   j["cufile"] = to_json(probe_cufile(rt.config(), cs.available, o.path));
+  if (!o.path.empty()) {
+    file_backend_choice fb = rt.files().backend_for(o.path);
+    j["file_backend"] = {{"path", o.path}, {"backend", fb.backend}, {"direct", fb.direct}, {"align", fb.align},
+                         {"reason", fb.reason}};
+  }
   j["userfaultfd"] = to_json(probe_userfaultfd());
   backend_status ss = rt.devices().sim_status();
   j["sim"] = {{"devices", ss.device_count},
@@ -164,6 +170,11 @@ void print_human(const json& j) {
   print_capability("io_uring", j["io_uring"]);
   print_capability("cuFile", j["cufile"]);
   print_capability("userfaultfd", j["userfaultfd"]);
+  if (j.contains("file_backend")) {
+    const json& fb = j["file_backend"];
+    fmt::print("files        {} -> {}: {}\n", fb["path"].get<std::string>(), fb["backend"].get<std::string>(),
+               fb["reason"].get<std::string>());
+  }
   const json& s = j["sim"];
   fmt::print("sim          {} device(s) of {}, granularity {}, {} copy engine(s) each (tests only; not for speed)\n",
              s["devices"].get<int>(), format_size(s["capacity"].get<std::uint64_t>()),

@@ -23,10 +23,13 @@ int main(int argc, char** argv) {
   demo_cmd->add_option("--size", demo.size, "Bytes to move, e.g. 64MiB")->capture_default_str();
 
   ferry::cli::cp_options cp;
-  auto* cp_cmd = app.add_subcommand("cp", "Copy between local endpoints (host, pinned, gpu:N, sim:N, each +OFFSET) and verify");
+  auto* cp_cmd = app.add_subcommand(
+      "cp", "Copy between files (file:PATH) and memory (host, pinned, gpu:N, sim:N, each +OFFSET), verified by checksums");
   cp_cmd->add_option("src", cp.src, "Source endpoint")->required();
   cp_cmd->add_option("dst", cp.dst, "Destination endpoint")->required();
-  cp_cmd->add_option("--size", cp.size, "Bytes to copy, e.g. 1GiB")->capture_default_str();
+  cp_cmd->add_option("--size", cp.size, "Bytes to copy, e.g. 1GiB (default: the source file's size, else 64MiB)");
+  cp_cmd->add_option("--via", cp.via, "file -> file through this endpoint (host or gpu:N; default host)");
+  cp_cmd->add_flag("!--no-verify", cp.verify, "Skip the checksum verification");
   cp_cmd->add_flag("--progress", cp.progress, "Show a progress bar (default: on a terminal, for >= 256 MiB)");
 
   ferry::cli::bench_options bench;
@@ -41,6 +44,15 @@ int main(int argc, char** argv) {
   bench_local->add_flag("--json", bench.json, "Print JSON");
   bench_local->add_option("--json-out", bench.json_out, "Also write the JSON to this file");
 
+  ferry::cli::bench_file_options bfile;
+  auto* bench_file = bench_cmd->add_subcommand("file", "File -> GPU: ferry vs the disk's ceiling, naive pread+cudaMemcpy, torch");
+  bench_file->add_option("--path", bfile.path, "Directory (or file path) for the test file")->required();
+  bench_file->add_option("--size", bfile.size, "Test file size")->capture_default_str();
+  bench_file->add_option("--device", bfile.device, "Device (default: FERRY_BACKEND's choice)");
+  bench_file->add_option("--compare-script", bfile.compare_script, "Script loading the same file the way users do");
+  bench_file->add_option("--json-out", bfile.json_out, "Write the results as JSON here");
+  bench_file->add_flag("--keep", bfile.keep, "Keep the test file");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -52,6 +64,7 @@ int main(int argc, char** argv) {
     if (*demo_cmd) return ferry::cli::run_demo(rt, demo);
     if (*cp_cmd) return ferry::cli::run_cp(rt, cp);
     if (*bench_local) return ferry::cli::run_bench_local(rt, bench);
+    if (*bench_file) return ferry::cli::run_bench_file(rt, bfile);
   } catch (const ferry::error& e) {
     std::fprintf(stderr, "ferry: error: %s\n", e.what());
     return 1;
