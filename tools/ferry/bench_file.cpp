@@ -199,20 +199,25 @@ int run_bench_file(runtime& rt, const bench_file_options& o) {
     say(fmt::format("  {:<44} {:<6} {:>8.2f} GB/s  {}", what, kind, bps / 1e9, note));
   };
 
-  // Ceiling: raw reads into host memory.
+  // Ceiling: raw reads into host memory, 1 MiB and 8 MiB blocks (ferry reads FERRY_IO_CHUNK = 8 MiB
+  // by default), QD 1..64. Run once before and once after ferry's cold load and keep the best, so
+  // the ceiling does not suffer from running first (a VM's disk may be cached below the guest).
   double ceiling = 0;
-  for (unsigned qd : {1u, 4u, 16u, 64u}) {
-    drop_cache(path);
-    double r = raw_uring(path, bytes, qd, 1ull << 20, false);
-    ceiling = std::max(ceiling, r);
-    row(fmt::format("raw O_DIRECT read, QD {}, 1 MiB blocks", qd), "cold", r);
-  }
-  double cached = drop_cache(path);
-  double bseq = buffered_seq(path, bytes);
-  ceiling = std::max(ceiling, bseq);
-  row("raw buffered sequential pread 16 MiB", "cold", bseq, fmt::format("cached before: {:.1f}%", cached * 100));
-  out["ceiling_gbps"] = ceiling / 1e9;
-
+  auto raw_pass = [&](int pass) {
+    for (std::uint64_t block : {1ull << 20, 8ull << 20})
+      for (unsigned qd : {1u, 4u, 16u, 64u}) {
+        drop_cache(path);
+        double r = raw_uring(path, bytes, qd, block, false);
+        ceiling = std::max(ceiling, r);
+        row(fmt::format("raw O_DIRECT read, QD {}, {} blocks (pass {})", qd, format_size(block), pass), "cold", r);
+      }
+    double cached = drop_cache(path);
+    double bseq = buffered_seq(path, bytes);
+    ceiling = std::max(ceiling, bseq);
+    row(fmt::format("raw buffered sequential pread 16 MiB (pass {})", pass), "cold", bseq,
+        fmt::format("cached before: {:.1f}%", cached * 100));
+  };
+  raw_pass(1);
   // Device memory for the loads.
   void* cdst = nullptr;
   std::unique_ptr<endpoint> sdst;
@@ -262,9 +267,17 @@ int run_bench_file(runtime& rt, const bench_file_options& o) {
   double naive_cold = naive();
   row("naive pread 16 MiB + cudaMemcpy", "cold", naive_cold);
   drop_cache(path);
-  double ferry_cold = ferry_load(ok);
-  row("ferry file -> device", "cold", ferry_cold, ok ? "checksum verified" : "CHECKSUM MISMATCH");
+  double ferry_cold1 = ferry_load(ok);
+  row("ferry file -> device (run 1)", "cold", ferry_cold1, ok ? "checksum verified" : "CHECKSUM MISMATCH");
   bool all_ok = ok;
+  raw_pass(2);
+  drop_cache(path);
+  double ferry_cold2 = ferry_load(ok);
+  all_ok = all_ok && ok;
+  row("ferry file -> device (run 2)", "cold", ferry_cold2, ok ? "checksum verified" : "CHECKSUM MISMATCH");
+  double ferry_cold = std::min(ferry_cold1, ferry_cold2);  // the worse run counts
+  out["ceiling_gbps"] = ceiling / 1e9;
+  out["ferry_cold_gbps"] = ferry_cold / 1e9;
   buffered_seq(path, bytes);  // warm the page cache
   double naive_warm = naive();
   row("naive pread 16 MiB + cudaMemcpy", "warm", naive_warm);
@@ -303,12 +316,13 @@ int run_bench_file(runtime& rt, const bench_file_options& o) {
   std::uint64_t wbytes = std::min<std::uint64_t>(bytes, 2ull << 30);
   std::string wpath = path + ".write";
   double wceil = 0;
-  for (unsigned qd : {1u, 4u, 16u, 64u}) {
-    ::unlink(wpath.c_str());
-    double r = raw_uring(wpath, wbytes, qd, 1ull << 20, true);
-    wceil = std::max(wceil, r);
-    row(fmt::format("raw O_DIRECT write, QD {}, 1 MiB blocks", qd), "write", r);
-  }
+  for (std::uint64_t block : {1ull << 20, 8ull << 20})
+    for (unsigned qd : {1u, 4u, 16u, 64u}) {
+      ::unlink(wpath.c_str());
+      double r = raw_uring(wpath, wbytes, qd, block, true);
+      wceil = std::max(wceil, r);
+      row(fmt::format("raw O_DIRECT write, QD {}, {} blocks", qd, format_size(block)), "write", r);
+    }
   ::unlink(wpath.c_str());
   {
     auto wf = file::open(wpath, open_mode::create);

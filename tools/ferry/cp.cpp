@@ -96,7 +96,7 @@ int run_cp(runtime& rt, const cp_options& o) {
     transfer_batch b = rt.files().submit({&r, 1});
     secs = follow(b, show, t0);
     moved = b.results()[0].bytes_done;
-    path_used = "file engine (io_uring)";
+    path_used = b.results()[0].path == transfer_path::direct ? "file engine (cuFile)" : "file engine (io_uring)";
     if (o.verify) {
       got_sum = dst.checksum(moved);
       want_sum = file_checksum(rt, *fin, moved);
@@ -110,7 +110,7 @@ int run_cp(runtime& rt, const cp_options& o) {
     secs = follow(b, show, t0);
     fout->sync();
     secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    path_used = "file engine (io_uring)";
+    path_used = b.results()[0].path == transfer_path::direct ? "file engine (cuFile)" : "file engine (io_uring)";
     if (o.verify) {
       want_sum = pattern_checksum(bytes, seed);
       got_sum = file_checksum(rt, *fout, bytes);

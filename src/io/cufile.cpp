@@ -1,0 +1,188 @@
+#include "io/cufile.hpp"
+
+#include <ferry/core/error.hpp>
+
+#include "core/logging.hpp"
+#ifdef FERRY_HAVE_CUDA
+#include "mem/cuda/driver.hpp"
+#endif
+
+#include <dlfcn.h>
+#include <fmt/format.h>
+
+#include <cerrno>
+
+namespace ferry::cufile {
+
+// The stable C ABI of the cuFile entry points used (cufile.h is not installed here).
+struct cu_error {
+  int err;     // CUfileOpError (0 = success)
+  int cu_err;  // CUresult
+};
+struct cu_descr {
+  int type;  // CU_FILE_HANDLE_TYPE_OPAQUE_FD = 1
+  union {
+    int fd;
+    void* handle;
+  } handle;
+  const void* fs_ops;
+};
+
+struct backend::api {
+  cu_error (*driver_open)() = nullptr;
+  cu_error (*driver_close)() = nullptr;
+  cu_error (*handle_register)(void**, cu_descr*) = nullptr;
+  void (*handle_deregister)(void*) = nullptr;
+  long (*read)(void*, void*, std::size_t, long, long) = nullptr;
+  long (*write)(void*, const void*, std::size_t, long, long) = nullptr;
+};
+
+backend::backend(const settings& s) : lib_(s.cufile_library), driver_(s.cuda_driver) {
+#ifdef FERRY_HAVE_CUDA
+  const cuda::driver_status& st = cuda::load(s.cuda_driver);
+  if (!st.api) {
+    why_ = "no CUDA driver: " + st.reason;
+    return;
+  }
+  void* h = ::dlopen(lib_.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char* e = ::dlerror();
+    why_ = fmt::format("cannot load {} ({})", lib_, e ? e : "?");
+    return;
+  }
+  auto a = new api;
+  auto sym = [&](auto& fn, const char* name) { fn = reinterpret_cast<std::decay_t<decltype(fn)>>(::dlsym(h, name)); };
+  sym(a->driver_open, "cuFileDriverOpen");
+  sym(a->driver_close, "cuFileDriverClose_v2");
+  if (!a->driver_close) sym(a->driver_close, "cuFileDriverClose");
+  sym(a->handle_register, "cuFileHandleRegister");
+  sym(a->handle_deregister, "cuFileHandleDeregister");
+  sym(a->read, "cuFileRead");
+  sym(a->write, "cuFileWrite");
+  if (!a->driver_open || !a->handle_register || !a->handle_deregister || !a->read || !a->write) {
+    why_ = lib_ + " lacks cuFileDriverOpen/HandleRegister/Read/Write";
+    delete a;
+    return;
+  }
+  cu_error e = a->driver_open();
+  if (e.err != 0) {
+    why_ = fmt::format("cuFileDriverOpen failed (cuFile error {}, CUresult {})", e.err, e.cu_err);
+    delete a;
+    return;
+  }
+  api_ = a;
+#else
+  why_ = "this build has no CUDA support";
+#endif
+}
+
+backend::~backend() {
+  if (!api_) return;
+  for (auto& [f, h] : handles_) api_->handle_deregister(h);
+  if (api_->driver_close) api_->driver_close();
+  delete api_;
+}
+
+bool backend::usable(file& f, std::string& why) {
+  if (!api_) {
+    why = why_;
+    return false;
+  }
+  std::lock_guard l(mu_);
+  if (handles_.count(&f)) return true;
+  if (auto it = refused_.find(&f); it != refused_.end()) {
+    why = it->second;
+    return false;
+  }
+  cu_descr d{};
+  d.type = 1;
+  d.handle.fd = f.direct_fd() >= 0 ? f.direct_fd() : f.fd();
+  void* h = nullptr;
+  cu_error e = api_->handle_register(&h, &d);
+  if (e.err != 0) {
+    why = fmt::format("cuFileHandleRegister failed on {} (cuFile error {})", f.path(), e.err);
+    refused_[&f] = why;
+    return false;
+  }
+  handles_[&f] = h;
+  return true;
+}
+
+void backend::forget(file& f) {
+  std::lock_guard l(mu_);
+  if (auto it = handles_.find(&f); it != handles_.end()) {
+    api_->handle_deregister(it->second);
+    handles_.erase(it);
+  }
+  refused_.erase(&f);
+}
+
+void backend::refuse(file& f, const std::string& why) {
+  forget(f);
+  std::lock_guard l(mu_);
+  refused_[&f] = why;
+}
+
+namespace {
+#ifdef FERRY_HAVE_CUDA
+void make_current(const std::string& driver, int ordinal) {
+  const cuda::driver_status& st = cuda::load(driver);
+  CUdevice d = 0;
+  CUcontext c = nullptr;
+  cuda::check(st.api->cuDeviceGet(&d, ordinal), "cufile", "cuDeviceGet");
+  cuda::check(st.api->cuDevicePrimaryCtxRetain(&c, d), "cufile", "primary context");
+  cuda::check(st.api->cuCtxSetCurrent(c), "cufile", "set context");
+  st.api->cuDevicePrimaryCtxRelease(d);  // the device object keeps its own reference
+}
+#endif
+std::string describe_ret(long r) {
+  if (r == -1) return describe_errno(errno);
+  return fmt::format("cuFile error {}", -r);
+}
+}  // namespace
+
+std::uint64_t backend::read(file& f, [[maybe_unused]] int ordinal, void* dst, std::uint64_t off, std::uint64_t n,
+                            std::uint64_t chunk, deadline until, const std::function<void(std::uint64_t)>& progress) {
+#ifdef FERRY_HAVE_CUDA
+  make_current(driver_, ordinal);
+#endif
+  void* h = nullptr;
+  {
+    std::lock_guard l(mu_);
+    h = handles_.at(&f);
+  }
+  std::uint64_t done = 0;
+  while (done < n) {
+    if (std::chrono::steady_clock::now() >= until) fail(errc::timeout, "file.read", f.path(), "deadline passed (cuFile)");
+    std::uint64_t want = std::min(chunk, n - done);
+    long r = api_->read(h, dst, want, static_cast<long>(off + done), static_cast<long>(done));
+    if (r < 0) fail(errc::io_error, "file.read", fmt::format("{} offset {}", f.path(), off + done), "cuFileRead failed: " + describe_ret(r));
+    if (r == 0) break;  // EOF
+    done += static_cast<std::uint64_t>(r);
+    progress(static_cast<std::uint64_t>(r));
+  }
+  return done;
+}
+
+void backend::write(file& f, [[maybe_unused]] int ordinal, const void* src, std::uint64_t off, std::uint64_t n,
+                    std::uint64_t chunk, deadline until, const std::function<void(std::uint64_t)>& progress) {
+#ifdef FERRY_HAVE_CUDA
+  make_current(driver_, ordinal);
+#endif
+  void* h = nullptr;
+  {
+    std::lock_guard l(mu_);
+    h = handles_.at(&f);
+  }
+  std::uint64_t done = 0;
+  while (done < n) {
+    if (std::chrono::steady_clock::now() >= until) fail(errc::timeout, "file.write", f.path(), "deadline passed (cuFile)");
+    std::uint64_t want = std::min(chunk, n - done);
+    long r = api_->write(h, src, want, static_cast<long>(off + done), static_cast<long>(done));
+    if (r <= 0) fail(errc::io_error, "file.write", fmt::format("{} offset {}", f.path(), off + done), "cuFileWrite failed: " + describe_ret(r));
+    done += static_cast<std::uint64_t>(r);
+    progress(static_cast<std::uint64_t>(r));
+  }
+}
+
+}  // namespace ferry::cufile

@@ -1,0 +1,42 @@
+#pragma once
+// GPUDirect Storage through cuFile, loaded at run time (no link dependency). Used for file <-> CUDA
+// device memory when the library loads, the driver opens, the file's handle registers and the first
+// read works; otherwise the file engine uses io_uring and says why.
+#include <ferry/core/settings.hpp>
+#include <ferry/io/file.hpp>
+
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace ferry::cufile {
+
+class backend {
+ public:
+  explicit backend(const settings& s);
+  ~backend();
+  // Registers f's handle on first use; false (with why) when cuFile cannot serve this file.
+  bool usable(file& f, std::string& why);
+  // Reads [off, off+n) into device memory `dst` of CUDA device `ordinal` in pieces of `chunk`,
+  // calling progress(bytes) after each; returns the bytes read (short at EOF). Throws on errors.
+  std::uint64_t read(file& f, int ordinal, void* dst, std::uint64_t off, std::uint64_t n, std::uint64_t chunk,
+                     deadline until, const std::function<void(std::uint64_t)>& progress);
+  void write(file& f, int ordinal, const void* src, std::uint64_t off, std::uint64_t n, std::uint64_t chunk,
+             deadline until, const std::function<void(std::uint64_t)>& progress);
+  // Forget f (its handle is deregistered).
+  void forget(file& f);
+  // Stop using cuFile for f (a probe read failed); usable() then reports why.
+  void refuse(file& f, const std::string& why);
+
+ private:
+  struct api;
+  api* api_ = nullptr;
+  std::string why_;  // why the library/driver is unusable, empty if usable
+  std::mutex mu_;
+  std::map<file*, void*> handles_;
+  std::map<file*, std::string> refused_;
+  std::string lib_, driver_;
+};
+
+}  // namespace ferry::cufile
