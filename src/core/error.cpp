@@ -92,6 +92,19 @@ void fail_errno(int err, std::string op, std::string resource, std::string detai
   throw error(std::move(i));
 }
 
+std::string printable(std::string_view s, std::size_t limit) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (out.size() >= limit) {
+      out += "...";
+      break;
+    }
+    if (c < 0x20 || c >= 0x7f) out += fmt::format("\\x{:02x}", c);
+    else out += static_cast<char>(c);
+  }
+  return out;
+}
+
 std::string describe_range(std::uintptr_t p, std::size_t bytes) { return fmt::format("{:#x}+{}", p, bytes); }
 std::string describe_range(const void* p, std::size_t bytes) {
   return describe_range(reinterpret_cast<std::uintptr_t>(p), bytes);

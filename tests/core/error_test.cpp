@@ -66,3 +66,8 @@ TEST(Error, EmptyDetailFallsBackToCodeName) {
 TEST(Error, DescribeRange) {
   EXPECT_EQ(describe_range(std::uintptr_t{0x7f0000001000}, 4096), "0x7f0000001000+4096");
 }
+
+TEST(Error, PrintableEscapesControlBytes) {
+  EXPECT_EQ(printable(std::string_view("a\0b\n\x7f", 5)), "a\\x00b\\x0a\\x7f");
+  EXPECT_EQ(printable(std::string(300, 'x')).size(), 203u);
+}

@@ -104,6 +104,10 @@ FERRY_API std::string_view errno_name(int err) noexcept;
 // "<strerror> (errno <n> <NAME>)".
 FERRY_API std::string describe_errno(int err);
 
+// A peer- or user-supplied string made safe for an error message: control bytes and bytes >= 0x7f
+// become \xNN (a NUL would otherwise cut what() short), and it is cut at `limit` characters.
+FERRY_API std::string printable(std::string_view s, std::size_t limit = 200);
+
 // Formats a pointer/range the same way everywhere: "0x7f00001000+4096".
 FERRY_API std::string describe_range(const void* p, std::size_t bytes);
 FERRY_API std::string describe_range(std::uintptr_t p, std::size_t bytes);

@@ -62,7 +62,9 @@ class FERRY_API transfer_batch {
   // True once every request reached a final state. Never blocks.
   bool poll() const;
   // Blocks until every request is final or the batch deadline passes; then unfinished requests
-  // become timed_out. Returns true when all requests are done (none failed).
+  // become timed_out. Returns true when all requests are done (none failed). After a timeout, a
+  // piece already running may still touch the buffers until it stops at its own deadline: keep
+  // the buffers until the batch is destroyed (the destructor waits for running pieces).
   bool wait();
   // Requests not yet started become cancelled; started chunks finish.
   void cancel();

@@ -1,0 +1,84 @@
+#pragma once
+// ferry's storage wire protocol (the storage service, `ferry serve`, and its clients).
+//
+// Every message is one frame: a fixed 32-byte little-endian header, then `payload_len` bytes.
+//   u32 magic 'FRY1' | u16 version | u16 type | u32 flags | u32 payload_len | u64 request_id | u32 credits | u32 reserved
+// Decoding never trusts a length: every field is bounds-checked against the frame, strings against
+// their limits, and anything malformed is a protocol_error naming what was wrong — never a crash,
+// never an allocation sized by the peer beyond the negotiated maximum. Many requests may be
+// outstanding per connection (request ids); `credits` carry the server's flow control (how many more
+// requests the client may send), so a slow or hostile client cannot make the server buffer without bound.
+#include <ferry/core/error.hpp>
+#include <ferry/core/export.hpp>
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace ferry::net {
+
+inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
+inline constexpr std::uint16_t protocol_version = 1;
+inline constexpr std::size_t header_size = 32;
+inline constexpr std::size_t max_path = 4096;
+inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
+inline constexpr std::size_t nonce_size = 32, mac_size = 32;
+
+enum class msg_type : std::uint16_t {
+  hello = 1,      // client -> server: versions, client nonce
+  challenge = 2,  // server -> client: server nonce, whether a secret is required
+  auth = 3,       // client -> server: HMAC-SHA256(secret, server nonce | client nonce)
+  welcome = 4,    // server -> client: accepted; limits
+  read = 10,      // path, offset, length
+  write = 11,     // path, offset, length (data follows outside the frame)
+  stat = 12,      // path
+  list = 13,      // path (a directory)
+  complete = 20,  // status + bytes for a read/write
+  stat_reply = 21,
+  list_reply = 22,
+  error = 30,     // code + message
+};
+
+struct hello { std::uint16_t min_version = 1, max_version = 1; std::uint32_t max_outstanding = 0; std::vector<std::uint8_t> nonce; };
+struct challenge { std::vector<std::uint8_t> nonce; bool secret_required = false; };
+struct auth { std::vector<std::uint8_t> mac; };
+struct welcome { std::uint32_t credits = 0; std::uint64_t max_request = 0; bool writable = false; };
+struct read_req { std::string path; std::uint64_t offset = 0, length = 0; };
+struct write_req { std::string path; std::uint64_t offset = 0, length = 0; };
+struct stat_req { std::string path; };
+struct list_req { std::string path; };
+struct complete { std::int32_t status = 0; std::uint64_t bytes = 0; };  // status: 0 or an errno value
+struct stat_reply { std::uint64_t size = 0; std::uint32_t mode = 0; std::int64_t mtime_ns = 0; };
+struct list_entry { std::string name; std::uint8_t kind = 0; std::uint64_t size = 0; };  // kind: 0 file, 1 dir, 2 other
+struct list_reply { std::vector<list_entry> entries; };
+struct error_reply { std::int32_t code = 0; std::string message; };
+
+using body = std::variant<hello, challenge, auth, welcome, read_req, write_req, stat_req, list_req, complete,
+                          stat_reply, list_reply, error_reply>;
+
+struct message {
+  std::uint64_t request_id = 0;
+  std::uint32_t credits = 0;
+  body b;
+};
+
+// Encodes one frame. Throws invalid_argument for values that could not be decoded (a path with a NUL
+// byte or too long, too many entries for max_message).
+FERRY_API std::vector<std::byte> encode(const message& m);
+
+// Decodes exactly one frame from `bytes` (header + payload). Throws protocol_error naming the
+// offending field for anything malformed: bad magic, unsupported version, unknown type, truncated or
+// trailing bytes, oversize lengths, NUL bytes in paths.
+FERRY_API message decode(std::span<const std::byte> bytes);
+
+// Reads just the header of a frame: payload length (already checked against max_message) and type.
+struct frame_info {
+  msg_type type;
+  std::uint32_t payload_len;
+  std::uint64_t request_id;
+};
+FERRY_API frame_info peek_header(std::span<const std::byte> bytes);
+
+}  // namespace ferry::net

@@ -1,0 +1,275 @@
+#include <ferry/net/protocol.hpp>
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <type_traits>
+
+namespace ferry::net {
+namespace {
+
+[[noreturn]] void bad(std::string_view what) { fail(errc::protocol_error, "net.decode", "frame", std::string(what)); }
+
+class writer {
+ public:
+  template <typename T>
+  void put(T v) {
+    static_assert(std::is_integral_v<T>);
+    for (std::size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<std::byte>((static_cast<std::uint64_t>(v) >> (8 * i)) & 0xff));
+  }
+  void bytes(const std::vector<std::uint8_t>& b, std::size_t exact) {
+    if (b.size() != exact) fail(errc::invalid_argument, "net.encode", "frame", fmt::format("expected {} bytes, got {}", exact, b.size()));
+    for (auto c : b) out.push_back(static_cast<std::byte>(c));
+  }
+  void str(const std::string& s, std::size_t limit, std::string_view what) {
+    if (s.size() > limit) fail(errc::invalid_argument, "net.encode", std::string(what), fmt::format("longer than {} bytes", limit));
+    if (s.find('\0') != std::string::npos) fail(errc::invalid_argument, "net.encode", std::string(what), "contains a NUL byte");
+    put(static_cast<std::uint16_t>(s.size()));
+    for (char c : s) out.push_back(static_cast<std::byte>(c));
+  }
+  std::vector<std::byte> out;
+};
+
+class reader {
+ public:
+  explicit reader(std::span<const std::byte> b) : b_(b) {}
+  template <typename T>
+  T get(std::string_view what) {
+    if (b_.size() - pos_ < sizeof(T)) bad(fmt::format("truncated {} at byte {}", what, pos_));
+    std::uint64_t v = 0;
+    for (std::size_t i = 0; i < sizeof(T); ++i) v |= static_cast<std::uint64_t>(b_[pos_ + i]) << (8 * i);
+    pos_ += sizeof(T);
+    return static_cast<T>(v);
+  }
+  std::vector<std::uint8_t> bytes(std::size_t n, std::string_view what) {
+    if (b_.size() - pos_ < n) bad(fmt::format("truncated {} at byte {}", what, pos_));
+    std::vector<std::uint8_t> v(n);
+    std::memcpy(v.data(), b_.data() + pos_, n);
+    pos_ += n;
+    return v;
+  }
+  std::string str(std::size_t limit, std::string_view what) {
+    auto n = get<std::uint16_t>(what);
+    if (n > limit) bad(fmt::format("{} of {} bytes exceeds the limit {}", what, n, limit));
+    if (b_.size() - pos_ < n) bad(fmt::format("truncated {} at byte {}", what, pos_));
+    std::string s(reinterpret_cast<const char*>(b_.data() + pos_), n);
+    if (s.find('\0') != std::string::npos) bad(fmt::format("{} contains a NUL byte", what));
+    pos_ += n;
+    return s;
+  }
+  void end() {
+    if (pos_ != b_.size()) bad(fmt::format("{} trailing bytes", b_.size() - pos_));
+  }
+  std::size_t left() const { return b_.size() - pos_; }
+
+ private:
+  std::span<const std::byte> b_;
+  std::size_t pos_ = 0;
+};
+
+std::uint16_t type_of(const body& b) {
+  return std::visit(
+      [](const auto& v) -> std::uint16_t {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, hello>) return static_cast<std::uint16_t>(msg_type::hello);
+        else if constexpr (std::is_same_v<T, challenge>) return static_cast<std::uint16_t>(msg_type::challenge);
+        else if constexpr (std::is_same_v<T, auth>) return static_cast<std::uint16_t>(msg_type::auth);
+        else if constexpr (std::is_same_v<T, welcome>) return static_cast<std::uint16_t>(msg_type::welcome);
+        else if constexpr (std::is_same_v<T, read_req>) return static_cast<std::uint16_t>(msg_type::read);
+        else if constexpr (std::is_same_v<T, write_req>) return static_cast<std::uint16_t>(msg_type::write);
+        else if constexpr (std::is_same_v<T, stat_req>) return static_cast<std::uint16_t>(msg_type::stat);
+        else if constexpr (std::is_same_v<T, list_req>) return static_cast<std::uint16_t>(msg_type::list);
+        else if constexpr (std::is_same_v<T, complete>) return static_cast<std::uint16_t>(msg_type::complete);
+        else if constexpr (std::is_same_v<T, stat_reply>) return static_cast<std::uint16_t>(msg_type::stat_reply);
+        else if constexpr (std::is_same_v<T, list_reply>) return static_cast<std::uint16_t>(msg_type::list_reply);
+        else return static_cast<std::uint16_t>(msg_type::error);
+      },
+      b);
+}
+
+}  // namespace
+
+std::vector<std::byte> encode(const message& m) {
+  writer p;  // payload
+  std::visit(
+      [&](const auto& v) {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, hello>) {
+          p.put(v.min_version);
+          p.put(v.max_version);
+          p.put(v.max_outstanding);
+          p.bytes(v.nonce, nonce_size);
+        } else if constexpr (std::is_same_v<T, challenge>) {
+          p.bytes(v.nonce, nonce_size);
+          p.put(static_cast<std::uint8_t>(v.secret_required));
+        } else if constexpr (std::is_same_v<T, auth>) {
+          p.bytes(v.mac, mac_size);
+        } else if constexpr (std::is_same_v<T, welcome>) {
+          p.put(v.credits);
+          p.put(v.max_request);
+          p.put(static_cast<std::uint8_t>(v.writable));
+        } else if constexpr (std::is_same_v<T, read_req> || std::is_same_v<T, write_req>) {
+          p.put(v.offset);
+          p.put(v.length);
+          p.str(v.path, max_path, "path");
+        } else if constexpr (std::is_same_v<T, stat_req> || std::is_same_v<T, list_req>) {
+          p.str(v.path, max_path, "path");
+        } else if constexpr (std::is_same_v<T, complete>) {
+          p.put(v.status);
+          p.put(v.bytes);
+        } else if constexpr (std::is_same_v<T, stat_reply>) {
+          p.put(v.size);
+          p.put(v.mode);
+          p.put(v.mtime_ns);
+        } else if constexpr (std::is_same_v<T, list_reply>) {
+          p.put(static_cast<std::uint32_t>(v.entries.size()));
+          for (auto& e : v.entries) {
+            p.put(e.kind);
+            p.put(e.size);
+            p.str(e.name, 255, "entry name");
+          }
+        } else {
+          p.put(v.code);
+          p.str(v.message, 1024, "error message");
+        }
+      },
+      m.b);
+  if (p.out.size() > max_message)
+    fail(errc::invalid_argument, "net.encode", "frame", fmt::format("payload of {} bytes exceeds {}", p.out.size(), max_message));
+  writer h;
+  h.put(frame_magic);
+  h.put(protocol_version);
+  h.put(type_of(m.b));
+  h.put(std::uint32_t{0});
+  h.put(static_cast<std::uint32_t>(p.out.size()));
+  h.put(m.request_id);
+  h.put(m.credits);
+  h.put(std::uint32_t{0});
+  h.out.insert(h.out.end(), p.out.begin(), p.out.end());
+  return std::move(h.out);
+}
+
+frame_info peek_header(std::span<const std::byte> bytes) {
+  if (bytes.size() < header_size) bad(fmt::format("{} bytes is shorter than a header ({})", bytes.size(), header_size));
+  reader r(bytes.first(header_size));
+  if (r.get<std::uint32_t>("magic") != frame_magic) bad("bad magic (not a ferry frame)");
+  auto version = r.get<std::uint16_t>("version");
+  if (version != protocol_version) bad(fmt::format("unsupported protocol version {} (this side speaks {})", version, protocol_version));
+  auto type = r.get<std::uint16_t>("type");
+  r.get<std::uint32_t>("flags");
+  auto len = r.get<std::uint32_t>("payload length");
+  if (len > max_message) bad(fmt::format("payload length {} exceeds {}", len, max_message));
+  auto id = r.get<std::uint64_t>("request id");
+  return {static_cast<msg_type>(type), len, id};
+}
+
+message decode(std::span<const std::byte> bytes) {
+  frame_info fi = peek_header(bytes);
+  if (bytes.size() != header_size + fi.payload_len)
+    bad(fmt::format("frame is {} bytes but its header says {}", bytes.size(), header_size + fi.payload_len));
+  reader h(bytes.first(header_size));
+  h.get<std::uint32_t>("magic");
+  h.get<std::uint16_t>("version");
+  h.get<std::uint16_t>("type");
+  h.get<std::uint32_t>("flags");
+  h.get<std::uint32_t>("payload length");
+  message m;
+  m.request_id = h.get<std::uint64_t>("request id");
+  m.credits = h.get<std::uint32_t>("credits");
+  reader r(bytes.subspan(header_size));
+  switch (fi.type) {
+    case msg_type::hello: {
+      hello v;
+      v.min_version = r.get<std::uint16_t>("min version");
+      v.max_version = r.get<std::uint16_t>("max version");
+      if (v.min_version > v.max_version) bad("min version above max version");
+      v.max_outstanding = r.get<std::uint32_t>("max outstanding");
+      v.nonce = r.bytes(nonce_size, "nonce");
+      m.b = std::move(v);
+      break;
+    }
+    case msg_type::challenge: {
+      challenge v;
+      v.nonce = r.bytes(nonce_size, "nonce");
+      auto s = r.get<std::uint8_t>("secret flag");
+      if (s > 1) bad("secret flag is not 0 or 1");
+      v.secret_required = s == 1;
+      m.b = std::move(v);
+      break;
+    }
+    case msg_type::auth:
+      m.b = auth{r.bytes(mac_size, "mac")};
+      break;
+    case msg_type::welcome: {
+      welcome v;
+      v.credits = r.get<std::uint32_t>("credits");
+      v.max_request = r.get<std::uint64_t>("max request");
+      auto w = r.get<std::uint8_t>("writable flag");
+      if (w > 1) bad("writable flag is not 0 or 1");
+      v.writable = w == 1;
+      m.b = v;
+      break;
+    }
+    case msg_type::read:
+    case msg_type::write: {
+      std::uint64_t off = r.get<std::uint64_t>("offset");
+      std::uint64_t len = r.get<std::uint64_t>("length");
+      if (off + len < off) bad("offset + length overflows");
+      std::string path = r.str(max_path, "path");
+      if (fi.type == msg_type::read) m.b = read_req{std::move(path), off, len};
+      else m.b = write_req{std::move(path), off, len};
+      break;
+    }
+    case msg_type::stat:
+      m.b = stat_req{r.str(max_path, "path")};
+      break;
+    case msg_type::list:
+      m.b = list_req{r.str(max_path, "path")};
+      break;
+    case msg_type::complete: {
+      complete v;
+      v.status = r.get<std::int32_t>("status");
+      v.bytes = r.get<std::uint64_t>("bytes");
+      m.b = v;
+      break;
+    }
+    case msg_type::stat_reply: {
+      stat_reply v;
+      v.size = r.get<std::uint64_t>("size");
+      v.mode = r.get<std::uint32_t>("mode");
+      v.mtime_ns = r.get<std::int64_t>("mtime");
+      m.b = v;
+      break;
+    }
+    case msg_type::list_reply: {
+      list_reply v;
+      auto n = r.get<std::uint32_t>("entry count");
+      // Each entry is at least 11 bytes: an absurd count is refused before any allocation.
+      if (n > r.left() / 11) bad(fmt::format("entry count {} does not fit the frame", n));
+      v.entries.reserve(n);
+      for (std::uint32_t i = 0; i < n; ++i) {
+        list_entry e;
+        e.kind = r.get<std::uint8_t>("entry kind");
+        if (e.kind > 2) bad(fmt::format("entry {} has unknown kind {}", i, e.kind));
+        e.size = r.get<std::uint64_t>("entry size");
+        e.name = r.str(255, "entry name");
+        v.entries.push_back(std::move(e));
+      }
+      m.b = std::move(v);
+      break;
+    }
+    case msg_type::error: {
+      error_reply v;
+      v.code = r.get<std::int32_t>("error code");
+      v.message = r.str(1024, "error message");
+      m.b = std::move(v);
+      break;
+    }
+    default:
+      bad(fmt::format("unknown message type {}", static_cast<unsigned>(fi.type)));
+  }
+  r.end();
+  return m;
+}
+
+}  // namespace ferry::net

@@ -1,0 +1,112 @@
+#include <ferry/net/protocol.hpp>
+
+#include "support/errors.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <random>
+
+using namespace ferry;
+using namespace ferry::net;
+using ::testing::HasSubstr;
+
+namespace {
+
+std::vector<std::uint8_t> bytes32(std::uint8_t v) { return std::vector<std::uint8_t>(32, v); }
+
+std::vector<message> samples() {
+  return {
+      {1, 0, hello{1, 1, 64, bytes32(7)}},
+      {2, 0, challenge{bytes32(9), true}},
+      {3, 0, auth{bytes32(1)}},
+      {4, 16, welcome{16, 1ull << 30, true}},
+      {5, 0, read_req{"data/shard-0001.bin", 1ull << 33, 4096}},
+      {6, 0, write_req{"out/x", 7, 9}},
+      {7, 0, stat_req{"a"}},
+      {8, 0, list_req{"dir/sub"}},
+      {9, 3, complete{0, 12345}},
+      {10, 0, stat_reply{99, 0100644, 1700000000123456789}},
+      {11, 0, list_reply{{{"a.bin", 0, 10}, {"sub", 1, 0}}}},
+      {12, 0, error_reply{2, "no such file"}},
+  };
+}
+
+TEST(Protocol, EveryMessageRoundTrips) {
+  for (auto& m : samples()) {
+    auto frame = encode(m);
+    message d = decode(frame);
+    EXPECT_EQ(d.request_id, m.request_id);
+    EXPECT_EQ(d.credits, m.credits);
+    EXPECT_EQ(d.b.index(), m.b.index());
+    EXPECT_EQ(encode(d), frame) << "re-encoding is identical";
+  }
+  auto r = std::get<read_req>(decode(encode(samples()[4])).b);
+  EXPECT_EQ(r.path, "data/shard-0001.bin");
+  EXPECT_EQ(r.offset, 1ull << 33);
+}
+
+TEST(Protocol, MalformedFramesAreRefusedWithTheReason) {
+  auto frame = encode(samples()[4]);
+  auto text = [](std::vector<std::byte> f) { return test::error_text([&] { decode(f); }); };
+  auto bad_magic = frame;
+  bad_magic[0] = std::byte{0};
+  EXPECT_THAT(text(bad_magic), HasSubstr("bad magic"));
+  auto bad_version = frame;
+  bad_version[4] = std::byte{9};
+  EXPECT_THAT(text(bad_version), HasSubstr("unsupported protocol version 9"));
+  auto truncated = frame;
+  truncated.pop_back();
+  EXPECT_THAT(text(truncated), HasSubstr("header says"));
+  auto trailing = frame;
+  trailing.push_back(std::byte{0});
+  EXPECT_THAT(text(trailing), HasSubstr("header says"));
+  auto oversize = frame;
+  oversize[12] = std::byte{0xff};
+  oversize[13] = std::byte{0xff};
+  oversize[14] = std::byte{0xff};
+  EXPECT_THAT(text(oversize), HasSubstr("exceeds"));
+  auto unknown = frame;
+  unknown[6] = std::byte{77};
+  EXPECT_THAT(text(unknown), HasSubstr("unknown message type 77"));
+  EXPECT_THAT(text({}), HasSubstr("shorter than a header"));
+  // A NUL byte inside a path.
+  auto nul = encode({1, 0, stat_req{"abc"}});
+  nul[header_size + 3] = std::byte{0};
+  EXPECT_THAT(text(nul), HasSubstr("NUL byte"));
+  EXPECT_THAT(test::error_text([] { encode({1, 0, stat_req{std::string("a\0b", 3)}}); }), HasSubstr("NUL byte"));
+  EXPECT_THAT(test::error_text([] { encode({1, 0, stat_req{std::string(5000, 'x')}}); }), HasSubstr("longer than 4096"));
+  // An absurd entry count is refused before anything is allocated.
+  auto lr = encode({1, 0, list_reply{}});
+  lr[header_size + 3] = std::byte{0x7f};
+  EXPECT_THAT(text(lr), HasSubstr("does not fit the frame"));
+  try {
+    decode(bad_magic);
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::protocol_error);
+  }
+}
+
+// Random mutations of valid frames: each either decodes or is refused with a ferry::error.
+TEST(Protocol, RandomMutationsNeverCrash) {
+  std::mt19937 rng(42);
+  int refused = 0, decoded = 0;
+  auto all = samples();
+  for (int i = 0; i < 200000; ++i) {
+    auto f = encode(all[rng() % all.size()]);
+    int flips = 1 + static_cast<int>(rng() % 4);
+    for (int k = 0; k < flips; ++k) f[rng() % f.size()] = static_cast<std::byte>(rng());
+    if (rng() % 8 == 0) f.resize(rng() % (f.size() + 1));
+    try {
+      decode(f);
+      ++decoded;
+    } catch (const error& e) {
+      ASSERT_EQ(e.code(), errc::protocol_error) << e.what();
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_GT(decoded, 0);
+}
+
+}  // namespace
