@@ -1,0 +1,404 @@
+#include "net/ucx.hpp"
+
+#include "core/logging.hpp"
+
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstring>
+
+namespace ferry::net {
+namespace {
+
+std::string status_text(ucs_status_t s) { return fmt::format("{} (ucs_status {})", ucs_status_string(s), static_cast<int>(s)); }
+
+void check(ucs_status_t s, std::string_view op, std::string_view res) {
+  if (s == UCS_OK) return;
+  error_info i{errc::network_error, std::string(op), std::string(res), "UCX call failed", status_text(s), 0, static_cast<long>(s)};
+  throw error(std::move(i));
+}
+
+std::string addr_text(const sockaddr_storage& ss) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &a->sin_addr, buf, sizeof buf);
+    return fmt::format("{}:{}", buf, ntohs(a->sin_port));
+  }
+  auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+  ::inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof buf);
+  return fmt::format("[{}]:{}", buf, ntohs(a->sin6_port));
+}
+
+sockaddr_storage make_addr(const std::string& host, std::uint16_t port) {
+  sockaddr_storage ss{};
+  auto* a4 = reinterpret_cast<sockaddr_in*>(&ss);
+  auto* a6 = reinterpret_cast<sockaddr_in6*>(&ss);
+  if (::inet_pton(AF_INET, host.c_str(), &a4->sin_addr) == 1) {
+    a4->sin_family = AF_INET;
+    a4->sin_port = htons(port);
+  } else if (::inet_pton(AF_INET6, host.c_str(), &a6->sin6_addr) == 1) {
+    a6->sin6_family = AF_INET6;
+    a6->sin6_port = htons(port);
+  } else {
+    fail(errc::invalid_argument, "net.address", host, "not an IPv4 or IPv6 address");
+  }
+  return ss;
+}
+
+struct send_ctx {
+  std::vector<std::byte> buf;  // frame bytes or the data header
+  std::function<void(ucs_status_t)> done;
+};
+
+void send_cb(void* request, ucs_status_t status, void* user) {
+  auto* c = static_cast<send_ctx*>(user);
+  if (c->done) c->done(status);
+  delete c;
+  ucp_request_free(request);
+}
+
+struct recv_ctx {
+  ucx_worker* w;
+  std::shared_ptr<connection> conn;
+  std::uint64_t rid;
+  std::size_t len;
+  ucx_worker::data_done* done;
+};
+
+}  // namespace
+
+// ---- connection --------------------------------------------------------------------------------
+
+void connection::mark_failed(const std::string& why) {
+  {
+    std::lock_guard l(mu_);
+    if (!alive_) return;
+    failure_ = why;
+  }
+  alive_ = false;
+  if (on_failure) on_failure(why);
+}
+
+void connection::send_frame(const message& m) {
+  if (!alive_) fail(errc::network_error, "net.send", peer_, "connection lost: " + failure());
+  auto* c = new send_ctx{encode(m), nullptr};
+  auto self = shared_from_this();
+  w_.post([self, c] {
+    if (!self->alive() || !self->ep) {
+      delete c;
+      return;
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send = send_cb;
+    p.user_data = c;
+    p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r = ucp_am_send_nbx(self->ep, am_frame, nullptr, 0, c->buf.data(), c->buf.size(), &p);
+    if (r == nullptr) {
+      delete c;
+    } else if (UCS_PTR_IS_ERR(r)) {
+      self->mark_failed("send failed: " + status_text(UCS_PTR_STATUS(r)));
+      delete c;
+    }
+  });
+}
+
+void connection::send_data(std::uint64_t rid, std::uint64_t off, const void* data, std::size_t n,
+                           std::function<void(ucs_status_t)> done) {
+  auto* c = new send_ctx{std::vector<std::byte>(sizeof(data_header)), std::move(done)};
+  data_header h{rid, off};
+  std::memcpy(c->buf.data(), &h, sizeof h);
+  auto self = shared_from_this();
+  w_.post([self, c, data, n] {
+    if (!self->alive() || !self->ep) {
+      if (c->done) c->done(UCS_ERR_CONNECTION_RESET);
+      delete c;
+      return;
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send = send_cb;
+    p.user_data = c;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    ucs_status_ptr_t r = ucp_am_send_nbx(self->ep, am_data, c->buf.data(), c->buf.size(), data, n, &p);
+    if (r == nullptr) {
+      if (c->done) c->done(UCS_OK);
+      delete c;
+    } else if (UCS_PTR_IS_ERR(r)) {
+      if (c->done) c->done(UCS_PTR_STATUS(r));
+      self->mark_failed("send failed: " + status_text(UCS_PTR_STATUS(r)));
+      delete c;
+    }
+  });
+}
+
+void connection::close() {
+  auto self = shared_from_this();
+  w_.post([self] {
+    if (!self->ep) return;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(self->ep, &p);
+    if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
+    self->ep = nullptr;
+    self->mark_failed("closed");
+  });
+}
+
+// ---- worker ------------------------------------------------------------------------------------
+
+ucx_worker::ucx_worker(std::string name) : name_(std::move(name)) {
+  ucp_config_t* cfg = nullptr;
+  check(ucp_config_read(nullptr, nullptr, &cfg), "net.init", "ucp_config_read");
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.name = name_.c_str();
+  ucs_status_t st = ucp_init(&params, cfg, &ctx_);
+  ucp_config_release(cfg);
+  check(st, "net.init", "ucp_init");
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
+  st = ucp_worker_create(ctx_, &wp, &worker_);
+  if (st != UCS_OK) {
+    ucp_cleanup(ctx_);
+    check(st, "net.init", "ucp_worker_create");
+  }
+  for (unsigned id : {am_frame, am_data}) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                    UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id = id;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    hp.cb = id == am_frame ? am_frame_cb : am_data_cb;
+    hp.arg = this;
+    check(ucp_worker_set_am_recv_handler(worker_, &hp), "net.init", "set_am_recv_handler");
+  }
+  check(ucp_worker_get_efd(worker_, &efd_), "net.init", "ucp_worker_get_efd");
+  wake_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (wake_ < 0 || epoll_ < 0) fail_errno(errno, "net.init", name_, "eventfd/epoll");
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = efd_;
+  ::epoll_ctl(epoll_, EPOLL_CTL_ADD, efd_, &ev);
+  ev.data.fd = wake_;
+  ::epoll_ctl(epoll_, EPOLL_CTL_ADD, wake_, &ev);
+  thread_ = std::thread([this] { loop(); });
+}
+
+ucx_worker::~ucx_worker() {
+  post([this] {
+    for (auto& c : conns_)
+      if (c->ep) {
+        ucp_request_param_t p{};
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        ucs_status_ptr_t r = ucp_ep_close_nbx(c->ep, &p);
+        if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
+        c->ep = nullptr;
+      }
+    if (listener_) ucp_listener_destroy(listener_);
+    listener_ = nullptr;
+    stop_ = true;
+  });
+  thread_.join();
+  ucp_worker_destroy(worker_);
+  ucp_cleanup(ctx_);
+  ::close(wake_);
+  ::close(epoll_);
+}
+
+void ucx_worker::post(std::function<void()> f) {
+  {
+    std::lock_guard l(mu_);
+    posted_.push_back(std::move(f));
+  }
+  std::uint64_t one = 1;
+  [[maybe_unused]] auto n = ::write(wake_, &one, sizeof one);
+}
+
+void ucx_worker::drain_posted() {
+  for (;;) {
+    std::function<void()> f;
+    {
+      std::lock_guard l(mu_);
+      if (posted_.empty()) return;
+      f = std::move(posted_.front());
+      posted_.pop_front();
+    }
+    try {
+      f();
+    } catch (const std::exception& e) {
+      log::error("net", "{}: posted work failed: {}", name_, e.what());
+    }
+  }
+}
+
+void ucx_worker::loop() {
+  while (!stop_) {
+    drain_posted();
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    {
+      std::lock_guard l(mu_);
+      if (!posted_.empty()) continue;
+    }
+    if (stop_) break;
+    ucs_status_t st = ucp_worker_arm(worker_);
+    if (st == UCS_ERR_BUSY) continue;  // events arrived meanwhile
+    epoll_event evs[2];
+    int n = ::epoll_wait(epoll_, evs, 2, 100);
+    for (int i = 0; i < n; ++i)
+      if (evs[i].data.fd == wake_) {
+        std::uint64_t v;
+        [[maybe_unused]] auto r = ::read(wake_, &v, sizeof v);
+      }
+  }
+  drain_posted();
+}
+
+std::shared_ptr<connection> ucx_worker::adopt(ucp_ep_h ep, std::shared_ptr<connection> c) {
+  c->ep = ep;
+  conns_.push_back(c);
+  return c;
+}
+
+void ucx_worker::ep_error_cb(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* c = static_cast<connection*>(arg);
+  c->mark_failed("peer failure: " + status_text(status));
+}
+
+void ucx_worker::conn_cb(ucp_conn_request_h req, void* arg) {
+  auto* self = static_cast<ucx_worker*>(arg);
+  ucp_conn_request_attr_t a{};
+  a.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  std::string peer = "?";
+  if (ucp_conn_request_query(req, &a) == UCS_OK) peer = addr_text(a.client_address);
+  auto c = std::make_shared<connection>(*self, peer);
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.conn_request = req;
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = ep_error_cb;
+  p.err_handler.arg = c.get();
+  ucp_ep_h ep = nullptr;
+  ucs_status_t st = ucp_ep_create(self->worker_, &p, &ep);
+  if (st != UCS_OK) {
+    log::warn("net", "{}: cannot accept {}: {}", self->name_, peer, status_text(st));
+    return;
+  }
+  self->adopt(ep, c);
+  if (self->accepted_) self->accepted_(c);
+}
+
+std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
+                                 std::function<void(std::shared_ptr<connection>)> accepted) {
+  sockaddr_storage ss = make_addr(host, port);
+  return call(
+      [&]() -> std::uint16_t {
+        accepted_ = std::move(accepted);
+        ucp_listener_params_t lp{};
+        lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+        lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+        lp.sockaddr.addrlen = ss.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+        lp.conn_handler.cb = conn_cb;
+        lp.conn_handler.arg = this;
+        check(ucp_listener_create(worker_, &lp, &listener_), "net.listen", fmt::format("{}:{}", host, port));
+        ucp_listener_attr_t la{};
+        la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+        check(ucp_listener_query(listener_, &la), "net.listen", "ucp_listener_query");
+        return la.sockaddr.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&la.sockaddr)->sin_port)
+                                                : ntohs(reinterpret_cast<sockaddr_in6*>(&la.sockaddr)->sin6_port);
+      },
+      std::chrono::steady_clock::now() + std::chrono::seconds(10));
+}
+
+std::shared_ptr<connection> ucx_worker::connect(const std::string& host, std::uint16_t port,
+                                                std::chrono::steady_clock::time_point until) {
+  sockaddr_storage ss = make_addr(host, port);
+  auto c = std::make_shared<connection>(*this, fmt::format("{}:{}", host, port));
+  return call(
+      [&]() -> std::shared_ptr<connection> {
+        ucp_ep_params_t p{};
+        p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                       UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+        p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+        p.sockaddr.addrlen = ss.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+        p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        p.err_handler.cb = ep_error_cb;
+        p.err_handler.arg = c.get();
+        ucp_ep_h ep = nullptr;
+        check(ucp_ep_create(worker_, &p, &ep), "net.connect", c->peer());
+        return adopt(ep, c);
+      },
+      until);
+}
+
+ucs_status_t ucx_worker::am_frame_cb(void* arg, const void*, size_t, void* data, size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<ucx_worker*>(arg);
+  connection* c = nullptr;
+  for (auto& x : self->conns_)
+    if (x->ep == param->reply_ep) c = x.get();
+  if (!c) return UCS_OK;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {  // frames are sent eager; anything else is hostile
+    c->mark_failed("protocol error: a control frame arrived by rendezvous");
+    return UCS_OK;
+  }
+  try {
+    message m = decode({static_cast<const std::byte*>(data), length});
+    if (self->frame_) self->frame_(*c, std::move(m));
+  } catch (const error& e) {
+    log::warn("net", "{}: dropping {}: {}", self->name_, c->peer(), e.what());
+    c->mark_failed(std::string("protocol error: ") + e.what());
+    c->close();
+  }
+  return UCS_OK;
+}
+
+ucs_status_t ucx_worker::am_data_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                    const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<ucx_worker*>(arg);
+  std::shared_ptr<connection> c;
+  for (auto& x : self->conns_)
+    if (x->ep == param->reply_ep) c = x;
+  if (!c || header_length != sizeof(data_header) || !self->sink_) return UCS_OK;
+  data_header h;
+  std::memcpy(&h, header, sizeof h);
+  void* dst = self->sink_(*c, h.request_id, h.offset, length);
+  if (!dst) return UCS_OK;  // not wanted (unknown request, out of bounds): dropped
+  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+    std::memcpy(dst, data, length);
+    if (self->data_done_) self->data_done_(*c, h.request_id, length, UCS_OK);
+    return UCS_OK;
+  }
+  auto* rc = new recv_ctx{self, c, h.request_id, length, &self->data_done_};
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user) {
+    auto* r = static_cast<recv_ctx*>(user);
+    if (*r->done) (*r->done)(*r->conn, r->rid, r->len, status);
+    delete r;
+    ucp_request_free(request);
+  };
+  p.user_data = rc;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(self->worker_, data, dst, length, &p);
+  if (r == nullptr) {
+    if (self->data_done_) self->data_done_(*c, h.request_id, length, UCS_OK);
+    delete rc;
+  } else if (UCS_PTR_IS_ERR(r)) {
+    if (self->data_done_) self->data_done_(*c, h.request_id, length, UCS_PTR_STATUS(r));
+    delete rc;
+  }
+  return UCS_INPROGRESS;
+}
+
+}  // namespace ferry::net

@@ -1,0 +1,147 @@
+#pragma once
+// UCX (UCP) transport: one worker owned by one progress thread. Every UCX call runs on that thread;
+// other threads hand it work with post()/call(). The thread sleeps in epoll on the worker's event fd
+// and an eventfd for posted work, so an idle transport burns no CPU.
+//
+// Active messages: id 1 carries a protocol frame (header only); id 2 carries bulk data: header
+// {u64 request_id, u64 offset}, data = the bytes (UCX picks eager or rendezvous by size).
+#include <ferry/core/error.hpp>
+#include <ferry/net/protocol.hpp>
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace ferry::net {
+
+inline constexpr unsigned am_frame = 1;
+inline constexpr unsigned am_data = 2;
+
+struct data_header {
+  std::uint64_t request_id;
+  std::uint64_t offset;
+};
+
+class ucx_worker;
+
+// One endpoint (connection). Owned through shared_ptr; UCX calls on it run on the progress thread.
+class connection : public std::enable_shared_from_this<connection> {
+ public:
+  connection(ucx_worker& w, std::string peer) : w_(w), peer_(std::move(peer)) {}
+  const std::string& peer() const { return peer_; }
+  bool alive() const { return alive_.load(); }
+  std::string failure() const {
+    std::lock_guard l(mu_);
+    return failure_;
+  }
+  // Sends a frame (copied); completion is not awaited. Throws network_error if the connection is dead.
+  void send_frame(const message& m);
+  // Sends bulk data [p, p+n) as one AM; `done(status)` runs on the progress thread when the buffer
+  // may be reused.
+  void send_data(std::uint64_t rid, std::uint64_t off, const void* p, std::size_t n, std::function<void(ucs_status_t)> done);
+  // Closes the endpoint (flush); idempotent.
+  void close();
+
+  ucp_ep_h ep = nullptr;  // progress thread only
+  void* user = nullptr;   // owner's per-connection state (server session, client)
+  void mark_failed(const std::string& why);
+  std::function<void(const std::string&)> on_failure;  // runs on the progress thread
+
+ private:
+  ucx_worker& w_;
+  std::string peer_;
+  std::atomic<bool> alive_{true};
+  mutable std::mutex mu_;
+  std::string failure_;
+};
+
+class ucx_worker {
+ public:
+  using frame_handler = std::function<void(connection&, message)>;
+  // AM data handler: returns where to put [off, off+len) of request rid, or nullptr to drop it.
+  using data_sink = std::function<void*(connection&, std::uint64_t rid, std::uint64_t off, std::size_t len)>;
+  using data_done = std::function<void(connection&, std::uint64_t rid, std::size_t len, ucs_status_t)>;
+
+  explicit ucx_worker(std::string name);
+  ~ucx_worker();
+  ucx_worker(const ucx_worker&) = delete;
+  ucx_worker& operator=(const ucx_worker&) = delete;
+
+  void on_frame(frame_handler h) { frame_ = std::move(h); }
+  void on_data(data_sink sink, data_done done) {
+    sink_ = std::move(sink);
+    data_done_ = std::move(done);
+  }
+  // Runs f on the progress thread (asynchronously).
+  void post(std::function<void()> f);
+  // Runs f on the progress thread and waits for it, at most until `until` (then timeout).
+  template <typename F>
+  auto call(F f, std::chrono::steady_clock::time_point until) -> decltype(f()) {
+    using R = decltype(f());
+    auto p = std::make_shared<std::promise<R>>();
+    auto fut = p->get_future();
+    post([p, f = std::move(f)]() mutable {
+      try {
+        if constexpr (std::is_void_v<R>) {
+          f();
+          p->set_value();
+        } else {
+          p->set_value(f());
+        }
+      } catch (...) {
+        p->set_exception(std::current_exception());
+      }
+    });
+    if (fut.wait_until(until) != std::future_status::ready)
+      fail(errc::timeout, "net.call", name_, "the progress thread did not answer before the deadline");
+    return fut.get();
+  }
+  bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+  // Listens on host:port (port 0: any); returns the port. New connections get `accepted`.
+  std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted);
+  // Connects to host:port; the endpoint is usable once this returns.
+  std::shared_ptr<connection> connect(const std::string& host, std::uint16_t port, std::chrono::steady_clock::time_point until);
+
+  ucp_worker_h handle() const { return worker_; }
+  const std::string& name() const { return name_; }
+  std::vector<std::string> transports() const { return tls_; }
+
+ private:
+  static ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                  const ucp_am_recv_param_t* param);
+  static ucs_status_t am_data_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                 const ucp_am_recv_param_t* param);
+  static void conn_cb(ucp_conn_request_h req, void* arg);
+  static void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
+  void loop();
+  void drain_posted();
+  std::shared_ptr<connection> adopt(ucp_ep_h ep, std::shared_ptr<connection> c);
+
+  std::string name_;
+  ucp_context_h ctx_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
+  int efd_ = -1, wake_ = -1, epoll_ = -1;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::deque<std::function<void()>> posted_;
+  frame_handler frame_;
+  data_sink sink_;
+  data_done data_done_;
+  std::function<void(std::shared_ptr<connection>)> accepted_;
+  std::vector<std::shared_ptr<connection>> conns_;  // progress thread
+  std::vector<std::string> tls_;
+  std::thread thread_;
+};
+
+}  // namespace ferry::net

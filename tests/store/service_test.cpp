@@ -1,0 +1,121 @@
+// The storage service over UCX on loopback: reads with checksums, stat, list, refusals, many clients.
+#include <ferry/core/checksum.hpp>
+#include <ferry/store/service.hpp>
+
+#include "support/errors.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+using namespace ferry;
+using ::testing::HasSubstr;
+
+namespace {
+
+struct served {
+  std::filesystem::path base, root;
+  std::vector<unsigned char> data;
+  std::unique_ptr<store::server> srv;
+  served() {
+    base = std::filesystem::path(::testing::TempDir()) / ("ferry-serve-" + std::to_string(::getpid()));
+    root = base / "export";
+    std::filesystem::create_directories(root / "data");
+    data.resize((9 << 20) + 12345);
+    std::mt19937_64 rng(1);
+    for (auto& c : data) c = static_cast<unsigned char>(rng());
+    std::ofstream(root / "data" / "shard.bin", std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+    std::ofstream(base / "secret.txt") << "outside";
+    std::filesystem::create_symlink("../secret.txt", root / "escape");
+    store::server_options o;
+    o.root = root.string();
+    o.chunk = 1 << 20;
+    srv = std::make_unique<store::server>(o);
+  }
+  ~served() {
+    srv.reset();
+    std::filesystem::remove_all(base);
+  }
+};
+
+TEST(StoreService, ReadStatListOverLoopbackWithChecksums) {
+  served s;
+  store::client c("127.0.0.1", s.srv->port());
+  std::vector<unsigned char> buf(s.data.size());
+  EXPECT_EQ(c.read("data/shard.bin", 0, buf.data(), buf.size()), buf.size());
+  EXPECT_EQ(checksum64(buf.data(), buf.size()), checksum64(s.data.data(), s.data.size()));
+  // A range in the middle, and a read past EOF returns the short count.
+  std::vector<unsigned char> part(1000);
+  EXPECT_EQ(c.read("data/shard.bin", 4097, part.data(), part.size()), 1000u);
+  EXPECT_EQ(std::memcmp(part.data(), s.data.data() + 4097, 1000), 0);
+  EXPECT_EQ(c.read("data/shard.bin", s.data.size() - 10, part.data(), part.size()), 10u);
+  auto st = c.stat("data/shard.bin");
+  EXPECT_EQ(st.size, s.data.size());
+  auto entries = c.list("data");
+  ASSERT_EQ(entries.size(), 1u);
+  EXPECT_EQ(entries[0].name, "shard.bin");
+  EXPECT_EQ(entries[0].size, s.data.size());
+  EXPECT_GE(s.srv->stats().requests, 5u);
+}
+
+TEST(StoreService, RefusalsNameThePeerAndPath) {
+  served s;
+  store::client c("127.0.0.1", s.srv->port());
+  std::vector<unsigned char> buf(100);
+  EXPECT_THAT(test::error_text([&] { c.read("../secret.txt", 0, buf.data(), 100); }), HasSubstr("'..' is not allowed"));
+  EXPECT_THAT(test::error_text([&] { c.read("/etc/passwd", 0, buf.data(), 100); }), HasSubstr("absolute paths are not allowed"));
+  EXPECT_THAT(test::error_text([&] { c.read("escape", 0, buf.data(), 100); }), HasSubstr("leads outside the root"));
+  std::string nul("data/shard.bin\0x", 16);
+  EXPECT_THAT(test::error_text([&] { c.stat(nul); }), HasSubstr("NUL byte"));
+  std::string missing = test::error_text([&] { c.stat("nope.bin"); });
+  EXPECT_THAT(missing, HasSubstr("No such file or directory"));
+  EXPECT_THAT(missing, HasSubstr("127.0.0.1:" + std::to_string(s.srv->port())));
+  EXPECT_THAT(missing, HasSubstr("[not_found]"));
+  // The server is still fine.
+  EXPECT_EQ(c.read("data/shard.bin", 0, buf.data(), 100), 100u);
+}
+
+TEST(StoreService, ThirtyTwoConcurrentClients) {
+  served s;
+  std::atomic<int> good{0};
+  std::vector<std::thread> ts;
+  for (int i = 0; i < 32; ++i)
+    ts.emplace_back([&, i] {
+      try {
+        store::client c("127.0.0.1", s.srv->port());
+        std::vector<unsigned char> buf(1 << 20);
+        std::uint64_t off = static_cast<std::uint64_t>(i) * 200000;
+        if (c.read("data/shard.bin", off, buf.data(), buf.size()) == buf.size() &&
+            std::memcmp(buf.data(), s.data.data() + off, buf.size()) == 0)
+          good++;
+      } catch (const error& e) {
+        ADD_FAILURE() << e.what();
+      }
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(good.load(), 32);
+  EXPECT_EQ(s.srv->stats().connections, 32u);
+}
+
+TEST(StoreService, ServerGoneIsAnErrorWithinTheDeadline) {
+  auto s = std::make_unique<served>();
+  store::client c("127.0.0.1", s->srv->port());
+  std::uint16_t port = s->srv->port();
+  s.reset();  // server stops
+  std::vector<unsigned char> buf(100);
+  auto t0 = std::chrono::steady_clock::now();
+  std::string t = test::error_text([&] { c.read("data/shard.bin", 0, buf.data(), 100, std::chrono::seconds(3)); });
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_THAT(t, HasSubstr("127.0.0.1:" + std::to_string(port)));
+  EXPECT_THAT(t, ::testing::AnyOf(HasSubstr("[network_error]"), HasSubstr("[timeout]")));
+  EXPECT_THAT(test::error_text([&] { store::client d("127.0.0.1", port, std::chrono::seconds(3)); }),
+              ::testing::AnyOf(HasSubstr("[network_error]"), HasSubstr("[timeout]")));
+}
+
+}  // namespace
