@@ -74,6 +74,26 @@ errc errc_from_errno(int err) noexcept {
   }
 }
 
+int errno_from_errc(errc c) noexcept {
+  switch (c) {
+    case errc::invalid_argument: return EINVAL;
+    case errc::out_of_range: return ERANGE;
+    case errc::not_found: return ENOENT;
+    case errc::permission_denied: return EACCES;
+    case errc::out_of_memory: return ENOMEM;
+    case errc::bad_address: return EFAULT;
+    case errc::busy: return EBUSY;
+    case errc::unavailable: return ENODEV;
+    case errc::not_supported: return EOPNOTSUPP;
+    case errc::timeout: return ETIMEDOUT;
+    case errc::cancelled: return ECANCELED;
+    case errc::network_error: return ECONNRESET;
+    case errc::protocol_error: return EPROTO;
+    case errc::io_error: case errc::device_error: case errc::internal: return EIO;
+  }
+  return EIO;
+}
+
 std::string_view errno_name(int err) noexcept {
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 32))
   if (const char* n = strerrorname_np(err)) return n;

@@ -29,7 +29,7 @@ std::vector<std::uint8_t> random_nonce() {
   return n;
 }
 error_reply to_reply(const error& e) {
-  return error_reply{e.sys_errno() ? e.sys_errno() : static_cast<std::int32_t>(EIO), printable(e.what(), 1000)};
+  return error_reply{e.sys_errno() ? e.sys_errno() : errno_from_errc(e.code()), printable(e.what(), 1000)};
 }
 }  // namespace
 
@@ -284,7 +284,12 @@ struct client::impl {
         if (!p->err) p->err = error(errc::network_error, "store.request", peer, "connection lost: " + why);
       cv.notify_all();
     };
-    message r = request({0, 0, hello{1, 1, 64, random_nonce()}}, nullptr, 0, until);
+    message r;
+    try {
+      r = request({0, 0, hello{1, 1, 64, random_nonce()}}, nullptr, 0, until);
+    } catch (const error& e) {
+      throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});
+    }
     if (auto* e = std::get_if<error_reply>(&r.b))
       fail(errc::network_error, "store.connect", peer, "refused: " + e->message);
     hello_reply = std::get<welcome>(r.b);

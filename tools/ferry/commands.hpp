@@ -49,4 +49,27 @@ struct bench_file_options {
 };
 int run_bench_file(runtime& rt, const bench_file_options& o);
 
+struct remote_uri {
+  std::string host;
+  std::uint16_t port = 0;
+  std::string path;
+};
+// Parses ferry://host:port/path (host may be [IPv6]); throws invalid_argument naming the URI.
+remote_uri parse_uri(const std::string& uri);
+
+struct serve_options {
+  std::string root;
+  std::string listen = "127.0.0.1:7070";
+  bool writable = false;
+};
+int run_serve(runtime& rt, const serve_options& o);
+int run_ls(runtime& rt, const std::string& uri, bool stat_only);
+
+struct job_options {
+  std::string device;  // default: a GPU if present, else sim:0
+  int files = 4;
+  std::string size = "64MiB";
+};
+int run_job(runtime& rt, const job_options& o);
+
 }  // namespace ferry::cli

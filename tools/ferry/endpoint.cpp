@@ -23,8 +23,6 @@ std::pair<std::string, std::uint64_t> split(const std::string& spec) {
 device* endpoint::device_of(runtime& rt, const std::string& spec) {
   auto [kind, off] = split(spec);
   if (kind == "host" || kind == "pinned") return nullptr;
-  if (kind.starts_with("ferry://"))
-    fail(errc::not_supported, "cp", spec, "remote storage (ferry://) comes with the network engine");
   if (kind.starts_with("file:")) fail(errc::invalid_argument, "cp", spec, "a file is not a memory endpoint here");
   return &rt.devices().get(kind);
 }

@@ -53,6 +53,23 @@ int main(int argc, char** argv) {
   bench_file->add_option("--json-out", bfile.json_out, "Write the results as JSON here");
   bench_file->add_flag("--keep", bfile.keep, "Keep the test file");
 
+  ferry::cli::serve_options serve;
+  auto* serve_cmd = app.add_subcommand("serve", "Serve the files under a directory over UCX (ferry://host:port/path)");
+  serve_cmd->add_option("--root", serve.root, "Directory to export")->required();
+  serve_cmd->add_option("--listen", serve.listen, "HOST:PORT to listen on (port 0: any)")->capture_default_str();
+  serve_cmd->add_flag("--writable", serve.writable, "Allow writes (not implemented yet)");
+  std::string ls_uri, stat_uri;
+  auto* ls_cmd = app.add_subcommand("ls", "List a remote directory: ferry ls ferry://host:port/dir");
+  ls_cmd->add_option("uri", ls_uri, "ferry://host:port/path")->required();
+  auto* stat_cmd = app.add_subcommand("stat", "Size and mode of a remote file");
+  stat_cmd->add_option("uri", stat_uri, "ferry://host:port/path")->required();
+
+  ferry::cli::job_options job;
+  auto* job_cmd = app.add_subcommand("job", "The end-to-end job: dataset -> ferry serve -> ferry:// -> device memory, verified");
+  job_cmd->add_option("--device", job.device, "Device (default: a GPU if present, else sim:0)");
+  job_cmd->add_option("--files", job.files, "Number of files")->capture_default_str();
+  job_cmd->add_option("--size", job.size, "Size of each file")->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -65,6 +82,10 @@ int main(int argc, char** argv) {
     if (*cp_cmd) return ferry::cli::run_cp(rt, cp);
     if (*bench_local) return ferry::cli::run_bench_local(rt, bench);
     if (*bench_file) return ferry::cli::run_bench_file(rt, bfile);
+    if (*serve_cmd) return ferry::cli::run_serve(rt, serve);
+    if (*job_cmd) return ferry::cli::run_job(rt, job);
+    if (*ls_cmd) return ferry::cli::run_ls(rt, ls_uri, false);
+    if (*stat_cmd) return ferry::cli::run_ls(rt, stat_uri, true);
   } catch (const ferry::error& e) {
     std::fprintf(stderr, "ferry: error: %s\n", e.what());
     return 1;

@@ -97,6 +97,9 @@ inline void expects(bool cond, std::string_view op, std::string_view resource, s
     fail(errc::invalid_argument, std::string(op), std::string(resource), std::string(detail), where);
 }
 
+// The errno that best stands for a code (to carry a ferry error across the wire): EACCES for
+// permission_denied, ENOENT for not_found, ...
+FERRY_API int errno_from_errc(errc c) noexcept;
 // Maps an errno value to the portable code.
 FERRY_API errc errc_from_errno(int err) noexcept;
 // "ENOENT" for 2, or "E?" when unknown.
