@@ -9,6 +9,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 
 namespace ferry::net {
@@ -155,6 +156,12 @@ void connection::close() {
 
 ucx_worker::ucx_worker(std::string name) : name_(std::move(name)) {
   ucp_config_t* cfg = nullptr;
+  // A restarted server must get its well-known port back while the old connections sit in
+  // TIME_WAIT (UCX's default is not to set SO_REUSEADDR). UCX reads this transport setting only
+  // from the environment (ucp_config_modify accepts it but the worker rejects it), so it is set
+  // there once, before the first UCX context, unless the user set it.
+  static std::once_flag once;
+  std::call_once(once, [] { ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0); });
   check(ucp_config_read(nullptr, nullptr, &cfg), "net.init", "ucp_config_read");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;

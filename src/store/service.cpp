@@ -258,8 +258,11 @@ struct client::impl {
   };
   std::map<std::uint64_t, std::shared_ptr<pending>> pend;
   welcome hello_reply;
+  std::string host;
+  std::uint16_t port;
+  std::atomic<std::uint64_t> reconnects{0};
 
-  impl(const std::string& host, std::uint16_t port, clk::time_point until) : peer(fmt::format("{}:{}", host, port)) {
+  impl(const std::string& h, std::uint16_t p, clk::time_point until) : peer(fmt::format("{}:{}", h, p)), host(h), port(p) {
     w.on_frame([this](connection&, message m) { on_frame(std::move(m)); });
     w.on_data(
         [this](connection&, std::uint64_t rid, std::uint64_t off, std::size_t n) -> void* {
@@ -277,6 +280,11 @@ struct client::impl {
           it->second->received += n;
           cv.notify_all();
         });
+    connect(until);
+  }
+  // (Re)connects and completes the handshake before `until`.
+  void connect(clk::time_point until) {
+    if (c) c->close();
     c = w.connect(host, port, until);
     c->on_failure = [this](const std::string& why) {
       std::lock_guard l(mu);
@@ -293,6 +301,30 @@ struct client::impl {
     if (auto* e = std::get_if<error_reply>(&r.b))
       fail(errc::network_error, "store.connect", peer, "refused: " + e->message);
     hello_reply = std::get<welcome>(r.b);
+  }
+  // Runs an idempotent request; after a lost connection (server restarted) it reconnects once and retries.
+  template <typename F>
+  auto retrying(F f, clk::time_point until) -> decltype(f()) {
+    std::optional<error> lost;
+    for (int attempt = 0;; ++attempt) {
+      try {
+        if (!c || !c->alive()) {
+          reconnects++;
+          try {
+            connect(until);
+          } catch (const error& re) {
+            if (!lost) throw;
+            throw error(error_info{errc::network_error, lost->op(), lost->resource(),
+                                   "connection lost during the request, and reconnecting failed", re.what(), 0, 0});
+          }
+        }
+        return f();
+      } catch (const error& e) {
+        if (e.code() != errc::network_error || attempt >= 1 || clk::now() >= until) throw;
+        lost = e;
+        log::info("store", "{}: {}; reconnecting", peer, e.what());
+      }
+    }
   }
   ~impl() {
     if (c) c->close();
@@ -359,19 +391,23 @@ namespace {
 
 std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                            std::chrono::nanoseconds timeout) {
-  message r = impl_->request({0, 0, read_req{path, offset, length}}, static_cast<std::byte*>(dst), length, clk::now() + timeout);
+  auto until = clk::now() + timeout;
+  message r = impl_->retrying(
+      [&] { return impl_->request({0, 0, read_req{path, offset, length}}, static_cast<std::byte*>(dst), length, until); }, until);
   if (auto* e = std::get_if<error_reply>(&r.b)) rethrow_reply(*e, "store.read", impl_->peer, path);
   return std::get<complete>(r.b).bytes;
 }
 
 stat_reply client::stat(const std::string& path, std::chrono::nanoseconds timeout) {
-  message r = impl_->request({0, 0, stat_req{path}}, nullptr, 0, clk::now() + timeout);
+  auto until = clk::now() + timeout;
+  message r = impl_->retrying([&] { return impl_->request({0, 0, stat_req{path}}, nullptr, 0, until); }, until);
   if (auto* e = std::get_if<error_reply>(&r.b)) rethrow_reply(*e, "store.stat", impl_->peer, path);
   return std::get<stat_reply>(r.b);
 }
 
 std::vector<list_entry> client::list(const std::string& path, std::chrono::nanoseconds timeout) {
-  message r = impl_->request({0, 0, list_req{path}}, nullptr, 0, clk::now() + timeout);
+  auto until = clk::now() + timeout;
+  message r = impl_->retrying([&] { return impl_->request({0, 0, list_req{path}}, nullptr, 0, until); }, until);
   if (auto* e = std::get_if<error_reply>(&r.b)) rethrow_reply(*e, "store.list", impl_->peer, path);
   return std::get<list_reply>(r.b).entries;
 }

@@ -123,4 +123,27 @@ TEST(StoreService, ServerGoneIsAnErrorWithinTheDeadline) {
               HasSubstr("store.connect 127.0.0.1:" + std::to_string(port) + ": cannot connect to the storage server"));
 }
 
+TEST(StoreService, ServerRestartedTheNextReadSucceeds) {
+  served s;
+  std::uint16_t port = s.srv->port();
+  store::client c("127.0.0.1", port);
+  std::vector<unsigned char> buf(1 << 20);
+  EXPECT_EQ(c.read("data/shard.bin", 0, buf.data(), buf.size()), buf.size());
+  s.srv.reset();
+  store::server_options o;
+  o.root = s.root.string();
+  o.port = port;
+  for (int i = 0; i < 50 && !s.srv; ++i) {  // the port may take a moment to be free again
+    try {
+      s.srv = std::make_unique<store::server>(o);
+    } catch (const error&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  ASSERT_TRUE(s.srv) << "could not listen on port " << port << " again";
+  std::fill(buf.begin(), buf.end(), 0);
+  EXPECT_EQ(c.read("data/shard.bin", 4096, buf.data(), buf.size(), std::chrono::seconds(10)), buf.size());
+  EXPECT_EQ(std::memcmp(buf.data(), s.data.data() + 4096, buf.size()), 0);
+}
+
 }  // namespace

@@ -60,8 +60,9 @@ int cp_remote(runtime& rt, const cp_options& o) {
   remote_uri u = parse_uri(o.src);
   if (is_file(o.dst) || is_remote(o.dst))
     fail(errc::not_supported, "cp", o.dst, "ferry:// sources go to memory endpoints for now (host, pinned, gpu:N, sim:N)");
-  store::client c(u.host, u.port);
-  std::uint64_t size = c.stat(u.path).size;
+  const auto timeout = rt.config().deadline;  // every remote wait is bounded by FERRY_DEADLINE
+  store::client c(u.host, u.port, timeout);
+  std::uint64_t size = c.stat(u.path, timeout).size;
   std::uint64_t bytes = o.size.empty() ? size : std::min<std::uint64_t>(parse_size(o.size, "--size"), size);
   expects(bytes > 0, "cp", o.src, "nothing to copy (empty file)");
   endpoint dst(rt, o.dst, bytes);
@@ -73,7 +74,7 @@ int cp_remote(runtime& rt, const cp_options& o) {
   std::uint64_t moved = 0;
   while (moved < bytes) {
     std::uint64_t n = std::min(piece, bytes - moved);
-    std::uint64_t got = c.read(u.path, moved, stage.data(), n);
+    std::uint64_t got = c.read(u.path, moved, stage.data(), n, timeout);
     if (o.verify) cs.update(stage.data(), got);
     if (got) rt.engine().copy(dst.data() + moved, stage.data(), got);
     moved += got;
