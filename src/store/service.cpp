@@ -57,8 +57,17 @@ struct server::impl {
     w.on_frame([this](connection& c, message m) { on_frame(c, std::move(m)); });
     port = w.listen(o.host, o.port, [this](std::shared_ptr<connection> c) {
       connections++;
-      std::lock_guard l(sess_mu);
-      sessions[c.get()] = std::make_shared<session>();
+      {
+        std::lock_guard l(sess_mu);
+        sessions[c.get()] = std::make_shared<session>();
+      }
+      // A client that dies or leaves: its session goes; running jobs hold their own reference.
+      connection* raw = c.get();
+      c->on_failure = [this, raw](const std::string& why) {
+        std::lock_guard l(sess_mu);
+        sessions.erase(raw);
+        log::info("store", "client {} gone: {}", raw->peer(), why);
+      };
       log::info("store", "client {} connected", c->peer());
     });
     for (int i = 0; i < o.threads; ++i) threads.emplace_back([this] { work(); });
@@ -236,7 +245,9 @@ server::server(server_options o) : impl_(std::make_unique<impl>(std::move(o))) {
 server::~server() = default;
 std::uint16_t server::port() const noexcept { return impl_->port; }
 server_stats server::stats() const {
-  return {impl_->connections.load(), impl_->requests.load(), impl_->bytes_sent.load(), impl_->errors.load()};
+  std::lock_guard l(impl_->sess_mu);
+  return {impl_->connections.load(), impl_->requests.load(), impl_->bytes_sent.load(), impl_->errors.load(),
+          impl_->sessions.size()};
 }
 
 // ---- client ------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ int run_serve(runtime& rt, const serve_options& o) {
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGUSR1);  // print stats on demand
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   store::server_options so;
   so.root = o.root;
@@ -66,6 +67,12 @@ int run_serve(runtime& rt, const serve_options& o) {
   for (;;) {
     int sig = sigtimedwait(&set, nullptr, &tick);
     if (sig == SIGTERM || sig == SIGINT) break;
+    if (sig == SIGUSR1) {
+      auto st = srv.stats();
+      fmt::print("ferry serve: {} connections ({} live), {} requests, {} sent, {} errors\n", st.connections,
+                 st.live_sessions, st.requests, format_size(st.bytes_sent), st.errors);
+      std::fflush(stdout);
+    }
   }
   auto st = srv.stats();
   fmt::print("ferry serve: stopping; {} connections, {} requests, {} sent, {} errors\n", st.connections, st.requests,

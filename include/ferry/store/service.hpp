@@ -25,6 +25,7 @@ struct server_options {
 
 struct server_stats {
   std::uint64_t connections = 0, requests = 0, bytes_sent = 0, errors = 0;
+  std::uint64_t live_sessions = 0;  // connections not yet gone
 };
 
 class FERRY_API server {
