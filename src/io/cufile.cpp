@@ -14,20 +14,6 @@
 
 namespace ferry::cufile {
 
-// The stable C ABI of the cuFile entry points used (cufile.h is not installed here).
-struct cu_error {
-  int err;     // CUfileOpError (0 = success)
-  int cu_err;  // CUresult
-};
-struct cu_descr {
-  int type;  // CU_FILE_HANDLE_TYPE_OPAQUE_FD = 1
-  union {
-    int fd;
-    void* handle;
-  } handle;
-  const void* fs_ops;
-};
-
 struct backend::api {
   cu_error (*driver_open)() = nullptr;
   cu_error (*driver_close)() = nullptr;

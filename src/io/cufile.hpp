@@ -12,6 +12,21 @@
 
 namespace ferry::cufile {
 
+// The stable C ABI of the cuFile entry points ferry uses (cufile.h is not installed with the
+// toolkit here): shared by the backend and the probe.
+struct cu_error {
+  int err;     // CUfileOpError (0 = success)
+  int cu_err;  // CUresult
+};
+struct cu_descr {
+  int type;  // CU_FILE_HANDLE_TYPE_OPAQUE_FD = 1
+  union {
+    int fd;
+    void* handle;
+  } handle;
+  const void* fs_ops;
+};
+
 class backend {
  public:
   explicit backend(const settings& s);

@@ -1,6 +1,8 @@
 #include <ferry/core/error.hpp>
 #include <ferry/io/probe.hpp>
 
+#include "io/cufile.hpp"
+
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -46,24 +48,9 @@ capability probe_io_uring() {
   return c;
 }
 
-namespace {
-
-// The stable C ABI of the cuFile entry points probed here (cufile.h is not installed here).
-struct cufile_error {
-  int err;      // CUfileOpError
-  int cu_err;   // CUresult
-};
-struct cufile_descr {
-  int type;  // CU_FILE_HANDLE_TYPE_OPAQUE_FD = 1
-  union {
-    int fd;
-    void* handle;
-  } handle;
-  const void* fs_ops;
-};
+using cufile_error = cufile::cu_error;
+using cufile_descr = cufile::cu_descr;
 using cufile_handle = void*;
-
-}  // namespace
 
 capability probe_cufile(const settings& s, bool cuda_available, const std::string& path) {
   capability c;

@@ -51,6 +51,15 @@ sockaddr_storage make_addr(const std::string& host, std::uint16_t port) {
   return ss;
 }
 
+// Closes an endpoint without waiting for the peer (its requests are cancelled).
+void close_ep(ucp_ep_h ep) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+  if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
+}
+
 struct send_ctx {
   std::vector<std::byte> buf;  // frame bytes or the data header
   std::function<void(ucs_status_t)> done;
@@ -142,11 +151,7 @@ void connection::close() {
   auto self = shared_from_this();
   w_.post([self] {
     if (!self->ep) return;
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(self->ep, &p);
-    if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
+    close_ep(self->ep);
     self->ep = nullptr;
     self->mark_failed("closed");
   });
@@ -205,11 +210,7 @@ ucx_worker::~ucx_worker() {
   post([this] {
     for (auto& c : conns_)
       if (c->ep) {
-        ucp_request_param_t p{};
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        ucs_status_ptr_t r = ucp_ep_close_nbx(c->ep, &p);
-        if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
+        close_ep(c->ep);
         c->ep = nullptr;
       }
     if (listener_) ucp_listener_destroy(listener_);
