@@ -1,0 +1,124 @@
+// A hostile client against a live storage server: garbage frames, oversize requests, more requests
+// than credits. The server refuses each with a clear error or drops that connection — and keeps
+// serving everyone else.
+#include <ferry/store/service.hpp>
+
+#include "net/ucx.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+using namespace ferry;
+using namespace ferry::net;
+using ::testing::HasSubstr;
+using clk = std::chrono::steady_clock;
+
+namespace {
+
+// Collects whatever frames come back on a raw connection.
+struct raw_client {
+  ucx_worker w{"hostile"};
+  std::shared_ptr<connection> c;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<message> got;
+  raw_client(std::uint16_t port) {
+    w.on_frame([this](connection&, message m) {
+      std::lock_guard l(mu);
+      got.push_back(std::move(m));
+      cv.notify_all();
+    });
+    c = w.connect("127.0.0.1", port, clk::now() + std::chrono::seconds(5));
+  }
+  // Sends raw bytes as a frame AM (bypassing the encoder).
+  void send_raw(std::vector<std::byte> bytes) {
+    auto buf = std::make_shared<std::vector<std::byte>>(std::move(bytes));
+    w.post([this, buf] {
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+      ucs_status_ptr_t r = ucp_am_send_nbx(c->ep, am_frame, nullptr, 0, buf->data(), buf->size(), &p);
+      if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // keep buf alive while UCX copies it
+  }
+  bool wait_for(std::size_t n, std::chrono::seconds t = std::chrono::seconds(5)) {
+    std::unique_lock l(mu);
+    return cv.wait_for(l, t, [&] { return got.size() >= n; });
+  }
+};
+
+struct exported {
+  std::filesystem::path root;
+  std::unique_ptr<store::server> srv;
+  exported() {
+    root = std::filesystem::path(::testing::TempDir()) / ("ferry-hostile-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(root);
+    std::ofstream(root / "a.bin", std::ios::binary) << std::string(1 << 20, 'x');
+    store::server_options o;
+    o.root = root.string();
+    o.max_request = 64 << 10;
+    o.max_outstanding = 2;
+    srv = std::make_unique<store::server>(o);
+  }
+  ~exported() {
+    srv.reset();
+    std::filesystem::remove_all(root);
+  }
+};
+
+TEST(StoreHostile, GarbageFramesDropOnlyThatConnection) {
+  exported e;
+  raw_client bad(e.srv->port());
+  bad.send_raw(std::vector<std::byte>(100, std::byte{0x41}));  // not a frame at all
+  // The server dropped the hostile connection...
+  for (int i = 0; i < 50 && bad.c->alive(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(bad.c->alive()) << "the server kept a connection that sent garbage";
+  // ...and still serves others.
+  store::client good("127.0.0.1", e.srv->port());
+  std::vector<char> buf(100);
+  EXPECT_EQ(good.read("a.bin", 0, buf.data(), buf.size()), 100u);
+}
+
+TEST(StoreHostile, RequestsBeforeTheHandshakeOversizeAndOverCreditAreRefused) {
+  exported e;
+  raw_client h(e.srv->port());
+  // Before the handshake.
+  h.c->send_frame({1, 0, stat_req{"a.bin"}});
+  ASSERT_TRUE(h.wait_for(1));
+  ASSERT_TRUE(std::holds_alternative<error_reply>(h.got[0].b));
+  EXPECT_THAT(std::get<error_reply>(h.got[0].b).message, HasSubstr("request before the handshake"));
+  h.c->send_frame({2, 0, hello{1, 1, 64, std::vector<std::uint8_t>(32, 1)}});
+  ASSERT_TRUE(h.wait_for(2));
+  ASSERT_TRUE(std::holds_alternative<welcome>(h.got[1].b));
+  EXPECT_EQ(std::get<welcome>(h.got[1].b).credits, 2u);
+  // Oversize.
+  h.c->send_frame({3, 0, read_req{"a.bin", 0, 1 << 20}});
+  ASSERT_TRUE(h.wait_for(3));
+  ASSERT_TRUE(std::holds_alternative<error_reply>(h.got[2].b));
+  EXPECT_THAT(std::get<error_reply>(h.got[2].b).message, HasSubstr("exceeds the limit 65536"));
+  // Writes to a read-only server.
+  h.c->send_frame({4, 0, write_req{"a.bin", 0, 10}});
+  ASSERT_TRUE(h.wait_for(4));
+  EXPECT_THAT(std::get<error_reply>(h.got[3].b).message, HasSubstr("read-only"));
+  // A burst far beyond the credits: every request gets an answer (served or refused as busy).
+  for (std::uint64_t id = 10; id < 60; ++id) h.c->send_frame({id, 0, stat_req{"a.bin"}});
+  ASSERT_TRUE(h.wait_for(4 + 50, std::chrono::seconds(10)));
+  int busy = 0, served = 0;
+  for (std::size_t i = 4; i < h.got.size(); ++i) {
+    if (auto* er = std::get_if<error_reply>(&h.got[i].b)) busy += er->message.find("credits exhausted") != std::string::npos;
+    else served += std::holds_alternative<stat_reply>(h.got[i].b);
+  }
+  EXPECT_EQ(busy + served, 50);
+  EXPECT_GT(served, 0);
+  // The server is fine.
+  store::client good("127.0.0.1", e.srv->port());
+  EXPECT_EQ(good.stat("a.bin").size, 1u << 20);
+}
+
+}  // namespace
