@@ -199,6 +199,9 @@ const setting_def table[] = {
      s.io_inject = std::string(v);
    },
    [](const settings& s) { return s.io_inject; }},
+  {"FERRY_SECRET_FILE", "File holding the shared secret for ferry:// servers started with --secret-file. Empty: none.",
+   [](settings& s, std::string_view v) { s.secret_file = std::string(v); },
+   [](const settings& s) { return s.secret_file; }},
 };
 // clang-format on
 

@@ -5,6 +5,9 @@
 #include "net/ucx.hpp"
 
 #include <dirent.h>
+#include <openssl/crypto.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
@@ -12,6 +15,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <fstream>
 #include <map>
 #include <random>
 #include <thread>
@@ -23,10 +27,22 @@ using clk = std::chrono::steady_clock;
 
 namespace {
 std::vector<std::uint8_t> random_nonce() {
-  std::random_device rd;
   std::vector<std::uint8_t> n(nonce_size);
-  for (auto& b : n) b = static_cast<std::uint8_t>(rd());
+  if (RAND_bytes(n.data(), static_cast<int>(n.size())) != 1)
+    fail(errc::internal, "store.nonce", "RAND_bytes", "the OpenSSL random generator failed");
   return n;
+}
+// HMAC-SHA256(secret, server nonce | client nonce).
+std::vector<std::uint8_t> proof(const std::string& secret, const std::vector<std::uint8_t>& server_nonce,
+                                const std::vector<std::uint8_t>& client_nonce) {
+  std::vector<std::uint8_t> msg(server_nonce);
+  msg.insert(msg.end(), client_nonce.begin(), client_nonce.end());
+  std::vector<std::uint8_t> mac(EVP_MAX_MD_SIZE);
+  unsigned len = 0;
+  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), msg.data(), msg.size(), mac.data(), &len))
+    fail(errc::internal, "store.auth", "HMAC", "HMAC-SHA256 failed");
+  mac.resize(len);
+  return mac;
 }
 error_reply to_reply(const error& e) {
   return error_reply{e.sys_errno() ? e.sys_errno() : errno_from_errc(e.code()), printable(e.what(), 1000)};
@@ -49,6 +65,7 @@ struct server::impl {
   struct session {
     std::atomic<int> outstanding{0};
     bool welcomed = false;
+    std::vector<std::uint8_t> client_nonce, server_nonce;  // pending challenge
   };
   std::mutex sess_mu;
   std::map<connection*, std::shared_ptr<session>> sessions;
@@ -111,7 +128,29 @@ struct server::impl {
     if (!s) return;
     auto self = c.shared_from_this();
     std::uint64_t rid = m.request_id;
-    if (std::holds_alternative<hello>(m.b)) {
+    if (auto* h = std::get_if<hello>(&m.b)) {
+      if (o.secret.empty()) {
+        s->welcomed = true;
+        c.send_frame({rid, o.max_outstanding, welcome{o.max_outstanding, o.max_request, false}});
+      } else {
+        s->client_nonce = h->nonce;
+        s->server_nonce = random_nonce();
+        c.send_frame({rid, 0, challenge{s->server_nonce, true}});
+      }
+      return;
+    }
+    if (auto* a = std::get_if<auth>(&m.b)) {
+      bool ok = !o.secret.empty() && !s->server_nonce.empty();
+      if (ok) {
+        auto want = proof(o.secret, s->server_nonce, s->client_nonce);
+        ok = want.size() == a->mac.size() && CRYPTO_memcmp(want.data(), a->mac.data(), want.size()) == 0;
+      }
+      s->server_nonce.clear();  // one answer per challenge
+      if (!ok) {
+        log::warn("store", "client {} failed to authenticate", c.peer());
+        reply_error(c, rid, error(errc::permission_denied, "store.auth", c.peer(), "authentication failed (wrong secret?)"));
+        return;
+      }
       s->welcomed = true;
       c.send_frame({rid, o.max_outstanding, welcome{o.max_outstanding, o.max_request, false}});
       return;
@@ -271,9 +310,11 @@ struct client::impl {
   welcome hello_reply;
   std::string host;
   std::uint16_t port;
+  std::string secret;
   std::atomic<std::uint64_t> reconnects{0};
 
-  impl(const std::string& h, std::uint16_t p, clk::time_point until) : peer(fmt::format("{}:{}", h, p)), host(h), port(p) {
+  impl(const std::string& h, std::uint16_t p, clk::time_point until, std::string sec)
+      : peer(fmt::format("{}:{}", h, p)), host(h), port(p), secret(std::move(sec)) {
     w.on_frame([this](connection&, message m) { on_frame(std::move(m)); });
     w.on_data(
         [this](connection&, std::uint64_t rid, std::uint64_t off, std::size_t n) -> void* {
@@ -304,13 +345,23 @@ struct client::impl {
       cv.notify_all();
     };
     message r;
+    auto nonce = random_nonce();
     try {
-      r = request({0, 0, hello{1, 1, 64, random_nonce()}}, nullptr, 0, until);
+      r = request({0, 0, hello{1, 1, 64, nonce}}, nullptr, 0, until);
     } catch (const error& e) {
       throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});
     }
+    if (auto* ch = std::get_if<challenge>(&r.b)) {
+      if (secret.empty())
+        fail(errc::permission_denied, "store.connect", peer, "the server requires a shared secret (FERRY_SECRET_FILE)");
+      r = request({0, 0, auth{proof(secret, ch->nonce, nonce)}}, nullptr, 0, until);
+      if (auto* e = std::get_if<error_reply>(&r.b))
+        fail(errc::permission_denied, "store.connect", peer, "authentication refused: " + e->message);
+    }
     if (auto* e = std::get_if<error_reply>(&r.b))
       fail(errc::network_error, "store.connect", peer, "refused: " + e->message);
+    if (!std::holds_alternative<welcome>(r.b))
+      fail(errc::protocol_error, "store.connect", peer, "unexpected answer to the handshake");
     hello_reply = std::get<welcome>(r.b);
   }
   // Runs an idempotent request; after a lost connection (server restarted) it reconnects once and retries.
@@ -387,8 +438,17 @@ struct client::impl {
   }
 };
 
-client::client(const std::string& host, std::uint16_t port, std::chrono::nanoseconds timeout)
-    : impl_(std::make_unique<impl>(host, port, clk::now() + timeout)) {}
+client::client(const std::string& host, std::uint16_t port, std::chrono::nanoseconds timeout, std::string secret)
+    : impl_(std::make_unique<impl>(host, port, clk::now() + timeout, std::move(secret))) {}
+
+std::string read_secret_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail_errno(errno ? errno : ENOENT, "store.secret", path, "cannot read the secret file");
+  std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  if (s.empty()) fail(errc::invalid_argument, "store.secret", path, "the secret file is empty");
+  return s;
+}
 client::~client() = default;
 const std::string& client::peer() const noexcept { return impl_->peer; }
 

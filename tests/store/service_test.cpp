@@ -149,4 +149,23 @@ TEST(StoreService, ServerRestartedTheNextReadSucceeds) {
   EXPECT_EQ(std::memcmp(buf.data(), s.data.data() + 4096, buf.size()), 0);
 }
 
+TEST(StoreService, SharedSecretChallengeResponse) {
+  served s;
+  store::server_options o;
+  o.root = s.root.string();
+  o.secret = "correct horse battery staple";
+  store::server srv(o);
+  std::vector<unsigned char> buf(4096);
+  EXPECT_THAT(test::error_text([&] { store::client c("127.0.0.1", srv.port(), std::chrono::seconds(5)); }),
+              HasSubstr("the server requires a shared secret"));
+  std::string wrong = test::error_text([&] { store::client c("127.0.0.1", srv.port(), std::chrono::seconds(5), "guess"); });
+  EXPECT_THAT(wrong, HasSubstr("authentication refused"));
+  EXPECT_THAT(wrong, HasSubstr("[permission_denied]"));
+  store::client c("127.0.0.1", srv.port(), std::chrono::seconds(5), o.secret);
+  EXPECT_EQ(c.read("data/shard.bin", 0, buf.data(), buf.size()), buf.size());
+  EXPECT_EQ(std::memcmp(buf.data(), s.data.data(), buf.size()), 0);
+  EXPECT_THAT(test::error_text([] { store::read_secret_file("/nonexistent/secret"); }),
+              HasSubstr("store.secret /nonexistent/secret: cannot read the secret file"));
+}
+
 }  // namespace

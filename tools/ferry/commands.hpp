@@ -60,8 +60,11 @@ remote_uri parse_uri(const std::string& uri);
 struct serve_options {
   std::string root;
   std::string listen = "127.0.0.1:7070";
+  std::string secret_file;  // clients must prove they know this secret
   bool writable = false;
 };
+// The secret from FERRY_SECRET_FILE, or empty.
+std::string client_secret(runtime& rt);
 int run_serve(runtime& rt, const serve_options& o);
 int run_ls(runtime& rt, const std::string& uri, bool stat_only);
 

@@ -61,7 +61,7 @@ int cp_remote(runtime& rt, const cp_options& o) {
   if (is_file(o.dst) || is_remote(o.dst))
     fail(errc::not_supported, "cp", o.dst, "ferry:// sources go to memory endpoints for now (host, pinned, gpu:N, sim:N)");
   const auto timeout = rt.config().deadline;  // every remote wait is bounded by FERRY_DEADLINE
-  store::client c(u.host, u.port, timeout);
+  store::client c(u.host, u.port, timeout, client_secret(rt));
   std::uint64_t size = c.stat(u.path, timeout).size;
   std::uint64_t bytes = o.size.empty() ? size : std::min<std::uint64_t>(parse_size(o.size, "--size"), size);
   expects(bytes > 0, "cp", o.src, "nothing to copy (empty file)");

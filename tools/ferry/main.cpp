@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
   auto* serve_cmd = app.add_subcommand("serve", "Serve the files under a directory over UCX (ferry://host:port/path)");
   serve_cmd->add_option("--root", serve.root, "Directory to export")->required();
   serve_cmd->add_option("--listen", serve.listen, "HOST:PORT to listen on (port 0: any)")->capture_default_str();
+  serve_cmd->add_option("--secret-file", serve.secret_file, "Require clients to prove they know this shared secret");
   serve_cmd->add_flag("--writable", serve.writable, "Allow writes (not implemented yet)");
   std::string ls_uri, stat_uri;
   auto* ls_cmd = app.add_subcommand("ls", "List a remote directory: ferry ls ferry://host:port/dir");

@@ -43,6 +43,10 @@ remote_uri parse_uri(const std::string& uri) {
   return r;
 }
 
+std::string client_secret(runtime& rt) {
+  return rt.config().secret_file.empty() ? std::string() : store::read_secret_file(rt.config().secret_file);
+}
+
 int run_serve(runtime& rt, const serve_options& o) {
   if (o.writable)
     fail(errc::not_supported, "serve", "--writable", "writable serving (with a shared secret) is not implemented yet; serve read-only");
@@ -59,9 +63,11 @@ int run_serve(runtime& rt, const serve_options& o) {
   if (colon == std::string::npos) fail(errc::invalid_argument, "serve", o.listen, "expected HOST:PORT");
   so.host = o.listen.substr(0, colon);
   so.port = static_cast<std::uint16_t>(std::stoi(o.listen.substr(colon + 1)));
+  if (!o.secret_file.empty()) so.secret = store::read_secret_file(o.secret_file);
   (void)rt;
   store::server srv(so);
-  fmt::print("ferry serve: {} on {}:{} (read-only)\n", o.root, so.host, srv.port());
+  fmt::print("ferry serve: {} on {}:{} (read-only, {})\n", o.root, so.host, srv.port(),
+             so.secret.empty() ? "no authentication" : "clients must know the secret");
   std::fflush(stdout);
   timespec tick{1, 0};
   for (;;) {
@@ -80,9 +86,9 @@ int run_serve(runtime& rt, const serve_options& o) {
   return 0;
 }
 
-int run_ls(runtime&, const std::string& uri, bool stat_only) {
+int run_ls(runtime& rt, const std::string& uri, bool stat_only) {
   remote_uri r = parse_uri(uri);
-  store::client c(r.host, r.port);
+  store::client c(r.host, r.port, rt.config().deadline, client_secret(rt));
   if (stat_only) {
     auto s = c.stat(r.path);
     fmt::print("{}: {} bytes, mode {:o}\n", uri, s.size, s.mode);

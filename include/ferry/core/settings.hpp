@@ -59,6 +59,8 @@ struct FERRY_API settings {
   int io_depth = 16;
   std::uint64_t io_chunk = 8ull << 20;
   std::string io_inject;               // test-only fault injection: "partial", "eintr", "partial,eintr"
+  // net / store
+  std::string secret_file;             // shared secret for ferry:// servers that require one
 
   // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
   using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;

@@ -21,6 +21,9 @@ struct server_options {
   std::uint64_t max_request = 1ull << 30;
   std::uint64_t chunk = 4ull << 20;    // bytes per data message
   int threads = 4;                     // file I/O threads
+  // Shared secret: when set, clients must answer a challenge with HMAC-SHA256(secret, server nonce |
+  // client nonce) before any request. Empty: no authentication.
+  std::string secret;
 };
 
 struct server_stats {
@@ -42,10 +45,15 @@ class FERRY_API server {
   std::unique_ptr<impl> impl_;
 };
 
+// Reads a secret file (contents, without a trailing newline); throws naming the path when missing or empty.
+FERRY_API std::string read_secret_file(const std::string& path);
+
 class FERRY_API client {
  public:
   // Connects and completes the handshake before `timeout`; throws network_error naming the peer.
-  client(const std::string& host, std::uint16_t port, std::chrono::nanoseconds timeout = std::chrono::seconds(30));
+  // `secret`: the shared secret, when the server requires one (permission_denied otherwise).
+  client(const std::string& host, std::uint16_t port, std::chrono::nanoseconds timeout = std::chrono::seconds(30),
+         std::string secret = {});
   ~client();
   client(const client&) = delete;
   client& operator=(const client&) = delete;

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# `ferry serve --secret-file` and clients through the CLI on loopback: no secret / wrong secret refused,
+# right secret served, SIGTERM stops the server gracefully.
+set -u
+FERRY=${1:?usage: cli_serve_test.sh path/to/ferry}
+work=$(mktemp -d)
+srv=
+cleanup() { [ -n "$srv" ] && kill -9 "$srv" 2>/dev/null; rm -rf "$work"; }
+trap cleanup EXIT
+mkdir -p "$work/export"
+printf 'hello ferry\n' > "$work/export/a.txt"
+printf 's3cret\n' > "$work/secret"
+printf 'wrong\n' > "$work/wrong"
+"$FERRY" serve --root "$work/export" --listen 127.0.0.1:0 --secret-file "$work/secret" > "$work/serve.log" 2>&1 &
+srv=$!
+port=
+for _ in $(seq 50); do
+  port=$(sed -n 's/.* on 127\.0\.0\.1:\([0-9]*\) .*/\1/p' "$work/serve.log")
+  [ -n "$port" ] && break
+  sleep 0.1
+done
+[ -n "$port" ] || { echo "FAIL: server did not start"; cat "$work/serve.log"; exit 1; }
+fails=0
+check() {  # name, expected regex, command...
+  local name=$1 want=$2; shift 2
+  out=$("$@" 2>&1)
+  if echo "$out" | grep -Eq "$want"; then echo "ok   $name: $(echo "$out" | tail -1 | cut -c1-140)"
+  else echo "FAIL $name: $out"; fails=$((fails+1)); fi
+}
+check "no secret" "requires a shared secret" "$FERRY" stat "ferry://127.0.0.1:$port/a.txt"
+check "wrong secret" "authentication refused.*permission_denied" env FERRY_SECRET_FILE="$work/wrong" "$FERRY" stat "ferry://127.0.0.1:$port/a.txt"
+check "right secret" "12 bytes" env FERRY_SECRET_FILE="$work/secret" "$FERRY" stat "ferry://127.0.0.1:$port/a.txt"
+check "missing secret file" "cannot read the secret file" env FERRY_SECRET_FILE="$work/none" "$FERRY" stat "ferry://127.0.0.1:$port/a.txt"
+kill -TERM "$srv"
+for _ in $(seq 50); do kill -0 "$srv" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$srv" 2>/dev/null; then echo "FAIL: server still running 5 s after SIGTERM"; fails=$((fails+1))
+else wait "$srv"; rc=$?; srv=
+  if [ "$rc" = 0 ] && grep -q "stopping" "$work/serve.log"; then echo "ok   SIGTERM: $(tail -1 "$work/serve.log")"
+  else echo "FAIL SIGTERM: exit $rc"; fails=$((fails+1)); fi
+fi
+echo "$fails failed"
+[ "$fails" = 0 ]
