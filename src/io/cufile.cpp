@@ -127,8 +127,9 @@ std::string describe_ret(long r) {
 }
 }  // namespace
 
-std::uint64_t backend::read(file& f, [[maybe_unused]] int ordinal, void* dst, std::uint64_t off, std::uint64_t n,
-                            std::uint64_t chunk, deadline until, const std::function<void(std::uint64_t)>& progress) {
+std::uint64_t backend::transfer(file& f, [[maybe_unused]] int ordinal, bool write, void* mem, std::uint64_t off,
+                                std::uint64_t n, std::uint64_t chunk, deadline until,
+                                const std::function<void(std::uint64_t)>& progress) {
 #ifdef FERRY_HAVE_CUDA
   make_current(driver_, ordinal);
 #endif
@@ -137,38 +138,32 @@ std::uint64_t backend::read(file& f, [[maybe_unused]] int ordinal, void* dst, st
     std::lock_guard l(mu_);
     h = handles_.at(&f);
   }
+  const char* op = write ? "file.write" : "file.read";
   std::uint64_t done = 0;
   while (done < n) {
-    if (std::chrono::steady_clock::now() >= until) fail(errc::timeout, "file.read", f.path(), "deadline passed (cuFile)");
+    if (std::chrono::steady_clock::now() >= until) fail(errc::timeout, op, f.path(), "deadline passed (cuFile)");
     std::uint64_t want = std::min(chunk, n - done);
-    long r = api_->read(h, dst, want, static_cast<long>(off + done), static_cast<long>(done));
-    if (r < 0) fail(errc::io_error, "file.read", fmt::format("{} offset {}", f.path(), off + done), "cuFileRead failed: " + describe_ret(r));
-    if (r == 0) break;  // EOF
+    long r = write ? api_->write(h, mem, want, static_cast<long>(off + done), static_cast<long>(done))
+                   : api_->read(h, mem, want, static_cast<long>(off + done), static_cast<long>(done));
+    // A read of 0 is end of file; a write of 0 is a failure.
+    if (r < 0 || (write && r == 0))
+      fail(errc::io_error, op, fmt::format("{} offset {}", f.path(), off + done),
+           std::string(write ? "cuFileWrite" : "cuFileRead") + " failed: " + describe_ret(r));
+    if (r == 0) break;
     done += static_cast<std::uint64_t>(r);
     progress(static_cast<std::uint64_t>(r));
   }
   return done;
 }
 
-void backend::write(file& f, [[maybe_unused]] int ordinal, const void* src, std::uint64_t off, std::uint64_t n,
-                    std::uint64_t chunk, deadline until, const std::function<void(std::uint64_t)>& progress) {
-#ifdef FERRY_HAVE_CUDA
-  make_current(driver_, ordinal);
-#endif
-  void* h = nullptr;
-  {
-    std::lock_guard l(mu_);
-    h = handles_.at(&f);
-  }
-  std::uint64_t done = 0;
-  while (done < n) {
-    if (std::chrono::steady_clock::now() >= until) fail(errc::timeout, "file.write", f.path(), "deadline passed (cuFile)");
-    std::uint64_t want = std::min(chunk, n - done);
-    long r = api_->write(h, src, want, static_cast<long>(off + done), static_cast<long>(done));
-    if (r <= 0) fail(errc::io_error, "file.write", fmt::format("{} offset {}", f.path(), off + done), "cuFileWrite failed: " + describe_ret(r));
-    done += static_cast<std::uint64_t>(r);
-    progress(static_cast<std::uint64_t>(r));
-  }
+std::uint64_t backend::read(file& f, int ordinal, void* dst, std::uint64_t off, std::uint64_t n, std::uint64_t chunk,
+                            deadline until, const std::function<void(std::uint64_t)>& progress) {
+  return transfer(f, ordinal, false, dst, off, n, chunk, until, progress);
+}
+
+void backend::write(file& f, int ordinal, const void* src, std::uint64_t off, std::uint64_t n, std::uint64_t chunk,
+                    deadline until, const std::function<void(std::uint64_t)>& progress) {
+  transfer(f, ordinal, true, const_cast<void*>(src), off, n, chunk, until, progress);
 }
 
 }  // namespace ferry::cufile

@@ -45,6 +45,8 @@ class backend {
   void refuse(file& f, const std::string& why);
 
  private:
+  std::uint64_t transfer(file& f, int ordinal, bool write, void* mem, std::uint64_t off, std::uint64_t n,
+                         std::uint64_t chunk, deadline until, const std::function<void(std::uint64_t)>& progress);
   struct api;
   api* api_ = nullptr;
   std::string why_;  // why the library/driver is unusable, empty if usable

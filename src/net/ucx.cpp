@@ -94,28 +94,39 @@ void connection::mark_failed(const std::string& why) {
   if (on_failure) on_failure(why);
 }
 
+namespace {
+// Sends one active message on the progress thread; `c` (buffer, completion) is freed when UCX is
+// done with it, immediately or from send_cb. A dead connection completes with CONNECTION_RESET.
+void am_send(connection& conn, unsigned id, send_ctx* c, const void* header, std::size_t header_len, const void* data,
+             std::size_t n, std::uint32_t flags) {
+  if (!conn.alive() || !conn.ep) {
+    if (c->done) c->done(UCS_ERR_CONNECTION_RESET);
+    delete c;
+    return;
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = send_cb;
+  p.user_data = c;
+  p.flags = UCP_AM_SEND_FLAG_REPLY | flags;
+  ucs_status_ptr_t r = ucp_am_send_nbx(conn.ep, id, header, header_len, data, n, &p);
+  if (r == nullptr) {
+    if (c->done) c->done(UCS_OK);
+    delete c;
+  } else if (UCS_PTR_IS_ERR(r)) {
+    if (c->done) c->done(UCS_PTR_STATUS(r));
+    conn.mark_failed("send failed: " + status_text(UCS_PTR_STATUS(r)));
+    delete c;
+  }
+}
+}  // namespace
+
 void connection::send_frame(const message& m) {
   if (!alive_) fail(errc::network_error, "net.send", peer_, "connection lost: " + failure());
   auto* c = new send_ctx{encode(m), nullptr};
   auto self = shared_from_this();
-  w_.post([self, c] {
-    if (!self->alive() || !self->ep) {
-      delete c;
-      return;
-    }
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    p.cb.send = send_cb;
-    p.user_data = c;
-    p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t r = ucp_am_send_nbx(self->ep, am_frame, nullptr, 0, c->buf.data(), c->buf.size(), &p);
-    if (r == nullptr) {
-      delete c;
-    } else if (UCS_PTR_IS_ERR(r)) {
-      self->mark_failed("send failed: " + status_text(UCS_PTR_STATUS(r)));
-      delete c;
-    }
-  });
+  // Frames are always eager: the receiver handles them whole, never by rendezvous.
+  w_.post([self, c] { am_send(*self, am_frame, c, nullptr, 0, c->buf.data(), c->buf.size(), UCP_AM_SEND_FLAG_EAGER); });
 }
 
 void connection::send_data(std::uint64_t rid, std::uint64_t off, const void* data, std::size_t n,
@@ -124,27 +135,7 @@ void connection::send_data(std::uint64_t rid, std::uint64_t off, const void* dat
   data_header h{rid, off};
   std::memcpy(c->buf.data(), &h, sizeof h);
   auto self = shared_from_this();
-  w_.post([self, c, data, n] {
-    if (!self->alive() || !self->ep) {
-      if (c->done) c->done(UCS_ERR_CONNECTION_RESET);
-      delete c;
-      return;
-    }
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    p.cb.send = send_cb;
-    p.user_data = c;
-    p.flags = UCP_AM_SEND_FLAG_REPLY;
-    ucs_status_ptr_t r = ucp_am_send_nbx(self->ep, am_data, c->buf.data(), c->buf.size(), data, n, &p);
-    if (r == nullptr) {
-      if (c->done) c->done(UCS_OK);
-      delete c;
-    } else if (UCS_PTR_IS_ERR(r)) {
-      if (c->done) c->done(UCS_PTR_STATUS(r));
-      self->mark_failed("send failed: " + status_text(UCS_PTR_STATUS(r)));
-      delete c;
-    }
-  });
+  w_.post([self, c, data, n] { am_send(*self, am_data, c, c->buf.data(), c->buf.size(), data, n, 0); });
 }
 
 void connection::close() {
