@@ -202,6 +202,21 @@ const setting_def table[] = {
   {"FERRY_SECRET_FILE", "File holding the shared secret for ferry:// servers started with --secret-file. Empty: none.",
    [](settings& s, std::string_view v) { s.secret_file = std::string(v); },
    [](const settings& s) { return s.secret_file; }},
+  {"FERRY_NET_PIECE", "ferry:// reads and writes are split into wire requests of at most this size (each one credit); pieces of one request are served in parallel. At most 4MiB, the largest data message a server accepts.",
+   [](settings& s, std::string_view v) { s.net_piece = parse_size_in(v, 4 * KiB, 4 * MiB); },
+   [](const settings& s) { return format_size(s.net_piece); }},
+  {"FERRY_NET_STAGING", "Pinned host staging a ferry:// client lends for GPU and sim memory when UCX cannot register it (buffers of FERRY_NET_PIECE).",
+   [](settings& s, std::string_view v) { s.net_staging = parse_size_in(v, 4 * MiB, 1ull << 40); },
+   [](const settings& s) { return format_size(s.net_staging); }},
+  {"FERRY_NET_SPIN", "UCX progress threads keep polling this long after activity before they sleep (back-off): back-to-back requests pay no thread wake-up; 0 = sleep at once.",
+   [](settings& s, std::string_view v) {
+     try { s.net_spin = parse_duration(v); } catch (const error& e) { throw bad_value{e.detail()}; }
+     if (s.net_spin < std::chrono::nanoseconds::zero() || s.net_spin > std::chrono::seconds(1)) throw bad_value{"must be between 0 and 1s"};
+   },
+   [](const settings& s) { return format_duration(s.net_spin); }},
+  {"FERRY_SERVE_THREADS", "File I/O threads of `ferry serve` (reads larger than 16KiB and all writes).",
+   [](settings& s, std::string_view v) { s.serve_threads = static_cast<int>(parse_int(v, 1, 256)); },
+   [](const settings& s) { return std::to_string(s.serve_threads); }},
 };
 // clang-format on
 

@@ -9,8 +9,11 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <set>
+#include <sstream>
 
 namespace ferry::net {
 namespace {
@@ -75,7 +78,7 @@ void send_cb(void* request, ucs_status_t status, void* user) {
 struct recv_ctx {
   ucx_worker* w;
   std::shared_ptr<connection> conn;
-  std::uint64_t rid;
+  std::uint64_t rid, off;
   std::size_t len;
   ucx_worker::data_done* done;
 };
@@ -138,6 +141,54 @@ void connection::send_data(std::uint64_t rid, std::uint64_t off, const void* dat
   w_.post([self, c, data, n] { am_send(*self, am_data, c, c->buf.data(), c->buf.size(), data, n, 0); });
 }
 
+void connection::send_reply(const message& m, const void* data, std::size_t n) {
+  if (!alive_) fail(errc::network_error, "net.send", peer_, "connection lost: " + failure());
+  auto frame = encode(m);
+  auto* c = new send_ctx{std::vector<std::byte>(frame.size() + n), nullptr};
+  std::memcpy(c->buf.data(), frame.data(), frame.size());
+  if (n) std::memcpy(c->buf.data() + frame.size(), data, n);
+  auto self = shared_from_this();
+  std::size_t hl = frame.size();
+  w_.post([self, c, hl] {
+    am_send(*self, am_reply, c, c->buf.data(), hl, c->buf.data() + hl, c->buf.size() - hl, UCP_AM_SEND_FLAG_EAGER);
+  });
+}
+
+std::string connection::transports() {
+  auto self = shared_from_this();
+  return w_.call(
+      [self]() -> std::string {
+        if (!self->ep) return "closed";
+        // UCX reports lanes only as text: "lane[0]:  3:tcp/lo.0 md[1] ... am am_bw#0" -- keep the tl/dev names.
+        char* text = nullptr;
+        std::size_t len = 0;
+        FILE* f = ::open_memstream(&text, &len);
+        if (!f) return "?";
+        ucp_ep_print_info(self->ep, f);
+        std::fclose(f);
+        std::set<std::string> tls;
+        std::istringstream in(std::string(text, len));
+        std::free(text);
+        for (std::string line; std::getline(in, line);) {
+          auto l = line.find("lane[");
+          if (l == std::string::npos) continue;
+          auto colon = line.find(':', l);
+          if (colon == std::string::npos) continue;
+          auto start = line.find(':', colon + 1);  // "3:tcp/lo.0" -> after the resource index
+          if (start == std::string::npos) continue;
+          auto end = line.find_first_of(" \t", start);
+          std::string tl = line.substr(start + 1, end == std::string::npos ? std::string::npos : end - start - 1);
+          if (auto dot = tl.rfind('.'); dot != std::string::npos && tl.find('/') != std::string::npos && dot > tl.find('/'))
+            tl.resize(dot);
+          if (!tl.empty()) tls.insert(tl);
+        }
+        std::string out;
+        for (auto& t : tls) out += (out.empty() ? "" : ",") + t;
+        return out.empty() ? "?" : out;
+      },
+      std::chrono::steady_clock::now() + std::chrono::seconds(5));
+}
+
 void connection::close() {
   auto self = shared_from_this();
   w_.post([self] {
@@ -150,13 +201,17 @@ void connection::close() {
 
 // ---- worker ------------------------------------------------------------------------------------
 
-ucx_worker::ucx_worker(std::string name) : name_(std::move(name)) {
+ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin) : name_(std::move(name)), spin_(spin) {
   ucp_config_t* cfg = nullptr;
   // A restarted server must get its well-known port back while the old connections sit in
   // TIME_WAIT (UCX's default is not to set SO_REUSEADDR). UCX reads this transport setting only
   // from the environment (ucp_config_modify accepts it but the worker rejects it), so it is set
   // there once, before the first UCX context, unless the user set it.
   static std::once_flag once;
+  // Shared-memory transports are left out of endpoints that ask for peer error handling (which
+  // ferry needs) unless UCX_MM_ERROR_HANDLING=y (UCX 1.13). ferry does not set it: with shm lanes
+  // UCX 1.13 does not always report a peer's close to the other side (requests then end only at
+  // their deadlines). `ferry bench remote` sets it for its shm runs; users opt in the same way.
   std::call_once(once, [] { ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0); });
   check(ucp_config_read(nullptr, nullptr, &cfg), "net.init", "ucp_config_read");
   ucp_params_t params{};
@@ -166,21 +221,24 @@ ucx_worker::ucx_worker(std::string name) : name_(std::move(name)) {
   ucs_status_t st = ucp_init(&params, cfg, &ctx_);
   ucp_config_release(cfg);
   check(st, "net.init", "ucp_init");
+  ucp_context_attr_t ca{};
+  ca.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(ctx_, &ca) == UCS_OK) cuda_memory_ = (ca.memory_types & (1ull << UCS_MEMORY_TYPE_CUDA)) != 0;
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the progress thread, or a waiting caller (try_progress), never both
   st = ucp_worker_create(ctx_, &wp, &worker_);
   if (st != UCS_OK) {
     ucp_cleanup(ctx_);
     check(st, "net.init", "ucp_worker_create");
   }
-  for (unsigned id : {am_frame, am_data}) {
+  for (unsigned id : {am_frame, am_data, am_reply}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
                     UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
     hp.id = id;
     hp.flags = UCP_AM_FLAG_WHOLE_MSG;
-    hp.cb = id == am_frame ? am_frame_cb : am_data_cb;
+    hp.cb = id == am_frame ? am_frame_cb : id == am_reply ? am_reply_cb : am_data_cb;
     hp.arg = this;
     check(ucp_worker_set_am_recv_handler(worker_, &hp), "net.init", "set_am_recv_handler");
   }
@@ -220,48 +278,84 @@ void ucx_worker::post(std::function<void()> f) {
     std::lock_guard l(mu_);
     posted_.push_back(std::move(f));
   }
+  nposted_++;
   std::uint64_t one = 1;
   [[maybe_unused]] auto n = ::write(wake_, &one, sizeof one);
 }
 
-void ucx_worker::drain_posted() {
-  for (;;) {
+bool ucx_worker::drain_posted() {
+  bool any = false;
+  while (nposted_.load(std::memory_order_acquire) != 0) {
     std::function<void()> f;
     {
       std::lock_guard l(mu_);
-      if (posted_.empty()) return;
+      if (posted_.empty()) break;
       f = std::move(posted_.front());
       posted_.pop_front();
     }
+    nposted_--;
+    any = true;
     try {
       f();
     } catch (const std::exception& e) {
       log::error("net", "{}: posted work failed: {}", name_, e.what());
     }
   }
+  return any;
+}
+
+bool ucx_worker::try_progress() {
+  std::unique_lock l(ucx_mu_, std::try_to_lock);
+  if (!l.owns_lock()) return false;
+  drain_posted();
+  while (ucp_worker_progress(worker_) != 0) {
+  }
+  return true;
 }
 
 void ucx_worker::loop() {
+  using clk = std::chrono::steady_clock;
+  auto last = clk::now();
+  std::unique_lock l(ucx_mu_);
   while (!stop_) {
-    drain_posted();
-    while (ucp_worker_progress(worker_) != 0) {
+    bool busy = drain_posted();
+    while (ucp_worker_progress(worker_) != 0) busy = true;
+    if (busy) {
+      last = clk::now();
+      continue;
     }
-    {
-      std::lock_guard l(mu_);
-      if (!posted_.empty()) continue;
-    }
+    if (nposted_.load(std::memory_order_acquire) != 0) continue;
     if (stop_) break;
+    // Back-off: keep polling for a while after activity (the next request usually follows at once);
+    // let a waiting caller in between polls.
+    if (spin_.count() > 0 && clk::now() - last < spin_) {
+      l.unlock();
+      std::this_thread::yield();
+      l.lock();
+      continue;
+    }
     ucs_status_t st = ucp_worker_arm(worker_);
     if (st == UCS_ERR_BUSY) continue;  // events arrived meanwhile
+    if (nposted_.load(std::memory_order_acquire) != 0) continue;
+    l.unlock();
     epoll_event evs[2];
     int n = ::epoll_wait(epoll_, evs, 2, 100);
+    if (n > 0) wakeups_++;
     for (int i = 0; i < n; ++i)
       if (evs[i].data.fd == wake_) {
         std::uint64_t v;
         [[maybe_unused]] auto r = ::read(wake_, &v, sizeof v);
       }
+    l.lock();
+    last = clk::now();
   }
   drain_posted();
+}
+
+connection* ucx_worker::find(ucp_ep_h ep) {
+  for (auto& x : conns_)
+    if (x->ep == ep) return x.get();
+  return nullptr;
 }
 
 std::shared_ptr<connection> ucx_worker::adopt(ucp_ep_h ep, std::shared_ptr<connection> c) {
@@ -344,9 +438,7 @@ std::shared_ptr<connection> ucx_worker::connect(const std::string& host, std::ui
 
 ucs_status_t ucx_worker::am_frame_cb(void* arg, const void*, size_t, void* data, size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<ucx_worker*>(arg);
-  connection* c = nullptr;
-  for (auto& x : self->conns_)
-    if (x->ep == param->reply_ep) c = x.get();
+  connection* c = self->find(param->reply_ep);
   if (!c) return UCS_OK;
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {  // frames are sent eager; anything else is hostile
     c->mark_failed("protocol error: a control frame arrived by rendezvous");
@@ -355,6 +447,26 @@ ucs_status_t ucx_worker::am_frame_cb(void* arg, const void*, size_t, void* data,
   try {
     message m = decode({static_cast<const std::byte*>(data), length});
     if (self->frame_) self->frame_(*c, std::move(m));
+  } catch (const error& e) {
+    log::warn("net", "{}: dropping {}: {}", self->name_, c->peer(), e.what());
+    c->mark_failed(std::string("protocol error: ") + e.what());
+    c->close();
+  }
+  return UCS_OK;
+}
+
+ucs_status_t ucx_worker::am_reply_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                     const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<ucx_worker*>(arg);
+  connection* c = self->find(param->reply_ep);
+  if (!c) return UCS_OK;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {  // replies are sent eager; anything else is hostile
+    c->mark_failed("protocol error: an inline reply arrived by rendezvous");
+    return UCS_OK;
+  }
+  try {
+    message m = decode({static_cast<const std::byte*>(header), header_length});
+    if (self->reply_) self->reply_(*c, std::move(m), static_cast<const std::byte*>(data), length);
   } catch (const error& e) {
     log::warn("net", "{}: dropping {}: {}", self->name_, c->peer(), e.what());
     c->mark_failed(std::string("protocol error: ") + e.what());
@@ -376,25 +488,25 @@ ucs_status_t ucx_worker::am_data_cb(void* arg, const void* header, size_t header
   if (!dst) return UCS_OK;  // not wanted (unknown request, out of bounds): dropped
   if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
     std::memcpy(dst, data, length);
-    if (self->data_done_) self->data_done_(*c, h.request_id, length, UCS_OK);
+    if (self->data_done_) self->data_done_(*c, h.request_id, h.offset, length, UCS_OK);
     return UCS_OK;
   }
-  auto* rc = new recv_ctx{self, c, h.request_id, length, &self->data_done_};
+  auto* rc = new recv_ctx{self, c, h.request_id, h.offset, length, &self->data_done_};
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user) {
     auto* r = static_cast<recv_ctx*>(user);
-    if (*r->done) (*r->done)(*r->conn, r->rid, r->len, status);
+    if (*r->done) (*r->done)(*r->conn, r->rid, r->off, r->len, status);
     delete r;
     ucp_request_free(request);
   };
   p.user_data = rc;
   ucs_status_ptr_t r = ucp_am_recv_data_nbx(self->worker_, data, dst, length, &p);
   if (r == nullptr) {
-    if (self->data_done_) self->data_done_(*c, h.request_id, length, UCS_OK);
+    if (self->data_done_) self->data_done_(*c, h.request_id, h.offset, length, UCS_OK);
     delete rc;
   } else if (UCS_PTR_IS_ERR(r)) {
-    if (self->data_done_) self->data_done_(*c, h.request_id, length, UCS_PTR_STATUS(r));
+    if (self->data_done_) self->data_done_(*c, h.request_id, h.offset, length, UCS_PTR_STATUS(r));
     delete rc;
   }
   return UCS_INPROGRESS;

@@ -4,7 +4,14 @@
 // and an eventfd for posted work, so an idle transport burns no CPU.
 //
 // Active messages: id 1 carries a protocol frame (header only); id 2 carries bulk data: header
-// {u64 request_id, u64 offset}, data = the bytes (UCX picks eager or rendezvous by size).
+// {u64 request_id, u64 offset}, data = the bytes (UCX picks eager or rendezvous by size); id 3 is a
+// reply frame with small data inline (header = the frame, data = the bytes, always eager): a small
+// read is answered by one message, which is what keeps its latency near one AM round trip.
+//
+// Progress model: after any activity the thread keeps polling for `spin` (FERRY_NET_SPIN) before it
+// arms the worker and sleeps in epoll — back-off polling. Back-to-back requests then never pay a
+// thread wake-up (several microseconds, more than a whole AM round trip on shared memory), and an
+// idle transport still sleeps.
 #include <ferry/core/error.hpp>
 #include <ferry/net/protocol.hpp>
 
@@ -25,6 +32,7 @@ namespace ferry::net {
 
 inline constexpr unsigned am_frame = 1;
 inline constexpr unsigned am_data = 2;
+inline constexpr unsigned am_reply = 3;
 
 struct data_header {
   std::uint64_t request_id;
@@ -48,6 +56,10 @@ class connection : public std::enable_shared_from_this<connection> {
   // Sends bulk data [p, p+n) as one AM; `done(status)` runs on the progress thread when the buffer
   // may be reused.
   void send_data(std::uint64_t rid, std::uint64_t off, const void* p, std::size_t n, std::function<void(ucs_status_t)> done);
+  // Sends a reply frame with `n` bytes of data inline (copied; eager). For small replies only.
+  void send_reply(const message& m, const void* data, std::size_t n);
+  // The transports UCX chose for this endpoint's lanes ("tcp/lo", "posix/memory", ...), for stats.
+  std::string transports();
   // Closes the endpoint (flush); idempotent.
   void close();
 
@@ -69,14 +81,16 @@ class ucx_worker {
   using frame_handler = std::function<void(connection&, message)>;
   // AM data handler: returns where to put [off, off+len) of request rid, or nullptr to drop it.
   using data_sink = std::function<void*(connection&, std::uint64_t rid, std::uint64_t off, std::size_t len)>;
-  using data_done = std::function<void(connection&, std::uint64_t rid, std::size_t len, ucs_status_t)>;
+  using data_done = std::function<void(connection&, std::uint64_t rid, std::uint64_t off, std::size_t len, ucs_status_t)>;
+  using reply_handler = std::function<void(connection&, message, const std::byte* data, std::size_t len)>;
 
-  explicit ucx_worker(std::string name);
+  explicit ucx_worker(std::string name, std::chrono::nanoseconds spin = std::chrono::microseconds(50));
   ~ucx_worker();
   ucx_worker(const ucx_worker&) = delete;
   ucx_worker& operator=(const ucx_worker&) = delete;
 
   void on_frame(frame_handler h) { frame_ = std::move(h); }
+  void on_reply(reply_handler h) { reply_ = std::move(h); }
   void on_data(data_sink sink, data_done done) {
     sink_ = std::move(sink);
     data_done_ = std::move(done);
@@ -106,6 +120,10 @@ class ucx_worker {
     return fut.get();
   }
   bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+  // Lets a waiting caller drive the worker itself (posted work + progress) when the progress thread
+  // is not using it: a request's completion then costs no thread hand-off. Returns false when the
+  // worker was busy. Callbacks run on the calling thread.
+  bool try_progress();
 
   // Listens on host:port (port 0: any); returns the port. New connections get `accepted`.
   std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted);
@@ -114,17 +132,22 @@ class ucx_worker {
 
   ucp_worker_h handle() const { return worker_; }
   const std::string& name() const { return name_; }
-  std::vector<std::string> transports() const { return tls_; }
+  // Whether this UCX build registers CUDA memory itself (then GPU buffers need no host staging).
+  bool cuda_memory() const { return cuda_memory_; }
+  std::uint64_t wakeups() const { return wakeups_.load(); }
 
  private:
   static ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                  const ucp_am_recv_param_t* param);
+  static ucs_status_t am_reply_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                   const ucp_am_recv_param_t* param);
   static ucs_status_t am_data_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                  const ucp_am_recv_param_t* param);
   static void conn_cb(ucp_conn_request_h req, void* arg);
   static void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
   void loop();
-  void drain_posted();
+  bool drain_posted();
+  connection* find(ucp_ep_h ep);
   std::shared_ptr<connection> adopt(ucp_ep_h ep, std::shared_ptr<connection> c);
 
   std::string name_;
@@ -135,12 +158,17 @@ class ucx_worker {
   std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::deque<std::function<void()>> posted_;
+  std::atomic<std::size_t> nposted_{0};
+  std::mutex ucx_mu_;  // held by whichever thread is inside UCX (serialized worker)
+  std::chrono::nanoseconds spin_;
+  bool cuda_memory_ = false;
+  std::atomic<std::uint64_t> wakeups_{0};
   frame_handler frame_;
+  reply_handler reply_;
   data_sink sink_;
   data_done data_done_;
   std::function<void(std::shared_ptr<connection>)> accepted_;
   std::vector<std::shared_ptr<connection>> conns_;  // progress thread
-  std::vector<std::string> tls_;
   std::thread thread_;
 };
 

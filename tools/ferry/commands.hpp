@@ -49,6 +49,19 @@ struct bench_file_options {
 };
 int run_bench_file(runtime& rt, const bench_file_options& o);
 
+struct bench_remote_options {
+  std::string transports = "tcp,shm";
+  std::string sizes = "4KiB,64KiB,1MiB,4MiB,16MiB,64MiB";
+  std::string qds = "1,4,16,64";
+  std::string budget = "512MiB";     // bytes per measurement (requests = budget / block, 3*qd..20000)
+  std::string file_size = "1GiB";    // the served file
+  std::string device;                // default: the first GPU; none: host only
+  std::string dir;                   // where the served file goes (default: the temp directory)
+  std::string perftest = "ucx_perftest";
+  std::string json_out;
+};
+int run_bench_remote(runtime& rt, const bench_remote_options& o);
+
 struct remote_uri {
   std::string host;
   std::uint16_t port = 0;
@@ -62,6 +75,7 @@ struct serve_options {
   std::string listen = "127.0.0.1:7070";
   std::string secret_file;  // clients must prove they know this secret
   bool writable = false;
+  bool insecure = false;
 };
 // The secret from FERRY_SECRET_FILE, or empty.
 std::string client_secret(runtime& rt);

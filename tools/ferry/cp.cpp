@@ -54,44 +54,66 @@ double follow(transfer_batch& b, bool show, std::chrono::steady_clock::time_poin
 
 }  // namespace
 
-// ferry://host:port/path -> any memory endpoint: UCX into pinned host staging, then the transfer
-// engine to the destination (GPU, sim or host), 64 MiB at a time.
-int cp_remote(runtime& rt, const cp_options& o) {
+// ferry://host:port/path -> any memory endpoint. The client splits the read into pieces served in
+// parallel; GPU and sim memory are staged through pinned buffers it lends (unless UCX registers
+// CUDA memory itself). Verified by reading the range again into host memory.
+int cp_from_remote(runtime& rt, const cp_options& o) {
   remote_uri u = parse_uri(o.src);
   if (is_file(o.dst) || is_remote(o.dst))
-    fail(errc::not_supported, "cp", o.dst, "ferry:// sources go to memory endpoints for now (host, pinned, gpu:N, sim:N)");
-  const auto timeout = rt.config().deadline;  // every remote wait is bounded by FERRY_DEADLINE
-  store::client c(u.host, u.port, timeout, client_secret(rt));
-  std::uint64_t size = c.stat(u.path, timeout).size;
+    fail(errc::not_supported, "cp", o.dst, "ferry:// sources go to memory endpoints (host, pinned, gpu:N, sim:N)");
+  store::client c(u.host, u.port, store::client_options_from(rt.config(), &rt.registrations(), &rt.engine()));
+  std::uint64_t size = c.stat(u.path).size;
   std::uint64_t bytes = o.size.empty() ? size : std::min<std::uint64_t>(parse_size(o.size, "--size"), size);
   expects(bytes > 0, "cp", o.src, "nothing to copy (empty file)");
   endpoint dst(rt, o.dst, bytes);
-  const std::uint64_t piece = std::min<std::uint64_t>(bytes, 64ull << 20);
-  std::vector<std::byte> stage(piece);
-  registration pin = rt.registrations().acquire(stage.data(), stage.size());
-  checksum64_stream cs;
   auto t0 = std::chrono::steady_clock::now();
-  std::uint64_t moved = 0;
-  while (moved < bytes) {
-    std::uint64_t n = std::min(piece, bytes - moved);
-    std::uint64_t got = c.read(u.path, moved, stage.data(), n, timeout);
-    if (o.verify) cs.update(stage.data(), got);
-    if (got) rt.engine().copy(dst.data() + moved, stage.data(), got);
-    moved += got;
-    if (got < n) break;
-  }
+  std::uint64_t moved = c.read(u.path, 0, dst.data(), bytes, rt.config().deadline);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  bool ok = !o.verify || dst.checksum(moved) == cs.value();
-  fmt::print("{} -> {}: {} in {:.3f} s ({}), path UCX -> pinned host -> {}, checksum {}\n", o.src, o.dst,
-             format_size(moved), secs, format_rate(static_cast<double>(moved) / secs), o.dst,
+  bool ok = true;
+  if (o.verify) {
+    std::vector<std::byte> again(moved);
+    c.read(u.path, 0, again.data(), moved, rt.config().deadline);
+    ok = dst.checksum(moved) == checksum64(again.data(), moved);
+  }
+  auto st = c.stats();
+  fmt::print("{} -> {}: {} in {:.3f} s ({}), path UCX [{}] -> {}{}, checksum {}\n", o.src, o.dst, format_size(moved), secs,
+             format_rate(static_cast<double>(moved) / secs), st.transports, st.staged_bytes ? "pinned staging -> " : "", o.dst,
              !o.verify ? "not checked" : ok ? "verified" : "MISMATCH");
-  if (!ok) fail(errc::internal, "cp", o.src + " -> " + o.dst, "destination checksum does not match what was received");
+  if (!ok) fail(errc::internal, "cp", o.src + " -> " + o.dst, "destination checksum does not match what the server holds");
+  return 0;
+}
+
+// A memory endpoint (filled with a pattern) or a local file -> ferry://host:port/path on a writable
+// server. Verified by reading the written range back.
+int cp_to_remote(runtime& rt, const cp_options& o) {
+  remote_uri u = parse_uri(o.dst);
+  if (is_remote(o.src)) fail(errc::not_supported, "cp", o.src, "ferry:// -> ferry:// is not supported; copy through a file");
+  store::client c(u.host, u.port, store::client_options_from(rt.config(), &rt.registrations(), &rt.engine()));
+  std::shared_ptr<file> fin;
+  if (is_file(o.src)) fin = file::open(o.src.substr(5), open_mode::read);
+  std::uint64_t bytes = o.size.empty() ? (fin ? fin->size() : 64ull << 20) : parse_size(o.size, "--size");
+  expects(bytes > 0, "cp", o.src, "nothing to copy");
+  endpoint src(rt, fin ? std::string("host") : o.src, bytes);
+  if (fin) bytes = rt.files().read(*fin, 0, src.data(), bytes);
+  else src.fill(bytes, 0xF0E1);
+  auto t0 = std::chrono::steady_clock::now();
+  c.write(u.path, 0, src.data(), bytes, rt.config().deadline);
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  bool ok = true;
+  if (o.verify) {
+    std::vector<std::byte> back(bytes);
+    ok = c.read(u.path, 0, back.data(), bytes, rt.config().deadline) == bytes && checksum64(back.data(), bytes) == src.checksum(bytes);
+  }
+  fmt::print("{} -> {}: {} in {:.3f} s ({}), path {} -> UCX [{}], checksum {}\n", o.src, o.dst, format_size(bytes), secs,
+             format_rate(static_cast<double>(bytes) / secs), fin ? "file -> host" : o.src, c.stats().transports,
+             !o.verify ? "not checked" : ok ? "verified" : "MISMATCH");
+  if (!ok) fail(errc::internal, "cp", o.src + " -> " + o.dst, "what the server holds does not match the source");
   return 0;
 }
 
 int run_cp(runtime& rt, const cp_options& o) {
-  if (is_remote(o.src)) return cp_remote(rt, o);
-  if (is_remote(o.dst)) fail(errc::not_supported, "cp", o.dst, "writing to ferry:// is not implemented yet (the server is read-only)");
+  if (is_remote(o.src)) return cp_from_remote(rt, o);
+  if (is_remote(o.dst)) return cp_to_remote(rt, o);
   std::shared_ptr<file> fin, fout;
   if (is_file(o.src)) fin = file::open(o.src.substr(5), open_mode::read);
   std::uint64_t bytes = o.size.empty() ? (fin ? fin->size() : 64ull << 20) : parse_size(o.size, "--size");

@@ -53,12 +53,25 @@ int main(int argc, char** argv) {
   bench_file->add_option("--json-out", bfile.json_out, "Write the results as JSON here");
   bench_file->add_flag("--keep", bfile.keep, "Keep the test file");
 
+  ferry::cli::bench_remote_options bremote;
+  auto* bench_remote = bench_cmd->add_subcommand("remote", "ferry:// read/write (host, GPU) vs raw UCX put/get/AM/tag (ucx_perftest), tcp and shm");
+  bench_remote->add_option("--transports", bremote.transports, "Comma-separated: tcp, shm")->capture_default_str();
+  bench_remote->add_option("--sizes", bremote.sizes, "Block sizes")->capture_default_str();
+  bench_remote->add_option("--qd", bremote.qds, "Queue depths")->capture_default_str();
+  bench_remote->add_option("--budget", bremote.budget, "Bytes per measurement")->capture_default_str();
+  bench_remote->add_option("--file-size", bremote.file_size, "Size of the served file")->capture_default_str();
+  bench_remote->add_option("--device", bremote.device, "Device memory to read into (default: the first GPU, if any)");
+  bench_remote->add_option("--dir", bremote.dir, "Directory for the served file (default: temp directory)");
+  bench_remote->add_option("--perftest", bremote.perftest, "ucx_perftest binary (the raw baseline)")->capture_default_str();
+  bench_remote->add_option("--json-out", bremote.json_out, "Write the results as JSON here");
+
   ferry::cli::serve_options serve;
   auto* serve_cmd = app.add_subcommand("serve", "Serve the files under a directory over UCX (ferry://host:port/path)");
   serve_cmd->add_option("--root", serve.root, "Directory to export")->required();
   serve_cmd->add_option("--listen", serve.listen, "HOST:PORT to listen on (port 0: any)")->capture_default_str();
   serve_cmd->add_option("--secret-file", serve.secret_file, "Require clients to prove they know this shared secret");
-  serve_cmd->add_flag("--writable", serve.writable, "Allow writes (not implemented yet)");
+  serve_cmd->add_flag("--writable", serve.writable, "Allow writes (needs --secret-file, or --insecure)");
+  serve_cmd->add_flag("--insecure", serve.insecure, "Allow --writable without a shared secret (anyone who can connect may write)");
   std::string ls_uri, stat_uri;
   auto* ls_cmd = app.add_subcommand("ls", "List a remote directory: ferry ls ferry://host:port/dir");
   ls_cmd->add_option("uri", ls_uri, "ferry://host:port/path")->required();
@@ -83,6 +96,7 @@ int main(int argc, char** argv) {
     if (*cp_cmd) return ferry::cli::run_cp(rt, cp);
     if (*bench_local) return ferry::cli::run_bench_local(rt, bench);
     if (*bench_file) return ferry::cli::run_bench_file(rt, bfile);
+    if (*bench_remote) return ferry::cli::run_bench_remote(rt, bremote);
     if (*serve_cmd) return ferry::cli::run_serve(rt, serve);
     if (*job_cmd) return ferry::cli::run_job(rt, job);
     if (*ls_cmd) return ferry::cli::run_ls(rt, ls_uri, false);

@@ -48,8 +48,6 @@ std::string client_secret(runtime& rt) {
 }
 
 int run_serve(runtime& rt, const serve_options& o) {
-  if (o.writable)
-    fail(errc::not_supported, "serve", "--writable", "writable serving (with a shared secret) is not implemented yet; serve read-only");
   // SIGTERM / SIGINT stop the server gracefully: handled synchronously with sigtimedwait.
   sigset_t set;
   sigemptyset(&set);
@@ -64,9 +62,12 @@ int run_serve(runtime& rt, const serve_options& o) {
   so.host = o.listen.substr(0, colon);
   so.port = static_cast<std::uint16_t>(std::stoi(o.listen.substr(colon + 1)));
   if (!o.secret_file.empty()) so.secret = store::read_secret_file(o.secret_file);
-  (void)rt;
+  so.writable = o.writable;
+  so.insecure = o.insecure;
+  so.spin = rt.config().net_spin;
+  so.threads = rt.config().serve_threads;
   store::server srv(so);
-  fmt::print("ferry serve: {} on {}:{} (read-only, {})\n", o.root, so.host, srv.port(),
+  fmt::print("ferry serve: {} on {}:{} ({}, {})\n", o.root, so.host, srv.port(), so.writable ? "writable" : "read-only",
              so.secret.empty() ? "no authentication" : "clients must know the secret");
   std::fflush(stdout);
   timespec tick{1, 0};
@@ -75,20 +76,21 @@ int run_serve(runtime& rt, const serve_options& o) {
     if (sig == SIGTERM || sig == SIGINT) break;
     if (sig == SIGUSR1) {
       auto st = srv.stats();
-      fmt::print("ferry serve: {} connections ({} live), {} requests, {} sent, {} errors\n", st.connections,
-                 st.live_sessions, st.requests, format_size(st.bytes_sent), st.errors);
+      fmt::print("ferry serve: {} connections ({} live), {} requests ({} reads, {} inline, {} writes), {} sent, {} received, {} errors\n",
+                 st.connections, st.live_sessions, st.requests, st.reads, st.inline_replies, st.writes,
+                 format_size(st.bytes_sent), format_size(st.bytes_received), st.errors);
       std::fflush(stdout);
     }
   }
   auto st = srv.stats();
-  fmt::print("ferry serve: stopping; {} connections, {} requests, {} sent, {} errors\n", st.connections, st.requests,
-             format_size(st.bytes_sent), st.errors);
+  fmt::print("ferry serve: stopping; {} connections, {} requests, {} sent, {} received, {} errors\n", st.connections,
+             st.requests, format_size(st.bytes_sent), format_size(st.bytes_received), st.errors);
   return 0;
 }
 
 int run_ls(runtime& rt, const std::string& uri, bool stat_only) {
   remote_uri r = parse_uri(uri);
-  store::client c(r.host, r.port, rt.config().deadline, client_secret(rt));
+  store::client c(r.host, r.port, store::client_options_from(rt.config(), nullptr, nullptr));
   if (stat_only) {
     auto s = c.stat(r.path);
     fmt::print("{}: {} bytes, mode {:o}\n", uri, s.size, s.mode);

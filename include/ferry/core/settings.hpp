@@ -61,6 +61,10 @@ struct FERRY_API settings {
   std::string io_inject;               // test-only fault injection: "partial", "eintr", "partial,eintr"
   // net / store
   std::string secret_file;             // shared secret for ferry:// servers that require one
+  std::uint64_t net_piece = 4ull << 20;     // bytes per wire request of a ferry:// read or write
+  std::uint64_t net_staging = 256ull << 20; // pinned staging for GPU/sim memory per client
+  std::chrono::nanoseconds net_spin = std::chrono::microseconds(50);  // progress back-off before sleeping
+  int serve_threads = 4;                // file I/O threads of `ferry serve`
 
   // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
   using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;

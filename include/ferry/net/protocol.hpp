@@ -24,6 +24,7 @@ inline constexpr std::uint16_t protocol_version = 1;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
+inline constexpr std::size_t max_data = 4 << 20;     // largest data message a client may send (write data)
 inline constexpr std::size_t nonce_size = 32, mac_size = 32;
 
 enum class msg_type : std::uint16_t {

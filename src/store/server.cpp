@@ -1,0 +1,534 @@
+// The storage server: one UCX worker (progress thread) for the protocol, a few I/O threads for file
+// work. Small reads are served inline on the progress thread (one reply message); larger reads and
+// all writes go to the I/O threads. Every per-connection resource lives in the session, which goes
+// when the connection does; buffers UCX may still write into are owned by the in-flight table until
+// UCX reports the receive finished (or failed).
+#include <ferry/store/root.hpp>
+#include <ferry/store/service.hpp>
+
+#include "core/logging.hpp"
+#include "net/ucx.hpp"
+#include "store/auth.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <thread>
+#include <unordered_map>
+
+namespace ferry::store {
+
+using namespace ferry::net;
+using clk = std::chrono::steady_clock;
+
+namespace {
+
+error_reply to_reply(const error& e) {
+  return error_reply{e.sys_errno() ? e.sys_errno() : errno_from_errc(e.code()), printable(e.what(), 1000)};
+}
+
+struct open_file {
+  int fd = -1;
+  explicit open_file(int f) : fd(f) {}
+  ~open_file() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Open files, reused for `ttl`: a storage server answers many small requests on the same few files,
+// and openat2 + fstat + close per 4 KiB read would cost more than the read. A file replaced under the
+// same name is seen at most `ttl` later (documented in docs/design/storage-service.md).
+class fd_cache {
+ public:
+  fd_cache(const root_dir& r, std::chrono::nanoseconds ttl) : root_(r), ttl_(ttl) {}
+  std::shared_ptr<open_file> get(const std::string& path, bool write) {
+    auto now = clk::now();
+    auto& m = map_[write ? 1 : 0];
+    {
+      std::lock_guard l(mu_);
+      auto it = m.find(path);
+      if (it != m.end() && now - it->second.at < ttl_) return it->second.f;
+    }
+    auto f = std::make_shared<open_file>(root_.open(path, write ? (O_WRONLY | O_CREAT) : O_RDONLY));
+    std::lock_guard l(mu_);
+    if (m.size() >= 256) m.clear();  // bounded; entries still in use live on in their holders
+    m[path] = {f, now};
+    return f;
+  }
+
+ private:
+  struct entry {
+    std::shared_ptr<open_file> f;
+    clk::time_point at;
+  };
+  const root_dir& root_;
+  std::chrono::nanoseconds ttl_;
+  std::mutex mu_;
+  std::unordered_map<std::string, entry> map_[2];
+};
+
+// A chunk buffer that UCX may still be sending from: reused only once its send completed.
+struct send_buffer {
+  std::unique_ptr<std::byte[]> data;
+  std::size_t size = 0;
+  bool busy = false;
+};
+struct send_ring {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::shared_ptr<send_buffer>> bufs;
+};
+
+// Write data buffers (max_data bytes each), recycled: a fresh multi-MiB allocation per data message
+// would pay its page faults every time.
+class buffer_pool {
+ public:
+  std::shared_ptr<std::byte[]> get() {
+    {
+      std::lock_guard l(mu_);
+      if (!free_.empty()) {
+        auto b = std::move(free_.back());
+        free_.pop_back();
+        return wrap(b.release());
+      }
+    }
+    return wrap(new std::byte[max_data]);
+  }
+
+ private:
+  std::shared_ptr<std::byte[]> wrap(std::byte* p) {
+    return std::shared_ptr<std::byte[]>(p, [this](std::byte* q) {
+      std::lock_guard l(mu_);
+      if (free_.size() < 64) free_.emplace_back(q);
+      else delete[] q;
+    });
+  }
+  std::mutex mu_;
+  std::vector<std::unique_ptr<std::byte[]>> free_;
+};
+
+}  // namespace
+
+struct server::impl {
+  server_options o;
+  root_dir root;
+  fd_cache files;
+  std::atomic<std::uint64_t> connections{0}, requests{0}, reads{0}, writes{0}, bytes_sent{0}, bytes_received{0},
+      errors{0}, inline_replies{0}, write_buffered{0};
+
+  struct write_state {
+    std::shared_ptr<open_file> f;
+    std::string path;
+    std::uint64_t offset = 0, length = 0, announced = 0, written = 0;
+    bool failed = false;
+  };
+  struct session {
+    std::atomic<int> outstanding{0};
+    bool welcomed = false;
+    std::vector<std::uint8_t> client_nonce, server_nonce;  // pending challenge
+    std::map<std::uint64_t, std::shared_ptr<write_state>> writes;  // progress thread only
+  };
+  std::mutex sess_mu;
+  std::map<connection*, std::shared_ptr<session>> sessions;
+  // Write data buffers UCX is receiving into, by (connection, request, offset): progress thread
+  // only; declared before the worker so that they outlive it.
+  buffer_pool write_buffers;  // before `receiving`: its buffers return here
+  std::map<std::tuple<connection*, std::uint64_t, std::uint64_t>, std::shared_ptr<std::byte[]>> receiving;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> jobs;
+  bool stopping = false;
+  std::vector<std::thread> threads;
+  ucx_worker w;
+  std::uint16_t port = 0;
+
+  explicit impl(server_options opt)
+      : o(std::move(opt)), root(o.root), files(root, o.fd_cache_ttl), w("ferry-serve", o.spin) {
+    if (o.writable && o.secret.empty() && !o.insecure)
+      fail(errc::permission_denied, "store.serve", o.root,
+           "refusing to serve writable without a shared secret (give a secret file, or --insecure to let anyone write)");
+    expects(o.chunk > 0 && o.max_outstanding > 0 && o.threads > 0, "store.serve", o.root, "chunk, credits and threads must be positive");
+    w.on_frame([this](connection& c, message m) { on_frame(c, std::move(m)); });
+    w.on_data([this](connection& c, std::uint64_t rid, std::uint64_t off, std::size_t n) { return data_sink(c, rid, off, n); },
+              [this](connection& c, std::uint64_t rid, std::uint64_t off, std::size_t n, ucs_status_t st) {
+                data_done(c, rid, off, n, st);
+              });
+    for (int i = 0; i < o.threads; ++i) threads.emplace_back([this] { work(); });
+    port = w.listen(o.host, o.port, [this](std::shared_ptr<connection> c) {
+      connections++;
+      {
+        std::lock_guard l(sess_mu);
+        sessions[c.get()] = std::make_shared<session>();
+      }
+      // A client that dies or leaves: its session goes; running jobs hold their own reference.
+      connection* raw = c.get();
+      c->on_failure = [this, raw](const std::string& why) {
+        std::shared_ptr<session> s;
+        {
+          std::lock_guard l(sess_mu);
+          auto it = sessions.find(raw);
+          if (it != sessions.end()) s = std::move(it->second), sessions.erase(it);
+        }
+        log::info("store", "client {} gone: {}", raw->peer(), why);
+      };
+      log::info("store", "client {} connected", c->peer());
+    });
+  }
+  ~impl() {
+    {
+      std::lock_guard l(mu);
+      stopping = true;
+    }
+    cv.notify_all();
+    for (auto& t : threads) t.join();
+  }
+  void work() {
+    current_ring = std::make_shared<send_ring>();
+    for (;;) {
+      std::function<void()> j;
+      {
+        std::unique_lock l(mu);
+        cv.wait(l, [&] { return stopping || !jobs.empty(); });
+        if (stopping) return;
+        j = std::move(jobs.front());
+        jobs.pop_front();
+      }
+      j();
+    }
+  }
+  static thread_local std::shared_ptr<send_ring> current_ring;
+  bool stopping_now() {
+    std::lock_guard l(mu);
+    return stopping;
+  }
+  void queue(std::function<void()> j) {
+    {
+      std::lock_guard l(mu);
+      jobs.push_back(std::move(j));
+    }
+    cv.notify_one();
+  }
+  std::shared_ptr<session> session_of(connection& c) {
+    std::lock_guard l(sess_mu);
+    auto it = sessions.find(&c);
+    return it == sessions.end() ? nullptr : it->second;
+  }
+  void reply_error(connection& c, std::uint64_t rid, const error& e) {
+    errors++;
+    try {
+      c.send_frame({rid, 0, to_reply(e)});
+    } catch (...) {
+    }
+  }
+  welcome welcome_msg() const { return welcome{o.max_outstanding, o.max_request, o.writable}; }
+
+  // ---- progress thread: handshake, checks, inline reads; file work goes to the I/O threads ----
+  void on_frame(connection& c, message m) {
+    auto s = session_of(c);
+    if (!s) return;
+    std::uint64_t rid = m.request_id;
+    if (auto* h = std::get_if<hello>(&m.b)) {
+      if (o.secret.empty()) {
+        s->welcomed = true;
+        c.send_frame({rid, o.max_outstanding, welcome_msg()});
+      } else {
+        s->client_nonce = h->nonce;
+        s->server_nonce = detail::random_nonce();
+        c.send_frame({rid, 0, challenge{s->server_nonce, true}});
+      }
+      return;
+    }
+    if (auto* a = std::get_if<auth>(&m.b)) {
+      bool ok = !o.secret.empty() && !s->server_nonce.empty() &&
+                detail::proof_matches(detail::proof(o.secret, s->server_nonce, s->client_nonce), a->mac);
+      s->server_nonce.clear();  // one answer per challenge
+      if (!ok) {
+        log::warn("store", "client {} failed to authenticate", c.peer());
+        reply_error(c, rid, error(errc::permission_denied, "store.auth", c.peer(), "authentication failed (wrong secret?)"));
+        return;
+      }
+      s->welcomed = true;
+      c.send_frame({rid, o.max_outstanding, welcome_msg()});
+      return;
+    }
+    if (!s->welcomed) {
+      reply_error(c, rid, error(errc::protocol_error, "store.request", c.peer(), "request before the handshake"));
+      return;
+    }
+    if (s->outstanding.load() >= static_cast<int>(o.max_outstanding)) {
+      reply_error(c, rid, error(errc::busy, "store.request", c.peer(),
+                                fmt::format("more than {} outstanding requests (credits exhausted)", o.max_outstanding)));
+      return;
+    }
+    requests++;
+    try {
+      if (auto* r = std::get_if<read_req>(&m.b)) {
+        reads++;
+        if (r->length > o.max_request)
+          fail(errc::out_of_range, "store.read", r->path, fmt::format("request of {} bytes exceeds the limit {}", r->length, o.max_request));
+        if (r->length <= o.inline_max) return read_inline(c, rid, *r);
+      } else if (auto* wr = std::get_if<write_req>(&m.b)) {
+        writes++;
+        return begin_write(c, *s, rid, *wr);
+      }
+    } catch (const error& e) {
+      reply_error(c, rid, e);
+      return;
+    }
+    s->outstanding++;
+    auto self = c.shared_from_this();
+    queue([this, self, s, m = std::move(m)]() mutable {
+      try {
+        serve(*self, m);
+      } catch (const error& e) {
+        reply_error(*self, m.request_id, e);
+      } catch (const std::exception& e) {
+        reply_error(*self, m.request_id, error(errc::internal, "store.request", self->peer(), e.what()));
+      }
+      s->outstanding--;
+    });
+  }
+
+  std::uint64_t pread_all(open_file& f, const std::string& path, std::byte* dst, std::uint64_t n, std::uint64_t at) {
+    std::uint64_t got = 0;
+    while (got < n) {
+      ssize_t r = ::pread(f.fd, dst + got, n - got, static_cast<off_t>(at + got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) fail_errno(errno, "store.read", fmt::format("{} offset {}", path, at + got));
+      if (r == 0) break;  // end of file
+      got += static_cast<std::uint64_t>(r);
+    }
+    return got;
+  }
+
+  void read_inline(connection& c, std::uint64_t rid, const read_req& r) {
+    thread_local std::vector<std::byte> buf;
+    if (buf.size() < r.length) buf.resize(r.length);
+    auto f = files.get(r.path, false);
+    std::uint64_t got = pread_all(*f, r.path, buf.data(), r.length, r.offset);
+    bytes_sent += got;
+    inline_replies++;
+    c.send_reply({rid, 0, complete{0, got}}, buf.data(), got);
+  }
+
+  // ---- writes: the frame opens the request; data arrives as AM data (rendezvous for large pieces) ----
+  void begin_write(connection& c, session& s, std::uint64_t rid, const write_req& r) {
+    if (!o.writable) fail(errc::permission_denied, "store.write", r.path, "this server is read-only (started without --writable)");
+    if (r.length > o.max_request)
+      fail(errc::out_of_range, "store.write", r.path, fmt::format("request of {} bytes exceeds the limit {}", r.length, o.max_request));
+    if (s.writes.count(rid)) fail(errc::protocol_error, "store.write", c.peer(), fmt::format("request id {} is already in use", rid));
+    auto ws = std::make_shared<write_state>();
+    ws->f = files.get(r.path, true);
+    ws->path = r.path;
+    ws->offset = r.offset;
+    ws->length = r.length;
+    if (r.length == 0) {
+      c.send_frame({rid, 0, complete{0, 0}});
+      return;
+    }
+    s.outstanding++;
+    s.writes[rid] = std::move(ws);
+  }
+  void fail_write(connection& c, session& s, std::uint64_t rid, const error& e) {
+    auto it = s.writes.find(rid);
+    if (it == s.writes.end() || it->second->failed) return;
+    it->second->failed = true;
+    s.writes.erase(it);
+    s.outstanding--;
+    reply_error(c, rid, e);
+  }
+  void* data_sink(connection& c, std::uint64_t rid, std::uint64_t off, std::size_t n) {
+    auto s = session_of(c);
+    if (!s) return nullptr;
+    auto it = s->writes.find(rid);
+    if (it == s->writes.end()) return nullptr;  // unknown, finished or failed request: dropped
+    auto& ws = *it->second;
+    if (n == 0 || n > max_data || off > ws.length || n > ws.length - off || ws.announced + n > ws.length) {
+      fail_write(c, *s, rid, error(errc::protocol_error, "store.write", ws.path,
+                                   fmt::format("data piece [{}, +{}) does not fit the request (length {}, message limit {})", off,
+                                               n, ws.length, max_data)));
+      return nullptr;
+    }
+    if (write_buffered.fetch_add(n) + n > o.max_write_buffer) {
+      write_buffered -= n;
+      fail_write(c, *s, rid, error(errc::busy, "store.write", ws.path,
+                                   fmt::format("the server buffers at most {} bytes of write data at once; try again", o.max_write_buffer)));
+      return nullptr;
+    }
+    ws.announced += n;
+    auto& buf = receiving[{&c, rid, off}];
+    buf = write_buffers.get();
+    return buf.get();
+  }
+  void data_done(connection& c, std::uint64_t rid, std::uint64_t off, std::size_t n, ucs_status_t st) {
+    auto node = receiving.extract({&c, rid, off});
+    if (node.empty()) return;
+    std::shared_ptr<std::byte[]> buf = std::move(node.mapped());
+    auto s = session_of(c);
+    std::shared_ptr<write_state> ws;
+    if (s) {
+      auto it = s->writes.find(rid);
+      if (it != s->writes.end()) ws = it->second;
+    }
+    if (!ws || st != UCS_OK) {
+      write_buffered -= n;
+      if (ws) fail_write(c, *s, rid, error(errc::network_error, "store.write", ws->path, std::string("data receive failed: ") + ucs_status_string(st)));
+      return;
+    }
+    bytes_received += n;
+    auto self = c.shared_from_this();
+    queue([this, self, s, ws, rid, off, n, buf] {
+      std::optional<error> err;
+      try {
+        std::uint64_t done = 0;
+        while (done < n) {
+          ssize_t r = ::pwrite(ws->f->fd, buf.get() + done, n - done, static_cast<off_t>(ws->offset + off + done));
+          if (r < 0 && errno == EINTR) continue;
+          if (r <= 0) fail_errno(r < 0 ? errno : EIO, "store.write", fmt::format("{} offset {}", ws->path, ws->offset + off + done));
+          done += static_cast<std::uint64_t>(r);
+        }
+      } catch (const error& e) {
+        err = e;
+      }
+      write_buffered -= n;
+      // Completion bookkeeping belongs to the progress thread (it owns the write table).
+      w.post([this, self, s, ws, rid, n, err] {
+        auto it = s->writes.find(rid);
+        if (it == s->writes.end() || it->second != ws) return;
+        if (err) return fail_write(*self, *s, rid, *err);
+        ws->written += n;
+        if (ws->written < ws->length) return;
+        s->writes.erase(it);
+        s->outstanding--;
+        try {
+          self->send_frame({rid, 0, complete{0, ws->written}});
+        } catch (...) {
+        }
+      });
+    });
+  }
+
+  // ---- I/O threads ----
+  std::shared_ptr<send_buffer> free_buffer(send_ring& ring, connection& c, clk::time_point until) {
+    std::unique_lock l(ring.mu);
+    for (;;) {
+      for (auto& b : ring.bufs)
+        if (!b->busy && b->size >= o.chunk) {
+          b->busy = true;
+          return b;
+        }
+      if (ring.bufs.size() < 4) {
+        auto b = std::make_shared<send_buffer>();
+        b->data.reset(new std::byte[o.chunk]);
+        b->size = o.chunk;
+        b->busy = true;
+        ring.bufs.push_back(b);
+        return b;
+      }
+      if (!c.alive()) fail(errc::network_error, "store.read", c.peer(), "connection lost: " + c.failure());
+      if (stopping_now()) fail(errc::cancelled, "store.read", c.peer(), "the server is stopping");
+      ring.cv.wait_for(l, std::chrono::milliseconds(100));
+      if (clk::now() >= until) {
+        // Sends stuck past the deadline: the connection is broken. Forget those buffers (their
+        // completions still own them) and let the caller fail.
+        std::erase_if(ring.bufs, [](auto& b) { return b->busy; });
+        fail(errc::timeout, "store.read", c.peer(), "sending to the client did not finish before the deadline");
+      }
+    }
+  }
+
+  void serve(connection& c, const message& m) {
+    std::uint64_t rid = m.request_id;
+    if (auto* r = std::get_if<read_req>(&m.b)) {
+      auto f = files.get(r->path, false);
+      auto ring = current_ring;
+      auto until = clk::now() + std::chrono::minutes(1);
+      std::uint64_t off = 0;
+      for (;;) {
+        if (!c.alive()) return;
+        std::uint64_t want = std::min<std::uint64_t>(o.chunk, r->length - off);
+        if (want == 0) break;
+        auto b = free_buffer(*ring, c, until);
+        std::uint64_t got;
+        try {
+          got = pread_all(*f, r->path, b->data.get(), want, r->offset + off);
+        } catch (...) {
+          std::lock_guard l(ring->mu);
+          b->busy = false;
+          throw;
+        }
+        if (got == 0) {
+          std::lock_guard l(ring->mu);
+          b->busy = false;
+          break;
+        }
+        // The completion frame may overtake the data: the client waits for both.
+        c.send_data(rid, off, b->data.get(), static_cast<std::size_t>(got), [ring, b](ucs_status_t) {
+          std::lock_guard l(ring->mu);
+          b->busy = false;
+          ring->cv.notify_all();
+        });
+        off += got;
+        bytes_sent += got;
+        if (got < want) break;  // end of file
+      }
+      c.send_frame({rid, 0, complete{0, off}});
+      return;
+    }
+    if (auto* r = std::get_if<stat_req>(&m.b)) {
+      int fd = root.open(r->path, O_RDONLY | O_PATH);
+      struct stat st{};
+      ::fstat(fd, &st);
+      ::close(fd);
+      c.send_frame({rid, 0, stat_reply{static_cast<std::uint64_t>(st.st_size), st.st_mode,
+                                       static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec}});
+      return;
+    }
+    if (auto* r = std::get_if<list_req>(&m.b)) {
+      int fd = root.open(r->path, O_RDONLY | O_DIRECTORY);
+      DIR* d = ::fdopendir(fd);
+      if (!d) {
+        ::close(fd);
+        fail_errno(errno, "store.list", r->path);
+      }
+      list_reply rep;
+      std::size_t bytes = 0;
+      while (dirent* e = ::readdir(d)) {
+        std::string name = e->d_name;
+        if (name == "." || name == ".." || name.size() > 255) continue;
+        struct stat st{};
+        if (::fstatat(::dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+        bytes += 11 + name.size();
+        if (bytes > max_message - 64) break;  // one frame's worth
+        rep.entries.push_back({name, static_cast<std::uint8_t>(S_ISREG(st.st_mode) ? 0 : S_ISDIR(st.st_mode) ? 1 : 2),
+                               static_cast<std::uint64_t>(st.st_size)});
+      }
+      ::closedir(d);
+      c.send_frame({rid, 0, std::move(rep)});
+      return;
+    }
+    fail(errc::protocol_error, "store.request", c.peer(), "unexpected message type");
+  }
+};
+
+thread_local std::shared_ptr<send_ring> server::impl::current_ring;
+
+server::server(server_options o) : impl_(std::make_unique<impl>(std::move(o))) {}
+server::~server() = default;
+std::uint16_t server::port() const noexcept { return impl_->port; }
+server_stats server::stats() const {
+  auto& i = *impl_;
+  std::lock_guard l(i.sess_mu);
+  return {i.connections.load(), i.requests.load(),       i.reads.load(),          i.writes.load(),
+          i.bytes_sent.load(),  i.bytes_received.load(), i.errors.load(),         i.inline_replies.load(),
+          i.sessions.size(),    i.write_buffered.load()};
+}
+
+}  // namespace ferry::store

@@ -1,0 +1,209 @@
+// Writes, asynchronous requests and staged (sim device) memory through the storage service.
+#include <ferry/core/checksum.hpp>
+#include <ferry/device/mapped_memory.hpp>
+#include <ferry/runtime.hpp>
+#include <ferry/store/service.hpp>
+
+#include "support/errors.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+using namespace ferry;
+using ::testing::HasSubstr;
+
+namespace {
+
+std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
+  std::vector<unsigned char> v(n);
+  std::mt19937_64 rng(seed);
+  for (auto& c : v) c = static_cast<unsigned char>(rng());
+  return v;
+}
+
+std::vector<unsigned char> slurp(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+struct writable_server {
+  std::filesystem::path root;
+  std::unique_ptr<store::server> srv;
+  const std::string secret = "s3cret for writes";
+  explicit writable_server(std::uint64_t chunk = 1 << 20) {
+    root = std::filesystem::path(::testing::TempDir()) / ("ferry-write-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(root / "out");
+    store::server_options o;
+    o.root = root.string();
+    o.chunk = chunk;
+    o.secret = secret;
+    o.writable = true;
+    srv = std::make_unique<store::server>(o);
+  }
+  ~writable_server() {
+    srv.reset();
+    std::filesystem::remove_all(root);
+  }
+  store::client_options opts(std::uint64_t piece = 1 << 20) const {
+    store::client_options c;
+    c.secret = secret;
+    c.piece = piece;
+    c.timeout = std::chrono::seconds(10);
+    return c;
+  }
+};
+
+TEST(StoreWrite, WriteThenReadRoundTripsRandomData) {
+  writable_server s;
+  store::client c("127.0.0.1", s.srv->port(), s.opts());
+  EXPECT_TRUE(c.writable());
+  auto data = random_bytes((5 << 20) + 777, 7);  // several pieces and a ragged tail
+  c.write("out/new.bin", 0, data.data(), data.size());
+  EXPECT_EQ(slurp(s.root / "out" / "new.bin"), data) << "the file on the server holds exactly what was written";
+  // Overwrite an unaligned range in the middle, then read the whole file back through the service.
+  auto patch = random_bytes(300001, 8);
+  c.write("out/new.bin", 4097, patch.data(), patch.size());
+  std::memcpy(data.data() + 4097, patch.data(), patch.size());
+  std::vector<unsigned char> back(data.size());
+  EXPECT_EQ(c.read("out/new.bin", 0, back.data(), back.size()), back.size());
+  EXPECT_EQ(checksum64(back.data(), back.size()), checksum64(data.data(), data.size()));
+  EXPECT_EQ(c.stat("out/new.bin").size, data.size());
+  auto st = s.srv->stats();
+  EXPECT_EQ(st.bytes_received, data.size() + patch.size()) << "first write + patch";
+  EXPECT_EQ(st.write_buffered, 0u) << "every write buffer was released";
+  // Small writes (one eager data message).
+  unsigned char small[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  c.write("out/small.bin", 0, small, sizeof small);
+  EXPECT_EQ(slurp(s.root / "out" / "small.bin"), std::vector<unsigned char>(small, small + 10));
+}
+
+TEST(StoreWrite, RefusedOnReadOnlyServersAndOutsideTheRoot) {
+  writable_server s;
+  store::client c("127.0.0.1", s.srv->port(), s.opts());
+  unsigned char b[16] = {};
+  EXPECT_THAT(test::error_text([&] { c.write("../escape.bin", 0, b, sizeof b); }), HasSubstr("'..' is not allowed"));
+  EXPECT_THAT(test::error_text([&] { c.write("/tmp/abs.bin", 0, b, sizeof b); }), HasSubstr("absolute paths are not allowed"));
+  EXPECT_FALSE(std::filesystem::exists(s.root.parent_path() / "escape.bin"));
+  // A read-only server: the client knows from the handshake and says so, naming the path.
+  store::server_options ro;
+  ro.root = s.root.string();
+  store::server rs(ro);
+  store::client r("127.0.0.1", rs.port());
+  EXPECT_FALSE(r.writable());
+  std::string t = test::error_text([&] { r.write("out/x.bin", 0, b, sizeof b); });
+  EXPECT_THAT(t, HasSubstr("the server is read-only"));
+  EXPECT_THAT(t, HasSubstr("out/x.bin"));
+  EXPECT_THAT(t, HasSubstr("[permission_denied]"));
+  // Writable without a secret is refused unless insecure is asked for explicitly.
+  store::server_options w;
+  w.root = s.root.string();
+  w.writable = true;
+  EXPECT_THAT(test::error_text([&] { store::server x(w); }), HasSubstr("refusing to serve writable without a shared secret"));
+  w.insecure = true;
+  store::server x(w);
+  store::client xc("127.0.0.1", x.port());
+  xc.write("out/insecure.bin", 0, b, sizeof b);
+  EXPECT_EQ(std::filesystem::file_size(s.root / "out" / "insecure.bin"), sizeof b);
+}
+
+TEST(StoreWrite, ManyOutstandingRequestsOnOneConnection) {
+  writable_server s;
+  auto data = random_bytes(16 << 20, 9);
+  {
+    store::client c("127.0.0.1", s.srv->port(), s.opts(256 << 10));
+    // 64 writes in flight at once (more pieces than credits: start waits for credits, never fails).
+    std::vector<store::client::ticket> ts;
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    for (std::uint64_t i = 0; i < 64; ++i)
+      ts.push_back(c.start_write("out/many.bin", i * (256 << 10), data.data() + i * (256 << 10), 256 << 10, until));
+    for (auto t : ts) EXPECT_EQ(c.finish(t), 256u << 10);
+    EXPECT_EQ(slurp(s.root / "out" / "many.bin"), data);
+    // 200 reads of random sizes and offsets, up to 64 outstanding.
+    std::mt19937_64 rng(3);
+    std::vector<std::vector<unsigned char>> bufs(200);
+    std::vector<std::pair<std::uint64_t, store::client::ticket>> rs;
+    for (auto& b : bufs) {
+      std::uint64_t len = 1 + rng() % (3 << 20), off = rng() % (data.size() - len);
+      b.resize(len);
+      rs.push_back({off, c.start_read("out/many.bin", off, b.data(), len, until)});
+      if (rs.size() >= 64) {
+        auto [o, t] = rs.front();
+        auto& fb = bufs[static_cast<std::size_t>(&b - bufs.data()) - 63];
+        EXPECT_EQ(c.finish(t), fb.size());
+        EXPECT_EQ(std::memcmp(fb.data(), data.data() + o, fb.size()), 0);
+        rs.erase(rs.begin());
+      }
+    }
+    for (std::size_t k = 0; k < rs.size(); ++k) {
+      auto& fb = bufs[bufs.size() - rs.size() + k];
+      EXPECT_EQ(c.finish(rs[k].second), fb.size());
+      EXPECT_EQ(std::memcmp(fb.data(), data.data() + rs[k].first, fb.size()), 0);
+    }
+    EXPECT_GT(s.srv->stats().inline_replies, 0u) << "small reads were answered inline";
+    EXPECT_THAT(test::error_text([&] { c.finish(12345); }), HasSubstr("unknown or already finished"));
+  }
+}
+
+TEST(StoreWrite, ThirtyTwoClientsWriteAndReadBackConcurrently) {
+  writable_server s;
+  std::atomic<int> good{0};
+  std::vector<std::thread> ts;
+  for (int i = 0; i < 32; ++i)
+    ts.emplace_back([&, i] {
+      try {
+        store::client c("127.0.0.1", s.srv->port(), s.opts());
+        auto d = random_bytes((1 << 20) + static_cast<std::size_t>(i) * 1000, 100 + static_cast<std::uint64_t>(i));
+        std::string p = "out/client" + std::to_string(i) + ".bin";
+        c.write(p, 0, d.data(), d.size());
+        std::vector<unsigned char> back(d.size());
+        if (c.read(p, 0, back.data(), back.size()) == d.size() && back == d) good++;
+      } catch (const error& e) {
+        ADD_FAILURE() << e.what();
+      }
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(good.load(), 32);
+  EXPECT_EQ(s.srv->stats().write_buffered, 0u);
+}
+
+TEST(StoreWrite, SimDeviceMemoryIsStagedBothWays) {
+  writable_server s;
+  settings cfg = settings::defaults();
+  cfg.backend = backend_choice::sim;
+  cfg.sim_capacity = 64ull << 20;
+  cfg.sim_granularity = 1ull << 20;
+  runtime rt(cfg);
+  auto o = s.opts();
+  o.cache = &rt.registrations();
+  o.engine = &rt.engine();
+  o.staging = 4 << 20;  // fewer staging buffers than pieces: they are recycled
+  store::client c("127.0.0.1", s.srv->port(), o);
+  auto data = random_bytes((9 << 20) + 5, 11);
+  {
+    std::ofstream f(s.root / "out" / "src.bin", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+  }
+  device& dev = rt.devices().get("sim:0");
+  mapped_memory m = allocate_mapped(dev, 10 << 20);
+  EXPECT_EQ(c.read("out/src.bin", 0, m.data(), data.size()), data.size());
+  auto st = dev.create_stream();
+  std::uint64_t sum = 0;
+  st->checksum(m.data(), data.size(), &sum);
+  st->synchronize();
+  EXPECT_EQ(sum, checksum64(data.data(), data.size())) << "sim memory holds the file";
+  EXPECT_GE(c.stats().staged_bytes, data.size());
+  c.write("out/back.bin", 0, m.data(), data.size());  // sim -> staging -> server
+  EXPECT_EQ(slurp(s.root / "out" / "back.bin"), data);
+  // Memory nobody knows is refused up front, naming the pointer.
+  EXPECT_THAT(test::error_text([&] { c.read("out/src.bin", 0, reinterpret_cast<void*>(0x10), 100); }),
+              HasSubstr("not memory ferry knows"));
+}
+
+}  // namespace
