@@ -31,6 +31,8 @@ check "no secret" "requires a shared secret" "$FERRY" stat "ferry://127.0.0.1:$p
 check "wrong secret" "authentication refused.*permission_denied" env FERRY_SECRET_FILE="$work/wrong" "$FERRY" stat "ferry://127.0.0.1:$port/a.txt"
 check "right secret" "12 bytes" env FERRY_SECRET_FILE="$work/secret" "$FERRY" stat "ferry://127.0.0.1:$port/a.txt"
 check "missing secret file" "cannot read the secret file" env FERRY_SECRET_FILE="$work/none" "$FERRY" stat "ferry://127.0.0.1:$port/a.txt"
+check "write to read-only" "the server is read-only" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp host "ferry://127.0.0.1:$port/w.bin" --size 1MiB
+check "writable without secret" "refusing to serve writable without a shared secret" "$FERRY" serve --root "$work/export" --listen 127.0.0.1:0 --writable
 kill -TERM "$srv"
 for _ in $(seq 50); do kill -0 "$srv" 2>/dev/null || break; sleep 0.1; done
 if kill -0 "$srv" 2>/dev/null; then echo "FAIL: server still running 5 s after SIGTERM"; fails=$((fails+1))
