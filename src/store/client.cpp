@@ -422,6 +422,19 @@ struct client::impl {
     return total;
   }
 
+  // A request without data (stat, list), retried after a reconnect; a refusal is rethrown naming the path.
+  message query(message m, std::string_view what, const std::string& path, std::chrono::nanoseconds timeout) {
+    auto until = clk::now() + timeout;
+    message r = retrying(
+        [&] {
+          ensure_connected(until);
+          return request(m, until);
+        },
+        until);
+    if (auto* e = std::get_if<error_reply>(&r.b)) rethrow_reply(*e, what, peer, path);
+    return r;
+  }
+
   // Runs an idempotent request; after a lost connection (server restarted) it reconnects once and retries.
   template <typename F>
   auto retrying(F f, clk::time_point until) -> decltype(f()) {
@@ -476,27 +489,11 @@ void client::write(const std::string& path, std::uint64_t offset, const void* sr
 }
 
 stat_reply client::stat(const std::string& path, std::chrono::nanoseconds timeout) {
-  auto until = clk::now() + timeout;
-  message r = impl_->retrying(
-      [&] {
-        impl_->ensure_connected(until);
-        return impl_->request({0, 0, stat_req{path}}, until);
-      },
-      until);
-  if (auto* e = std::get_if<error_reply>(&r.b)) rethrow_reply(*e, "store.stat", impl_->peer, path);
-  return std::get<stat_reply>(r.b);
+  return std::get<stat_reply>(impl_->query({0, 0, stat_req{path}}, "store.stat", path, timeout).b);
 }
 
 std::vector<list_entry> client::list(const std::string& path, std::chrono::nanoseconds timeout) {
-  auto until = clk::now() + timeout;
-  message r = impl_->retrying(
-      [&] {
-        impl_->ensure_connected(until);
-        return impl_->request({0, 0, list_req{path}}, until);
-      },
-      until);
-  if (auto* e = std::get_if<error_reply>(&r.b)) rethrow_reply(*e, "store.list", impl_->peer, path);
-  return std::get<list_reply>(r.b).entries;
+  return std::get<list_reply>(impl_->query({0, 0, list_req{path}}, "store.list", path, timeout).b).entries;
 }
 
 client_stats client::stats() const {

@@ -8,6 +8,7 @@
 //             the same block size; data verified by checksum after each sweep.
 #include "commands.hpp"
 #include "endpoint.hpp"
+#include "scratch_dir.hpp"
 
 #include <ferry/core/checksum.hpp>
 #include <ferry/core/units.hpp>
@@ -274,16 +275,8 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
   else fmt::print("no GPU: measuring host memory only (give --device sim:0 to exercise staging, not for speed)\n");
 
   // The served file: a pattern (verifiable), written once, read once to warm the page cache.
-  std::filesystem::path dir = std::filesystem::path(o.dir.empty() ? std::filesystem::temp_directory_path().string() : o.dir) /
-                              fmt::format("ferry-bench-remote-{}", ::getpid());
-  std::filesystem::create_directories(dir);
-  struct cleanup {
-    std::filesystem::path d;
-    ~cleanup() {
-      std::error_code ec;
-      std::filesystem::remove_all(d, ec);
-    }
-  } cl{dir};
+  scratch_dir scratch(o.dir, "ferry-bench-remote", "bench remote");
+  const std::filesystem::path& dir = scratch.path();
   const std::uint64_t seed = 0xBE7C4, wseed = 0x5EED2;
   {
     std::vector<std::byte> buf(file_bytes);

@@ -2,6 +2,7 @@
 // loopback, reads every file through ferry:// into device memory (a GPU if present, else sim:0),
 // verifies each file's checksum on the device, prints a throughput table per stage, stops the server.
 #include "commands.hpp"
+#include "scratch_dir.hpp"
 #include "endpoint.hpp"
 
 #include <ferry/core/checksum.hpp>
@@ -22,17 +23,8 @@ int run_job(runtime& rt, const job_options& o) {
   std::uint64_t size = parse_size(o.size, "--size");
   expects(size > 0 && o.files > 0, "job", "--size/--files", "must be positive");
   device& dev = o.device.empty() ? rt.devices().default_device() : rt.devices().get(o.device);
-  const char* tmp = std::getenv("TMPDIR");
-  std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/ferry-job-XXXXXX";
-  if (!::mkdtemp(tmpl.data())) fail_errno(errno, "job", tmpl, "cannot create the dataset directory");
-  std::filesystem::path dir(tmpl);
-  struct cleanup {
-    std::filesystem::path d;
-    ~cleanup() {
-      std::error_code ec;
-      std::filesystem::remove_all(d, ec);
-    }
-  } cl{dir};
+  scratch_dir scratch("", "ferry-job", "job");
+  const std::filesystem::path& dir = scratch.path();
   fmt::print("ferry job: {} file(s) of {} -> ferry serve on loopback -> ferry:// -> {} ({}){}\n", o.files,
              format_size(size), dev.id(), dev.info().name,
              dev.info().backend == "sim" ? " — simulated device: timings are not performance figures" : "");
