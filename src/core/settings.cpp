@@ -217,6 +217,15 @@ const setting_def table[] = {
   {"FERRY_SERVE_THREADS", "File I/O threads of `ferry serve` (reads larger than 16KiB and all writes).",
    [](settings& s, std::string_view v) { s.serve_threads = static_cast<int>(parse_int(v, 1, 256)); },
    [](const settings& s) { return std::to_string(s.serve_threads); }},
+  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`; connections are spread over them, so several connections' messages are handled in parallel.",
+   [](settings& s, std::string_view v) { s.serve_workers = static_cast<int>(parse_int(v, 1, 64)); },
+   [](const settings& s) { return std::to_string(s.serve_workers); }},
+  {"FERRY_NET_LANES", "Connections a ferry:// client opens to a server, each with its own UCX worker and progress thread; pieces are spread over them (one tcp connection is bound by one thread's copies).",
+   [](settings& s, std::string_view v) { s.net_lanes = static_cast<int>(parse_int(v, 1, 64)); },
+   [](const settings& s) { return std::to_string(s.net_lanes); }},
+  {"FERRY_NET_MAP", "Same-host shared memory: the client lends a landing region (FERRY_NET_STAGING bytes) that the server maps (UCX rkey_ptr) and reads files straight into; off = data always moves by messages. Needs both sides on.",
+   [](settings& s, std::string_view v) { s.net_map = parse_bool(v); },
+   [](const settings& s) { return std::string(s.net_map ? "1" : "0"); }},
 };
 // clang-format on
 

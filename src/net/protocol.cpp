@@ -82,6 +82,9 @@ std::uint16_t type_of(const body& b) {
         else if constexpr (std::is_same_v<T, complete>) return static_cast<std::uint16_t>(msg_type::complete);
         else if constexpr (std::is_same_v<T, stat_reply>) return static_cast<std::uint16_t>(msg_type::stat_reply);
         else if constexpr (std::is_same_v<T, list_reply>) return static_cast<std::uint16_t>(msg_type::list_reply);
+        else if constexpr (std::is_same_v<T, lend>) return static_cast<std::uint16_t>(msg_type::lend);
+        else if constexpr (std::is_same_v<T, read_into>) return static_cast<std::uint16_t>(msg_type::read_into);
+        else if constexpr (std::is_same_v<T, write_from>) return static_cast<std::uint16_t>(msg_type::write_from);
         else return static_cast<std::uint16_t>(msg_type::error);
       },
       b);
@@ -111,6 +114,17 @@ std::vector<std::byte> encode(const message& m) {
         } else if constexpr (std::is_same_v<T, read_req> || std::is_same_v<T, write_req>) {
           p.put(v.offset);
           p.put(v.length);
+          p.str(v.path, max_path, "path");
+        } else if constexpr (std::is_same_v<T, lend>) {
+          p.put(v.addr);
+          p.put(v.length);
+          if (v.rkey.size() > max_rkey) fail(errc::invalid_argument, "net.encode", "rkey", fmt::format("longer than {} bytes", max_rkey));
+          p.put(static_cast<std::uint16_t>(v.rkey.size()));
+          p.bytes(v.rkey, v.rkey.size());
+        } else if constexpr (std::is_same_v<T, read_into> || std::is_same_v<T, write_from>) {
+          p.put(v.offset);
+          p.put(v.length);
+          p.put(v.addr);
           p.str(v.path, max_path, "path");
         } else if constexpr (std::is_same_v<T, stat_req> || std::is_same_v<T, list_req>) {
           p.str(v.path, max_path, "path");
@@ -218,6 +232,29 @@ message decode(std::span<const std::byte> bytes) {
       std::string path = r.str(max_path, "path");
       if (fi.type == msg_type::read) m.b = read_req{std::move(path), off, len};
       else m.b = write_req{std::move(path), off, len};
+      break;
+    }
+    case msg_type::lend: {
+      lend v;
+      v.addr = r.get<std::uint64_t>("address");
+      v.length = r.get<std::uint64_t>("length");
+      if (v.addr + v.length < v.addr) bad("address + length overflows");
+      auto n = r.get<std::uint16_t>("rkey length");
+      if (n > max_rkey) bad(fmt::format("rkey of {} bytes exceeds the limit {}", n, max_rkey));
+      v.rkey = r.bytes(n, "rkey");
+      m.b = std::move(v);
+      break;
+    }
+    case msg_type::read_into:
+    case msg_type::write_from: {
+      std::uint64_t off = r.get<std::uint64_t>("offset");
+      std::uint64_t len = r.get<std::uint64_t>("length");
+      std::uint64_t addr = r.get<std::uint64_t>("address");
+      if (off + len < off) bad("offset + length overflows");
+      if (addr + len < addr) bad("address + length overflows");
+      std::string path = r.str(max_path, "path");
+      if (fi.type == msg_type::read_into) m.b = read_into{std::move(path), off, len, addr};
+      else m.b = write_from{std::move(path), off, len, addr};
       break;
     }
     case msg_type::stat:

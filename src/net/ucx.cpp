@@ -129,7 +129,7 @@ void connection::send_frame(const message& m) {
   auto* c = new send_ctx{encode(m), nullptr};
   auto self = shared_from_this();
   // Frames are always eager: the receiver handles them whole, never by rendezvous.
-  w_.post([self, c] { am_send(*self, am_frame, c, nullptr, 0, c->buf.data(), c->buf.size(), UCP_AM_SEND_FLAG_EAGER); });
+  w_.run_or_post([self, c] { am_send(*self, am_frame, c, nullptr, 0, c->buf.data(), c->buf.size(), UCP_AM_SEND_FLAG_EAGER); });
 }
 
 void connection::send_data(std::uint64_t rid, std::uint64_t off, const void* data, std::size_t n,
@@ -138,7 +138,7 @@ void connection::send_data(std::uint64_t rid, std::uint64_t off, const void* dat
   data_header h{rid, off};
   std::memcpy(c->buf.data(), &h, sizeof h);
   auto self = shared_from_this();
-  w_.post([self, c, data, n] { am_send(*self, am_data, c, c->buf.data(), c->buf.size(), data, n, 0); });
+  w_.run_or_post([self, c, data, n] { am_send(*self, am_data, c, c->buf.data(), c->buf.size(), data, n, 0); });
 }
 
 void connection::send_reply(const message& m, const void* data, std::size_t n) {
@@ -149,7 +149,7 @@ void connection::send_reply(const message& m, const void* data, std::size_t n) {
   if (n) std::memcpy(c->buf.data() + frame.size(), data, n);
   auto self = shared_from_this();
   std::size_t hl = frame.size();
-  w_.post([self, c, hl] {
+  w_.run_or_post([self, c, hl] {
     am_send(*self, am_reply, c, c->buf.data(), hl, c->buf.data() + hl, c->buf.size() - hl, UCP_AM_SEND_FLAG_EAGER);
   });
 }
@@ -180,6 +180,10 @@ std::string connection::transports() {
           std::string tl = line.substr(start + 1, end == std::string::npos ? std::string::npos : end - start - 1);
           if (auto dot = tl.rfind('.'); dot != std::string::npos && tl.find('/') != std::string::npos && dot > tl.find('/'))
             tl.resize(dot);
+          // Mark the lane that carries active messages (ferry's control and data messages).
+          std::istringstream words(line.substr(end == std::string::npos ? line.size() : end));
+          for (std::string w; words >> w;)
+            if (w == "am") tl += "(am)";
           if (!tl.empty()) tls.insert(tl);
         }
         std::string out;
@@ -199,10 +203,9 @@ void connection::close() {
   });
 }
 
-// ---- worker ------------------------------------------------------------------------------------
+// ---- context, regions -------------------------------------------------------------------------
 
-ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin) : name_(std::move(name)), spin_(spin) {
-  ucp_config_t* cfg = nullptr;
+ucx_context::ucx_context() {
   // A restarted server must get its well-known port back while the old connections sit in
   // TIME_WAIT (UCX's default is not to set SO_REUSEADDR). UCX reads this transport setting only
   // from the environment (ucp_config_modify accepts it but the worker rejects it), so it is set
@@ -213,25 +216,104 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin) : name_(
   // UCX 1.13 does not always report a peer's close to the other side (requests then end only at
   // their deadlines). `ferry bench remote` sets it for its shm runs; users opt in the same way.
   std::call_once(once, [] { ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0); });
+  ucp_config_t* cfg = nullptr;
   check(ucp_config_read(nullptr, nullptr, &cfg), "net.init", "ucp_config_read");
   ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-  params.name = name_.c_str();
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP | UCP_FEATURE_RMA;
+  params.name = "ferry";
+  params.mt_workers_shared = 1;  // several workers (lanes), each on its own thread
   ucs_status_t st = ucp_init(&params, cfg, &ctx_);
   ucp_config_release(cfg);
   check(st, "net.init", "ucp_init");
   ucp_context_attr_t ca{};
   ca.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
   if (ucp_context_query(ctx_, &ca) == UCS_OK) cuda_memory_ = (ca.memory_types & (1ull << UCS_MEMORY_TYPE_CUDA)) != 0;
+}
+
+ucx_context::~ucx_context() { ucp_cleanup(ctx_); }
+
+ucx_region::ucx_region(std::shared_ptr<ucx_context> ctx, std::size_t bytes) : ctx_(std::move(ctx)), size_(bytes) {
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  mp.length = bytes;
+  mp.flags = UCP_MEM_MAP_ALLOCATE;  // UCX picks shared memory (sysv/posix) first when a shm transport is enabled
+  check(ucp_mem_map(ctx_->handle(), &mp, &mem_), "net.region", fmt::format("{} bytes", bytes));
+  ucp_mem_attr_t ma{};
+  ma.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  ucs_status_t st = ucp_mem_query(mem_, &ma);
+  void* rk = nullptr;
+  std::size_t rkn = 0;
+  if (st == UCS_OK) st = ucp_rkey_pack(ctx_->handle(), mem_, &rk, &rkn);
+  if (st != UCS_OK) {
+    ucp_mem_unmap(ctx_->handle(), mem_);
+    check(st, "net.region", "ucp_mem_query/ucp_rkey_pack");
+  }
+  base_ = static_cast<std::byte*>(ma.address);
+  rkey_.assign(static_cast<std::byte*>(rk), static_cast<std::byte*>(rk) + rkn);
+  ucp_rkey_buffer_release(rk);
+}
+
+ucx_region::~ucx_region() {
+  if (mem_) ucp_mem_unmap(ctx_->handle(), mem_);
+}
+
+namespace {
+// Whether [p, p+n) lies inside one shared mapping of this process (/proc/self/maps): a peer's rkey
+// is not trusted to describe a segment of the length it claims.
+bool inside_shared_mapping(const std::byte* p, std::uint64_t n) {
+  FILE* f = std::fopen("/proc/self/maps", "r");
+  if (!f) return false;
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  bool ok = false;
+  char line[512];
+  while (std::fgets(line, sizeof line, f)) {
+    unsigned long lo = 0, hi = 0;
+    char perms[8] = {};
+    if (std::sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3) continue;
+    if (a >= lo && a < hi) {
+      ok = perms[0] == 'r' && perms[1] == 'w' && perms[3] == 's' && n <= hi - a;
+      break;
+    }
+  }
+  std::fclose(f);
+  return ok;
+}
+}  // namespace
+
+remote_mapping::~remote_mapping() {
+  if (rkey) w->run_or_post([r = rkey] { ucp_rkey_destroy(r); });
+}
+
+std::shared_ptr<remote_mapping> connection::map_remote(std::uint64_t addr, std::uint64_t len, std::span<const std::byte> rkey) {
+  if (!ep || len == 0 || rkey.empty()) return nullptr;
+  ucp_rkey_h rk = nullptr;
+  if (ucp_ep_rkey_unpack(ep, rkey.data(), &rk) != UCS_OK) return nullptr;
+  void* local = nullptr;
+  if (ucp_rkey_ptr(rk, addr, &local) != UCS_OK || !local ||
+      !inside_shared_mapping(static_cast<std::byte*>(local), len)) {
+    ucp_rkey_destroy(rk);
+    return nullptr;
+  }
+  auto m = std::make_shared<remote_mapping>();
+  m->w = &w_;
+  m->rkey = rk;
+  m->base = static_cast<std::byte*>(local);
+  m->addr = addr;
+  m->len = len;
+  return m;
+}
+
+// ---- worker ------------------------------------------------------------------------------------
+
+ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::shared_ptr<ucx_context> ctx)
+    : name_(std::move(name)), ctx_(ctx ? std::move(ctx) : std::make_shared<ucx_context>()), spin_(spin) {
+  ucs_status_t st;
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the progress thread, or a waiting caller (try_progress), never both
-  st = ucp_worker_create(ctx_, &wp, &worker_);
-  if (st != UCS_OK) {
-    ucp_cleanup(ctx_);
-    check(st, "net.init", "ucp_worker_create");
-  }
+  st = ucp_worker_create(ctx_->handle(), &wp, &worker_);
+  check(st, "net.init", "ucp_worker_create");
   for (unsigned id : {am_frame, am_data, am_reply}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
@@ -268,7 +350,6 @@ ucx_worker::~ucx_worker() {
   });
   thread_.join();
   ucp_worker_destroy(worker_);
-  ucp_cleanup(ctx_);
   ::close(wake_);
   ::close(epoll_);
 }
@@ -278,9 +359,35 @@ void ucx_worker::post(std::function<void()> f) {
     std::lock_guard l(mu_);
     posted_.push_back(std::move(f));
   }
-  nposted_++;
-  std::uint64_t one = 1;
-  [[maybe_unused]] auto n = ::write(wake_, &one, sizeof one);
+  nposted_.fetch_add(1, std::memory_order_seq_cst);
+  // The progress thread polls nposted_ while awake; only a sleeping one needs the eventfd (a
+  // syscall per message would cost more than a shared-memory round trip). It sets sleeping_ before
+  // its last look at nposted_, this thread bumps nposted_ before looking at sleeping_: one of the
+  // two always sees the other.
+  if (sleeping_.load(std::memory_order_seq_cst)) {
+    std::uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(wake_, &one, sizeof one);
+  }
+}
+
+void ucx_worker::run_or_post(std::function<void()> f) {
+  if (owner_.load(std::memory_order_relaxed) == std::this_thread::get_id()) {
+    if (nposted_.load(std::memory_order_acquire) == 0) return f();
+    return post(std::move(f));
+  }
+  std::unique_lock l(ucx_mu_, std::try_to_lock);
+  if (!l.owns_lock()) return post(std::move(f));
+  lock_owner();
+  drain_posted();  // earlier work first
+  try {
+    f();
+    while (ucp_worker_progress(worker_) != 0) {  // push what f started; the progress thread may be asleep
+    }
+  } catch (...) {
+    unlock_owner();
+    throw;
+  }
+  unlock_owner();
 }
 
 bool ucx_worker::drain_posted() {
@@ -307,9 +414,11 @@ bool ucx_worker::drain_posted() {
 bool ucx_worker::try_progress() {
   std::unique_lock l(ucx_mu_, std::try_to_lock);
   if (!l.owns_lock()) return false;
+  lock_owner();
   drain_posted();
   while (ucp_worker_progress(worker_) != 0) {
   }
+  unlock_owner();
   return true;
 }
 
@@ -317,6 +426,7 @@ void ucx_worker::loop() {
   using clk = std::chrono::steady_clock;
   auto last = clk::now();
   std::unique_lock l(ucx_mu_);
+  lock_owner();
   while (!stop_) {
     bool busy = drain_posted();
     while (ucp_worker_progress(worker_) != 0) busy = true;
@@ -329,17 +439,25 @@ void ucx_worker::loop() {
     // Back-off: keep polling for a while after activity (the next request usually follows at once);
     // let a waiting caller in between polls.
     if (spin_.count() > 0 && clk::now() - last < spin_) {
+      unlock_owner();
       l.unlock();
       std::this_thread::yield();
       l.lock();
+      lock_owner();
       continue;
     }
     ucs_status_t st = ucp_worker_arm(worker_);
     if (st == UCS_ERR_BUSY) continue;  // events arrived meanwhile
-    if (nposted_.load(std::memory_order_acquire) != 0) continue;
+    sleeping_.store(true, std::memory_order_seq_cst);
+    if (nposted_.load(std::memory_order_seq_cst) != 0) {
+      sleeping_.store(false);
+      continue;
+    }
+    unlock_owner();
     l.unlock();
     epoll_event evs[2];
     int n = ::epoll_wait(epoll_, evs, 2, 100);
+    sleeping_.store(false);
     if (n > 0) wakeups_++;
     for (int i = 0; i < n; ++i)
       if (evs[i].data.fd == wake_) {
@@ -347,6 +465,7 @@ void ucx_worker::loop() {
         [[maybe_unused]] auto r = ::read(wake_, &v, sizeof v);
       }
     l.lock();
+    lock_owner();
     last = clk::now();
   }
   drain_posted();
@@ -375,7 +494,14 @@ void ucx_worker::conn_cb(ucp_conn_request_h req, void* arg) {
   a.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
   std::string peer = "?";
   if (ucp_conn_request_query(req, &a) == UCS_OK) peer = addr_text(a.client_address);
-  auto c = std::make_shared<connection>(*self, peer);
+  ucx_worker* target = self->place_ ? self->place_() : self;
+  if (!target || target == self) return self->accept(req, std::move(peer), self->accepted_);
+  // Another worker of the same context serves it: the endpoint is created on its thread.
+  target->post([target, req, peer = std::move(peer), cb = self->accepted_]() mutable { target->accept(req, std::move(peer), cb); });
+}
+
+void ucx_worker::accept(ucp_conn_request_h req, std::string peer, std::function<void(std::shared_ptr<connection>)> accepted) {
+  auto c = std::make_shared<connection>(*this, peer);
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   p.conn_request = req;
@@ -383,21 +509,22 @@ void ucx_worker::conn_cb(ucp_conn_request_h req, void* arg) {
   p.err_handler.cb = ep_error_cb;
   p.err_handler.arg = c.get();
   ucp_ep_h ep = nullptr;
-  ucs_status_t st = ucp_ep_create(self->worker_, &p, &ep);
+  ucs_status_t st = ucp_ep_create(worker_, &p, &ep);
   if (st != UCS_OK) {
-    log::warn("net", "{}: cannot accept {}: {}", self->name_, peer, status_text(st));
+    log::warn("net", "{}: cannot accept {}: {}", name_, peer, status_text(st));
     return;
   }
-  self->adopt(ep, c);
-  if (self->accepted_) self->accepted_(c);
+  adopt(ep, c);
+  if (accepted) accepted(c);
 }
 
 std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
-                                 std::function<void(std::shared_ptr<connection>)> accepted) {
+                                 std::function<void(std::shared_ptr<connection>)> accepted, std::function<ucx_worker*()> place) {
   sockaddr_storage ss = make_addr(host, port);
   return call(
       [&]() -> std::uint16_t {
         accepted_ = std::move(accepted);
+        place_ = std::move(place);
         ucp_listener_params_t lp{};
         lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
         lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);

@@ -26,7 +26,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <span>
 #include <thread>
+#include <vector>
 
 namespace ferry::net {
 
@@ -40,6 +42,57 @@ struct data_header {
 };
 
 class ucx_worker;
+
+// One UCP context, shared by the workers of a process side (a server's lanes, a client's lanes):
+// connection requests accepted on one worker may then be served by another.
+class ucx_context {
+ public:
+  ucx_context();
+  ~ucx_context();
+  ucx_context(const ucx_context&) = delete;
+  ucx_context& operator=(const ucx_context&) = delete;
+  ucp_context_h handle() const { return ctx_; }
+  // Whether this UCX build registers CUDA memory itself (then GPU buffers need no host staging).
+  bool cuda_memory() const { return cuda_memory_; }
+
+ private:
+  ucp_context_h ctx_ = nullptr;
+  bool cuda_memory_ = false;
+};
+
+// Memory UCX allocated and registered for remote access (ucp_mem_map with ALLOCATE): on shared-memory
+// transports a peer on the same host can map it (rkey_ptr) and write into it directly.
+class ucx_region {
+ public:
+  ucx_region(std::shared_ptr<ucx_context> ctx, std::size_t bytes);
+  ~ucx_region();
+  ucx_region(const ucx_region&) = delete;
+  ucx_region& operator=(const ucx_region&) = delete;
+  std::byte* data() const { return base_; }
+  std::size_t size() const { return size_; }
+  const std::vector<std::byte>& rkey() const { return rkey_; }  // packed remote key
+
+ private:
+  std::shared_ptr<ucx_context> ctx_;
+  ucp_mem_h mem_ = nullptr;
+  std::byte* base_ = nullptr;
+  std::size_t size_ = 0;
+  std::vector<std::byte> rkey_;
+};
+
+// A peer's region mapped into this process (shared memory, ucp_rkey_ptr): [base, base+len) here is
+// [addr, addr+len) there. The mapping goes when the last holder drops it (the rkey is released on
+// the worker's thread), so work still writing into it keeps it alive.
+struct remote_mapping {
+  ucx_worker* w = nullptr;
+  ucp_rkey_h rkey = nullptr;
+  std::byte* base = nullptr;
+  std::uint64_t addr = 0, len = 0;
+  remote_mapping() = default;
+  remote_mapping(const remote_mapping&) = delete;
+  remote_mapping& operator=(const remote_mapping&) = delete;
+  ~remote_mapping();
+};
 
 // One endpoint (connection). Owned through shared_ptr; UCX calls on it run on the progress thread.
 class connection : public std::enable_shared_from_this<connection> {
@@ -62,6 +115,12 @@ class connection : public std::enable_shared_from_this<connection> {
   std::string transports();
   // Closes the endpoint (flush); idempotent.
   void close();
+  // Maps a peer's region [addr, addr+len) described by its packed rkey into this process, when the
+  // transport allows it (shared memory on the same host): returns the local address, or nullptr
+  // (then data has to move by messages). Progress thread only. The mapping lives as long as the
+  // connection.
+  std::shared_ptr<remote_mapping> map_remote(std::uint64_t addr, std::uint64_t len, std::span<const std::byte> rkey);
+  ucx_worker& worker() const { return w_; }
 
   ucp_ep_h ep = nullptr;  // progress thread only
   void* user = nullptr;   // owner's per-connection state (server session, client)
@@ -84,7 +143,8 @@ class ucx_worker {
   using data_done = std::function<void(connection&, std::uint64_t rid, std::uint64_t off, std::size_t len, ucs_status_t)>;
   using reply_handler = std::function<void(connection&, message, const std::byte* data, std::size_t len)>;
 
-  explicit ucx_worker(std::string name, std::chrono::nanoseconds spin = std::chrono::microseconds(50));
+  explicit ucx_worker(std::string name, std::chrono::nanoseconds spin = std::chrono::microseconds(50),
+                      std::shared_ptr<ucx_context> ctx = nullptr);
   ~ucx_worker();
   ucx_worker(const ucx_worker&) = delete;
   ucx_worker& operator=(const ucx_worker&) = delete;
@@ -97,6 +157,10 @@ class ucx_worker {
   }
   // Runs f on the progress thread (asynchronously).
   void post(std::function<void()> f);
+  // Runs f at once when this thread may use the worker (it is the progress thread, or the worker is
+  // free) and nothing posted is waiting (so order is kept); otherwise posts it. This is what keeps a
+  // small request free of thread hand-offs.
+  void run_or_post(std::function<void()> f);
   // Runs f on the progress thread and waits for it, at most until `until` (then timeout).
   template <typename F>
   auto call(F f, std::chrono::steady_clock::time_point until) -> decltype(f()) {
@@ -125,15 +189,18 @@ class ucx_worker {
   // worker was busy. Callbacks run on the calling thread.
   bool try_progress();
 
-  // Listens on host:port (port 0: any); returns the port. New connections get `accepted`.
-  std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted);
+  // Listens on host:port (port 0: any); returns the port. New connections get `accepted` (on the
+  // thread of the worker that serves them). `place`, if given, picks that worker for each new
+  // connection (workers of the same context), which spreads connections over progress threads.
+  std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted,
+                       std::function<ucx_worker*()> place = nullptr);
   // Connects to host:port; the endpoint is usable once this returns.
   std::shared_ptr<connection> connect(const std::string& host, std::uint16_t port, std::chrono::steady_clock::time_point until);
 
   ucp_worker_h handle() const { return worker_; }
   const std::string& name() const { return name_; }
-  // Whether this UCX build registers CUDA memory itself (then GPU buffers need no host staging).
-  bool cuda_memory() const { return cuda_memory_; }
+  const std::shared_ptr<ucx_context>& context() const { return ctx_; }
+  bool cuda_memory() const { return ctx_->cuda_memory(); }
   std::uint64_t wakeups() const { return wakeups_.load(); }
 
  private:
@@ -147,11 +214,14 @@ class ucx_worker {
   static void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
   void loop();
   bool drain_posted();
+  void accept(ucp_conn_request_h req, std::string peer, std::function<void(std::shared_ptr<connection>)> accepted);
+  void lock_owner() { owner_.store(std::this_thread::get_id(), std::memory_order_relaxed); }
+  void unlock_owner() { owner_.store(std::thread::id(), std::memory_order_relaxed); }
   connection* find(ucp_ep_h ep);
   std::shared_ptr<connection> adopt(ucp_ep_h ep, std::shared_ptr<connection> c);
 
   std::string name_;
-  ucp_context_h ctx_ = nullptr;
+  std::shared_ptr<ucx_context> ctx_;
   ucp_worker_h worker_ = nullptr;
   ucp_listener_h listener_ = nullptr;
   int efd_ = -1, wake_ = -1, epoll_ = -1;
@@ -160,14 +230,16 @@ class ucx_worker {
   std::deque<std::function<void()>> posted_;
   std::atomic<std::size_t> nposted_{0};
   std::mutex ucx_mu_;  // held by whichever thread is inside UCX (serialized worker)
+  std::atomic<std::thread::id> owner_{};  // that thread
+  std::atomic<bool> sleeping_{false};     // the progress thread is (about to be) in epoll: post() must wake it
   std::chrono::nanoseconds spin_;
-  bool cuda_memory_ = false;
   std::atomic<std::uint64_t> wakeups_{0};
   frame_handler frame_;
   reply_handler reply_;
   data_sink sink_;
   data_done data_done_;
   std::function<void(std::shared_ptr<connection>)> accepted_;
+  std::function<ucx_worker*()> place_;
   std::vector<std::shared_ptr<connection>> conns_;  // progress thread
   std::thread thread_;
 };

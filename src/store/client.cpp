@@ -32,15 +32,25 @@ namespace {
 }  // namespace
 
 struct client::impl {
+  // One connection to the server with its own UCX worker (progress thread) and credits.
+  struct lane {
+    int index = 0;
+    std::unique_ptr<ucx_worker> w;
+    std::shared_ptr<connection> c;                // mu
+    std::uint32_t credits = 1, inflight = 0;      // mu
+    bool mapped = false;                          // the server mapped our landing region (mu)
+  };
   // One wire request.
   struct piece {
     std::uint64_t rid = 0;
+    lane* ln = nullptr;
     connection* conn = nullptr;
-    bool write = false;
-    std::byte* land = nullptr;       // where read data lands (the destination or a staging buffer)
+    bool write = false, direct = false;
+    std::byte* land = nullptr;       // where read data lands (the destination, a staging buffer or a landing slot)
     std::uint64_t len = 0;
     std::byte* final_dst = nullptr;  // staged reads: copied here by the stager
     pinned_pool::buffer slot;
+    int land_slot = -1;              // slot of the landing region, while the server may use it
     std::uint64_t received = 0, expect = 0;
     bool replied = false, settled = false, credit = false;
     std::optional<message> reply;
@@ -65,11 +75,11 @@ struct client::impl {
   std::map<std::uint64_t, std::shared_ptr<piece>> pend;  // by request id, until settled
   std::map<ticket, op> ops;
   ticket next_ticket = 1;
-  std::uint32_t credits = 1, inflight = 0;
   welcome hello_reply;
-  std::atomic<std::uint64_t> n_requests{0}, n_pieces{0}, n_read{0}, n_written{0}, n_staged{0}, n_reconnects{0};
+  bool connected_once = false;
+  std::atomic<std::uint64_t> n_requests{0}, n_pieces{0}, n_read{0}, n_written{0}, n_staged{0}, n_reconnects{0}, n_direct{0};
 
-  // Staging for GPU/sim memory and the thread that moves staged pieces on.
+  // Staging for GPU/sim memory, and the thread that moves staged and landed pieces on.
   std::unique_ptr<pinned_pool> staging;
   std::mutex stage_mu;
   std::condition_variable stage_cv;
@@ -77,38 +87,80 @@ struct client::impl {
   bool stage_stop = false;
   std::thread stager;
 
-  ucx_worker w;  // last: its progress thread (and callbacks) stop before the rest goes
-  std::shared_ptr<connection> c;
+  // The landing region lent to the server (shared memory, mapped by a same-host server): slots of
+  // `piece` bytes; a slot whose request was abandoned stays out of use (the server may still write).
+  std::shared_ptr<ucx_context> ctx;
+  std::unique_ptr<ucx_region> landing;
+  registration landing_pin;  // for DMA from/to GPU memory (taken on first use)
+  bool landing_pinned = false;
+  std::mutex land_mu;
+  std::condition_variable land_cv;
+  std::vector<int> land_free;
+  std::atomic<std::uint64_t> quarantined{0};
+
+  std::vector<std::unique_ptr<lane>> lanes;  // last: their progress threads (and callbacks) stop first
 
   impl(const std::string& h, std::uint16_t p, client_options opt)
-      : o(std::move(opt)), host(h), port(p), peer(fmt::format("{}:{}", h, p)), w("ferry-client", o.spin) {
+      : o(std::move(opt)), host(h), port(p), peer(fmt::format("{}:{}", h, p)) {
     expects(o.piece >= 4096 && o.piece <= max_data, "store.client", peer,
             fmt::format("piece size {} must be between 4KiB and {}", o.piece, max_data));
-    w.on_frame([this](connection& cn, message m) { on_frame(cn, std::move(m)); });
-    w.on_reply([this](connection& cn, message m, const std::byte* d, std::size_t n) { on_inline(cn, std::move(m), d, n); });
-    w.on_data(
-        [this](connection&, std::uint64_t rid, std::uint64_t off, std::size_t n) -> void* {
-          std::lock_guard l(mu);
-          auto it = pend.find(rid);
-          if (it == pend.end() || !it->second->land || it->second->write || off > it->second->len ||
-              n > it->second->len - off)
-            return nullptr;
-          return it->second->land + off;
-        },
-        [this](connection&, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
-          std::lock_guard l(mu);
-          auto it = pend.find(rid);
-          if (it == pend.end()) return;
-          auto pp = it->second;
-          if (s != UCS_OK && !pp->err)
-            pp->err = error(errc::network_error, "store.read", peer, std::string("data receive failed: ") + ucs_status_string(s));
-          pp->received += n;
-          maybe_settle(pp);
-        });
-    connect(clk::now() + o.timeout);
+    expects(o.lanes >= 1 && o.lanes <= 64, "store.client", peer, fmt::format("lanes {} must be between 1 and 64", o.lanes));
+    ctx = std::make_shared<ucx_context>();
+    for (int i = 0; i < o.lanes; ++i) {
+      auto ln = std::make_unique<lane>();
+      ln->index = i;
+      ln->w = std::make_unique<ucx_worker>(fmt::format("ferry-client-{}", i), o.spin, ctx);
+      auto& w = *ln->w;
+      w.on_frame([this](connection& cn, message m) { on_frame(cn, std::move(m)); });
+      w.on_reply([this](connection& cn, message m, const std::byte* d, std::size_t n) { on_inline(cn, std::move(m), d, n); });
+      w.on_data(
+          [this](connection&, std::uint64_t rid, std::uint64_t off, std::size_t n) -> void* {
+            std::lock_guard l(mu);
+            auto it = pend.find(rid);
+            if (it == pend.end() || !it->second->land || it->second->write || it->second->direct || off > it->second->len ||
+                n > it->second->len - off)
+              return nullptr;
+            return it->second->land + off;
+          },
+          [this](connection&, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
+            std::lock_guard l(mu);
+            auto it = pend.find(rid);
+            if (it == pend.end()) return;
+            auto pp = it->second;
+            if (s != UCS_OK && !pp->err)
+              pp->err = error(errc::network_error, "store.read", peer, std::string("data receive failed: ") + ucs_status_string(s));
+            pp->received += n;
+            maybe_settle(pp);
+          });
+      lanes.push_back(std::move(ln));
+    }
+    stager = std::thread([this] { stage_loop(); });
+    if (o.map) {
+      int count = static_cast<int>(std::max<std::uint64_t>(2, o.staging / o.piece));
+      try {
+        landing = std::make_unique<ucx_region>(ctx, static_cast<std::size_t>(count) * o.piece);
+        for (int i = count - 1; i >= 0; --i) land_free.push_back(i);
+      } catch (const error& e) {
+        log::info("store", "{}: no landing region ({}); data moves by messages", peer, e.what());
+      }
+    }
+    try {
+      ensure_connected(clk::now() + o.timeout);
+    } catch (...) {
+      shutdown();
+      throw;
+    }
   }
-  ~impl() {
-    if (c) c->close();
+  ~impl() { shutdown(); }
+  void shutdown() {
+    for (auto& ln : lanes) {
+      std::shared_ptr<connection> cn;
+      {
+        std::lock_guard l(mu);
+        cn = ln->c;
+      }
+      if (cn) cn->close();
+    }
     {
       std::lock_guard l(stage_mu);
       stage_stop = true;
@@ -117,7 +169,36 @@ struct client::impl {
     if (stager.joinable()) stager.join();
   }
 
-  // ---- progress thread ----
+  // ---- landing slots ----
+  int get_land_slot(clk::time_point until) {
+    std::unique_lock l(land_mu);
+    if (!land_cv.wait_until(l, until, [&] { return !land_free.empty(); }))
+      fail(errc::timeout, "store.request", peer, "no free landing slot before the deadline");
+    int s = land_free.back();
+    land_free.pop_back();
+    return s;
+  }
+  // Gives a piece's landing slot back, or keeps it out of use when the server may still write into it.
+  void release_land(piece& p) {
+    if (p.land_slot < 0) return;
+    if (p.replied) {
+      std::lock_guard l(land_mu);
+      land_free.push_back(p.land_slot);
+      land_cv.notify_one();
+    } else {
+      quarantined++;
+    }
+    p.land_slot = -1;
+  }
+  bool direct_available() {
+    if (!landing) return false;
+    std::lock_guard l(mu);
+    for (auto& ln : lanes)
+      if (!ln->mapped) return false;
+    return true;
+  }
+
+  // ---- progress threads ----
   // A piece is finished when its reply came and all its data arrived, or when it failed. Called with mu held.
   void maybe_settle(const std::shared_ptr<piece>& pp) {
     piece& p = *pp;
@@ -130,7 +211,7 @@ struct client::impl {
     pend.erase(p.rid);
     if (p.credit) {
       p.credit = false;
-      inflight--;
+      p.ln->inflight--;
     }
     if (!p.err && !p.write && p.final_dst && p.received) {
       std::lock_guard l(stage_mu);
@@ -139,6 +220,7 @@ struct client::impl {
       return;
     }
     p.slot.reset();
+    release_land(p);
     p.done.store(true, std::memory_order_release);
     cv.notify_all();
   }
@@ -150,11 +232,12 @@ struct client::impl {
     auto pp = it->second;
     auto& p = *pp;
     if (auto* cp = std::get_if<complete>(&m.b)) {
-      p.expect = cp->bytes;
+      if (p.land) p.expect = cp->bytes;  // data still to come by messages (a lend's answer carries none)
       if (cp->status != 0 && !p.err)
         p.err = error(errc::io_error, p.write ? "store.write" : "store.read", peer, fmt::format("server reported status {}", cp->status));
-      if (!p.err && cp->bytes > p.len)
+      if (!p.err && cp->bytes > p.len && p.len)
         p.err = error(errc::protocol_error, "store.request", peer, fmt::format("the server claims {} bytes for a {}-byte request", cp->bytes, p.len));
+      if (p.direct && !p.write && !p.err) p.received = cp->bytes;  // already in the landing slot
     }
     p.replied = true;
     p.reply = std::move(m);
@@ -167,7 +250,7 @@ struct client::impl {
     auto pp = it->second;
     auto& p = *pp;
     auto* cp = std::get_if<complete>(&m.b);
-    if (!cp || p.write || cp->bytes != n || n > p.len || (n && !p.land)) {
+    if (!cp || p.write || p.direct || cp->bytes != n || n > p.len || (n && !p.land)) {
       if (!p.err) p.err = error(errc::protocol_error, "store.read", peer, "malformed inline reply");
     } else if (n) {
       std::memcpy(p.land, d, n);
@@ -190,7 +273,7 @@ struct client::impl {
     cv.notify_all();
   }
 
-  // ---- stager: staged read pieces -> their destination through the transfer engine ----
+  // ---- stager: staged and landed read pieces -> their destination through the transfer engine ----
   void stage_loop() {
     for (;;) {
       std::shared_ptr<piece> p;
@@ -203,7 +286,8 @@ struct client::impl {
       }
       std::optional<error> err;
       try {
-        o.engine->copy(p->final_dst, p->slot.data(), p->received);
+        if (o.engine) o.engine->copy(p->final_dst, p->land, p->received);
+        else std::memcpy(p->final_dst, p->land, p->received);
         n_staged += p->received;
       } catch (const error& e) {
         err = e;
@@ -211,28 +295,41 @@ struct client::impl {
       std::lock_guard l(mu);
       if (err) p->err = err;
       p->slot.reset();
+      release_land(*p);
       p->done.store(true, std::memory_order_release);
       cv.notify_all();
     }
   }
 
   // ---- caller threads ----
-  // Registers a piece and sends its frame. `until` bounds the wait for a credit.
-  std::shared_ptr<piece> send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until) {
+  // Registers a piece and sends its frame on `force` or the least loaded lane with a credit.
+  // `until` bounds the wait for a credit.
+  std::shared_ptr<piece> send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force = nullptr) {
     std::unique_lock l(mu);
+    lane* ln = force;
     if (needs_credit) {
-      if (!cv.wait_until(l, until, [&] { return inflight < credits; }))
-        fail(errc::timeout, "store.request", peer, fmt::format("no credit from the server before the deadline ({} requests outstanding)", inflight));
-      inflight++;
+      auto pick = [&]() -> lane* {
+        lane* best = nullptr;
+        for (auto& x : lanes)
+          if (x->c && x->c->alive() && x->inflight < x->credits && (!best || x->inflight < best->inflight)) best = x.get();
+        return best;
+      };
+      if (!cv.wait_until(l, until, [&] { return (ln = pick()) != nullptr; }))
+        fail(errc::timeout, "store.request", peer, "no credit from the server before the deadline (all lanes busy or down)");
+      ln->inflight++;
       p->credit = true;
     }
+    if (!ln) ln = lanes[0].get();
+    auto cn = ln->c;
+    p->ln = ln;
     p->rid = m.request_id = next_id++;
-    p->conn = c.get();
+    p->conn = cn.get();
     pend[p->rid] = p;
     n_pieces++;
     l.unlock();
     try {
-      c->send_frame(m);
+      if (!cn) fail(errc::network_error, "store.request", peer, "not connected");
+      cn->send_frame(m);
     } catch (const error& e) {
       std::lock_guard g(mu);
       if (!p->err) p->err = e;
@@ -240,21 +337,21 @@ struct client::impl {
     }
     return p;
   }
-  // Waits for one piece until `until`; on timeout closes the connection so that nothing lands later.
+  // Waits for one piece until `until`; on timeout closes its connection so that nothing lands later.
   void wait_piece(piece& p, clk::time_point until, std::string_view what) {
     // Drive the worker from this thread for a while: a small request then completes without any
     // thread hand-off (the progress thread takes over if this one gives up and sleeps).
     auto spin_end = clk::now() + o.spin;
-    while (!p.done.load(std::memory_order_acquire) && clk::now() < spin_end) w.try_progress();
+    while (!p.done.load(std::memory_order_acquire) && clk::now() < spin_end) p.ln->w->try_progress();
     std::unique_lock l(mu);
     if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
+    auto cn = p.ln->c;
     l.unlock();
     log::warn("store", "{}: {} timed out; closing the connection", peer, what);
-    auto cn = c;
     if (cn) {
       cn->close();
       try {
-        w.call([] {}, clk::now() + std::chrono::seconds(5));  // the close has run: no more data lands
+        p.ln->w->call([] {}, clk::now() + std::chrono::seconds(5));  // the close has run: no more data lands
       } catch (...) {
       }
     }
@@ -262,50 +359,71 @@ struct client::impl {
     cv.wait_until(l, clk::now() + std::chrono::seconds(5), [&] { return p.done.load(); });
     fail(errc::timeout, "store.request", peer, fmt::format("{}: no answer before the deadline", what));
   }
-  message request(message m, clk::time_point until, bool needs_credit = true) {
-    auto p = send(std::move(m), std::make_shared<piece>(), needs_credit, until);
+  message request(message m, clk::time_point until, bool needs_credit = true, lane* force = nullptr) {
+    auto p = send(std::move(m), std::make_shared<piece>(), needs_credit, until, force);
     wait_piece(*p, until, "request");
     if (p->err) throw *p->err;
     return *p->reply;
   }
 
   void ensure_connected(clk::time_point until) {
-    if (c && c->alive()) return;
-    n_reconnects++;
-    connect(until);
+    for (auto& ln : lanes) {
+      std::shared_ptr<connection> cn;
+      {
+        std::lock_guard l(mu);
+        cn = ln->c;
+      }
+      if (cn && cn->alive()) continue;
+      if (connected_once) n_reconnects++;
+      connect(*ln, until);
+    }
+    connected_once = true;
   }
-  // (Re)connects and completes the handshake before `until`.
-  void connect(clk::time_point until) {
-    if (c) c->close();
-    auto cn = w.connect(host, port, until);
+  // (Re)connects one lane and completes its handshake (and lends the landing region) before `until`.
+  void connect(lane& ln, clk::time_point until) {
+    {
+      std::lock_guard l(mu);
+      if (ln.c) ln.c->close();
+      ln.mapped = false;
+    }
+    auto cn = ln.w->connect(host, port, until);
     connection* raw = cn.get();
     cn->on_failure = [this, raw](const std::string& why) { conn_failed(raw, why); };
     {
       std::lock_guard l(mu);
-      c = cn;
+      ln.c = cn;
     }
     message r;
     auto nonce = detail::random_nonce();
     try {
-      r = request({0, 0, hello{1, 1, 64, nonce}}, until, false);
+      r = request({0, 0, hello{1, 1, 64, nonce}}, until, false, &ln);
     } catch (const error& e) {
       throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});
     }
     if (auto* ch = std::get_if<challenge>(&r.b)) {
       if (o.secret.empty())
         fail(errc::permission_denied, "store.connect", peer, "the server requires a shared secret (FERRY_SECRET_FILE)");
-      r = request({0, 0, auth{detail::proof(o.secret, ch->nonce, nonce)}}, until, false);
+      r = request({0, 0, auth{detail::proof(o.secret, ch->nonce, nonce)}}, until, false, &ln);
       if (auto* e = std::get_if<error_reply>(&r.b))
         fail(errc::permission_denied, "store.connect", peer, "authentication refused: " + e->message);
     }
     if (auto* e = std::get_if<error_reply>(&r.b)) fail(errc::network_error, "store.connect", peer, "refused: " + e->message);
     if (!std::holds_alternative<welcome>(r.b)) fail(errc::protocol_error, "store.connect", peer, "unexpected answer to the handshake");
+    bool mapped = false;
+    if (landing) {
+      auto& rk = landing->rkey();
+      std::vector<std::uint8_t> key(reinterpret_cast<const std::uint8_t*>(rk.data()), reinterpret_cast<const std::uint8_t*>(rk.data()) + rk.size());
+      message lr = request({0, 0, lend{reinterpret_cast<std::uint64_t>(landing->data()), landing->size(), std::move(key)}}, until, false, &ln);
+      auto* cp = std::get_if<complete>(&lr.b);
+      mapped = cp && cp->status == 0 && cp->bytes == 1;
+    }
     std::lock_guard l(mu);
     hello_reply = std::get<welcome>(r.b);
-    credits = std::max<std::uint32_t>(1, hello_reply.credits);
-    inflight = 0;
+    ln.credits = std::max<std::uint32_t>(1, hello_reply.credits);
+    ln.mapped = mapped;
+    ln.inflight = 0;
     for (auto& [id, p] : pend)
-      if (p->credit && p->conn == raw) inflight++;
+      if (p->credit && p->conn == raw) ln.inflight++;
     cv.notify_all();
   }
 
@@ -316,15 +434,25 @@ struct client::impl {
     if (r.type == memory_type::unknown)
       fail(errc::bad_address, what, fmt::format("{}+{}", p, n), "not memory ferry knows (freed, or never mapped?)");
     if (r.type != memory_type::device) return false;
-    if (w.cuda_memory() && r.owner.starts_with("cuda")) return false;  // UCX registers it itself
+    if (lanes[0]->w->cuda_memory() && r.owner.starts_with("cuda")) return false;  // UCX registers it itself
     if (!o.engine) fail(errc::invalid_argument, what, r.owner, "device memory needs a transfer engine for staging (client_options::engine)");
     std::lock_guard l(stage_mu);
     if (!staging) {
       int count = static_cast<int>(std::max<std::uint64_t>(2, o.staging / o.piece));
       staging = std::make_unique<pinned_pool>(*o.cache, o.piece, count, -1);
-      stager = std::thread([this] { stage_loop(); });
     }
     return true;
+  }
+  // The landing region pinned for DMA (GPU copies from/to it); once, on first staged use.
+  void pin_landing() {
+    std::lock_guard l(stage_mu);
+    if (landing_pinned || !o.cache) return;
+    landing_pinned = true;
+    try {
+      landing_pin = o.cache->acquire(landing->data(), landing->size());
+    } catch (const error& e) {
+      log::warn("store", "{}: cannot pin the landing region ({}); GPU copies from it are slower", peer, e.what());
+    }
   }
 
   ticket start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
@@ -336,6 +464,10 @@ struct client::impl {
     ensure_connected(until);
     if (write && !hello_reply.writable)
       fail(errc::permission_denied, opname, fmt::format("{} {}", peer, printable(path)), "the server is read-only");
+    // Through the landing region when the server maps it: GPU/sim memory always, host memory above
+    // the inline size (a small read is one message either way).
+    bool direct = direct_available() && (staged || length > (16u << 10));
+    if (direct && staged) pin_landing();
     n_requests++;
     op o2{path, write, offset, length, until, {}};
     try {
@@ -345,23 +477,44 @@ struct client::impl {
         auto p = std::make_shared<piece>();
         p->write = write;
         p->len = n;
-        if (staged) {
-          p->slot = staging->get(until);
-          if (write) o.engine->copy(p->slot.data(), mem + off, n);
-          else p->final_dst = mem + off;
-          p->land = p->slot.data();
+        message m;
+        if (direct && n) {
+          p->direct = true;
+          p->land_slot = get_land_slot(until);
+          p->land = landing->data() + static_cast<std::size_t>(p->land_slot) * o.piece;
+          if (write) {
+            if (o.engine) o.engine->copy(p->land, mem + off, n);
+            else std::memcpy(p->land, mem + off, n);
+          } else {
+            p->final_dst = mem + off;
+          }
+          auto addr = reinterpret_cast<std::uint64_t>(p->land);
+          m = {0, 0, write ? body{write_from{path, offset + off, n, addr}} : body{read_into{path, offset + off, n, addr}}};
+          n_direct++;
         } else {
-          p->land = mem ? mem + off : nullptr;
+          if (staged) {
+            p->slot = staging->get(until);
+            if (write) o.engine->copy(p->slot.data(), mem + off, n);
+            else p->final_dst = mem + off;
+            p->land = p->slot.data();
+          } else {
+            p->land = mem ? mem + off : nullptr;
+          }
+          m = {0, 0, write ? body{write_req{path, offset + off, n}} : body{read_req{path, offset + off, n}}};
         }
-        message m{0, 0, write ? body{write_req{path, offset + off, n}} : body{read_req{path, offset + off, n}}};
         p = send(std::move(m), std::move(p), true, until);
         o2.pieces.push_back(p);
-        if (write && n) {
-          // Data follows the frame in messages of at most max_data (the server's limit).
-          for (std::uint64_t d = 0; d < n; d += max_data) {
+        if (write && n && !p->direct) {
+          // Data follows the frame, on the same connection, in messages of at most max_data (the server's limit).
+          std::shared_ptr<connection> cn;
+          {
+            std::lock_guard l(mu);
+            cn = p->ln->c;
+          }
+          for (std::uint64_t d = 0; cn && d < n; d += max_data) {
             std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(max_data, n - d));
             auto pp = p;
-            c->send_data(p->rid, d, p->land + d, k, [this, pp](ucs_status_t s) {
+            cn->send_data(p->rid, d, p->land + d, k, [this, pp](ucs_status_t s) {
               if (s == UCS_OK) return;
               std::lock_guard l(mu);
               if (!pp->err) pp->err = error(errc::network_error, "store.write", peer, std::string("data send failed: ") + ucs_status_string(s));
@@ -498,12 +651,18 @@ std::vector<list_entry> client::list(const std::string& path, std::chrono::nanos
 
 client_stats client::stats() const {
   auto& i = *impl_;
+  std::uint64_t wakeups = 0;
+  for (auto& ln : i.lanes) wakeups += ln->w->wakeups();
+  bool direct = i.direct_available();
   client_stats s{i.n_requests.load(), i.n_pieces.load(), i.n_read.load(), i.n_written.load(), i.n_staged.load(),
-                 i.n_reconnects.load(), i.w.wakeups(), i.w.cuda_memory(), "", "active messages (rendezvous above the eager limit)"};
+                 i.n_reconnects.load(), wakeups, i.lanes[0]->w->cuda_memory(), "",
+                 direct ? "mapped landing region (server reads/writes it in place; shared memory)"
+                        : "active messages (rendezvous above the eager limit)",
+                 static_cast<int>(i.lanes.size()), i.n_direct.load(), i.quarantined.load()};
   std::shared_ptr<connection> cn;
   {
     std::lock_guard l(i.mu);
-    cn = i.c;
+    cn = i.lanes[0]->c;
   }
   try {
     s.transports = cn && cn->alive() ? cn->transports() : "not connected";
@@ -531,6 +690,8 @@ client_options client_options_from(const settings& s, registration_cache* cache,
   o.piece = s.net_piece;
   o.staging = s.net_staging;
   o.spin = s.net_spin;
+  o.lanes = s.net_lanes;
+  o.map = s.net_map;
   return o;
 }
 

@@ -1,6 +1,8 @@
-// The storage server: one UCX worker (progress thread) for the protocol, a few I/O threads for file
-// work. Small reads are served inline on the progress thread (one reply message); larger reads and
-// all writes go to the I/O threads. Every per-connection resource lives in the session, which goes
+// The storage server: a few UCX workers (progress threads) for the protocol — connections are spread
+// over them, so several clients' (or one client's lanes') messages are handled in parallel — and a
+// few I/O threads for file work. Small reads are served inline on the progress thread (one reply
+// message); larger reads and all writes go to the I/O threads. A same-host client may lend a shared
+// memory region (UCX rkey_ptr): reads and writes into it are then one pread/pwrite, no data message. Every per-connection resource lives in the session, which goes
 // when the connection does; buffers UCX may still write into are owned by the in-flight table until
 // UCX reports the receive finished (or failed).
 #include <ferry/store/root.hpp>
@@ -120,7 +122,7 @@ struct server::impl {
   root_dir root;
   fd_cache files;
   std::atomic<std::uint64_t> connections{0}, requests{0}, reads{0}, writes{0}, bytes_sent{0}, bytes_received{0},
-      errors{0}, inline_replies{0}, write_buffered{0};
+      errors{0}, inline_replies{0}, write_buffered{0}, direct_reads{0}, direct_writes{0}, mapped_sessions{0};
 
   struct write_state {
     std::shared_ptr<open_file> f;
@@ -132,13 +134,20 @@ struct server::impl {
     std::atomic<int> outstanding{0};
     bool welcomed = false;
     std::vector<std::uint8_t> client_nonce, server_nonce;  // pending challenge
-    std::map<std::uint64_t, std::shared_ptr<write_state>> writes;  // progress thread only
+    std::map<std::uint64_t, std::shared_ptr<write_state>> writes;  // its worker's thread only
+    std::shared_ptr<remote_mapping> lent;  // the client's region, mapped here (its worker's thread; jobs hold copies)
+    std::atomic<bool> counted_mapped{false};
+    server::impl* owner = nullptr;
+    ~session() {
+      if (counted_mapped) owner->mapped_sessions--;
+    }
   };
   std::mutex sess_mu;
   std::map<connection*, std::shared_ptr<session>> sessions;
-  // Write data buffers UCX is receiving into, by (connection, request, offset): progress thread
-  // only; declared before the worker so that they outlive it.
+  // Write data buffers UCX is receiving into, by (connection, request, offset); declared before the
+  // workers so that they outlive them.
   buffer_pool write_buffers;  // before `receiving`: its buffers return here
+  std::mutex recv_mu;
   std::map<std::tuple<connection*, std::uint64_t, std::uint64_t>, std::shared_ptr<std::byte[]>> receiving;
 
   std::mutex mu;
@@ -146,26 +155,34 @@ struct server::impl {
   std::deque<std::function<void()>> jobs;
   bool stopping = false;
   std::vector<std::thread> threads;
-  ucx_worker w;
+  std::vector<std::unique_ptr<ucx_worker>> workers;  // last: stopped first
+  std::atomic<std::size_t> next_worker{0};
   std::uint16_t port = 0;
 
-  explicit impl(server_options opt)
-      : o(std::move(opt)), root(o.root), files(root, o.fd_cache_ttl), w("ferry-serve", o.spin) {
+  explicit impl(server_options opt) : o(std::move(opt)), root(o.root), files(root, o.fd_cache_ttl) {
     if (o.writable && o.secret.empty() && !o.insecure)
       fail(errc::permission_denied, "store.serve", o.root,
            "refusing to serve writable without a shared secret (give a secret file, or --insecure to let anyone write)");
-    expects(o.chunk > 0 && o.max_outstanding > 0 && o.threads > 0, "store.serve", o.root, "chunk, credits and threads must be positive");
-    w.on_frame([this](connection& c, message m) { on_frame(c, std::move(m)); });
-    w.on_data([this](connection& c, std::uint64_t rid, std::uint64_t off, std::size_t n) { return data_sink(c, rid, off, n); },
-              [this](connection& c, std::uint64_t rid, std::uint64_t off, std::size_t n, ucs_status_t st) {
-                data_done(c, rid, off, n, st);
-              });
+    expects(o.chunk > 0 && o.max_outstanding > 0 && o.threads > 0 && o.workers > 0, "store.serve", o.root,
+            "chunk, credits, threads and workers must be positive");
+    auto ctx = std::make_shared<ucx_context>();
+    for (int i = 0; i < o.workers; ++i) {
+      auto& w = *workers.emplace_back(std::make_unique<ucx_worker>(fmt::format("ferry-serve-{}", i), o.spin, ctx));
+      w.on_frame([this](connection& c, message m) { on_frame(c, std::move(m)); });
+      w.on_data([this](connection& c, std::uint64_t rid, std::uint64_t off, std::size_t n) { return data_sink(c, rid, off, n); },
+                [this](connection& c, std::uint64_t rid, std::uint64_t off, std::size_t n, ucs_status_t st) {
+                  data_done(c, rid, off, n, st);
+                });
+    }
     for (int i = 0; i < o.threads; ++i) threads.emplace_back([this] { work(); });
-    port = w.listen(o.host, o.port, [this](std::shared_ptr<connection> c) {
+    auto place = [this]() -> ucx_worker* { return workers[next_worker++ % workers.size()].get(); };
+    port = workers[0]->listen(o.host, o.port, [this](std::shared_ptr<connection> c) {
       connections++;
       {
         std::lock_guard l(sess_mu);
-        sessions[c.get()] = std::make_shared<session>();
+        auto s = std::make_shared<session>();
+        s->owner = this;
+        sessions[c.get()] = std::move(s);
       }
       // A client that dies or leaves: its session goes; running jobs hold their own reference.
       connection* raw = c.get();
@@ -178,8 +195,8 @@ struct server::impl {
         }
         log::info("store", "client {} gone: {}", raw->peer(), why);
       };
-      log::info("store", "client {} connected", c->peer());
-    });
+      log::info("store", "client {} connected on {}", c->peer(), c->worker().name());
+    }, place);
   }
   ~impl() {
     {
@@ -188,6 +205,14 @@ struct server::impl {
     }
     cv.notify_all();
     for (auto& t : threads) t.join();
+    // Sessions go while the workers still run: their mapped regions are released on those threads.
+    jobs.clear();
+    std::map<connection*, std::shared_ptr<session>> gone;
+    {
+      std::lock_guard l(sess_mu);
+      gone.swap(sessions);
+    }
+    gone.clear();
   }
   void work() {
     current_ring = std::make_shared<send_ring>();
@@ -267,8 +292,28 @@ struct server::impl {
                                 fmt::format("more than {} outstanding requests (credits exhausted)", o.max_outstanding)));
       return;
     }
+    if (auto* l = std::get_if<lend>(&m.b)) {
+      std::shared_ptr<remote_mapping> mapped;
+      if (o.map && l->length <= (1ull << 40))
+        mapped = c.map_remote(l->addr, l->length, std::as_bytes(std::span(l->rkey.data(), l->rkey.size())));
+      s->lent = mapped;
+      if (mapped && !s->counted_mapped.exchange(true)) mapped_sessions++;
+      log::info("store", "client {} lent {} bytes: {}", c.peer(), l->length,
+                mapped ? "mapped (reads and writes go straight through it)" : "not mappable here (data moves by messages)");
+      c.send_frame({rid, 0, complete{0, mapped ? 1u : 0u}});
+      return;
+    }
     requests++;
     try {
+      if (auto* r = std::get_if<read_into>(&m.b)) {
+        reads++;
+        return direct(c, s, rid, r->path, r->offset, r->length, r->addr, false);
+      }
+      if (auto* r = std::get_if<write_from>(&m.b)) {
+        writes++;
+        if (!o.writable) fail(errc::permission_denied, "store.write", r->path, "this server is read-only (started without --writable)");
+        return direct(c, s, rid, r->path, r->offset, r->length, r->addr, true);
+      }
       if (auto* r = std::get_if<read_req>(&m.b)) {
         reads++;
         if (r->length > o.max_request)
@@ -294,6 +339,54 @@ struct server::impl {
       }
       s->outstanding--;
     });
+  }
+
+  // A read into / write from the client's lent region: one pread/pwrite on an I/O thread, then the
+  // completion. The job holds the mapping, so a client that leaves meanwhile cannot make it vanish.
+  void direct(connection& c, const std::shared_ptr<session>& s, std::uint64_t rid, const std::string& path,
+              std::uint64_t offset, std::uint64_t length, std::uint64_t addr, bool write) {
+    const char* op = write ? "store.write" : "store.read";
+    if (length > o.max_request)
+      fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
+    auto m = s->lent;
+    if (!m) fail(errc::protocol_error, op, c.peer(), "direct request without a mapped region (lend first)");
+    if (addr < m->addr || length > m->len || addr - m->addr > m->len - length)
+      fail(errc::out_of_range, op, c.peer(),
+           fmt::format("[{:#x}, +{}) is outside the lent region [{:#x}, +{})", addr, length, m->addr, m->len));
+    s->outstanding++;
+    auto self = c.shared_from_this();
+    queue([this, self, s, m, rid, path, offset, length, addr, write] {
+      try {
+        std::byte* p = m->base + (addr - m->addr);
+        std::uint64_t done;
+        if (write) {
+          auto f = files.get(path, true);
+          done = pwrite_all(*f, path, p, length, offset);
+          bytes_received += done;
+          direct_writes++;
+        } else {
+          auto f = files.get(path, false);
+          done = pread_all(*f, path, p, length, offset);
+          bytes_sent += done;
+          direct_reads++;
+        }
+        self->send_frame({rid, 0, complete{0, done}});
+      } catch (const error& e) {
+        reply_error(*self, rid, e);
+      }
+      s->outstanding--;
+    });
+  }
+
+  std::uint64_t pwrite_all(open_file& f, const std::string& path, const std::byte* src, std::uint64_t n, std::uint64_t at) {
+    std::uint64_t done = 0;
+    while (done < n) {
+      ssize_t r = ::pwrite(f.fd, src + done, n - done, static_cast<off_t>(at + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) fail_errno(r < 0 ? errno : EIO, "store.write", fmt::format("{} offset {}", path, at + done));
+      done += static_cast<std::uint64_t>(r);
+    }
+    return done;
   }
 
   std::uint64_t pread_all(open_file& f, const std::string& path, std::byte* dst, std::uint64_t n, std::uint64_t at) {
@@ -363,14 +456,19 @@ struct server::impl {
       return nullptr;
     }
     ws.announced += n;
-    auto& buf = receiving[{&c, rid, off}];
-    buf = write_buffers.get();
+    auto buf = write_buffers.get();
+    std::lock_guard l(recv_mu);
+    receiving[{&c, rid, off}] = buf;
     return buf.get();
   }
   void data_done(connection& c, std::uint64_t rid, std::uint64_t off, std::size_t n, ucs_status_t st) {
-    auto node = receiving.extract({&c, rid, off});
-    if (node.empty()) return;
-    std::shared_ptr<std::byte[]> buf = std::move(node.mapped());
+    std::shared_ptr<std::byte[]> buf;
+    {
+      std::lock_guard l(recv_mu);
+      auto node = receiving.extract({&c, rid, off});
+      if (node.empty()) return;
+      buf = std::move(node.mapped());
+    }
     auto s = session_of(c);
     std::shared_ptr<write_state> ws;
     if (s) {
@@ -387,19 +485,13 @@ struct server::impl {
     queue([this, self, s, ws, rid, off, n, buf] {
       std::optional<error> err;
       try {
-        std::uint64_t done = 0;
-        while (done < n) {
-          ssize_t r = ::pwrite(ws->f->fd, buf.get() + done, n - done, static_cast<off_t>(ws->offset + off + done));
-          if (r < 0 && errno == EINTR) continue;
-          if (r <= 0) fail_errno(r < 0 ? errno : EIO, "store.write", fmt::format("{} offset {}", ws->path, ws->offset + off + done));
-          done += static_cast<std::uint64_t>(r);
-        }
+        pwrite_all(*ws->f, ws->path, buf.get(), n, ws->offset + off);
       } catch (const error& e) {
         err = e;
       }
       write_buffered -= n;
-      // Completion bookkeeping belongs to the progress thread (it owns the write table).
-      w.post([this, self, s, ws, rid, n, err] {
+      // Completion bookkeeping belongs to the connection's progress thread (it owns the write table).
+      self->worker().post([this, self, s, ws, rid, n, err] {
         auto it = s->writes.find(rid);
         if (it == s->writes.end() || it->second != ws) return;
         if (err) return fail_write(*self, *s, rid, *err);
@@ -528,7 +620,8 @@ server_stats server::stats() const {
   std::lock_guard l(i.sess_mu);
   return {i.connections.load(), i.requests.load(),       i.reads.load(),          i.writes.load(),
           i.bytes_sent.load(),  i.bytes_received.load(), i.errors.load(),         i.inline_replies.load(),
-          i.sessions.size(),    i.write_buffered.load()};
+          i.sessions.size(),    i.write_buffered.load(),  i.direct_reads.load(),  i.direct_writes.load(),
+          i.mapped_sessions.load()};
 }
 
 }  // namespace ferry::store

@@ -29,6 +29,9 @@ std::vector<message> samples() {
       {10, 0, stat_reply{99, 0100644, 1700000000123456789}},
       {11, 0, list_reply{{{"a.bin", 0, 10}, {"sub", 1, 0}}}},
       {12, 0, error_reply{2, "no such file"}},
+      {13, 0, lend{0x7f0000000000, 256 << 20, std::vector<std::uint8_t>(40, 7)}},
+      {14, 0, read_into{"kv/block-7", 4096, 1 << 20, 0x7f0000100000}},
+      {15, 0, write_from{"kv/block-8", 0, 4096, 0x7f0000200000}},
   };
 }
 
@@ -44,6 +47,20 @@ TEST(Protocol, EveryMessageRoundTrips) {
   auto r = std::get<read_req>(decode(encode(samples()[4])).b);
   EXPECT_EQ(r.path, "data/shard-0001.bin");
   EXPECT_EQ(r.offset, 1ull << 33);
+}
+
+TEST(Protocol, LentRegionsAndDirectRequestsAreBoundsChecked) {
+  // An address range that wraps is refused by the decoder, before the server looks at it.
+  auto wrap = encode({1, 0, read_into{"f", 0, 4096, ~0ull - 100}});
+  EXPECT_THAT(test::error_text([&] { decode(wrap); }), HasSubstr("address + length overflows"));
+  auto region = encode({1, 0, lend{~0ull - 10, 100, {1, 2, 3}}});
+  EXPECT_THAT(test::error_text([&] { decode(region); }), HasSubstr("address + length overflows"));
+  // An rkey longer than the frame says is refused, not read past the end.
+  auto rk = encode({1, 0, lend{4096, 4096, {1, 2, 3}}});
+  rk[header_size + 16] = std::byte{200};
+  EXPECT_THAT(test::error_text([&] { decode(rk); }), HasSubstr("truncated rkey"));
+  EXPECT_THAT(test::error_text([&] { encode({1, 0, lend{0, 1, std::vector<std::uint8_t>(max_rkey + 1)}}); }),
+              HasSubstr("rkey"));
 }
 
 TEST(Protocol, MalformedFramesAreRefusedWithTheReason) {

@@ -121,4 +121,27 @@ TEST(StoreHostile, RequestsBeforeTheHandshakeOversizeAndOverCreditAreRefused) {
   EXPECT_EQ(good.stat("a.bin").size, 1u << 20);
 }
 
+TEST(StoreHostile, DirectRequestsNeedAMappedRegionAndStayInsideIt) {
+  exported e;
+  raw_client h(e.srv->port());
+  h.c->send_frame({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(32, 1)}});
+  ASSERT_TRUE(h.wait_for(1));
+  // A direct read without a lent region: refused, nothing written anywhere.
+  h.c->send_frame({2, 0, read_into{"a.bin", 0, 4096, 0x10000}});
+  ASSERT_TRUE(h.wait_for(2));
+  ASSERT_TRUE(std::holds_alternative<error_reply>(h.got[1].b));
+  EXPECT_THAT(std::get<error_reply>(h.got[1].b).message, HasSubstr("without a mapped region"));
+  // A region whose key is garbage (or that this server cannot map): answered "not mapped" (0).
+  h.c->send_frame({3, 0, lend{0x10000, 1 << 20, std::vector<std::uint8_t>(64, 0x5a)}});
+  ASSERT_TRUE(h.wait_for(3));
+  ASSERT_TRUE(std::holds_alternative<complete>(h.got[2].b));
+  EXPECT_EQ(std::get<complete>(h.got[2].b).bytes, 0u);
+  h.c->send_frame({4, 0, read_into{"a.bin", 0, 4096, 0x10000}});
+  ASSERT_TRUE(h.wait_for(4));
+  EXPECT_THAT(std::get<error_reply>(h.got[3].b).message, HasSubstr("without a mapped region"));
+  // The server is fine.
+  store::client good("127.0.0.1", e.srv->port());
+  EXPECT_EQ(good.stat("a.bin").size, 1u << 20);
+}
+
 }  // namespace

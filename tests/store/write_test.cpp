@@ -206,4 +206,60 @@ TEST(StoreWrite, SimDeviceMemoryIsStagedBothWays) {
               HasSubstr("not memory ferry knows"));
 }
 
+// Same host over shared memory: the client lends a landing region, the server maps it and reads
+// and writes files in place (no data message). Host and sim memory, random data, unaligned offsets,
+// fewer landing slots than pieces (recycled).
+TEST(StoreWrite, MappedLandingRegionOverSharedMemory) {
+  // UCX puts shared-memory lanes on client/server endpoints only with this (UCX 1.13).
+  ::setenv("UCX_MM_ERROR_HANDLING", "y", 1);
+  writable_server s;
+  settings cfg = settings::defaults();
+  cfg.backend = backend_choice::sim;
+  cfg.sim_capacity = 64ull << 20;
+  cfg.sim_granularity = 1ull << 20;
+  runtime rt(cfg);
+  auto o = s.opts();
+  o.cache = &rt.registrations();
+  o.engine = &rt.engine();
+  o.staging = 4 << 20;  // 4 slots of 1 MiB
+  store::client c("127.0.0.1", s.srv->port(), o);
+  auto st0 = c.stats();
+  ::unsetenv("UCX_MM_ERROR_HANDLING");
+  if (st0.data_path.find("mapped") == std::string::npos)
+    GTEST_SKIP() << "no shared-memory transport between client and server here (lanes " << st0.transports << ")";
+  auto data = random_bytes((9 << 20) + 77, 21);
+  {
+    std::ofstream f(s.root / "out" / "src.bin", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+  }
+  // Host memory, unaligned offset.
+  std::vector<unsigned char> host(data.size());
+  EXPECT_EQ(c.read("out/src.bin", 4097, host.data(), data.size() - 4097), data.size() - 4097);
+  EXPECT_EQ(std::memcmp(host.data(), data.data() + 4097, data.size() - 4097), 0);
+  // Sim device memory both ways.
+  device& dev = rt.devices().get("sim:0");
+  mapped_memory m = allocate_mapped(dev, 10 << 20);
+  EXPECT_EQ(c.read("out/src.bin", 0, m.data(), data.size()), data.size());
+  auto stream = dev.create_stream();
+  std::uint64_t sum = 0;
+  stream->checksum(m.data(), data.size(), &sum);
+  stream->synchronize();
+  EXPECT_EQ(sum, checksum64(data.data(), data.size())) << "sim memory holds the file";
+  c.write("out/back.bin", 0, m.data(), data.size());
+  EXPECT_EQ(slurp(s.root / "out" / "back.bin"), data);
+  // Host write at an unaligned offset into an existing file.
+  auto patch = random_bytes(3 << 20, 22);
+  c.write("out/back.bin", 12345, patch.data(), patch.size());
+  auto back = slurp(s.root / "out" / "back.bin");
+  EXPECT_EQ(std::memcmp(back.data() + 12345, patch.data(), patch.size()), 0);
+  EXPECT_EQ(std::memcmp(back.data(), data.data(), 12345), 0);
+  auto cs = c.stats();
+  auto ss = s.srv->stats();
+  EXPECT_GE(cs.direct_pieces, 25u) << "every piece above the inline size went through the region";
+  EXPECT_GT(ss.direct_reads, 0u);
+  EXPECT_GT(ss.direct_writes, 0u);
+  EXPECT_EQ(ss.mapped_sessions, static_cast<std::uint64_t>(cs.lanes));
+  EXPECT_EQ(cs.quarantined, 0u);
+}
+
 }  // namespace

@@ -349,6 +349,14 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
       rtt4k = l4.ok ? 2 * l4.p50_us : 0;
       fmt::print("raw AM round trip (p50, 2x perftest's one-way latency): 8 B {:.2f} us, 4 KiB {:.2f} us\n", rtt8, rtt4k);
       jt["am_rtt_us"] = {{"8B", rtt8}, {"4KiB", rtt4k}};
+      if (fenv.at("UCX_TLS") != penv.at("UCX_TLS")) {
+        // For reference: the same AM round trip with ferry's UCX transport list (tcp in the context
+        // is polled on every progress call even when the lanes are shared memory).
+        auto lf = perftest(o.perftest, fenv, "ucp_am_lat", 4096, 20000, false);
+        double r = lf.ok ? 2 * lf.p50_us : 0;
+        fmt::print("raw AM round trip with UCX_TLS={} (reference, not the target): 4 KiB {:.2f} us\n", fenv.at("UCX_TLS"), r);
+        jt["am_rtt_us_ferry_tls"] = {{"4KiB", r}};
+      }
     }
     jt["baseline"] = jb;
 
@@ -361,9 +369,12 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     auto port = static_cast<std::uint16_t>(std::stoi(line.substr(at + 10)));
     store::client c("127.0.0.1", port, store::client_options_from(rt.config(), &rt.registrations(), &rt.engine()));
     auto cst = c.stats();
-    fmt::print("ferry: server pid {} port {}, lanes [{}], GPU memory {}\n", server.pid, port, cst.transports,
-               cst.gpu_direct ? "registered by UCX directly" : "staged through pinned host buffers");
+    fmt::print("ferry: server pid {} port {}, {} connections, UCX lanes [{}], data: {}, GPU memory {}\n", server.pid, port,
+               cst.lanes, cst.transports, cst.data_path,
+               cst.gpu_direct ? "registered by UCX directly" : "staged through pinned host memory");
     jt["ferry_lanes"] = cst.transports;
+    jt["ferry_connections"] = cst.lanes;
+    jt["data_path"] = cst.data_path;
     jt["gpu_direct"] = cst.gpu_direct;
     json jf = json::array();
     fmt::print("{:>5} {:>6} {:>10} {:>4} {:>9} {:>10} {:>9} {:>9} {:>8}\n", "mem", "op", "block", "qd", "GB/s", "IOPS", "p50 us",
@@ -416,8 +427,8 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
       jt["verified_" + mem] = ok_read && ok_write;
     }
     auto fst = c.stats();
-    fmt::print("client: {} requests in {} pieces, {} staged, {} progress wake-ups\n", fst.requests, fst.pieces,
-               format_size(fst.staged_bytes), fst.progress_wakeups);
+    fmt::print("client: {} requests in {} pieces ({} through the mapped region), {} staged, {} progress wake-ups, {} landing slots quarantined\n",
+               fst.requests, fst.pieces, fst.direct_pieces, format_size(fst.staged_bytes), fst.progress_wakeups, fst.quarantined);
     for (auto& [k, r] : best_ratio_1m) {
       fmt::print("SUMMARY {} {}: worst over blocks >= 1 MiB of (best over QD) / best raw primitive = {:.3f}\n", tl, k, r);
       summary.push_back({{"transport", tl}, {"what", k + " >= 1 MiB vs best raw"}, {"ratio", r}});

@@ -66,6 +66,8 @@ int run_serve(runtime& rt, const serve_options& o) {
   so.insecure = o.insecure;
   so.spin = rt.config().net_spin;
   so.threads = rt.config().serve_threads;
+  so.workers = rt.config().serve_workers;
+  so.map = rt.config().net_map;
   store::server srv(so);
   fmt::print("ferry serve: {} on {}:{} ({}, {})\n", o.root, so.host, srv.port(), so.writable ? "writable" : "read-only",
              so.secret.empty() ? "no authentication" : "clients must know the secret");

@@ -65,6 +65,9 @@ struct FERRY_API settings {
   std::uint64_t net_staging = 256ull << 20; // pinned staging for GPU/sim memory per client
   std::chrono::nanoseconds net_spin = std::chrono::microseconds(50);  // progress back-off before sleeping
   int serve_threads = 4;                // file I/O threads of `ferry serve`
+  int serve_workers = 4;                // UCX workers (progress threads) of `ferry serve`
+  int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
+  bool net_map = true;                  // lend/map a shared-memory landing region when on the same host
 
   // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
   using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;

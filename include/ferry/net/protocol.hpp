@@ -26,16 +26,20 @@ inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
 inline constexpr std::size_t max_data = 4 << 20;     // largest data message a client may send (write data)
 inline constexpr std::size_t nonce_size = 32, mac_size = 32;
+inline constexpr std::size_t max_rkey = 4096;
 
 enum class msg_type : std::uint16_t {
   hello = 1,      // client -> server: versions, client nonce
   challenge = 2,  // server -> client: server nonce, whether a secret is required
   auth = 3,       // client -> server: HMAC-SHA256(secret, server nonce | client nonce)
   welcome = 4,    // server -> client: accepted; limits
+  lend = 5,       // client -> server: a region of the client's memory the server may write/read directly (packed rkey)
   read = 10,      // path, offset, length
   write = 11,     // path, offset, length (data follows outside the frame)
   stat = 12,      // path
   list = 13,      // path (a directory)
+  read_into = 14,   // path, offset, length, address inside the lent region: the server writes the data there
+  write_from = 15,  // path, offset, length, address inside the lent region: the server takes the data from there
   complete = 20,  // status + bytes for a read/write
   stat_reply = 21,
   list_reply = 22,
@@ -46,6 +50,9 @@ struct hello { std::uint16_t min_version = 1, max_version = 1; std::uint32_t max
 struct challenge { std::vector<std::uint8_t> nonce; bool secret_required = false; };
 struct auth { std::vector<std::uint8_t> mac; };
 struct welcome { std::uint32_t credits = 0; std::uint64_t max_request = 0; bool writable = false; };
+struct lend { std::uint64_t addr = 0, length = 0; std::vector<std::uint8_t> rkey; };
+struct read_into { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; };
+struct write_from { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; };
 struct read_req { std::string path; std::uint64_t offset = 0, length = 0; };
 struct write_req { std::string path; std::uint64_t offset = 0, length = 0; };
 struct stat_req { std::string path; };
@@ -57,7 +64,7 @@ struct list_reply { std::vector<list_entry> entries; };
 struct error_reply { std::int32_t code = 0; std::string message; };
 
 using body = std::variant<hello, challenge, auth, welcome, read_req, write_req, stat_req, list_req, complete,
-                          stat_reply, list_reply, error_reply>;
+                          stat_reply, list_reply, error_reply, lend, read_into, write_from>;
 
 struct message {
   std::uint64_t request_id = 0;

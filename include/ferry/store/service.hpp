@@ -35,6 +35,8 @@ struct server_options {
   std::uint64_t max_request = 1ull << 30;
   std::uint64_t chunk = 4ull << 20;    // bytes per data message (larger client data messages are refused)
   int threads = 4;                     // file I/O threads
+  int workers = 4;                     // UCX workers (progress threads); connections are spread over them (FERRY_SERVE_WORKERS)
+  bool map = true;                     // serve regions lent by same-host clients directly (FERRY_NET_MAP)
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
   std::uint64_t max_write_buffer = 1ull << 30;  // write data buffered at once, all connections together
   std::chrono::nanoseconds spin = std::chrono::microseconds(50);  // progress back-off (FERRY_NET_SPIN)
@@ -52,6 +54,8 @@ struct server_stats {
   std::uint64_t inline_replies = 0;  // small reads answered in one message
   std::uint64_t live_sessions = 0;   // connections not yet gone
   std::uint64_t write_buffered = 0;  // write bytes held now (bounded by max_write_buffer)
+  std::uint64_t direct_reads = 0, direct_writes = 0;  // served straight into/out of a client's mapped region
+  std::uint64_t mapped_sessions = 0;  // connections whose lent region is mapped here
 };
 
 class FERRY_API server {
@@ -82,14 +86,23 @@ struct client_options {
   std::uint64_t piece = 4ull << 20;       // bytes per wire request (FERRY_NET_PIECE)
   std::uint64_t staging = 256ull << 20;   // pinned staging for GPU/sim memory (FERRY_NET_STAGING)
   std::chrono::nanoseconds spin = std::chrono::microseconds(50);
+  // Connections (lanes) to the server, each with its own UCX worker and progress thread; pieces are
+  // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
+  int lanes = 4;
+  // Lend the server a shared-memory landing region (UCX-allocated, rkey_ptr) when the transport
+  // allows it: the server then reads files straight into it and no data message is sent (FERRY_NET_MAP).
+  bool map = true;
 };
 
 struct client_stats {
   std::uint64_t requests = 0, pieces = 0, bytes_read = 0, bytes_written = 0, staged_bytes = 0, reconnects = 0;
   std::uint64_t progress_wakeups = 0;
   bool gpu_direct = false;   // this UCX registers CUDA memory (no staging for GPU buffers)
-  std::string transports;    // UCX lanes of the current connection ("tcp/lo", "posix/memory,cma/memory", ...)
-  std::string data_path;     // "active messages (rendezvous)"
+  std::string transports;    // UCX lanes of the first connection ("tcp/lo", "sysv/memory(am),tcp/lo", ...)
+  std::string data_path;     // "mapped region (shared memory)" or "active messages (rendezvous)"
+  int lanes = 0;             // connections in use
+  std::uint64_t direct_pieces = 0;     // pieces the server moved through the mapped region
+  std::uint64_t quarantined = 0;       // landing slots never reused (a request was abandoned while the server might still write)
 };
 
 class FERRY_API client {
