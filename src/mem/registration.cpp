@@ -75,6 +75,11 @@ struct registration_cache::impl {
   std::atomic<std::uintptr_t> pending_lo{~std::uintptr_t{0}};
   std::atomic<std::uintptr_t> pending_hi{0};
   std::atomic<bool> has_pending{false};
+  // Ranges recently classified as pageable host memory, by base -> end: classifying asks every
+  // client (a CUDA driver call, msync, probes), several microseconds that a 4 KiB remote read
+  // cannot afford on every request. Dropped with the memory (munmap hooks -> invalidate), bounded.
+  std::map<std::uintptr_t, std::pair<std::uintptr_t, memory_region>> seen_host;
+  std::uint64_t generation = 0;  // bumped by every invalidation: a probe that raced one is not remembered
 
   void drop_locked(const std::shared_ptr<registration::entry>& e) {
     if (e->in_index) {
@@ -103,6 +108,9 @@ struct registration_cache::impl {
   // Collects the callbacks of every entry overlapping [b, b+n) and drops the entries.
   std::vector<std::function<void()>> invalidate_locked(std::uintptr_t b, std::uint64_t n) {
     std::vector<std::function<void()>> cbs;
+    generation++;
+    for (auto h = seen_host.begin(); h != seen_host.end();)
+      h = h->first < b + n && h->second.first > b ? seen_host.erase(h) : std::next(h);
     auto it = index.upper_bound(b);
     if (it != index.begin()) --it;
     while (it != index.end() && it->first < b + n) {
@@ -244,14 +252,36 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
       if (a >= e->base && a + n <= e->base + e->size && e->region.client && e->region.client->still_valid(e->region))
         return e->region;
     }
+    auto h = impl_->seen_host.upper_bound(a);
+    if (h != impl_->seen_host.begin()) {
+      --h;
+      if (a >= h->first && a + n <= h->second.first) {
+        memory_region r = h->second.second;
+        r.base = a;
+        r.size = n;
+        return r;
+      }
+    }
   }
   std::vector<peer_memory_client*> clients;
+  std::uint64_t gen;
   {
     std::lock_guard l(impl_->mu);
     clients = impl_->clients;
+    gen = impl_->generation;
   }
   for (auto* c : clients)
-    if (auto r = c->acquire(p, n)) return *r;
+    if (auto r = c->acquire(p, n)) {
+      if (r->type == memory_type::host_pageable) {
+        std::lock_guard l(impl_->mu);
+        inside_guard g;
+        if (impl_->generation == gen && !impl_->has_pending) {
+          if (impl_->seen_host.size() >= 256) impl_->seen_host.clear();
+          impl_->seen_host[a] = {a + n, *r};
+        }
+      }
+      return *r;
+    }
   return memory_region{memory_type::unknown, "", -1, a, n, 0, nullptr};
 }
 

@@ -16,6 +16,15 @@
 #include <sstream>
 
 namespace ferry::net {
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 namespace {
 
 std::string status_text(ucs_status_t s) { return fmt::format("{} (ucs_status {})", ucs_status_string(s), static_cast<int>(s)); }
@@ -439,10 +448,13 @@ void ucx_worker::loop() {
     // Back-off: keep polling for a while after activity (the next request usually follows at once);
     // let a waiting caller in between polls.
     if (spin_.count() > 0 && clk::now() - last < spin_) {
+      // Open a short window for a waiting caller (try_progress / run_or_post take the lock with
+      // try_lock), then take it back with try_lock too: no sched_yield and no futex sleep on this
+      // path, each of which would cost about as much as a shared-memory round trip.
       unlock_owner();
       l.unlock();
-      std::this_thread::yield();
-      l.lock();
+      for (int i = 0; i < 16; ++i) cpu_relax();
+      while (!l.try_lock()) cpu_relax();
       lock_owner();
       continue;
     }
@@ -464,7 +476,7 @@ void ucx_worker::loop() {
         std::uint64_t v;
         [[maybe_unused]] auto r = ::read(wake_, &v, sizeof v);
       }
-    l.lock();
+    while (!l.try_lock()) cpu_relax();  // a caller may be driving the worker: no futex sleep
     lock_owner();
     last = clk::now();
   }

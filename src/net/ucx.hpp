@@ -32,6 +32,9 @@
 
 namespace ferry::net {
 
+// A pause for spin loops (x86 `pause`): polite to the sibling hyper-thread, no syscall.
+void cpu_relax();
+
 inline constexpr unsigned am_frame = 1;
 inline constexpr unsigned am_data = 2;
 inline constexpr unsigned am_reply = 3;

@@ -338,16 +338,19 @@ struct client::impl {
     return p;
   }
   // Waits for one piece until `until`; on timeout closes its connection so that nothing lands later.
-  void wait_piece(piece& p, clk::time_point until, std::string_view what) {
+  // `what` names the request in errors; it is built only when one is raised (formatting a string
+  // per request would cost more than a shared-memory round trip).
+  void wait_piece(piece& p, clk::time_point until, const std::function<std::string()>& what) {
     // Drive the worker from this thread for a while: a small request then completes without any
     // thread hand-off (the progress thread takes over if this one gives up and sleeps).
     auto spin_end = clk::now() + o.spin;
-    while (!p.done.load(std::memory_order_acquire) && clk::now() < spin_end) p.ln->w->try_progress();
+    while (!p.done.load(std::memory_order_acquire) && clk::now() < spin_end)
+      if (!p.ln->w->try_progress()) cpu_relax();
     std::unique_lock l(mu);
     if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     auto cn = p.ln->c;
     l.unlock();
-    log::warn("store", "{}: {} timed out; closing the connection", peer, what);
+    log::warn("store", "{}: {} timed out; closing the connection", peer, what());
     if (cn) {
       cn->close();
       try {
@@ -357,11 +360,11 @@ struct client::impl {
     }
     l.lock();
     cv.wait_until(l, clk::now() + std::chrono::seconds(5), [&] { return p.done.load(); });
-    fail(errc::timeout, "store.request", peer, fmt::format("{}: no answer before the deadline", what));
+    fail(errc::timeout, "store.request", peer, fmt::format("{}: no answer before the deadline", what()));
   }
   message request(message m, clk::time_point until, bool needs_credit = true, lane* force = nullptr) {
     auto p = send(std::move(m), std::make_shared<piece>(), needs_credit, until, force);
-    wait_piece(*p, until, "request");
+    wait_piece(*p, until, [] { return std::string("request"); });
     if (p->err) throw *p->err;
     return *p->reply;
   }
@@ -528,7 +531,7 @@ struct client::impl {
       // Pieces already on the wire may still land: wait for them (bounded) before the buffer is given back.
       for (auto& p : o2.pieces) {
         try {
-          wait_piece(*p, until, "request");
+          wait_piece(*p, until, [] { return std::string("request"); });
         } catch (...) {
         }
       }
@@ -553,7 +556,7 @@ struct client::impl {
     std::optional<error> first;
     for (auto& p : x.pieces) {
       try {
-        wait_piece(*p, x.until, fmt::format("{} {} offset {}", opname, printable(x.path), x.offset));
+        wait_piece(*p, x.until, [&] { return fmt::format("{} {} offset {}", opname, printable(x.path), x.offset); });
       } catch (const error& e) {
         if (!first) first = e;
       }

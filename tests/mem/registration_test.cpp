@@ -223,4 +223,22 @@ TEST(RegistrationCache, HostMunmapInvalidatesThroughMemoryHooks) {
   EXPECT_THROW(cache.acquire(p, n), error);
 }
 
+// Classification of unregistered host memory is remembered (it costs a driver call and syscalls
+// per request otherwise) -- but never past the memory's unmapping.
+TEST(RegistrationCache, RememberedHostClassificationGoesWithTheMemory) {
+  auto host = make_host_client("/nonexistent/libcuda.so.1");
+  registration_cache cache({host.get()}, 64 << 20);
+  const std::size_t n = 1 << 20;
+  void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  EXPECT_EQ(cache.classify(p, n).type, memory_type::host_pageable);
+  auto inner = cache.classify(static_cast<char*>(p) + 4096, 4096);  // inside the remembered range
+  EXPECT_EQ(inner.type, memory_type::host_pageable);
+  EXPECT_EQ(inner.base, reinterpret_cast<std::uintptr_t>(p) + 4096);
+  EXPECT_EQ(inner.size, 4096u);
+  EXPECT_EQ(cache.stats().entries, 0u) << "classifying registers nothing";
+  ::munmap(p, n);
+  EXPECT_EQ(cache.classify(p, n).type, memory_type::unknown) << "a remembered classification outlived the memory";
+}
+
 }  // namespace
