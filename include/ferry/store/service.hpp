@@ -2,15 +2,16 @@
 // The storage service (`ferry serve`) and its client: files under an exported root, read and
 // written over UCX from and into any memory ferry knows (host, pinned, GPU, sim).
 //
-// Data path (docs/design/storage-service.md): every request is split by the client into pieces of
-// at most `piece` bytes; each piece is one wire request with its own credit, so a large read is
-// served by several server threads at once and many requests share one connection. Small reads
-// (<= inline_max) are answered from the server's progress thread in one message (completion + data).
-// Bulk data travels as UCX active messages (rendezvous, zero-copy on shared memory) — on tcp and
-// shared memory that is the fastest primitive UCX offers (measured: AM 7.4 vs RMA put 0.86 GB/s on
-// tcp, 18 vs 12.6 GB/s on shared memory). GPU and sim memory: when this UCX build cannot register
-// CUDA memory, pieces land in pinned staging buffers lent by the client and a stager thread moves
-// them on through the transfer engine; with a CUDA-capable UCX they go to the GPU buffer directly.
+// Data path (docs/design/storage-service.md): every request is split by the client into pieces of at
+// most `piece` bytes; each piece is one wire request with its own credit, spread over the client's
+// lanes (connections, each with its own UCX worker and progress thread), so a large read is served by
+// several server threads at once. Small reads (<= inline_max) are answered from the server's progress
+// thread in one message (completion + data). Bulk data travels as UCX active messages (rendezvous) —
+// on tcp the fastest primitive UCX offers (AM 7.4 vs RMA put 0.86 GB/s) — except between processes of
+// one host over shared memory: there the client lends a landing region that the server maps
+// (ucp_rkey_ptr) and reads files straight into. GPU and sim memory: when this UCX build cannot register
+// CUDA memory, pieces land in pinned host memory (the landing region or staging buffers) and a stager
+// thread moves them on through the transfer engine; with a CUDA-capable UCX they go to the GPU directly.
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
 #include <ferry/net/protocol.hpp>
