@@ -214,7 +214,10 @@ registration_cache::~registration_cache() {
   }
   std::lock_guard l(impl_->mu);
   inside_guard g;
-  while (!impl_->index.empty()) impl_->drop_locked(impl_->index.begin()->second);
+  while (!impl_->index.empty()) {
+    auto e = impl_->index.begin()->second;  // a copy: drop_locked erases the map's own shared_ptr
+    impl_->drop_locked(e);
+  }
 }
 
 void registration_cache::add_client(peer_memory_client* c, bool first) {
