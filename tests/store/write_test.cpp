@@ -33,6 +33,14 @@ std::vector<unsigned char> slurp(const std::filesystem::path& p) {
   return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
 }
 
+settings sim_settings() {
+  settings cfg = settings::defaults();
+  cfg.backend = backend_choice::sim;
+  cfg.sim_capacity = 64ull << 20;
+  cfg.sim_granularity = 1ull << 20;
+  return cfg;
+}
+
 struct writable_server {
   std::filesystem::path root;
   std::unique_ptr<store::server> srv;
@@ -50,6 +58,14 @@ struct writable_server {
   ~writable_server() {
     srv.reset();
     std::filesystem::remove_all(root);
+  }
+  // Options for GPU-like (sim) memory: the runtime's cache and engine, 4 MiB of staging / landing.
+  store::client_options opts_with(runtime& rt) const {
+    auto o = opts();
+    o.cache = &rt.registrations();
+    o.engine = &rt.engine();
+    o.staging = 4 << 20;
+    return o;
   }
   store::client_options opts(std::uint64_t piece = 1 << 20) const {
     store::client_options c;
@@ -175,16 +191,8 @@ TEST(StoreWrite, ThirtyTwoClientsWriteAndReadBackConcurrently) {
 
 TEST(StoreWrite, SimDeviceMemoryIsStagedBothWays) {
   writable_server s;
-  settings cfg = settings::defaults();
-  cfg.backend = backend_choice::sim;
-  cfg.sim_capacity = 64ull << 20;
-  cfg.sim_granularity = 1ull << 20;
-  runtime rt(cfg);
-  auto o = s.opts();
-  o.cache = &rt.registrations();
-  o.engine = &rt.engine();
-  o.staging = 4 << 20;  // fewer staging buffers than pieces: they are recycled
-  store::client c("127.0.0.1", s.srv->port(), o);
+  runtime rt(sim_settings());
+  store::client c("127.0.0.1", s.srv->port(), s.opts_with(rt));  // fewer staging buffers than pieces: recycled
   auto data = random_bytes((9 << 20) + 5, 11);
   {
     std::ofstream f(s.root / "out" / "src.bin", std::ios::binary);
@@ -213,16 +221,8 @@ TEST(StoreWrite, MappedLandingRegionOverSharedMemory) {
   // UCX puts shared-memory lanes on client/server endpoints only with this (UCX 1.13).
   ::setenv("UCX_MM_ERROR_HANDLING", "y", 1);
   writable_server s;
-  settings cfg = settings::defaults();
-  cfg.backend = backend_choice::sim;
-  cfg.sim_capacity = 64ull << 20;
-  cfg.sim_granularity = 1ull << 20;
-  runtime rt(cfg);
-  auto o = s.opts();
-  o.cache = &rt.registrations();
-  o.engine = &rt.engine();
-  o.staging = 4 << 20;  // 4 slots of 1 MiB
-  store::client c("127.0.0.1", s.srv->port(), o);
+  runtime rt(sim_settings());
+  store::client c("127.0.0.1", s.srv->port(), s.opts_with(rt));  // 4 landing slots of 1 MiB
   auto st0 = c.stats();
   ::unsetenv("UCX_MM_ERROR_HANDLING");
   if (st0.data_path.find("mapped") == std::string::npos)
