@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <fstream>
@@ -97,6 +98,9 @@ struct client::impl {
   std::condition_variable land_cv;
   std::vector<int> land_free;
   std::atomic<std::uint64_t> quarantined{0};
+  // Whether every lane's server mapped the landing region: recomputed when a lane (re)connects, read
+  // per request without a lock.
+  std::atomic<bool> all_mapped{false};
 
   std::vector<std::unique_ptr<lane>> lanes;  // last: their progress threads (and callbacks) stop first
 
@@ -190,12 +194,16 @@ struct client::impl {
     }
     p.land_slot = -1;
   }
-  bool direct_available() {
-    if (!landing) return false;
-    std::lock_guard l(mu);
-    for (auto& ln : lanes)
-      if (!ln->mapped) return false;
-    return true;
+  bool direct_available() const { return all_mapped.load(std::memory_order_relaxed); }
+  // Host memory or not: device-side copies go through the transfer engine, host ones are a memcpy.
+  void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n) {
+    if (o.engine) o.engine->copy(dst, src, n);
+    else std::memcpy(dst, src, n);
+  }
+  // A finished piece gives back whatever buffer it borrowed (staging buffer, landing slot). mu held.
+  void release_buffers(piece& p) {
+    p.slot.reset();
+    release_land(p);
   }
 
   // ---- progress threads ----
@@ -219,8 +227,7 @@ struct client::impl {
       stage_cv.notify_one();
       return;
     }
-    p.slot.reset();
-    release_land(p);
+    release_buffers(p);
     p.done.store(true, std::memory_order_release);
     cv.notify_all();
   }
@@ -286,16 +293,14 @@ struct client::impl {
       }
       std::optional<error> err;
       try {
-        if (o.engine) o.engine->copy(p->final_dst, p->land, p->received);
-        else std::memcpy(p->final_dst, p->land, p->received);
+        copy_bytes(p->final_dst, p->land, p->received);
         n_staged += p->received;
       } catch (const error& e) {
         err = e;
       }
       std::lock_guard l(mu);
       if (err) p->err = err;
-      p->slot.reset();
-      release_land(*p);
+      release_buffers(*p);
       p->done.store(true, std::memory_order_release);
       cv.notify_all();
     }
@@ -388,6 +393,7 @@ struct client::impl {
       std::lock_guard l(mu);
       if (ln.c) ln.c->close();
       ln.mapped = false;
+      all_mapped = false;
     }
     auto cn = ln.w->connect(host, port, until);
     connection* raw = cn.get();
@@ -424,6 +430,7 @@ struct client::impl {
     hello_reply = std::get<welcome>(r.b);
     ln.credits = std::max<std::uint32_t>(1, hello_reply.credits);
     ln.mapped = mapped;
+    all_mapped = landing && std::all_of(lanes.begin(), lanes.end(), [](auto& x) { return x->mapped; });
     ln.inflight = 0;
     for (auto& [id, p] : pend)
       if (p->credit && p->conn == raw) ln.inflight++;
@@ -486,8 +493,7 @@ struct client::impl {
           p->land_slot = get_land_slot(until);
           p->land = landing->data() + static_cast<std::size_t>(p->land_slot) * o.piece;
           if (write) {
-            if (o.engine) o.engine->copy(p->land, mem + off, n);
-            else std::memcpy(p->land, mem + off, n);
+            copy_bytes(p->land, mem + off, n);
           } else {
             p->final_dst = mem + off;
           }

@@ -122,7 +122,7 @@ struct server::impl {
   root_dir root;
   fd_cache files;
   std::atomic<std::uint64_t> connections{0}, requests{0}, reads{0}, writes{0}, bytes_sent{0}, bytes_received{0},
-      errors{0}, inline_replies{0}, write_buffered{0}, direct_reads{0}, direct_writes{0}, mapped_sessions{0};
+      errors{0}, inline_replies{0}, write_buffered{0}, direct_reads{0}, direct_writes{0};
 
   struct write_state {
     std::shared_ptr<open_file> f;
@@ -136,11 +136,7 @@ struct server::impl {
     std::vector<std::uint8_t> client_nonce, server_nonce;  // pending challenge
     std::map<std::uint64_t, std::shared_ptr<write_state>> writes;  // its worker's thread only
     std::shared_ptr<remote_mapping> lent;  // the client's region, mapped here (its worker's thread; jobs hold copies)
-    std::atomic<bool> counted_mapped{false};
-    server::impl* owner = nullptr;
-    ~session() {
-      if (counted_mapped) owner->mapped_sessions--;
-    }
+    std::atomic<bool> mapped{false};       // for stats (read under sess_mu from any thread)
   };
   std::mutex sess_mu;
   std::map<connection*, std::shared_ptr<session>> sessions;
@@ -180,9 +176,7 @@ struct server::impl {
       connections++;
       {
         std::lock_guard l(sess_mu);
-        auto s = std::make_shared<session>();
-        s->owner = this;
-        sessions[c.get()] = std::move(s);
+        sessions[c.get()] = std::make_shared<session>();
       }
       // A client that dies or leaves: its session goes; running jobs hold their own reference.
       connection* raw = c.get();
@@ -297,7 +291,7 @@ struct server::impl {
       if (o.map && l->length <= (1ull << 40))
         mapped = c.map_remote(l->addr, l->length, std::as_bytes(std::span(l->rkey.data(), l->rkey.size())));
       s->lent = mapped;
-      if (mapped && !s->counted_mapped.exchange(true)) mapped_sessions++;
+      s->mapped = mapped != nullptr;
       log::info("store", "client {} lent {} bytes: {}", c.peer(), l->length,
                 mapped ? "mapped (reads and writes go straight through it)" : "not mappable here (data moves by messages)");
       c.send_frame({rid, 0, complete{0, mapped ? 1u : 0u}});
@@ -618,10 +612,12 @@ std::uint16_t server::port() const noexcept { return impl_->port; }
 server_stats server::stats() const {
   auto& i = *impl_;
   std::lock_guard l(i.sess_mu);
+  std::uint64_t mapped = 0;
+  for (auto& [c, s] : i.sessions) mapped += s->mapped.load();
   return {i.connections.load(), i.requests.load(),       i.reads.load(),          i.writes.load(),
           i.bytes_sent.load(),  i.bytes_received.load(), i.errors.load(),         i.inline_replies.load(),
           i.sessions.size(),    i.write_buffered.load(),  i.direct_reads.load(),  i.direct_writes.load(),
-          i.mapped_sessions.load()};
+          mapped};
 }
 
 }  // namespace ferry::store
