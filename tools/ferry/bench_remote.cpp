@@ -32,6 +32,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -300,6 +301,14 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     std::stringstream in(o.transports);
     for (std::string t; std::getline(in, t, ',');) transports.push_back(t);
   }
+  std::set<std::string> do_op;
+  {
+    std::stringstream in(o.ops);
+    for (std::string t; std::getline(in, t, ',');) {
+      if (t != "read" && t != "write") fail(errc::invalid_argument, "bench remote", t, "unknown operation (read, write)");
+      do_op.insert(t);
+    }
+  }
   for (auto& tl : transports) {
     // perftest: the pure transport; ferry also needs tcp for its connection manager (client/server
     // setup through a listener), after which UCX puts the lanes on the fastest transport.
@@ -385,6 +394,7 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
       endpoint buf(rt, spec, region);
       for (bool write : {false, true}) {
         std::string op = write ? "write" : "read";
+        if (!do_op.count(op)) continue;
         std::map<std::uint64_t, double> best_ferry;
         for (auto s : sizes)
           for (auto q : qds) {
