@@ -2,6 +2,8 @@
 // The runtime: one per process (or per independent user), owning the settings snapshot and
 // everything built from it: devices, the registration cache with its memory clients, and the
 // transfer engine. Parts are created on first use, so a CPU-only tool never loads the CUDA driver.
+// While it lives, file::open accepts ferry://host:port/path (see ferry/store/files.hpp); close such
+// files before the runtime goes.
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
 #include <ferry/device/registry.hpp>
@@ -36,6 +38,7 @@ class FERRY_API runtime {
   std::unique_ptr<registration_cache> cache_;
   std::unique_ptr<transfer_engine> engine_;
   std::unique_ptr<file_engine> files_;
+  scheme_registration ferry_files_;  // file::open("ferry://...") while this runtime lives
 };
 
 // Version of the library ("0.1.0") and whether it was built with CUDA.

@@ -6,11 +6,22 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
+#include <mutex>
+#include <vector>
 
 namespace ferry {
 
 std::shared_ptr<file> file::open(const std::string& path, open_mode mode) {
+  if (auto opener = find_file_scheme(path)) {
+    auto f = std::shared_ptr<file>(new file());
+    f->path_ = path;
+    f->writable_ = mode != open_mode::read;
+    f->source_ = opener(path, mode);
+    if (!f->source_) fail(errc::internal, "file.open", path, "the scheme's opener returned nothing");
+    return f;
+  }
   int flags = mode == open_mode::read ? O_RDONLY : O_RDWR;
   if (mode == open_mode::create) flags |= O_CREAT | O_TRUNC;
   auto f = std::shared_ptr<file>(new file());
@@ -40,18 +51,75 @@ file::~file() {
 }
 
 std::uint64_t file::size() const {
+  if (source_) return source_->size();
   struct stat st{};
   if (::fstat(fd_, &st) != 0) fail_errno(errno, "file.size", path_);
   return static_cast<std::uint64_t>(st.st_size);
 }
 
 void file::resize(std::uint64_t bytes) {
+  if (source_) fail(errc::not_supported, "file.resize", path_, "remote files cannot be resized");
   if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0)
     fail_errno(errno, "file.resize", path_, fmt::format("cannot set the size to {}", bytes));
 }
 
 void file::sync() {
+  if (source_) return source_->sync();
   if (::fsync(fd_) != 0) fail_errno(errno, "file.sync", path_);
+}
+
+// ---- schemes ----------------------------------------------------------------------------------
+
+file_source::~file_source() = default;
+
+namespace {
+struct scheme_entry {
+  std::uint64_t id;
+  std::string scheme;
+  file_opener open;
+};
+std::mutex schemes_mu;
+std::vector<scheme_entry> schemes;  // newest last
+std::uint64_t next_scheme_id = 1;
+}  // namespace
+
+scheme_registration register_file_scheme(const std::string& scheme, file_opener open) {
+  if (scheme.empty() || scheme.find("://") != std::string::npos || !open)
+    fail(errc::invalid_argument, "file.scheme", scheme, "a scheme is a name like \"ferry\" with an opener");
+  std::lock_guard l(schemes_mu);
+  scheme_registration r;
+  r.id_ = next_scheme_id++;
+  schemes.push_back({r.id_, scheme, std::move(open)});
+  return r;
+}
+
+scheme_registration& scheme_registration::operator=(scheme_registration&& o) noexcept {
+  if (this != &o) {
+    scheme_registration gone(std::move(*this));
+    id_ = std::exchange(o.id_, 0);
+  }
+  return *this;
+}
+
+scheme_registration::~scheme_registration() {
+  if (!id_) return;
+  std::lock_guard l(schemes_mu);
+  std::erase_if(schemes, [&](const scheme_entry& e) { return e.id == id_; });
+}
+
+file_opener find_file_scheme(const std::string& path) {
+  auto sep = path.find("://");
+  if (sep == std::string::npos || sep == 0) return {};
+  std::string scheme = path.substr(0, sep);
+  // Only letters, digits, '+', '-', '.' (RFC 3986): "dir/a://b" is a local path.
+  for (char ch : scheme)
+    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '+' && ch != '-' && ch != '.') return {};
+  std::lock_guard l(schemes_mu);
+  for (auto it = schemes.rbegin(); it != schemes.rend(); ++it)
+    if (it->scheme == scheme) return it->open;
+  fail(errc::not_supported, "file.open", path,
+       fmt::format("no handler for {}:// here ({} is served by a ferry::runtime, which registers it while it lives)",
+                   scheme, scheme == "ferry" ? "ferry://" : "this scheme"));
 }
 
 }  // namespace ferry

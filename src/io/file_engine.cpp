@@ -521,6 +521,7 @@ transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_
   impl& I = *impl_;
   auto b = make_batch_state(reqs.size(), o.until.value_or(deadline_after(I.cfg.deadline)));
   std::vector<job> jobs;
+  std::vector<std::size_t> remote;
   for (std::size_t i = 0; i < reqs.size(); ++i) {
     const file_request& r = reqs[i];
     b->sizes[i] = r.bytes;
@@ -532,6 +533,12 @@ transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_
       if (r.bytes == 0) fail(errc::invalid_argument, "file.submit", res, "zero length");
       if (r.offset + r.bytes < r.offset) fail(errc::out_of_range, "file.submit", res, "offset + length overflows");
       if (r.write && !r.f->writable()) fail(errc::permission_denied, "file.submit", res, "file opened read-only");
+      if (r.f->source()) {  // a remote file: its source moves the data (and classifies the memory)
+        b->segs_left[i] = 1;
+        b->results[i].path = transfer_path::none;
+        remote.push_back(i);
+        continue;
+      }
       memory_region m = I.cache.classify(r.mem, r.bytes);
       if (m.type == memory_type::unknown)
         fail(errc::bad_address, "file.submit", res, "memory is not mapped memory ferry knows (freed or invalid?)");
@@ -552,13 +559,31 @@ transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_
   }
   {
     std::lock_guard l(b->mu);
-    b->items_inflight = static_cast<int>(jobs.size());
+    b->items_inflight = static_cast<int>(jobs.size() + remote.size());
   }
   {
     std::lock_guard l(I.mu);
     for (auto& j : jobs) I.queue.push_back(std::move(j));
   }
   I.cv.notify_all();
+  for (std::size_t i : remote) {
+    const file_request& r = reqs[i];
+    // The completion may run before start() returns, on any thread; the batch state outlives it
+    // (the handle's destructor waits for items in flight).
+    auto done = [b, i](std::uint64_t n, const error* e) {
+      b->finish(i, n, e);
+      b->item_done();
+    };
+    try {
+      r.f->source()->start(r.write, r.offset, r.mem, r.bytes, b->until, done);
+    } catch (const error& e) {
+      done(0, &e);
+    } catch (const std::exception& e) {
+      error err(errc::internal, "file.submit", r.f->path(), e.what());
+      done(0, &err);
+    }
+  }
+  I.st.get("requests.remote").add(remote.size());
   return make_batch(std::move(b));
 }
 

@@ -52,12 +52,24 @@ std::uintptr_t page_size() {
 // Every live cache, for the process-wide munmap hook. Hooks take it shared (glibc's rwlock prefers
 // readers), so a hook fired inside a cache operation of another thread never waits for a writer.
 std::shared_mutex g_caches_mu;
-std::vector<registration_cache*> g_caches;
+// Fixed slots: nothing is allocated while the lock is held exclusively, so an munmap hook (which
+// takes it shared) can never fire on a thread that holds it.
+constexpr std::size_t max_caches = 64;
+registration_cache* g_caches[max_caches] = {};
 thread_local int t_inside_cache = 0;  // >0 while this thread holds a cache lock
 
 struct inside_guard {
   inside_guard() { ++t_inside_cache; }
   ~inside_guard() { --t_inside_cache; }
+};
+
+// Every hold of a cache's lock marks the thread as inside: anything done under it may allocate, and
+// malloc may munmap (a new thread's first malloc maps a fresh arena and trims it), which runs the
+// munmap hook on this thread -- it must then record the range, not take the lock again.
+struct cache_lock {
+  std::lock_guard<std::mutex> l;
+  inside_guard g;
+  explicit cache_lock(std::mutex& m) : l(m) {}
 };
 
 }  // namespace
@@ -136,7 +148,8 @@ void on_vm_unmapped(ucm_event_type_t, ucm_event_t* ev, void*) {
   auto b = reinterpret_cast<std::uintptr_t>(ev->vm_unmapped.address);
   std::uint64_t n = ev->vm_unmapped.size;
   std::shared_lock l(g_caches_mu);
-  for (registration_cache* c : g_caches) c->invalidate(b, n);
+  for (registration_cache* c : g_caches)
+    if (c) c->invalidate(b, n);
 }
 
 void install_hooks_once() {
@@ -187,7 +200,7 @@ void registration::on_invalidate(std::function<void()> cb) {
   auto once = std::make_shared<std::once_flag>();
   bool already = false;
   {
-    std::lock_guard l(cache_->impl_->mu);
+    cache_lock l(cache_->impl_->mu);
     for (auto& e : entries_) {
       if (!e->valid) already = true;
       else e->callbacks.push_back([shared, once] { std::call_once(*once, *shared); });
@@ -203,17 +216,26 @@ registration_cache::registration_cache(std::vector<peer_memory_client*> clients,
   for (auto* c : clients)
     if (c) impl_->clients.push_back(c);
   install_hooks_once();
-  std::lock_guard l(g_caches_mu);
-  g_caches.push_back(this);
+  bool placed = false;
+  {
+    std::lock_guard l(g_caches_mu);
+    for (auto& slot : g_caches)
+      if (!slot) {
+        slot = this;
+        placed = true;
+        break;
+      }
+  }
+  if (!placed) fail(errc::busy, "mem.cache", "registration caches", fmt::format("more than {} alive at once", max_caches));
 }
 
 registration_cache::~registration_cache() {
   {
     std::lock_guard l(g_caches_mu);
-    std::erase(g_caches, this);
+    for (auto& slot : g_caches)
+      if (slot == this) slot = nullptr;
   }
-  std::lock_guard l(impl_->mu);
-  inside_guard g;
+  cache_lock l(impl_->mu);
   while (!impl_->index.empty()) {
     auto e = impl_->index.begin()->second;  // a copy: drop_locked erases the map's own shared_ptr
     impl_->drop_locked(e);
@@ -221,7 +243,7 @@ registration_cache::~registration_cache() {
 }
 
 void registration_cache::add_client(peer_memory_client* c, bool first) {
-  std::lock_guard l(impl_->mu);
+  cache_lock l(impl_->mu);
   if (first) impl_->clients.insert(impl_->clients.begin(), c);
   else impl_->clients.push_back(c);
 }
@@ -247,8 +269,7 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
   apply_pending();
   auto a = reinterpret_cast<std::uintptr_t>(p);
   {
-    std::lock_guard l(impl_->mu);
-    inside_guard g;
+    cache_lock l(impl_->mu);
     auto it = impl_->index.upper_bound(a);
     if (it != impl_->index.begin()) {
       auto& e = std::prev(it)->second;
@@ -269,15 +290,14 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
   std::vector<peer_memory_client*> clients;
   std::uint64_t gen;
   {
-    std::lock_guard l(impl_->mu);
+    cache_lock l(impl_->mu);
     clients = impl_->clients;
     gen = impl_->generation;
   }
   for (auto* c : clients)
     if (auto r = c->acquire(p, n)) {
       if (r->type == memory_type::host_pageable) {
-        std::lock_guard l(impl_->mu);
-        inside_guard g;
+        cache_lock l(impl_->mu);
         if (impl_->generation == gen && !impl_->has_pending) {
           if (impl_->seen_host.size() >= 256) impl_->seen_host.clear();
           impl_->seen_host[a] = {a + n, *r};
@@ -291,7 +311,7 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
 bool registration_cache::cached(const void* p, std::uint64_t n) {
   apply_pending();
   auto a = reinterpret_cast<std::uintptr_t>(p);
-  std::lock_guard l(impl_->mu);
+  cache_lock l(impl_->mu);
   std::uintptr_t cur = a;
   auto it = impl_->index.upper_bound(a);
   if (it != impl_->index.begin()) --it;
@@ -309,8 +329,7 @@ registration registration_cache::acquire(const void* p, std::uint64_t n) {
   registration h;
   std::vector<std::function<void()>> stale_cbs;
   {
-    std::lock_guard l(impl_->mu);
-    inside_guard g;
+    cache_lock l(impl_->mu);
     auto& I = *impl_;
     // 1. Walk what is cached over [a, a+n), dropping entries whose memory changed under us.
     std::vector<std::shared_ptr<registration::entry>> cover;
@@ -399,8 +418,7 @@ registration registration_cache::acquire(const void* p, std::uint64_t n) {
 }
 
 void registration_cache::release(registration& r) noexcept {
-  std::lock_guard l(impl_->mu);
-  inside_guard g;
+  cache_lock l(impl_->mu);
   for (auto& e : r.entries_) {
     if (--e->refs > 0) continue;
     if (!e->valid || !e->in_index) {
@@ -428,21 +446,19 @@ void registration_cache::invalidate(std::uintptr_t base, std::uint64_t size) {
   }
   std::vector<std::function<void()>> cbs;
   {
-    std::lock_guard l(impl_->mu);
-    inside_guard g;
+    cache_lock l(impl_->mu);
     cbs = impl_->invalidate_locked(base, size);
   }
   for (auto& cb : cbs) cb();
 }
 
 void registration_cache::trim() {
-  std::lock_guard l(impl_->mu);
-  inside_guard g;
+  cache_lock l(impl_->mu);
   impl_->evict_locked(0);
 }
 
 registration_stats registration_cache::stats() const {
-  std::lock_guard l(impl_->mu);
+  cache_lock l(impl_->mu);
   registration_stats s = impl_->st;
   s.bytes_pinned = impl_->bytes_pinned;
   s.entries = impl_->index.size();

@@ -3,6 +3,7 @@
 
 #include <ferry/core/units.hpp>
 #include <ferry/store/service.hpp>
+#include <ferry/store/uri.hpp>
 
 #include <fmt/format.h>
 #include <signal.h>
@@ -13,34 +14,9 @@
 
 namespace ferry::cli {
 
-remote_uri parse_uri(const std::string& uri) {
-  std::string_view s = uri;
-  auto bad = [&](std::string_view why) { fail(errc::invalid_argument, "uri", uri, std::string(why) + " (expected ferry://host:port/path)"); };
-  if (!s.starts_with("ferry://")) bad("not a ferry:// URI");
-  s.remove_prefix(8);
-  auto slash = s.find('/');
-  if (slash == std::string_view::npos) bad("no path");
-  std::string_view hostport = s.substr(0, slash);
-  remote_uri r;
-  r.path = std::string(s.substr(slash + 1));
-  std::string_view port;
-  if (hostport.starts_with("[")) {
-    auto close = hostport.find(']');
-    if (close == std::string_view::npos || close + 1 >= hostport.size() || hostport[close + 1] != ':') bad("bad [IPv6]:port");
-    r.host = std::string(hostport.substr(1, close - 1));
-    port = hostport.substr(close + 2);
-  } else {
-    auto colon = hostport.rfind(':');
-    if (colon == std::string_view::npos) bad("no port");
-    r.host = std::string(hostport.substr(0, colon));
-    port = hostport.substr(colon + 1);
-  }
-  unsigned p = 0;
-  auto [ptr, ec] = std::from_chars(port.data(), port.data() + port.size(), p);
-  if (ec != std::errc() || ptr != port.data() + port.size() || p == 0 || p > 65535) bad("bad port");
-  r.port = static_cast<std::uint16_t>(p);
-  if (r.path.empty()) bad("empty path");
-  return r;
+remote_uri parse_uri(const std::string& text) {
+  auto u = store::parse_uri(text);
+  return {u.host, u.port, u.path};
 }
 
 std::string client_secret(runtime& rt) {

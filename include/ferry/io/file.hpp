@@ -12,6 +12,7 @@
 // reason is reported by `ferry info --path`.
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
+#include <ferry/io/file_source.hpp>
 #include <ferry/xfer/engine.hpp>
 
 #include <memory>
@@ -27,7 +28,9 @@ enum class open_mode {
 
 class FERRY_API file {
  public:
-  // Throws not_found / permission_denied / ... naming the path and the errno.
+  // Throws not_found / permission_denied / ... naming the path and the errno. A path with a scheme
+  // ("ferry://host:port/path") is opened by the scheme's registered opener (see file_source.hpp; a
+  // ferry::runtime registers ferry://); such a file has no descriptors (fd() is -1).
   static std::shared_ptr<file> open(const std::string& path, open_mode mode);
   ~file();
   file(const file&) = delete;
@@ -39,6 +42,8 @@ class FERRY_API file {
   void sync();                         // fsync
   bool writable() const noexcept { return writable_; }
   int fd() const noexcept { return fd_; }
+  // The remote side of a file opened through a scheme, else null.
+  const std::shared_ptr<file_source>& source() const noexcept { return source_; }
   int direct_fd() const noexcept { return dfd_; }  // -1 when O_DIRECT is refused here
   std::uint32_t dio_align() const noexcept { return align_; }  // offset/length/buffer alignment for O_DIRECT
 
@@ -48,6 +53,7 @@ class FERRY_API file {
   int fd_ = -1, dfd_ = -1;
   std::uint32_t align_ = 4096;
   bool writable_ = false;
+  std::shared_ptr<file_source> source_;
 };
 
 struct file_request {

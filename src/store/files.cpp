@@ -1,0 +1,230 @@
+// ferry:// files for the file API: a file_source per opened URI, a shared client per host:port whose
+// own threads start and finish requests (so file_engine::submit never blocks on the network).
+#include <ferry/io/file.hpp>
+#include <ferry/store/files.hpp>
+#include <ferry/store/uri.hpp>
+
+#include "core/logging.hpp"
+
+#include <fmt/format.h>
+
+#include <sys/stat.h>
+
+#include <charconv>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+namespace ferry::store {
+
+uri parse_uri(const std::string& text) {
+  std::string_view s = text;
+  auto bad = [&](std::string_view why) { fail(errc::invalid_argument, "uri", text, std::string(why) + " (expected ferry://host:port/path)"); };
+  if (!s.starts_with("ferry://")) bad("not a ferry:// URI");
+  s.remove_prefix(8);
+  auto slash = s.find('/');
+  if (slash == std::string_view::npos) bad("no path");
+  std::string_view hostport = s.substr(0, slash);
+  uri r;
+  r.path = std::string(s.substr(slash + 1));
+  std::string_view port;
+  if (hostport.starts_with("[")) {
+    auto close = hostport.find(']');
+    if (close == std::string_view::npos || close + 1 >= hostport.size() || hostport[close + 1] != ':') bad("bad [IPv6]:port");
+    r.host = std::string(hostport.substr(1, close - 1));
+    port = hostport.substr(close + 2);
+  } else {
+    auto colon = hostport.rfind(':');
+    if (colon == std::string_view::npos) bad("no port");
+    r.host = std::string(hostport.substr(0, colon));
+    port = hostport.substr(colon + 1);
+  }
+  unsigned p = 0;
+  auto [ptr, ec] = std::from_chars(port.data(), port.data() + port.size(), p);
+  if (ec != std::errc() || ptr != port.data() + port.size() || p == 0 || p > 65535) bad("bad port");
+  r.port = static_cast<std::uint16_t>(p);
+  if (r.path.empty()) bad("empty path");
+  return r;
+}
+
+namespace {
+
+using clk = std::chrono::steady_clock;
+
+// One client and the two threads that drive its requests: the starter waits for credits (start_*),
+// the finisher for answers (finish), each bounded by the request's deadline.
+class remote_endpoint {
+ public:
+  remote_endpoint(const uri& u, client_options o) : timeout_(o.timeout), c_(u.host, u.port, std::move(o)) {
+    starter_ = std::thread([this] { start_loop(); });
+    finisher_ = std::thread([this] { finish_loop(); });
+  }
+  ~remote_endpoint() {
+    {
+      std::lock_guard l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    starter_.join();  // each drains its queue first; every wait in them has a deadline
+    {
+      std::lock_guard l(mu_);
+      starter_done_ = true;
+    }
+    cv_.notify_all();
+    finisher_.join();
+  }
+  remote_endpoint(const remote_endpoint&) = delete;
+  remote_endpoint& operator=(const remote_endpoint&) = delete;
+
+  client& c() { return c_; }
+  std::chrono::nanoseconds timeout() const { return timeout_; }
+
+  struct op {
+    bool write = false;
+    std::string path;
+    std::uint64_t offset = 0;
+    void* mem = nullptr;
+    std::uint64_t bytes = 0;
+    clk::time_point until;
+    file_source::completion done;
+    client::ticket t = 0;
+  };
+  void submit(op o) {
+    {
+      std::lock_guard l(mu_);
+      to_start_.push_back(std::move(o));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void start_loop() {
+    for (;;) {
+      op o;
+      {
+        std::unique_lock l(mu_);
+        cv_.wait(l, [&] { return stop_ || !to_start_.empty(); });
+        if (to_start_.empty()) return;
+        o = std::move(to_start_.front());
+        to_start_.pop_front();
+      }
+      try {
+        o.t = o.write ? c_.start_write(o.path, o.offset, o.mem, o.bytes, o.until) : c_.start_read(o.path, o.offset, o.mem, o.bytes, o.until);
+      } catch (const error& e) {
+        complete_after_error(o, e);
+        continue;
+      }
+      {
+        std::lock_guard l(mu_);
+        to_finish_.push_back(std::move(o));
+      }
+      cv_.notify_all();
+    }
+  }
+  void finish_loop() {
+    for (;;) {
+      op o;
+      {
+        std::unique_lock l(mu_);
+        cv_.wait(l, [&] { return starter_done_ || !to_finish_.empty(); });
+        if (to_finish_.empty()) return;
+        o = std::move(to_finish_.front());
+        to_finish_.pop_front();
+      }
+      try {
+        std::uint64_t n = c_.finish(o.t);
+        o.done(n, nullptr);
+      } catch (const error& e) {
+        complete_after_error(o, e);
+      }
+    }
+  }
+  // A request whose connection was lost (server restarted) is retried once, synchronously, within
+  // its deadline -- reads and positional writes are idempotent. Other errors are final.
+  void complete_after_error(op& o, const error& e) {
+    auto left = o.until - clk::now();
+    if (e.code() == errc::network_error && left > std::chrono::milliseconds(1)) {
+      try {
+        std::uint64_t n = o.bytes;
+        if (o.write) c_.write(o.path, o.offset, o.mem, o.bytes, left);
+        else n = c_.read(o.path, o.offset, o.mem, o.bytes, left);
+        o.done(n, nullptr);
+        return;
+      } catch (const error& e2) {
+        o.done(0, &e2);
+        return;
+      }
+    }
+    o.done(0, &e);
+  }
+
+  std::chrono::nanoseconds timeout_;
+  client c_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<op> to_start_, to_finish_;
+  bool stop_ = false, starter_done_ = false;
+  std::thread starter_, finisher_;
+};
+
+class remote_file final : public file_source {
+ public:
+  remote_file(std::shared_ptr<remote_endpoint> ep, std::string path) : ep_(std::move(ep)), path_(std::move(path)) {}
+  std::uint64_t size() override { return ep_->c().stat(path_, ep_->timeout()).size; }
+  void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, clk::time_point until, completion done) override {
+    ep_->submit({write, path_, offset, mem, bytes, until, std::move(done), 0});
+  }
+
+ private:
+  std::shared_ptr<remote_endpoint> ep_;
+  std::string path_;
+};
+
+struct registry {
+  std::function<client_options()> options;
+  std::mutex mu;
+  std::map<std::pair<std::string, std::uint16_t>, std::shared_ptr<remote_endpoint>> eps;
+
+  std::shared_ptr<file_source> open(const std::string& text, open_mode mode) {
+    uri u = parse_uri(text);
+    if (mode == open_mode::create)
+      fail(errc::not_supported, "file.open", text, "remote files cannot be created empty or truncated; open them read_write (the first write creates a missing file)");
+    std::shared_ptr<remote_endpoint> ep;
+    {
+      std::lock_guard l(mu);
+      auto& slot = eps[{u.host, u.port}];
+      if (!slot) {
+        try {
+          slot = std::make_shared<remote_endpoint>(u, options());
+        } catch (...) {
+          eps.erase({u.host, u.port});
+          throw;
+        }
+      }
+      ep = slot;
+    }
+    if (mode == open_mode::read_write && !ep->c().writable())
+      fail(errc::permission_denied, "file.open", text, "the server is read-only (ferry serve without --writable)");
+    try {
+      auto st = ep->c().stat(u.path, ep->timeout());
+      if ((st.mode & S_IFMT) == S_IFDIR) fail(errc::invalid_argument, "file.open", text, "is a directory");
+    } catch (const error& e) {
+      if (!(mode == open_mode::read_write && e.code() == errc::not_found)) throw;
+    }
+    return std::make_shared<remote_file>(ep, u.path);
+  }
+};
+
+}  // namespace
+
+scheme_registration register_ferry_files(std::function<client_options()> options) {
+  auto reg = std::make_shared<registry>();
+  reg->options = std::move(options);
+  // The opener owns the registry (and so the clients): they go when the registration does.
+  return register_file_scheme("ferry", [reg](const std::string& text, open_mode mode) { return reg->open(text, mode); });
+}
+
+}  // namespace ferry::store

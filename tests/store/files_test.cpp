@@ -1,0 +1,180 @@
+// ferry:// in the file API: file::open + file_engine batches against a loopback `ferry serve`.
+#include <ferry/core/checksum.hpp>
+#include <ferry/device/mapped_memory.hpp>
+#include <ferry/io/file.hpp>
+#include <ferry/runtime.hpp>
+#include <ferry/store/service.hpp>
+
+#include "support/errors.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+using namespace ferry;
+using ::testing::HasSubstr;
+
+namespace {
+
+std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
+  std::vector<unsigned char> v(n);
+  std::mt19937_64 rng(seed);
+  for (auto& c : v) c = static_cast<unsigned char>(rng());
+  return v;
+}
+
+void spill(const std::filesystem::path& p, const std::vector<unsigned char>& d) {
+  std::ofstream f(p, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(d.data()), static_cast<std::streamsize>(d.size()));
+}
+
+std::vector<unsigned char> slurp(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// A server over a fresh directory, and runtime settings whose clients know its secret.
+struct fixture {
+  std::filesystem::path root, secret_file;
+  std::unique_ptr<store::server> srv;
+  explicit fixture(bool writable) {
+    root = std::filesystem::path(::testing::TempDir()) / ("ferry-files-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(root / "d");
+    secret_file = root.string() + ".secret";
+    std::ofstream(secret_file) << "files secret\n";
+    store::server_options o;
+    o.root = root.string();
+    o.secret = "files secret";
+    o.writable = writable;
+    srv = std::make_unique<store::server>(o);
+  }
+  ~fixture() {
+    srv.reset();
+    std::filesystem::remove_all(root);
+    std::filesystem::remove(secret_file);
+  }
+  std::string uri(const std::string& path) const { return "ferry://127.0.0.1:" + std::to_string(srv->port()) + "/" + path; }
+  settings cfg() const {
+    settings c = settings::defaults();
+    c.backend = backend_choice::sim;
+    c.sim_capacity = 64ull << 20;
+    c.sim_granularity = 1ull << 20;
+    c.secret_file = secret_file.string();
+    c.net_piece = 1 << 20;
+    c.net_staging = 4 << 20;
+    c.deadline = std::chrono::seconds(10);
+    return c;
+  }
+};
+
+}  // namespace
+
+// One batch mixing host and sim memory, several offsets and a read past the end of the file.
+TEST(RemoteFiles, BatchReadsIntoHostAndSimMemory) {
+  fixture fx(false);
+  auto data = random_bytes((5 << 20) + 333, 41);
+  spill(fx.root / "d" / "data.bin", data);
+  runtime rt(fx.cfg());
+  auto f = file::open(fx.uri("d/data.bin"), open_mode::read);
+  EXPECT_EQ(f->size(), data.size());
+  EXPECT_EQ(f->fd(), -1);
+  ASSERT_TRUE(f->source());
+
+  std::vector<unsigned char> host(3 << 20), tail(1 << 20);
+  mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), 4 << 20);
+  std::vector<file_request> reqs = {
+      {f, 7, host.data(), host.size(), false},                         // unaligned, 3 pieces
+      {f, 1 << 20, sim.data(), (2 << 20) + 5, false},                  // staged
+      {f, data.size() - 1000, tail.data(), tail.size(), false},        // short: past the end
+  };
+  auto b = rt.files().submit(reqs);
+  ASSERT_TRUE(b.wait());
+  auto res = b.results();
+  EXPECT_EQ(res[0].bytes_done, host.size());
+  EXPECT_EQ(res[1].bytes_done, (2u << 20) + 5);
+  EXPECT_EQ(res[2].bytes_done, 1000u);
+  EXPECT_EQ(0, std::memcmp(host.data(), data.data() + 7, host.size()));
+  EXPECT_EQ(0, std::memcmp(tail.data(), data.data() + data.size() - 1000, 1000));
+  auto st = rt.devices().get("sim:0").create_stream();
+  std::uint64_t sum = 0;
+  st->checksum(sim.data(), (2 << 20) + 5, &sum);
+  st->synchronize();
+  EXPECT_EQ(sum, checksum64(data.data() + (1 << 20), (2 << 20) + 5)) << "sim memory holds the range";
+  EXPECT_EQ(rt.files().counters().get("requests.remote").value(), 3u);
+
+  // The synchronous helper goes the same way.
+  std::vector<unsigned char> small(4096);
+  EXPECT_EQ(rt.files().read(*f, 12345, small.data(), small.size()), small.size());
+  EXPECT_EQ(0, std::memcmp(small.data(), data.data() + 12345, small.size()));
+}
+
+TEST(RemoteFiles, WritesThroughTheFileEngineLandOnTheServer) {
+  fixture fx(true);
+  runtime rt(fx.cfg());
+  auto data = random_bytes((3 << 20) + 17, 42);
+  {
+    auto f = file::open(fx.uri("d/new.bin"), open_mode::read_write);  // missing: created by the write
+    rt.files().write(*f, 0, data.data(), data.size(), true);
+    mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), 2 << 20);
+    auto st = rt.devices().get("sim:0").create_stream();
+    std::vector<unsigned char> ones(1 << 20, 0x5a);
+    st->copy(sim.data(), ones.data(), ones.size());
+    st->synchronize();
+    rt.files().write(*f, data.size(), sim.data(), 1 << 20);  // sim memory -> staging -> server
+    EXPECT_EQ(f->size(), data.size() + (1 << 20));
+  }
+  auto back = slurp(fx.root / "d" / "new.bin");
+  ASSERT_EQ(back.size(), data.size() + (1 << 20));
+  EXPECT_EQ(0, std::memcmp(back.data(), data.data(), data.size()));
+  EXPECT_EQ(std::count(back.begin() + static_cast<std::ptrdiff_t>(data.size()), back.end(), 0x5a), 1 << 20);
+}
+
+TEST(RemoteFiles, BadOpensAreRefusedNamingWhatWasWrong) {
+  fixture fx(false);
+  spill(fx.root / "d" / "x.bin", random_bytes(10, 1));
+  {
+    runtime rt(fx.cfg());
+    EXPECT_THAT(test::error_text([&] { file::open(fx.uri("d/missing.bin"), open_mode::read); }), HasSubstr("d/missing.bin"));
+    EXPECT_THAT(test::error_text([&] { file::open(fx.uri("d/x.bin"), open_mode::create); }), HasSubstr("cannot be created"));
+    EXPECT_THAT(test::error_text([&] { file::open(fx.uri("d/x.bin"), open_mode::read_write); }), HasSubstr("read-only"));
+    EXPECT_THAT(test::error_text([&] { file::open(fx.uri("d"), open_mode::read); }), HasSubstr("is a directory"));
+    EXPECT_THAT(test::error_text([&] { file::open("ferry://127.0.0.1/x", open_mode::read); }), HasSubstr("no port"));
+    EXPECT_THAT(test::error_text([&] { file::open("nosuch://h:1/x", open_mode::read); }), HasSubstr("no handler for nosuch://"));
+    // A local path that merely contains "://" is a local path.
+    EXPECT_THAT(test::error_text([&] { file::open((fx.root / "a://b").string(), open_mode::read); }), HasSubstr("No such file"));
+    auto f = file::open(fx.uri("d/x.bin"), open_mode::read);
+    std::vector<unsigned char> buf(10);
+    file_request w{f, 0, buf.data(), 10, true};
+    auto b = rt.files().submit({&w, 1});
+    EXPECT_FALSE(b.wait());
+    EXPECT_THAT(test::error_text([&] { b.check(); }), HasSubstr("read-only"));
+    EXPECT_THAT(test::error_text([&] { f->resize(0); }), HasSubstr("cannot be resized"));
+  }
+  // No runtime, no ferry://.
+  EXPECT_THAT(test::error_text([&] { file::open(fx.uri("d/x.bin"), open_mode::read); }), HasSubstr("no handler for ferry://"));
+}
+
+// The server goes away with requests in a batch: each fails within the deadline, naming the peer.
+TEST(RemoteFiles, ServerGoneFailsTheBatchWithinItsDeadline) {
+  auto fx = std::make_unique<fixture>(false);
+  spill(fx->root / "d" / "data.bin", random_bytes(1 << 20, 3));
+  settings cfg = fx->cfg();
+  cfg.deadline = std::chrono::seconds(3);
+  runtime rt(cfg);
+  auto f = file::open(fx->uri("d/data.bin"), open_mode::read);
+  std::string peer = "127.0.0.1:" + std::to_string(fx->srv->port());
+  fx->srv.reset();
+  std::vector<unsigned char> buf(1 << 20);
+  auto t0 = std::chrono::steady_clock::now();
+  file_request r{f, 0, buf.data(), buf.size(), false};
+  auto b = rt.files().submit({&r, 1});
+  EXPECT_FALSE(b.wait());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_THAT(test::error_text([&] { b.check(); }), HasSubstr(peer));
+}
