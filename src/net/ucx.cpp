@@ -384,11 +384,7 @@ void ucx_worker::run_or_post(std::function<void()> f) {
     if (nposted_.load(std::memory_order_acquire) == 0) return f();
     return post(std::move(f));
   }
-  // Ask the spinning progress thread to stand aside (it looks between two progress calls) and wait a
-  // little for the lock; post only when the worker stays busy (e.g. inside a long copy).
-  waiter g(*this);
-  std::unique_lock l(ucx_mu_, std::defer_lock);
-  for (int i = 0; i < 64 && !l.try_lock(); ++i) cpu_relax();
+  std::unique_lock l(ucx_mu_, std::try_to_lock);
   if (!l.owns_lock()) return post(std::move(f));
   lock_owner();
   drain_posted();  // earlier work first
@@ -452,18 +448,14 @@ void ucx_worker::loop() {
     // Back-off: keep polling for a while after activity (the next request usually follows at once);
     // let a waiting caller in between polls.
     if (spin_.count() > 0 && clk::now() - last < spin_) {
-      // Keep polling; when a caller wants the worker (a waiter), stand aside until it is done: it
-      // polls for its own completion, so nothing is lost, and no lock is fought over. Take the lock
-      // back with try_lock: no sched_yield and no futex sleep on this path, each of which would cost
-      // about as much as a shared-memory round trip.
-      if (waiters_.load(std::memory_order_acquire) > 0) {
-        unlock_owner();
-        l.unlock();
-        while (waiters_.load(std::memory_order_acquire) > 0 && clk::now() - last < spin_) cpu_relax();
-        while (!l.try_lock()) cpu_relax();
-        lock_owner();
-        last = clk::now();  // a waiter's traffic counts as activity
-      }
+      // Open a short window for a waiting caller (try_progress / run_or_post take the lock with
+      // try_lock), then take it back with try_lock too: no sched_yield and no futex sleep on this
+      // path, each of which would cost about as much as a shared-memory round trip.
+      unlock_owner();
+      l.unlock();
+      for (int i = 0; i < 16; ++i) cpu_relax();
+      while (!l.try_lock()) cpu_relax();
+      lock_owner();
       continue;
     }
     ucs_status_t st = ucp_worker_arm(worker_);

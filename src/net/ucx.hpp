@@ -189,22 +189,8 @@ class ucx_worker {
   bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
   // Lets a waiting caller drive the worker itself (posted work + progress) when the progress thread
   // is not using it: a request's completion then costs no thread hand-off. Returns false when the
-  // worker was busy. Callbacks run on the calling thread. Hold a `waiter` meanwhile.
+  // worker was busy. Callbacks run on the calling thread.
   bool try_progress();
-  // A thread about to drive the worker (a caller waiting for its request, run_or_post) announces
-  // itself for that time: the spinning progress thread then stands aside -- stops polling and leaves
-  // the lock free -- so the waiter takes the worker at once instead of racing the progress thread for
-  // it (each lost race costs about a shared-memory round trip). Cheap: two atomic operations.
-  class waiter {
-   public:
-    explicit waiter(ucx_worker& w) : w_(w) { w_.waiters_.fetch_add(1, std::memory_order_seq_cst); }
-    ~waiter() { w_.waiters_.fetch_sub(1, std::memory_order_release); }
-    waiter(const waiter&) = delete;
-    waiter& operator=(const waiter&) = delete;
-
-   private:
-    ucx_worker& w_;
-  };
 
   // Listens on host:port (port 0: any); returns the port. New connections get `accepted` (on the
   // thread of the worker that serves them). `place`, if given, picks that worker for each new
@@ -249,7 +235,6 @@ class ucx_worker {
   std::mutex ucx_mu_;  // held by whichever thread is inside UCX (serialized worker)
   std::atomic<std::thread::id> owner_{};  // that thread
   std::atomic<bool> sleeping_{false};     // the progress thread is (about to be) in epoll: post() must wake it
-  std::atomic<int> waiters_{0};           // threads that want to drive the worker now (see waiter)
   std::chrono::nanoseconds spin_;
   std::atomic<std::uint64_t> wakeups_{0};
   frame_handler frame_;

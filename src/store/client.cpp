@@ -348,12 +348,9 @@ struct client::impl {
   void wait_piece(piece& p, clk::time_point until, const std::function<std::string()>& what) {
     // Drive the worker from this thread for a while: a small request then completes without any
     // thread hand-off (the progress thread takes over if this one gives up and sleeps).
-    {
-      net::ucx_worker::waiter g(*p.ln->w);  // the lane's progress thread stands aside meanwhile
-      auto spin_end = clk::now() + o.spin;
-      while (!p.done.load(std::memory_order_acquire) && clk::now() < spin_end)
-        if (!p.ln->w->try_progress()) cpu_relax();
-    }
+    auto spin_end = clk::now() + o.spin;
+    while (!p.done.load(std::memory_order_acquire) && clk::now() < spin_end)
+      if (!p.ln->w->try_progress()) cpu_relax();
     std::unique_lock l(mu);
     if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     auto cn = p.ln->c;
