@@ -52,6 +52,12 @@ double follow(transfer_batch& b, bool show, std::chrono::steady_clock::time_poin
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// How the file engine moved a file's data, for the summary line.
+std::string engine_path(const file& f, const transfer_batch& b) {
+  if (f.source()) return "file engine (ferry://, UCX)";
+  return b.results()[0].path == transfer_path::direct ? "file engine (cuFile)" : "file engine (io_uring)";
+}
+
 }  // namespace
 
 // ferry://host:port/path -> any memory endpoint. The client splits the read into pieces served in
@@ -157,7 +163,7 @@ int run_cp(runtime& rt, const cp_options& o) {
     transfer_batch b = rt.files().submit({&r, 1});
     secs = follow(b, show, t0);
     moved = b.results()[0].bytes_done;
-    path_used = b.results()[0].path == transfer_path::direct ? "file engine (cuFile)" : "file engine (io_uring)";
+    path_used = engine_path(*fin, b);
     if (o.verify) {
       got_sum = dst.checksum(moved);
       want_sum = file_checksum(rt, *fin, moved);
@@ -171,7 +177,7 @@ int run_cp(runtime& rt, const cp_options& o) {
     secs = follow(b, show, t0);
     fout->sync();
     secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    path_used = b.results()[0].path == transfer_path::direct ? "file engine (cuFile)" : "file engine (io_uring)";
+    path_used = engine_path(*fout, b);
     if (o.verify) {
       want_sum = pattern_checksum(bytes, seed);
       got_sum = file_checksum(rt, *fout, bytes);
