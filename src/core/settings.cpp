@@ -226,6 +226,12 @@ const setting_def table[] = {
   {"FERRY_NET_MAP", "Same-host shared memory: the client lends a landing region (FERRY_NET_STAGING bytes) that the server maps (UCX rkey_ptr) and reads files straight into; off = data always moves by messages. Needs both sides on.",
    [](settings& s, std::string_view v) { s.net_map = parse_bool(v); },
    [](const settings& s) { return std::string(s.net_map ? "1" : "0"); }},
+  {"FERRY_NET_RMA", "Bulk data of ferry:// by RMA into the client's registered memory (the server puts reads and gets writes): auto (when the connection has a transport with real RMA: InfiniBand/RoCE verbs) | on (always; over tcp UCX emulates it, slowly) | off (active messages).",
+   [](settings& s, std::string_view v) {
+     if (v != "auto" && v != "on" && v != "off") throw bad_value{"expected one of auto|on|off"};
+     s.net_rma = std::string(v);
+   },
+   [](const settings& s) { return s.net_rma; }},
 };
 // clang-format on
 

@@ -194,6 +194,16 @@ std::vector<std::pair<std::uintptr_t, std::uint64_t>> registration::pieces() con
   return out;
 }
 
+std::vector<registration::piece> registration::registered_pieces() const {
+  std::vector<piece> out;
+  std::uintptr_t lo = region_.base, hi = region_.base + region_.size;
+  for (auto& e : entries_) {
+    std::uintptr_t a = std::max(lo, e->base), b = std::min(hi, e->base + e->size);
+    if (a < b) out.push_back({a, b - a, e->cookie, e->base, e->size});
+  }
+  return out;
+}
+
 void registration::on_invalidate(std::function<void()> cb) {
   if (!cache_) return;
   auto shared = std::make_shared<std::function<void()>>(std::move(cb));

@@ -85,6 +85,8 @@ std::uint16_t type_of(const body& b) {
         else if constexpr (std::is_same_v<T, lend>) return static_cast<std::uint16_t>(msg_type::lend);
         else if constexpr (std::is_same_v<T, read_into>) return static_cast<std::uint16_t>(msg_type::read_into);
         else if constexpr (std::is_same_v<T, write_from>) return static_cast<std::uint16_t>(msg_type::write_from);
+        else if constexpr (std::is_same_v<T, read_rma>) return static_cast<std::uint16_t>(msg_type::read_rma);
+        else if constexpr (std::is_same_v<T, write_rma>) return static_cast<std::uint16_t>(msg_type::write_rma);
         else return static_cast<std::uint16_t>(msg_type::error);
       },
       b);
@@ -125,6 +127,14 @@ std::vector<std::byte> encode(const message& m) {
           p.put(v.offset);
           p.put(v.length);
           p.put(v.addr);
+          p.str(v.path, max_path, "path");
+        } else if constexpr (std::is_same_v<T, read_rma> || std::is_same_v<T, write_rma>) {
+          p.put(v.offset);
+          p.put(v.length);
+          p.put(v.addr);
+          if (v.rkey.size() > max_rkey) fail(errc::invalid_argument, "net.encode", "rkey", fmt::format("longer than {} bytes", max_rkey));
+          p.put(static_cast<std::uint16_t>(v.rkey.size()));
+          p.bytes(v.rkey, v.rkey.size());
           p.str(v.path, max_path, "path");
         } else if constexpr (std::is_same_v<T, stat_req> || std::is_same_v<T, list_req>) {
           p.str(v.path, max_path, "path");
@@ -255,6 +265,21 @@ message decode(std::span<const std::byte> bytes) {
       std::string path = r.str(max_path, "path");
       if (fi.type == msg_type::read_into) m.b = read_into{std::move(path), off, len, addr};
       else m.b = write_from{std::move(path), off, len, addr};
+      break;
+    }
+    case msg_type::read_rma:
+    case msg_type::write_rma: {
+      std::uint64_t off = r.get<std::uint64_t>("offset");
+      std::uint64_t len = r.get<std::uint64_t>("length");
+      std::uint64_t addr = r.get<std::uint64_t>("address");
+      if (off + len < off) bad("offset + length overflows");
+      if (addr + len < addr) bad("address + length overflows");
+      auto n = r.get<std::uint16_t>("rkey length");
+      if (n > max_rkey) bad(fmt::format("rkey of {} bytes exceeds the limit {}", n, max_rkey));
+      auto rkey = r.bytes(n, "rkey");
+      std::string path = r.str(max_path, "path");
+      if (fi.type == msg_type::read_rma) m.b = read_rma{std::move(path), off, len, addr, std::move(rkey)};
+      else m.b = write_rma{std::move(path), off, len, addr, std::move(rkey)};
       break;
     }
     case msg_type::stat:

@@ -294,10 +294,21 @@ remote_mapping::~remote_mapping() {
   if (rkey) w->run_or_post([r = rkey] { ucp_rkey_destroy(r); });
 }
 
+namespace {
+// ucp_ep_rkey_unpack takes no length: it reads what the key's own bits say. A peer's key is copied
+// into a zeroed buffer well past the protocol's limit first, so a short or lying key cannot make
+// UCX read beyond our memory.
+ucs_status_t unpack_bounded(ucp_ep_h ep, std::span<const std::byte> rkey, ucp_rkey_h* out) {
+  std::vector<std::byte> padded(max_rkey + 4096);
+  std::memcpy(padded.data(), rkey.data(), std::min(rkey.size(), max_rkey));
+  return ucp_ep_rkey_unpack(ep, padded.data(), out);
+}
+}  // namespace
+
 std::shared_ptr<remote_mapping> connection::map_remote(std::uint64_t addr, std::uint64_t len, std::span<const std::byte> rkey) {
   if (!ep || len == 0 || rkey.empty()) return nullptr;
   ucp_rkey_h rk = nullptr;
-  if (ucp_ep_rkey_unpack(ep, rkey.data(), &rk) != UCS_OK) return nullptr;
+  if (unpack_bounded(ep, rkey, &rk) != UCS_OK) return nullptr;
   void* local = nullptr;
   if (ucp_rkey_ptr(rk, addr, &local) != UCS_OK || !local ||
       !inside_shared_mapping(static_cast<std::byte*>(local), len)) {
@@ -311,6 +322,120 @@ std::shared_ptr<remote_mapping> connection::map_remote(std::uint64_t addr, std::
   m->addr = addr;
   m->len = len;
   return m;
+}
+
+std::shared_ptr<remote_mapping> connection::unpack_rkey(std::span<const std::byte> rkey) {
+  if (!ep || rkey.empty()) return nullptr;
+  ucp_rkey_h rk = nullptr;
+  if (unpack_bounded(ep, rkey, &rk) != UCS_OK) return nullptr;
+  auto m = std::make_shared<remote_mapping>();
+  m->w = &w_;
+  m->rkey = rk;
+  return m;
+}
+
+namespace {
+struct rma_ctx {
+  std::shared_ptr<connection> conn;
+  std::shared_ptr<remote_mapping> key;  // the rkey lives until the operation completes
+  std::function<void(ucs_status_t)> done;
+};
+void rma_cb(void* request, ucs_status_t status, void* user) {
+  auto* c = static_cast<rma_ctx*>(user);
+  if (c->done) c->done(status);
+  delete c;
+  ucp_request_free(request);
+}
+}  // namespace
+
+void connection::rma(bool get, void* local, std::size_t n, std::uint64_t remote, std::shared_ptr<remote_mapping> key,
+                     std::function<void(ucs_status_t)> done) {
+  auto* c = new rma_ctx{shared_from_this(), std::move(key), std::move(done)};
+  w_.run_or_post([c, get, local, n, remote] {
+    auto& conn = *c->conn;
+    if (!conn.ep || !conn.alive()) {
+      if (c->done) c->done(UCS_ERR_CONNECTION_RESET);
+      delete c;
+      return;
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = rma_cb;
+    p.user_data = c;
+    ucs_status_ptr_t r = get ? ucp_get_nbx(conn.ep, local, n, remote, c->key->rkey, &p)
+                             : ucp_put_nbx(conn.ep, local, n, remote, c->key->rkey, &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      if (c->done) c->done(r == nullptr ? UCS_OK : UCS_PTR_STATUS(r));
+      delete c;
+    }
+  });
+}
+
+void connection::send_frame_fenced(const message& m) {
+  if (!alive_) fail(errc::network_error, "net.send", peer_, "connection lost: " + failure());
+  auto* c = new send_ctx{encode(m), nullptr};
+  auto self = shared_from_this();
+  w_.run_or_post([self, c] {
+    ucp_worker_fence(self->w_.handle());
+    am_send(*self, am_frame, c, nullptr, 0, c->buf.data(), c->buf.size(), UCP_AM_SEND_FLAG_EAGER);
+  });
+}
+
+// ---- network registrations ---------------------------------------------------------------------
+
+namespace {
+struct net_key {
+  ucp_mem_h memh = nullptr;
+  std::vector<std::byte> rkey;
+};
+}  // namespace
+
+std::optional<memory_region> ucx_net_client::acquire(const void* p, std::uint64_t n) {
+  memory_region r;
+  if (classify_) {
+    r = classify_->classify(p, n);
+    bool host = r.type == memory_type::host_pageable || r.type == memory_type::host_pinned;
+    bool cuda = r.type == memory_type::device && ctx_->cuda_memory() && r.owner.starts_with("cuda");
+    if (!host && !cuda) return std::nullopt;
+  } else {
+    r.type = memory_type::host_pageable;
+    r.owner = "host";
+  }
+  r.base = reinterpret_cast<std::uintptr_t>(p);
+  r.size = n;
+  r.client = this;
+  return r;
+}
+
+std::uint64_t ucx_net_client::pin(const memory_region&, std::uintptr_t base, std::uint64_t size) {
+  auto k = std::make_unique<net_key>();
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.address = reinterpret_cast<void*>(base);
+  mp.length = size;
+  check(ucp_mem_map(ctx_->handle(), &mp, &k->memh), "net.register", fmt::format("[{:#x}, +{})", base, size));
+  void* rk = nullptr;
+  std::size_t rkn = 0;
+  ucs_status_t st = ucp_rkey_pack(ctx_->handle(), k->memh, &rk, &rkn);
+  if (st != UCS_OK) {
+    ucp_mem_unmap(ctx_->handle(), k->memh);
+    check(st, "net.register", "ucp_rkey_pack");
+  }
+  k->rkey.assign(static_cast<std::byte*>(rk), static_cast<std::byte*>(rk) + rkn);
+  ucp_rkey_buffer_release(rk);
+  return reinterpret_cast<std::uint64_t>(k.release());
+}
+
+void ucx_net_client::unpin(std::uint64_t cookie, std::uintptr_t, std::uint64_t) noexcept {
+  auto* k = reinterpret_cast<net_key*>(cookie);
+  if (!k) return;
+  ucp_mem_unmap(ctx_->handle(), k->memh);
+  delete k;
+}
+
+std::span<const std::byte> ucx_net_client::rkey_of(std::uint64_t cookie) {
+  auto* k = reinterpret_cast<const net_key*>(cookie);
+  return k ? std::span<const std::byte>(k->rkey) : std::span<const std::byte>();
 }
 
 // ---- worker ------------------------------------------------------------------------------------

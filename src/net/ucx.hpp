@@ -13,6 +13,7 @@
 // thread wake-up (several microseconds, more than a whole AM round trip on shared memory), and an
 // idle transport still sleeps.
 #include <ferry/core/error.hpp>
+#include <ferry/mem/registration.hpp>
 #include <ferry/net/protocol.hpp>
 
 #include <ucp/api/ucp.h>
@@ -25,6 +26,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <span>
 #include <thread>
@@ -97,6 +99,26 @@ struct remote_mapping {
   ~remote_mapping();
 };
 
+// Registers memory for the network (ucp_mem_map of existing memory + packed rkey), as a peer-memory
+// client of a registration cache: registrations are cached, evicted lazily, and dropped when the memory
+// goes (munmap hooks). Host memory, and CUDA memory when this UCX registers it. `classify` tells memory
+// kinds apart (the runtime's cache); without it every pointer is taken for host memory.
+class ucx_net_client final : public peer_memory_client {
+ public:
+  ucx_net_client(std::shared_ptr<ucx_context> ctx, registration_cache* classify) : ctx_(std::move(ctx)), classify_(classify) {}
+  std::string_view name() const noexcept override { return "ucx-net"; }
+  std::optional<memory_region> acquire(const void* p, std::uint64_t n) override;
+  std::uint64_t pin(const memory_region& r, std::uintptr_t base, std::uint64_t size) override;
+  void unpin(std::uint64_t cookie, std::uintptr_t base, std::uint64_t size) noexcept override;
+  bool still_valid(const memory_region&) override { return true; }
+  // The packed rkey of a registration's piece (its cookie).
+  static std::span<const std::byte> rkey_of(std::uint64_t cookie);
+
+ private:
+  std::shared_ptr<ucx_context> ctx_;
+  registration_cache* classify_;
+};
+
 // One endpoint (connection). Owned through shared_ptr; UCX calls on it run on the progress thread.
 class connection : public std::enable_shared_from_this<connection> {
  public:
@@ -123,6 +145,16 @@ class connection : public std::enable_shared_from_this<connection> {
   // (then data has to move by messages). Progress thread only. The mapping lives as long as the
   // connection.
   std::shared_ptr<remote_mapping> map_remote(std::uint64_t addr, std::uint64_t len, std::span<const std::byte> rkey);
+  // A peer's packed rkey unpacked for RMA on this endpoint (base stays null); null when UCX refuses
+  // it. Progress thread only; released on the worker's thread when the last holder drops it.
+  std::shared_ptr<remote_mapping> unpack_rkey(std::span<const std::byte> rkey);
+  // RMA on the worker: put [local, local+n) to the peer's `remote` (or get it into local); `done`
+  // runs on the worker's thread when the local buffer may be reused (put) or holds the data (get).
+  void rma(bool get, void* local, std::size_t n, std::uint64_t remote, std::shared_ptr<remote_mapping> key,
+           std::function<void(ucs_status_t)> done);
+  // Sends a frame after everything put before it has reached the peer (ucp_worker_fence): the
+  // completion of an RMA read may not overtake its data.
+  void send_frame_fenced(const message& m);
   ucx_worker& worker() const { return w_; }
 
   ucp_ep_h ep = nullptr;  // progress thread only

@@ -46,7 +46,9 @@ struct client::impl {
     std::uint64_t rid = 0;
     lane* ln = nullptr;
     connection* conn = nullptr;
-    bool write = false, direct = false;
+    bool write = false, direct = false, rma = false;
+    std::shared_ptr<registration> net;  // network registration of the memory an RMA piece uses
+    std::byte* rma_mem = nullptr;
     std::byte* land = nullptr;       // where read data lands (the destination, a staging buffer or a landing slot)
     std::uint64_t len = 0;
     std::byte* final_dst = nullptr;  // staged reads: copied here by the stager
@@ -78,7 +80,12 @@ struct client::impl {
   ticket next_ticket = 1;
   welcome hello_reply;
   bool connected_once = false;
-  std::atomic<std::uint64_t> n_requests{0}, n_pieces{0}, n_read{0}, n_written{0}, n_staged{0}, n_reconnects{0}, n_direct{0};
+  std::atomic<std::uint64_t> n_requests{0}, n_pieces{0}, n_read{0}, n_written{0}, n_staged{0}, n_reconnects{0}, n_direct{0}, n_rma{0};
+  // RMA: memory registered for the network through a registration cache of our own (lazily
+  // deregistered, dropped when the memory goes); decided when lane 0 connects.
+  std::unique_ptr<ucx_net_client> net_client;
+  std::unique_ptr<registration_cache> net_cache;
+  std::atomic<bool> use_rma{false};
 
   // Staging for GPU/sim memory, and the thread that moves staged and landed pieces on.
   std::unique_ptr<pinned_pool> staging;
@@ -155,7 +162,12 @@ struct client::impl {
       throw;
     }
   }
-  ~impl() { shutdown(); }
+  ~impl() {
+    shutdown();
+    std::lock_guard l(mu);  // network registrations held by unfinished requests go before their cache
+    ops.clear();
+    pend.clear();
+  }
   void shutdown() {
     for (auto& ln : lanes) {
       std::shared_ptr<connection> cn;
@@ -244,7 +256,7 @@ struct client::impl {
         p.err = error(errc::io_error, p.write ? "store.write" : "store.read", peer, fmt::format("server reported status {}", cp->status));
       if (!p.err && cp->bytes > p.len && p.len)
         p.err = error(errc::protocol_error, "store.request", peer, fmt::format("the server claims {} bytes for a {}-byte request", cp->bytes, p.len));
-      if (p.direct && !p.write && !p.err) p.received = cp->bytes;  // already in the landing slot
+      if ((p.direct || p.rma) && !p.write && !p.err) p.received = cp->bytes;  // already in the landing slot / destination
     }
     p.replied = true;
     p.reply = std::move(m);
@@ -356,6 +368,8 @@ struct client::impl {
     auto cn = p.ln->c;
     l.unlock();
     log::warn("store", "{}: {} timed out; closing the connection", peer, what());
+    // An RMA piece's memory may still be written by the server: revoke its network key.
+    if (p.rma && net_cache) net_cache->invalidate(reinterpret_cast<std::uintptr_t>(p.rma_mem), p.len);
     if (cn) {
       cn->close();
       try {
@@ -426,6 +440,7 @@ struct client::impl {
       auto* cp = std::get_if<complete>(&lr.b);
       mapped = cp && cp->status == 0 && cp->bytes == 1;
     }
+    if (ln.index == 0) decide_rma(*cn);
     std::lock_guard l(mu);
     hello_reply = std::get<welcome>(r.b);
     ln.credits = std::max<std::uint32_t>(1, hello_reply.credits);
@@ -435,6 +450,22 @@ struct client::impl {
     for (auto& [id, p] : pend)
       if (p->credit && p->conn == raw) ln.inflight++;
     cv.notify_all();
+  }
+
+  // RMA for bulk data: on request, or (auto) when UCX put a transport with real RMA on the lanes.
+  void decide_rma(connection& cn) {
+    bool want = o.rma == "on";
+    if (o.rma == "auto") {
+      std::string t = cn.transports();
+      for (const char* real : {"rc_", "dc_", "rc/", "dc/", "verbs", "mlx5"})
+        if (t.find(real) != std::string::npos) want = true;
+      if (t.find("ud_") != std::string::npos && t.find("rc") == std::string::npos && t.find("dc") == std::string::npos) want = false;
+    }
+    if (want && !net_cache) {
+      net_client = std::make_unique<ucx_net_client>(ctx, o.cache);
+      net_cache = std::make_unique<registration_cache>(std::vector<peer_memory_client*>{net_client.get()}, 1ull << 62);
+    }
+    use_rma = want;
   }
 
   // Does [p, p+n) need host staging (GPU or sim memory UCX cannot reach)?
@@ -478,6 +509,19 @@ struct client::impl {
     // the inline size (a small read is one message either way).
     bool direct = direct_available() && (staged || length > (16u << 10));
     if (direct && staged) pin_landing();
+    // RMA into/out of the caller's memory, registered for the network (cached); memory UCX cannot
+    // register (GPU memory without CUDA support in UCX) keeps the staged path.
+    std::shared_ptr<registration> net;
+    std::vector<registration::piece> net_pieces;
+    if (!direct && !staged && use_rma && net_cache && length > (16u << 10)) {
+      try {
+        net = std::make_shared<registration>(net_cache->acquire(mem, length));
+        net_pieces = net->registered_pieces();
+      } catch (const error& e) {
+        log::debug("store", "{}: no network registration for {}+{} ({}); data moves by messages", peer, static_cast<void*>(mem), length, e.what());
+        net.reset();
+      }
+    }
     n_requests++;
     op o2{path, write, offset, length, until, {}};
     try {
@@ -486,9 +530,25 @@ struct client::impl {
         std::uint64_t n = std::min<std::uint64_t>(o.piece, length - off);
         auto p = std::make_shared<piece>();
         p->write = write;
-        p->len = n;
         message m;
-        if (direct && n) {
+        const registration::piece* rp = nullptr;
+        if (net && n) {
+          auto a = reinterpret_cast<std::uintptr_t>(mem + off);
+          for (auto& x : net_pieces)
+            if (a >= x.addr && a < x.addr + x.bytes) rp = &x;
+          if (rp) n = std::min<std::uint64_t>(n, rp->addr + rp->bytes - a);  // one wire piece, one network key
+        }
+        p->len = n;
+        if (rp) {
+          auto key = ucx_net_client::rkey_of(rp->cookie);
+          std::vector<std::uint8_t> rk(reinterpret_cast<const std::uint8_t*>(key.data()), reinterpret_cast<const std::uint8_t*>(key.data()) + key.size());
+          auto addr = reinterpret_cast<std::uint64_t>(mem + off);
+          p->rma = true;
+          p->net = net;
+          p->rma_mem = mem + off;
+          m = {0, 0, write ? body{write_rma{path, offset + off, n, addr, std::move(rk)}} : body{read_rma{path, offset + off, n, addr, std::move(rk)}}};
+          n_rma++;
+        } else if (direct && n) {
           p->direct = true;
           p->land_slot = get_land_slot(until);
           p->land = landing->data() + static_cast<std::size_t>(p->land_slot) * o.piece;
@@ -513,7 +573,7 @@ struct client::impl {
         }
         p = send(std::move(m), std::move(p), true, until);
         o2.pieces.push_back(p);
-        if (write && n && !p->direct) {
+        if (write && n && !p->direct && !p->rma) {
           // Data follows the frame, on the same connection, in messages of at most max_data (the server's limit).
           std::shared_ptr<connection> cn;
           {
@@ -667,7 +727,8 @@ client_stats client::stats() const {
                  i.n_reconnects.load(), wakeups, i.lanes[0]->w->cuda_memory(), "",
                  direct ? "mapped landing region (server reads/writes it in place; shared memory)"
                         : "active messages (rendezvous above the eager limit)",
-                 static_cast<int>(i.lanes.size()), i.n_direct.load(), i.quarantined.load()};
+                 static_cast<int>(i.lanes.size()), i.n_direct.load(), i.quarantined.load(), i.n_rma.load(), i.use_rma.load()};
+  if (s.rma && !direct) s.data_path = "RMA into registered client memory (server puts reads, gets writes)";
   std::shared_ptr<connection> cn;
   {
     std::lock_guard l(i.mu);
@@ -701,6 +762,7 @@ client_options client_options_from(const settings& s, registration_cache* cache,
   o.spin = s.net_spin;
   o.lanes = s.net_lanes;
   o.map = s.net_map;
+  o.rma = s.net_rma;
   return o;
 }
 

@@ -20,6 +20,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <future>
 #include <map>
 #include <thread>
 #include <unordered_map>
@@ -122,7 +123,7 @@ struct server::impl {
   root_dir root;
   fd_cache files;
   std::atomic<std::uint64_t> connections{0}, requests{0}, reads{0}, writes{0}, bytes_sent{0}, bytes_received{0},
-      errors{0}, inline_replies{0}, write_buffered{0}, direct_reads{0}, direct_writes{0};
+      errors{0}, inline_replies{0}, write_buffered{0}, direct_reads{0}, direct_writes{0}, rma_puts{0}, rma_gets{0};
 
   struct write_state {
     std::shared_ptr<open_file> f;
@@ -308,6 +309,15 @@ struct server::impl {
         if (!o.writable) fail(errc::permission_denied, "store.write", r->path, "this server is read-only (started without --writable)");
         return direct(c, s, rid, r->path, r->offset, r->length, r->addr, true);
       }
+      if (auto* r = std::get_if<read_rma>(&m.b)) {
+        reads++;
+        return rma(c, s, rid, r->path, r->offset, r->length, r->addr, r->rkey, false);
+      }
+      if (auto* r = std::get_if<write_rma>(&m.b)) {
+        writes++;
+        if (!o.writable) fail(errc::permission_denied, "store.write", r->path, "this server is read-only (started without --writable)");
+        return rma(c, s, rid, r->path, r->offset, r->length, r->addr, r->rkey, true);
+      }
       if (auto* r = std::get_if<read_req>(&m.b)) {
         reads++;
         if (r->length > o.max_request)
@@ -370,6 +380,72 @@ struct server::impl {
       }
       s->outstanding--;
     });
+  }
+
+  // A read into / write from registered client memory by RMA (NVMe-oF style): an I/O thread reads
+  // the file a chunk at a time into a buffer and puts it to the client (or gets the client's data
+  // and writes it), waiting for each operation before the next; the completion goes after a fence,
+  // so it cannot overtake the data. The rkey is unpacked here, on the progress thread.
+  void rma(connection& c, const std::shared_ptr<session>& s, std::uint64_t rid, const std::string& path, std::uint64_t offset,
+           std::uint64_t length, std::uint64_t addr, const std::vector<std::uint8_t>& rkey, bool write) {
+    const char* op = write ? "store.write" : "store.read";
+    if (length > o.max_request)
+      fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
+    auto key = c.unpack_rkey(std::as_bytes(std::span(rkey.data(), rkey.size())));
+    if (!key) fail(errc::protocol_error, op, c.peer(), "the client's rkey cannot be unpacked on this endpoint");
+    s->outstanding++;
+    auto self = c.shared_from_this();
+    queue([this, self, s, key, rid, path, offset, length, addr, write] {
+      try {
+        auto f = files.get(path, write);
+        std::uint64_t chunk = std::min<std::uint64_t>(o.chunk, std::max<std::uint64_t>(length, 1));
+        // The buffer is shared with the completion callback: an operation that outlives its wait
+        // (timeout) still has memory to land in.
+        thread_local std::shared_ptr<std::vector<std::byte>> tl;
+        if (!tl || tl.use_count() > 1 || tl->size() < chunk) tl = std::make_shared<std::vector<std::byte>>(chunk);
+        auto buf = tl;
+        std::uint64_t done = 0;
+        while (done < length) {
+          std::uint64_t n = std::min(chunk, length - done);
+          if (write) {
+            rma_wait(*self, buf, true, n, addr + done, key, path);
+            pwrite_all(*f, path, buf->data(), n, offset + done);
+            done += n;
+          } else {
+            std::uint64_t got = pread_all(*f, path, buf->data(), n, offset + done);
+            if (got) rma_wait(*self, buf, false, got, addr + done, key, path);
+            done += got;
+            if (got < n) break;  // end of file
+          }
+        }
+        if (write) {
+          bytes_received += done;
+          rma_gets++;
+        } else {
+          bytes_sent += done;
+          rma_puts++;
+        }
+        self->send_frame_fenced({rid, 0, complete{0, done}});
+      } catch (const error& e) {
+        reply_error(*self, rid, e);
+      }
+      s->outstanding--;
+    });
+  }
+  void rma_wait(connection& c, const std::shared_ptr<std::vector<std::byte>>& buf, bool get, std::uint64_t n, std::uint64_t remote,
+                const std::shared_ptr<remote_mapping>& key, const std::string& path) {
+    auto p = std::make_shared<std::promise<ucs_status_t>>();
+    auto fut = p->get_future();
+    c.rma(get, buf->data(), n, remote, key, [p, buf](ucs_status_t st) { p->set_value(st); });
+    if (fut.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+      c.close();  // the operation completes (with an error) when the endpoint goes; buf stays alive until then
+      fail(errc::timeout, get ? "store.write" : "store.read", fmt::format("{} {}", c.peer(), printable(path)),
+           "RMA did not complete within 30 s");
+    }
+    ucs_status_t st = fut.get();
+    if (st != UCS_OK)
+      fail(errc::network_error, get ? "store.write" : "store.read", fmt::format("{} {}", c.peer(), printable(path)),
+           std::string(get ? "RMA get" : "RMA put") + " failed: " + ucs_status_string(st));
   }
 
   std::uint64_t pwrite_all(open_file& f, const std::string& path, const std::byte* src, std::uint64_t n, std::uint64_t at) {
@@ -617,7 +693,7 @@ server_stats server::stats() const {
   return {i.connections.load(), i.requests.load(),       i.reads.load(),          i.writes.load(),
           i.bytes_sent.load(),  i.bytes_received.load(), i.errors.load(),         i.inline_replies.load(),
           i.sessions.size(),    i.write_buffered.load(),  i.direct_reads.load(),  i.direct_writes.load(),
-          mapped};
+          mapped,               i.rma_puts.load(),        i.rma_gets.load()};
 }
 
 }  // namespace ferry::store

@@ -32,6 +32,8 @@ std::vector<message> samples() {
       {13, 0, lend{0x7f0000000000, 256 << 20, std::vector<std::uint8_t>(40, 7)}},
       {14, 0, read_into{"kv/block-7", 4096, 1 << 20, 0x7f0000100000}},
       {15, 0, write_from{"kv/block-8", 0, 4096, 0x7f0000200000}},
+      {16, 0, read_rma{"kv/block-9", 8192, 1 << 20, 0x7f0000300000, std::vector<std::uint8_t>(60, 3)}},
+      {17, 0, write_rma{"kv/block-10", 0, 4096, 0x7f0000400000, std::vector<std::uint8_t>(60, 4)}},
   };
 }
 
@@ -60,6 +62,14 @@ TEST(Protocol, LentRegionsAndDirectRequestsAreBoundsChecked) {
   rk[header_size + 16] = std::byte{200};
   EXPECT_THAT(test::error_text([&] { decode(rk); }), HasSubstr("truncated rkey"));
   EXPECT_THAT(test::error_text([&] { encode({1, 0, lend{0, 1, std::vector<std::uint8_t>(max_rkey + 1)}}); }),
+              HasSubstr("rkey"));
+  // RMA requests: the same checks on the address range and the rkey.
+  auto rwrap = encode({1, 0, read_rma{"f", 0, 4096, ~0ull - 100, {1, 2}}});
+  EXPECT_THAT(test::error_text([&] { decode(rwrap); }), HasSubstr("address + length overflows"));
+  auto rrk = encode({1, 0, write_rma{"f", 0, 4096, 4096, {1, 2, 3}}});
+  rrk[header_size + 24] = std::byte{200};  // rkey length: 200 bytes claimed, 3 + path present
+  EXPECT_THAT(test::error_text([&] { decode(rrk); }), HasSubstr("truncated"));
+  EXPECT_THAT(test::error_text([&] { encode({1, 0, read_rma{"f", 0, 1, 0, std::vector<std::uint8_t>(max_rkey + 1)}}); }),
               HasSubstr("rkey"));
 }
 

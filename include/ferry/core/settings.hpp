@@ -68,6 +68,7 @@ struct FERRY_API settings {
   int serve_workers = 4;                // UCX workers (progress threads) of `ferry serve`
   int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host
+  std::string net_rma = "auto";         // RMA into registered client memory: auto (verbs) | on | off
 
   // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
   using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;

@@ -47,6 +47,16 @@ class FERRY_API registration {
   // A copy engine may not cross from one piece into the next (CUDA rejects a host range that spans
   // two registrations), so DMA is issued per piece.
   std::vector<std::pair<std::uintptr_t, std::uint64_t>> pieces() const;
+  // The same pieces with what the client's pin() returned for each (e.g. a network key), and the
+  // whole registered range they belong to.
+  struct piece {
+    std::uintptr_t addr = 0;
+    std::uint64_t bytes = 0;
+    std::uint64_t cookie = 0;
+    std::uintptr_t reg_base = 0;
+    std::uint64_t reg_size = 0;
+  };
+  std::vector<piece> registered_pieces() const;
 
  private:
   friend class registration_cache;

@@ -40,6 +40,8 @@ enum class msg_type : std::uint16_t {
   list = 13,      // path (a directory)
   read_into = 14,   // path, offset, length, address inside the lent region: the server writes the data there
   write_from = 15,  // path, offset, length, address inside the lent region: the server takes the data from there
+  read_rma = 16,    // path, offset, length, address + packed rkey of registered client memory: the server puts the data there
+  write_rma = 17,   // path, offset, length, address + packed rkey of registered client memory: the server gets the data from there
   complete = 20,  // status + bytes for a read/write
   stat_reply = 21,
   list_reply = 22,
@@ -53,6 +55,10 @@ struct welcome { std::uint32_t credits = 0; std::uint64_t max_request = 0; bool 
 struct lend { std::uint64_t addr = 0, length = 0; std::vector<std::uint8_t> rkey; };
 struct read_into { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; };
 struct write_from { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; };
+// RMA where the transport really has it (verbs): the client registers its memory for the network
+// and names it by address and packed rkey; the server RMA-writes (read) or RMA-reads (write) it.
+struct read_rma { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; std::vector<std::uint8_t> rkey; };
+struct write_rma { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; std::vector<std::uint8_t> rkey; };
 struct read_req { std::string path; std::uint64_t offset = 0, length = 0; };
 struct write_req { std::string path; std::uint64_t offset = 0, length = 0; };
 struct stat_req { std::string path; };
@@ -64,7 +70,7 @@ struct list_reply { std::vector<list_entry> entries; };
 struct error_reply { std::int32_t code = 0; std::string message; };
 
 using body = std::variant<hello, challenge, auth, welcome, read_req, write_req, stat_req, list_req, complete,
-                          stat_reply, list_reply, error_reply, lend, read_into, write_from>;
+                          stat_reply, list_reply, error_reply, lend, read_into, write_from, read_rma, write_rma>;
 
 struct message {
   std::uint64_t request_id = 0;

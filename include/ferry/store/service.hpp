@@ -57,6 +57,7 @@ struct server_stats {
   std::uint64_t write_buffered = 0;  // write bytes held now (bounded by max_write_buffer)
   std::uint64_t direct_reads = 0, direct_writes = 0;  // served straight into/out of a client's mapped region
   std::uint64_t mapped_sessions = 0;  // connections whose lent region is mapped here
+  std::uint64_t rma_puts = 0, rma_gets = 0;  // requests served by RMA into / out of registered client memory
 };
 
 class FERRY_API server {
@@ -93,6 +94,10 @@ struct client_options {
   // Lend the server a shared-memory landing region (UCX-allocated, rkey_ptr) when the transport
   // allows it: the server then reads files straight into it and no data message is sent (FERRY_NET_MAP).
   bool map = true;
+  // RMA for bulk data (FERRY_NET_RMA): "auto" when a lane has a transport with real RMA (verbs), "on"
+  // always (UCX emulates it over tcp: for tests), "off" never. The client registers its memory for
+  // the network through a registration cache of its own (cached, invalidated with the memory).
+  std::string rma = "auto";
 };
 
 struct client_stats {
@@ -104,6 +109,8 @@ struct client_stats {
   int lanes = 0;             // connections in use
   std::uint64_t direct_pieces = 0;     // pieces the server moved through the mapped region
   std::uint64_t quarantined = 0;       // landing slots never reused (a request was abandoned while the server might still write)
+  std::uint64_t rma_pieces = 0;        // pieces the server moved by RMA into / out of registered memory
+  bool rma = false;                    // RMA in use for bulk data (FERRY_NET_RMA and the transports)
 };
 
 class FERRY_API client {
