@@ -44,7 +44,7 @@ class reader {
   std::vector<std::uint8_t> bytes(std::size_t n, std::string_view what) {
     if (b_.size() - pos_ < n) bad(fmt::format("truncated {} at byte {}", what, pos_));
     std::vector<std::uint8_t> v(n);
-    std::memcpy(v.data(), b_.data() + pos_, n);
+    if (n) std::memcpy(v.data(), b_.data() + pos_, n);  // an empty vector has no data pointer
     pos_ += n;
     return v;
   }

@@ -34,6 +34,7 @@ std::vector<message> samples() {
       {15, 0, write_from{"kv/block-8", 0, 4096, 0x7f0000200000}},
       {16, 0, read_rma{"kv/block-9", 8192, 1 << 20, 0x7f0000300000, std::vector<std::uint8_t>(60, 3)}},
       {17, 0, write_rma{"kv/block-10", 0, 4096, 0x7f0000400000, std::vector<std::uint8_t>(60, 4)}},
+      {18, 0, read_rma{"empty-key", 0, 1, 0x1000, {}}},  // found by the fuzzer: an empty rkey (memcpy from null)
   };
 }
 

@@ -1,0 +1,136 @@
+#pragma once
+// The logical page table of a unified address space -- GMEM's idea (seeds/003), in user space: for
+// every page of the device granularity (2 MiB with CUDA VMM) it records which locations hold a valid
+// copy, hints, pins and replacement order, and it runs the coherence protocol through a small set of
+// backend hooks (`page_mover`, GMEM's `gm_mmu`): copy a page between locations, drop a copy, point the
+// shared mapping at a location. The policy lives here once; the CUDA backend and the CPU-only sim
+// backend implement only the hooks, so the whole policy is tested on machines without a GPU.
+//
+// Coherence (single writer, multiple readers per page):
+//  - every valid copy of a page holds the same bytes;
+//  - a write from location L leaves L the only valid copy (others are dropped: "invalidated");
+//  - a read from L migrates the page to L, or -- READ_MOSTLY -- adds L as another valid copy;
+//  - a device copy is "dirty" exactly when the host holds no valid copy: evicting it copies it back,
+//    evicting a clean one only drops it;
+//  - a device never holds more than its capacity in pages: making room evicts by the replacement
+//    policy (LRU by access, or FIFO by arrival), skipping pinned pages and pages being changed.
+// Concurrency: one mutex per page serializes its changes; different pages change in parallel. A page
+// that must be made room for takes victims with try_lock only, so two faults never wait on each
+// other's page. Pinned pages (a DMA registration uses them) are never moved; a change that would
+// move one waits for the unpin until its deadline.
+#include <ferry/core/export.hpp>
+#include <ferry/device/device.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ferry::vm {
+
+// 0 is host memory; 1..max_locations-1 are the address space's device slots.
+using location = int;
+inline constexpr location host = 0;
+inline constexpr int max_locations = 64;
+
+enum class replacement { lru, fifo };
+FERRY_API replacement parse_replacement(const std::string& s);  // "lru" | "fifo"; invalid_argument otherwise
+
+// What a backend does for the policy. Every call is made with the page's lock held; calls for
+// different pages may run in parallel.
+class FERRY_API page_mover {
+ public:
+  virtual ~page_mover();
+  // Gives `to` a copy of page `page`'s bytes taken from `from` (a valid copy), allocating memory at
+  // `to` if it has none. Throws (e.g. out_of_memory) without changing anything on failure.
+  virtual void copy(std::uint64_t page, location from, location to) = 0;
+  // A first touch: gives `at` zero-filled memory for the page.
+  virtual void populate(std::uint64_t page, location at) = 0;
+  // Frees `at`'s memory of the page (its copy is no longer valid). Must not fail.
+  virtual void drop(std::uint64_t page, location at) noexcept = 0;
+  // Points the shared mapping of the page at `at` (the copy CPU and GPU accesses go to).
+  virtual void map(std::uint64_t page, location at) = 0;
+};
+
+struct page_snapshot {
+  std::uint64_t valid = 0;  // bit L set: location L holds a valid copy; 0: never touched
+  location mapped = -1;     // where the shared mapping points (-1: nowhere yet)
+  bool read_mostly = false;
+  location preferred = -1;  // PREFERRED_LOCATION hint (-1: none)
+  std::uint32_t pins = 0;
+};
+
+struct vm_stats {
+  std::uint64_t faults = 0;            // accesses that had to change the page (populate, migrate, duplicate)
+  std::uint64_t populated = 0;         // first touches
+  std::uint64_t migrations_h2d = 0, migrations_d2h = 0, migrations_d2d = 0;
+  std::uint64_t bytes_h2d = 0, bytes_d2h = 0, bytes_d2d = 0;
+  std::uint64_t duplicates = 0;        // READ_MOSTLY copies made
+  std::uint64_t invalidations = 0;     // copies dropped because another location wrote
+  std::uint64_t evictions = 0;         // device pages made room for
+  std::uint64_t writebacks = 0;        // evictions that copied a dirty page to host
+  std::uint64_t clean_drops = 0;       // evictions that only dropped a clean copy
+  std::uint64_t prefetches = 0;
+  std::uint64_t dontneeds = 0;
+};
+
+class FERRY_API page_table {
+ public:
+  // `pages` logical pages of `page_bytes` each; `capacity[d]` pages may live on device slot d
+  // (index 0, the host, is unbounded and ignored).
+  page_table(std::uint64_t pages, std::uint64_t page_bytes, std::vector<std::uint64_t> capacity, replacement policy,
+             page_mover& mover);
+  ~page_table();
+  page_table(const page_table&) = delete;
+  page_table& operator=(const page_table&) = delete;
+
+  std::uint64_t pages() const noexcept;
+  std::uint64_t page_bytes() const noexcept;
+
+  // Makes `at` hold a valid copy for an access (a fault), maps the page there, and runs `use` (if
+  // given) with the page locked -- nothing moves the page while it runs. A write leaves `at` the only
+  // valid copy. Throws timeout when the page stays pinned elsewhere past `until`, out_of_memory when
+  // no room can be made on a device before `until`.
+  template <typename F>
+  void access(std::uint64_t page, location at, bool write, deadline until, F&& use);
+  void access(std::uint64_t page, location at, bool write, deadline until);
+
+  // PREFETCH: migrate the page to `at` (or add a copy there when READ_MOSTLY); a never-touched page
+  // is populated there.
+  void prefetch(std::uint64_t page, location at, deadline until);
+  // DONTNEED on device `at`: its copy is dropped, after copying it to host memory if it was the only one.
+  void dontneed(std::uint64_t page, location at, deadline until);
+  void set_read_mostly(std::uint64_t page, bool on);
+  void set_preferred(std::uint64_t page, location at);
+  // Evicts one page of device `at` by the replacement policy; false when none can be evicted now.
+  bool evict_one(location at);
+
+  // Pins the page where it is (a DMA registration uses it); unpin lets it move again.
+  void pin(std::uint64_t page);
+  void unpin(std::uint64_t page);
+
+  page_snapshot snapshot(std::uint64_t page) const;
+  std::uint64_t resident(location at) const;  // pages with a valid copy on device `at`
+  vm_stats stats() const;
+
+  struct impl;
+
+ private:
+  void lock_page(std::uint64_t page, location at, bool write, deadline until);
+  void unlock_page(std::uint64_t page) noexcept;
+  std::unique_ptr<impl> impl_;
+};
+
+template <typename F>
+void page_table::access(std::uint64_t page, location at, bool write, deadline until, F&& use) {
+  lock_page(page, at, write, until);  // returns with the page locked and valid at `at`
+  struct unlock {
+    page_table* t;
+    std::uint64_t p;
+    ~unlock() { t->unlock_page(p); }
+  } u{this, page};
+  use();
+}
+
+}  // namespace ferry::vm

@@ -1,0 +1,234 @@
+// The unified-memory policy layer (logical page table + coherence) against a fake backend that
+// keeps one value per physical copy and checks every hook call: copies only from existing copies,
+// mappings only to existing copies, never more pages on a device than its capacity.
+#include <ferry/vm/page_table.hpp>
+
+#include "support/errors.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <bit>
+#include <mutex>
+#include <random>
+#include <thread>
+
+using ferry::deadline;
+using ferry::deadline_after;
+namespace test = ferry::test;
+using namespace ferry::vm;
+using ::testing::HasSubstr;
+
+namespace {
+
+struct fake_mover final : page_mover {
+  fake_mover(std::uint64_t pages, std::vector<std::uint64_t> capacity)
+      : n(pages), cap(std::move(capacity)), present(cap.size() * n), val(cap.size() * n, 0), mapped(n), occ(cap.size()) {
+    for (auto& m : mapped) m = -1;
+  }
+  std::size_t at(location l, std::uint64_t p) const { return static_cast<std::size_t>(l) * n + p; }
+  void violation(const std::string& why) {
+    std::lock_guard l(mu);
+    if (first.empty()) first = why;
+  }
+  void grow(location l) {
+    auto o = ++occ[l];
+    if (l != host && static_cast<std::uint64_t>(o) > cap[l]) violation("device " + std::to_string(l) + " over capacity");
+  }
+  void copy(std::uint64_t p, location from, location to) override {
+    if (!present[at(from, p)]) violation("copy of page " + std::to_string(p) + " from a location without it");
+    if (!present[at(to, p)]) {
+      present[at(to, p)] = true;
+      grow(to);
+    }
+    val[at(to, p)] = val[at(from, p)];
+    copies++;
+  }
+  void populate(std::uint64_t p, location l) override {
+    if (present[at(l, p)]) violation("populate of a present copy");
+    present[at(l, p)] = true;
+    val[at(l, p)] = 0;
+    grow(l);
+  }
+  void drop(std::uint64_t p, location l) noexcept override {
+    if (!present[at(l, p)]) violation("drop of a missing copy");
+    if (mapped[p] == l) violation("drop of the mapped copy of page " + std::to_string(p));
+    present[at(l, p)] = false;
+    --occ[l];
+  }
+  void map(std::uint64_t p, location l) override {
+    if (!present[at(l, p)]) violation("mapping page " + std::to_string(p) + " to a location without it");
+    mapped[p] = l;
+  }
+  std::uint64_t present_mask(std::uint64_t p) const {
+    std::uint64_t m = 0;
+    for (location l = 0; l < static_cast<location>(cap.size()); ++l)
+      if (present[at(l, p)]) m |= 1ull << l;
+    return m;
+  }
+
+  std::uint64_t n;
+  std::vector<std::uint64_t> cap;
+  std::vector<std::atomic<bool>> present;
+  std::vector<std::uint64_t> val;  // changed under the page's lock only
+  std::vector<std::atomic<int>> mapped;
+  std::vector<std::atomic<std::int64_t>> occ;
+  std::atomic<std::uint64_t> copies{0};
+  std::mutex mu;
+  std::string first;  // first violation
+};
+
+deadline soon() { return deadline_after(std::chrono::seconds(10)); }
+
+}  // namespace
+
+// Random concurrent faults, prefetches, DONTNEED, READ_MOSTLY changes, pins and evictions from 8
+// threads against a reference model (the last value written to each page): every read sees the last
+// write, every physical copy holds it, the backend is only asked for legal things, capacities hold.
+TEST(VmPageTable, RandomConcurrentOperationsKeepCoherenceAndCapacity) {
+  constexpr std::uint64_t pages = 32;
+  for (replacement pol : {replacement::lru, replacement::fifo}) {
+    fake_mover mv(pages, {0, 6, 4});
+    page_table t(pages, 2 << 20, {0, 6, 4}, pol, mv);
+    std::vector<std::uint64_t> model(pages, 0);  // under the page's lock
+    std::atomic<std::uint64_t> next{1}, reads{0}, writes{0}, bad_reads{0}, incoherent{0}, moved_while_pinned{0};
+    std::atomic<int> errors{0};
+    std::vector<std::thread> th;
+    for (int k = 0; k < 8; ++k)
+      th.emplace_back([&, k] {
+        std::mt19937_64 rng(1000 + k);
+        for (int i = 0; i < 2500; ++i) {
+          std::uint64_t p = rng() % pages;
+          location l = static_cast<location>(rng() % 3);
+          try {
+            switch (rng() % 10) {
+              case 0: case 1: case 2: case 3: case 4: {  // an access: read or write through `l`
+                bool w = rng() % 3 == 0;
+                t.access(p, l, w, soon(), [&] {
+                  if (mv.mapped[p] != l) incoherent++;
+                  if (w) {
+                    std::uint64_t v = next++;
+                    mv.val[mv.at(l, p)] = v;
+                    model[p] = v;
+                    writes++;
+                  } else {
+                    if (mv.val[mv.at(l, p)] != model[p]) bad_reads++;
+                    reads++;
+                  }
+                  for (location x = 0; x < 3; ++x)
+                    if (mv.present[mv.at(x, p)] && mv.val[mv.at(x, p)] != model[p]) incoherent++;
+                });
+                break;
+              }
+              case 5: t.prefetch(p, l, soon()); break;
+              case 6: t.dontneed(p, 1 + static_cast<location>(rng() % 2), soon()); break;
+              case 7: t.set_read_mostly(p, rng() % 2); break;
+              case 8: {
+                t.pin(p);
+                auto a = t.snapshot(p).valid;
+                std::this_thread::sleep_for(std::chrono::microseconds(rng() % 50));
+                auto b = t.snapshot(p).valid;
+                if (a & ~b) moved_while_pinned++;
+                t.unpin(p);
+                break;
+              }
+              case 9: t.evict_one(1 + static_cast<location>(rng() % 2)); break;
+            }
+          } catch (const std::exception& e) {
+            if (errors++ == 0) ADD_FAILURE() << e.what();
+          }
+        }
+      });
+    for (auto& x : th) x.join();
+    EXPECT_EQ(mv.first, "") << "the backend was asked for something illegal";
+    EXPECT_EQ(errors, 0);
+    EXPECT_EQ(bad_reads, 0u) << "a read did not see the last write";
+    EXPECT_EQ(incoherent, 0u);
+    EXPECT_EQ(moved_while_pinned, 0u);
+    for (std::uint64_t p = 0; p < pages; ++p) {
+      auto s = t.snapshot(p);
+      EXPECT_EQ(s.valid, mv.present_mask(p)) << "page " << p;
+      EXPECT_EQ(s.pins, 0u);
+      for (location x = 0; x < 3; ++x)
+        if (s.valid & (1ull << x)) {
+          EXPECT_EQ(mv.val[mv.at(x, p)], model[p]) << "page " << p << " location " << x;
+        }
+    }
+    for (location d : {1, 2}) {
+      EXPECT_EQ(static_cast<std::int64_t>(t.resident(d)), mv.occ[d].load());
+      EXPECT_LE(t.resident(d), d == 1 ? 6u : 4u);
+    }
+    auto st = t.stats();
+    EXPECT_GT(reads, 1000u);
+    EXPECT_GT(writes, 500u);
+    EXPECT_GT(st.evictions, 50u);
+    EXPECT_GT(st.writebacks, 0u);
+    EXPECT_GT(st.clean_drops, 0u);
+    EXPECT_GT(st.duplicates, 0u);
+    EXPECT_GT(st.invalidations, 0u);
+    EXPECT_GT(st.migrations_d2d, 0u);
+  }
+}
+
+TEST(VmPageTable, LruEvictsTheLeastRecentlyUsedFifoTheFirstArrived) {
+  for (replacement pol : {replacement::lru, replacement::fifo}) {
+    fake_mover mv(4, {0, 2});
+    page_table t(4, 4096, {0, 2}, pol, mv);
+    t.access(0, 1, true, soon());
+    t.access(1, 1, true, soon());
+    t.access(0, 1, false, soon());  // page 0 used again
+    t.access(2, 1, true, soon());   // full: one goes
+    bool p0 = t.snapshot(0).valid & 2, p1 = t.snapshot(1).valid & 2;
+    if (pol == replacement::lru) {
+      EXPECT_TRUE(p0);
+      EXPECT_FALSE(p1);
+    } else {
+      EXPECT_FALSE(p0);
+      EXPECT_TRUE(p1);
+    }
+    EXPECT_EQ(t.stats().writebacks, 1u) << "the evicted page was dirty: copied to host, not lost";
+    EXPECT_EQ(t.resident(1), 2u);
+  }
+}
+
+TEST(VmPageTable, DontneedKeepsTheDataAndReadMostlyCopiesAreInvalidatedOnWrite) {
+  fake_mover mv(2, {0, 4, 4});
+  page_table t(2, 4096, {0, 4, 4}, replacement::lru, mv);
+  t.access(0, 1, true, soon(), [&] { mv.val[mv.at(1, 0)] = 42; });
+  t.dontneed(0, 1, soon());
+  EXPECT_EQ(t.snapshot(0).valid, 1u) << "only the host copy is left";
+  t.access(0, host, false, soon(), [&] { EXPECT_EQ(mv.val[mv.at(host, 0)], 42u); });
+  // READ_MOSTLY: reads on both devices duplicate; a write from the host invalidates them.
+  t.set_read_mostly(0, true);
+  t.access(0, 1, false, soon());
+  t.access(0, 2, false, soon());
+  EXPECT_EQ(t.snapshot(0).valid, 0b111u);
+  t.access(0, host, true, soon(), [&] { mv.val[mv.at(host, 0)] = 43; });
+  EXPECT_EQ(t.snapshot(0).valid, 1u);
+  EXPECT_EQ(t.stats().invalidations, 2u);
+  t.access(0, 2, false, soon(), [&] { EXPECT_EQ(mv.val[mv.at(2, 0)], 43u); });
+  EXPECT_EQ(mv.first, "");
+}
+
+TEST(VmPageTable, PinnedPagesStayAndBadInputIsRefused) {
+  fake_mover mv(2, {0, 1});
+  page_table t(2, 4096, {0, 1}, replacement::lru, mv);
+  t.access(0, 1, true, soon());
+  t.pin(0);
+  // Migrating a pinned page waits for the unpin, until the deadline.
+  EXPECT_THAT(test::error_text([&] { t.access(0, host, false, deadline_after(std::chrono::milliseconds(20))); }),
+              HasSubstr("pinned"));
+  // The only device page is pinned: no room for another.
+  EXPECT_THAT(test::error_text([&] { t.access(1, 1, false, deadline_after(std::chrono::milliseconds(20))); }),
+              HasSubstr("capacity of 1 pages reached"));
+  t.unpin(0);
+  t.access(1, 1, false, soon());  // now page 0 can go
+  EXPECT_EQ(t.snapshot(0).valid, 1u);
+  EXPECT_THAT(test::error_text([&] { t.unpin(0); }), HasSubstr("not pinned"));
+  EXPECT_THAT(test::error_text([&] { t.access(2, 1, false, soon()); }), HasSubstr("page 2"));
+  EXPECT_THAT(test::error_text([&] { t.access(0, 5, false, soon()); }), HasSubstr("location 5"));
+  EXPECT_THAT(test::error_text([&] { t.dontneed(0, host, soon()); }), HasSubstr("names a device"));
+  EXPECT_THAT(test::error_text([&] { parse_replacement("mru"); }), HasSubstr("lru or fifo"));
+  EXPECT_EQ(mv.first, "");
+}
