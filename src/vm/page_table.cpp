@@ -29,6 +29,7 @@ struct page_table::impl {
     std::mutex mu;
     std::uint64_t valid = 0;  // mu
     location mapped = -1;     // mu
+    bool writable = false;    // mu: how it is mapped
     bool read_mostly = false; // mu
     location preferred = -1;  // mu
     std::atomic<std::uint32_t> pins{0};  // changed under mu (pin) or without it (unpin)
@@ -99,6 +100,17 @@ struct page_table::impl {
     o.in[p] = false;
   }
 
+  // Drops location d's copy, pointing the mapping at another valid copy first if it was d's.
+  void drop_copy_remapped(std::uint64_t p, page& g, location d) {
+    if (g.mapped == d) {
+      location other = std::countr_zero(g.valid & ~bit(d));
+      mv.map(p, other, (g.valid & ~bit(d)) == bit(other));
+      g.mapped = other;
+      g.writable = (g.valid & ~bit(d)) == bit(other);
+    }
+    drop_copy(p, g, d);
+    if (g.mapped >= 0 && !g.writable && g.valid == bit(g.mapped)) point_at(p, g, g.mapped);
+  }
   // Drops location d's copy of a locked page.
   void drop_copy(std::uint64_t p, page& g, location d) {
     mv.drop(p, d);
@@ -144,11 +156,7 @@ struct page_table::impl {
     } else {
       st.clean_drops++;
     }
-    if (g.mapped == d) {
-      mv.map(victim, host);
-      g.mapped = host;
-    }
-    drop_copy(victim, g, d);
+    drop_copy_remapped(victim, g, d);
     st.evictions++;
     return true;
   }
@@ -199,10 +207,7 @@ struct page_table::impl {
     bool here = g.valid & bit(at);
     bool alone = g.valid == bit(at);
     if (here && (!write || alone)) {
-      if (g.mapped != at) {
-        mv.map(p, at);  // a READ_MOSTLY duplicate: switch the mapping, copy nothing
-        g.mapped = at;
-      }
+      point_at(p, g, at);  // a READ_MOSTLY duplicate: switch the mapping, copy nothing
       if (at != host) order_touch(at, p);
       return true;
     }
@@ -249,13 +254,17 @@ struct page_table::impl {
           st.invalidations++;
         }
     }
+    point_at(p, g, at);  // writable now if `at` is alone
     if (at != host) order_touch(at, p);
     return true;
   }
+  // Maps the page at `at`, writable when `at` holds the only copy.
   void point_at(std::uint64_t p, page& g, location at) {
-    if (g.mapped == at) return;
-    mv.map(p, at);
+    bool w = g.valid == bit(at);
+    if (g.mapped == at && g.writable == w) return;
+    mv.map(p, at, w);
     g.mapped = at;
+    g.writable = w;
   }
 };
 
@@ -299,11 +308,7 @@ void page_table::dontneed(std::uint64_t page, location at, deadline until) {
     g.valid |= bit(host);
     impl_->st.d2h++;
   }
-  if (g.mapped == at) {
-    impl_->mv.map(page, host);
-    g.mapped = host;
-  }
-  impl_->drop_copy(page, g, at);
+  impl_->drop_copy_remapped(page, g, at);
 }
 
 void page_table::set_read_mostly(std::uint64_t page, bool on) {
@@ -316,7 +321,7 @@ void page_table::set_read_mostly(std::uint64_t page, bool on) {
   if (on || std::popcount(g.valid) <= 1 || g.pins.load() != 0) return;
   location keep = g.mapped >= 0 && (g.valid & bit(g.mapped)) ? g.mapped : std::countr_zero(g.valid);
   for (location d = 0; d < static_cast<location>(impl_->cap.size()); ++d)
-    if (d != keep && (g.valid & bit(d))) impl_->drop_copy(page, g, d);
+    if (d != keep && (g.valid & bit(d))) impl_->drop_copy_remapped(page, g, d);
 }
 
 void page_table::set_preferred(std::uint64_t page, location at) {

@@ -57,7 +57,7 @@ struct fake_mover final : page_mover {
     present[at(l, p)] = false;
     --occ[l];
   }
-  void map(std::uint64_t p, location l) override {
+  void map(std::uint64_t p, location l, bool) override {
     if (!present[at(l, p)]) violation("mapping page " + std::to_string(p) + " to a location without it");
     mapped[p] = l;
   }

@@ -49,8 +49,10 @@ class FERRY_API page_mover {
   virtual void populate(std::uint64_t page, location at) = 0;
   // Frees `at`'s memory of the page (its copy is no longer valid). Must not fail.
   virtual void drop(std::uint64_t page, location at) noexcept = 0;
-  // Points the shared mapping of the page at `at` (the copy CPU and GPU accesses go to).
-  virtual void map(std::uint64_t page, location at) = 0;
+  // Points the shared mapping of the page at `at` (the copy CPU and GPU accesses go to). `writable`
+  // is false while other locations hold copies too (READ_MOSTLY): a CPU write must then fault, so the
+  // other copies are invalidated first.
+  virtual void map(std::uint64_t page, location at, bool writable) = 0;
 };
 
 struct page_snapshot {

@@ -1,0 +1,65 @@
+#pragma once
+// A unified address space (GMEM's MAP_PEER_SHARED, in user space): one virtual range, valid on the CPU
+// and on an attached device, whose 2 MiB pages live in device memory or host memory and move on
+// demand. Built on ferry's device interface only (reserve / allocate / map / set_access / stream
+// copies), so it runs on the `cuda` backend and on the CPU-only `sim` backend alike.
+//
+//  - Host-resident pages are host chunks mapped for the CPU and the device: the GPU reads them over
+//    the bus and never sees an unmapped address. Device-resident pages are device chunks, which the
+//    CPU cannot access: a CPU touch raises SIGSEGV.
+//  - CPU faults: the SIGSEGV handler does no work beyond passing the address to this space's service
+//    thread (a pipe write) and waiting on a futex; the service thread migrates the page to host
+//    memory (copies, remaps -- CUDA calls happen there, never in the handler) and wakes it; the access
+//    is retried. Many threads may fault at once. Why not userfaultfd: device-resident pages are
+//    mappings of device memory, not anonymous memory, so only the signal reaches us for them.
+//  - Copies go through private "mirror" mappings of every chunk, so migrations never touch the
+//    shared range; the shared range is remapped (new copy first, old one dropped after).
+//  - Policy (coherence, capacity, eviction, hints) is the page_table's.
+// Not yet: several devices per space, stream registration (migrations vs running kernels), the
+// registration-cache client. Faults from inside a page_table callback on the same page deadlock.
+#include <ferry/core/export.hpp>
+#include <ferry/device/device.hpp>
+#include <ferry/vm/page_table.hpp>
+
+#include <memory>
+
+namespace ferry::vm {
+
+enum class advice { prefetch, dontneed, read_mostly, no_read_mostly, preferred_location };
+
+struct space_options {
+  std::uint64_t device_capacity = 0;  // bytes of device memory the space may use (0: no cap but the device)
+  replacement policy = replacement::lru;
+  std::chrono::nanoseconds deadline = std::chrono::seconds(30);  // per fault / advice
+};
+
+class FERRY_API address_space {
+ public:
+  // Reserves `bytes` (rounded up to the device granularity) of shared address space on `dev`.
+  address_space(device& dev, std::uint64_t bytes, space_options o = {});
+  ~address_space();
+  address_space(const address_space&) = delete;
+  address_space& operator=(const address_space&) = delete;
+
+  // A range valid on the CPU and the device (first-fit, page-aligned). Throws out_of_memory when
+  // the space has no room.
+  void* alloc(std::uint64_t bytes);
+  void free(void* p);
+  // Hints for [p, p+bytes): prefetch to `where` (host or the device), drop the device copy
+  // (dontneed), read duplication on/off, preferred location.
+  void advise(void* p, std::uint64_t bytes, advice a, memory_kind where = memory_kind::device);
+
+  void* base() const noexcept;
+  std::uint64_t size() const noexcept;
+  std::uint64_t page_bytes() const noexcept;
+  page_table& pages() noexcept;
+  vm_stats stats() const;
+  std::uint64_t cpu_faults() const noexcept;  // faults resolved for the CPU by the service thread
+
+  struct impl;
+
+ private:
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace ferry::vm

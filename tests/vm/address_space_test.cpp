@@ -1,0 +1,135 @@
+// Unified memory on the sim backend: CPU faults (SIGSEGV -> service thread) from many threads,
+// migrations both ways, eviction under a small device cap, DONTNEED and READ_MOSTLY, with data checked.
+#include <ferry/core/checksum.hpp>
+#include <ferry/runtime.hpp>
+#include <ferry/vm/address_space.hpp>
+
+#include "support/errors.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+using namespace ferry;
+using ::testing::HasSubstr;
+
+namespace {
+
+settings sim_cfg() {
+  settings c = settings::defaults();
+  c.backend = backend_choice::sim;
+  c.sim_capacity = 64ull << 20;
+  c.sim_granularity = 64 << 10;  // small pages keep the tests quick; the policy is size-blind
+  return c;
+}
+
+void fill(std::byte* p, std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (std::size_t i = 0; i + 8 <= n; i += 8) {
+    std::uint64_t v = rng();
+    std::memcpy(p + i, &v, 8);
+  }
+}
+std::uint64_t sum(const std::byte* p, std::size_t n) { return checksum64(p, n); }
+
+}  // namespace
+
+TEST(VmSpace, CpuFaultsFromEightThreadsMoveTheirPagesBothWays) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as(dev, 32 * (64 << 10));
+  const std::size_t pg = as.page_bytes();
+  auto* p = static_cast<std::byte*>(as.alloc(16 * pg));
+  std::vector<std::uint64_t> want(16);
+  std::vector<std::thread> th;
+  for (int t = 0; t < 8; ++t)
+    th.emplace_back([&, t] {  // first touch by the CPU: populate on host
+      for (int k = 0; k < 2; ++k) {
+        std::size_t i = static_cast<std::size_t>(2 * t + k);
+        fill(p + i * pg, pg, 100 + i);
+        want[i] = sum(p + i * pg, pg);
+      }
+    });
+  for (auto& x : th) x.join();
+  th.clear();
+  as.advise(p, 16 * pg, vm::advice::prefetch, memory_kind::device);
+  for (std::size_t i = 0; i < 16; ++i) EXPECT_EQ(as.pages().snapshot(i).valid, 2u) << "page " << i << " only on the device";
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 8; ++t)
+    th.emplace_back([&, t] {  // every thread reads every page: concurrent faults on the same pages
+      for (std::size_t j = 0; j < 16; ++j) {
+        std::size_t i = (j + static_cast<std::size_t>(t)) % 16;
+        if (sum(p + i * pg, pg) != want[i]) bad++;
+      }
+    });
+  for (auto& x : th) x.join();
+  EXPECT_EQ(bad, 0);
+  auto s = as.stats();
+  EXPECT_GE(as.cpu_faults(), 32u);  // 16 first touches + 16 pages back from the device
+  EXPECT_EQ(s.migrations_h2d, 16u);
+  EXPECT_EQ(s.migrations_d2h, 16u);
+  EXPECT_EQ(s.populated, 16u);
+}
+
+TEST(VmSpace, EvictionUnderASmallCapKeepsRandomData) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o;
+  o.device_capacity = 3 * (64 << 10);
+  for (auto pol : {vm::replacement::lru, vm::replacement::fifo}) {
+    o.policy = pol;
+    vm::address_space as(dev, 16 * (64 << 10), o);
+    const std::size_t pg = as.page_bytes();
+    auto* p = static_cast<std::byte*>(as.alloc(12 * pg));
+    std::vector<std::uint64_t> want(12);
+    for (std::size_t i = 0; i < 12; ++i) {
+      fill(p + i * pg, pg, 7 + i);
+      want[i] = sum(p + i * pg, pg);
+    }
+    for (int round = 0; round < 3; ++round)
+      for (std::size_t i = 0; i < 12; ++i) {
+        as.advise(p + i * pg, pg, vm::advice::prefetch, memory_kind::device);
+        EXPECT_LE(as.pages().resident(1), 3u);
+      }
+    for (std::size_t i = 0; i < 12; ++i) EXPECT_EQ(sum(p + i * pg, pg), want[i]) << "page " << i;
+    auto s = as.stats();
+    EXPECT_GE(s.evictions, 30u);
+    EXPECT_GT(s.writebacks, 0u) << "prefetched pages had no host copy left: evicting them must write back";
+  }
+}
+
+TEST(VmSpace, DontneedThenCpuReadAndReadMostlyInvalidation) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as(dev, 8 * (64 << 10));
+  const std::size_t pg = as.page_bytes();
+  auto* p = static_cast<std::byte*>(as.alloc(2 * pg));
+  fill(p, 2 * pg, 5);
+  auto want = sum(p, 2 * pg);
+  as.advise(p, 2 * pg, vm::advice::prefetch, memory_kind::device);
+  as.advise(p, 2 * pg, vm::advice::dontneed);
+  EXPECT_EQ(as.pages().snapshot(0).valid, 1u);
+  EXPECT_EQ(sum(p, 2 * pg), want) << "DONTNEED kept the data";
+  // READ_MOSTLY: the device gets a copy and the host keeps one (CPU reads need no copy) ...
+  as.advise(p, pg, vm::advice::read_mostly);
+  as.advise(p, pg, vm::advice::prefetch, memory_kind::device);
+  EXPECT_EQ(as.pages().snapshot(0).valid, 3u);
+  auto d2h = as.stats().migrations_d2h;
+  EXPECT_EQ(sum(p, pg), sum(p, pg));
+  EXPECT_EQ(as.stats().migrations_d2h, d2h) << "a CPU read of a duplicated page copies nothing";
+  // ... until the CPU writes: the device copy is invalidated.
+  p[100] = std::byte{0x42};
+  EXPECT_EQ(as.pages().snapshot(0).valid, 1u);
+  EXPECT_GE(as.stats().invalidations, 1u);
+  as.advise(p, pg, vm::advice::prefetch, memory_kind::device);
+  as.advise(p, pg, vm::advice::prefetch, memory_kind::host);
+  EXPECT_EQ(p[100], std::byte{0x42});
+  // Bad input.
+  EXPECT_THAT(test::error_text([&] { as.advise(p + 100 * pg, pg, vm::advice::prefetch); }), HasSubstr("not inside this address space"));
+  EXPECT_THAT(test::error_text([&] { as.free(p + 1); }), HasSubstr("not an allocation"));
+  EXPECT_THAT(test::error_text([&] { as.alloc(100 * pg); }), HasSubstr("no 100 free pages"));
+  as.free(p);
+}
