@@ -38,6 +38,7 @@ constexpr int max_spaces = 32;
 struct space_slot {
   std::atomic<std::uintptr_t> base{0}, size{0};
   std::atomic<int> fd{-1};  // the space's fault pipe (write end)
+  std::atomic<long> service_tid{0};
 };
 space_slot g_spaces[max_spaces];
 struct sigaction g_old_segv{};
@@ -58,6 +59,10 @@ void on_segv(int sig, siginfo_t* si, void* uc) {
     std::uintptr_t b = s.base.load(std::memory_order_acquire), n = s.size.load(std::memory_order_acquire);
     int fd = s.fd.load(std::memory_order_acquire);
     if (fd < 0 || a < b || a - b >= n) continue;
+    if (::syscall(SYS_gettid) == s.service_tid.load()) {  // it would wait for itself
+      write_str("ferry: the unified-memory service thread touched a non-resident page (a bug); aborting\n");
+      ::abort();
+    }
     bool write = true;
 #if defined(__x86_64__)
     write = (static_cast<ucontext_t*>(uc)->uc_mcontext.gregs[REG_ERR] & 2) != 0;
@@ -88,7 +93,7 @@ void install_handler() {
   std::call_once(g_handler_once, [] {
     struct sigaction sa{};
     sa.sa_sigaction = on_segv;
-    sa.sa_flags = SA_SIGINFO | SA_RESTART | SA_NODEFER;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART;
     sigemptyset(&sa.sa_mask);
     if (::sigaction(SIGSEGV, &sa, &g_old_segv) != 0) fail_errno(errno, "vm.init", "SIGSEGV", "cannot install the fault handler");
   });
@@ -150,6 +155,7 @@ struct address_space::impl final : page_mover {
     g_spaces[slot].fd.store(-2);
     g_spaces[slot].base.store(0);
     g_spaces[slot].size.store(0);
+    g_spaces[slot].service_tid.store(0);
     g_spaces[slot].fd.store(-1);
     stop = true;
     service.join();
@@ -217,6 +223,7 @@ struct address_space::impl final : page_mover {
 
   // ---- CPU faults ----
   void serve() {
+    g_spaces[slot].service_tid.store(::syscall(SYS_gettid));
     while (!stop) {
       pollfd pf{pipe_rd, POLLIN, 0};
       int n = ::poll(&pf, 1, 50);
