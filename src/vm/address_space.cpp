@@ -14,6 +14,7 @@
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -112,6 +113,8 @@ struct address_space::impl final : page_mover {
   std::unique_ptr<stream> st;
   std::mutex st_mu;
   std::unique_ptr<page_table> table;
+  std::mutex streams_mu;
+  std::vector<stream*> streams;  // attached: migrations wait for their work
   std::mutex alloc_mu;
   std::map<std::uint64_t, std::uint64_t> used_ranges;  // first page -> pages
   int pipe_rd = -1, pipe_wr = -1, slot = -1;
@@ -191,8 +194,16 @@ struct address_space::impl final : page_mover {
     st->synchronize(deadline_after(o.deadline));
   }
 
+  // Waits for the work queued on attached streams: a kernel must not run on a page while its data
+  // is copied away or its mapping changes (conservative: all of the stream's work, not per page).
+  void quiesce() {
+    std::lock_guard l(streams_mu);
+    for (auto* s : streams) s->synchronize(deadline_after(o.deadline));
+  }
+
   // ---- page_mover ----
   void copy(std::uint64_t p, location from, location to) override {
+    quiesce();
     ensure_chunk(to, p);
     copy_sync(mirror(to, p), mirror(from, p));
   }
@@ -212,7 +223,10 @@ struct address_space::impl final : page_mover {
   }
   void map(std::uint64_t p, location at, bool writable) override {
     void* va = shared.at(p * page);
-    if (shared_mapped[p]) dev.unmap(va, page);  // the new copy exists; the old one is dropped after this
+    if (shared_mapped[p]) {
+      quiesce();
+      dev.unmap(va, page);  // the new copy exists; the old one is dropped after this
+    }
     shared_mapped[p] = false;
     dev.map(va, chunk(at, p));
     shared_mapped[p] = true;
@@ -307,6 +321,15 @@ void address_space::advise(void* p, std::uint64_t bytes, advice a, memory_kind w
 void* address_space::base() const noexcept { return impl_->shared.base(); }
 std::uint64_t address_space::size() const noexcept { return impl_->shared.size(); }
 std::uint64_t address_space::page_bytes() const noexcept { return impl_->page; }
+void address_space::attach_stream(stream& s) {
+  if (&s.owner() != &impl_->dev) fail(errc::invalid_argument, "vm.stream", s.owner().id(), "a stream of another device than the space's " + impl_->dev.id());
+  std::lock_guard l(impl_->streams_mu);
+  if (std::find(impl_->streams.begin(), impl_->streams.end(), &s) == impl_->streams.end()) impl_->streams.push_back(&s);
+}
+void address_space::detach_stream(stream& s) {
+  std::lock_guard l(impl_->streams_mu);
+  std::erase(impl_->streams, &s);
+}
 page_table& address_space::pages() noexcept { return *impl_->table; }
 vm_stats address_space::stats() const { return impl_->table->stats(); }
 std::uint64_t address_space::cpu_faults() const noexcept { return impl_->cpu_faults.load(); }

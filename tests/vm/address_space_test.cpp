@@ -133,3 +133,27 @@ TEST(VmSpace, DontneedThenCpuReadAndReadMostlyInvalidation) {
   EXPECT_THAT(test::error_text([&] { as.alloc(100 * pg); }), HasSubstr("no 100 free pages"));
   as.free(p);
 }
+
+// Attached streams: their queued work completes before a migration copies or remaps (the data the
+// CPU faults in is the finished fill). The sim backend runs work in order, so this cannot show the
+// race itself -- tests/vm/gpu_vm_test.cpp does, on independent CUDA streams.
+TEST(VmSpace, AttachedStreamsAndTheirErrors) {
+  settings c = sim_cfg();
+  c.sim_granularity = 1 << 20;
+  runtime rt(c);
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as(dev, 32 << 20);
+  const std::size_t n = 24 << 20;
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  auto s = dev.create_stream();
+  as.attach_stream(*s);
+  as.attach_stream(*s);  // idempotent
+  for (int round = 0; round < 3; ++round) {
+    as.advise(p, n, vm::advice::prefetch, memory_kind::device);
+    s->fill_pattern(p, n, 300 + static_cast<std::uint64_t>(round));  // queued, not waited for
+    EXPECT_EQ(sum(p, n), pattern_checksum(n, 300 + static_cast<std::uint64_t>(round))) << "round " << round;
+  }
+  as.detach_stream(*s);
+  auto other = rt.devices().get("sim:1").create_stream();
+  EXPECT_THAT(test::error_text([&] { as.attach_stream(*other); }), HasSubstr("another device"));
+}

@@ -92,6 +92,45 @@ TEST(GpuVm, OversubscriptionAtTwiceASmallCapKeepsTheData) {
   EXPECT_GT(as.stats().writebacks, 0u);
 }
 
+// A kernel still running on an attached stream when the CPU touches the space: the migration waits
+// for it, so the CPU reads the finished data.
+void fill_then_touch(bool attach, std::uint64_t* got, std::uint64_t* want) {
+  runtime rt(g_settings);
+  device& dev = rt.devices().get("cuda:0");
+  const std::size_t n = 1ull << 30;
+  vm::address_space as(dev, n);
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  as.advise(p, n, vm::advice::prefetch, memory_kind::device);
+  auto s = dev.create_stream();
+  if (attach) as.attach_stream(*s);
+  s->fill_pattern(p, n, 9);  // ~1 GiB of kernel writes, not waited for
+  volatile std::byte last = p[n - 1];  // the CPU touches the last page at once
+  (void)last;
+  *got = checksum64(p, n);
+  *want = pattern_checksum(n, 9);
+  s->synchronize();
+  if (attach) as.detach_stream(*s);
+}
+
+TEST(GpuVm, MigrationsWaitForKernelsOnAttachedStreams) {
+  std::uint64_t got = 0, want = 1;
+  fill_then_touch(true, &got, &want);
+  EXPECT_EQ(got, want) << "the CPU saw the kernel's finished data";
+}
+
+// The race attach_stream prevents (run explicitly, in its own process: a kernel whose page is
+// remapped under it may leave the CUDA context unusable). Reports what it saw; asserts nothing.
+TEST(GpuVm, DISABLED_RaceWithoutAttachedStreams) {
+  std::uint64_t got = 0, want = 1;
+  try {
+    fill_then_touch(false, &got, &want);
+    std::printf("without attach_stream: the CPU %s\n",
+                got == want ? "happened to see the finished data" : "did NOT see the finished data (the race)");
+  } catch (const std::exception& e) {
+    std::printf("without attach_stream: the race ended in an error: %s\n", e.what());
+  }
+}
+
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   g_settings = settings::from_env();

@@ -15,8 +15,8 @@
 //  - Copies go through private "mirror" mappings of every chunk, so migrations never touch the
 //    shared range; the shared range is remapped (new copy first, old one dropped after).
 //  - Policy (coherence, capacity, eviction, hints) is the page_table's.
-// Not yet: several devices per space, stream registration (migrations vs running kernels), the
-// registration-cache client. Faults from inside a page_table callback on the same page deadlock.
+// Not yet: several devices per space, the registration-cache client. Streams that work on the
+// space must be attached (attach_stream): migrations wait for them. Faults from inside a page_table callback on the same page deadlock.
 #include <ferry/core/export.hpp>
 #include <ferry/device/device.hpp>
 #include <ferry/vm/page_table.hpp>
@@ -52,6 +52,11 @@ class FERRY_API address_space {
   void* base() const noexcept;
   std::uint64_t size() const noexcept;
   std::uint64_t page_bytes() const noexcept;
+  // Streams whose work may touch this space: before a migration copies a page or remaps it, the
+  // space waits (up to its deadline) for the work queued on them, so a migration never races a
+  // running kernel or copy. Detach before destroying the stream.
+  void attach_stream(stream& s);
+  void detach_stream(stream& s);
   page_table& pages() noexcept;
   vm_stats stats() const;
   std::uint64_t cpu_faults() const noexcept;  // faults resolved for the CPU by the service thread
