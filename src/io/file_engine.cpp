@@ -51,6 +51,7 @@ struct job {
   std::size_t idx = 0;
   file_request r;
   device* dev = nullptr;  // null: host memory
+  std::shared_ptr<registration> hold;  // unified memory: pinned in place until the job is done
 };
 
 // One staging slot: a fixed buffer registered with the worker's ring.
@@ -542,14 +543,18 @@ transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_
       memory_region m = I.cache.classify(r.mem, r.bytes);
       if (m.type == memory_type::unknown)
         fail(errc::bad_address, "file.submit", res, "memory is not mapped memory ferry knows (freed or invalid?)");
-      if ((m.type == memory_type::device || m.type == memory_type::managed) && m.size &&
+      if ((m.type == memory_type::device || m.type == memory_type::managed || m.type == memory_type::unified) && m.size &&
           !m.contains(reinterpret_cast<std::uintptr_t>(r.mem), r.bytes))
         fail(errc::out_of_range, "file.submit", res, fmt::format("memory extends past its allocation on {}", m.owner));
       job j;
       j.b = b;
       j.idx = i;
       j.r = r;
-      j.dev = (m.type == memory_type::device || m.type == memory_type::managed) ? &I.devices.get(m.owner) : nullptr;
+      j.dev = (m.type == memory_type::device || m.type == memory_type::managed || m.type == memory_type::unified)
+                  ? &I.devices.get(m.owner)
+                  : nullptr;
+      // Unified memory stays where it is while the request uses it (its pages may move otherwise).
+      if (m.type == memory_type::unified) j.hold = std::make_shared<registration>(I.cache.acquire(r.mem, r.bytes));
       b->segs_left[i] = 1;
       b->results[i].path = transfer_path::staged;
       jobs.push_back(std::move(j));

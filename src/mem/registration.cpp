@@ -23,6 +23,7 @@ std::string_view to_string(memory_type t) noexcept {
     case memory_type::host_pinned: return "host_pinned";
     case memory_type::device: return "device";
     case memory_type::managed: return "managed";
+    case memory_type::unified: return "unified";
   }
   return "?";
 }
@@ -118,7 +119,9 @@ struct registration_cache::impl {
     }
   }
   // Collects the callbacks of every entry overlapping [b, b+n) and drops the entries.
-  std::vector<std::function<void()>> invalidate_locked(std::uintptr_t b, std::uint64_t n) {
+  // From memory hooks (`hooked`), entries of clients whose memory is remapped in place as it moves
+  // (unified memory) are left alone: such an unmap is a page moving, not the memory going away.
+  std::vector<std::function<void()>> invalidate_locked(std::uintptr_t b, std::uint64_t n, bool hooked = false) {
     std::vector<std::function<void()>> cbs;
     generation++;
     for (auto h = seen_host.begin(); h != seen_host.end();)
@@ -129,6 +132,7 @@ struct registration_cache::impl {
       auto e = it->second;
       ++it;
       if (e->base + e->size <= b) continue;
+      if (hooked && e->region.client && !e->region.client->host_mappings()) continue;
       e->valid = false;
       st.invalidations++;
       for (auto& cb : e->callbacks) cbs.push_back(std::move(cb));
@@ -149,7 +153,7 @@ void on_vm_unmapped(ucm_event_type_t, ucm_event_t* ev, void*) {
   std::uint64_t n = ev->vm_unmapped.size;
   std::shared_lock l(g_caches_mu);
   for (registration_cache* c : g_caches)
-    if (c) c->invalidate(b, n);
+    if (c) c->invalidate_soon(b, n);
 }
 
 void install_hooks_once() {
@@ -271,7 +275,14 @@ void registration_cache::apply_pending() {
   if (!impl_->has_pending.exchange(false)) return;
   std::uintptr_t lo = impl_->pending_lo.exchange(~std::uintptr_t{0});
   std::uintptr_t hi = impl_->pending_hi.exchange(0);
-  if (lo < hi) invalidate(lo, hi - lo);
+  if (lo >= hi) return;
+  // Pending ranges come from memory hooks.
+  std::vector<std::function<void()>> cbs;
+  {
+    cache_lock l(impl_->mu);
+    cbs = impl_->invalidate_locked(lo, hi - lo, true);
+  }
+  for (auto& cb : cbs) cb();
 }
 
 memory_region registration_cache::classify(const void* p, std::uint64_t n) {
@@ -435,6 +446,10 @@ void registration_cache::release(registration& r) noexcept {
       impl_->unpin_locked(*e);
       continue;
     }
+    if (e->region.client && !e->region.client->keep_cached()) {  // pinned only while held
+      impl_->drop_locked(e);
+      continue;
+    }
     impl_->lru.push_front(e);
     e->lru = impl_->lru.begin();
     e->in_lru = true;
@@ -442,6 +457,28 @@ void registration_cache::release(registration& r) noexcept {
   r.entries_.clear();
   r.cache_ = nullptr;
   impl_->evict_locked(pin_limit_);
+}
+
+void registration_cache::invalidate_soon(std::uintptr_t base, std::uint64_t size) noexcept {
+  // A memory hook may fire on a thread that another cache user is waiting for (e.g. a unified-memory
+  // remap while an acquire holds the lock and waits for that page): never block here.
+  std::unique_lock l(impl_->mu, std::try_to_lock);
+  if (t_inside_cache || !l.owns_lock()) {
+    std::uintptr_t lo = impl_->pending_lo.load(), hi = impl_->pending_hi.load();
+    while (base < lo && !impl_->pending_lo.compare_exchange_weak(lo, base)) {
+    }
+    while (base + size > hi && !impl_->pending_hi.compare_exchange_weak(hi, base + size)) {
+    }
+    impl_->has_pending = true;
+    return;
+  }
+  std::vector<std::function<void()>> cbs;
+  {
+    inside_guard g;
+    cbs = impl_->invalidate_locked(base, size, true);
+  }
+  l.unlock();
+  for (auto& cb : cbs) cb();
 }
 
 void registration_cache::invalidate(std::uintptr_t base, std::uint64_t size) {
@@ -465,6 +502,22 @@ void registration_cache::invalidate(std::uintptr_t base, std::uint64_t size) {
 void registration_cache::trim() {
   cache_lock l(impl_->mu);
   impl_->evict_locked(0);
+}
+
+void registration_cache::remove_client(peer_memory_client* c) {
+  {
+    cache_lock l(impl_->mu);
+    std::erase(impl_->clients, c);
+    impl_->generation++;
+  }
+  // Entries it made: dropped (holders are told), so nothing calls the client afterwards.
+  std::vector<std::pair<std::uintptr_t, std::uint64_t>> ranges;
+  {
+    cache_lock l(impl_->mu);
+    for (auto& [b, e] : impl_->index)
+      if (e->region.client == c) ranges.emplace_back(e->base, e->size);
+  }
+  for (auto [b, n] : ranges) invalidate(b, n);
 }
 
 registration_stats registration_cache::stats() const {

@@ -102,6 +102,22 @@ void install_handler() {
 
 }  // namespace
 
+// The space as a peer-memory client of a registration cache (see address_space.hpp).
+class unified_client final : public peer_memory_client {
+ public:
+  unified_client(address_space::impl& s) : s_(s) {}
+  std::string_view name() const noexcept override { return "unified"; }
+  std::optional<memory_region> acquire(const void* p, std::uint64_t n) override;
+  std::uint64_t pin(const memory_region& r, std::uintptr_t base, std::uint64_t size) override;
+  void unpin(std::uint64_t cookie, std::uintptr_t base, std::uint64_t size) noexcept override;
+  bool still_valid(const memory_region&) override { return true; }
+  bool keep_cached() const noexcept override { return false; }
+  bool host_mappings() const noexcept override { return false; }
+
+ private:
+  address_space::impl& s_;
+};
+
 struct address_space::impl final : page_mover {
   device& dev;
   space_options o;
@@ -121,6 +137,7 @@ struct address_space::impl final : page_mover {
   std::atomic<bool> stop{false};
   std::atomic<std::uint64_t> cpu_faults{0};
   std::thread service;
+  std::unique_ptr<unified_client> client;
 
   impl(device& d, std::uint64_t bytes, space_options opt) : dev(d), o(opt) {
     page = dev.granularity();
@@ -153,8 +170,13 @@ struct address_space::impl final : page_mover {
     g_spaces[slot].base.store(shared.address(), std::memory_order_release);
     g_spaces[slot].size.store(shared.size(), std::memory_order_release);
     g_spaces[slot].fd.store(pipe_wr, std::memory_order_release);
+    if (o.cache) {
+      client = std::make_unique<unified_client>(*this);
+      o.cache->add_client(client.get(), true);
+    }
   }
   ~impl() override {
+    if (client) o.cache->remove_client(client.get());  // holders are told; nothing calls it afterwards
     g_spaces[slot].fd.store(-2);
     g_spaces[slot].base.store(0);
     g_spaces[slot].size.store(0);
@@ -267,6 +289,42 @@ struct address_space::impl final : page_mover {
     return {first, last + 1};
   }
 };
+
+std::optional<memory_region> unified_client::acquire(const void* p, std::uint64_t n) {
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::uintptr_t b = s_.shared.address();
+  std::uint64_t sz = s_.shared.size();
+  if (a < b || n > sz || a - b > sz - n) return std::nullopt;
+  memory_region r;
+  r.type = memory_type::unified;
+  r.owner = s_.dev.id();
+  r.ordinal = s_.dev.info().ordinal;
+  r.base = b;
+  r.size = sz;
+  r.client = this;
+  return r;
+}
+
+std::uint64_t unified_client::pin(const memory_region&, std::uintptr_t base, std::uint64_t size) {
+  auto [first, end] = s_.pages_of(reinterpret_cast<void*>(base), size, "vm.pin");
+  std::uint64_t done = first;
+  try {
+    for (; done < end; ++done) s_.table->pin_in_place(done, deadline_after(s_.o.deadline));
+  } catch (...) {
+    for (std::uint64_t p = first; p < done; ++p) s_.table->unpin(p);
+    throw;
+  }
+  return 0;
+}
+
+void unified_client::unpin(std::uint64_t, std::uintptr_t base, std::uint64_t size) noexcept {
+  try {
+    auto [first, end] = s_.pages_of(reinterpret_cast<void*>(base), size, "vm.unpin");
+    for (std::uint64_t p = first; p < end; ++p) s_.table->unpin(p);
+  } catch (const std::exception& e) {
+    log::error("vm", "{}: unpin of {:#x}+{} failed: {}", s_.dev.id(), base, size, e.what());
+  }
+}
 
 address_space::address_space(device& dev, std::uint64_t bytes, space_options o) : impl_(std::make_unique<impl>(dev, bytes, o)) {}
 address_space::~address_space() = default;

@@ -341,6 +341,15 @@ void page_table::pin(std::uint64_t page) {
   std::lock_guard l(impl_->pg[page].mu);  // not while the page is being changed
   impl_->pg[page].pins++;
 }
+void page_table::pin_in_place(std::uint64_t page, deadline until) {
+  impl_->check(page, host, "vm.pin");
+  auto& g = impl_->pg[page];
+  std::unique_lock l(g.mu);
+  location at = g.valid == 0 ? host : (g.mapped >= 0 && (g.valid & bit(g.mapped)) ? g.mapped : std::countr_zero(g.valid));
+  impl_->make_valid(page, l, at, true, false, until);
+  g.pins++;
+}
+
 void page_table::unpin(std::uint64_t page) {
   impl_->check(page, host, "vm.unpin");
   auto& pins = impl_->pg[page].pins;

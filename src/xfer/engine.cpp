@@ -62,6 +62,7 @@ struct work_item {
   bool to_device = true;   // bounce: host -> device
   pinned_pool* pool = nullptr;
   std::shared_ptr<registration> hold;  // registered path: keeps the pin while copying
+  std::vector<std::shared_ptr<registration>> unified;  // unified memory pinned in place while copying
   std::vector<segment> segs;
 };
 
@@ -426,7 +427,7 @@ transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, t
         fail(errc::bad_address, "xfer.submit", res_of(), "destination is not mapped memory ferry knows (freed or invalid?)");
 
       for (auto* m : {&src, &dst})
-        if ((m->type == memory_type::device || m->type == memory_type::managed) && m->size &&
+        if ((m->type == memory_type::device || m->type == memory_type::managed || m->type == memory_type::unified) && m->size &&
             !m->contains(m == &src ? s : d, r.bytes))
           fail(errc::out_of_range, "xfer.submit", res_of(),
                fmt::format("{} extends past the end of its allocation on {} ({})", m == &src ? "source" : "destination",
@@ -474,6 +475,9 @@ transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, t
           }
         }
       }
+      // Unified memory: its pages stay where they are (and mapped) while the copy engines use them.
+      if (src.type == memory_type::unified) w.unified.push_back(std::make_shared<registration>(I.cache.acquire(r.src, r.bytes)));
+      if (dst.type == memory_type::unified) w.unified.push_back(std::make_shared<registration>(I.cache.acquire(r.dst, r.bytes)));
       b.results[i].path = w.path;
       I.path_count[static_cast<int>(w.path)]->add();
       log::debug("xfer", "{}: {} -> {} via {}", res_of(), src.owner.empty() ? to_string(src.type) : src.owner,

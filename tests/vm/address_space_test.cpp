@@ -1,6 +1,7 @@
 // Unified memory on the sim backend: CPU faults (SIGSEGV -> service thread) from many threads,
 // migrations both ways, eviction under a small device cap, DONTNEED and READ_MOSTLY, with data checked.
 #include <ferry/core/checksum.hpp>
+#include <ferry/io/file.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/vm/address_space.hpp>
 
@@ -10,6 +11,9 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
 #include <random>
 #include <thread>
 
@@ -156,4 +160,53 @@ TEST(VmSpace, AttachedStreamsAndTheirErrors) {
   as.detach_stream(*s);
   auto other = rt.devices().get("sim:1").create_stream();
   EXPECT_THAT(test::error_text([&] { as.attach_stream(*other); }), HasSubstr("another device"));
+}
+
+// Unified memory as a DMA target: file reads into a unified pointer while another thread keeps
+// moving its pages between host and device. The space is a peer-memory client of the runtime's
+// registration cache: each request pins the pages it uses (in place, exclusive) only while it runs.
+TEST(VmSpace, FileReadsIntoUnifiedMemoryWhilePagesMove) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o;
+  o.cache = &rt.registrations();
+  o.device_capacity = 4 * (64 << 10);
+  vm::address_space as(dev, 16 * (64 << 10), o);
+  const std::size_t pg = as.page_bytes(), n = 8 * pg;
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  EXPECT_EQ(rt.registrations().classify(p + 5, 100).type, memory_type::unified);
+  auto path = std::filesystem::path(::testing::TempDir()) / ("ferry-vm-" + std::to_string(::getpid()) + ".bin");
+  std::vector<std::byte> data(n);
+  fill(data.data(), n, 99);
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(n));
+  auto f = file::open(path.string(), open_mode::read);
+  std::atomic<bool> stop{false};
+  std::atomic<int> moves{0}, move_errors{0};
+  std::thread mover([&] {
+    std::mt19937_64 rng(3);
+    while (!stop) {
+      std::size_t i = rng() % 8;
+      try {
+        as.advise(p + i * pg, pg, vm::advice::prefetch, rng() % 2 ? memory_kind::device : memory_kind::host);
+        moves++;
+      } catch (const std::exception&) {
+        move_errors++;
+      }
+    }
+  });
+  for (int round = 0; round < 6; ++round) {
+    std::memset(p, 0, n);  // the CPU clears it (faults pages back as needed)
+    file_request r{f, 0, p, n, false};
+    auto b = rt.files().submit({&r, 1});
+    ASSERT_TRUE(b.wait());
+    b.check();
+    EXPECT_EQ(sum(p, n), checksum64(data.data(), n)) << "round " << round;
+  }
+  stop = true;
+  mover.join();
+  std::filesystem::remove(path);
+  EXPECT_GT(moves, 10);
+  EXPECT_EQ(move_errors, 0);
+  for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(as.pages().snapshot(i).pins, 0u) << "page " << i << " unpinned after the reads";
+  EXPECT_GT(as.stats().migrations_h2d, 0u);
 }

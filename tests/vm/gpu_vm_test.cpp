@@ -2,6 +2,7 @@
 // pointers, the fault path, host-resident pages read by kernels, oversubscription of a small cap.
 // The kernels are the device layer's pattern and checksum kernels, run on the unified pointers.
 #include <ferry/core/checksum.hpp>
+#include <ferry/io/file.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/vm/address_space.hpp>
 
@@ -10,7 +11,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <atomic>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <unistd.h>
 #include <random>
 
 using namespace ferry;
@@ -116,6 +122,54 @@ TEST(GpuVm, MigrationsWaitForKernelsOnAttachedStreams) {
   std::uint64_t got = 0, want = 1;
   fill_then_touch(true, &got, &want);
   EXPECT_EQ(got, want) << "the CPU saw the kernel's finished data";
+}
+
+// A file read into a unified pointer while another thread keeps moving its pages (the space is a
+// peer-memory client of the runtime's registration cache: each request pins what it uses).
+TEST(GpuVm, FileReadsIntoUnifiedMemoryWhilePagesMigrate) {
+  runtime rt(g_settings);
+  device& dev = rt.devices().get("cuda:0");
+  vm::space_options o;
+  o.cache = &rt.registrations();
+  o.device_capacity = 8 * dev.granularity();
+  vm::address_space as(dev, 32 * dev.granularity(), o);
+  const std::size_t pg = as.page_bytes(), n = 16 * pg;
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  auto path = std::filesystem::path("/tmp") / ("ferry-gpu-vm-" + std::to_string(::getpid()) + ".bin");
+  std::vector<std::byte> data(n);
+  fill_random(data.data(), n, 17);
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(n));
+  auto f = file::open(path.string(), open_mode::read);
+  std::atomic<bool> stop{false};
+  std::atomic<int> moves{0}, errors{0};
+  std::thread mover([&] {
+    std::mt19937_64 rng(5);
+    while (!stop) {
+      std::size_t i = rng() % 16;
+      try {
+        as.advise(p + i * pg, pg, vm::advice::prefetch, rng() % 2 ? memory_kind::device : memory_kind::host);
+        moves++;
+      } catch (const std::exception&) {
+        errors++;
+      }
+    }
+  });
+  auto s = dev.create_stream();
+  for (int round = 0; round < 4; ++round) {
+    std::memset(p, 0, n);
+    file_request r{f, 0, p, n, false};
+    auto b = rt.files().submit({&r, 1});
+    ASSERT_TRUE(b.wait());
+    b.check();
+    EXPECT_EQ(checksum64(p, n), checksum64(data.data(), n)) << "round " << round << " (CPU)";
+  }
+  stop = true;
+  mover.join();
+  std::filesystem::remove(path);
+  EXPECT_GT(moves, 10);
+  EXPECT_EQ(errors, 0);
+  std::printf("pages moved %d times during 4 reads of %zu MiB; migrations h2d %llu d2h %llu\n", moves.load(), n >> 20,
+              static_cast<unsigned long long>(as.stats().migrations_h2d), static_cast<unsigned long long>(as.stats().migrations_d2h));
 }
 
 // The race attach_stream prevents (run explicitly, in its own process: a kernel whose page is

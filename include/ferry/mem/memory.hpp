@@ -20,6 +20,8 @@ enum class memory_type {
   host_pinned,    // page-locked and registered with the CUDA driver (cudaHostAlloc / cudaHostRegister)
   device,         // device memory (CUDA or sim)
   managed,        // CUDA managed memory
+  unified,        // ferry unified memory (vm::address_space): pages move between host and a device;
+                  // the device's copy engines reach every page; pinned in place while a registration holds it
 };
 FERRY_API std::string_view to_string(memory_type t) noexcept;
 
@@ -52,6 +54,12 @@ class FERRY_API peer_memory_client {
   virtual bool still_valid(const memory_region& r) = 0;
   // Pinning costs real time (milliseconds per GiB); device memory needs no pinning.
   virtual bool pin_is_free() const noexcept { return false; }
+  // False: a registration pins only while a handle holds it -- released at once, never kept in the
+  // cache (memory that must stay free to move, e.g. unified memory).
+  virtual bool keep_cached() const noexcept { return true; }
+  // True: its memory is ordinary process mappings, and an munmap over it (seen by the memory hooks)
+  // means the memory is gone. False for memory remapped in place as its pages move (unified memory).
+  virtual bool host_mappings() const noexcept { return true; }
 };
 
 }  // namespace ferry

@@ -75,6 +75,8 @@ class FERRY_API registration_cache {
   registration_cache& operator=(const registration_cache&) = delete;
 
   void add_client(peer_memory_client* c, bool first = true);
+  // Removes a client (after invalidating what it registered: its memory is going away).
+  void remove_client(peer_memory_client* c);
 
   // What [p, p+n) is. Throws invalid_argument for null/overflowing ranges; unknown memory is
   // reported as memory_type::unknown, not thrown.
@@ -88,6 +90,9 @@ class FERRY_API registration_cache {
 
   // Drops every registration overlapping [base, base+size) (memory unmapped or freed).
   void invalidate(std::uintptr_t base, std::uint64_t size);
+  // The same from memory hooks: never blocks -- done now if the cache is free, else recorded and
+  // done before the cache's next classify/acquire.
+  void invalidate_soon(std::uintptr_t base, std::uint64_t size) noexcept;
   // Drops all unused registrations.
   void trim();
 

@@ -15,10 +15,14 @@
 //  - Copies go through private "mirror" mappings of every chunk, so migrations never touch the
 //    shared range; the shared range is remapped (new copy first, old one dropped after).
 //  - Policy (coherence, capacity, eviction, hints) is the page_table's.
-// Not yet: several devices per space, the registration-cache client. Streams that work on the
-// space must be attached (attach_stream): migrations wait for them. Faults from inside a page_table callback on the same page deadlock.
+// Not yet: several devices per space. Streams that work on the space must be attached
+// (attach_stream): migrations wait for them. With space_options::cache the space is a peer-memory
+// client of that registration cache: memory type `unified`, pages pinned in place (and made
+// exclusive) only while a transfer holds the registration; the space's memory is invalidated in the
+// cache when the space goes. Faults from inside a page_table callback on the same page deadlock.
 #include <ferry/core/export.hpp>
 #include <ferry/device/device.hpp>
+#include <ferry/mem/registration.hpp>
 #include <ferry/vm/page_table.hpp>
 
 #include <memory>
@@ -31,6 +35,9 @@ struct space_options {
   std::uint64_t device_capacity = 0;  // bytes of device memory the space may use (0: no cap but the device)
   replacement policy = replacement::lru;
   std::chrono::nanoseconds deadline = std::chrono::seconds(30);  // per fault / advice
+  // When set, the space becomes a peer-memory client of this cache (until it is destroyed): file,
+  // remote and engine transfers into its pointers pin the pages they use, only while they use them.
+  registration_cache* cache = nullptr;
 };
 
 class FERRY_API address_space {

@@ -110,6 +110,9 @@ class FERRY_API page_table {
 
   // Pins the page where it is (a DMA registration uses it); unpin lets it move again.
   void pin(std::uint64_t page);
+  // For DMA into the page: makes it resident and mapped (a never-touched page is populated on the
+  // host), its mapped copy the only one (the DMA may write), then pins it.
+  void pin_in_place(std::uint64_t page, deadline until);
   void unpin(std::uint64_t page);
 
   page_snapshot snapshot(std::uint64_t page) const;
