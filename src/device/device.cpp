@@ -84,7 +84,17 @@ void stream::copy(void* dst, const void* src, std::size_t bytes) {
          "length overflows the address space");
   owner_->counters().get("copies").add();
   owner_->counters().get("copy_bytes").add(bytes);
-  do_copy(dst, src, bytes);
+  // One DMA per mapped chunk on either side (a plain device allocation is one mapping: one copy).
+  auto* d = static_cast<std::byte*>(dst);
+  auto* s = static_cast<const std::byte*>(src);
+  std::size_t done = 0;
+  while (done < bytes) {
+    std::size_t n = bytes - done;
+    if (std::uint64_t r = owner_->mapping_rest(d + done)) n = static_cast<std::size_t>(std::min<std::uint64_t>(n, r));
+    if (std::uint64_t r = owner_->mapping_rest(s + done)) n = static_cast<std::size_t>(std::min<std::uint64_t>(n, r));
+    do_copy(d + done, s + done, n);
+    done += n;
+  }
 }
 
 void stream::fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) {
@@ -203,6 +213,14 @@ const device::mapping* device::find_mapping(std::uintptr_t p, std::uintptr_t* ba
   if (p >= it->first + it->second.size) return nullptr;
   if (base) *base = it->first;
   return &it->second;
+}
+
+std::uint64_t device::mapping_rest(const void* p) const {
+  auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard lock(mu_);
+  std::uintptr_t base = 0;
+  const mapping* m = find_mapping(a, &base);
+  return m ? base + m->size - a : 0;
 }
 
 bool device::owns(const void* p, std::size_t bytes) const {

@@ -307,6 +307,7 @@ std::optional<memory_region> unified_client::acquire(const void* p, std::uint64_
 
 std::uint64_t unified_client::pin(const memory_region&, std::uintptr_t base, std::uint64_t size) {
   auto [first, end] = s_.pages_of(reinterpret_cast<void*>(base), size, "vm.pin");
+  log::debug("vm", "{}: pinning pages {}..{} for a transfer", s_.dev.id(), first, end - 1);
   std::uint64_t done = first;
   try {
     for (; done < end; ++done) s_.table->pin_in_place(done, deadline_after(s_.o.deadline));
@@ -320,6 +321,7 @@ std::uint64_t unified_client::pin(const memory_region&, std::uintptr_t base, std
 void unified_client::unpin(std::uint64_t, std::uintptr_t base, std::uint64_t size) noexcept {
   try {
     auto [first, end] = s_.pages_of(reinterpret_cast<void*>(base), size, "vm.unpin");
+    log::debug("vm", "{}: unpinning pages {}..{}", s_.dev.id(), first, end - 1);
     for (std::uint64_t p = first; p < end; ++p) s_.table->unpin(p);
   } catch (const std::exception& e) {
     log::error("vm", "{}: unpin of {:#x}+{} failed: {}", s_.dev.id(), base, size, e.what());

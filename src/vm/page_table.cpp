@@ -2,6 +2,8 @@
 #include <ferry/core/error.hpp>
 #include <ferry/vm/page_table.hpp>
 
+#include "core/logging.hpp"
+
 #include <fmt/format.h>
 
 #include <bit>
@@ -177,6 +179,11 @@ struct page_table::impl {
   // No room now: let go of our own page for a moment -- the pages that block us may be locked by
   // faults that wait for room where ours lives -- then the caller starts over.
   void wait_for_room(location d, std::unique_lock<std::mutex>& l, deadline until) {
+    thread_local std::chrono::steady_clock::time_point said{};
+    if (std::chrono::steady_clock::now() - said > std::chrono::seconds(1)) {
+      said = std::chrono::steady_clock::now();
+      log::debug("vm", "waiting for room on device slot {} ({} of {} pages used, all pinned or busy)", d, used[d].load(), cap[d]);
+    }
     if (std::chrono::steady_clock::now() >= until)
       fail(errc::out_of_memory, "vm.fault", fmt::format("device slot {}", d),
            fmt::format("capacity of {} pages reached and every resident page is pinned or busy", cap[d]));
@@ -187,6 +194,7 @@ struct page_table::impl {
 
   // Waits (page unlocked meanwhile) until nobody pins the page.
   void wait_unpinned(std::uint64_t p, std::unique_lock<std::mutex>& l, deadline until) {
+    if (pg[p].pins.load() != 0) log::debug("vm", "page {} is pinned ({}): waiting for the unpin", p, pg[p].pins.load());
     while (pg[p].pins.load() != 0) {
       if (std::chrono::steady_clock::now() >= until)
         fail(errc::timeout, "vm.migrate", fmt::format("page {}", p), "pinned by a transfer past the deadline");

@@ -229,6 +229,10 @@ class FERRY_API device {
   // Idempotent. Throws not_supported when the pair has no peer access.
   void enable_peer_access(device& peer);
 
+  // Bytes from p to the end of the mapping containing it, or 0 when p is not in one of this device's
+  // mappings. Copies are split there: one DMA never spans two mapped chunks (with CUDA a range over
+  // several VMM allocations -- host and device chunks mixed -- is not one copy).
+  std::uint64_t mapping_rest(const void* p) const;
   // True if [p, p+bytes) lies inside one of this device's reservations.
   bool owns(const void* p, std::size_t bytes = 1) const;
   // Describes the mapping state of an address, for error messages: "mapped (device chunk, rw)".
