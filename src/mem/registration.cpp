@@ -119,6 +119,15 @@ struct registration_cache::impl {
     }
   }
   // Collects the callbacks of every entry overlapping [b, b+n) and drops the entries.
+  // Records a hook's range for the next classify/acquire (no lock, no allocation); ranges merge.
+  void defer(std::uintptr_t base, std::uint64_t size) noexcept {
+    std::uintptr_t lo = pending_lo.load(), hi = pending_hi.load();
+    while (base < lo && !pending_lo.compare_exchange_weak(lo, base)) {
+    }
+    while (base + size > hi && !pending_hi.compare_exchange_weak(hi, base + size)) {
+    }
+    has_pending = true;
+  }
   // From memory hooks (`hooked`), entries of clients whose memory is remapped in place as it moves
   // (unified memory) are left alone: such an unmap is a page moving, not the memory going away.
   std::vector<std::function<void()>> invalidate_locked(std::uintptr_t b, std::uint64_t n, bool hooked = false) {
@@ -464,12 +473,7 @@ void registration_cache::invalidate_soon(std::uintptr_t base, std::uint64_t size
   // remap while an acquire holds the lock and waits for that page): never block here.
   std::unique_lock l(impl_->mu, std::try_to_lock);
   if (t_inside_cache || !l.owns_lock()) {
-    std::uintptr_t lo = impl_->pending_lo.load(), hi = impl_->pending_hi.load();
-    while (base < lo && !impl_->pending_lo.compare_exchange_weak(lo, base)) {
-    }
-    while (base + size > hi && !impl_->pending_hi.compare_exchange_weak(hi, base + size)) {
-    }
-    impl_->has_pending = true;
+    impl_->defer(base, size);
     return;
   }
   std::vector<std::function<void()>> cbs;
@@ -483,12 +487,7 @@ void registration_cache::invalidate_soon(std::uintptr_t base, std::uint64_t size
 
 void registration_cache::invalidate(std::uintptr_t base, std::uint64_t size) {
   if (t_inside_cache) {  // re-entered from inside the cache: no lock, no allocation
-    std::uintptr_t lo = impl_->pending_lo.load(), hi = impl_->pending_hi.load();
-    while (base < lo && !impl_->pending_lo.compare_exchange_weak(lo, base)) {
-    }
-    while (base + size > hi && !impl_->pending_hi.compare_exchange_weak(hi, base + size)) {
-    }
-    impl_->has_pending = true;
+    impl_->defer(base, size);
     return;
   }
   std::vector<std::function<void()>> cbs;

@@ -5,6 +5,7 @@
 #include <ferry/runtime.hpp>
 #include <ferry/store/service.hpp>
 
+#include "support/data.hpp"
 #include "support/errors.hpp"
 
 #include <gmock/gmock.h>
@@ -19,25 +20,17 @@
 
 using namespace ferry;
 using ::testing::HasSubstr;
+using ferry::test::random_bytes;
+using ferry::test::slurp;
 
 namespace {
 
-std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
-  std::vector<unsigned char> v(n);
-  std::mt19937_64 rng(seed);
-  for (auto& c : v) c = static_cast<unsigned char>(rng());
-  return v;
-}
 
 void spill(const std::filesystem::path& p, const std::vector<unsigned char>& d) {
   std::ofstream f(p, std::ios::binary);
   f.write(reinterpret_cast<const char*>(d.data()), static_cast<std::streamsize>(d.size()));
 }
 
-std::vector<unsigned char> slurp(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
 
 // A server over a fresh directory, and runtime settings whose clients know its secret.
 struct fixture {

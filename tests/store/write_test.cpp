@@ -4,6 +4,7 @@
 #include <ferry/runtime.hpp>
 #include <ferry/store/service.hpp>
 
+#include "support/data.hpp"
 #include "support/errors.hpp"
 
 #include <gmock/gmock.h>
@@ -18,20 +19,12 @@
 
 using namespace ferry;
 using ::testing::HasSubstr;
+using ferry::test::random_bytes;
+using ferry::test::slurp;
 
 namespace {
 
-std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
-  std::vector<unsigned char> v(n);
-  std::mt19937_64 rng(seed);
-  for (auto& c : v) c = static_cast<unsigned char>(rng());
-  return v;
-}
 
-std::vector<unsigned char> slurp(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
 
 settings sim_settings() {
   settings cfg = settings::defaults();
