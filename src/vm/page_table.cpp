@@ -135,16 +135,18 @@ struct page_table::impl {
     {
       auto& o = *ord[d];
       std::lock_guard l(o.mu);
-      for (auto it = o.l.rbegin(); it != o.l.rend(); ++it) {
-        if (*it == except) continue;
-        if (!pg[*it].mu.try_lock()) continue;
-        if (pg[*it].pins.load() != 0) {
-          pg[*it].mu.unlock();
-          continue;
+      // First pass: pages that do not prefer this device (PREFERRED_LOCATION); then any.
+      for (int pass = 0; pass < 2 && victim == n; ++pass)
+        for (auto it = o.l.rbegin(); it != o.l.rend(); ++it) {
+          if (*it == except) continue;
+          if (!pg[*it].mu.try_lock()) continue;
+          if (pg[*it].pins.load() != 0 || (pass == 0 && pg[*it].preferred == d)) {
+            pg[*it].mu.unlock();
+            continue;
+          }
+          victim = *it;
+          break;
         }
-        victim = *it;
-        break;
-      }
     }
     if (victim == n) return false;
     page& g = pg[victim];
@@ -333,7 +335,7 @@ void page_table::set_read_mostly(std::uint64_t page, bool on) {
 }
 
 void page_table::set_preferred(std::uint64_t page, location at) {
-  if (at != -1) impl_->check(page, at, "vm.advise");
+  impl_->check(page, at == -1 ? host : at, "vm.advise");  // -1: no preference
   std::lock_guard l(impl_->pg[page].mu);
   impl_->pg[page].preferred = at;
 }

@@ -192,6 +192,22 @@ TEST(VmPageTable, LruEvictsTheLeastRecentlyUsedFifoTheFirstArrived) {
   }
 }
 
+TEST(VmPageTable, PagesPreferringADeviceAreEvictedLast) {
+  fake_mover mv(4, {0, 2});
+  page_table t(4, 4096, {0, 2}, replacement::lru, mv);
+  t.set_preferred(0, 1);
+  t.access(0, 1, true, soon());  // coldest, but prefers the device
+  t.access(1, 1, true, soon());
+  t.access(2, 1, true, soon());  // full: page 1 goes, not page 0
+  EXPECT_TRUE(t.snapshot(0).valid & 2);
+  EXPECT_FALSE(t.snapshot(1).valid & 2);
+  t.set_preferred(2, 1);
+  t.access(3, 1, true, soon());  // both residents prefer the device: the coldest of them goes
+  EXPECT_FALSE(t.snapshot(0).valid & 2);
+  EXPECT_TRUE(t.snapshot(2).valid & 2);
+  EXPECT_EQ(mv.first, "");
+}
+
 TEST(VmPageTable, DontneedKeepsTheDataAndReadMostlyCopiesAreInvalidatedOnWrite) {
   fake_mover mv(2, {0, 4, 4});
   page_table t(2, 4096, {0, 4, 4}, replacement::lru, mv);

@@ -13,7 +13,8 @@
 //  - a device copy is "dirty" exactly when the host holds no valid copy: evicting it copies it back,
 //    evicting a clean one only drops it;
 //  - a device never holds more than its capacity in pages: making room evicts by the replacement
-//    policy (LRU by access, or FIFO by arrival), skipping pinned pages and pages being changed.
+//    policy (LRU by access, or FIFO by arrival), skipping pinned pages and pages being changed, and
+//    pages whose PREFERRED_LOCATION is that device only when no other page can go.
 // Concurrency: one mutex per page serializes its changes; different pages change in parallel. A page
 // that must be made room for takes victims with try_lock only, so two faults never wait on each
 // other's page. Pinned pages (a DMA registration uses them) are never moved; a change that would
