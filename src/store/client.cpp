@@ -456,10 +456,9 @@ struct client::impl {
   void decide_rma(connection& cn) {
     bool want = o.rma == "on";
     if (o.rma == "auto") {
+      // Real RMA: the reliable verbs transports (rc_verbs, rc_mlx5, dc_mlx5); ud_* has none.
       std::string t = cn.transports();
-      for (const char* real : {"rc_", "dc_", "rc/", "dc/", "verbs", "mlx5"})
-        if (t.find(real) != std::string::npos) want = true;
-      if (t.find("ud_") != std::string::npos && t.find("rc") == std::string::npos && t.find("dc") == std::string::npos) want = false;
+      want = t.find("rc_") != std::string::npos || t.find("dc_") != std::string::npos;
     }
     if (want && !net_cache) {
       net_client = std::make_unique<ucx_net_client>(ctx, o.cache);
