@@ -60,14 +60,20 @@ void va_range::reset() noexcept {
 event::~event() = default;
 
 void event::wait(deadline until) {
-  // Poll with a growing back-off: CUDA offers no blocking wait with a timeout, and a blocked
-  // cuEventSynchronize could hang forever on a wedged device.
-  auto sleep = std::chrono::microseconds(1);
+  // Poll: CUDA offers no blocking wait with a timeout, and a blocked cuEventSynchronize could hang
+  // forever on a wedged device. Yield for the first 2 ms (a sleep overshoots by its timer slack,
+  // which would leave the copy engines idle between pipelined batches), then back off to 200 us.
+  auto start = std::chrono::steady_clock::now();
+  auto sleep = std::chrono::microseconds(2);
   while (!do_query()) {
-    if (std::chrono::steady_clock::now() >= until)
-      fail(errc::timeout, "event.wait", do_describe(), "deadline expired before the work completed");
+    auto now = std::chrono::steady_clock::now();
+    if (now >= until) fail(errc::timeout, "event.wait", do_describe(), "deadline expired before the work completed");
+    if (now - start < std::chrono::milliseconds(2)) {
+      std::this_thread::yield();
+      continue;
+    }
     std::this_thread::sleep_for(sleep);
-    sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
+    sleep = std::min(sleep * 2, std::chrono::microseconds(200));
   }
 }
 
@@ -331,10 +337,12 @@ void device::unmap_locked(std::uintptr_t a, std::uint64_t bytes) {
   }
   if (p != a + bytes)
     fail(errc::invalid_argument, "device.unmap", res, "range ends inside a mapping");
+  // Several mappings in one backend call where it can (CUDA: one cuMemUnmap for a run of chunks).
+  bool whole = bytes > mappings_.find(a)->second.size && do_unmap_run(a, bytes);
   for (p = a; p < a + bytes;) {
     auto it = mappings_.find(p);
     std::uint64_t sz = it->second.size, h = it->second.chunk;
-    do_unmap(p, sz);
+    if (!whole) do_unmap(p, sz);
     mappings_.erase(it);
     c_unmap_.add();
     auto c = chunks_.find(h);
@@ -374,8 +382,16 @@ void device::set_access(void* va, std::uint64_t bytes, std::span<const access_de
     if (p > a + bytes) fail(errc::invalid_argument, "device.set_access", res, "range ends inside a mapping");
   }
   for (std::uintptr_t p = a; p < a + bytes;) {
+    // One backend call per run of adjacent mappings of the same kind of memory.
+    auto first = mappings_.find(p);
+    std::uintptr_t e = p + first->second.size;
+    for (auto it = std::next(first); it != mappings_.end() && it->first == e && e < a + bytes &&
+                                     it->second.where.kind == first->second.where.kind && it->second.where.id == first->second.where.id;
+         ++it)
+      e += it->second.size;
+    do_set_access(p, e - p, first->second, grants);
+    for (; p < e;) {
     auto& m = mappings_.find(p)->second;
-    do_set_access(p, m.size, m, grants);
     for (auto& g : grants) {
       if (g.who.kind == memory_kind::host) m.host_access = g.flags;
       else if (g.who.id == -1 || g.who.id == info_.ordinal) m.device_access = g.flags;
@@ -386,6 +402,7 @@ void device::set_access(void* va, std::uint64_t bytes, std::span<const access_de
       }
     }
     p += m.size;
+    }
   }
 }
 

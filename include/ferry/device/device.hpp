@@ -276,6 +276,8 @@ class FERRY_API device {
   virtual void do_release(std::uintptr_t base, std::uint64_t bytes) noexcept = 0;
   virtual void do_map(std::uintptr_t va, std::uint64_t bytes, std::uint64_t handle, location where) = 0;
   virtual void do_unmap(std::uintptr_t va, std::uint64_t bytes) noexcept = 0;
+  // Unmaps a run of several whole mappings in one call; false (nothing done) when the backend cannot.
+  virtual bool do_unmap_run(std::uintptr_t, std::uint64_t) noexcept { return false; }
   virtual void do_set_access(std::uintptr_t va, std::uint64_t bytes, const mapping& m,
                              std::span<const access_desc> grants) = 0;
   virtual std::unique_ptr<stream> do_create_stream() = 0;

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <set>
 #include <thread>
 
@@ -205,6 +206,18 @@ class cuda_device final : public device {
     if (CUresult r = api_.cuMemUnmap(va, bytes); r != CUDA_SUCCESS)
       log::error("cuda", "{}: cuMemUnmap({}) failed: {}", id(), describe_range(va, bytes), describe(r));
   }
+  bool do_unmap_run(std::uintptr_t va, std::uint64_t bytes) noexcept override {
+    if (!unmap_runs_) return false;
+    api_.cuCtxSetCurrent(ctx_);
+    if (CUresult r = api_.cuMemUnmap(va, bytes); r != CUDA_SUCCESS) {
+      // Not every driver takes a range of several allocations: one at a time from now on.
+      log::warn("cuda", "{}: cuMemUnmap of a run of mappings ({}) failed: {}; unmapping one chunk per call", id(),
+                describe_range(va, bytes), describe(r));
+      unmap_runs_ = false;
+      return false;
+    }
+    return true;
+  }
   void do_set_access(std::uintptr_t va, std::uint64_t bytes, const mapping& m,
                      std::span<const access_desc> grants) override {
     make_current();
@@ -254,6 +267,7 @@ class cuda_device final : public device {
   CUfunction fill_ = nullptr, checksum_ = nullptr;
   std::mutex numa_mu_;
   std::map<std::uint64_t, int> host_numa_;
+  std::atomic<bool> unmap_runs_{true};
   std::atomic<std::uint64_t> streams_{0};
 };
 
