@@ -232,6 +232,27 @@ const setting_def table[] = {
      s.net_rma = std::string(v);
    },
    [](const settings& s) { return s.net_rma; }},
+  {"FERRY_VM_CAPACITY", "Device memory one unified address space may use for its pages; beyond it pages are evicted to host memory. 0 = what the device has free when the space is made, minus FERRY_VM_RESERVE.",
+   [](settings& s, std::string_view v) { s.vm_capacity = parse_size_in(v, 0, 1ull << 50); },
+   [](const settings& s) { return format_size(s.vm_capacity); }},
+  {"FERRY_VM_RESERVE", "Device memory a unified address space leaves free when FERRY_VM_CAPACITY is 0 (for kernels, streams and other allocations); at most a quarter of the free memory.",
+   [](settings& s, std::string_view v) { s.vm_reserve = parse_size_in(v, 0, 1ull << 50); },
+   [](const settings& s) { return format_size(s.vm_reserve); }},
+  {"FERRY_VM_PAGE", "Page size of a unified address space: the unit that migrates, rounded up to the device granularity (2 MiB with CUDA). One CUDA VMM call costs about the same for 2 MiB as for 32 MiB, so larger pages remap faster; 0 = the device granularity.",
+   [](settings& s, std::string_view v) { s.vm_page = parse_size_in(v, 0, 1ull << 30); },
+   [](const settings& s) { return format_size(s.vm_page); }},
+  {"FERRY_VM_POLICY", "Which device page a unified address space evicts first: lru (least recently used) | fifo (first arrived).",
+   [](settings& s, std::string_view v) {
+     if (v != "lru" && v != "fifo") throw bad_value{"expected lru or fifo"};
+     s.vm_policy = std::string(v);
+   },
+   [](const settings& s) { return s.vm_policy; }},
+  {"FERRY_VM_BATCH", "Pages (2 MiB each with CUDA) one batched migration moves: their remaps are grouped and their copies queued together, and the next batch is prepared while one copies. At most a quarter of the device capacity is used.",
+   [](settings& s, std::string_view v) { s.vm_batch = static_cast<int>(parse_int(v, 1, 1024)); },
+   [](const settings& s) { return std::to_string(s.vm_batch); }},
+  {"FERRY_VM_FAULT_AHEAD", "Pages a CPU fault on device-resident memory moves to host in one batch: the faulting page and the device-resident pages after it (1 = the faulting page only).",
+   [](settings& s, std::string_view v) { s.vm_fault_ahead = static_cast<int>(parse_int(v, 1, 1024)); },
+   [](const settings& s) { return std::to_string(s.vm_fault_ahead); }},
 };
 // clang-format on
 

@@ -121,11 +121,22 @@ class unified_client final : public peer_memory_client {
 struct address_space::impl final : page_mover {
   device& dev;
   space_options o;
-  std::uint64_t page = 0, npages = 0;
-  va_range shared, host_mirror, dev_mirror;  // mirrors: every chunk, for copies
-  std::vector<physical_chunk> hostc, devc;   // per page; guarded by the page's lock in page_table
-  std::vector<char> shared_mapped;           // per page: a chunk is mapped in the shared range (page lock)
-  physical_chunk zero;                       // a zeroed host chunk at the end of the host mirror
+  std::uint64_t page = 0, npages = 0, cap = 0;
+  va_range shared, host_mirror, dev_pool;  // host mirror: per page; device pool: per slot
+  std::vector<physical_chunk> hostc;        // per page, kept once made; guarded by the page's lock
+  std::vector<std::int64_t> slot_of;        // per page: its device slot or -1 (page lock)
+  std::vector<char> shared_mapped;          // per page: a chunk is mapped in the shared range (page lock)
+  std::vector<location> shared_at;          // per page: which (page lock)
+  std::vector<char> host_w;                 // per page: its host mapping may be written (page lock)
+  // Per page: what the CPU may do through the shared range (0, 1 read, 3 read+write). Host chunks are
+  // mapped for the device alone at first: granting the CPU costs ~30-50 us per MiB (its page tables),
+  // so it is paid only when the CPU touches the page (a fault) or a transfer pins it.
+  std::unique_ptr<std::atomic<std::uint8_t>[]> cpu;
+  std::mutex slot_mu;
+  std::vector<physical_chunk> slots;        // slot_mu: device chunks, mapped in dev_pool at their index
+  std::vector<std::uint32_t> idle, holes;   // slot_mu: made and unused / never made or trimmed
+  std::uint32_t made = 0;                   // slot_mu: slots below this index exist or are holes
+  physical_chunk zero;                      // a zeroed host chunk at the end of the host mirror
   std::unique_ptr<stream> st;
   std::mutex st_mu;
   std::unique_ptr<page_table> table;
@@ -138,23 +149,51 @@ struct address_space::impl final : page_mover {
   std::atomic<std::uint64_t> cpu_faults{0};
   std::thread service;
   std::unique_ptr<unified_client> client;
+  struct {
+    std::atomic<std::uint64_t> quiesce{0}, allocate{0}, unmap{0}, map{0}, access{0}, copy_wait{0};
+  } t;
+  // Batches between start() and finish().
+  struct flight {
+    std::vector<step> steps;
+    std::vector<char> mapped_new;  // per step: the shared range points at `to`
+    std::vector<char> copied;      // per step: `to` memory was taken and a copy queued
+    std::unique_ptr<event> done;
+  };
+  std::mutex flights_mu;
+  std::map<std::uint64_t, flight> flights;
+  std::uint64_t next_ticket = 0;
 
   impl(device& d, std::uint64_t bytes, space_options opt) : dev(d), o(opt) {
-    page = dev.granularity();
+    std::uint64_t gran = dev.granularity();
+    page = std::max(gran, (o.page_bytes + gran - 1) / gran * gran);
     npages = (bytes + page - 1) / page;
     expects(npages > 0, "vm.space", dev.id(), "an address space needs at least one page");
+    expects(o.batch > 0 && o.fault_ahead > 0, "vm.space", dev.id(), "batch and fault_ahead must be positive");
     shared = dev.reserve(npages * page);
     host_mirror = dev.reserve((npages + 1) * page);
-    dev_mirror = dev.reserve(npages * page);
+    dev_pool = dev.reserve(npages * page);
     hostc.resize(npages);
-    devc.resize(npages);
+    slot_of.assign(npages, -1);
+    slots.resize(npages);
     shared_mapped.assign(npages, 0);
+    shared_at.assign(npages, -1);
+    host_w.assign(npages, 0);
+    cpu.reset(new std::atomic<std::uint8_t>[npages]);
+    for (std::uint64_t i = 0; i < npages; ++i) cpu[i] = 0;
     st = dev.create_stream();
     zero = dev.allocate(page, ferry::location::on_host());
     map_mirror(host_mirror.at(npages * page), zero, true);
     std::memset(host_mirror.at(npages * page), 0, page);
-    std::uint64_t cap = o.device_capacity ? o.device_capacity / page : dev.info().total_memory / page;
-    expects(cap > 0, "vm.space", dev.id(), "device capacity below one page");
+    std::uint64_t bytes_cap = o.device_capacity;
+    if (bytes_cap == 0) {
+      auto m = dev.memory();
+      std::uint64_t free = m.free ? m.free : dev.info().total_memory;
+      // A small device (the sim's, a test cap) keeps at most a quarter back.
+      bytes_cap = free - std::min(o.reserve, free / 4);
+    }
+    cap = bytes_cap / page;
+    expects(cap > 0, "vm.space", dev.id(),
+            fmt::format("device capacity {} bytes is below one page of {} (device free memory minus the reserve?)", bytes_cap, page));
     table = std::make_unique<page_table>(npages, page, std::vector<std::uint64_t>{0, cap}, o.policy, *this);
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) fail_errno(errno, "vm.space", "fault pipe");
@@ -186,10 +225,22 @@ struct address_space::impl final : page_mover {
     service.join();
     ::close(pipe_rd);
     ::close(pipe_wr);
+    try {
+      st->synchronize(deadline_after(o.deadline));
+    } catch (const std::exception& e) {
+      log::error("vm", "{}: unified address space destroyed with failed copies: {}", dev.id(), e.what());
+    }
     shared.reset();
     host_mirror.reset();
-    dev_mirror.reset();
+    dev_pool.reset();
   }
+
+  using clk = std::chrono::steady_clock;
+  struct timed {
+    std::atomic<std::uint64_t>& into;
+    clk::time_point t0 = clk::now();
+    ~timed() { into += std::chrono::duration_cast<std::chrono::nanoseconds>(clk::now() - t0).count(); }
+  };
 
   void map_mirror(void* va, const physical_chunk& c, bool host_chunk) {
     dev.map(va, c);
@@ -197,30 +248,119 @@ struct address_space::impl final : page_mover {
     if (host_chunk) g.push_back({ferry::location::on_host(), access::read_write});
     dev.set_access(va, c.size(), g);
   }
-  std::byte* mirror(location at, std::uint64_t p) { return at == host ? host_mirror.at(p * page) : dev_mirror.at(p * page); }
-  physical_chunk& chunk(location at, std::uint64_t p) { return at == host ? hostc[p] : devc[p]; }
+  std::byte* mirror(location at, std::uint64_t p) {
+    return at == host ? host_mirror.at(p * page) : dev_pool.at(static_cast<std::uint64_t>(slot_of[p]) * page);
+  }
+  physical_chunk& chunk(location at, std::uint64_t p) { return at == host ? hostc[p] : slots[slot_of[p]]; }
   void ensure_chunk(location at, std::uint64_t p) {
-    auto& c = chunk(at, p);
-    if (c) return;
-    c = dev.allocate(page, at == host ? ferry::location::on_host() : ferry::location::on_device());
-    try {
-      map_mirror(mirror(at, p), c, at == host);
-    } catch (...) {
-      c.reset();
-      throw;
+    if (at == host) {
+      if (hostc[p]) return;
+      timed tm{t.allocate};
+      auto c = dev.allocate(page, ferry::location::on_host());
+      map_mirror(host_mirror.at(p * page), c, true);
+      hostc[p] = std::move(c);
+      return;
     }
+    if (slot_of[p] >= 0) return;
+    std::lock_guard l(slot_mu);
+    std::uint32_t i;
+    if (!idle.empty()) {
+      i = idle.back();
+      idle.pop_back();
+    } else {
+      if (!holes.empty()) {
+        i = holes.back();
+      } else {
+        if (made >= npages) fail(errc::internal, "vm.space", dev.id(), "more device slots than pages");
+        i = made;
+      }
+      timed tm{t.allocate};
+      auto c = dev.allocate(page, ferry::location::on_device());
+      map_mirror(dev_pool.at(static_cast<std::uint64_t>(i) * page), c, false);
+      slots[i] = std::move(c);
+      if (!holes.empty()) holes.pop_back();
+      else ++made;
+    }
+    slot_of[p] = i;
+  }
+  // Gives device memory no page uses back to the device.
+  void trim() {
+    std::lock_guard l(slot_mu);
+    for (auto i : idle) {
+      try {
+        dev.unmap(dev_pool.at(static_cast<std::uint64_t>(i) * page), page);
+      } catch (const std::exception& e) {
+        log::error("vm", "{}: unmapping device slot {} failed: {}", dev.id(), i, e.what());
+        continue;
+      }
+      slots[i].reset();
+      holes.push_back(i);
+    }
+    idle.clear();
   }
   void copy_sync(std::byte* dst, const std::byte* src) {
     std::lock_guard l(st_mu);
     st->copy(dst, src, page);
+    timed tm{t.copy_wait};
     st->synchronize(deadline_after(o.deadline));
   }
 
   // Waits for the work queued on attached streams: a kernel must not run on a page while its data
   // is copied away or its mapping changes (conservative: all of the stream's work, not per page).
   void quiesce() {
+    timed tm{t.quiesce};
     std::lock_guard l(streams_mu);
     for (auto* s : streams) s->synchronize(deadline_after(o.deadline));
+  }
+
+  // The device only: the GPU cannot fault, so always rw; the CPU is granted on its first touch.
+  std::vector<access_desc> grants() const { return {{ferry::location::on_device(), access::read_write}}; }
+  // Lets the CPU reach page p through the shared range if it is mapped to its host chunk (page
+  // locked or pinned): read, or read+write when the mapping may be written.
+  void grant_cpu(std::uint64_t p) {
+    if (!shared_mapped[p] || shared_at[p] != host) return;
+    std::uint8_t want = host_w[p] ? 3 : 1;
+    if (cpu[p].load() == want) return;
+    timed tm{t.access};
+    std::vector<access_desc> g{{ferry::location::on_device(), access::read_write},
+                               {ferry::location::on_host(), want == 3 ? access::read_write : access::read}};
+    dev.set_access(shared.at(p * page), page, g);
+    cpu[p] = want;
+  }
+  // Calls f(first page, count) for each run of consecutive pages in `pages` (sorted here).
+  template <typename F>
+  static void runs(std::vector<std::uint64_t>& pages, F&& f) {
+    std::sort(pages.begin(), pages.end());
+    for (std::size_t i = 0; i < pages.size();) {
+      std::size_t j = i + 1;
+      while (j < pages.size() && pages[j] == pages[j - 1] + 1) ++j;
+      f(pages[i], static_cast<std::uint64_t>(j - i));
+      i = j;
+    }
+  }
+  void unmap_shared(std::vector<std::uint64_t> pages) {
+    timed tm{t.unmap};
+    runs(pages, [&](std::uint64_t first, std::uint64_t n) {
+      dev.unmap(shared.at(first * page), n * page);
+      for (std::uint64_t p = first; p < first + n; ++p) {
+        shared_mapped[p] = 0;
+        shared_at[p] = -1;
+        cpu[p] = 0;
+      }
+    });
+  }
+  void map_shared(std::uint64_t p, location at, bool writable) {
+    timed tm{t.map};
+    dev.map(shared.at(p * page), chunk(at, p));
+    shared_mapped[p] = 1;
+    shared_at[p] = at;
+    host_w[p] = at == host && writable;
+    cpu[p] = 0;
+  }
+  void grant_shared(std::vector<std::uint64_t> pages) {
+    timed tm{t.access};
+    auto g = grants();
+    runs(pages, [&](std::uint64_t first, std::uint64_t n) { dev.set_access(shared.at(first * page), n * page, g); });
   }
 
   // ---- page_mover ----
@@ -234,27 +374,114 @@ struct address_space::impl final : page_mover {
     copy_sync(mirror(at, p), host_mirror.at(npages * page));
   }
   void drop(std::uint64_t p, location at) noexcept override {
-    auto& c = chunk(at, p);
-    if (!c) return;
-    try {
-      dev.unmap(mirror(at, p), page);
-    } catch (const std::exception& e) {
-      log::error("vm", "{}: unmapping the mirror of page {} failed: {}", dev.id(), p, e.what());
-    }
-    c.reset();
+    if (at == host) return;  // host chunks stay with their page
+    if (slot_of[p] < 0) return;
+    std::lock_guard l(slot_mu);
+    idle.push_back(static_cast<std::uint32_t>(slot_of[p]));
+    slot_of[p] = -1;
   }
   void map(std::uint64_t p, location at, bool writable) override {
-    void* va = shared.at(p * page);
     if (shared_mapped[p]) {
       quiesce();
-      dev.unmap(va, page);  // the new copy exists; the old one is dropped after this
+      unmap_shared({p});  // the new copy exists; the old one is dropped after this
     }
-    shared_mapped[p] = false;
-    dev.map(va, chunk(at, p));
-    shared_mapped[p] = true;
-    std::vector<access_desc> g{{ferry::location::on_device(), access::read_write}};  // the GPU cannot fault: always rw
-    if (at == host) g.push_back({ferry::location::on_host(), writable ? access::read_write : access::read});
-    dev.set_access(va, page, g);
+    map_shared(p, at, writable);
+    grant_shared({p});
+  }
+
+  std::uint64_t start(const std::vector<step>& steps) override {
+    quiesce();
+    flight f;
+    f.steps = steps;
+    f.mapped_new.assign(steps.size(), 0);
+    f.copied.assign(steps.size(), 0);
+    try {
+      for (std::size_t i = 0; i < steps.size(); ++i)
+        if (steps[i].copy) {
+          ensure_chunk(steps[i].to, steps[i].page);
+          f.copied[i] = 1;
+        }
+      std::vector<std::uint64_t> un, dm;
+      for (auto& s : steps)
+        if (s.map && shared_mapped[s.page]) un.push_back(s.page);
+      unmap_shared(un);
+      // Device targets are mapped before their data lands: the CPU cannot reach device chunks and
+      // attached streams are idle. Host targets are mapped after (a CPU access would see old bytes).
+      for (std::size_t i = 0; i < steps.size(); ++i)
+        if (steps[i].map && steps[i].to != host) {
+          map_shared(steps[i].page, steps[i].to, true);
+          f.mapped_new[i] = 1;
+          dm.push_back(steps[i].page);
+        }
+      grant_shared(dm);
+      bool any = std::any_of(steps.begin(), steps.end(), [](const step& s) { return s.copy; });
+      if (any) {
+        std::lock_guard l(st_mu);
+        for (auto& s : steps)
+          if (s.copy) st->copy(mirror(s.to, s.page), mirror(s.from, s.page), page);
+        f.done = st->record();
+      }
+    } catch (...) {
+      rollback(f);
+      throw;
+    }
+    std::lock_guard l(flights_mu);
+    flights.emplace(++next_ticket, std::move(f));
+    return next_ticket;
+  }
+
+  void finish(std::uint64_t ticket) override {
+    flight f;
+    {
+      std::lock_guard l(flights_mu);
+      auto it = flights.find(ticket);
+      if (it == flights.end()) fail(errc::internal, "vm.migrate", dev.id(), fmt::format("no batch {}", ticket));
+      f = std::move(it->second);
+      flights.erase(it);
+    }
+    try {
+      if (f.done) {
+        timed tm{t.copy_wait};
+        f.done->wait(deadline_after(o.deadline));
+      }
+      std::vector<std::uint64_t> hm;
+      for (std::size_t i = 0; i < f.steps.size(); ++i) {
+        auto& s = f.steps[i];
+        if (!s.map || s.to != host) continue;
+        map_shared(s.page, host, s.writable);
+        f.mapped_new[i] = 1;
+        hm.push_back(s.page);
+      }
+      grant_shared(hm);
+    } catch (...) {
+      rollback(f);
+      throw;
+    }
+  }
+
+  // Puts a failed batch's pages back as they were: old mappings, no memory at `to`.
+  void rollback(flight& f) noexcept {
+    if (f.done) {
+      try {
+        std::lock_guard l(st_mu);
+        st->synchronize(deadline_after(o.deadline));  // nothing may still write into memory given back
+      } catch (const std::exception& e) {
+        log::error("vm", "{}: copies of a failed migration batch: {}", dev.id(), e.what());
+      }
+    }
+    for (std::size_t i = 0; i < f.steps.size(); ++i) {
+      auto& s = f.steps[i];
+      try {
+        if (f.mapped_new[i] && shared_mapped[s.page]) unmap_shared({s.page});
+        if (s.map && !shared_mapped[s.page] && s.was_at >= 0) {
+          map_shared(s.page, s.was_at, s.was_writable);
+          grant_shared({s.page});
+        }
+      } catch (const std::exception& e) {
+        log::error("vm", "{}: restoring the mapping of page {} after a failed migration failed: {}", dev.id(), s.page, e.what());
+      }
+      if (f.copied[i]) drop(s.page, s.to);
+    }
   }
 
   // ---- CPU faults ----
@@ -269,7 +496,7 @@ struct address_space::impl final : page_mover {
       int result = 1;
       std::uint64_t pg = (r->addr - shared.address()) / page;
       try {
-        table->access(pg, host, r->write, deadline_after(o.deadline));
+        table->fault_range(pg, allocation_end(pg, o.fault_ahead), host, r->write, o.batch, o.deadline, [&] { grant_cpu(pg); });
         cpu_faults++;
       } catch (const std::exception& e) {
         log::error("vm", "{}: CPU fault at {:#x} (page {}, {}) failed: {}", dev.id(), r->addr, pg, r->write ? "write" : "read", e.what());
@@ -278,6 +505,16 @@ struct address_space::impl final : page_mover {
       r->state.store(result, std::memory_order_release);
       futex(&r->state, FUTEX_WAKE_PRIVATE, 1, nullptr);
     }
+  }
+
+  // The end of the fault-ahead window of page p: at most `ahead` pages, inside p's allocation.
+  std::uint64_t allocation_end(std::uint64_t p, std::uint64_t ahead) {
+    std::lock_guard l(alloc_mu);
+    auto it = used_ranges.upper_bound(p);
+    if (it == used_ranges.begin()) return p + 1;
+    --it;
+    if (p >= it->first + it->second) return p + 1;
+    return std::min(it->first + it->second, p + ahead);
   }
 
   std::pair<std::uint64_t, std::uint64_t> pages_of(const void* p, std::uint64_t bytes, const char* op) {
@@ -310,7 +547,10 @@ std::uint64_t unified_client::pin(const memory_region&, std::uintptr_t base, std
   log::debug("vm", "{}: pinning pages {}..{} for a transfer", s_.dev.id(), first, end - 1);
   std::uint64_t done = first;
   try {
-    for (; done < end; ++done) s_.table->pin_in_place(done, deadline_after(s_.o.deadline));
+    for (; done < end; ++done) {
+      s_.table->pin_in_place(done, deadline_after(s_.o.deadline));
+      s_.grant_cpu(done);  // a transfer may reach host pages through the CPU (pread, memcpy)
+    }
   } catch (...) {
     for (std::uint64_t p = first; p < done; ++p) s_.table->unpin(p);
     throw;
@@ -360,12 +600,14 @@ void address_space::free(void* p) {
   }
   // Give the device memory back: drop device copies (kept on host until the page is reused).
   for (std::uint64_t pg = first; pg < first + n; ++pg) I.table->dontneed(pg, dev_loc, deadline_after(I.o.deadline));
+  I.trim();
 }
 
 void address_space::advise(void* p, std::uint64_t bytes, advice a, memory_kind where) {
   auto& I = *impl_;
   auto [first, end] = I.pages_of(p, bytes, "vm.advise");
   location at = where == memory_kind::host ? host : dev_loc;
+  if (a == advice::prefetch) return I.table->prefetch_range(first, end, at, I.o.batch, I.o.deadline);
   for (std::uint64_t pg = first; pg < end; ++pg) {
     auto until = deadline_after(I.o.deadline);
     switch (a) {
@@ -393,5 +635,22 @@ void address_space::detach_stream(stream& s) {
 page_table& address_space::pages() noexcept { return *impl_->table; }
 vm_stats address_space::stats() const { return impl_->table->stats(); }
 std::uint64_t address_space::cpu_faults() const noexcept { return impl_->cpu_faults.load(); }
+space_timings address_space::timings() const noexcept {
+  auto& t = impl_->t;
+  return {t.quiesce.load(), t.allocate.load(), t.unmap.load(), t.map.load(), t.access.load(), t.copy_wait.load()};
+}
+std::uint64_t address_space::device_capacity() const noexcept { return impl_->cap * impl_->page; }
+
+space_options space_options::from(const settings& s) {
+  space_options o;
+  o.device_capacity = s.vm_capacity;
+  o.reserve = s.vm_reserve;
+  o.page_bytes = s.vm_page;
+  o.policy = parse_replacement(s.vm_policy);
+  o.deadline = s.deadline;
+  o.batch = static_cast<std::uint64_t>(s.vm_batch);
+  o.fault_ahead = static_cast<std::uint64_t>(s.vm_fault_ahead);
+  return o;
+}
 
 }  // namespace ferry::vm

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <list>
@@ -15,6 +16,39 @@
 namespace ferry::vm {
 
 page_mover::~page_mover() = default;
+
+std::uint64_t page_mover::start(const std::vector<step>& steps) {
+  std::size_t i = 0;
+  std::vector<char> copied(steps.size(), 0), mapped(steps.size(), 0);
+  try {
+    for (; i < steps.size(); ++i) {
+      auto& s = steps[i];
+      if (s.copy) {
+        copy(s.page, s.from, s.to);
+        copied[i] = 1;
+      }
+      if (s.map) {
+        map(s.page, s.to, s.writable);
+        mapped[i] = 1;
+      }
+    }
+  } catch (...) {
+    // Put back what was done: old mappings first, then the new copies go.
+    for (std::size_t j = 0; j < steps.size(); ++j) {
+      auto& s = steps[j];
+      try {
+        if (mapped[j] && s.was_at >= 0) map(s.page, s.was_at, s.was_writable);
+      } catch (const std::exception& e) {
+        log::error("vm", "page {}: restoring its mapping after a failed migration failed: {}", s.page, e.what());
+      }
+      if (copied[j]) drop(s.page, s.to);
+    }
+    throw;
+  }
+  return 0;
+}
+
+void page_mover::finish(std::uint64_t) {}
 
 replacement parse_replacement(const std::string& s) {
   if (s == "lru") return replacement::lru;
@@ -53,7 +87,7 @@ struct page_table::impl {
   std::unique_ptr<std::atomic<std::uint64_t>[]> used;  // pages holding a valid copy, per location
   struct counters {
     std::atomic<std::uint64_t> faults{0}, populated{0}, h2d{0}, d2h{0}, d2d{0}, duplicates{0}, invalidations{0}, evictions{0},
-        writebacks{0}, clean_drops{0}, prefetches{0}, dontneeds{0};
+        writebacks{0}, clean_drops{0}, prefetches{0}, dontneeds{0}, fault_ahead{0}, batches{0};
   } st;
 
   impl(std::uint64_t pages, std::uint64_t page_bytes, std::vector<std::uint64_t> capacity, replacement p, page_mover& m)
@@ -113,13 +147,14 @@ struct page_table::impl {
     drop_copy(p, g, d);
     if (g.mapped >= 0 && !g.writable && g.valid == bit(g.mapped)) point_at(p, g, g.mapped);
   }
-  // Drops location d's copy of a locked page.
-  void drop_copy(std::uint64_t p, page& g, location d) {
+  // Drops location d's copy of a locked page; `release_room` false when its room on d is handed to
+  // another page directly (batched eviction).
+  void drop_copy(std::uint64_t p, page& g, location d, bool release_room = true) {
     mv.drop(p, d);
     g.valid &= ~bit(d);
     if (d != host) {
       order_remove(d, p);
-      used[d]--;
+      if (release_room) used[d]--;
     }
   }
   void count_move(location from, location to) {
@@ -268,6 +303,211 @@ struct page_table::impl {
     if (at != host) order_touch(at, p);
     return true;
   }
+  // ---- batched migrations ----
+  enum class range_mode { prefetch, fault };
+  struct batch {
+    std::vector<std::uint64_t> held;       // pages this batch has locked (ascending)
+    std::vector<page_mover::step> steps;   // pages moving to `at`
+    location at = host;
+    std::uint64_t ticket = 0;
+    bool open = false;                      // started, not finished
+  };
+  bool holds(const batch* b, std::uint64_t p) const {
+    return b && std::find(b->held.begin(), b->held.end(), p) != b->held.end();
+  }
+  void unlock_all(batch& b) noexcept {
+    for (auto p : b.held) pg[p].mu.unlock();
+    b.held.clear();
+    b.steps.clear();
+    b.open = false;
+  }
+  void give_back_room(batch& b) noexcept {
+    if (b.at == host) return;
+    used[b.at] -= b.steps.size();
+  }
+
+  // Up to k free places on device d (no eviction).
+  std::uint64_t take_room(location d, std::uint64_t k) {
+    std::uint64_t got = 0;
+    while (got < k) {
+      std::uint64_t u = used[d].load();
+      if (u >= cap[d]) break;
+      if (used[d].compare_exchange_weak(u, u + 1)) ++got;
+    }
+    return got;
+  }
+
+  // Evicts up to k pages of device d as one batch; their room passes to the caller (used[d] is not
+  // lowered). Victims are taken with try_lock only and never among pages `a` or `b` hold.
+  std::uint64_t evict_batch(location d, std::uint64_t k, const batch* a, const batch* b) {
+    std::vector<std::uint64_t> victims;
+    {
+      auto& o = *ord[d];
+      std::lock_guard l(o.mu);
+      for (int pass = 0; pass < 2 && victims.size() < k; ++pass)
+        for (auto it = o.l.rbegin(); it != o.l.rend() && victims.size() < k; ++it) {
+          std::uint64_t v = *it;
+          if (holds(a, v) || holds(b, v) || std::find(victims.begin(), victims.end(), v) != victims.end()) continue;
+          if (!pg[v].mu.try_lock()) continue;
+          if (pg[v].pins.load() != 0 || (pass == 0 && pg[v].preferred == d) || !(pg[v].valid & bit(d))) {
+            pg[v].mu.unlock();
+            continue;
+          }
+          victims.push_back(v);
+        }
+    }
+    if (victims.empty()) return 0;
+    std::vector<page_mover::step> steps;
+    for (auto v : victims) {
+      page& g = pg[v];
+      std::uint64_t after = (g.valid | bit(host)) & ~bit(d);
+      steps.push_back({v, d, host, !(g.valid & bit(host)), g.mapped == d, after == bit(host), g.mapped, g.writable});
+    }
+    try {
+      mv.finish(mv.start(steps));
+    } catch (...) {
+      for (auto v : victims) pg[v].mu.unlock();
+      throw;
+    }
+    st.batches++;
+    for (auto& s : steps) {
+      page& g = pg[s.page];
+      if (s.copy) {
+        st.writebacks++;
+        st.d2h++;
+      } else {
+        st.clean_drops++;
+      }
+      g.valid |= bit(host);
+      if (s.map) {
+        g.mapped = host;
+        g.writable = s.writable;
+      }
+      drop_copy(s.page, g, d, false);
+      st.evictions++;
+      if (g.mapped >= 0 && !g.writable && g.valid == bit(g.mapped)) point_at(s.page, g, g.mapped);
+      g.mu.unlock();
+    }
+    return victims.size();
+  }
+
+  // Locks pages [a, e) into `b` and picks those that move to `at` in this batch; pages needing the
+  // single-page path go to `slow` (prefetch mode; in fault mode only the faulting page does). Blocks
+  // on a page lock only while holding nothing but this batch's lower pages: `prev` is finished first.
+  void prepare(batch& b, std::uint64_t a, std::uint64_t e, location at, range_mode mode, std::uint64_t fault_page,
+               std::vector<std::uint64_t>& slow, batch& prev) {
+    b.at = at;
+    for (std::uint64_t p = a; p < e; ++p) {
+      page& g = pg[p];
+      if (!g.mu.try_lock()) {
+        if (prev.open) complete(prev);
+        g.mu.lock();
+      }
+      b.held.push_back(p);
+      bool odd = mode == range_mode::prefetch || p == fault_page;
+      if (g.valid & bit(at)) {
+        if ((g.valid == bit(at) || g.read_mostly) && g.mapped == at) {
+          if (at != host) order_touch(at, p);
+        } else if (odd) {
+          slow.push_back(p);
+        }
+        continue;
+      }
+      if (g.valid == 0 || g.pins.load() != 0) {
+        if (odd) slow.push_back(p);
+        continue;
+      }
+      location from = (g.valid & bit(host)) ? host : std::countr_zero(g.valid);
+      std::uint64_t after = g.read_mostly ? (g.valid | bit(at)) : bit(at);
+      b.steps.push_back({p, from, at, true, true, after == bit(at), g.mapped, g.writable});
+    }
+    if (at == host || b.steps.empty()) return;
+    std::uint64_t need = b.steps.size();
+    std::uint64_t got = take_room(at, need);
+    while (got < need) {
+      std::uint64_t freed = evict_batch(at, need - got, &b, prev.open ? &prev : nullptr);
+      if (freed == 0) break;
+      got += freed;
+      got += take_room(at, need - got);
+    }
+    // No room for the rest now (everything else is pinned or busy): they wait singly, later.
+    while (b.steps.size() > got) {
+      if (mode == range_mode::prefetch || b.steps.back().page == fault_page) slow.push_back(b.steps.back().page);
+      b.steps.pop_back();
+    }
+  }
+
+  void complete(batch& b) {
+    try {
+      mv.finish(b.ticket);
+    } catch (...) {
+      give_back_room(b);
+      unlock_all(b);
+      throw;
+    }
+    st.batches++;
+    for (auto& s : b.steps) {
+      page& g = pg[s.page];
+      count_move(s.from, s.to);
+      g.valid |= bit(s.to);
+      if (s.to != host) order_insert(s.to, s.page);
+      g.mapped = s.to;
+      g.writable = s.writable;
+      if (g.read_mostly) {
+        st.duplicates++;
+      } else {
+        for (location d = 0; d < static_cast<location>(cap.size()); ++d)
+          if (d != s.to && (g.valid & bit(d))) drop_copy(s.page, g, d);
+      }
+    }
+    unlock_all(b);
+  }
+
+  // The batched range walk behind prefetch_range / fault_range. Returns the pages it moved.
+  std::uint64_t range(std::uint64_t first, std::uint64_t end, location at, range_mode mode, std::uint64_t fault_page,
+                      std::uint64_t per, std::vector<std::uint64_t>& slow) {
+    batch prev, cur;
+    std::uint64_t moved = 0;
+    try {
+      for (std::uint64_t a = first; a < end;) {
+        std::uint64_t e = std::min(end, a + per);
+        prepare(cur, a, e, at, mode, fault_page, slow, prev);
+        a = e;
+        if (!cur.steps.empty()) {
+          try {
+            cur.ticket = mv.start(cur.steps);
+          } catch (...) {
+            give_back_room(cur);
+            throw;
+          }
+          cur.open = true;
+          moved += cur.steps.size();
+        }
+        if (prev.open) complete(prev);
+        if (cur.open) {
+          std::swap(prev, cur);
+        } else {
+          unlock_all(cur);
+        }
+      }
+      if (prev.open) complete(prev);
+    } catch (...) {
+      // A started batch is finished (or rolled back by its failure) before its pages are let go.
+      for (batch* b : {&prev, &cur}) {
+        if (!b->open) continue;
+        try {
+          complete(*b);
+        } catch (const std::exception& e) {
+          log::error("vm", "a batched migration failed while another was being unwound: {}", e.what());
+        }
+      }
+      unlock_all(cur);
+      unlock_all(prev);
+      throw;
+    }
+    return moved;
+  }
+
   // Maps the page at `at`, writable when `at` holds the only copy.
   void point_at(std::uint64_t p, page& g, location at) {
     bool w = g.valid == bit(at);
@@ -302,6 +542,53 @@ void page_table::prefetch(std::uint64_t page, location at, deadline until) {
   std::unique_lock l(impl_->pg[page].mu);
   impl_->st.prefetches++;
   impl_->make_valid(page, l, at, false, false, until);
+}
+
+namespace {
+std::uint64_t batch_pages(std::uint64_t want, const std::vector<std::uint64_t>& cap, location at) {
+  std::uint64_t b = std::max<std::uint64_t>(1, want);
+  // Two batches are in flight and victims are made room for: a quarter of the device at most.
+  if (at != host) b = std::min(b, std::max<std::uint64_t>(1, cap[at] / 4));
+  return b;
+}
+}  // namespace
+
+void page_table::prefetch_range(std::uint64_t first, std::uint64_t end, location at, std::uint64_t batch,
+                                std::chrono::nanoseconds per_batch) {
+  auto& I = *impl_;
+  I.check(0, at, "vm.prefetch");
+  if (first >= end) return;
+  I.check(end - 1, at, "vm.prefetch");
+  I.st.prefetches += end - first;
+  std::vector<std::uint64_t> slow;
+  I.range(first, end, at, impl::range_mode::prefetch, I.n, batch_pages(batch, I.cap, at), slow);
+  for (auto p : slow) {
+    std::unique_lock l(I.pg[p].mu);
+    I.make_valid(p, l, at, false, false, deadline_after(per_batch));
+  }
+}
+
+void page_table::fault_range(std::uint64_t page, std::uint64_t end, location at, bool write, std::uint64_t batch,
+                             std::chrono::nanoseconds per_batch, const std::function<void()>& use) {
+  auto& I = *impl_;
+  I.check(page, at, "vm.access");
+  end = std::min(end, I.n);
+  if (end > page + 1) {
+    std::vector<std::uint64_t> slow;
+    bool moved_it = false;
+    {
+      auto s = snapshot(page);
+      moved_it = !(s.valid & bit(at)) && s.valid != 0 && s.pins == 0;
+    }
+    std::uint64_t moved = I.range(page, end, at, impl::range_mode::fault, page, batch_pages(batch, I.cap, at), slow);
+    if (moved > 0) {
+      if (moved_it) I.st.faults++;
+      I.st.fault_ahead += moved - (moved_it ? 1 : 0);
+    }
+  }
+  access(page, at, write, deadline_after(per_batch), [&] {  // the faulting page's own semantics (a write: exclusive)
+    if (use) use();
+  });
 }
 
 void page_table::dontneed(std::uint64_t page, location at, deadline until) {
@@ -400,6 +687,8 @@ vm_stats page_table::stats() const {
   v.clean_drops = s.clean_drops;
   v.prefetches = s.prefetches;
   v.dontneeds = s.dontneeds;
+  v.fault_ahead = s.fault_ahead;
+  v.batches = s.batches;
   return v;
 }
 

@@ -44,7 +44,9 @@ std::uint64_t sum(const std::byte* p, std::size_t n) { return checksum64(p, n); 
 TEST(VmSpace, CpuFaultsFromEightThreadsMoveTheirPagesBothWays) {
   runtime rt(sim_cfg());
   device& dev = rt.devices().get("sim:0");
-  vm::address_space as(dev, 32 * (64 << 10));
+  vm::space_options o;
+  o.fault_ahead = 1;  // one fault per page: many threads fault on the same pages at once
+  vm::address_space as(dev, 32 * (64 << 10), o);
   const std::size_t pg = as.page_bytes();
   auto* p = static_cast<std::byte*>(as.alloc(16 * pg));
   std::vector<std::uint64_t> want(16);
@@ -103,6 +105,65 @@ TEST(VmSpace, EvictionUnderASmallCapKeepsRandomData) {
     EXPECT_GE(s.evictions, 30u);
     EXPECT_GT(s.writebacks, 0u) << "prefetched pages had no host copy left: evicting them must write back";
   }
+}
+
+// Ranges move in batches (two in flight), room is made by batched evictions, and a CPU fault brings
+// the following device-resident pages along (fault-ahead): the data survives every path, on the CPU
+// and as the device's copy engine reads it.
+TEST(VmSpace, BatchedPrefetchEvictionAndFaultAheadKeepTheData) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o;
+  o.device_capacity = 8 * (64 << 10);
+  o.batch = 2;  // a quarter of the cap: batches of 2, two in flight
+  o.fault_ahead = 4;
+  vm::address_space as(dev, 40 * (64 << 10), o);
+  const std::size_t pg = as.page_bytes();
+  constexpr std::size_t n = 24;
+  auto* p = static_cast<std::byte*>(as.alloc(n * pg));
+  std::vector<std::uint64_t> want(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    fill(p + i * pg, pg, 300 + i);
+    want[i] = sum(p + i * pg, pg);
+  }
+  auto st = dev.create_stream();
+  auto device_sums_ok = [&](std::size_t first, std::size_t end) {
+    std::vector<std::uint64_t> got(end - first);
+    for (std::size_t i = first; i < end; ++i) st->checksum(p + i * pg, pg, &got[i - first]);
+    st->synchronize();
+    for (std::size_t i = first; i < end; ++i) EXPECT_EQ(got[i - first], want[i]) << "page " << i << " as the device sees it";
+  };
+  // Everything to the device: only the last 8 fit; the rest go back to host in batched evictions.
+  as.advise(p, n * pg, vm::advice::prefetch, memory_kind::device);
+  EXPECT_EQ(as.pages().resident(1), 8u);
+  for (std::size_t i = n - 8; i < n; ++i) EXPECT_EQ(as.pages().snapshot(i).valid, 2u) << "page " << i;
+  device_sums_ok(0, n);  // device-resident pages from device memory, the others over the "bus"
+  auto s = as.stats();
+  EXPECT_GT(s.batches, 8u);
+  EXPECT_GE(s.evictions, 16u);
+  EXPECT_GT(s.writebacks, 0u) << "pages moved to the device alone are dirty: evicting them copies back";
+  // The CPU reads it all back: a fault on a device page brings the next ones along.
+  std::uint64_t faults0 = as.stats().faults;
+  for (std::size_t i = 0; i < n; ++i) EXPECT_EQ(sum(p + i * pg, pg), want[i]) << "page " << i;
+  EXPECT_LE(as.stats().faults - faults0, 2u) << "8 device pages, 4 per migrating fault";
+  EXPECT_GE(as.stats().fault_ahead, 6u);
+  EXPECT_EQ(as.pages().resident(1), 0u);
+  // READ_MOSTLY: the device gets duplicates, evictions drop them without copying.
+  as.advise(p, n * pg, vm::advice::read_mostly);
+  auto before = as.stats();
+  as.advise(p, n * pg, vm::advice::prefetch, memory_kind::device);
+  auto after = as.stats();
+  EXPECT_GE(after.clean_drops - before.clean_drops, 16u);
+  EXPECT_EQ(after.writebacks, before.writebacks);
+  device_sums_ok(0, n);
+  for (std::size_t i = 0; i < n; ++i) EXPECT_EQ(sum(p + i * pg, pg), want[i]) << "page " << i << " (read-mostly)";
+  // Back to host in batches, then a write makes the host copy the only one again.
+  as.advise(p, n * pg, vm::advice::no_read_mostly);
+  as.advise(p, n * pg, vm::advice::prefetch, memory_kind::host);
+  EXPECT_EQ(as.pages().resident(1), 0u);
+  fill(p, pg, 999);
+  EXPECT_EQ(as.pages().snapshot(0).valid, 1u);
+  as.free(p);
 }
 
 TEST(VmSpace, DontneedThenCpuReadAndReadMostlyInvalidation) {

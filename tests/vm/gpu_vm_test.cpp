@@ -53,7 +53,7 @@ TEST(GpuVm, KernelWritesThroughTheUnifiedPointerAndTheCpuReadsIt) {
   s->fill_pattern(p, n, 77);  // a kernel writes
   s->synchronize();
   EXPECT_EQ(checksum64(p, n), pattern_checksum(n, 77)) << "the CPU reads what the kernel wrote (fault path)";
-  EXPECT_GE(as.cpu_faults(), 8u);
+  EXPECT_GE(as.cpu_faults(), 1u);  // fault-ahead: one fault may bring several pages
   EXPECT_EQ(as.stats().migrations_d2h, 8u);
 }
 

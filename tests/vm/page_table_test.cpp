@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <bit>
+#include <map>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -24,7 +25,7 @@ namespace {
 
 struct fake_mover final : page_mover {
   fake_mover(std::uint64_t pages, std::vector<std::uint64_t> capacity)
-      : n(pages), cap(std::move(capacity)), present(cap.size() * n), val(cap.size() * n, 0), mapped(n), occ(cap.size()) {
+      : n(pages), cap(std::move(capacity)), present(cap.size() * n), val(cap.size() * n, 0), mapped(n), writable(n), occ(cap.size()) {
     for (auto& m : mapped) m = -1;
   }
   std::size_t at(location l, std::uint64_t p) const { return static_cast<std::size_t>(l) * n + p; }
@@ -57,9 +58,34 @@ struct fake_mover final : page_mover {
     present[at(l, p)] = false;
     --occ[l];
   }
-  void map(std::uint64_t p, location l, bool) override {
+  void map(std::uint64_t p, location l, bool w) override {
     if (!present[at(l, p)]) violation("mapping page " + std::to_string(p) + " to a location without it");
     mapped[p] = l;
+    writable[p] = w;
+  }
+  // Batches as a real backend runs them: copies at start, mappings at finish, and the page table
+  // may start another batch in between. Every `inject`-th start fails (nothing done).
+  std::uint64_t start(const std::vector<step>& s) override {
+    if (inject && ++starts % inject == 0) throw ferry::error(ferry::errc::out_of_memory, "fake.start", "batch", "injected failure");
+    for (auto& x : s) {
+      if (x.map && mapped[x.page] != x.was_at) violation("a batch step with the wrong old mapping for page " + std::to_string(x.page));
+      if (x.copy) copy(x.page, x.from, x.to);
+    }
+    std::lock_guard l(mu);
+    flights[++ticket] = s;
+    in_flight = std::max<std::uint64_t>(in_flight, flights.size());
+    return ticket;
+  }
+  void finish(std::uint64_t t) override {
+    std::vector<step> s;
+    {
+      std::lock_guard l(mu);
+      s = std::move(flights.at(t));
+      flights.erase(t);
+    }
+    for (auto& x : s)
+      if (x.map) map(x.page, x.to, x.writable);
+    batches++;
   }
   std::uint64_t present_mask(std::uint64_t p) const {
     std::uint64_t m = 0;
@@ -73,8 +99,13 @@ struct fake_mover final : page_mover {
   std::vector<std::atomic<bool>> present;
   std::vector<std::uint64_t> val;  // changed under the page's lock only
   std::vector<std::atomic<int>> mapped;
+  std::vector<std::atomic<bool>> writable;  // how the page is mapped: a write needs no fault
   std::vector<std::atomic<std::int64_t>> occ;
-  std::atomic<std::uint64_t> copies{0};
+  std::atomic<std::uint64_t> copies{0}, batches{0};
+  int inject = 0;
+  std::atomic<int> starts{0};
+  std::map<std::uint64_t, std::vector<step>> flights;  // mu
+  std::uint64_t ticket = 0, in_flight = 0;              // mu
   std::mutex mu;
   std::string first;  // first violation
 };
@@ -90,10 +121,11 @@ TEST(VmPageTable, RandomConcurrentOperationsKeepCoherenceAndCapacity) {
   constexpr std::uint64_t pages = 32;
   for (replacement pol : {replacement::lru, replacement::fifo}) {
     fake_mover mv(pages, {0, 6, 4});
+    mv.inject = 41;  // some batches fail: the table must be as before them
     page_table t(pages, 2 << 20, {0, 6, 4}, pol, mv);
     std::vector<std::uint64_t> model(pages, 0);  // under the page's lock
     std::atomic<std::uint64_t> next{1}, reads{0}, writes{0}, bad_reads{0}, incoherent{0}, moved_while_pinned{0};
-    std::atomic<int> errors{0};
+    std::atomic<int> errors{0}, injected{0};
     std::vector<std::thread> th;
     for (int k = 0; k < 8; ++k)
       th.emplace_back([&, k] {
@@ -102,11 +134,13 @@ TEST(VmPageTable, RandomConcurrentOperationsKeepCoherenceAndCapacity) {
           std::uint64_t p = rng() % pages;
           location l = static_cast<location>(rng() % 3);
           try {
-            switch (rng() % 10) {
+            switch (rng() % 12) {
               case 0: case 1: case 2: case 3: case 4: {  // an access: read or write through `l`
                 bool w = rng() % 3 == 0;
                 t.access(p, l, w, soon(), [&] {
                   if (mv.mapped[p] != l) incoherent++;
+                  // A writable mapping while other copies exist: a write would not invalidate them.
+                  if (mv.writable[p] && std::popcount(mv.present_mask(p)) > 1) incoherent++;
                   if (w) {
                     std::uint64_t v = next++;
                     mv.val[mv.at(l, p)] = v;
@@ -134,7 +168,16 @@ TEST(VmPageTable, RandomConcurrentOperationsKeepCoherenceAndCapacity) {
                 break;
               }
               case 9: t.evict_one(1 + static_cast<location>(rng() % 2)); break;
+              case 10:  // batched prefetch of a few pages (batches of 1..3; two in flight)
+                t.prefetch_range(p, std::min(pages, p + 1 + rng() % 6), l, 1 + rng() % 3, std::chrono::seconds(10));
+                break;
+              case 11:  // a fault with fault-ahead
+                t.fault_range(p, p + 1 + rng() % 5, l, rng() % 3 == 0, 1 + rng() % 3, std::chrono::seconds(10));
+                break;
             }
+          } catch (const ferry::error& e) {
+            if (std::string(e.what()).find("injected failure") != std::string::npos) injected++;
+            else if (errors++ == 0) ADD_FAILURE() << e.what();
           } catch (const std::exception& e) {
             if (errors++ == 0) ADD_FAILURE() << e.what();
           }
@@ -150,6 +193,7 @@ TEST(VmPageTable, RandomConcurrentOperationsKeepCoherenceAndCapacity) {
       auto s = t.snapshot(p);
       EXPECT_EQ(s.valid, mv.present_mask(p)) << "page " << p;
       EXPECT_EQ(s.pins, 0u);
+      EXPECT_FALSE(mv.writable[p] && std::popcount(s.valid) > 1) << "page " << p << " mapped writable with other copies";
       for (location x = 0; x < 3; ++x)
         if (s.valid & (1ull << x)) {
           EXPECT_EQ(mv.val[mv.at(x, p)], model[p]) << "page " << p << " location " << x;
@@ -168,6 +212,11 @@ TEST(VmPageTable, RandomConcurrentOperationsKeepCoherenceAndCapacity) {
     EXPECT_GT(st.duplicates, 0u);
     EXPECT_GT(st.invalidations, 0u);
     EXPECT_GT(st.migrations_d2d, 0u);
+    EXPECT_GT(st.batches, 100u);
+    EXPECT_GT(st.fault_ahead, 0u);
+    EXPECT_GT(injected, 0);
+    EXPECT_GE(mv.in_flight, 2u) << "never two batches in flight: the pipelining is untested";
+    EXPECT_TRUE(mv.flights.empty()) << "a started batch was never finished";
   }
 }
 

@@ -69,6 +69,13 @@ struct FERRY_API settings {
   int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host
   std::string net_rma = "auto";         // RMA into registered client memory: auto (verbs) | on | off
+  // vm
+  std::uint64_t vm_capacity = 0;              // device bytes a unified address space may use (0: free minus reserve)
+  std::uint64_t vm_reserve = 1ull << 30;      // left free on the device when vm_capacity is 0
+  std::uint64_t vm_page = 32ull << 20;        // unified-memory page (0: the device granularity)
+  std::string vm_policy = "lru";              // eviction: lru | fifo
+  int vm_batch = 16;                          // pages per batched migration
+  int vm_fault_ahead = 8;                     // pages a CPU fault moves to host (the faulting one and the next)
 
   // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
   using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;

@@ -13,7 +13,12 @@
 //    is retried. Many threads may fault at once. Why not userfaultfd: device-resident pages are
 //    mappings of device memory, not anonymous memory, so only the signal reaches us for them.
 //  - Copies go through private "mirror" mappings of every chunk, so migrations never touch the
-//    shared range; the shared range is remapped (new copy first, old one dropped after).
+//    shared range; the shared range is remapped (new copy first, old one dropped after). Host
+//    chunks stay with their page once made (host memory is the pages' backing store, as in GMEM);
+//    device chunks form a pool of slots reused by whichever pages live on the device.
+//  - Ranges move in batches: the shared mappings of a batch are unmapped in runs, device targets
+//    mapped before their copies, host targets after, access set per run, and the next batch's copies
+//    are queued before this one's host mappings are made.
 //  - Policy (coherence, capacity, eviction, hints) is the page_table's.
 // Not yet: several devices per space. Streams that work on the space must be attached
 // (attach_stream): migrations wait for them. With space_options::cache the space is a peer-memory
@@ -21,6 +26,7 @@
 // exclusive) only while a transfer holds the registration; the space's memory is invalidated in the
 // cache when the space goes. Faults from inside a page_table callback on the same page deadlock.
 #include <ferry/core/export.hpp>
+#include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
 #include <ferry/mem/registration.hpp>
 #include <ferry/vm/page_table.hpp>
@@ -31,13 +37,31 @@ namespace ferry::vm {
 
 enum class advice { prefetch, dontneed, read_mostly, no_read_mostly, preferred_location };
 
-struct space_options {
-  std::uint64_t device_capacity = 0;  // bytes of device memory the space may use (0: no cap but the device)
+struct FERRY_API space_options {
+  // Bytes of device memory the space's pages may use (0: what the device has free when the space is
+  // made, minus `reserve`). Beyond it pages are evicted to host memory. Device memory the space has
+  // used stays with it (reused for other pages) until free() or the space's end, plus up to one batch
+  // while a migration is under way.
+  std::uint64_t device_capacity = 0;
+  std::uint64_t reserve = 1ull << 30;
+  std::uint64_t page_bytes = 0;  // the unit that migrates, rounded up to the device granularity (0: the granularity)
   replacement policy = replacement::lru;
-  std::chrono::nanoseconds deadline = std::chrono::seconds(30);  // per fault / advice
+  std::chrono::nanoseconds deadline = std::chrono::seconds(30);  // per fault / advice batch
+  std::uint64_t batch = 16;        // pages per batched migration (PREFETCH, eviction, fault-ahead)
+  std::uint64_t fault_ahead = 8;   // pages a CPU fault moves to host: the faulting one and those after it
+  // FERRY_VM_* and FERRY_DEADLINE (docs/settings.md).
+  static space_options from(const settings& s);
   // When set, the space becomes a peer-memory client of this cache (until it is destroyed): file,
   // remote and engine transfers into its pointers pin the pages they use, only while they use them.
   registration_cache* cache = nullptr;
+};
+
+// Where a space's migrations spend their time (the CUDA VMM calls are the expensive part), in ns.
+struct space_timings {
+  std::uint64_t quiesce = 0;  // waiting for attached streams
+  std::uint64_t allocate = 0; // new physical chunks (first use of a page or device slot)
+  std::uint64_t unmap = 0, map = 0, access = 0;  // shared-range remaps
+  std::uint64_t copy_wait = 0;  // waiting for a batch's copies
 };
 
 class FERRY_API address_space {
@@ -67,6 +91,8 @@ class FERRY_API address_space {
   page_table& pages() noexcept;
   vm_stats stats() const;
   std::uint64_t cpu_faults() const noexcept;  // faults resolved for the CPU by the service thread
+  space_timings timings() const noexcept;
+  std::uint64_t device_capacity() const noexcept;  // bytes
 
   struct impl;
 

@@ -24,6 +24,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +55,23 @@ class FERRY_API page_mover {
   // is false while other locations hold copies too (READ_MOSTLY): a CPU write must then fault, so the
   // other copies are invalidated first.
   virtual void map(std::uint64_t page, location at, bool writable) = 0;
+
+  // Batched migrations. A step copies the page's bytes `from` -> `to` (when `copy`; `to` holds no
+  // valid copy yet) and then points its shared mapping at `to` (when `map`). start() begins every step
+  // of a batch -- copies may still run when it returns -- and finish(ticket) completes them. The
+  // page table keeps every page of the batch locked from start to finish and may start the next
+  // batch before finishing this one, so a backend can queue the next copies while it remaps. On
+  // failure either call throws and leaves every page as it was: old copies and mappings (with
+  // `was_writable`), no memory at `to`. The defaults run copy() and map() inside start().
+  struct step {
+    std::uint64_t page = 0;
+    location from = 0, to = 0;
+    bool copy = true, map = true, writable = true;
+    location was_at = -1;  // where the mapping pointed before (-1: nowhere)
+    bool was_writable = true;
+  };
+  virtual std::uint64_t start(const std::vector<step>& steps);
+  virtual void finish(std::uint64_t ticket);
 };
 
 struct page_snapshot {
@@ -76,6 +94,8 @@ struct vm_stats {
   std::uint64_t clean_drops = 0;       // evictions that only dropped a clean copy
   std::uint64_t prefetches = 0;
   std::uint64_t dontneeds = 0;
+  std::uint64_t fault_ahead = 0;       // pages moved along with a faulting page
+  std::uint64_t batches = 0;           // batched migrations (start/finish pairs), evictions included
 };
 
 class FERRY_API page_table {
@@ -102,6 +122,18 @@ class FERRY_API page_table {
   // PREFETCH: migrate the page to `at` (or add a copy there when READ_MOSTLY); a never-touched page
   // is populated there.
   void prefetch(std::uint64_t page, location at, deadline until);
+  // PREFETCH of pages [first, end) in batches of up to `batch` pages (each batch's copies queued
+  // together and its remaps grouped; the next batch is prepared while one copies; room on a device
+  // is made by evicting in batches too). Pages that need something else (first touch, pinned, only
+  // a remap) take the single-page path afterwards. Each batch must finish within `per_batch`.
+  void prefetch_range(std::uint64_t first, std::uint64_t end, location at, std::uint64_t batch,
+                      std::chrono::nanoseconds per_batch);
+  // A fault at `page` for `at` that also moves the pages after it, up to `end`, which hold a valid
+  // copy elsewhere only (fault-ahead: a sequential reader then faults once per batch). The faulting
+  // page gets access() semantics (a write leaves `at` alone); the others prefetch semantics.
+  // `use` runs like access()'s, with the faulting page locked and valid at `at`.
+  void fault_range(std::uint64_t page, std::uint64_t end, location at, bool write, std::uint64_t batch,
+                   std::chrono::nanoseconds per_batch, const std::function<void()>& use = {});
   // DONTNEED on device `at`: its copy is dropped, after copying it to host memory if it was the only one.
   void dontneed(std::uint64_t page, location at, deadline until);
   void set_read_mostly(std::uint64_t page, bool on);
