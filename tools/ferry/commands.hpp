@@ -71,6 +71,15 @@ struct remote_uri {
 // Parses ferry://host:port/path (host may be [IPv6]); throws invalid_argument naming the URI.
 remote_uri parse_uri(const std::string& uri);
 
+struct bench_vm_options {
+  std::string size = "4GiB";   // data per test (UVM and ferry each; never more than the GPU has free)
+  std::string cap;             // device cap of the streaming test (default: size / 2)
+  std::string device;          // default: the default device
+  int rounds = 3;              // the median round is reported
+  std::string json_out;
+};
+int run_bench_vm(runtime& rt, const bench_vm_options& o);
+
 struct serve_options {
   std::string root;
   std::string listen = "127.0.0.1:7070";

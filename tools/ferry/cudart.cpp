@@ -31,11 +31,19 @@ cudart::cudart() {
   sym(enable_peer, "cudaDeviceEnablePeerAccess");
   sym(sync, "cudaDeviceSynchronize");
   sym(error_string, "cudaGetErrorString");
+  sym(runtime_version, "cudaRuntimeGetVersion");
+  malloc_managed = reinterpret_cast<decltype(malloc_managed)>(::dlsym(handle, "cudaMallocManaged"));
+  prefetch = reinterpret_cast<decltype(prefetch)>(::dlsym(handle, "cudaMemPrefetchAsync"));
   if (!why.empty()) {
     why = "libcudart lacks " + why;
     ::dlclose(handle);
     handle = nullptr;
   }
+}
+
+bool cudart::uvm_ok() const {
+  int v = 0;
+  return ok() && malloc_managed && prefetch && runtime_version(&v) == 0 && v >= 13000;
 }
 
 void cudart::check(int rc, const char* what) const {

@@ -22,6 +22,16 @@ struct cudart {
   int (*enable_peer)(int, unsigned) = nullptr;
   int (*sync)() = nullptr;
   const char* (*error_string)(int) = nullptr;
+  int (*runtime_version)(int*) = nullptr;
+  // CUDA managed memory (UVM), the baseline of `ferry bench vm`. The prefetch takes CUDA 13's
+  // signature (cudaMemLocation by value); uvm_ok() says whether this runtime has it.
+  struct mem_location {
+    int type;  // cudaMemLocationTypeDevice = 1, cudaMemLocationTypeHost = 2
+    int id;
+  };
+  int (*malloc_managed)(void**, std::size_t, unsigned) = nullptr;
+  int (*prefetch)(const void*, std::size_t, mem_location, unsigned, void*) = nullptr;
+  bool uvm_ok() const;
   // Throws ferry::error naming the call when rc != 0.
   void check(int rc, const char* what) const;
   static constexpr int default_kind = 4;  // cudaMemcpyDefault (UVA decides the direction)

@@ -66,6 +66,14 @@ int main(int argc, char** argv) {
   bench_remote->add_option("--perftest", bremote.perftest, "ucx_perftest binary (the raw baseline)")->capture_default_str();
   bench_remote->add_option("--json-out", bremote.json_out, "Write the results as JSON here");
 
+  ferry::cli::bench_vm_options bvm;
+  auto* bench_vm = bench_cmd->add_subcommand("vm", "Unified memory: ferry's address space vs CUDA managed memory (UVM)");
+  bench_vm->add_option("--size", bvm.size, "Data per test")->capture_default_str();
+  bench_vm->add_option("--cap", bvm.cap, "Device cap of the oversubscription test (default: size / 2)");
+  bench_vm->add_option("--device", bvm.device, "Device (default: FERRY_BACKEND's choice)");
+  bench_vm->add_option("--rounds", bvm.rounds, "Rounds per test (the median is reported)")->capture_default_str();
+  bench_vm->add_option("--json-out", bvm.json_out, "Write the results as JSON here");
+
   ferry::cli::serve_options serve;
   auto* serve_cmd = app.add_subcommand("serve", "Serve the files under a directory over UCX (ferry://host:port/path)");
   serve_cmd->add_option("--root", serve.root, "Directory to export")->required();
@@ -98,6 +106,7 @@ int main(int argc, char** argv) {
     if (*bench_local) return ferry::cli::run_bench_local(rt, bench);
     if (*bench_file) return ferry::cli::run_bench_file(rt, bfile);
     if (*bench_remote) return ferry::cli::run_bench_remote(rt, bremote);
+    if (*bench_vm) return ferry::cli::run_bench_vm(rt, bvm);
     if (*serve_cmd) return ferry::cli::run_serve(rt, serve);
     if (*job_cmd) return ferry::cli::run_job(rt, job);
     if (*ls_cmd) return ferry::cli::run_ls(rt, ls_uri, false);

@@ -1,0 +1,363 @@
+// `ferry bench vm`: ferry's unified address space next to CUDA managed memory (UVM), measured in
+// the same run on the same GPU, plus ferry alone streaming over twice its device cap next to the
+// pinned cudaMemcpy bandwidth of the same run. Every test moves the same bytes both ways and checks
+// them (CPU sums of what was written, device checksums of what the kernels read).
+//
+// Tests (each `--rounds` times, the median round reported):
+//  - prefetch to GPU / to host: data resident on the other side, one PREFETCH of all of it
+//    (UVM: cudaMemPrefetchAsync + sync; ferry: advise(PREFETCH)).
+//  - CPU touch-back: data resident on the GPU, the CPU reads one word per 4 KiB page (the faults
+//    move the data back; that is what is timed).
+//  - GPU stream over CPU-written data: the CPU writes it all, then a checksum kernel reads it all
+//    (UVM: GPU page faults; ferry: a PREFETCH hint, then the kernel). No target; for orientation.
+//  - ferry streaming at 2x cap: data = 2 x device cap, READ_MOSTLY, windows prefetched in turn and
+//    read by a kernel on an attached stream; the baseline is cudaMemcpy from cudaMallocHost memory.
+// UVM memory is never more than the GPU has free (more can hang the GPU).
+#include "commands.hpp"
+#include "cudart.hpp"
+
+#include <ferry/core/checksum.hpp>
+#include <ferry/core/units.hpp>
+#include <ferry/vm/address_space.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <functional>
+
+namespace ferry::cli {
+namespace {
+
+using json = nlohmann::ordered_json;
+using clk = std::chrono::steady_clock;
+constexpr std::uint64_t touch_stride = 4096;
+
+double gbps(std::uint64_t bytes, double s) { return s > 0 ? static_cast<double>(bytes) / s / 1e9 : 0; }
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+double timed(const std::function<void()>& f) {
+  auto t0 = clk::now();
+  f();
+  return std::chrono::duration<double>(clk::now() - t0).count();
+}
+
+std::uint64_t word(std::uint64_t i, std::uint64_t seed) {
+  std::uint64_t x = (i + seed) * 0x9E3779B97F4A7C15ull;
+  return x ^ (x >> 29);
+}
+// Writes the data (8-byte words); returns the sum of the first word of every 4 KiB page.
+std::uint64_t fill(std::byte* p, std::uint64_t n, std::uint64_t seed) {
+  auto* w = reinterpret_cast<std::uint64_t*>(p);
+  std::uint64_t firsts = 0;
+  for (std::uint64_t i = 0; i < n / 8; ++i) {
+    w[i] = word(i, seed);
+    if (i % (touch_stride / 8) == 0) firsts += w[i];
+  }
+  return firsts;
+}
+// The CPU touch: one read per 4 KiB page.
+std::uint64_t touch(const std::byte* p, std::uint64_t n) {
+  std::uint64_t s = 0;
+  for (std::uint64_t i = 0; i < n; i += touch_stride) s += *reinterpret_cast<const volatile std::uint64_t*>(p + i);
+  return s;
+}
+
+struct row {
+  std::string test, baseline;
+  std::vector<double> base, ferry;  // GB/s per round
+  double target = 0;                // ferry / baseline must reach it (0: none)
+};
+
+// What the CUDA VMM calls cost, per 2 MiB, for device and host chunks, one call per chunk or one
+// call per run of chunks, at two chunk sizes; and whether an unmap waits for unrelated copies in
+// flight. These set what a remap-based migration can reach.
+void vmm_costs(device& dev, json& out) {
+  const std::uint64_t g = dev.granularity();
+  const std::uint64_t total = 64ull << 20;
+  constexpr int reps = 8;
+  auto va = dev.reserve(total);
+  fmt::print("VMM call costs (us per 2 MiB, {} reps of {}):\n", reps, format_size(total));
+  fmt::print("  {:<8} {:>9} {:<10} {:>8} {:>11} {:>8}\n", "memory", "chunk", "calls", "map", "set_access", "unmap");
+  json rows = json::array();
+  for (auto kind : {memory_kind::device, memory_kind::host})
+    for (std::uint64_t cs : {g, 16 * g})
+      for (bool run : {false, true}) {
+        std::vector<physical_chunk> cks;
+        for (std::uint64_t o = 0; o < total; o += cs)
+          cks.push_back(dev.allocate(cs, kind == memory_kind::host ? ferry::location::on_host() : ferry::location::on_device()));
+        std::vector<access_desc> gr{{ferry::location::on_device(), access::read_write}};
+        if (kind == memory_kind::host) gr.push_back({ferry::location::on_host(), access::read_write});
+        double tm = 0, ta = 0, tu = 0;
+        for (int r = 0; r < reps; ++r) {
+          tm += timed([&] {
+            for (std::size_t i = 0; i < cks.size(); ++i) dev.map(va.at(i * cs), cks[i]);
+          });
+          ta += timed([&] {
+            if (run) dev.set_access(va.base(), total, gr);
+            else
+              for (std::size_t i = 0; i < cks.size(); ++i) dev.set_access(va.at(i * cs), cs, gr);
+          });
+          if (kind == memory_kind::host) touch(va.at(0), total);  // the CPU mapping is really there
+          tu += timed([&] {
+            if (run) dev.unmap(va.base(), total);
+            else
+              for (std::size_t i = 0; i < cks.size(); ++i) dev.unmap(va.at(i * cs), cs);
+          });
+        }
+        double per = 1e6 / reps / (static_cast<double>(total) / (2 << 20));
+        fmt::print("  {:<8} {:>9} {:<10} {:>8.1f} {:>11.1f} {:>8.1f}\n", kind == memory_kind::host ? "host" : "device",
+                   format_size(cs), run ? "one/run" : "one/chunk", tm * per, ta * per, tu * per);
+        rows.push_back({{"memory", kind == memory_kind::host ? "host" : "device"}, {"chunk", cs}, {"per_run", run},
+                        {"map_us", tm * per}, {"access_us", ta * per}, {"unmap_us", tu * per}});
+      }
+  // Does an unmap wait for copies in flight on another stream?
+  {
+    std::uint64_t big = dev.info().backend == "cuda" ? 512ull << 20 : 32ull << 20;
+    auto hv = dev.reserve(big), dv = dev.reserve(big);
+    std::vector<physical_chunk> hc, dc;
+    for (std::uint64_t o = 0; o < big; o += 16 * g) {
+      hc.push_back(dev.allocate(16 * g, ferry::location::on_host()));
+      dev.map(hv.at(o), hc.back());
+      dc.push_back(dev.allocate(16 * g, ferry::location::on_device()));
+      dev.map(dv.at(o), dc.back());
+    }
+    dev.set_access(hv.base(), big, std::vector<access_desc>{{ferry::location::on_device(), access::read_write}});
+    dev.set_access(dv.base(), big, std::vector<access_desc>{{ferry::location::on_device(), access::read_write}});
+    auto c = dev.allocate(g, ferry::location::on_device());
+    auto s = dev.create_stream();
+    double copy_alone = timed([&] {
+      s->copy(dv.base(), hv.base(), big);
+      s->synchronize();
+    });
+    dev.map(va.base(), c);
+    s->copy(dv.base(), hv.base(), big);
+    double unmap_busy = timed([&] { dev.unmap(va.base(), g); });
+    s->synchronize();
+    fmt::print("  an unmap while a {} copy ({:.2f} ms alone) runs on another stream took {:.2f} ms: {}\n", format_size(big),
+               copy_alone * 1e3, unmap_busy * 1e3, unmap_busy > copy_alone / 2 ? "it waits for the device" : "it does not wait");
+    out["unmap_waits_for_copies"] = unmap_busy > copy_alone / 2;
+    out["unmap_busy_ms"] = unmap_busy * 1e3;
+    out["copy_alone_ms"] = copy_alone * 1e3;
+  }
+  out["vmm"] = rows;
+}
+
+}  // namespace
+
+int run_bench_vm(runtime& rt, const bench_vm_options& o) {
+  device& dev = o.device.empty() ? rt.devices().default_device() : rt.devices().get(o.device);
+  bool cuda = dev.info().backend == "cuda";
+  expects(o.rounds >= 1, "bench vm", "--rounds", "at least 1");
+  const std::uint64_t gran = dev.granularity();
+  const std::uint64_t page = std::max(gran, (rt.config().vm_page + gran - 1) / gran * gran);  // the space's page
+  std::uint64_t n = parse_size(o.size, "--size");
+  n = (n + page - 1) / page * page;
+  std::uint64_t cap = o.cap.empty() ? n / 2 : parse_size(o.cap, "--cap");
+  cap = std::max(page, cap / page * page);
+  cudart cr;
+  bool uvm = cuda && cr.uvm_ok();
+  int ordinal = dev.info().ordinal;
+  auto mem = dev.memory();
+  fmt::print("ferry bench vm on {} ({}), {} per test, {} rounds (median){}\n", dev.id(), dev.info().name, format_size(n),
+             o.rounds, cuda ? "" : " — simulated device: numbers are NOT performance figures");
+  if (cuda && !uvm) fmt::print("UVM baseline unavailable: {}\n", cr.ok() ? "the CUDA runtime is older than 13.0" : cr.why);
+  // UVM's prefetched data and ferry's device copy never coexist; the streaming test holds `cap`.
+  if (uvm && mem.free && n + (1ull << 30) > mem.free)
+    fail(errc::invalid_argument, "bench vm", "--size",
+         fmt::format("{} does not fit the {} the device has free (with 1 GiB to spare); managed memory beyond it can hang the GPU",
+                     format_size(n), format_size(mem.free)));
+  json out;
+  vmm_costs(dev, out);
+  auto st = dev.create_stream();
+  std::vector<row> rows;
+  row pre_gpu{"prefetch to GPU", "UVM cudaMemPrefetchAsync", {}, {}, 1.05};
+  row pre_host{"prefetch to host", "UVM cudaMemPrefetchAsync", {}, {}, 3.0};
+  row touch_back{"CPU touch-back (1 read / 4 KiB)", "UVM CPU faults", {}, {}, 3.0};
+  row gpu_stream{"GPU kernel over CPU-written data", "UVM GPU faults", {}, {}, 0};
+  // What a prefetch to host leaves for the CPU to do (ferry grants the CPU its mapping on first touch).
+  row host_touch{"CPU read after prefetch to host (1 read / 4 KiB)", "UVM", {}, {}, 0};
+  std::uint64_t bad = 0;
+  auto check_sum = [&](const char* what, std::uint64_t got, std::uint64_t want) {
+    if (got != want) {
+      ++bad;
+      fmt::print("DATA MISMATCH in {}: {:#x} != {:#x}\n", what, got, want);
+    }
+  };
+
+  // ---- UVM ----
+  if (uvm) {
+    cr.check(cr.set_device(ordinal), "cudaSetDevice");
+    void* u = nullptr;
+    cr.check(cr.malloc_managed(&u, n, 1 /* cudaMemAttachGlobal */), "cudaMallocManaged");
+    auto* b = static_cast<std::byte*>(u);
+    auto prefetch = [&](bool to_gpu) {
+      cr.check(cr.prefetch(u, n, {to_gpu ? 1 : 2, to_gpu ? ordinal : 0}, 0, nullptr), "cudaMemPrefetchAsync");
+      cr.check(cr.sync(), "cudaDeviceSynchronize");
+    };
+    std::uint64_t firsts = fill(b, n, 1);
+    std::uint64_t sum = checksum64(b, n);
+    for (int r = 0; r < o.rounds; ++r) {
+      pre_gpu.base.push_back(gbps(n, timed([&] { prefetch(true); })));
+      pre_host.base.push_back(gbps(n, timed([&] { prefetch(false); })));
+    }
+    for (int r = 0; r < o.rounds; ++r) {
+      prefetch(true);
+      prefetch(false);
+      std::uint64_t got = 0;
+      host_touch.base.push_back(gbps(n, timed([&] { got = touch(b, n); })));
+      check_sum("UVM touch after prefetch to host", got, firsts);
+    }
+    for (int r = 0; r < o.rounds; ++r) {
+      prefetch(true);
+      std::uint64_t got = 0;
+      touch_back.base.push_back(gbps(n, timed([&] { got = touch(b, n); })));
+      check_sum("UVM touch-back", got, firsts);
+    }
+    for (int r = 0; r < o.rounds; ++r) {
+      fill(b, n, 1);  // CPU-written again: resident on the host
+      std::uint64_t got = 0;
+      gpu_stream.base.push_back(gbps(n, timed([&] {
+        st->checksum(b, n, &got);
+        st->synchronize();
+      })));
+      check_sum("UVM GPU stream", got, sum);
+    }
+    cr.check(cr.free_(u), "cudaFree(managed)");
+  }
+
+  // ---- ferry ----
+  vm::space_timings timings{};
+  vm::vm_stats vstats{};
+  {
+    auto so = vm::space_options::from(rt.config());
+    so.device_capacity = std::max(so.device_capacity, n);
+    vm::address_space as(dev, n, so);
+    as.attach_stream(*st);
+    auto* b = static_cast<std::byte*>(as.alloc(n));
+    std::uint64_t firsts = fill(b, n, 1);  // first touch: pages made on the host
+    std::uint64_t sum = checksum64(b, n);
+    auto advise = [&](memory_kind where) { as.advise(b, n, vm::advice::prefetch, where); };
+    for (int r = 0; r < o.rounds; ++r) {
+      pre_gpu.ferry.push_back(gbps(n, timed([&] { advise(memory_kind::device); })));
+      pre_host.ferry.push_back(gbps(n, timed([&] { advise(memory_kind::host); })));
+    }
+    for (int r = 0; r < o.rounds; ++r) {
+      advise(memory_kind::device);
+      advise(memory_kind::host);
+      std::uint64_t got = 0;
+      host_touch.ferry.push_back(gbps(n, timed([&] { got = touch(b, n); })));
+      check_sum("ferry touch after prefetch to host", got, firsts);
+    }
+    for (int r = 0; r < o.rounds; ++r) {
+      advise(memory_kind::device);
+      std::uint64_t got = 0;
+      touch_back.ferry.push_back(gbps(n, timed([&] { got = touch(b, n); })));
+      check_sum("ferry touch-back", got, firsts);
+    }
+    for (int r = 0; r < o.rounds; ++r) {
+      fill(b, n, 1);
+      std::uint64_t got = 0;
+      gpu_stream.ferry.push_back(gbps(n, timed([&] {
+        advise(memory_kind::device);
+        st->checksum(b, n, &got);
+        st->synchronize();
+      })));
+      check_sum("ferry GPU stream", got, sum);
+    }
+    timings = as.timings();
+    vstats = as.stats();
+    as.detach_stream(*st);
+  }
+  rows = {pre_gpu, pre_host, host_touch, touch_back, gpu_stream};
+
+  // ---- ferry streaming at 2x its cap vs pinned cudaMemcpy ----
+  row over{"ferry streaming at 2x cap (READ_MOSTLY + PREFETCH)", "cudaMemcpy H2D from cudaMallocHost", {}, {}, 0.8};
+  std::uint64_t data = 2 * cap;
+  vm::vm_stats ostats{};
+  {
+    auto so = vm::space_options::from(rt.config());
+    so.device_capacity = cap;
+    vm::address_space as(dev, data, so);
+    as.attach_stream(*st);
+    auto* b = static_cast<std::byte*>(as.alloc(data));
+    fill(b, data, 7);
+    std::uint64_t window = std::clamp<std::uint64_t>(cap / 4 / page * page, page, 256ull << 20);
+    std::uint64_t windows = (data + window - 1) / window;
+    std::vector<std::uint64_t> want(windows), got(windows);
+    for (std::uint64_t w = 0; w < windows; ++w) want[w] = checksum64(b + w * window, std::min(window, data - w * window));
+    as.advise(b, data, vm::advice::read_mostly);
+    for (int r = 0; r < o.rounds; ++r) {
+      over.ferry.push_back(gbps(data, timed([&] {
+        for (std::uint64_t w = 0; w < windows; ++w) {
+          std::uint64_t len = std::min(window, data - w * window);
+          as.advise(b + w * window, len, vm::advice::prefetch, memory_kind::device);
+          st->checksum(b + w * window, len, &got[w]);
+        }
+        st->synchronize();
+      })));
+      for (std::uint64_t w = 0; w < windows; ++w) check_sum("ferry streaming window", got[w], want[w]);
+    }
+    ostats = as.stats();
+    as.detach_stream(*st);
+  }
+  if (cuda && cr.ok()) {
+    std::uint64_t bn = std::min<std::uint64_t>(data, 1ull << 30);
+    void *h = nullptr, *d = nullptr;
+    cr.check(cr.set_device(ordinal), "cudaSetDevice");
+    cr.check(cr.malloc_host(&h, bn), "cudaMallocHost");
+    cr.check(cr.malloc_(&d, bn), "cudaMalloc");
+    std::memset(h, 1, bn);
+    for (int r = 0; r < o.rounds; ++r)
+      over.base.push_back(gbps(bn, timed([&] { cr.check(cr.memcpy_(d, h, bn, cudart::default_kind), "cudaMemcpy"); })));
+    cr.check(cr.free_(d), "cudaFree");
+    cr.check(cr.free_host(h), "cudaFreeHost");
+  }
+  rows.push_back(over);
+
+  // ---- report ----
+  out["device"] = dev.id();
+  out["name"] = dev.info().name;
+  out["bytes"] = n;
+  out["cap"] = cap;
+  out["rounds"] = o.rounds;
+  out["page"] = vm::space_options::from(rt.config()).page_bytes;
+  fmt::print("ferry settings: FERRY_VM_PAGE={} FERRY_VM_BATCH={} FERRY_VM_FAULT_AHEAD={}\n", format_size(rt.config().vm_page),
+             rt.config().vm_batch, rt.config().vm_fault_ahead);
+  fmt::print("{:<52} {:>10} {:>10} {:>7} {:>7}  {}\n", "test", "base GB/s", "ferry GB/s", "ratio", "target", "baseline");
+  json jr = json::array();
+  bool met = true;
+  for (auto& r : rows) {
+    double bm = median(r.base), fm = median(r.ferry);
+    double ratio = bm > 0 ? fm / bm : 0;
+    bool ok = r.target == 0 || bm == 0 || ratio >= r.target;
+    if (r.target > 0 && bm > 0) met = met && ok;
+    fmt::print("{:<52} {:>10} {:>10.2f} {:>7} {:>7}  {}\n", r.test, bm > 0 ? fmt::format("{:.2f}", bm) : "-", fm,
+               bm > 0 ? fmt::format("{:.2f}", ratio) : "-", r.target > 0 ? fmt::format(">= {:.2f}", r.target) : "-",
+               bm > 0 ? r.baseline + (r.target > 0 ? (ok ? "  [met]" : "  [NOT met]") : "") : "unavailable");
+    jr.push_back({{"test", r.test}, {"baseline", r.baseline}, {"base_gbps", r.base}, {"ferry_gbps", r.ferry},
+                  {"base_median", bm}, {"ferry_median", fm}, {"ratio", ratio}, {"target", r.target}});
+  }
+  out["rows"] = jr;
+  auto ms = [](std::uint64_t ns) { return static_cast<double>(ns) / 1e6; };
+  fmt::print("ferry (4 tests): {} batches, migrations h2d {} d2h {}, {} CPU-fault pages moved ahead, time in: unmap {:.1f} ms, map {:.1f} ms, "
+             "set access {:.1f} ms, copy waits {:.1f} ms, chunk allocation {:.1f} ms, stream quiesce {:.1f} ms\n",
+             vstats.batches, vstats.migrations_h2d, vstats.migrations_d2h, vstats.fault_ahead, ms(timings.unmap), ms(timings.map),
+             ms(timings.access), ms(timings.copy_wait), ms(timings.allocate), ms(timings.quiesce));
+  fmt::print("ferry streaming: cap {}, data {}, evictions {} (clean drops {}, write-backs {}), migrations h2d {}\n", format_size(cap),
+             format_size(data), ostats.evictions, ostats.clean_drops, ostats.writebacks, ostats.migrations_h2d);
+  fmt::print("data checks: {}\n", bad == 0 ? "all equal" : fmt::format("{} MISMATCHES", bad));
+  out["timings_ms"] = {{"unmap", ms(timings.unmap)}, {"map", ms(timings.map)}, {"access", ms(timings.access)},
+                       {"copy_wait", ms(timings.copy_wait)}, {"allocate", ms(timings.allocate)}, {"quiesce", ms(timings.quiesce)}};
+  out["data_mismatches"] = bad;
+  out["targets_met"] = met;
+  if (!o.json_out.empty()) std::ofstream(o.json_out) << out.dump(2) << "\n";
+  return bad == 0 ? 0 : 1;
+}
+
+}  // namespace ferry::cli
