@@ -1,5 +1,7 @@
 #include <ferry/device/device.hpp>
 
+#include "device/poll.hpp"
+
 #include "core/logging.hpp"
 
 #include <fmt/format.h>
@@ -60,21 +62,8 @@ void va_range::reset() noexcept {
 event::~event() = default;
 
 void event::wait(deadline until) {
-  // Poll: CUDA offers no blocking wait with a timeout, and a blocked cuEventSynchronize could hang
-  // forever on a wedged device. Yield for the first 2 ms (a sleep overshoots by its timer slack,
-  // which would leave the copy engines idle between pipelined batches), then back off to 200 us.
-  auto start = std::chrono::steady_clock::now();
-  auto sleep = std::chrono::microseconds(2);
-  while (!do_query()) {
-    auto now = std::chrono::steady_clock::now();
-    if (now >= until) fail(errc::timeout, "event.wait", do_describe(), "deadline expired before the work completed");
-    if (now - start < std::chrono::milliseconds(2)) {
-      std::this_thread::yield();
-      continue;
-    }
-    std::this_thread::sleep_for(sleep);
-    sleep = std::min(sleep * 2, std::chrono::microseconds(200));
-  }
+  if (!detail::poll_until(until, [&] { return do_query(); }))
+    fail(errc::timeout, "event.wait", do_describe(), "deadline expired before the work completed");
 }
 
 stream::~stream() = default;

@@ -204,14 +204,9 @@ struct page_table::impl {
   // pinned or locked by someone else right now.
   bool try_reserve(location d, std::uint64_t p) {
     if (d == host) return true;
-    for (;;) {
-      std::uint64_t u = used[d].load();
-      if (u < cap[d]) {
-        if (used[d].compare_exchange_weak(u, u + 1)) return true;
-        continue;
-      }
+    while (take_room(d, 1) == 0)
       if (!evict_one(d, p)) return false;
-    }
+    return true;
   }
   // No room now: let go of our own page for a moment -- the pages that block us may be locked by
   // faults that wait for room where ours lives -- then the caller starts over.

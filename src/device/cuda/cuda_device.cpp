@@ -3,6 +3,7 @@
 #include "core/logging.hpp"
 #include "mem/cuda/driver.hpp"
 #include "device/cuda/nvml.hpp"
+#include "device/poll.hpp"
 
 #include <fmt/format.h>
 
@@ -343,22 +344,8 @@ class cuda_stream final : public stream {
     return true;
   }
   void do_synchronize(deadline until) override {
-    // Poll rather than cuStreamSynchronize: a blocking call cannot honour a deadline. Spin with
-    // yields for the first 2 ms (a sleep overshoots by its timer slack, ~50 us by default: 7% of a
-    // 64 MiB PCIe copy), then back off to at most 50 us.
-    auto start = std::chrono::steady_clock::now();
-    auto sleep = std::chrono::microseconds(2);
-    while (!do_idle()) {
-      auto now = std::chrono::steady_clock::now();
-      if (now >= until)
-        fail(errc::timeout, "stream.synchronize", name_, "deadline expired before the stream's work completed");
-      if (now - start < std::chrono::milliseconds(2)) {
-        std::this_thread::yield();
-        continue;
-      }
-      std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, std::chrono::microseconds(50));
-    }
+    if (!detail::poll_until(until, [&] { return do_idle(); }))
+      fail(errc::timeout, "stream.synchronize", name_, "deadline expired before the stream's work completed");
   }
 
   cuda_device& dev_;
