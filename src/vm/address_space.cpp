@@ -319,13 +319,24 @@ struct address_space::impl final : page_mover {
   // locked or pinned): read, or read+write when the mapping may be written.
   void grant_cpu(std::uint64_t p) {
     if (!shared_mapped[p] || shared_at[p] != host) return;
-    std::uint8_t want = host_w[p] ? 3 : 1;
-    if (cpu[p].load() == want) return;
+    if (cpu[p].load() == (host_w[p] ? 3 : 1)) return;
+    std::vector<std::uint64_t> one{p};
+    grant_shared_cpu(one);
+  }
+  // grant_cpu for pages mapped to their host chunks, one set_access per run of equal access.
+  void grant_shared_cpu(std::vector<std::uint64_t>& pages) {
     timed tm{t.access};
-    std::vector<access_desc> g{{ferry::location::on_device(), access::read_write},
-                               {ferry::location::on_host(), want == 3 ? access::read_write : access::read}};
-    dev.set_access(shared.at(p * page), page, g);
-    cpu[p] = want;
+    for (bool w : {false, true}) {
+      std::vector<std::uint64_t> these;
+      for (auto p : pages)
+        if (static_cast<bool>(host_w[p]) == w) these.push_back(p);
+      std::vector<access_desc> g{{ferry::location::on_device(), access::read_write},
+                                 {ferry::location::on_host(), w ? access::read_write : access::read}};
+      runs(these, [&](std::uint64_t first, std::uint64_t n) {
+        dev.set_access(shared.at(first * page), n * page, g);
+        for (std::uint64_t p = first; p < first + n; ++p) cpu[p] = w ? 3 : 1;
+      });
+    }
   }
   // Calls f(first page, count) for each run of consecutive pages in `pages` (sorted here).
   template <typename F>
@@ -444,15 +455,16 @@ struct address_space::impl final : page_mover {
         timed tm{t.copy_wait};
         f.done->wait(deadline_after(o.deadline));
       }
-      std::vector<std::uint64_t> hm;
+      std::vector<std::uint64_t> hm, hc;  // host targets: for the device only / for the CPU as well
       for (std::size_t i = 0; i < f.steps.size(); ++i) {
         auto& s = f.steps[i];
         if (!s.map || s.to != host) continue;
         map_shared(s.page, host, s.writable);
         f.mapped_new[i] = 1;
-        hm.push_back(s.page);
+        (s.cpu ? hc : hm).push_back(s.page);
       }
       grant_shared(hm);
+      grant_shared_cpu(hc);  // one set_access instead of two when the CPU is the reader
     } catch (...) {
       rollback(f);
       throw;

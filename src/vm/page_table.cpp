@@ -415,6 +415,7 @@ struct page_table::impl {
       location from = (g.valid & bit(host)) ? host : std::countr_zero(g.valid);
       std::uint64_t after = g.read_mostly ? (g.valid | bit(at)) : bit(at);
       b.steps.push_back({p, from, at, true, true, after == bit(at), g.mapped, g.writable});
+      b.steps.back().cpu = mode == range_mode::fault && at == host;  // the CPU faulted: it reads these next
     }
     if (at == host || b.steps.empty()) return;
     std::uint64_t need = b.steps.size();
@@ -540,8 +541,13 @@ void page_table::prefetch(std::uint64_t page, location at, deadline until) {
 }
 
 namespace {
-std::uint64_t batch_pages(std::uint64_t want, const std::vector<std::uint64_t>& cap, location at) {
-  std::uint64_t b = std::max<std::uint64_t>(1, want);
+// A range moves in batches of at most `want` pages, and in at least `min_batches` batches when it
+// has the pages: the pipeline overlaps one batch's copies with the next one's remaps, so a range of
+// a single batch would leave the copy engine idle during all the remaps (and the remaps of host
+// chunks cost about as much as the copies: docs/design/unified-memory.md).
+constexpr std::uint64_t min_batches = 8;
+std::uint64_t batch_pages(std::uint64_t want, const std::vector<std::uint64_t>& cap, location at, std::uint64_t pages) {
+  std::uint64_t b = std::max<std::uint64_t>(1, std::min(want, (pages + min_batches - 1) / min_batches));
   // Two batches are in flight and victims are made room for: a quarter of the device at most.
   if (at != host) b = std::min(b, std::max<std::uint64_t>(1, cap[at] / 4));
   return b;
@@ -556,7 +562,7 @@ void page_table::prefetch_range(std::uint64_t first, std::uint64_t end, location
   I.check(end - 1, at, "vm.prefetch");
   I.st.prefetches += end - first;
   std::vector<std::uint64_t> slow;
-  I.range(first, end, at, impl::range_mode::prefetch, I.n, batch_pages(batch, I.cap, at), slow);
+  I.range(first, end, at, impl::range_mode::prefetch, I.n, batch_pages(batch, I.cap, at, end - first), slow);
   for (auto p : slow) {
     std::unique_lock l(I.pg[p].mu);
     I.make_valid(p, l, at, false, false, deadline_after(per_batch));
@@ -575,7 +581,7 @@ void page_table::fault_range(std::uint64_t page, std::uint64_t end, location at,
       auto s = snapshot(page);
       moved_it = !(s.valid & bit(at)) && s.valid != 0 && s.pins == 0;
     }
-    std::uint64_t moved = I.range(page, end, at, impl::range_mode::fault, page, batch_pages(batch, I.cap, at), slow);
+    std::uint64_t moved = I.range(page, end, at, impl::range_mode::fault, page, batch_pages(batch, I.cap, at, end - page), slow);
     if (moved > 0) {
       if (moved_it) I.st.faults++;
       I.st.fault_ahead += moved - (moved_it ? 1 : 0);

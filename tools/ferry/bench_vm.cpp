@@ -24,10 +24,12 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <thread>
 
 namespace ferry::cli {
 namespace {
@@ -148,6 +150,128 @@ void vmm_costs(device& dev, json& out) {
   out["vmm"] = rows;
 }
 
+// What a remap-based migration pipeline can overlap (32 MiB chunks): host chunks mapped for the
+// device alone vs device + CPU, the first mapping of a chunk vs later ones, VMM calls from several
+// threads at once, and a copy's bandwidth while another thread remaps.
+void vmm_probe(device& dev, json& out) {
+  const std::uint64_t cs = 16 * dev.granularity();
+  const bool cuda = dev.info().backend == "cuda";
+  const std::size_t nc = cuda ? 16 : 2;
+  const double units = static_cast<double>(cs) / (2 << 20);  // 2 MiB per chunk
+  std::vector<access_desc> dev_only{{ferry::location::on_device(), access::read_write}};
+  std::vector<access_desc> both{{ferry::location::on_device(), access::read_write}, {ferry::location::on_host(), access::read_write}};
+  json rows = json::array();
+  fmt::print("VMM probe ({} host chunks, us per 2 MiB):\n", format_size(cs));
+  fmt::print("  {:<22} {:<7} {:>8} {:>11} {:>8}\n", "host chunk access", "round", "map", "set_access", "unmap");
+  for (bool cpu : {false, true}) {
+    auto va = dev.reserve(nc * cs);
+    std::vector<physical_chunk> cks;
+    for (std::size_t i = 0; i < nc; ++i) cks.push_back(dev.allocate(cs, ferry::location::on_host()));
+    double fm = 0, fa = 0, fu = 0, rm = 0, ra = 0, ru = 0;
+    constexpr int reps = 4;
+    for (int r = 0; r < reps; ++r) {
+      double tm = 0, ta = 0, tu = 0;
+      for (std::size_t i = 0; i < nc; ++i) {
+        tm += timed([&] { dev.map(va.at(i * cs), cks[i]); });
+        ta += timed([&] { dev.set_access(va.at(i * cs), cs, cpu ? both : dev_only); });
+      }
+      if (cpu) touch(static_cast<const std::byte*>(va.base()), nc * cs);
+      for (std::size_t i = 0; i < nc; ++i) tu += timed([&] { dev.unmap(va.at(i * cs), cs); });
+      (r == 0 ? fm : rm) += tm;
+      (r == 0 ? fa : ra) += ta;
+      (r == 0 ? fu : ru) += tu;
+    }
+    double per1 = 1e6 / (nc * units), perr = per1 / (reps - 1);
+    const char* what = cpu ? "device + CPU" : "device only";
+    fmt::print("  {:<22} {:<7} {:>8.1f} {:>11.1f} {:>8.1f}\n", what, "first", fm * per1, fa * per1, fu * per1);
+    fmt::print("  {:<22} {:<7} {:>8.1f} {:>11.1f} {:>8.1f}\n", what, "later", rm * perr, ra * perr, ru * perr);
+    rows.push_back({{"access", what}, {"first", {fm * per1, fa * per1, fu * per1}}, {"later", {rm * perr, ra * perr, ru * perr}}});
+  }
+  out["probe_host_chunks"] = rows;
+  // Each kind of VMM call on 8 chunks, with the copy engines idle and while copies run (queued by
+  // this thread: VMM calls from another thread starve a copy's own driver calls). A migration
+  // pipeline overlaps one batch's remaps with the next one's copies, so these costs are the ones it pays.
+  {
+    const std::uint64_t big = cuda ? 512ull << 20 : 4 * cs;
+    const int copies = cuda ? 6 : 1;  // in flight long enough for every call below
+    auto hv = dev.reserve(big), dv = dev.reserve(big), tv = dev.reserve(8 * cs);
+    std::vector<physical_chunk> hc, dc, th, td;
+    for (std::uint64_t o = 0; o < big; o += cs) {
+      hc.push_back(dev.allocate(cs, ferry::location::on_host()));
+      dev.map(hv.at(o), hc.back());
+      dc.push_back(dev.allocate(cs, ferry::location::on_device()));
+      dev.map(dv.at(o), dc.back());
+    }
+    for (int i = 0; i < 8; ++i) {
+      th.push_back(dev.allocate(cs, ferry::location::on_host()));
+      td.push_back(dev.allocate(cs, ferry::location::on_device()));
+    }
+    dev.set_access(hv.base(), big, dev_only);
+    dev.set_access(dv.base(), big, dev_only);
+    auto s = dev.create_stream();
+    const char* names[] = {"map+access host (device)", "unmap host", "map+access host (+CPU)", "unmap host (+CPU)",
+                           "map+access device", "unmap device", "unmap host, 1 call", "unmap device, 1 call"};
+    auto ops = [&](double* r) {
+      auto each = [&](std::vector<physical_chunk>& c, const std::vector<access_desc>* g) {
+        return timed([&] {
+          for (int i = 0; i < 8; ++i) {
+            if (g) {
+              dev.map(tv.at(i * cs), c[i]);
+              dev.set_access(tv.at(i * cs), cs, *g);
+            } else {
+              dev.unmap(tv.at(i * cs), cs);
+            }
+          }
+        });
+      };
+      r[0] = each(th, &dev_only);
+      r[1] = each(th, nullptr);
+      r[2] = each(th, &both);
+      r[3] = each(th, nullptr);
+      r[4] = each(td, &dev_only);
+      r[5] = each(td, nullptr);
+      each(th, &dev_only);
+      r[6] = timed([&] { dev.unmap(tv.base(), 8 * cs); });
+      each(td, &dev_only);
+      r[7] = timed([&] { dev.unmap(tv.base(), 8 * cs); });
+    };
+    double warm[8];
+    ops(warm);  // first mappings of these chunks out of the way
+    json rows2 = json::array();
+    fmt::print("  VMM calls, us per 2 MiB:      ");
+    for (auto* nm : names) fmt::print(" | {}", nm);
+    fmt::print("\n");
+    for (int mode = 0; mode < 3; ++mode) {
+      double r[8];
+      for (int c = 0; c < (mode ? copies : 0); ++c)
+        s->copy(mode == 1 ? dv.base() : hv.base(), mode == 1 ? hv.base() : dv.base(), big);
+      ops(r);
+      bool still = mode == 0 || !s->idle();
+      s->synchronize();
+      const char* m = mode == 0 ? "copy engines idle" : mode == 1 ? "during H2D copies" : "during D2H copies";
+      json j = {{"while", m}, {"copies_outlasted_calls", still}};
+      fmt::print("    {:<30}", fmt::format("{}{}", m, still ? "" : " (copies ended first)"));
+      for (int i = 0; i < 8; ++i) {
+        double us = r[i] * 1e6 / (8 * units);
+        j[names[i]] = us;
+        fmt::print(" | {:>{}.1f}", us, static_cast<int>(std::string_view(names[i]).size()));
+      }
+      fmt::print("\n");
+      rows2.push_back(j);
+    }
+    out["probe_calls_during_copies"] = rows2;
+  }
+}
+
+// Where one test's time went in the address space (deltas since `last`, which is advanced).
+void print_phase(const char* what, vm::space_timings& last, const vm::space_timings& now) {
+  auto ms = [](std::uint64_t a, std::uint64_t b) { return static_cast<double>(b - a) / 1e6; };
+  fmt::print("  ferry time in {:<36}: unmap {:7.1f} ms, map {:6.1f}, set access {:7.1f}, copy waits {:7.1f}, chunk allocation {:7.1f}, quiesce {:6.1f}\n",
+             what, ms(last.unmap, now.unmap), ms(last.map, now.map), ms(last.access, now.access), ms(last.copy_wait, now.copy_wait),
+             ms(last.allocate, now.allocate), ms(last.quiesce, now.quiesce));
+  last = now;
+}
+
 }  // namespace
 
 int run_bench_vm(runtime& rt, const bench_vm_options& o) {
@@ -174,6 +298,7 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
                      format_size(n), format_size(mem.free)));
   json out;
   vmm_costs(dev, out);
+  vmm_probe(dev, out);
   auto st = dev.create_stream();
   std::vector<row> rows;
   row pre_gpu{"prefetch to GPU", "UVM cudaMemPrefetchAsync", {}, {}, 1.05};
@@ -243,10 +368,13 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
     std::uint64_t firsts = fill(b, n, 1);  // first touch: pages made on the host
     std::uint64_t sum = checksum64(b, n);
     auto advise = [&](memory_kind where) { as.advise(b, n, vm::advice::prefetch, where); };
+    vm::space_timings last = as.timings();
+    auto phase = [&](const char* what) { print_phase(what, last, as.timings()); };
     for (int r = 0; r < o.rounds; ++r) {
       pre_gpu.ferry.push_back(gbps(n, timed([&] { advise(memory_kind::device); })));
       pre_host.ferry.push_back(gbps(n, timed([&] { advise(memory_kind::host); })));
     }
+    phase("prefetch to GPU + to host");
     for (int r = 0; r < o.rounds; ++r) {
       advise(memory_kind::device);
       advise(memory_kind::host);
@@ -254,12 +382,14 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
       host_touch.ferry.push_back(gbps(n, timed([&] { got = touch(b, n); })));
       check_sum("ferry touch after prefetch to host", got, firsts);
     }
+    phase("prefetch both ways + CPU read");
     for (int r = 0; r < o.rounds; ++r) {
       advise(memory_kind::device);
       std::uint64_t got = 0;
       touch_back.ferry.push_back(gbps(n, timed([&] { got = touch(b, n); })));
       check_sum("ferry touch-back", got, firsts);
     }
+    phase("prefetch to GPU + touch-back");
     for (int r = 0; r < o.rounds; ++r) {
       fill(b, n, 1);
       std::uint64_t got = 0;
@@ -270,6 +400,7 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
       })));
       check_sum("ferry GPU stream", got, sum);
     }
+    phase("CPU fill + prefetch to GPU + kernel");
     timings = as.timings();
     vstats = as.stats();
     as.detach_stream(*st);
@@ -287,11 +418,14 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
     as.attach_stream(*st);
     auto* b = static_cast<std::byte*>(as.alloc(data));
     fill(b, data, 7);
-    std::uint64_t window = std::clamp<std::uint64_t>(cap / 4 / page * page, page, 256ull << 20);
+    // A quarter of the cap per PREFETCH: each call pipelines its pages (copies of one batch under
+    // the remaps of the next), so a longer window spends less of its time filling and draining.
+    std::uint64_t window = std::clamp<std::uint64_t>(cap / 4 / page * page, page, 1ull << 30);
     std::uint64_t windows = (data + window - 1) / window;
     std::vector<std::uint64_t> want(windows), got(windows);
     for (std::uint64_t w = 0; w < windows; ++w) want[w] = checksum64(b + w * window, std::min(window, data - w * window));
     as.advise(b, data, vm::advice::read_mostly);
+    vm::space_timings last = as.timings();
     for (int r = 0; r < o.rounds; ++r) {
       over.ferry.push_back(gbps(data, timed([&] {
         for (std::uint64_t w = 0; w < windows; ++w) {
@@ -303,6 +437,7 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
       })));
       for (std::uint64_t w = 0; w < windows; ++w) check_sum("ferry streaming window", got[w], want[w]);
     }
+    print_phase("streaming at 2x cap", last, as.timings());
     ostats = as.stats();
     as.detach_stream(*st);
   }

@@ -69,6 +69,9 @@ class FERRY_API page_mover {
     bool copy = true, map = true, writable = true;
     location was_at = -1;  // where the mapping pointed before (-1: nowhere)
     bool was_writable = true;
+    // Host targets: the CPU is about to use the page (a CPU fault moves it), so the backend may let
+    // the CPU reach it right away instead of on its first touch.
+    bool cpu = false;
   };
   virtual std::uint64_t start(const std::vector<step>& steps);
   virtual void finish(std::uint64_t ticket);
