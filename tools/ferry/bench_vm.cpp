@@ -10,8 +10,10 @@
 //    move the data back; that is what is timed).
 //  - GPU stream over CPU-written data: the CPU writes it all, then a checksum kernel reads it all
 //    (UVM: GPU page faults; ferry: a PREFETCH hint, then the kernel). No target; for orientation.
-//  - ferry streaming at 2x cap: data = 2 x device cap, READ_MOSTLY, windows prefetched in turn and
-//    read by a kernel on an attached stream; the baseline is cudaMemcpy from cudaMallocHost memory.
+//  - ferry streaming at 2x cap: data = 2 x device cap, READ_MOSTLY, windows of a quarter of the cap
+//    prefetched in turn and read by a kernel on an attached stream; the baseline is cudaMemcpy from
+//    cudaMallocHost memory. Then, for orientation, the same data read in place by the kernel
+//    (PREFERRED_LOCATION host: nothing migrates, the GPU reads host chunks over PCIe).
 // UVM memory is never more than the GPU has free (more can hang the GPU).
 #include "commands.hpp"
 #include "cudart.hpp"
@@ -409,6 +411,7 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
 
   // ---- ferry streaming at 2x its cap vs pinned cudaMemcpy ----
   row over{"ferry streaming at 2x cap (READ_MOSTLY + PREFETCH)", "cudaMemcpy H2D from cudaMallocHost", {}, {}, 0.8};
+  row in_place{"ferry, same data read in place (host, over PCIe)", "cudaMemcpy H2D from cudaMallocHost", {}, {}, 0};
   std::uint64_t data = 2 * cap;
   vm::vm_stats ostats{};
   {
@@ -424,6 +427,7 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
     std::uint64_t windows = (data + window - 1) / window;
     std::vector<std::uint64_t> want(windows), got(windows);
     for (std::uint64_t w = 0; w < windows; ++w) want[w] = checksum64(b + w * window, std::min(window, data - w * window));
+    const std::uint64_t sum_all = checksum64(b, data);
     as.advise(b, data, vm::advice::read_mostly);
     vm::space_timings last = as.timings();
     for (int r = 0; r < o.rounds; ++r) {
@@ -436,6 +440,19 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
         st->synchronize();
       })));
       for (std::uint64_t w = 0; w < windows; ++w) check_sum("ferry streaming window", got[w], want[w]);
+    }
+    // For orientation, no target: the same data read in place -- PREFERRED_LOCATION host, the
+    // kernel reads the host chunks over PCIe and nothing migrates (a one-pass stream needs no copy).
+    as.advise(b, data, vm::advice::no_read_mostly);
+    as.advise(b, data, vm::advice::prefetch, memory_kind::host);
+    as.advise(b, data, vm::advice::preferred_location, memory_kind::host);
+    for (int r = 0; r < o.rounds; ++r) {
+      std::uint64_t all = 0;
+      in_place.ferry.push_back(gbps(data, timed([&] {
+        st->checksum(b, data, &all);
+        st->synchronize();
+      })));
+      check_sum("ferry in-place stream", all, sum_all);
     }
     print_phase("streaming at 2x cap", last, as.timings());
     ostats = as.stats();
@@ -453,7 +470,9 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
     cr.check(cr.free_(d), "cudaFree");
     cr.check(cr.free_host(h), "cudaFreeHost");
   }
+  in_place.base = over.base;
   rows.push_back(over);
+  rows.push_back(in_place);
 
   // ---- report ----
   out["device"] = dev.id();

@@ -75,7 +75,7 @@ struct bench_vm_options {
   std::string size = "4GiB";   // data per test (UVM and ferry each; never more than the GPU has free)
   std::string cap;             // device cap of the streaming test (default: size / 2)
   std::string device;          // default: the default device
-  int rounds = 3;              // the median round is reported
+  int rounds = 5;              // the median round is reported
   std::string json_out;
 };
 int run_bench_vm(runtime& rt, const bench_vm_options& o);
