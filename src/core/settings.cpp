@@ -247,10 +247,10 @@ const setting_def table[] = {
      s.vm_policy = std::string(v);
    },
    [](const settings& s) { return s.vm_policy; }},
-  {"FERRY_VM_BATCH", "Pages (2 MiB each with CUDA) one batched migration moves: their remaps are grouped and their copies queued together, and the next batch is prepared while one copies. At most a quarter of the device capacity is used.",
+  {"FERRY_VM_BATCH", "Most pages (of FERRY_VM_PAGE) one batched migration moves: their remaps are grouped and their copies queued together, and the next batch is remapped while one copies. A range moves in at least 8 batches when it has the pages (copies overlap remaps); a batch takes at most a quarter of the device capacity.",
    [](settings& s, std::string_view v) { s.vm_batch = static_cast<int>(parse_int(v, 1, 1024)); },
    [](const settings& s) { return std::to_string(s.vm_batch); }},
-  {"FERRY_VM_FAULT_AHEAD", "Pages a CPU fault on device-resident memory moves to host in one batch: the faulting page and the device-resident pages after it (1 = the faulting page only).",
+  {"FERRY_VM_FAULT_AHEAD", "Pages a CPU fault on device-resident memory moves to host: the faulting page and the device-resident pages after it (1 = the faulting page only), in batches; the CPU may read them without another fault.",
    [](settings& s, std::string_view v) { s.vm_fault_ahead = static_cast<int>(parse_int(v, 1, 1024)); },
    [](const settings& s) { return std::to_string(s.vm_fault_ahead); }},
 };
