@@ -152,9 +152,9 @@ void vmm_costs(device& dev, json& out) {
   out["vmm"] = rows;
 }
 
-// What a remap-based migration pipeline can overlap (32 MiB chunks): host chunks mapped for the
-// device alone vs device + CPU, the first mapping of a chunk vs later ones, VMM calls from several
-// threads at once, and a copy's bandwidth while another thread remaps.
+// What a remap-based migration pipeline pays (32 MiB chunks): host chunks mapped for the device
+// alone vs device + CPU, the first mapping of a chunk vs later ones, and each kind of call with the
+// copy engines idle vs while copies run.
 void vmm_probe(device& dev, json& out) {
   const std::uint64_t cs = 16 * dev.granularity();
   const bool cuda = dev.info().backend == "cuda";
@@ -213,29 +213,31 @@ void vmm_probe(device& dev, json& out) {
     auto s = dev.create_stream();
     const char* names[] = {"map+access host (device)", "unmap host", "map+access host (+CPU)", "unmap host (+CPU)",
                            "map+access device", "unmap device", "unmap host, 1 call", "unmap device, 1 call"};
+    auto map_all = [&](std::vector<physical_chunk>& c, const std::vector<access_desc>& g) {
+      return timed([&] {
+        for (int i = 0; i < 8; ++i) {
+          dev.map(tv.at(i * cs), c[i]);
+          dev.set_access(tv.at(i * cs), cs, g);
+        }
+      });
+    };
+    auto unmap_each = [&] {
+      return timed([&] {
+        for (int i = 0; i < 8; ++i) dev.unmap(tv.at(i * cs), cs);
+      });
+    };
+    auto unmap_run = [&] { return timed([&] { dev.unmap(tv.base(), 8 * cs); }); };
     auto ops = [&](double* r) {
-      auto each = [&](std::vector<physical_chunk>& c, const std::vector<access_desc>* g) {
-        return timed([&] {
-          for (int i = 0; i < 8; ++i) {
-            if (g) {
-              dev.map(tv.at(i * cs), c[i]);
-              dev.set_access(tv.at(i * cs), cs, *g);
-            } else {
-              dev.unmap(tv.at(i * cs), cs);
-            }
-          }
-        });
-      };
-      r[0] = each(th, &dev_only);
-      r[1] = each(th, nullptr);
-      r[2] = each(th, &both);
-      r[3] = each(th, nullptr);
-      r[4] = each(td, &dev_only);
-      r[5] = each(td, nullptr);
-      each(th, &dev_only);
-      r[6] = timed([&] { dev.unmap(tv.base(), 8 * cs); });
-      each(td, &dev_only);
-      r[7] = timed([&] { dev.unmap(tv.base(), 8 * cs); });
+      r[0] = map_all(th, dev_only);
+      r[1] = unmap_each();
+      r[2] = map_all(th, both);
+      r[3] = unmap_each();
+      r[4] = map_all(td, dev_only);
+      r[5] = unmap_each();
+      map_all(th, dev_only);
+      r[6] = unmap_run();
+      map_all(td, dev_only);
+      r[7] = unmap_run();
     };
     double warm[8];
     ops(warm);  // first mappings of these chunks out of the way
