@@ -253,6 +253,18 @@ const setting_def table[] = {
   {"FERRY_VM_FAULT_AHEAD", "Pages a CPU fault on device-resident memory moves to host: the faulting page and the device-resident pages after it (1 = the faulting page only), in batches; the CPU may read them without another fault.",
    [](settings& s, std::string_view v) { s.vm_fault_ahead = static_cast<int>(parse_int(v, 1, 1024)); },
    [](const settings& s) { return std::to_string(s.vm_fault_ahead); }},
+  {"FERRY_VM_THRASH_LAPSE", "A unified-memory page evicted from the device and prefetched back within this time is thrashing (the device cannot hold the working set, e.g. a stream over more than FERRY_VM_CAPACITY): PREFETCH then leaves it on the host for FERRY_VM_THRASH_HOLD and the device reads it in place over PCIe, instead of evicting another page that is wanted back as soon. Pages whose PREFERRED_LOCATION is the device are always moved. 0 = off: every PREFETCH migrates.",
+   [](settings& s, std::string_view v) {
+     try { s.vm_thrash_lapse = parse_duration(v); } catch (const error& e) { throw bad_value{e.detail()}; }
+     if (s.vm_thrash_lapse < std::chrono::nanoseconds::zero() || s.vm_thrash_lapse > std::chrono::hours(1)) throw bad_value{"must be between 0 and 1h"};
+   },
+   [](const settings& s) { return format_duration(s.vm_thrash_lapse); }},
+  {"FERRY_VM_THRASH_HOLD", "How long a thrashing unified-memory page (FERRY_VM_THRASH_LAPSE) stays on the host before PREFETCH migrates it again.",
+   [](settings& s, std::string_view v) {
+     try { s.vm_thrash_hold = parse_duration(v); } catch (const error& e) { throw bad_value{e.detail()}; }
+     if (s.vm_thrash_hold < std::chrono::nanoseconds::zero() || s.vm_thrash_hold > std::chrono::hours(1)) throw bad_value{"must be between 0 and 1h"};
+   },
+   [](const settings& s) { return format_duration(s.vm_thrash_hold); }},
 };
 // clang-format on
 

@@ -194,7 +194,8 @@ struct address_space::impl final : page_mover {
     cap = bytes_cap / page;
     expects(cap > 0, "vm.space", dev.id(),
             fmt::format("device capacity {} bytes is below one page of {} (device free memory minus the reserve?)", bytes_cap, page));
-    table = std::make_unique<page_table>(npages, page, std::vector<std::uint64_t>{0, cap}, o.policy, *this);
+    table = std::make_unique<page_table>(npages, page, std::vector<std::uint64_t>{0, cap}, o.policy, *this,
+                                         thrash_policy{o.thrash_lapse, o.thrash_hold});
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) fail_errno(errno, "vm.space", "fault pipe");
     pipe_rd = fds[0];
@@ -662,6 +663,8 @@ space_options space_options::from(const settings& s) {
   o.deadline = s.deadline;
   o.batch = static_cast<std::uint64_t>(s.vm_batch);
   o.fault_ahead = static_cast<std::uint64_t>(s.vm_fault_ahead);
+  o.thrash_lapse = s.vm_thrash_lapse;
+  o.thrash_hold = s.vm_thrash_hold;
   return o;
 }
 

@@ -58,6 +58,9 @@ replacement parse_replacement(const std::string& s) {
 
 namespace {
 constexpr std::uint64_t bit(location l) { return 1ull << l; }
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 }  // namespace
 
 struct page_table::impl {
@@ -69,6 +72,8 @@ struct page_table::impl {
     bool read_mostly = false; // mu
     location preferred = -1;  // mu
     std::atomic<std::uint32_t> pins{0};  // changed under mu (pin) or without it (unpin)
+    std::int64_t evicted = 0;     // mu: when it was last evicted from a device (steady ns; 0: not since its last hold)
+    std::int64_t held_until = 0;  // mu: thrashing -- PREFETCH leaves it where it is until then
   };
   // Replacement order of one device's resident pages: front = keep, back = evict first.
   struct order {
@@ -82,16 +87,19 @@ struct page_table::impl {
   std::vector<std::uint64_t> cap;
   replacement pol;
   page_mover& mv;
+  thrash_policy thrash;
   std::unique_ptr<page[]> pg;
   std::vector<std::unique_ptr<order>> ord;          // per location (host's unused)
   std::unique_ptr<std::atomic<std::uint64_t>[]> used;  // pages holding a valid copy, per location
   struct counters {
     std::atomic<std::uint64_t> faults{0}, populated{0}, h2d{0}, d2h{0}, d2d{0}, duplicates{0}, invalidations{0}, evictions{0},
-        writebacks{0}, clean_drops{0}, prefetches{0}, dontneeds{0}, fault_ahead{0}, batches{0};
+        writebacks{0}, clean_drops{0}, prefetches{0}, dontneeds{0}, fault_ahead{0}, batches{0}, thrash_holds{0},
+        held_prefetches{0};
   } st;
 
-  impl(std::uint64_t pages, std::uint64_t page_bytes, std::vector<std::uint64_t> capacity, replacement p, page_mover& m)
-      : n(pages), bytes(page_bytes), cap(std::move(capacity)), pol(p), mv(m), pg(new page[pages]) {
+  impl(std::uint64_t pages, std::uint64_t page_bytes, std::vector<std::uint64_t> capacity, replacement p, page_mover& m,
+       thrash_policy t)
+      : n(pages), bytes(page_bytes), cap(std::move(capacity)), pol(p), mv(m), thrash(t), pg(new page[pages]) {
     expects(!cap.empty() && cap.size() <= static_cast<std::size_t>(max_locations), "vm.page_table", "locations",
             fmt::format("{} locations (host + devices) must be between 1 and {}", cap.size(), max_locations));
     used.reset(new std::atomic<std::uint64_t>[cap.size()]);
@@ -196,6 +204,7 @@ struct page_table::impl {
       st.clean_drops++;
     }
     drop_copy_remapped(victim, g, d);
+    g.evicted = now_ns();
     st.evictions++;
     return true;
   }
@@ -234,6 +243,27 @@ struct page_table::impl {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
       l.lock();
     }
+  }
+
+  // PREFETCH to device `at` of a locked page: true when the page thrashes and stays where it is.
+  // Only a page with a valid copy elsewhere qualifies (a first touch populates), and never one
+  // whose PREFERRED_LOCATION is `at` (the caller said it belongs there).
+  bool held(page& g, location at) {
+    if (thrash.lapse.count() <= 0 || at == host || g.valid == 0 || (g.valid & bit(at)) || g.preferred == at) return false;
+    std::int64_t t = now_ns();
+    if (t >= g.held_until) {
+      if (g.evicted == 0 || t - g.evicted >= thrash.lapse.count()) return false;
+      g.held_until = t + thrash.hold.count();
+      g.evicted = 0;  // after the hold, only a new eviction makes it thrash again
+      st.thrash_holds++;
+    }
+    st.held_prefetches++;
+    return true;
+  }
+  void prefetch_one(std::uint64_t p, location at, deadline until) {
+    std::unique_lock l(pg[p].mu);
+    if (held(pg[p], at)) return;
+    make_valid(p, l, at, false, false, until);
   }
 
   // The core of a fault / prefetch, page locked: `at` ends up with a valid copy and the mapping.
@@ -379,6 +409,7 @@ struct page_table::impl {
         g.writable = s.writable;
       }
       drop_copy(s.page, g, d, false);
+      g.evicted = now_ns();
       st.evictions++;
       if (g.mapped >= 0 && !g.writable && g.valid == bit(g.mapped)) point_at(s.page, g, g.mapped);
       g.mu.unlock();
@@ -412,6 +443,7 @@ struct page_table::impl {
         if (odd) slow.push_back(p);
         continue;
       }
+      if (mode == range_mode::prefetch && held(g, at)) continue;
       location from = (g.valid & bit(host)) ? host : std::countr_zero(g.valid);
       std::uint64_t after = g.read_mostly ? (g.valid | bit(at)) : bit(at);
       b.steps.push_back({p, from, at, true, true, after == bit(at), g.mapped, g.writable});
@@ -515,8 +547,8 @@ struct page_table::impl {
 };
 
 page_table::page_table(std::uint64_t pages, std::uint64_t page_bytes, std::vector<std::uint64_t> capacity, replacement policy,
-                       page_mover& mover)
-    : impl_(std::make_unique<impl>(pages, page_bytes, std::move(capacity), policy, mover)) {}
+                       page_mover& mover, thrash_policy thrash)
+    : impl_(std::make_unique<impl>(pages, page_bytes, std::move(capacity), policy, mover, thrash)) {}
 page_table::~page_table() = default;
 std::uint64_t page_table::pages() const noexcept { return impl_->n; }
 std::uint64_t page_table::page_bytes() const noexcept { return impl_->bytes; }
@@ -535,9 +567,8 @@ void page_table::access(std::uint64_t page, location at, bool write, deadline un
 
 void page_table::prefetch(std::uint64_t page, location at, deadline until) {
   impl_->check(page, at, "vm.prefetch");
-  std::unique_lock l(impl_->pg[page].mu);
   impl_->st.prefetches++;
-  impl_->make_valid(page, l, at, false, false, until);
+  impl_->prefetch_one(page, at, until);
 }
 
 namespace {
@@ -563,10 +594,7 @@ void page_table::prefetch_range(std::uint64_t first, std::uint64_t end, location
   I.st.prefetches += end - first;
   std::vector<std::uint64_t> slow;
   I.range(first, end, at, impl::range_mode::prefetch, I.n, batch_pages(batch, I.cap, at, end - first), slow);
-  for (auto p : slow) {
-    std::unique_lock l(I.pg[p].mu);
-    I.make_valid(p, l, at, false, false, deadline_after(per_batch));
-  }
+  for (auto p : slow) I.prefetch_one(p, at, deadline_after(per_batch));
 }
 
 void page_table::fault_range(std::uint64_t page, std::uint64_t end, location at, bool write, std::uint64_t batch,
@@ -690,6 +718,8 @@ vm_stats page_table::stats() const {
   v.dontneeds = s.dontneeds;
   v.fault_ahead = s.fault_ahead;
   v.batches = s.batches;
+  v.thrash_holds = s.thrash_holds;
+  v.held_prefetches = s.held_prefetches;
   return v;
 }
 

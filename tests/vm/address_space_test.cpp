@@ -85,6 +85,7 @@ TEST(VmSpace, EvictionUnderASmallCapKeepsRandomData) {
   device& dev = rt.devices().get("sim:0");
   vm::space_options o;
   o.device_capacity = 3 * (64 << 10);
+  o.thrash_lapse = {};  // every PREFETCH migrates: this test is about eviction
   for (auto pol : {vm::replacement::lru, vm::replacement::fifo}) {
     o.policy = pol;
     vm::address_space as(dev, 16 * (64 << 10), o);
@@ -107,6 +108,49 @@ TEST(VmSpace, EvictionUnderASmallCapKeepsRandomData) {
   }
 }
 
+// A stream over twice the cap, twice: the second pass finds the pages of the first half evicted a
+// moment ago (thrashing), leaves them on the host -- the device reads them there -- and keeps the
+// second half resident instead of evicting it again.
+TEST(VmSpace, StreamingOverTwiceTheCapHoldsThrashingPagesOnTheHost) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o;  // default thrashing mitigation
+  o.device_capacity = 4 * (64 << 10);
+  vm::address_space as(dev, 16 * (64 << 10), o);
+  const std::size_t pg = as.page_bytes();
+  constexpr std::size_t n = 8;
+  auto* p = static_cast<std::byte*>(as.alloc(n * pg));
+  std::vector<std::uint64_t> want(n), got(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    fill(p + i * pg, pg, 50 + i);
+    want[i] = sum(p + i * pg, pg);
+  }
+  auto st = dev.create_stream();
+  as.attach_stream(*st);
+  for (int pass = 0; pass < 2; ++pass) {
+    auto before = as.stats();
+    for (std::size_t w = 0; w < n; w += 2) {
+      as.advise(p + w * pg, 2 * pg, vm::advice::prefetch, memory_kind::device);
+      st->checksum(p + w * pg, pg, &got[w]);
+      st->checksum(p + (w + 1) * pg, pg, &got[w + 1]);
+    }
+    st->synchronize();
+    for (std::size_t i = 0; i < n; ++i) EXPECT_EQ(got[i], want[i]) << "pass " << pass << " page " << i << " as the device reads it";
+    auto after = as.stats();
+    if (pass == 0) {
+      EXPECT_EQ(after.evictions - before.evictions, 4u);
+      EXPECT_EQ(after.thrash_holds, 0u);
+    } else {
+      EXPECT_EQ(after.evictions, before.evictions) << "the second pass evicts nothing";
+      EXPECT_EQ(after.thrash_holds, 4u);
+      for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(as.pages().snapshot(i).valid, 1u) << "page " << i << " held on the host";
+      for (std::size_t i = 4; i < n; ++i) EXPECT_EQ(as.pages().snapshot(i).valid, 2u) << "page " << i << " still on the device";
+    }
+  }
+  as.detach_stream(*st);
+  for (std::size_t i = 0; i < n; ++i) EXPECT_EQ(sum(p + i * pg, pg), want[i]) << "page " << i << " on the CPU";
+}
+
 // Ranges move in batches (two in flight), room is made by batched evictions, and a CPU fault brings
 // the following device-resident pages along (fault-ahead): the data survives every path, on the CPU
 // and as the device's copy engine reads it.
@@ -117,6 +161,7 @@ TEST(VmSpace, BatchedPrefetchEvictionAndFaultAheadKeepTheData) {
   o.device_capacity = 8 * (64 << 10);
   o.batch = 2;  // a quarter of the cap: batches of 2, two in flight
   o.fault_ahead = 4;
+  o.thrash_lapse = {};  // every PREFETCH migrates: this test is about batched eviction
   vm::address_space as(dev, 40 * (64 << 10), o);
   const std::size_t pg = as.page_bytes();
   constexpr std::size_t n = 24;

@@ -76,26 +76,37 @@ TEST(GpuVm, CpuWritesAndKernelsReadHostResidentThenDeviceResidentPages) {
 TEST(GpuVm, OversubscriptionAtTwiceASmallCapKeepsTheData) {
   runtime rt(g_settings);
   device& dev = rt.devices().get("cuda:0");
-  vm::space_options o;
-  o.device_capacity = 4 * dev.granularity();
-  vm::address_space as(dev, 16 * dev.granularity(), o);
-  const std::size_t pg = as.page_bytes();
-  auto* p = static_cast<std::byte*>(as.alloc(8 * pg));
-  std::vector<std::uint64_t> want(8);
-  for (std::size_t i = 0; i < 8; ++i) {
-    fill_random(p + i * pg, pg, 100 + i);
-    want[i] = checksum64(p + i * pg, pg);
-  }
-  auto s = dev.create_stream();
-  for (int round = 0; round < 2; ++round)
+  // First every PREFETCH migrates (evictions, write-backs); then with thrashing mitigation the
+  // second round leaves evicted pages on the host and the kernel reads them there over PCIe.
+  for (bool mitigate : {false, true}) {
+    vm::space_options o;
+    o.device_capacity = 4 * dev.granularity();
+    if (!mitigate) o.thrash_lapse = {};
+    else o.thrash_lapse = o.thrash_hold = std::chrono::hours(1);
+    vm::address_space as(dev, 16 * dev.granularity(), o);
+    const std::size_t pg = as.page_bytes();
+    auto* p = static_cast<std::byte*>(as.alloc(8 * pg));
+    std::vector<std::uint64_t> want(8);
     for (std::size_t i = 0; i < 8; ++i) {
-      as.advise(p + i * pg, pg, vm::advice::prefetch, memory_kind::device);
-      EXPECT_LE(as.pages().resident(1), 4u);
-      EXPECT_EQ(gpu_sum(*s, p + i * pg, pg), want[i]) << "round " << round << " page " << i << " on the device";
+      fill_random(p + i * pg, pg, 100 + i);
+      want[i] = checksum64(p + i * pg, pg);
     }
-  for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(checksum64(p + i * pg, pg), want[i]) << "page " << i << " back on the CPU";
-  EXPECT_GE(as.stats().evictions, 12u);
-  EXPECT_GT(as.stats().writebacks, 0u);
+    auto s = dev.create_stream();
+    for (int round = 0; round < 2; ++round)
+      for (std::size_t i = 0; i < 8; ++i) {
+        as.advise(p + i * pg, pg, vm::advice::prefetch, memory_kind::device);
+        EXPECT_LE(as.pages().resident(1), 4u);
+        EXPECT_EQ(gpu_sum(*s, p + i * pg, pg), want[i]) << "round " << round << " page " << i << " on the device, mitigate " << mitigate;
+      }
+    for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(checksum64(p + i * pg, pg), want[i]) << "page " << i << " back on the CPU";
+    if (!mitigate) {
+      EXPECT_GE(as.stats().evictions, 12u);
+      EXPECT_GT(as.stats().writebacks, 0u);
+    } else {
+      EXPECT_GE(as.stats().thrash_holds, 4u);
+      EXPECT_EQ(as.stats().evictions, 4u) << "round two evicts nothing: held pages stay on the host";
+    }
+  }
 }
 
 // A kernel still running on an attached stream when the CPU touches the space: the migration waits

@@ -122,7 +122,10 @@ TEST(VmPageTable, RandomConcurrentOperationsKeepCoherenceAndCapacity) {
   for (replacement pol : {replacement::lru, replacement::fifo}) {
     fake_mover mv(pages, {0, 6, 4});
     mv.inject = 41;  // some batches fail: the table must be as before them
-    page_table t(pages, 2 << 20, {0, 6, 4}, pol, mv);
+    // LRU runs with thrashing mitigation too: held pages take the "leave it" path at random moments.
+    thrash_policy thrash;
+    if (pol == replacement::lru) thrash = {std::chrono::milliseconds(1), std::chrono::microseconds(200)};
+    page_table t(pages, 2 << 20, {0, 6, 4}, pol, mv, thrash);
     std::vector<std::uint64_t> model(pages, 0);  // under the page's lock
     std::atomic<std::uint64_t> next{1}, reads{0}, writes{0}, bad_reads{0}, incoherent{0}, moved_while_pinned{0};
     std::atomic<int> errors{0}, injected{0};
@@ -214,6 +217,9 @@ TEST(VmPageTable, RandomConcurrentOperationsKeepCoherenceAndCapacity) {
     EXPECT_GT(st.migrations_d2d, 0u);
     EXPECT_GT(st.batches, 100u);
     EXPECT_GT(st.fault_ahead, 0u);
+    if (pol == replacement::lru) {
+      EXPECT_GT(st.thrash_holds, 0u);
+    }
     EXPECT_GT(injected, 0);
     EXPECT_GE(mv.in_flight, 2u) << "never two batches in flight: the pipelining is untested";
     EXPECT_TRUE(mv.flights.empty()) << "a started batch was never finished";
@@ -254,6 +260,58 @@ TEST(VmPageTable, PagesPreferringADeviceAreEvictedLast) {
   t.access(3, 1, true, soon());  // both residents prefer the device: the coldest of them goes
   EXPECT_FALSE(t.snapshot(0).valid & 2);
   EXPECT_TRUE(t.snapshot(2).valid & 2);
+  EXPECT_EQ(mv.first, "");
+}
+
+// Thrashing: a page evicted and prefetched back within the lapse stays where it is (host, read in
+// place by the device) for the hold, without evicting anyone; PREFERRED_LOCATION overrides; the hold
+// ends; lapse 0 turns it off.
+TEST(VmPageTable, ThrashingPagesStayOnTheHostForTheHold) {
+  const auto hour = std::chrono::hours(1);
+  for (auto hold : {std::chrono::nanoseconds(hour), std::chrono::nanoseconds(0)}) {
+    fake_mover mv(6, {0, 2});
+    page_table t(6, 4096, {0, 2}, replacement::lru, mv, thrash_policy{hour, hold});
+    for (std::uint64_t p = 0; p < 6; ++p) t.access(p, host, true, soon());
+    t.prefetch_range(0, 2, 1, 2, std::chrono::seconds(10));
+    t.prefetch_range(2, 4, 1, 2, std::chrono::seconds(10));  // evicts 0 and 1
+    EXPECT_EQ(t.stats().evictions, 2u);
+    EXPECT_EQ(t.stats().thrash_holds, 0u) << "first evictions are not thrashing yet";
+    t.prefetch_range(0, 2, 1, 2, std::chrono::seconds(10));  // back within the lapse: held
+    auto st = t.stats();
+    EXPECT_EQ(st.thrash_holds, 2u);
+    EXPECT_EQ(st.held_prefetches, 2u);
+    EXPECT_EQ(st.evictions, 2u) << "a held page must not make room";
+    for (std::uint64_t p : {0, 1}) {
+      EXPECT_EQ(t.snapshot(p).valid, 1u) << "page " << p;
+      EXPECT_EQ(t.snapshot(p).mapped, host) << "page " << p << ": the device reads it in place";
+    }
+    EXPECT_EQ(t.resident(1), 2u);
+    if (hold == std::chrono::nanoseconds(0)) {
+      // The hold is over at once: the next PREFETCH migrates (and evicts).
+      t.prefetch(0, 1, soon());
+      EXPECT_EQ(t.snapshot(0).valid & 2, 2u);
+      EXPECT_EQ(t.stats().evictions, 3u);
+    } else {
+      t.prefetch(1, 1, soon());  // the single-page path: still held
+      EXPECT_EQ(t.stats().held_prefetches, 3u);
+      EXPECT_EQ(t.snapshot(1).valid, 1u);
+      t.set_preferred(0, 1);  // the caller says it belongs on the device: moved despite the hold
+      t.prefetch(0, 1, soon());
+      EXPECT_EQ(t.snapshot(0).valid & 2, 2u);
+      t.prefetch(1, 1, soon());
+      EXPECT_EQ(t.snapshot(1).valid, 1u) << "page 1 is still held";
+    }
+    t.access(4, 1, false, soon());  // an access (not a hint) always moves
+    EXPECT_EQ(t.snapshot(4).valid & 2, 2u);
+    EXPECT_EQ(mv.first, "");
+  }
+  // Lapse 0: no thrashing mitigation, every PREFETCH migrates.
+  fake_mover mv(4, {0, 2});
+  page_table t(4, 4096, {0, 2}, replacement::lru, mv);
+  for (std::uint64_t p = 0; p < 4; ++p) t.access(p, host, true, soon());
+  for (int round = 0; round < 2; ++round) t.prefetch_range(0, 4, 1, 2, std::chrono::seconds(10));
+  EXPECT_EQ(t.stats().thrash_holds, 0u);
+  EXPECT_EQ(t.stats().evictions, 6u);
   EXPECT_EQ(mv.first, "");
 }
 

@@ -12,7 +12,10 @@
 //    (UVM: GPU page faults; ferry: a PREFETCH hint, then the kernel). No target; for orientation.
 //  - ferry streaming at 2x cap: data = 2 x device cap, READ_MOSTLY, windows of a quarter of the cap
 //    prefetched in turn and read by a kernel on an attached stream; the baseline is cudaMemcpy from
-//    cudaMallocHost memory. Then, for orientation, the same data read in place by the kernel
+//    cudaMallocHost memory. Three rows: thrashing mitigation off (every page migrates, every pass);
+//    the default policy's first pass (the same: nothing has thrashed yet) and its later passes
+//    (pages evicted a pass ago stay on the host and are read in place, the rest stays resident:
+//    FERRY_VM_THRASH_LAPSE). Then, for orientation, the same data read in place by the kernel
 //    (PREFERRED_LOCATION host: nothing migrates, the GPU reads host chunks over PCIe).
 // UVM memory is never more than the GPU has free (more can hang the GPU).
 #include "commands.hpp"
@@ -412,13 +415,21 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   rows = {pre_gpu, pre_host, host_touch, touch_back, gpu_stream};
 
   // ---- ferry streaming at 2x its cap vs pinned cudaMemcpy ----
-  row over{"ferry streaming at 2x cap (READ_MOSTLY + PREFETCH)", "cudaMemcpy H2D from cudaMallocHost", {}, {}, 0.8};
+  // The same stream (windows of a quarter of the cap prefetched in turn, each read by a kernel on an
+  // attached stream) in two spaces: one where every PREFETCH migrates (thrashing mitigation off:
+  // what the remaps cost), one with the default policy, whose first pass migrates everything and
+  // whose later passes find the pages of the first half evicted a moment ago (thrashing): it leaves
+  // them on the host for the kernel to read in place and keeps the second half resident.
+  row migrate_all{"ferry streaming at 2x cap, every page migrates", "cudaMemcpy H2D from cudaMallocHost", {}, {}, 0};
+  row first_pass{"ferry streaming at 2x cap, default, first pass", "cudaMemcpy H2D from cudaMallocHost", {}, {}, 0};
+  row over{"ferry streaming at 2x cap, default, later passes", "cudaMemcpy H2D from cudaMallocHost", {}, {}, 0.8};
   row in_place{"ferry, same data read in place (host, over PCIe)", "cudaMemcpy H2D from cudaMallocHost", {}, {}, 0};
   std::uint64_t data = 2 * cap;
-  vm::vm_stats ostats{};
-  {
+  vm::vm_stats ostats{}, astats{};
+  for (bool mitigate : {false, true}) {
     auto so = vm::space_options::from(rt.config());
     so.device_capacity = cap;
+    if (!mitigate) so.thrash_lapse = {};
     vm::address_space as(dev, data, so);
     as.attach_stream(*st);
     auto* b = static_cast<std::byte*>(as.alloc(data));
@@ -432,17 +443,26 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
     const std::uint64_t sum_all = checksum64(b, data);
     as.advise(b, data, vm::advice::read_mostly);
     vm::space_timings last = as.timings();
-    for (int r = 0; r < o.rounds; ++r) {
-      over.ferry.push_back(gbps(data, timed([&] {
+    for (int r = 0; r < o.rounds + (mitigate ? 1 : 0); ++r) {
+      double v = gbps(data, timed([&] {
         for (std::uint64_t w = 0; w < windows; ++w) {
           std::uint64_t len = std::min(window, data - w * window);
           as.advise(b + w * window, len, vm::advice::prefetch, memory_kind::device);
           st->checksum(b + w * window, len, &got[w]);
         }
         st->synchronize();
-      })));
+      }));
+      (!mitigate ? migrate_all : r == 0 ? first_pass : over).ferry.push_back(v);
       for (std::uint64_t w = 0; w < windows; ++w) check_sum("ferry streaming window", got[w], want[w]);
     }
+    if (!mitigate) {
+      print_phase("streaming at 2x cap, all migrate", last, as.timings());
+      astats = as.stats();
+      as.detach_stream(*st);
+      continue;
+    }
+    print_phase("streaming at 2x cap, default", last, as.timings());
+    ostats = as.stats();
     // For orientation, no target: the same data read in place -- PREFERRED_LOCATION host, the
     // kernel reads the host chunks over PCIe and nothing migrates (a one-pass stream needs no copy).
     as.advise(b, data, vm::advice::no_read_mostly);
@@ -456,8 +476,6 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
       })));
       check_sum("ferry in-place stream", all, sum_all);
     }
-    print_phase("streaming at 2x cap", last, as.timings());
-    ostats = as.stats();
     as.detach_stream(*st);
   }
   if (cuda && cr.ok()) {
@@ -472,9 +490,8 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
     cr.check(cr.free_(d), "cudaFree");
     cr.check(cr.free_host(h), "cudaFreeHost");
   }
-  in_place.base = over.base;
-  rows.push_back(over);
-  rows.push_back(in_place);
+  migrate_all.base = first_pass.base = in_place.base = over.base;
+  for (auto* r : {&migrate_all, &first_pass, &over, &in_place}) rows.push_back(*r);
 
   // ---- report ----
   out["device"] = dev.id();
@@ -505,8 +522,12 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
              "set access {:.1f} ms, copy waits {:.1f} ms, chunk allocation {:.1f} ms, stream quiesce {:.1f} ms\n",
              vstats.batches, vstats.migrations_h2d, vstats.migrations_d2h, vstats.fault_ahead, ms(timings.unmap), ms(timings.map),
              ms(timings.access), ms(timings.copy_wait), ms(timings.allocate), ms(timings.quiesce));
-  fmt::print("ferry streaming: cap {}, data {}, evictions {} (clean drops {}, write-backs {}), migrations h2d {}\n", format_size(cap),
-             format_size(data), ostats.evictions, ostats.clean_drops, ostats.writebacks, ostats.migrations_h2d);
+  fmt::print("ferry streaming, every page migrates: cap {}, data {}, evictions {} (clean drops {}, write-backs {}), migrations h2d {}\n",
+             format_size(cap), format_size(data), astats.evictions, astats.clean_drops, astats.writebacks, astats.migrations_h2d);
+  fmt::print("ferry streaming, default ({} + {} passes): evictions {} (clean drops {}, write-backs {}), migrations h2d {}, "
+             "thrashing pages held on the host {}, prefetches that left a held page in place {}\n",
+             1, o.rounds, ostats.evictions, ostats.clean_drops, ostats.writebacks, ostats.migrations_h2d, ostats.thrash_holds,
+             ostats.held_prefetches);
   fmt::print("data checks: {}\n", bad == 0 ? "all equal" : fmt::format("{} MISMATCHES", bad));
   out["timings_ms"] = {{"unmap", ms(timings.unmap)}, {"map", ms(timings.map)}, {"access", ms(timings.access)},
                        {"copy_wait", ms(timings.copy_wait)}, {"allocate", ms(timings.allocate)}, {"quiesce", ms(timings.quiesce)}};

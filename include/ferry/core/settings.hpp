@@ -76,6 +76,8 @@ struct FERRY_API settings {
   std::string vm_policy = "lru";              // eviction: lru | fifo
   int vm_batch = 16;                          // pages per batched migration
   int vm_fault_ahead = 8;                     // pages a CPU fault moves to host (the faulting one and the next)
+  std::chrono::nanoseconds vm_thrash_lapse = std::chrono::seconds(1);  // evicted, prefetched back within: thrashing (0: off)
+  std::chrono::nanoseconds vm_thrash_hold = std::chrono::seconds(1);   // a thrashing page stays on the host this long
 
   // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
   using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;

@@ -49,6 +49,10 @@ struct FERRY_API space_options {
   std::chrono::nanoseconds deadline = std::chrono::seconds(30);  // per fault / advice batch
   std::uint64_t batch = 16;        // pages per batched migration (PREFETCH, eviction, fault-ahead)
   std::uint64_t fault_ahead = 8;   // pages a CPU fault moves to host: the faulting one and those after it
+  // A page evicted and prefetched back within `thrash_lapse` stays on the host for `thrash_hold`
+  // (the device reads it in place); lapse 0: every PREFETCH migrates. See page_table.hpp.
+  std::chrono::nanoseconds thrash_lapse = std::chrono::seconds(1);
+  std::chrono::nanoseconds thrash_hold = std::chrono::seconds(1);
   // FERRY_VM_* and FERRY_DEADLINE (docs/settings.md).
   static space_options from(const settings& s);
   // When set, the space becomes a peer-memory client of this cache (until it is destroyed): file,

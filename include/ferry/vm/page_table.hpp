@@ -14,7 +14,12 @@
 //    evicting a clean one only drops it;
 //  - a device never holds more than its capacity in pages: making room evicts by the replacement
 //    policy (LRU by access, or FIFO by arrival), skipping pinned pages and pages being changed, and
-//    pages whose PREFERRED_LOCATION is that device only when no other page can go.
+//    pages whose PREFERRED_LOCATION is that device only when no other page can go;
+//  - thrashing: a page evicted from a device and prefetched back to it within `thrash_policy::lapse`
+//    shows that the device does not hold the working set (a stream over more than its capacity).
+//    Such a page is held where it is for `thrash_policy::hold`: PREFETCH leaves it (its host copy
+//    stays mapped and the device reads it in place over PCIe) instead of evicting another page
+//    that will be wanted back just as soon. UVM does the same ("thrashing mitigation").
 // Concurrency: one mutex per page serializes its changes; different pages change in parallel. A page
 // that must be made room for takes victims with try_lock only, so two faults never wait on each
 // other's page. Pinned pages (a DMA registration uses them) are never moved; a change that would
@@ -23,6 +28,7 @@
 #include <ferry/device/device.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -77,6 +83,12 @@ class FERRY_API page_mover {
   virtual void finish(std::uint64_t ticket);
 };
 
+// Thrashing mitigation (see above); lapse 0: off -- every PREFETCH migrates.
+struct thrash_policy {
+  std::chrono::nanoseconds lapse{0};  // evicted and prefetched back within this: the page thrashes
+  std::chrono::nanoseconds hold{0};   // how long a thrashing page then stays where it is
+};
+
 struct page_snapshot {
   std::uint64_t valid = 0;  // bit L set: location L holds a valid copy; 0: never touched
   location mapped = -1;     // where the shared mapping points (-1: nowhere yet)
@@ -99,6 +111,8 @@ struct vm_stats {
   std::uint64_t dontneeds = 0;
   std::uint64_t fault_ahead = 0;       // pages moved along with a faulting page
   std::uint64_t batches = 0;           // batched migrations (start/finish pairs), evictions included
+  std::uint64_t thrash_holds = 0;      // pages found thrashing and held where they were
+  std::uint64_t held_prefetches = 0;   // page prefetches that left a held page where it was
 };
 
 class FERRY_API page_table {
@@ -106,7 +120,7 @@ class FERRY_API page_table {
   // `pages` logical pages of `page_bytes` each; `capacity[d]` pages may live on device slot d
   // (index 0, the host, is unbounded and ignored).
   page_table(std::uint64_t pages, std::uint64_t page_bytes, std::vector<std::uint64_t> capacity, replacement policy,
-             page_mover& mover);
+             page_mover& mover, thrash_policy thrash = {});
   ~page_table();
   page_table(const page_table&) = delete;
   page_table& operator=(const page_table&) = delete;
@@ -123,7 +137,8 @@ class FERRY_API page_table {
   void access(std::uint64_t page, location at, bool write, deadline until);
 
   // PREFETCH: migrate the page to `at` (or add a copy there when READ_MOSTLY); a never-touched page
-  // is populated there.
+  // is populated there. A thrashing page is left where it is (thrash_policy), unless `at` is its
+  // PREFERRED_LOCATION.
   void prefetch(std::uint64_t page, location at, deadline until);
   // PREFETCH of pages [first, end) in batches of up to `batch` pages (each batch's copies queued
   // together and its remaps grouped; the next batch is prepared while one copies; room on a device
