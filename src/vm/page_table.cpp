@@ -498,7 +498,9 @@ struct page_table::impl {
     std::uint64_t moved = 0;
     try {
       for (std::uint64_t a = first; a < end;) {
-        std::uint64_t e = std::min(end, a + per);
+        // The last batch's remaps have no copies left to hide under: batches halve towards the end
+        // (each still hides most of its predecessor's remaps), so that tail shrinks to one page's.
+        std::uint64_t e = a + std::min(per, std::max<std::uint64_t>(1, (end - a) / 2));
         prepare(cur, a, e, at, mode, fault_page, slow, prev);
         a = e;
         if (!cur.steps.empty()) {
