@@ -370,27 +370,26 @@ void device::set_access(void* va, std::uint64_t bytes, std::span<const access_de
     p += it->second.size;
     if (p > a + bytes) fail(errc::invalid_argument, "device.set_access", res, "range ends inside a mapping");
   }
-  for (std::uintptr_t p = a; p < a + bytes;) {
-    // One backend call per run of adjacent mappings of the same kind of memory.
-    auto first = mappings_.find(p);
-    std::uintptr_t e = p + first->second.size;
-    for (auto it = std::next(first); it != mappings_.end() && it->first == e && e < a + bytes &&
-                                     it->second.where.kind == first->second.where.kind && it->second.where.id == first->second.where.id;
-         ++it)
-      e += it->second.size;
-    do_set_access(p, e - p, first->second, grants);
-    for (; p < e;) {
-    auto& m = mappings_.find(p)->second;
-    for (auto& g : grants) {
-      if (g.who.kind == memory_kind::host) m.host_access = g.flags;
-      else if (g.who.id == -1 || g.who.id == info_.ordinal) m.device_access = g.flags;
-      else if (g.who.id >= 0 && g.who.id < 64) {
-        auto bit = std::uint64_t{1} << g.who.id;
-        m.peer_read = g.flags != access::none ? (m.peer_read | bit) : (m.peer_read & ~bit);
-        m.peer_write = g.flags == access::read_write ? (m.peer_write | bit) : (m.peer_write & ~bit);
+  // One backend call per run of adjacent mappings of the same memory, then each mapping's record.
+  for (auto first = mappings_.find(a); first != mappings_.end() && first->first < a + bytes;) {
+    auto last = std::next(first);
+    std::uintptr_t e = first->first + first->second.size;
+    for (; last != mappings_.end() && last->first == e && e < a + bytes && last->second.where.kind == first->second.where.kind &&
+           last->second.where.id == first->second.where.id;
+         ++last)
+      e += last->second.size;
+    do_set_access(first->first, e - first->first, first->second, grants);
+    for (; first != last; ++first) {
+      auto& m = first->second;
+      for (auto& g : grants) {
+        if (g.who.kind == memory_kind::host) m.host_access = g.flags;
+        else if (g.who.id == -1 || g.who.id == info_.ordinal) m.device_access = g.flags;
+        else if (g.who.id >= 0 && g.who.id < 64) {
+          auto bit = std::uint64_t{1} << g.who.id;
+          m.peer_read = g.flags != access::none ? (m.peer_read | bit) : (m.peer_read & ~bit);
+          m.peer_write = g.flags == access::read_write ? (m.peer_write | bit) : (m.peer_write & ~bit);
+        }
       }
-    }
-    p += m.size;
     }
   }
 }

@@ -1,5 +1,8 @@
 #pragma once
-// Test data helpers: reproducible random bytes and whole-file reads.
+// Test data helpers: reproducible random bytes, whole-file writes and reads.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -13,6 +16,20 @@ inline std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed
   std::mt19937_64 rng(seed);
   for (auto& c : v) c = static_cast<unsigned char>(rng());
   return v;
+}
+
+// Fills [p, p+n) with reproducible random 8-byte words (a tail of under 8 bytes is left as it is).
+inline void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (std::size_t i = 0; i + 8 <= n; i += 8) {
+    std::uint64_t v = rng();
+    std::memcpy(p + i, &v, 8);
+  }
+}
+
+// Writes n bytes as the whole content of file p.
+inline void write_file(const std::filesystem::path& p, const void* data, std::size_t n) {
+  std::ofstream(p, std::ios::binary).write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
 }
 
 inline std::vector<unsigned char> slurp(const std::filesystem::path& p) {

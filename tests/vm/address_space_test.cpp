@@ -5,6 +5,7 @@
 #include <ferry/runtime.hpp>
 #include <ferry/vm/address_space.hpp>
 
+#include "support/data.hpp"
 #include "support/errors.hpp"
 
 #include <gmock/gmock.h>
@@ -12,7 +13,6 @@
 
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <unistd.h>
 #include <random>
 #include <thread>
@@ -30,13 +30,7 @@ settings sim_cfg() {
   return c;
 }
 
-void fill(std::byte* p, std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  for (std::size_t i = 0; i + 8 <= n; i += 8) {
-    std::uint64_t v = rng();
-    std::memcpy(p + i, &v, 8);
-  }
-}
+void fill(std::byte* p, std::size_t n, std::uint64_t seed) { ferry::test::fill_random(p, n, seed); }
 std::uint64_t sum(const std::byte* p, std::size_t n) { return checksum64(p, n); }
 
 }  // namespace
@@ -288,7 +282,7 @@ TEST(VmSpace, FileReadsIntoUnifiedMemoryWhilePagesMove) {
   auto path = std::filesystem::path(::testing::TempDir()) / ("ferry-vm-" + std::to_string(::getpid()) + ".bin");
   std::vector<std::byte> data(n);
   fill(data.data(), n, 99);
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(n));
+  ferry::test::write_file(path, data.data(), n);
   auto f = file::open(path.string(), open_mode::read);
   std::atomic<bool> stop{false};
   std::atomic<int> moves{0}, move_errors{0};

@@ -7,6 +7,7 @@
 #include <ferry/vm/address_space.hpp>
 
 #include "mem/cuda/driver.hpp"
+#include "support/data.hpp"
 
 #include <gtest/gtest.h>
 
@@ -14,7 +15,6 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <thread>
 #include <unistd.h>
 #include <random>
@@ -25,13 +25,7 @@ namespace {
 
 settings g_settings;
 
-void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  for (std::size_t i = 0; i + 8 <= n; i += 8) {
-    std::uint64_t v = rng();
-    std::memcpy(p + i, &v, 8);
-  }
-}
+using ferry::test::fill_random;
 
 std::uint64_t gpu_sum(stream& s, const void* p, std::size_t n) {
   std::uint64_t r = 0;
@@ -149,7 +143,7 @@ TEST(GpuVm, FileReadsIntoUnifiedMemoryWhilePagesMigrate) {
   auto path = std::filesystem::path("/tmp") / ("ferry-gpu-vm-" + std::to_string(::getpid()) + ".bin");
   std::vector<std::byte> data(n);
   fill_random(data.data(), n, 17);
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(n));
+  ferry::test::write_file(path, data.data(), n);
   auto f = file::open(path.string(), open_mode::read);
   std::atomic<bool> stop{false};
   std::atomic<int> moves{0}, errors{0};
@@ -165,7 +159,6 @@ TEST(GpuVm, FileReadsIntoUnifiedMemoryWhilePagesMigrate) {
       }
     }
   });
-  auto s = dev.create_stream();
   for (int round = 0; round < 4; ++round) {
     std::memset(p, 0, n);
     file_request r{f, 0, p, n, false};
