@@ -208,7 +208,7 @@ const setting_def table[] = {
   {"FERRY_NET_STAGING", "Pinned host staging a ferry:// client lends for GPU and sim memory when UCX cannot register it (buffers of FERRY_NET_PIECE).",
    [](settings& s, std::string_view v) { s.net_staging = parse_size_in(v, 4 * MiB, 1ull << 40); },
    [](const settings& s) { return format_size(s.net_staging); }},
-  {"FERRY_NET_SPIN", "UCX progress threads keep polling this long after activity before they sleep (back-off): back-to-back requests pay no thread wake-up; 0 = sleep at once.",
+  {"FERRY_NET_SPIN", "UCX progress threads keep polling this long after activity before they sleep (back-off): back-to-back requests pay no thread wake-up; 0 = sleep at once. Longer than a thread wake-up on a busy machine (tens of microseconds), or server and client can settle into waking each other for every request.",
    [](settings& s, std::string_view v) {
      try { s.net_spin = parse_duration(v); } catch (const error& e) { throw bad_value{e.detail()}; }
      if (s.net_spin < std::chrono::nanoseconds::zero() || s.net_spin > std::chrono::seconds(1)) throw bad_value{"must be between 0 and 1s"};

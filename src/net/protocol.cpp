@@ -15,17 +15,26 @@ class writer {
   template <typename T>
   void put(T v) {
     static_assert(std::is_integral_v<T>);
-    for (std::size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<std::byte>((static_cast<std::uint64_t>(v) >> (8 * i)) & 0xff));
+    std::byte b[sizeof(T)];
+    for (std::size_t i = 0; i < sizeof(T); ++i) b[i] = static_cast<std::byte>((static_cast<std::uint64_t>(v) >> (8 * i)) & 0xff);
+    out.insert(out.end(), b, b + sizeof(T));
+  }
+  // Overwrites a value put earlier at byte `at` (the header's payload length, known at the end).
+  template <typename T>
+  void patch(std::size_t at, T v) {
+    for (std::size_t i = 0; i < sizeof(T); ++i) out[at + i] = static_cast<std::byte>((static_cast<std::uint64_t>(v) >> (8 * i)) & 0xff);
   }
   void bytes(const std::vector<std::uint8_t>& b, std::size_t exact) {
     if (b.size() != exact) fail(errc::invalid_argument, "net.encode", "frame", fmt::format("expected {} bytes, got {}", exact, b.size()));
-    for (auto c : b) out.push_back(static_cast<std::byte>(c));
+    auto* c = reinterpret_cast<const std::byte*>(b.data());
+    out.insert(out.end(), c, c + b.size());
   }
   void str(const std::string& s, std::size_t limit, std::string_view what) {
     if (s.size() > limit) fail(errc::invalid_argument, "net.encode", std::string(what), fmt::format("longer than {} bytes", limit));
     if (s.find('\0') != std::string::npos) fail(errc::invalid_argument, "net.encode", std::string(what), "contains a NUL byte");
     put(static_cast<std::uint16_t>(s.size()));
-    for (char c : s) out.push_back(static_cast<std::byte>(c));
+    auto* c = reinterpret_cast<const std::byte*>(s.data());
+    out.insert(out.end(), c, c + s.size());
   }
   std::vector<std::byte> out;
 };
@@ -95,7 +104,20 @@ std::uint16_t type_of(const body& b) {
 }  // namespace
 
 std::vector<std::byte> encode(const message& m) {
-  writer p;  // payload
+  // One buffer, sized for the common small frame up front: a frame is encoded per request, and
+  // growing a vector byte by byte would allocate several times each.
+  writer p;
+  p.out.reserve(header_size + 96);
+  p.put(frame_magic);
+  p.put(protocol_version);
+  p.put(type_of(m.b));
+  p.put(std::uint32_t{0});
+  const std::size_t len_at = p.out.size();
+  p.put(std::uint32_t{0});  // payload length, patched below
+  p.put(m.request_id);
+  p.put(m.credits);
+  p.put(std::uint32_t{0});
+  if (p.out.size() != header_size) fail(errc::internal, "net.encode", "frame", "header layout out of step with header_size");
   std::visit(
       [&](const auto& v) {
         using T = std::decay_t<decltype(v)>;
@@ -158,19 +180,11 @@ std::vector<std::byte> encode(const message& m) {
         }
       },
       m.b);
-  if (p.out.size() > max_message)
-    fail(errc::invalid_argument, "net.encode", "frame", fmt::format("payload of {} bytes exceeds {}", p.out.size(), max_message));
-  writer h;
-  h.put(frame_magic);
-  h.put(protocol_version);
-  h.put(type_of(m.b));
-  h.put(std::uint32_t{0});
-  h.put(static_cast<std::uint32_t>(p.out.size()));
-  h.put(m.request_id);
-  h.put(m.credits);
-  h.put(std::uint32_t{0});
-  h.out.insert(h.out.end(), p.out.begin(), p.out.end());
-  return std::move(h.out);
+  std::size_t payload = p.out.size() - header_size;
+  if (payload > max_message)
+    fail(errc::invalid_argument, "net.encode", "frame", fmt::format("payload of {} bytes exceeds {}", payload, max_message));
+  p.patch(len_at, static_cast<std::uint32_t>(payload));
+  return std::move(p.out);
 }
 
 frame_info peek_header(std::span<const std::byte> bytes) {

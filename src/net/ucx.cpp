@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -75,10 +76,12 @@ void close_ep(ucp_ep_h ep) {
 struct send_ctx {
   std::vector<std::byte> buf;  // frame bytes or the data header
   std::function<void(ucs_status_t)> done;
+  ucx_worker* w = nullptr;  // set while UCX holds the send (pending_op)
 };
 
 void send_cb(void* request, ucs_status_t status, void* user) {
   auto* c = static_cast<send_ctx*>(user);
+  if (c->w) c->w->pending_op(-1);
   if (c->done) c->done(status);
   delete c;
   ucp_request_free(request);
@@ -122,7 +125,10 @@ void am_send(connection& conn, unsigned id, send_ctx* c, const void* header, std
   p.user_data = c;
   p.flags = UCP_AM_SEND_FLAG_REPLY | flags;
   ucs_status_ptr_t r = ucp_am_send_nbx(conn.ep, id, header, header_len, data, n, &p);
-  if (r == nullptr) {
+  if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+    c->w = &conn.worker();
+    c->w->pending_op(+1);
+  } else if (r == nullptr) {
     if (c->done) c->done(UCS_OK);
     delete c;
   } else if (UCS_PTR_IS_ERR(r)) {
@@ -138,7 +144,7 @@ void connection::send_frame(const message& m) {
   auto* c = new send_ctx{encode(m), nullptr};
   auto self = shared_from_this();
   // Frames are always eager: the receiver handles them whole, never by rendezvous.
-  w_.run_or_post([self, c] { am_send(*self, am_frame, c, nullptr, 0, c->buf.data(), c->buf.size(), UCP_AM_SEND_FLAG_EAGER); });
+  w_.run_or_post([self, c] { am_send(*self, am_frame, c, nullptr, 0, c->buf.data(), c->buf.size(), UCP_AM_SEND_FLAG_EAGER); }, true);
 }
 
 void connection::send_data(std::uint64_t rid, std::uint64_t off, const void* data, std::size_t n,
@@ -147,20 +153,24 @@ void connection::send_data(std::uint64_t rid, std::uint64_t off, const void* dat
   data_header h{rid, off};
   std::memcpy(c->buf.data(), &h, sizeof h);
   auto self = shared_from_this();
-  w_.run_or_post([self, c, data, n] { am_send(*self, am_data, c, c->buf.data(), c->buf.size(), data, n, 0); });
+  w_.run_or_post([self, c, data, n] { am_send(*self, am_data, c, c->buf.data(), c->buf.size(), data, n, 0); }, true);
 }
 
 void connection::send_reply(const message& m, const void* data, std::size_t n) {
+  auto buf = encode(m);
+  std::size_t hl = buf.size();
+  if (n) buf.insert(buf.end(), static_cast<const std::byte*>(data), static_cast<const std::byte*>(data) + n);
+  send_reply(std::move(buf), hl);
+}
+
+void connection::send_reply(std::vector<std::byte> buf, std::size_t hl) {
   if (!alive_) fail(errc::network_error, "net.send", peer_, "connection lost: " + failure());
-  auto frame = encode(m);
-  auto* c = new send_ctx{std::vector<std::byte>(frame.size() + n), nullptr};
-  std::memcpy(c->buf.data(), frame.data(), frame.size());
-  if (n) std::memcpy(c->buf.data() + frame.size(), data, n);
+  if (hl > buf.size()) fail(errc::invalid_argument, "net.send", peer_, "reply frame longer than its buffer");
+  auto* c = new send_ctx{std::move(buf), nullptr};
   auto self = shared_from_this();
-  std::size_t hl = frame.size();
   w_.run_or_post([self, c, hl] {
     am_send(*self, am_reply, c, c->buf.data(), hl, c->buf.data() + hl, c->buf.size() - hl, UCP_AM_SEND_FLAG_EAGER);
-  });
+  }, true);
 }
 
 std::string connection::transports() {
@@ -342,6 +352,7 @@ struct rma_ctx {
 };
 void rma_cb(void* request, ucs_status_t status, void* user) {
   auto* c = static_cast<rma_ctx*>(user);
+  c->conn->worker().pending_op(-1);
   if (c->done) c->done(status);
   delete c;
   ucp_request_free(request);
@@ -367,8 +378,10 @@ void connection::rma(bool get, void* local, std::size_t n, std::uint64_t remote,
     if (r == nullptr || UCS_PTR_IS_ERR(r)) {
       if (c->done) c->done(r == nullptr ? UCS_OK : UCS_PTR_STATUS(r));
       delete c;
+    } else {
+      conn.worker().pending_op(+1);
     }
-  });
+  }, true);
 }
 
 void connection::send_frame_fenced(const message& m) {
@@ -378,7 +391,7 @@ void connection::send_frame_fenced(const message& m) {
   w_.run_or_post([self, c] {
     ucp_worker_fence(self->w_.handle());
     am_send(*self, am_frame, c, nullptr, 0, c->buf.data(), c->buf.size(), UCP_AM_SEND_FLAG_EAGER);
-  });
+  }, true);
 }
 
 // ---- network registrations ---------------------------------------------------------------------
@@ -468,7 +481,12 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::sha
   ::epoll_ctl(epoll_, EPOLL_CTL_ADD, efd_, &ev);
   ev.data.fd = wake_;
   ::epoll_ctl(epoll_, EPOLL_CTL_ADD, wake_, &ev);
-  thread_ = std::thread([this] { loop(); });
+  thread_ = std::thread([this] {
+    // Its naps (reacquire) should be as short as asked: the default 50 us timer slack would make a
+    // 10 us nap last 60, and a caller that stops driving waits for the nap to end.
+    ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    loop();
+  });
 }
 
 ucx_worker::~ucx_worker() {
@@ -504,24 +522,80 @@ void ucx_worker::post(std::function<void()> f) {
   }
 }
 
-void ucx_worker::run_or_post(std::function<void()> f) {
+void ucx_worker::run_or_post(std::function<void()> f, bool settles) {
   if (owner_.load(std::memory_order_relaxed) == std::this_thread::get_id()) {
     if (nposted_.load(std::memory_order_acquire) == 0) return f();
     return post(std::move(f));
   }
-  std::unique_lock l(ucx_mu_, std::try_to_lock);
-  if (!l.owns_lock()) return post(std::move(f));
+  // Ask the progress thread to step aside, and wait for the worker a bounded while (the progress
+  // thread looks at callers_ between progress calls; a caller that drives holds it longer): posting
+  // instead would hand the send to the other thread.
+  callers_.fetch_add(1, std::memory_order_seq_cst);
+  std::unique_lock l(ucx_mu_, std::defer_lock);
+  for (int i = 0; i < 256 && !l.try_lock(); ++i) cpu_relax();
+  if (!l.owns_lock()) {
+    callers_.fetch_sub(1, std::memory_order_seq_cst);
+    return post(std::move(f));
+  }
   lock_owner();
-  drain_posted();  // earlier work first
   try {
+    drain_posted();  // earlier work first
     f();
-    while (ucp_worker_progress(worker_) != 0) {  // push what f started; the progress thread may be asleep
-    }
+    // Push what f started (the progress thread may be asleep), unless it finished at once.
+    if (!settles || pending_ > 0)
+      while (ucp_worker_progress(worker_) != 0) {
+      }
   } catch (...) {
     unlock_owner();
+    callers_.fetch_sub(1, std::memory_order_seq_cst);
     throw;
   }
   unlock_owner();
+  l.unlock();
+  callers_.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void ucx_worker::progress_once() {
+  drain_posted();
+  while (ucp_worker_progress(worker_) != 0) {
+  }
+}
+
+void ucx_worker::step_aside(std::unique_lock<std::mutex>& l) {
+  unlock_owner();
+  l.unlock();
+  reacquire(l, std::chrono::microseconds(2));
+}
+
+void ucx_worker::reacquire(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace) {
+  using clk = std::chrono::steady_clock;
+  // Take the worker back once no caller has wanted it for `grace`: a caller that drives requests
+  // one after another leaves and comes back within a microsecond, and taking the worker in between
+  // would make it wait for this thread's next progress call. While callers keep coming, this
+  // thread polls a little between short naps: it has nothing to do while they drive, and spinning
+  // would take a core from them (or from the server) where threads outnumber cores. No
+  // futex: a caller would pay a wake-up system call on its way out, more than a shared-memory round
+  // trip.
+  clk::time_point free_since{};
+  for (unsigned i = 1;; ++i) {
+    if (stop_.load(std::memory_order_relaxed)) {
+      l.lock();
+      break;
+    }
+    if (callers_.load(std::memory_order_acquire) == 0) {
+      auto now = clk::now();
+      if (free_since == clk::time_point{}) free_since = now;
+      if (now - free_since >= grace && l.try_lock()) {
+        if (callers_.load(std::memory_order_acquire) == 0) break;
+        l.unlock();  // a caller arrived meanwhile: it goes first
+      }
+    } else {
+      free_since = {};
+    }
+    if (i % 256 != 0) cpu_relax();
+    else std::this_thread::sleep_for(std::chrono::microseconds(10));
+  }
+  lock_owner();
 }
 
 bool ucx_worker::drain_posted() {
@@ -549,9 +623,7 @@ bool ucx_worker::try_progress() {
   std::unique_lock l(ucx_mu_, std::try_to_lock);
   if (!l.owns_lock()) return false;
   lock_owner();
-  drain_posted();
-  while (ucp_worker_progress(worker_) != 0) {
-  }
+  progress_once();
   unlock_owner();
   return true;
 }
@@ -562,6 +634,15 @@ void ucx_worker::loop() {
   std::unique_lock l(ucx_mu_);
   lock_owner();
   while (!stop_) {
+    if (callers_.load(std::memory_order_acquire) > 0) {
+      // Callers driving is activity too: this thread stays awake (and the worker unarmed) for spin_
+      // after they leave. An armed worker would make every peer that sends to it signal it through
+      // a socket (UCX's shared-memory transport does sendto when the receiver armed its interface),
+      // a system call per message on the peer's side.
+      step_aside(l);
+      last = clk::now();
+      continue;
+    }
     bool busy = drain_posted();
     while (ucp_worker_progress(worker_) != 0) busy = true;
     if (busy) {
@@ -601,8 +682,7 @@ void ucx_worker::loop() {
         std::uint64_t v;
         [[maybe_unused]] auto r = ::read(wake_, &v, sizeof v);
       }
-    while (!l.try_lock()) cpu_relax();  // a caller may be driving the worker: no futex sleep
-    lock_owner();
+    reacquire(l, std::chrono::nanoseconds(0));  // a caller may be driving the worker
     last = clk::now();
   }
   drain_posted();

@@ -136,6 +136,9 @@ class connection : public std::enable_shared_from_this<connection> {
   void send_data(std::uint64_t rid, std::uint64_t off, const void* p, std::size_t n, std::function<void(ucs_status_t)> done);
   // Sends a reply frame with `n` bytes of data inline (copied; eager). For small replies only.
   void send_reply(const message& m, const void* data, std::size_t n);
+  // The same with the reply already built in `buf`: [frame (frame_len bytes) | data]. The server
+  // reads file data straight into it (no second copy).
+  void send_reply(std::vector<std::byte> buf, std::size_t frame_len);
   // The transports UCX chose for this endpoint's lanes ("tcp/lo", "posix/memory", ...), for stats.
   std::string transports();
   // Closes the endpoint (flush); idempotent.
@@ -178,7 +181,7 @@ class ucx_worker {
   using data_done = std::function<void(connection&, std::uint64_t rid, std::uint64_t off, std::size_t len, ucs_status_t)>;
   using reply_handler = std::function<void(connection&, message, const std::byte* data, std::size_t len)>;
 
-  explicit ucx_worker(std::string name, std::chrono::nanoseconds spin = std::chrono::microseconds(50),
+  explicit ucx_worker(std::string name, std::chrono::nanoseconds spin = std::chrono::microseconds(200),
                       std::shared_ptr<ucx_context> ctx = nullptr);
   ~ucx_worker();
   ucx_worker(const ucx_worker&) = delete;
@@ -195,7 +198,13 @@ class ucx_worker {
   // Runs f at once when this thread may use the worker (it is the progress thread, or the worker is
   // free) and nothing posted is waiting (so order is kept); otherwise posts it. This is what keeps a
   // small request free of thread hand-offs.
-  void run_or_post(std::function<void()> f);
+  // `settles` says that f leaves nothing for progress to finish unless it reports a pending
+  // operation (pending_op): then no progress call follows it here (one costs a system call when tcp
+  // is in the context, a fifth of a shared-memory round trip).
+  void run_or_post(std::function<void()> f, bool settles = false);
+  // Operations started on the worker that UCX has not completed yet (sends, RMA): +1 when one is
+  // left pending, -1 from its completion callback. The worker's holder only.
+  void pending_op(int delta) { pending_ += delta; }
   // Runs f on the progress thread and waits for it, at most until `until` (then timeout).
   template <typename F>
   auto call(F f, std::chrono::steady_clock::time_point until) -> decltype(f()) {
@@ -223,6 +232,31 @@ class ucx_worker {
   // is not using it: a request's completion then costs no thread hand-off. Returns false when the
   // worker was busy. Callbacks run on the calling thread.
   bool try_progress();
+  // Drives the worker from this thread until `done()` or `until` (the caller polls, like a UCX
+  // benchmark loop): while a caller drives, the progress thread steps aside at once instead of
+  // competing for the worker, so a small request is sent, answered and completed on one thread with
+  // no hand-off. Returns done(). Callbacks run on the calling thread.
+  template <typename Done>
+  bool drive(Done done, std::chrono::steady_clock::time_point until) {
+    callers_.fetch_add(1, std::memory_order_seq_cst);
+    std::unique_lock l(ucx_mu_, std::defer_lock);
+    bool ok;
+    for (;;) {
+      if ((ok = done())) break;
+      if (std::chrono::steady_clock::now() >= until) break;
+      if (!l.owns_lock()) {
+        if (!l.try_lock()) {
+          cpu_relax();
+          continue;
+        }
+        lock_owner();
+      }
+      progress_once();
+    }
+    if (l.owns_lock()) unlock_owner();
+    callers_.fetch_sub(1, std::memory_order_seq_cst);
+    return ok;
+  }
 
   // Listens on host:port (port 0: any); returns the port. New connections get `accepted` (on the
   // thread of the worker that serves them). `place`, if given, picks that worker for each new
@@ -249,6 +283,9 @@ class ucx_worker {
   static void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
   void loop();
   bool drain_posted();
+  void progress_once();  // posted work, then UCX progress until idle (worker held)
+  void step_aside(std::unique_lock<std::mutex>& l);  // progress thread: let driving callers have the worker
+  void reacquire(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: take the worker back after callers
   void accept(ucp_conn_request_h req, std::string peer, std::function<void(std::shared_ptr<connection>)> accepted);
   void lock_owner() { owner_.store(std::this_thread::get_id(), std::memory_order_relaxed); }
   void unlock_owner() { owner_.store(std::thread::id(), std::memory_order_relaxed); }
@@ -266,6 +303,8 @@ class ucx_worker {
   std::atomic<std::size_t> nposted_{0};
   std::mutex ucx_mu_;  // held by whichever thread is inside UCX (serialized worker)
   std::atomic<std::thread::id> owner_{};  // that thread
+  std::int64_t pending_ = 0;              // the worker's holder only (see pending_op)
+  std::atomic<int> callers_{0};           // callers driving or about to take the worker (drive, run_or_post)
   std::atomic<bool> sleeping_{false};     // the progress thread is (about to be) in epoll: post() must wake it
   std::chrono::nanoseconds spin_;
   std::atomic<std::uint64_t> wakeups_{0};

@@ -360,9 +360,7 @@ struct client::impl {
   void wait_piece(piece& p, clk::time_point until, const std::function<std::string()>& what) {
     // Drive the worker from this thread for a while: a small request then completes without any
     // thread hand-off (the progress thread takes over if this one gives up and sleeps).
-    auto spin_end = clk::now() + o.spin;
-    while (!p.done.load(std::memory_order_acquire) && clk::now() < spin_end)
-      if (!p.ln->w->try_progress()) cpu_relax();
+    if (p.ln->w->drive([&] { return p.done.load(std::memory_order_acquire); }, std::min(until, clk::now() + o.spin))) return;
     std::unique_lock l(mu);
     if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     auto cn = p.ln->c;

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <future>
 #include <map>
@@ -472,13 +473,21 @@ struct server::impl {
   }
 
   void read_inline(connection& c, std::uint64_t rid, const read_req& r) {
-    thread_local std::vector<std::byte> buf;
-    if (buf.size() < r.length) buf.resize(r.length);
+    // The reply is built in place: frame, then the file data read straight after it (complete's
+    // fields are fixed-size, so the frame is re-encoded in place when the read comes up short).
+    auto buf = encode({rid, 0, complete{0, r.length}});
+    const std::size_t hl = buf.size();
+    buf.resize(hl + r.length);
     auto f = files.get(r.path, false);
-    std::uint64_t got = pread_all(*f, r.path, buf.data(), r.length, r.offset);
+    std::uint64_t got = pread_all(*f, r.path, buf.data() + hl, r.length, r.offset);
+    if (got != r.length) {
+      auto fr = encode({rid, 0, complete{0, got}});
+      std::memcpy(buf.data(), fr.data(), hl);
+      buf.resize(hl + got);
+    }
     bytes_sent += got;
     inline_replies++;
-    c.send_reply({rid, 0, complete{0, got}}, buf.data(), got);
+    c.send_reply(std::move(buf), hl);
   }
 
   // ---- writes: the frame opens the request; data arrives as AM data (rendezvous for large pieces) ----

@@ -195,6 +195,7 @@ perf_result perftest(const std::string& exe, const std::map<std::string, std::st
 
 struct run_result {
   double gbps = 0, iops = 0, p50_us = 0, p99_us = 0;
+  double start_p50_us = 0;  // time inside start_read/start_write (the caller's send side), p50
   std::uint64_t requests = 0;
 };
 
@@ -202,8 +203,10 @@ struct run_result {
 // offset (i * size) mod (file - size), 4 KiB aligned.
 run_result measure(store::client& c, bool write, const std::string& path, std::byte* base, std::uint64_t size, int qd,
                    std::uint64_t reqs, std::uint64_t file_bytes, std::chrono::nanoseconds timeout) {
-  std::vector<double> lat;
+  std::vector<double> lat, in_start;
   lat.reserve(reqs);
+  in_start.reserve(reqs);
+  bool timing = false;
   struct slot {
     store::client::ticket t;
     clk::time_point t0;
@@ -223,6 +226,7 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
     auto t0 = clk::now();
     auto until = t0 + timeout;
     auto t = write ? c.start_write(path, off, p, size, until) : c.start_read(path, off, p, size, until);
+    if (timing) in_start.push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count());
     q.push_back({t, t0});
   };
   // Warm-up: a few rounds of the same pattern.
@@ -232,6 +236,7 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
     issue(i);
   }
   while (!q.empty()) finish_one(false);
+  timing = true;
   auto t0 = clk::now();
   for (std::uint64_t i = 0; i < reqs; ++i) {
     if (q.size() >= static_cast<std::size_t>(qd)) finish_one(true);
@@ -240,7 +245,9 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
   while (!q.empty()) finish_one(true);
   double secs = std::chrono::duration<double>(clk::now() - t0).count();
   std::sort(lat.begin(), lat.end());
+  std::sort(in_start.begin(), in_start.end());
   run_result r;
+  r.start_p50_us = in_start[in_start.size() / 2];
   r.requests = reqs;
   r.gbps = static_cast<double>(reqs * size) / secs / 1e9;
   r.iops = static_cast<double>(reqs) / secs;
@@ -389,7 +396,7 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     fmt::print("{:>5} {:>6} {:>10} {:>4} {:>9} {:>10} {:>9} {:>9} {:>8}\n", "mem", "op", "block", "qd", "GB/s", "IOPS", "p50 us",
                "p99 us", "vs best");
     std::map<std::string, double> best_ratio_1m;  // per mem/op: min over sizes >= 1 MiB of (best over qd) / baseline
-    double lat4k = 0;
+    double lat4k = 0, start4k = 0;
     for (auto& [mem, spec] : dsts) {
       endpoint buf(rt, spec, region);
       for (bool write : {false, true}) {
@@ -404,7 +411,10 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
                              rt.config().deadline);
             double ratio = best.count(s) && best[s] > 0 ? r.gbps / best[s] : 0;
             best_ferry[s] = std::max(best_ferry[s], r.gbps);
-            if (!write && mem == "host" && s == 4096 && q == 1) lat4k = r.p50_us;
+            if (!write && mem == "host" && s == 4096 && q == 1) {
+              lat4k = r.p50_us;
+              start4k = r.start_p50_us;
+            }
             fmt::print("{:>5} {:>6} {:>10} {:>4} {:>9.2f} {:>10.0f} {:>9.1f} {:>9.1f} {:>8}\n", mem, op, format_size(s), q, r.gbps,
                        r.iops, r.p50_us, r.p99_us, ratio > 0 ? fmt::format("{:.3f}", ratio) : "-");
             std::fflush(stdout);
@@ -446,6 +456,9 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     if (rtt4k > 0 && lat4k > 0) {
       fmt::print("SUMMARY {} 4 KiB read QD1 p50 {:.2f} us = {:.2f}x raw AM RTT 4 KiB ({:.2f} us), {:.2f}x RTT 8 B ({:.2f} us)\n", tl,
                  lat4k, lat4k / rtt4k, rtt4k, rtt8 > 0 ? lat4k / rtt8 : 0, rtt8);
+      // Where it goes: the caller's send side (start_read) vs the rest (network, server, reply).
+      fmt::print("  of which in start_read (p50): {:.2f} us; the rest (wire, server, reply handling): {:.2f} us\n", start4k,
+                 lat4k - start4k);
       summary.push_back({{"transport", tl}, {"what", "4KiB read QD1 p50 / raw AM RTT 4KiB"}, {"ratio", lat4k / rtt4k},
                          {"p50_us", lat4k}, {"rtt_4k_us", rtt4k}, {"rtt_8b_us", rtt8}});
     }

@@ -63,7 +63,7 @@ struct FERRY_API settings {
   std::string secret_file;             // shared secret for ferry:// servers that require one
   std::uint64_t net_piece = 4ull << 20;     // bytes per wire request of a ferry:// read or write
   std::uint64_t net_staging = 256ull << 20; // pinned staging for GPU/sim memory per client
-  std::chrono::nanoseconds net_spin = std::chrono::microseconds(50);  // progress back-off before sleeping
+  std::chrono::nanoseconds net_spin = std::chrono::microseconds(200);  // progress back-off before sleeping
   int serve_threads = 4;                // file I/O threads of `ferry serve`
   int serve_workers = 4;                // UCX workers (progress threads) of `ferry serve`
   int net_lanes = 4;                    // connections (each its own worker) per ferry:// client

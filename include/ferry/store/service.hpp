@@ -40,7 +40,7 @@ struct server_options {
   bool map = true;                     // serve regions lent by same-host clients directly (FERRY_NET_MAP)
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
   std::uint64_t max_write_buffer = 1ull << 30;  // write data buffered at once, all connections together
-  std::chrono::nanoseconds spin = std::chrono::microseconds(50);  // progress back-off (FERRY_NET_SPIN)
+  std::chrono::nanoseconds spin = std::chrono::microseconds(200);  // progress back-off (FERRY_NET_SPIN)
   std::chrono::nanoseconds fd_cache_ttl = std::chrono::seconds(1);  // open files reused this long
   // Shared secret: when set, clients must answer a challenge with HMAC-SHA256(secret, server nonce |
   // client nonce) before any request. Empty: no authentication.
@@ -87,7 +87,7 @@ struct client_options {
   transfer_engine* engine = nullptr;
   std::uint64_t piece = 4ull << 20;       // bytes per wire request (FERRY_NET_PIECE)
   std::uint64_t staging = 256ull << 20;   // pinned staging for GPU/sim memory (FERRY_NET_STAGING)
-  std::chrono::nanoseconds spin = std::chrono::microseconds(50);
+  std::chrono::nanoseconds spin = std::chrono::microseconds(200);
   // Connections (lanes) to the server, each with its own UCX worker and progress thread; pieces are
   // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
   int lanes = 4;
