@@ -527,9 +527,9 @@ void ucx_worker::run_or_post(std::function<void()> f, bool settles) {
     if (nposted_.load(std::memory_order_acquire) == 0) return f();
     return post(std::move(f));
   }
-  // Ask the progress thread to step aside, and wait for the worker a bounded while (the progress
-  // thread looks at callers_ between progress calls; a caller that drives holds it longer): posting
-  // instead would hand the send to the other thread.
+  // Ask the progress thread to let this thread in, and wait for the worker a bounded while (the
+  // progress thread looks at callers_ between progress calls; a caller that drives holds it
+  // longer): posting instead would hand the send to the other thread.
   callers_.fetch_add(1, std::memory_order_seq_cst);
   std::unique_lock l(ucx_mu_, std::defer_lock);
   for (int i = 0; i < 256 && !l.try_lock(); ++i) cpu_relax();
@@ -582,18 +582,22 @@ void ucx_worker::reacquire(std::unique_lock<std::mutex>& l, std::chrono::nanosec
       l.lock();
       break;
     }
-    if (callers_.load(std::memory_order_acquire) == 0) {
+    bool driven = drivers_.load(std::memory_order_acquire) > 0;
+    if (driven) {
+      free_since = {};
+    } else if (callers_.load(std::memory_order_acquire) == 0) {
       auto now = clk::now();
       if (free_since == clk::time_point{}) free_since = now;
       if (now - free_since >= grace && l.try_lock()) {
-        if (callers_.load(std::memory_order_acquire) == 0) break;
+        if (drivers_.load(std::memory_order_acquire) == 0 && callers_.load(std::memory_order_acquire) == 0) break;
         l.unlock();  // a caller arrived meanwhile: it goes first
       }
-    } else {
-      free_since = {};
     }
-    if (i % 256 != 0) cpu_relax();
-    else std::this_thread::sleep_for(std::chrono::microseconds(10));
+    // Naps only while a caller drives (it progresses the worker itself); a brief caller
+    // (run_or_post: a send from an I/O thread) is waited for by polling, so that incoming messages
+    // are not left for a nap's length.
+    if (driven && i % 256 == 0) std::this_thread::sleep_for(std::chrono::microseconds(10));
+    else cpu_relax();
   }
   lock_owner();
 }
@@ -634,12 +638,19 @@ void ucx_worker::loop() {
   std::unique_lock l(ucx_mu_);
   lock_owner();
   while (!stop_) {
-    if (callers_.load(std::memory_order_acquire) > 0) {
+    if (drivers_.load(std::memory_order_acquire) > 0) {
       // Callers driving is activity too: this thread stays awake (and the worker unarmed) for spin_
       // after they leave. An armed worker would make every peer that sends to it signal it through
       // a socket (UCX's shared-memory transport does sendto when the receiver armed its interface),
       // a system call per message on the peer's side.
       step_aside(l);
+      last = clk::now();
+      continue;
+    }
+    if (callers_.load(std::memory_order_acquire) > 0) {  // a brief caller (a send): let it in, then go on
+      unlock_owner();
+      l.unlock();
+      reacquire(l, std::chrono::nanoseconds(0));
       last = clk::now();
       continue;
     }

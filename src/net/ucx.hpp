@@ -238,7 +238,7 @@ class ucx_worker {
   // no hand-off. Returns done(). Callbacks run on the calling thread.
   template <typename Done>
   bool drive(Done done, std::chrono::steady_clock::time_point until) {
-    callers_.fetch_add(1, std::memory_order_seq_cst);
+    drivers_.fetch_add(1, std::memory_order_seq_cst);
     std::unique_lock l(ucx_mu_, std::defer_lock);
     bool ok;
     for (;;) {
@@ -254,7 +254,7 @@ class ucx_worker {
       progress_once();
     }
     if (l.owns_lock()) unlock_owner();
-    callers_.fetch_sub(1, std::memory_order_seq_cst);
+    drivers_.fetch_sub(1, std::memory_order_seq_cst);
     return ok;
   }
 
@@ -304,7 +304,8 @@ class ucx_worker {
   std::mutex ucx_mu_;  // held by whichever thread is inside UCX (serialized worker)
   std::atomic<std::thread::id> owner_{};  // that thread
   std::int64_t pending_ = 0;              // the worker's holder only (see pending_op)
-  std::atomic<int> callers_{0};           // callers driving or about to take the worker (drive, run_or_post)
+  std::atomic<int> drivers_{0};           // callers driving the worker (drive): the progress thread steps aside and naps
+  std::atomic<int> callers_{0};           // callers taking it briefly (run_or_post): the progress thread lets them in
   std::atomic<bool> sleeping_{false};     // the progress thread is (about to be) in epoll: post() must wake it
   std::chrono::nanoseconds spin_;
   std::atomic<std::uint64_t> wakeups_{0};
