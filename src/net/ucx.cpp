@@ -458,7 +458,7 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::sha
   ucs_status_t st;
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the progress thread, or a waiting caller (try_progress), never both
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the progress thread, or a caller (drive, run_or_post), never both
   st = ucp_worker_create(ctx_->handle(), &wp, &worker_);
   check(st, "net.init", "ucp_worker_create");
   for (unsigned id : {am_frame, am_data, am_reply}) {
@@ -623,15 +623,6 @@ bool ucx_worker::drain_posted() {
   return any;
 }
 
-bool ucx_worker::try_progress() {
-  std::unique_lock l(ucx_mu_, std::try_to_lock);
-  if (!l.owns_lock()) return false;
-  lock_owner();
-  progress_once();
-  unlock_owner();
-  return true;
-}
-
 void ucx_worker::loop() {
   using clk = std::chrono::steady_clock;
   auto last = clk::now();
@@ -665,9 +656,9 @@ void ucx_worker::loop() {
     // Back-off: keep polling for a while after activity (the next request usually follows at once);
     // let a waiting caller in between polls.
     if (spin_.count() > 0 && clk::now() - last < spin_) {
-      // Open a short window for a waiting caller (try_progress / run_or_post take the lock with
-      // try_lock), then take it back with try_lock too: no sched_yield and no futex sleep on this
-      // path, each of which would cost about as much as a shared-memory round trip.
+      // Open a short window now and then (a caller that has not announced itself yet may try_lock
+      // in it), then take the worker back with try_lock too: no sched_yield and no futex sleep on
+      // this path, each of which would cost about as much as a shared-memory round trip.
       unlock_owner();
       l.unlock();
       for (int i = 0; i < 16; ++i) cpu_relax();

@@ -228,10 +228,6 @@ class ucx_worker {
     return fut.get();
   }
   bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
-  // Lets a waiting caller drive the worker itself (posted work + progress) when the progress thread
-  // is not using it: a request's completion then costs no thread hand-off. Returns false when the
-  // worker was busy. Callbacks run on the calling thread.
-  bool try_progress();
   // Drives the worker from this thread until `done()` or `until` (the caller polls, like a UCX
   // benchmark loop): while a caller drives, the progress thread steps aside at once instead of
   // competing for the worker, so a small request is sent, answered and completed on one thread with
