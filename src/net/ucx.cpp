@@ -530,29 +530,25 @@ void ucx_worker::run_or_post(std::function<void()> f, bool settles) {
   // Ask the progress thread to let this thread in, and wait for the worker a bounded while (the
   // progress thread looks at callers_ between progress calls; a caller that drives holds it
   // longer): posting instead would hand the send to the other thread.
-  callers_.fetch_add(1, std::memory_order_seq_cst);
+  struct announced {
+    std::atomic<int>& n;
+    explicit announced(std::atomic<int>& c) : n(c) { n.fetch_add(1, std::memory_order_seq_cst); }
+    ~announced() { n.fetch_sub(1, std::memory_order_seq_cst); }
+  } a(callers_);
   std::unique_lock l(ucx_mu_, std::defer_lock);
   for (int i = 0; i < 256 && !l.try_lock(); ++i) cpu_relax();
-  if (!l.owns_lock()) {
-    callers_.fetch_sub(1, std::memory_order_seq_cst);
-    return post(std::move(f));
-  }
+  if (!l.owns_lock()) return post(std::move(f));
   lock_owner();
-  try {
-    drain_posted();  // earlier work first
-    f();
-    // Push what f started (the progress thread may be asleep), unless it finished at once.
-    if (!settles || pending_ > 0)
-      while (ucp_worker_progress(worker_) != 0) {
-      }
-  } catch (...) {
-    unlock_owner();
-    callers_.fetch_sub(1, std::memory_order_seq_cst);
-    throw;
-  }
-  unlock_owner();
-  l.unlock();
-  callers_.fetch_sub(1, std::memory_order_seq_cst);
+  struct disowned {
+    ucx_worker& w;
+    ~disowned() { w.unlock_owner(); }
+  } d{*this};  // released before the lock (and the announcement) go
+  drain_posted();  // earlier work first
+  f();
+  // Push what f started (the progress thread may be asleep), unless it finished at once.
+  if (!settles || pending_ > 0)
+    while (ucp_worker_progress(worker_) != 0) {
+    }
 }
 
 void ucx_worker::progress_once() {
@@ -561,10 +557,10 @@ void ucx_worker::progress_once() {
   }
 }
 
-void ucx_worker::step_aside(std::unique_lock<std::mutex>& l) {
+void ucx_worker::step_aside(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace) {
   unlock_owner();
   l.unlock();
-  reacquire(l, std::chrono::microseconds(2));
+  reacquire(l, grace);
 }
 
 void ucx_worker::reacquire(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace) {
@@ -634,14 +630,12 @@ void ucx_worker::loop() {
       // after they leave. An armed worker would make every peer that sends to it signal it through
       // a socket (UCX's shared-memory transport does sendto when the receiver armed its interface),
       // a system call per message on the peer's side.
-      step_aside(l);
+      step_aside(l, std::chrono::microseconds(2));
       last = clk::now();
       continue;
     }
     if (callers_.load(std::memory_order_acquire) > 0) {  // a brief caller (a send): let it in, then go on
-      unlock_owner();
-      l.unlock();
-      reacquire(l, std::chrono::nanoseconds(0));
+      step_aside(l, std::chrono::nanoseconds(0));
       last = clk::now();
       continue;
     }
@@ -653,17 +647,10 @@ void ucx_worker::loop() {
     }
     if (nposted_.load(std::memory_order_acquire) != 0) continue;
     if (stop_) break;
-    // Back-off: keep polling for a while after activity (the next request usually follows at once);
-    // let a waiting caller in between polls.
+    // Back-off: keep polling for a while after activity (the next request usually follows at once).
+    // Callers that want the worker announce themselves and are let in at the top of the loop.
     if (spin_.count() > 0 && clk::now() - last < spin_) {
-      // Open a short window now and then (a caller that has not announced itself yet may try_lock
-      // in it), then take the worker back with try_lock too: no sched_yield and no futex sleep on
-      // this path, each of which would cost about as much as a shared-memory round trip.
-      unlock_owner();
-      l.unlock();
-      for (int i = 0; i < 16; ++i) cpu_relax();
-      while (!l.try_lock()) cpu_relax();
-      lock_owner();
+      cpu_relax();
       continue;
     }
     ucs_status_t st = ucp_worker_arm(worker_);

@@ -280,7 +280,7 @@ class ucx_worker {
   void loop();
   bool drain_posted();
   void progress_once();  // posted work, then UCX progress until idle (worker held)
-  void step_aside(std::unique_lock<std::mutex>& l);  // progress thread: let driving callers have the worker
+  void step_aside(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: let callers have the worker
   void reacquire(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: take the worker back after callers
   void accept(ucp_conn_request_h req, std::string peer, std::function<void(std::shared_ptr<connection>)> accepted);
   void lock_owner() { owner_.store(std::this_thread::get_id(), std::memory_order_relaxed); }
