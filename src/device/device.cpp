@@ -68,7 +68,7 @@ void event::wait(deadline until) {
 
 stream::~stream() = default;
 
-void stream::copy(void* dst, const void* src, std::size_t bytes) {
+void stream::copy(void* dst, const void* src, std::size_t bytes, copy_engine by) {
   if (bytes == 0) return;
   if (!dst || !src)
     fail(errc::invalid_argument, "stream.copy", fmt::format("{} dst={} src={}", owner_->id(), dst, src),
@@ -79,6 +79,7 @@ void stream::copy(void* dst, const void* src, std::size_t bytes) {
          "length overflows the address space");
   owner_->counters().get("copies").add();
   owner_->counters().get("copy_bytes").add(bytes);
+  if (by == copy_engine::sm) owner_->counters().get("sm_copies").add();
   // One DMA per mapped chunk on either side (a plain device allocation is one mapping: one copy).
   auto* d = static_cast<std::byte*>(dst);
   auto* s = static_cast<const std::byte*>(src);
@@ -87,7 +88,15 @@ void stream::copy(void* dst, const void* src, std::size_t bytes) {
     std::size_t n = bytes - done;
     if (std::uint64_t r = owner_->mapping_rest(d + done)) n = static_cast<std::size_t>(std::min<std::uint64_t>(n, r));
     if (std::uint64_t r = owner_->mapping_rest(s + done)) n = static_cast<std::size_t>(std::min<std::uint64_t>(n, r));
-    do_copy(d + done, s + done, n);
+    // A kernel cannot reach ordinary (pageable) host memory, and a bad address there is fatal to the
+    // device context, so SM copies take only memory mapped in this device's ranges.
+    if (by == copy_engine::sm && (!owner_->mapping_rest(d + done) || !owner_->mapping_rest(s + done)))
+      fail(errc::invalid_argument, "stream.copy",
+           fmt::format("{} dst={} src={}", owner_->id(), describe_range(dst, bytes), describe_range(src, bytes)),
+           fmt::format("a copy by SMs needs both ends mapped in {}'s ranges ({} is not)", owner_->id(),
+                       owner_->mapping_rest(d + done) ? "src" : "dst"));
+    if (by == copy_engine::sm) do_copy_sm(d + done, s + done, n);
+    else do_copy(d + done, s + done, n);
     done += n;
   }
 }

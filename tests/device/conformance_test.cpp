@@ -80,6 +80,41 @@ TEST_F(DeviceConformance, MapCopyRoundTripWithRandomData) {
   EXPECT_EQ(std::memcmp(bytes.data(), reinterpret_cast<const unsigned char*>(src.data()) + off, len), 0);
 }
 
+TEST_F(DeviceConformance, CopyBySmsMovesDataBetweenHostAndDeviceChunks) {
+  mapped_region d(dev(), 2);
+  std::uint64_t g = std::max(gran(), dev().granularity(location::on_host()));
+  va_range hv = dev().reserve(2 * g);
+  physical_chunk hc = dev().allocate(2 * g, location::on_host());
+  dev().map(hv.base(), hc);
+  access_desc both[] = {{location::on_device(), access::read_write}, {location::on_host(), access::read_write}};
+  dev().set_access(hv.base(), hv.size(), both);
+  auto src = random_words(hv.size() / 8, 7);
+  std::memcpy(hv.base(), src.data(), hv.size());
+  auto s = dev().create_stream();
+  s->copy(d.va.base(), hv.base(), hv.size(), copy_engine::sm);  // host chunk -> device
+  s->synchronize();
+  std::memset(hv.base(), 0, hv.size());
+  s->copy(hv.base(), d.va.base(), hv.size(), copy_engine::sm);  // and back
+  s->synchronize();
+  EXPECT_EQ(std::memcmp(hv.base(), src.data(), hv.size()), 0);
+  // Unaligned ends and an odd length across the device chunks' boundary: the byte path.
+  std::memset(hv.base(), 0, hv.size());
+  std::uint64_t off = g - 5, len = g - 13;
+  s->copy(static_cast<std::byte*>(hv.base()) + 3, d.va.at(off), len, copy_engine::sm);
+  s->synchronize();
+  EXPECT_EQ(std::memcmp(static_cast<std::byte*>(hv.base()) + 3, reinterpret_cast<const std::byte*>(src.data()) + off, len), 0);
+  // Memory outside the device's ranges is refused, naming the end.
+  std::vector<std::uint64_t> plain(16);
+  try {
+    s->copy(plain.data(), d.va.base(), sizeof(std::uint64_t) * plain.size(), copy_engine::sm);
+    ADD_FAILURE() << "an SM copy into ordinary host memory was accepted";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("dst"), std::string::npos) << e.what();
+  }
+  dev().unmap(hv.base(), hv.size());
+}
+
 TEST_F(DeviceConformance, DeviceToDeviceCopyWithinTheDevice) {
   mapped_region a(dev(), 1), b(dev(), 1);
   auto s = dev().create_stream();

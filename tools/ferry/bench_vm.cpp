@@ -249,14 +249,18 @@ void vmm_probe(device& dev, json& out) {
     fmt::print("  VMM calls, us per 2 MiB:      ");
     for (auto* nm : names) fmt::print(" | {}", nm);
     fmt::print("\n");
-    for (int mode = 0; mode < 3; ++mode) {
+    // Modes: idle; H2D and D2H copies by the copy engines; the same by the SMs (copy_engine::sm).
+    const char* modes[] = {"copy engines idle", "during H2D copies", "during D2H copies", "during H2D copies by SMs",
+                           "during D2H copies by SMs"};
+    for (int mode = 0; mode < 5; ++mode) {
       double r[8];
-      for (int c = 0; c < (mode ? copies : 0); ++c)
-        s->copy(mode == 1 ? dv.base() : hv.base(), mode == 1 ? hv.base() : dv.base(), big);
+      bool h2d = mode == 1 || mode == 3;
+      auto by = mode >= 3 ? copy_engine::sm : copy_engine::dma;
+      for (int c = 0; c < (mode ? copies : 0); ++c) s->copy(h2d ? dv.base() : hv.base(), h2d ? hv.base() : dv.base(), big, by);
       ops(r);
       bool still = mode == 0 || !s->idle();
       s->synchronize();
-      const char* m = mode == 0 ? "copy engines idle" : mode == 1 ? "during H2D copies" : "during D2H copies";
+      const char* m = modes[mode];
       json j = {{"while", m}, {"copies_outlasted_calls", still}};
       fmt::print("    {:<30}", fmt::format("{}{}", m, still ? "" : " (copies ended first)"));
       for (int i = 0; i < 8; ++i) {
@@ -268,6 +272,41 @@ void vmm_probe(device& dev, json& out) {
       rows2.push_back(j);
     }
     out["probe_calls_during_copies"] = rows2;
+    // What each engine copies alone, and whether remaps scale over threads.
+    json bw;
+    fmt::print("  {} copies alone, GB/s:", format_size(big));
+    for (auto by : {copy_engine::dma, copy_engine::sm})
+      for (bool h2d : {true, false}) {
+        double sec = timed([&] {
+          s->copy(h2d ? dv.base() : hv.base(), h2d ? hv.base() : dv.base(), big, by);
+          s->synchronize();
+        });
+        std::string k = fmt::format("{} {}", h2d ? "H2D" : "D2H", by == copy_engine::sm ? "SMs" : "DMA");
+        bw[k] = static_cast<double>(big) / sec / 1e9;
+        fmt::print(" {} {:.1f}", k, static_cast<double>(big) / sec / 1e9);
+      }
+    fmt::print("\n");
+    out["probe_copy_gbps"] = bw;
+    json par;
+    fmt::print("  map+access host (device) of 8 chunks, us per 2 MiB, by threads:");
+    for (int nt : {1, 2, 4, 8}) {
+      double sec = timed([&] {
+        std::vector<std::thread> ts;
+        for (int k = 0; k < nt; ++k)
+          ts.emplace_back([&, k] {
+            for (int i = k; i < 8; i += nt) {
+              dev.map(tv.at(i * cs), th[i]);
+              dev.set_access(tv.at(i * cs), cs, dev_only);
+            }
+          });
+        for (auto& t : ts) t.join();
+      });
+      unmap_run();
+      par[std::to_string(nt)] = sec * 1e6 / (8 * units);
+      fmt::print(" {}: {:.1f}", nt, sec * 1e6 / (8 * units));
+    }
+    fmt::print("\n");
+    out["probe_parallel_map_access"] = par;
   }
 }
 
@@ -298,6 +337,12 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   auto mem = dev.memory();
   fmt::print("ferry bench vm on {} ({}), {} per test, {} rounds (median){}\n", dev.id(), dev.info().name, format_size(n),
              o.rounds, cuda ? "" : " — simulated device: numbers are NOT performance figures");
+  {
+    auto so = vm::space_options::from(rt.config());
+    auto nm = [](copy_engine e) { return e == copy_engine::sm ? "SMs" : "DMA"; };
+    fmt::print("ferry: page {}, batch {}, fault-ahead {}, copies to host by {}, to the device by {}\n", format_size(page), so.batch,
+               so.fault_ahead, nm(so.to_host), nm(so.to_device));
+  }
   if (cuda && !uvm) fmt::print("UVM baseline unavailable: {}\n", cr.ok() ? "the CUDA runtime is older than 13.0" : cr.why);
   // UVM's prefetched data and ferry's device copy never coexist; the streaming test holds `cap`.
   if (uvm && mem.free && n + (1ull << 30) > mem.free)

@@ -45,6 +45,12 @@ struct location {
   static location on_host(int numa_node = -1) { return {memory_kind::host, numa_node}; }
 };
 
+// Who moves the bytes of a stream copy: the device's DMA copy engines (the default), or its SMs (a
+// kernel). SM copies leave the copy engines to the driver, whose page-table updates (VMM
+// map/set_access) queue behind copies there; they reach about the same PCIe bandwidth. The sim
+// backend has one kind of copy.
+enum class copy_engine { dma, sm };
+
 enum class access : unsigned { none = 0, read = 1, read_write = 3 };
 
 // Grants `who` (a device of this backend, or the host CPUs) access to a mapped range.
@@ -156,7 +162,7 @@ class FERRY_API stream {
 
   // Copies bytes between any two addresses this device can reach: its mapped ranges, host memory,
   // and peers' ranges that granted it access.
-  void copy(void* dst, const void* src, std::size_t bytes);
+  void copy(void* dst, const void* src, std::size_t bytes, copy_engine by = copy_engine::dma);
   // Writes ferry's data pattern (core/checksum.hpp) with `seed` to dst (8-byte aligned), on the device.
   void fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed);
   // Computes checksum64 of src (8-byte aligned) on the device; *result (host memory) is valid
@@ -178,6 +184,7 @@ class FERRY_API stream {
 
  private:
   virtual void do_copy(void* dst, const void* src, std::size_t bytes) = 0;
+  virtual void do_copy_sm(void* dst, const void* src, std::size_t bytes) { do_copy(dst, src, bytes); }
   virtual void do_fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) = 0;
   virtual void do_checksum(const void* src, std::size_t bytes, std::uint64_t* result) = 0;
   virtual std::unique_ptr<event> do_record() = 0;

@@ -91,8 +91,10 @@ class cuda_device final : public device {
       check(api_.cuModuleLoadData(&module_, detail::ferry_cuda_kernels), "cuda.load_kernels", id());
       check(api_.cuModuleGetFunction(&fill_, module_, "ferry_fill_pattern"), "cuda.load_kernels", id());
       check(api_.cuModuleGetFunction(&checksum_, module_, "ferry_checksum"), "cuda.load_kernels", id());
+      check(api_.cuModuleGetFunction(&copy_, module_, "ferry_copy"), "cuda.load_kernels", id());
     });
-    return std::string_view(name) == "ferry_fill_pattern" ? fill_ : checksum_;
+    std::string_view n(name);
+    return n == "ferry_fill_pattern" ? fill_ : n == "ferry_copy" ? copy_ : checksum_;
   }
   unsigned launch_blocks() const { return static_cast<unsigned>(sm_count_ * 8); }
 
@@ -265,7 +267,7 @@ class cuda_device final : public device {
   }();
   std::once_flag module_once_;
   CUmodule module_ = nullptr;
-  CUfunction fill_ = nullptr, checksum_ = nullptr;
+  CUfunction fill_ = nullptr, checksum_ = nullptr, copy_ = nullptr;
   std::mutex numa_mu_;
   std::map<std::uint64_t, int> host_numa_;
   std::atomic<bool> unmap_runs_{true};
@@ -298,8 +300,17 @@ class cuda_stream final : public stream {
     check(api_.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes, s_),
           "stream.copy", fmt::format("{} dst={} src={}", name_, describe_range(dst, bytes), describe_range(src, bytes)));
   }
-  void launch(const char* kernel, void** args, std::size_t bytes) {
-    unsigned blocks = static_cast<unsigned>(std::min<std::size_t>(dev_.launch_blocks(), (bytes / 8 + 255) / 256 + 1));
+  void do_copy_sm(void* dst, const void* src, std::size_t bytes) override {
+    dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.copy", "dst");
+    dev_.check_access(src, bytes, false, dev_.info().ordinal, "stream.copy", "src");
+    dev_.make_current();
+    unsigned long long b = bytes;
+    void* args[] = {&dst, const_cast<void**>(&src), &b};
+    launch("ferry_copy", args, bytes, 16);
+  }
+  // Enough 256-thread blocks for one `per_thread`-byte unit per thread, at most 8 per SM.
+  void launch(const char* kernel, void** args, std::size_t bytes, std::size_t per_thread = 8) {
+    unsigned blocks = static_cast<unsigned>(std::min<std::size_t>(dev_.launch_blocks(), (bytes / per_thread + 255) / 256 + 1));
     check(api_.cuLaunchKernel(dev_.kernel(kernel), blocks, 1, 1, 256, 1, 1, 0, s_, args, nullptr), "stream.launch",
           fmt::format("{} {}", name_, kernel));
   }

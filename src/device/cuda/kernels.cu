@@ -48,3 +48,29 @@ extern "C" __global__ void ferry_checksum(const unsigned long long* src, unsigne
   for (int off = 16; off > 0; off /= 2) sum += __shfl_down_sync(0xffffffffu, sum, off);
   if ((threadIdx.x & 31) == 0) atomicAdd(out, sum);
 }
+
+// stream::copy(..., copy_engine::sm): a copy done by the SMs, so the copy engines stay free (the
+// driver's own page-table updates queue behind copies there). 16-byte vectors, four in flight per
+// thread (loads from host memory over PCIe need many outstanding requests), when both ends are
+// 16-byte aligned; bytes otherwise.
+extern "C" __global__ void ferry_copy(unsigned char* dst, const unsigned char* src, unsigned long long bytes) {
+  const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
+  const unsigned long long tid = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
+  unsigned long long done = 0;
+  if (((reinterpret_cast<unsigned long long>(dst) | reinterpret_cast<unsigned long long>(src)) & 15) == 0) {
+    auto* d = reinterpret_cast<uint4*>(dst);
+    const auto* s = reinterpret_cast<const uint4*>(src);
+    const unsigned long long vecs = bytes / 16;
+    unsigned long long i = tid;
+    for (; i + 3 * stride < vecs; i += 4 * stride) {
+      uint4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
+      d[i] = a;
+      d[i + stride] = b;
+      d[i + 2 * stride] = c;
+      d[i + 3 * stride] = e;
+    }
+    for (; i < vecs; i += stride) d[i] = s[i];
+    done = vecs * 16;
+  }
+  for (unsigned long long i = done + tid; i < bytes; i += stride) dst[i] = src[i];
+}
