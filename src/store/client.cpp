@@ -93,7 +93,7 @@ struct client::impl {
   std::condition_variable stage_cv;
   std::deque<std::shared_ptr<piece>> stage_q;
   bool stage_stop = false;
-  std::thread stager;
+  std::vector<std::thread> stagers;
 
   // The landing region lent to the server (shared memory, mapped by a same-host server): slots of
   // `piece` bytes; a slot whose request was abandoned stays out of use (the server may still write).
@@ -145,7 +145,7 @@ struct client::impl {
           });
       lanes.push_back(std::move(ln));
     }
-    stager = std::thread([this] { stage_loop(); });
+    for (int i = 0; i < std::max(1, o.stagers); ++i) stagers.emplace_back([this] { stage_loop(); });
     if (o.map) {
       int count = static_cast<int>(std::max<std::uint64_t>(2, o.staging / o.piece));
       try {
@@ -182,7 +182,8 @@ struct client::impl {
       stage_stop = true;
     }
     stage_cv.notify_all();
-    if (stager.joinable()) stager.join();
+    for (auto& t : stagers)
+      if (t.joinable()) t.join();
   }
 
   // ---- landing slots ----
@@ -758,6 +759,7 @@ client_options client_options_from(const settings& s, registration_cache* cache,
   o.staging = s.net_staging;
   o.spin = s.net_spin;
   o.lanes = s.net_lanes;
+  o.stagers = s.net_stagers;
   o.map = s.net_map;
   o.rma = s.net_rma;
   return o;

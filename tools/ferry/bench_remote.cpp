@@ -295,6 +295,7 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     g.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size()));
   }
   std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
+  fmt::print("{}\n", changed_settings(rt.config()));
 
   json out;
   out["date_unix"] = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();

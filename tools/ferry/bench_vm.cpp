@@ -546,8 +546,8 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   out["cap"] = cap;
   out["rounds"] = o.rounds;
   out["page"] = vm::space_options::from(rt.config()).page_bytes;
-  fmt::print("ferry settings: FERRY_VM_PAGE={} FERRY_VM_BATCH={} FERRY_VM_FAULT_AHEAD={}\n", format_size(rt.config().vm_page),
-             rt.config().vm_batch, rt.config().vm_fault_ahead);
+  fmt::print("ferry settings: FERRY_VM_PAGE={} FERRY_VM_BATCH={} FERRY_VM_FAULT_AHEAD={}\n{}\n", format_size(rt.config().vm_page),
+             rt.config().vm_batch, rt.config().vm_fault_ahead, changed_settings(rt.config()));
   fmt::print("{:<52} {:>10} {:>10} {:>7} {:>7}  {}\n", "test", "base GB/s", "ferry GB/s", "ratio", "target", "baseline");
   json jr = json::array();
   bool met = true;

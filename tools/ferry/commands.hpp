@@ -79,6 +79,9 @@ struct bench_vm_options {
   std::string json_out;
 };
 int run_bench_vm(runtime& rt, const bench_vm_options& o);
+// "ferry settings not at their defaults: FERRY_X=v ..." (or "ferry settings: all defaults"), so a
+// benchmark's output records the configuration it measured.
+std::string changed_settings(const settings& s);
 
 struct serve_options {
   std::string root;

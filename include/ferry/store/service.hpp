@@ -91,6 +91,9 @@ struct client_options {
   // Connections (lanes) to the server, each with its own UCX worker and progress thread; pieces are
   // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
   int lanes = 4;
+  // Threads that copy staged and landed read pieces on to their destination (GPU memory) through the
+  // transfer engine, each one piece at a time (FERRY_NET_STAGERS).
+  int stagers = 1;
   // Lend the server a shared-memory landing region (UCX-allocated, rkey_ptr) when the transport
   // allows it: the server then reads files straight into it and no data message is sent (FERRY_NET_MAP).
   bool map = true;
