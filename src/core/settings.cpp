@@ -268,18 +268,6 @@ const setting_def table[] = {
      if (s.vm_thrash_hold < std::chrono::nanoseconds::zero() || s.vm_thrash_hold > std::chrono::hours(1)) throw bad_value{"must be between 0 and 1h"};
    },
    [](const settings& s) { return format_duration(s.vm_thrash_hold); }},
-  {"FERRY_VM_COPY_TO_HOST", "Who copies unified-memory pages migrating to host memory: dma (the GPU's copy engines) | sm (a copy kernel on the GPU's SMs, which runs only while attached streams are idle). The driver's page-table updates for remaps queue behind copies on the copy engines, so with sm the next batch's remaps overlap this batch's copies.",
-   [](settings& s, std::string_view v) {
-     if (v != "dma" && v != "sm") throw bad_value{"expected dma or sm"};
-     s.vm_copy_to_host = std::string(v);
-   },
-   [](const settings& s) { return s.vm_copy_to_host; }},
-  {"FERRY_VM_COPY_TO_DEVICE", "Who copies unified-memory pages migrating to a device: dma | sm (as FERRY_VM_COPY_TO_HOST).",
-   [](settings& s, std::string_view v) {
-     if (v != "dma" && v != "sm") throw bad_value{"expected dma or sm"};
-     s.vm_copy_to_device = std::string(v);
-   },
-   [](const settings& s) { return s.vm_copy_to_device; }},
 };
 // clang-format on
 

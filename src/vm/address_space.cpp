@@ -299,10 +299,9 @@ struct address_space::impl final : page_mover {
     }
     idle.clear();
   }
-  copy_engine engine(location to) const { return to == host ? o.to_host : o.to_device; }
-  void copy_sync(std::byte* dst, const std::byte* src, location to) {
+  void copy_sync(std::byte* dst, const std::byte* src) {
     std::lock_guard l(st_mu);
-    st->copy(dst, src, page, engine(to));
+    st->copy(dst, src, page);
     timed tm{t.copy_wait};
     st->synchronize(deadline_after(o.deadline));
   }
@@ -380,11 +379,11 @@ struct address_space::impl final : page_mover {
   void copy(std::uint64_t p, location from, location to) override {
     quiesce();
     ensure_chunk(to, p);
-    copy_sync(mirror(to, p), mirror(from, p), to);
+    copy_sync(mirror(to, p), mirror(from, p));
   }
   void populate(std::uint64_t p, location at) override {
     ensure_chunk(at, p);
-    copy_sync(mirror(at, p), host_mirror.at(npages * page), at);
+    copy_sync(mirror(at, p), host_mirror.at(npages * page));
   }
   void drop(std::uint64_t p, location at) noexcept override {
     if (at == host) return;  // host chunks stay with their page
@@ -431,7 +430,7 @@ struct address_space::impl final : page_mover {
       if (any) {
         std::lock_guard l(st_mu);
         for (auto& s : steps)
-          if (s.copy) st->copy(mirror(s.to, s.page), mirror(s.from, s.page), page, engine(s.to));
+          if (s.copy) st->copy(mirror(s.to, s.page), mirror(s.from, s.page), page);
         f.done = st->record();
       }
     } catch (...) {
@@ -666,8 +665,6 @@ space_options space_options::from(const settings& s) {
   o.fault_ahead = static_cast<std::uint64_t>(s.vm_fault_ahead);
   o.thrash_lapse = s.vm_thrash_lapse;
   o.thrash_hold = s.vm_thrash_hold;
-  o.to_host = s.vm_copy_to_host == "sm" ? copy_engine::sm : copy_engine::dma;
-  o.to_device = s.vm_copy_to_device == "sm" ? copy_engine::sm : copy_engine::dma;
   return o;
 }
 

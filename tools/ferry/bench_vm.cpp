@@ -337,12 +337,6 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   auto mem = dev.memory();
   fmt::print("ferry bench vm on {} ({}), {} per test, {} rounds (median){}\n", dev.id(), dev.info().name, format_size(n),
              o.rounds, cuda ? "" : " — simulated device: numbers are NOT performance figures");
-  {
-    auto so = vm::space_options::from(rt.config());
-    auto nm = [](copy_engine e) { return e == copy_engine::sm ? "SMs" : "DMA"; };
-    fmt::print("ferry: page {}, batch {}, fault-ahead {}, copies to host by {}, to the device by {}\n", format_size(page), so.batch,
-               so.fault_ahead, nm(so.to_host), nm(so.to_device));
-  }
   if (cuda && !uvm) fmt::print("UVM baseline unavailable: {}\n", cr.ok() ? "the CUDA runtime is older than 13.0" : cr.why);
   // UVM's prefetched data and ferry's device copy never coexist; the streaming test holds `cap`.
   if (uvm && mem.free && n + (1ull << 30) > mem.free)

@@ -79,8 +79,6 @@ struct FERRY_API settings {
   int vm_fault_ahead = 8;                     // pages a CPU fault moves to host (the faulting one and the next)
   std::chrono::nanoseconds vm_thrash_lapse = std::chrono::seconds(1);  // evicted, prefetched back within: thrashing (0: off)
   std::chrono::nanoseconds vm_thrash_hold = std::chrono::seconds(1);   // a thrashing page stays on the host this long
-  std::string vm_copy_to_host = "dma";        // who copies pages migrating to host: dma | sm
-  std::string vm_copy_to_device = "dma";      // who copies pages migrating to a device: dma | sm
 
   // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
   using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;

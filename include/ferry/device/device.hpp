@@ -46,9 +46,9 @@ struct location {
 };
 
 // Who moves the bytes of a stream copy: the device's DMA copy engines (the default), or its SMs (a
-// kernel). SM copies leave the copy engines to the driver, whose page-table updates (VMM
-// map/set_access) queue behind copies there; they reach about the same PCIe bandwidth. The sim
-// backend has one kind of copy.
+// copy kernel: both ends must be mapped in the device's ranges). SM copies reach about the same PCIe
+// bandwidth but occupy the SMs, and with CUDA every VMM map/set_access waits for running kernels, so
+// unified-memory migrations keep DMA (docs/design/unified-memory.md). The sim backend has one kind.
 enum class copy_engine { dma, sm };
 
 enum class access : unsigned { none = 0, read = 1, read_write = 3 };

@@ -53,10 +53,6 @@ struct FERRY_API space_options {
   // (the device reads it in place); lapse 0: every PREFETCH migrates. See page_table.hpp.
   std::chrono::nanoseconds thrash_lapse = std::chrono::seconds(1);
   std::chrono::nanoseconds thrash_hold = std::chrono::seconds(1);
-  // Who copies migrating pages, per direction (device.hpp: copy_engine). With DMA, the driver's
-  // page-table updates for the next batch's remaps wait behind this batch's copies on the copy engines.
-  copy_engine to_host = copy_engine::dma;
-  copy_engine to_device = copy_engine::dma;
   // FERRY_VM_* and FERRY_DEADLINE (docs/settings.md).
   static space_options from(const settings& s);
   // When set, the space becomes a peer-memory client of this cache (until it is destroyed): file,
