@@ -35,7 +35,7 @@ struct server_options {
   std::uint32_t max_outstanding = 64;  // per connection (credits)
   std::uint64_t max_request = 1ull << 30;
   std::uint64_t chunk = 4ull << 20;    // bytes per data message (larger client data messages are refused)
-  int threads = 4;                     // file I/O threads
+  int threads = 8;                     // file I/O threads (FERRY_SERVE_THREADS)
   int workers = 4;                     // UCX workers (progress threads); connections are spread over them (FERRY_SERVE_WORKERS)
   bool map = true;                     // serve regions lent by same-host clients directly (FERRY_NET_MAP)
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
@@ -92,8 +92,9 @@ struct client_options {
   // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
   int lanes = 4;
   // Threads that copy staged and landed read pieces on to their destination (GPU memory) through the
-  // transfer engine, each one piece at a time (FERRY_NET_STAGERS).
-  int stagers = 1;
+  // transfer engine, each one piece at a time (FERRY_NET_STAGERS). One thread held shared-memory
+  // reads into an H100 at 18–21 GB/s at 1 MiB blocks; four reached 23–24 (bench/results/2026-11-22-h100-remote-stagers).
+  int stagers = 4;
   // Lend the server a shared-memory landing region (UCX-allocated, rkey_ptr) when the transport
   // allows it: the server then reads files straight into it and no data message is sent (FERRY_NET_MAP).
   bool map = true;
