@@ -66,8 +66,8 @@ struct FERRY_API settings {
   std::chrono::nanoseconds net_spin = std::chrono::microseconds(200);  // progress back-off before sleeping
   int serve_threads = 8;                // file I/O threads of `ferry serve`
   int serve_workers = 4;                // UCX workers (progress threads) of `ferry serve`
-  int net_lanes = 4;
-  int net_stagers = 4;                  // client threads moving landed pieces on to GPU memory                    // connections (each its own worker) per ferry:// client
+  int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
+  int net_stagers = 4;                  // client threads moving landed pieces on to GPU memory
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host
   std::string net_rma = "auto";         // RMA into registered client memory: auto (verbs) | on | off
   // vm

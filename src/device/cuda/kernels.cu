@@ -49,10 +49,9 @@ extern "C" __global__ void ferry_checksum(const unsigned long long* src, unsigne
   if ((threadIdx.x & 31) == 0) atomicAdd(out, sum);
 }
 
-// stream::copy(..., copy_engine::sm): a copy done by the SMs, so the copy engines stay free (the
-// driver's own page-table updates queue behind copies there). 16-byte vectors, four in flight per
-// thread (loads from host memory over PCIe need many outstanding requests), when both ends are
-// 16-byte aligned; bytes otherwise.
+// stream::copy(..., copy_engine::sm): a copy done by the SMs instead of a copy engine. 16-byte
+// vectors, four in flight per thread (loads from host memory over PCIe need many outstanding
+// requests), when both ends are 16-byte aligned; bytes otherwise.
 extern "C" __global__ void ferry_copy(unsigned char* dst, const unsigned char* src, unsigned long long bytes) {
   const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
   const unsigned long long tid = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x;
