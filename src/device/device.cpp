@@ -86,15 +86,15 @@ void stream::copy(void* dst, const void* src, std::size_t bytes, copy_engine by)
   std::size_t done = 0;
   while (done < bytes) {
     std::size_t n = bytes - done;
-    if (std::uint64_t r = owner_->mapping_rest(d + done)) n = static_cast<std::size_t>(std::min<std::uint64_t>(n, r));
-    if (std::uint64_t r = owner_->mapping_rest(s + done)) n = static_cast<std::size_t>(std::min<std::uint64_t>(n, r));
+    std::uint64_t rd = owner_->mapping_rest(d + done), rs = owner_->mapping_rest(s + done);
+    if (rd) n = static_cast<std::size_t>(std::min<std::uint64_t>(n, rd));
+    if (rs) n = static_cast<std::size_t>(std::min<std::uint64_t>(n, rs));
     // A kernel cannot reach ordinary (pageable) host memory, and a bad address there is fatal to the
     // device context, so SM copies take only memory mapped in this device's ranges.
-    if (by == copy_engine::sm && (!owner_->mapping_rest(d + done) || !owner_->mapping_rest(s + done)))
+    if (by == copy_engine::sm && (!rd || !rs))
       fail(errc::invalid_argument, "stream.copy",
            fmt::format("{} dst={} src={}", owner_->id(), describe_range(dst, bytes), describe_range(src, bytes)),
-           fmt::format("a copy by SMs needs both ends mapped in {}'s ranges ({} is not)", owner_->id(),
-                       owner_->mapping_rest(d + done) ? "src" : "dst"));
+           fmt::format("a copy by SMs needs both ends mapped in {}'s ranges ({} is not)", owner_->id(), rd ? "src" : "dst"));
     if (by == copy_engine::sm) do_copy_sm(d + done, s + done, n);
     else do_copy(d + done, s + done, n);
     done += n;

@@ -7,6 +7,7 @@
 
 #include "support/data.hpp"
 #include "support/errors.hpp"
+#include "support/prefetch_mover.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -14,7 +15,6 @@
 #include <cstring>
 #include <filesystem>
 #include <unistd.h>
-#include <random>
 #include <thread>
 
 using namespace ferry;
@@ -284,20 +284,7 @@ TEST(VmSpace, FileReadsIntoUnifiedMemoryWhilePagesMove) {
   fill(data.data(), n, 99);
   ferry::test::write_file(path, data.data(), n);
   auto f = file::open(path.string(), open_mode::read);
-  std::atomic<bool> stop{false};
-  std::atomic<int> moves{0}, move_errors{0};
-  std::thread mover([&] {
-    std::mt19937_64 rng(3);
-    while (!stop) {
-      std::size_t i = rng() % 8;
-      try {
-        as.advise(p + i * pg, pg, vm::advice::prefetch, rng() % 2 ? memory_kind::device : memory_kind::host);
-        moves++;
-      } catch (const std::exception&) {
-        move_errors++;
-      }
-    }
-  });
+  ferry::test::prefetch_mover mover(as, p, 8, pg, 3);
   for (int round = 0; round < 6; ++round) {
     std::memset(p, 0, n);  // the CPU clears it (faults pages back as needed)
     file_request r{f, 0, p, n, false};
@@ -306,11 +293,10 @@ TEST(VmSpace, FileReadsIntoUnifiedMemoryWhilePagesMove) {
     b.check();
     EXPECT_EQ(sum(p, n), checksum64(data.data(), n)) << "round " << round;
   }
-  stop = true;
-  mover.join();
+  mover.stop();
   std::filesystem::remove(path);
-  EXPECT_GT(moves, 10);
-  EXPECT_EQ(move_errors, 0);
+  EXPECT_GT(mover.moves(), 10);
+  EXPECT_EQ(mover.errors(), 0);
   for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(as.pages().snapshot(i).pins, 0u) << "page " << i << " unpinned after the reads";
   EXPECT_GT(as.stats().migrations_h2d, 0u);
 }

@@ -8,16 +8,14 @@
 
 #include "mem/cuda/driver.hpp"
 #include "support/data.hpp"
+#include "support/prefetch_mover.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <atomic>
 #include <cstring>
 #include <filesystem>
-#include <thread>
 #include <unistd.h>
-#include <random>
 
 using namespace ferry;
 
@@ -145,20 +143,7 @@ TEST(GpuVm, FileReadsIntoUnifiedMemoryWhilePagesMigrate) {
   fill_random(data.data(), n, 17);
   ferry::test::write_file(path, data.data(), n);
   auto f = file::open(path.string(), open_mode::read);
-  std::atomic<bool> stop{false};
-  std::atomic<int> moves{0}, errors{0};
-  std::thread mover([&] {
-    std::mt19937_64 rng(5);
-    while (!stop) {
-      std::size_t i = rng() % 16;
-      try {
-        as.advise(p + i * pg, pg, vm::advice::prefetch, rng() % 2 ? memory_kind::device : memory_kind::host);
-        moves++;
-      } catch (const std::exception&) {
-        errors++;
-      }
-    }
-  });
+  ferry::test::prefetch_mover mover(as, p, 16, pg, 5);
   for (int round = 0; round < 4; ++round) {
     std::memset(p, 0, n);
     file_request r{f, 0, p, n, false};
@@ -167,12 +152,11 @@ TEST(GpuVm, FileReadsIntoUnifiedMemoryWhilePagesMigrate) {
     b.check();
     EXPECT_EQ(checksum64(p, n), checksum64(data.data(), n)) << "round " << round << " (CPU)";
   }
-  stop = true;
-  mover.join();
+  mover.stop();
   std::filesystem::remove(path);
-  EXPECT_GT(moves, 10);
-  EXPECT_EQ(errors, 0);
-  std::printf("pages moved %d times during 4 reads of %zu MiB; migrations h2d %llu d2h %llu\n", moves.load(), n >> 20,
+  EXPECT_GT(mover.moves(), 10);
+  EXPECT_EQ(mover.errors(), 0);
+  std::printf("pages moved %d times during 4 reads of %zu MiB; migrations h2d %llu d2h %llu\n", mover.moves(), n >> 20,
               static_cast<unsigned long long>(as.stats().migrations_h2d), static_cast<unsigned long long>(as.stats().migrations_d2h));
 }
 
