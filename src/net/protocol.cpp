@@ -126,6 +126,7 @@ std::vector<std::byte> encode(const message& m) {
           p.put(v.max_version);
           p.put(v.max_outstanding);
           p.bytes(v.nonce, nonce_size);
+          p.put(v.lanes);
         } else if constexpr (std::is_same_v<T, challenge>) {
           p.bytes(v.nonce, nonce_size);
           p.put(static_cast<std::uint8_t>(v.secret_required));
@@ -135,6 +136,10 @@ std::vector<std::byte> encode(const message& m) {
           p.put(v.credits);
           p.put(v.max_request);
           p.put(static_cast<std::uint8_t>(v.writable));
+          p.put(v.instance);
+          if (v.ports.size() > max_ports) fail(errc::invalid_argument, "net.encode", "ports", fmt::format("more than {}", max_ports));
+          p.put(static_cast<std::uint8_t>(v.ports.size()));
+          for (auto port : v.ports) p.put(port);
         } else if constexpr (std::is_same_v<T, read_req> || std::is_same_v<T, write_req>) {
           p.put(v.offset);
           p.put(v.length);
@@ -223,6 +228,8 @@ message decode(std::span<const std::byte> bytes) {
       if (v.min_version > v.max_version) bad("min version above max version");
       v.max_outstanding = r.get<std::uint32_t>("max outstanding");
       v.nonce = r.bytes(nonce_size, "nonce");
+      v.lanes = r.get<std::uint16_t>("lanes");
+      if (v.lanes == 0 || v.lanes > max_ports + 1) bad(fmt::format("{} lanes (1 to {})", v.lanes, max_ports + 1));
       m.b = std::move(v);
       break;
     }
@@ -245,7 +252,14 @@ message decode(std::span<const std::byte> bytes) {
       auto w = r.get<std::uint8_t>("writable flag");
       if (w > 1) bad("writable flag is not 0 or 1");
       v.writable = w == 1;
-      m.b = v;
+      v.instance = r.get<std::uint64_t>("instance");
+      auto n = r.get<std::uint8_t>("port count");
+      if (n > max_ports) bad(fmt::format("{} ports (at most {})", n, max_ports));
+      for (unsigned i = 0; i < n; ++i) {
+        v.ports.push_back(r.get<std::uint16_t>("port"));
+        if (v.ports.back() == 0) bad("port 0");
+      }
+      m.b = std::move(v);
       break;
     }
     case msg_type::read:

@@ -700,13 +700,10 @@ void ucx_worker::conn_cb(ucp_conn_request_h req, void* arg) {
   a.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
   std::string peer = "?";
   if (ucp_conn_request_query(req, &a) == UCS_OK) peer = addr_text(a.client_address);
-  ucx_worker* target = self->place_ ? self->place_() : self;
-  if (!target || target == self) return self->accept(req, std::move(peer), self->accepted_);
-  // Another worker of the same context serves it: the endpoint is created on its thread.
-  target->post([target, req, peer = std::move(peer), cb = self->accepted_]() mutable { target->accept(req, std::move(peer), cb); });
+  self->accept(req, std::move(peer));
 }
 
-void ucx_worker::accept(ucp_conn_request_h req, std::string peer, std::function<void(std::shared_ptr<connection>)> accepted) {
+void ucx_worker::accept(ucp_conn_request_h req, std::string peer) {
   auto c = std::make_shared<connection>(*this, peer);
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
@@ -721,16 +718,15 @@ void ucx_worker::accept(ucp_conn_request_h req, std::string peer, std::function<
     return;
   }
   adopt(ep, c);
-  if (accepted) accepted(c);
+  if (accepted_) accepted_(c);
 }
 
 std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
-                                 std::function<void(std::shared_ptr<connection>)> accepted, std::function<ucx_worker*()> place) {
+                                 std::function<void(std::shared_ptr<connection>)> accepted) {
   sockaddr_storage ss = make_addr(host, port);
   return call(
       [&]() -> std::uint16_t {
         accepted_ = std::move(accepted);
-        place_ = std::move(place);
         ucp_listener_params_t lp{};
         lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
         lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);

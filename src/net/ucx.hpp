@@ -254,11 +254,13 @@ class ucx_worker {
     return ok;
   }
 
-  // Listens on host:port (port 0: any); returns the port. New connections get `accepted` (on the
-  // thread of the worker that serves them). `place`, if given, picks that worker for each new
-  // connection (workers of the same context), which spreads connections over progress threads.
-  std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted,
-                       std::function<ucx_worker*()> place = nullptr);
+  // Listens on host:port (port 0: any); returns the port. New connections get `accepted`, on this
+  // worker's thread: a connection is served by the worker whose listener took it. (Handing the
+  // request to another worker moves UCX 1.13's handler for the connection's socket to that worker's
+  // async context while an event for it may still wait in this one's missed-event queue; UCX then
+  // aborts on an assertion, async.c:643, fixed upstream only in 1.17. So servers spread connections by
+  // giving each worker a listener of its own.)
+  std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted);
   // Connects to host:port; the endpoint is usable once this returns.
   std::shared_ptr<connection> connect(const std::string& host, std::uint16_t port, std::chrono::steady_clock::time_point until);
 
@@ -282,7 +284,7 @@ class ucx_worker {
   void progress_once();  // posted work, then UCX progress until idle (worker held)
   void step_aside(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: let callers have the worker
   void reacquire(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: take the worker back after callers
-  void accept(ucp_conn_request_h req, std::string peer, std::function<void(std::shared_ptr<connection>)> accepted);
+  void accept(ucp_conn_request_h req, std::string peer);
   void lock_owner() { owner_.store(std::this_thread::get_id(), std::memory_order_relaxed); }
   void unlock_owner() { owner_.store(std::thread::id(), std::memory_order_relaxed); }
   connection* find(ucp_ep_h ep);
@@ -310,7 +312,6 @@ class ucx_worker {
   data_sink sink_;
   data_done data_done_;
   std::function<void(std::shared_ptr<connection>)> accepted_;
-  std::function<ucx_worker*()> place_;
   std::vector<std::shared_ptr<connection>> conns_;  // progress thread
   std::thread thread_;
 };

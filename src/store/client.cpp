@@ -400,15 +400,33 @@ struct client::impl {
     }
     connected_once = true;
   }
-  // (Re)connects one lane and completes its handshake (and lends the landing region) before `until`.
+  // (Re)connects one lane before `until`. Lane 0 goes to the server's well-known port; the others
+  // to the worker ports its welcome named (each server worker listens on its own port), or, when
+  // such a port cannot be reached (a NAT forwarding only the first, say), to the first port too.
   void connect(lane& ln, clk::time_point until) {
+    std::uint16_t target = port;
+    if (ln.index > 0) {
+      std::lock_guard l(mu);
+      if (!hello_reply.ports.empty()) target = hello_reply.ports[static_cast<std::size_t>(ln.index - 1) % hello_reply.ports.size()];
+    }
+    if (target == port) return connect_to(ln, port, until);
+    try {
+      return connect_to(ln, target, clk::now() + (until - clk::now()) / 2);  // leaves time for the fallback
+    } catch (const error& e) {
+      log::info("store", "{}: lane {} cannot use the server's port {} ({}); it connects to port {} instead", peer, ln.index,
+                target, e.what(), port);
+    }
+    connect_to(ln, port, until);
+  }
+  // Connects one lane to `to` and completes its handshake (and lends the landing region).
+  void connect_to(lane& ln, std::uint16_t to, clk::time_point until) {
     {
       std::lock_guard l(mu);
       if (ln.c) ln.c->close();
       ln.mapped = false;
       all_mapped = false;
     }
-    auto cn = ln.w->connect(host, port, until);
+    auto cn = ln.w->connect(host, to, until);
     connection* raw = cn.get();
     cn->on_failure = [this, raw](const std::string& why) { conn_failed(raw, why); };
     {
@@ -418,7 +436,7 @@ struct client::impl {
     message r;
     auto nonce = detail::random_nonce();
     try {
-      r = request({0, 0, hello{1, 1, 64, nonce}}, until, false, &ln);
+      r = request({0, 0, hello{1, 1, 64, nonce, static_cast<std::uint16_t>(lanes.size())}}, until, false, &ln);
     } catch (const error& e) {
       throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});
     }
@@ -431,6 +449,12 @@ struct client::impl {
     }
     if (auto* e = std::get_if<error_reply>(&r.b)) fail(errc::network_error, "store.connect", peer, "refused: " + e->message);
     if (!std::holds_alternative<welcome>(r.b)) fail(errc::protocol_error, "store.connect", peer, "unexpected answer to the handshake");
+    if (ln.index > 0) {
+      std::lock_guard l(mu);
+      if (std::get<welcome>(r.b).instance != hello_reply.instance)
+        fail(errc::protocol_error, "store.connect", fmt::format("{}:{}", host, to),
+             fmt::format("lane {} reached another server than lane 0 (restarted, or another server on that port)", ln.index));
+    }
     bool mapped = false;
     if (landing) {
       auto& rk = landing->rkey();
@@ -441,8 +465,9 @@ struct client::impl {
     }
     if (ln.index == 0) decide_rma(*cn);
     std::lock_guard l(mu);
-    hello_reply = std::get<welcome>(r.b);
-    ln.credits = std::max<std::uint32_t>(1, hello_reply.credits);
+    auto& w = std::get<welcome>(r.b);
+    if (ln.index == 0) hello_reply = w;
+    ln.credits = std::max<std::uint32_t>(1, w.credits);
     ln.mapped = mapped;
     all_mapped = landing && std::all_of(lanes.begin(), lanes.end(), [](auto& x) { return x->mapped; });
     ln.inflight = 0;

@@ -1,5 +1,6 @@
-// The storage server: a few UCX workers (progress threads) for the protocol — connections are spread
-// over them, so several clients' (or one client's lanes') messages are handled in parallel — and a
+// The storage server: a few UCX workers (progress threads) for the protocol — each listens on a port
+// of its own and clients spread their lanes over them, so several clients' (or one client's lanes')
+// messages are handled in parallel — and a
 // few I/O threads for file work. Small reads are served inline on the progress thread (one reply
 // message); larger reads and all writes go to the I/O threads. A same-host client may lend a shared
 // memory region (UCX rkey_ptr): reads and writes into it are then one pread/pwrite, no data message. Every per-connection resource lives in the session, which goes
@@ -135,6 +136,7 @@ struct server::impl {
   struct session {
     std::atomic<int> outstanding{0};
     bool welcomed = false;
+    unsigned lanes = 1;  // the client's, from its hello
     std::vector<std::uint8_t> client_nonce, server_nonce;  // pending challenge
     std::map<std::uint64_t, std::shared_ptr<write_state>> writes;  // its worker's thread only
     std::shared_ptr<remote_mapping> lent;  // the client's region, mapped here (its worker's thread; jobs hold copies)
@@ -153,9 +155,12 @@ struct server::impl {
   std::deque<std::function<void()>> jobs;
   bool stopping = false;
   std::vector<std::thread> threads;
-  std::vector<std::unique_ptr<ucx_worker>> workers;  // last: stopped first
-  std::atomic<std::size_t> next_worker{0};
+  std::atomic<std::size_t> next_worker{0};  // rotates the ports welcomes name
+  std::vector<std::uint16_t> ports;          // each worker's listening port (ports[0] = the well-known one)
+  std::unique_ptr<std::atomic<std::uint64_t>[]> per_worker;  // connections each worker took
   std::uint16_t port = 0;
+  std::uint64_t instance = 0;                // random per start: a client's lanes check they reached one server
+  std::vector<std::unique_ptr<ucx_worker>> workers;  // last: stopped first
 
   explicit impl(server_options opt) : o(std::move(opt)), root(o.root), files(root, o.fd_cache_ttl) {
     if (o.writable && o.secret.empty() && !o.insecure)
@@ -172,10 +177,11 @@ struct server::impl {
                   data_done(c, rid, off, n, st);
                 });
     }
-    for (int i = 0; i < o.threads; ++i) threads.emplace_back([this] { work(); });
-    auto place = [this]() -> ucx_worker* { return workers[next_worker++ % workers.size()].get(); };
-    port = workers[0]->listen(o.host, o.port, [this](std::shared_ptr<connection> c) {
+    per_worker = std::make_unique<std::atomic<std::uint64_t>[]>(workers.size());
+    auto accepted = [this](std::shared_ptr<connection> c) {
       connections++;
+      for (std::size_t i = 0; i < workers.size(); ++i)
+        if (workers[i].get() == &c->worker()) per_worker[i]++;
       {
         std::lock_guard l(sess_mu);
         sessions[c.get()] = std::make_shared<session>();
@@ -192,7 +198,33 @@ struct server::impl {
         log::info("store", "client {} gone: {}", raw->peer(), why);
       };
       log::info("store", "client {} connected on {}", c->peer(), c->worker().name());
-    }, place);
+    };
+    auto nonce = detail::random_nonce();
+    std::memcpy(&instance, nonce.data(), sizeof instance);
+    // Every worker listens: the first on the well-known port, the others on the ports after it (or on
+    // free ports when the first is), which welcomes name so that clients spread their further lanes
+    // over them. Connections are never handed between workers (see ucx_worker::listen).
+    for (std::size_t i = 0; i < workers.size(); ++i) {
+      std::uint16_t want = 0;
+      if (o.port != 0) {
+        if (o.port + i > 65535)
+          fail(errc::invalid_argument, "store.serve", fmt::format("{}:{}", o.host, o.port),
+               fmt::format("{} workers need ports {} to {} (FERRY_SERVE_WORKERS)", workers.size(), o.port, o.port + workers.size() - 1));
+        want = static_cast<std::uint16_t>(o.port + i);
+      }
+      try {
+        ports.push_back(workers[i]->listen(o.host, want, accepted));
+      } catch (const error& e) {
+        if (i == 0) throw;
+        throw error(error_info{e.code(), "store.serve", fmt::format("{}:{}", o.host, want),
+                               fmt::format("worker {} cannot listen (each of the {} workers listens on its own port; "
+                                           "FERRY_SERVE_WORKERS=1 uses one port only)", i, workers.size()),
+                               e.what(), e.sys_errno(), 0});
+      }
+    }
+    port = ports[0];
+    // Last: a constructor that threw above leaves no running thread behind.
+    for (int i = 0; i < o.threads; ++i) threads.emplace_back([this] { work(); });
   }
   ~impl() {
     {
@@ -248,7 +280,17 @@ struct server::impl {
     } catch (...) {
     }
   }
-  welcome welcome_msg() const { return welcome{o.max_outstanding, o.max_request, o.writable}; }
+  // The other workers' ports, rotated past the further lanes of each client that arrives on the first
+  // worker, so that all clients' further lanes together spread evenly over them.
+  welcome welcome_msg(connection& c, unsigned lanes) {
+    welcome w{o.max_outstanding, o.max_request, o.writable, instance, {}};
+    if (ports.size() > 1) {
+      std::size_t others = ports.size() - 1;
+      std::size_t start = &c.worker() == workers[0].get() ? next_worker.fetch_add(lanes - 1) % others : 0;
+      for (std::size_t k = 0; k < others; ++k) w.ports.push_back(ports[1 + (start + k) % others]);
+    }
+    return w;
+  }
 
   // ---- progress thread: handshake, checks, inline reads; file work goes to the I/O threads ----
   void on_frame(connection& c, message m) {
@@ -256,9 +298,10 @@ struct server::impl {
     if (!s) return;
     std::uint64_t rid = m.request_id;
     if (auto* h = std::get_if<hello>(&m.b)) {
+      s->lanes = h->lanes;
       if (o.secret.empty()) {
         s->welcomed = true;
-        c.send_frame({rid, o.max_outstanding, welcome_msg()});
+        c.send_frame({rid, o.max_outstanding, welcome_msg(c, s->lanes)});
       } else {
         s->client_nonce = h->nonce;
         s->server_nonce = detail::random_nonce();
@@ -276,7 +319,7 @@ struct server::impl {
         return;
       }
       s->welcomed = true;
-      c.send_frame({rid, o.max_outstanding, welcome_msg()});
+      c.send_frame({rid, o.max_outstanding, welcome_msg(c, s->lanes)});
       return;
     }
     if (!s->welcomed) {
@@ -694,6 +737,15 @@ thread_local std::shared_ptr<send_ring> server::impl::current_ring;
 server::server(server_options o) : impl_(std::make_unique<impl>(std::move(o))) {}
 server::~server() = default;
 std::uint16_t server::port() const noexcept { return impl_->port; }
+std::vector<std::uint16_t> server::ports() const { return impl_->ports; }
+namespace {
+std::vector<std::uint64_t> per_worker(const server::impl& i) {
+  std::vector<std::uint64_t> v;
+  for (std::size_t k = 0; k < i.workers.size(); ++k) v.push_back(i.per_worker[k].load());
+  return v;
+}
+}  // namespace
+
 server_stats server::stats() const {
   auto& i = *impl_;
   std::lock_guard l(i.sess_mu);
@@ -702,7 +754,7 @@ server_stats server::stats() const {
   return {i.connections.load(), i.requests.load(),       i.reads.load(),          i.writes.load(),
           i.bytes_sent.load(),  i.bytes_received.load(), i.errors.load(),         i.inline_replies.load(),
           i.sessions.size(),    i.write_buffered.load(),  i.direct_reads.load(),  i.direct_writes.load(),
-          mapped,               i.rma_puts.load(),        i.rma_gets.load()};
+          mapped,               i.rma_puts.load(),        i.rma_gets.load(),       per_worker(i)};
 }
 
 }  // namespace ferry::store

@@ -17,10 +17,10 @@ std::vector<std::uint8_t> bytes32(std::uint8_t v) { return std::vector<std::uint
 
 std::vector<message> samples() {
   return {
-      {1, 0, hello{1, 1, 64, bytes32(7)}},
+      {1, 0, hello{1, 1, 64, bytes32(7), 4}},
       {2, 0, challenge{bytes32(9), true}},
       {3, 0, auth{bytes32(1)}},
-      {4, 16, welcome{16, 1ull << 30, true}},
+      {4, 16, welcome{16, 1ull << 30, true, 0x5eed5eed5eed5eedull, {40001, 40002, 40003}}},
       {5, 0, read_req{"data/shard-0001.bin", 1ull << 33, 4096}},
       {6, 0, write_req{"out/x", 7, 9}},
       {7, 0, stat_req{"a"}},
@@ -50,6 +50,29 @@ TEST(Protocol, EveryMessageRoundTrips) {
   auto r = std::get<read_req>(decode(encode(samples()[4])).b);
   EXPECT_EQ(r.path, "data/shard-0001.bin");
   EXPECT_EQ(r.offset, 1ull << 33);
+  auto w = std::get<welcome>(decode(encode(samples()[3])).b);
+  EXPECT_EQ(w, std::get<welcome>(samples()[3].b)) << "instance and worker ports survive the wire";
+}
+
+TEST(Protocol, HandshakeLanesAndPortsAreChecked) {
+  auto text = [](std::vector<std::byte> f) { return test::error_text([&] { decode(f); }); };
+  // Layout after the header: credits u32, max_request u64, writable u8, instance u64, count u8, ports u16.
+  constexpr std::size_t count_at = header_size + 4 + 8 + 1 + 8;
+  auto many = encode({1, 0, welcome{1, 1, false, 7, {1000}}});
+  many[count_at] = std::byte{200};
+  EXPECT_THAT(text(many), HasSubstr("200 ports (at most 64)"));
+  auto zero = encode({1, 0, welcome{1, 1, false, 7, {1000}}});
+  zero[count_at + 1] = zero[count_at + 2] = std::byte{0};
+  EXPECT_THAT(text(zero), HasSubstr("port 0"));
+  auto short_list = encode({1, 0, welcome{1, 1, false, 7, {1000, 1001}}});
+  short_list[count_at] = std::byte{3};  // claims a third port the frame does not hold
+  EXPECT_THAT(text(short_list), HasSubstr("truncated port"));
+  EXPECT_THAT(test::error_text([] { encode({1, 0, welcome{1, 1, false, 7, std::vector<std::uint16_t>(max_ports + 1, 9)}}); }),
+              HasSubstr("ports"));
+  // A hello's lane count: 1 to 65.
+  auto h = encode({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(nonce_size, 1), 4}});
+  h[header_size + 2 + 2 + 4 + nonce_size] = h[header_size + 2 + 2 + 4 + nonce_size + 1] = std::byte{0};
+  EXPECT_THAT(text(h), HasSubstr("0 lanes (1 to 65)"));
 }
 
 TEST(Protocol, LentRegionsAndDirectRequestsAreBoundsChecked) {

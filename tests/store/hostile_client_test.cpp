@@ -152,4 +152,58 @@ TEST(StoreHostile, DirectRequestsNeedAMappedRegionAndStayInsideIt) {
   EXPECT_EQ(good.stat("a.bin").size, 1u << 20);
 }
 
+// A stand-in server whose welcome names ports of our choosing for the client's further lanes.
+struct fake_server {
+  ucx_worker w{"fake-server"};
+  std::vector<std::uint16_t> lane_ports;
+  std::atomic<int> hellos{0};
+  std::vector<std::shared_ptr<connection>> conns;  // the worker's thread
+  std::uint16_t port = 0;
+  explicit fake_server(std::vector<std::uint16_t> ports) : lane_ports(std::move(ports)) {
+    w.on_frame([this](connection& c, message m) {
+      if (std::holds_alternative<hello>(m.b)) {
+        hellos++;
+        c.send_frame({m.request_id, 4, welcome{4, 1 << 20, false, 7, lane_ports}});
+      } else if (std::holds_alternative<stat_req>(m.b)) {
+        c.send_frame({m.request_id, 0, stat_reply{123, 0100644, 0}});
+      } else {
+        c.send_frame({m.request_id, 0, error_reply{95, "not in this fake"}});
+      }
+    });
+    port = w.listen("127.0.0.1", 0, [this](std::shared_ptr<connection> c) { conns.push_back(std::move(c)); });
+  }
+};
+
+store::client_options two_lanes() {
+  store::client_options o;
+  o.lanes = 2;
+  o.map = false;
+  o.timeout = std::chrono::seconds(10);
+  return o;
+}
+
+TEST(StoreLanes, ALaneWhosePortCannotBeReachedUsesTheFirstPort) {
+  // A port nobody listens on (a NAT that forwards only the well-known port looks the same).
+  std::uint16_t closed;
+  {
+    ucx_worker probe{"probe"};
+    closed = probe.listen("127.0.0.1", 0, nullptr);
+  }
+  fake_server f({closed});
+  auto t0 = clk::now();
+  store::client c("127.0.0.1", f.port, two_lanes());
+  EXPECT_LT(clk::now() - t0, std::chrono::seconds(6)) << "the fallback waited out the whole deadline";
+  EXPECT_EQ(f.hellos.load(), 2) << "lane 1 came back to the first port";
+  EXPECT_EQ(c.stat("x").size, 123u);
+}
+
+TEST(StoreLanes, ALaneThatReachesAnotherServerUsesTheFirstPort) {
+  exported e;  // a real server: another instance than the fake one
+  fake_server f({e.srv->port()});
+  store::client c("127.0.0.1", f.port, two_lanes());
+  EXPECT_EQ(f.hellos.load(), 2);
+  EXPECT_EQ(e.srv->stats().connections, 1u) << "lane 1 tried the port it was given first";
+  EXPECT_EQ(c.stat("x").size, 123u);
+}
+
 }  // namespace

@@ -11,7 +11,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <random>
+#include <set>
 #include <thread>
 
 using namespace ferry;
@@ -105,11 +110,92 @@ TEST(StoreService, ThirtyTwoConcurrentClients) {
     });
   for (auto& t : ts) t.join();
   EXPECT_EQ(good.load(), 32);
-  // Each client opened its lanes (one connection each).
+  // Each client opened its lanes (one connection each): lane 0 on the first worker, one further lane
+  // on each other worker.
   EXPECT_EQ(s.srv->stats().connections, 32u * static_cast<unsigned>(store::client_options{}.lanes));
+  EXPECT_THAT(s.srv->stats().worker_connections, ::testing::Each(32u));
   // Every client has gone: the server let go of their sessions.
   for (int i = 0; i < 50 && s.srv->stats().live_sessions > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_EQ(s.srv->stats().live_sessions, 0u);
+}
+
+TEST(StoreService, EachWorkerListensOnItsOwnPortAndLanesSpreadOverThem) {
+  served s;
+  auto ports = s.srv->ports();
+  ASSERT_EQ(ports.size(), 4u);
+  EXPECT_EQ(ports[0], s.srv->port());
+  EXPECT_EQ(std::set<std::uint16_t>(ports.begin(), ports.end()).size(), 4u);
+  store::client_options o;
+  o.lanes = 4;
+  store::client a("127.0.0.1", s.srv->port(), o);
+  EXPECT_THAT(s.srv->stats().worker_connections, ::testing::ElementsAre(1u, 1u, 1u, 1u));
+  o.lanes = 3;  // two further lanes each: every client's start in the rotation follows the last one's lanes
+  store::client b("127.0.0.1", s.srv->port(), o);
+  store::client c("127.0.0.1", s.srv->port(), o);
+  EXPECT_THAT(s.srv->stats().worker_connections, ::testing::ElementsAre(3u, 3u, 2u, 2u));
+  std::vector<unsigned char> buf(3 << 20);
+  EXPECT_EQ(c.read("data/shard.bin", 0, buf.data(), buf.size()), buf.size());
+  EXPECT_EQ(std::memcmp(buf.data(), s.data.data(), buf.size()), 0);
+}
+
+// A loopback port nobody listens on (bound, then let go), with `free_after` more free after it.
+std::uint16_t free_ports(int free_after) {
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    std::vector<int> held;
+    auto bind_port = [&](std::uint16_t p) {
+      int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      a.sin_port = htons(p);
+      socklen_t len = sizeof a;
+      if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+        ::close(fd);
+        return 0;
+      }
+      held.push_back(fd);
+      return static_cast<int>(ntohs(a.sin_port));
+    };
+    int first = bind_port(0);
+    bool ok = first > 0 && first + free_after <= 65535;
+    for (int k = 1; ok && k <= free_after; ++k) ok = bind_port(static_cast<std::uint16_t>(first + k)) > 0;
+    for (int fd : held) ::close(fd);
+    if (ok) return static_cast<std::uint16_t>(first);
+  }
+  ADD_FAILURE() << "no run of free loopback ports";
+  return 0;
+}
+
+TEST(StoreService, AGivenPortIsFollowedByTheOtherWorkersPorts) {
+  served s;
+  store::server_options o;
+  o.root = s.root.string();
+  o.workers = 3;
+  o.port = free_ports(2);
+  {
+    store::server srv(o);
+    EXPECT_THAT(srv.ports(), ::testing::ElementsAre(o.port, o.port + 1, o.port + 2));
+    store::client c("127.0.0.1", o.port);
+    std::vector<unsigned char> buf(100);
+    EXPECT_EQ(c.read("data/shard.bin", 0, buf.data(), buf.size()), 100u);
+  }
+  // The port a further worker needs is taken: the error says which worker, which port, and how to
+  // do with one port.
+  o.port = free_ports(2);
+  int taken = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<std::uint16_t>(o.port + 2));
+  ASSERT_EQ(::bind(taken, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(taken, 1), 0);
+  std::string t = test::error_text([&] { store::server srv(o); });
+  ::close(taken);
+  EXPECT_THAT(t, HasSubstr("127.0.0.1:" + std::to_string(o.port + 2)));
+  EXPECT_THAT(t, HasSubstr("worker 2 cannot listen"));
+  EXPECT_THAT(t, HasSubstr("FERRY_SERVE_WORKERS=1"));
+  o.port = 65534;
+  EXPECT_THAT(test::error_text([&] { store::server srv(o); }), HasSubstr("3 workers need ports 65534 to 65536"));
 }
 
 TEST(StoreService, ServerGoneIsAnErrorWithinTheDeadline) {

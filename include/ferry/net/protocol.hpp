@@ -20,19 +20,20 @@
 namespace ferry::net {
 
 inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
-inline constexpr std::uint16_t protocol_version = 1;
+inline constexpr std::uint16_t protocol_version = 2;  // 2: hello gives the client's lanes; welcome the server instance and worker ports
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
 inline constexpr std::size_t max_data = 4 << 20;     // largest data message a client may send (write data)
 inline constexpr std::size_t nonce_size = 32, mac_size = 32;
 inline constexpr std::size_t max_rkey = 4096;
+inline constexpr std::size_t max_ports = 64;  // worker ports a welcome may name
 
 enum class msg_type : std::uint16_t {
-  hello = 1,      // client -> server: versions, client nonce
+  hello = 1,      // client -> server: versions, client nonce, its number of lanes
   challenge = 2,  // server -> client: server nonce, whether a secret is required
   auth = 3,       // client -> server: HMAC-SHA256(secret, server nonce | client nonce)
-  welcome = 4,    // server -> client: accepted; limits
+  welcome = 4,    // server -> client: accepted; limits; where the client's further lanes connect
   lend = 5,       // client -> server: a region of the client's memory the server may write/read directly (packed rkey)
   read = 10,      // path, offset, length
   write = 11,     // path, offset, length (data follows outside the frame)
@@ -48,10 +49,21 @@ enum class msg_type : std::uint16_t {
   error = 30,     // code + message
 };
 
-struct hello { std::uint16_t min_version = 1, max_version = 1; std::uint32_t max_outstanding = 0; std::vector<std::uint8_t> nonce; };
+// `lanes`: connections the client opens in all (the server spreads the further ones over its workers).
+struct hello { std::uint16_t min_version = 1, max_version = 1; std::uint32_t max_outstanding = 0; std::vector<std::uint8_t> nonce; std::uint16_t lanes = 1; };
 struct challenge { std::vector<std::uint8_t> nonce; bool secret_required = false; };
 struct auth { std::vector<std::uint8_t> mac; };
-struct welcome { std::uint32_t credits = 0; std::uint64_t max_request = 0; bool writable = false; };
+// `instance` tells server processes apart (random per start): a client's lanes must all reach the same
+// one. `ports`: where the client's lanes after the first connect, lane i to ports[(i - 1) % size]
+// (the server's other workers, in the order it wants them used; empty: all on the first port).
+struct welcome {
+  std::uint32_t credits = 0;
+  std::uint64_t max_request = 0;
+  bool writable = false;
+  std::uint64_t instance = 0;
+  std::vector<std::uint16_t> ports;
+  bool operator==(const welcome&) const = default;
+};
 struct lend { std::uint64_t addr = 0, length = 0; std::vector<std::uint8_t> rkey; };
 struct read_into { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; };
 struct write_from { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; };

@@ -31,12 +31,12 @@ namespace ferry::store {
 struct server_options {
   std::string root;
   std::string host = "127.0.0.1";
-  std::uint16_t port = 0;  // 0: any free port (see server::port)
+  std::uint16_t port = 0;  // 0: any free port (see server::port); worker i > 0 listens on port + i (or a free port)
   std::uint32_t max_outstanding = 64;  // per connection (credits)
   std::uint64_t max_request = 1ull << 30;
   std::uint64_t chunk = 4ull << 20;    // bytes per data message (larger client data messages are refused)
   int threads = 8;                     // file I/O threads (FERRY_SERVE_THREADS)
-  int workers = 4;                     // UCX workers (progress threads); connections are spread over them (FERRY_SERVE_WORKERS)
+  int workers = 4;                     // UCX workers (progress threads), each with its own port; clients spread their lanes over them (FERRY_SERVE_WORKERS)
   bool map = true;                     // serve regions lent by same-host clients directly (FERRY_NET_MAP)
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
   std::uint64_t max_write_buffer = 1ull << 30;  // write data buffered at once, all connections together
@@ -58,6 +58,7 @@ struct server_stats {
   std::uint64_t direct_reads = 0, direct_writes = 0;  // served straight into/out of a client's mapped region
   std::uint64_t mapped_sessions = 0;  // connections whose lent region is mapped here
   std::uint64_t rma_puts = 0, rma_gets = 0;  // requests served by RMA into / out of registered client memory
+  std::vector<std::uint64_t> worker_connections;  // connections each worker took (on its own port), the first worker first
 };
 
 class FERRY_API server {
@@ -67,7 +68,8 @@ class FERRY_API server {
   ~server();  // stops: refuses new work, closes connections
   server(const server&) = delete;
   server& operator=(const server&) = delete;
-  std::uint16_t port() const noexcept;
+  std::uint16_t port() const noexcept;  // the well-known port (the first worker's), the one clients are given
+  std::vector<std::uint16_t> ports() const;  // every worker's port, the first one first
   server_stats stats() const;
   struct impl;
 
