@@ -3,6 +3,7 @@
 #include <ferry/store/service.hpp>
 
 #include "support/errors.hpp"
+#include "support/phased_clients.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -94,21 +95,15 @@ TEST(StoreService, RefusalsNameThePeerAndPath) {
 TEST(StoreService, ThirtyTwoConcurrentClients) {
   served s;
   std::atomic<int> good{0};
-  std::vector<std::thread> ts;
-  for (int i = 0; i < 32; ++i)
-    ts.emplace_back([&, i] {
-      try {
-        store::client c("127.0.0.1", s.srv->port());
+  test::phased_clients(
+      32, [&](int) { return std::make_unique<store::client>("127.0.0.1", s.srv->port()); },
+      [&](store::client& c, int i) {
         std::vector<unsigned char> buf(1 << 20);
         std::uint64_t off = static_cast<std::uint64_t>(i) * 200000;
         if (c.read("data/shard.bin", off, buf.data(), buf.size()) == buf.size() &&
             std::memcmp(buf.data(), s.data.data() + off, buf.size()) == 0)
           good++;
-      } catch (const error& e) {
-        ADD_FAILURE() << e.what();
-      }
-    });
-  for (auto& t : ts) t.join();
+      });
   EXPECT_EQ(good.load(), 32);
   // Each client opened its lanes (one connection each): lane 0 on the first worker, one further lane
   // on each other worker.

@@ -6,6 +6,7 @@
 
 #include "support/data.hpp"
 #include "support/errors.hpp"
+#include "support/phased_clients.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -163,21 +164,15 @@ TEST(StoreWrite, ManyOutstandingRequestsOnOneConnection) {
 TEST(StoreWrite, ThirtyTwoClientsWriteAndReadBackConcurrently) {
   writable_server s;
   std::atomic<int> good{0};
-  std::vector<std::thread> ts;
-  for (int i = 0; i < 32; ++i)
-    ts.emplace_back([&, i] {
-      try {
-        store::client c("127.0.0.1", s.srv->port(), s.opts());
+  test::phased_clients(
+      32, [&](int) { return std::make_unique<store::client>("127.0.0.1", s.srv->port(), s.opts()); },
+      [&](store::client& c, int i) {
         auto d = random_bytes((1 << 20) + static_cast<std::size_t>(i) * 1000, 100 + static_cast<std::uint64_t>(i));
         std::string p = "out/client" + std::to_string(i) + ".bin";
         c.write(p, 0, d.data(), d.size());
         std::vector<unsigned char> back(d.size());
         if (c.read(p, 0, back.data(), back.size()) == d.size() && back == d) good++;
-      } catch (const error& e) {
-        ADD_FAILURE() << e.what();
-      }
-    });
-  for (auto& t : ts) t.join();
+      });
   EXPECT_EQ(good.load(), 32);
   EXPECT_EQ(s.srv->stats().write_buffered, 0u);
 }
