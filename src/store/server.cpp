@@ -155,7 +155,7 @@ struct server::impl {
   std::deque<std::function<void()>> jobs;
   bool stopping = false;
   std::vector<std::thread> threads;
-  std::atomic<std::size_t> next_worker{0};  // rotates the ports welcomes name
+  std::atomic<std::size_t> rotation{0};     // where the next client's further lanes start among the other workers
   std::vector<std::uint16_t> ports;          // each worker's listening port (ports[0] = the well-known one)
   std::unique_ptr<std::atomic<std::uint64_t>[]> per_worker;  // connections each worker took
   std::uint16_t port = 0;
@@ -286,7 +286,7 @@ struct server::impl {
     welcome w{o.max_outstanding, o.max_request, o.writable, instance, {}};
     if (ports.size() > 1) {
       std::size_t others = ports.size() - 1;
-      std::size_t start = &c.worker() == workers[0].get() ? next_worker.fetch_add(lanes - 1) % others : 0;
+      std::size_t start = &c.worker() == workers[0].get() ? rotation.fetch_add(lanes - 1) % others : 0;
       for (std::size_t k = 0; k < others; ++k) w.ports.push_back(ports[1 + (start + k) % others]);
     }
     return w;
