@@ -60,6 +60,20 @@ std::uint64_t parse_size_in(std::string_view v, std::uint64_t lo, std::uint64_t 
   return n;
 }
 
+std::chrono::nanoseconds parse_duration_value(std::string_view v) {
+  try {
+    return parse_duration(v);
+  } catch (const error& e) {
+    throw bad_value{e.detail()};
+  }
+}
+
+std::chrono::nanoseconds parse_duration_in(std::string_view v, std::chrono::nanoseconds lo, std::chrono::nanoseconds hi) {
+  auto d = parse_duration_value(v);
+  if (d < lo || d > hi) throw bad_value{fmt::format("out of range [{}, {}]", format_duration(lo), format_duration(hi))};
+  return d;
+}
+
 template <typename E, std::size_t N>
 E parse_enum(std::string_view v, const std::pair<std::string_view, E> (&choices)[N]) {
   for (auto& [name, e] : choices)
@@ -104,7 +118,7 @@ const setting_def table[] = {
    [](const settings& s) { return std::string(to_string(s.log)); }},
   {"FERRY_DEADLINE", "Default deadline of every wait (stream sync, transfer, request) when the caller gives none.",
    [](settings& s, std::string_view v) {
-     try { s.deadline = parse_duration(v); } catch (const error& e) { throw bad_value{e.detail()}; }
+     s.deadline = parse_duration_value(v);
      if (s.deadline <= std::chrono::nanoseconds::zero()) throw bad_value{"must be positive"};
    },
    [](const settings& s) { return format_duration(s.deadline); }},
@@ -209,10 +223,7 @@ const setting_def table[] = {
    [](settings& s, std::string_view v) { s.net_staging = parse_size_in(v, 4 * MiB, 1ull << 40); },
    [](const settings& s) { return format_size(s.net_staging); }},
   {"FERRY_NET_SPIN", "UCX progress threads keep polling this long after activity before they sleep (back-off): back-to-back requests pay no thread wake-up; 0 = sleep at once. Longer than a thread wake-up on a busy machine (tens of microseconds), or server and client can settle into waking each other for every request.",
-   [](settings& s, std::string_view v) {
-     try { s.net_spin = parse_duration(v); } catch (const error& e) { throw bad_value{e.detail()}; }
-     if (s.net_spin < std::chrono::nanoseconds::zero() || s.net_spin > std::chrono::seconds(1)) throw bad_value{"must be between 0 and 1s"};
-   },
+   [](settings& s, std::string_view v) { s.net_spin = parse_duration_in(v, std::chrono::nanoseconds::zero(), std::chrono::seconds(1)); },
    [](const settings& s) { return format_duration(s.net_spin); }},
   {"FERRY_SERVE_THREADS", "File I/O threads of `ferry serve` (reads larger than 16KiB and all writes).",
    [](settings& s, std::string_view v) { s.serve_threads = static_cast<int>(parse_int(v, 1, 256)); },
@@ -257,16 +268,10 @@ const setting_def table[] = {
    [](settings& s, std::string_view v) { s.vm_fault_ahead = static_cast<int>(parse_int(v, 1, 1024)); },
    [](const settings& s) { return std::to_string(s.vm_fault_ahead); }},
   {"FERRY_VM_THRASH_LAPSE", "A unified-memory page evicted from the device and prefetched back within this time is thrashing (the device cannot hold the working set, e.g. a stream over more than FERRY_VM_CAPACITY): PREFETCH then leaves it on the host for FERRY_VM_THRASH_HOLD and the device reads it in place over PCIe, instead of evicting another page that is wanted back as soon. Pages whose PREFERRED_LOCATION is the device are always moved. 0 = off: every PREFETCH migrates.",
-   [](settings& s, std::string_view v) {
-     try { s.vm_thrash_lapse = parse_duration(v); } catch (const error& e) { throw bad_value{e.detail()}; }
-     if (s.vm_thrash_lapse < std::chrono::nanoseconds::zero() || s.vm_thrash_lapse > std::chrono::hours(1)) throw bad_value{"must be between 0 and 1h"};
-   },
+   [](settings& s, std::string_view v) { s.vm_thrash_lapse = parse_duration_in(v, std::chrono::nanoseconds::zero(), std::chrono::hours(1)); },
    [](const settings& s) { return format_duration(s.vm_thrash_lapse); }},
   {"FERRY_VM_THRASH_HOLD", "How long a thrashing unified-memory page (FERRY_VM_THRASH_LAPSE) stays on the host before PREFETCH migrates it again.",
-   [](settings& s, std::string_view v) {
-     try { s.vm_thrash_hold = parse_duration(v); } catch (const error& e) { throw bad_value{e.detail()}; }
-     if (s.vm_thrash_hold < std::chrono::nanoseconds::zero() || s.vm_thrash_hold > std::chrono::hours(1)) throw bad_value{"must be between 0 and 1h"};
-   },
+   [](settings& s, std::string_view v) { s.vm_thrash_hold = parse_duration_in(v, std::chrono::nanoseconds::zero(), std::chrono::hours(1)); },
    [](const settings& s) { return format_duration(s.vm_thrash_hold); }},
 };
 // clang-format on
