@@ -149,9 +149,9 @@ physical_chunk device::allocate(std::uint64_t bytes, location where) {
   if (bytes == 0 || !aligned(bytes, g))
     fail(errc::invalid_argument, "device.allocate", fmt::format("{} bytes={}", id(), bytes),
          fmt::format("size must be a positive multiple of the granularity {}", g));
-  if (where.kind == memory_kind::device && where.id != -1 && where.id != info_.ordinal)
-    fail(errc::invalid_argument, "device.allocate", id(),
-         fmt::format("device memory of another device ({}) requested; allocate on that device", where.id));
+  if (where.kind == memory_kind::device && (where.id < -1 || where.id >= 64))
+    fail(errc::out_of_range, "device.allocate", fmt::format("{} bytes={}", id(), bytes),
+         fmt::format("device ordinal {} out of range", where.id));
   physical_chunk c;
   c.handle_ = do_allocate(bytes, where);
   c.owner_ = this;

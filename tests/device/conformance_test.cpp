@@ -296,6 +296,53 @@ TEST_F(DeviceConformance, PeerCopyWhenASecondDeviceExists) {
   EXPECT_EQ(sum, checksum64(src.data(), mine.size()));
 }
 
+TEST_F(DeviceConformance, PeerMemoryMapsInThisDevicesRangeForBothDevices) {
+  device* other = nullptr;
+  try {
+    other = &g_registry->get(g_backend + ":1");
+  } catch (const error&) {
+    GTEST_SKIP() << "only one " << g_backend << " device";
+  }
+  peer_info p = g_registry->peer(dev(), *other);
+  if (!p.access) GTEST_SKIP() << "no peer access between " << dev().id() << " and " << other->id();
+  const int peer = other->info().ordinal;
+  std::uint64_t g = gran();
+  auto before = other->memory().free;
+  // One range of this device: a chunk of its own memory, then one of the peer's.
+  va_range va = dev().reserve(2 * g);
+  physical_chunk mine = dev().allocate(g);
+  physical_chunk theirs = dev().allocate(g, location::on_device(peer));
+  EXPECT_EQ(theirs.where().id, peer);
+  EXPECT_EQ(theirs.owner(), &dev()) << "the chunk is this device's to map";
+  if (g_backend == "sim") {
+    EXPECT_EQ(other->memory().free, before - g) << "it counts against the peer's memory";
+  }
+  dev().map(va.at(0), mine);
+  dev().map(va.at(g), theirs);
+  access_desc both[] = {{location::on_device(dev().info().ordinal), access::read_write},
+                        {location::on_device(peer), access::read_write}};
+  dev().set_access(va.base(), va.size(), both);
+  auto src = random_words(2 * g / 8, 91);
+  auto s = dev().create_stream();
+  s->copy(va.base(), src.data(), 2 * g);  // this device writes both chunks
+  s->synchronize();
+  auto t = other->create_stream();
+  std::uint64_t sum = 0;
+  t->checksum(va.base(), 2 * g, &sum);  // the peer reads both, its own memory included, at the same address
+  t->synchronize();
+  EXPECT_EQ(sum, checksum64(src.data(), 2 * g));
+  std::vector<std::uint64_t> back(2 * g / 8);
+  t->copy(back.data(), va.at(g), g);  // the peer's engine copies its part out
+  t->synchronize();
+  EXPECT_EQ(0, std::memcmp(back.data(), src.data() + g / 8, g));
+  va.reset();
+  theirs.reset();
+  if (g_backend == "sim") {
+    EXPECT_EQ(other->memory().free, before);
+  }
+  EXPECT_THAT(test::error_text([&] { (void)dev().allocate(g, location::on_device(64)); }), HasSubstr("out of range"));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {

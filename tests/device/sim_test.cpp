@@ -158,6 +158,30 @@ TEST(Sim, PeerAccessNeedsAGrant) {
   s->synchronize();
 }
 
+TEST(Sim, PeerMemoryIsRefusedClearly) {
+  settings c = small_sim();
+  {
+    device_registry reg(c);
+    device& d0 = reg.get("sim:0");
+    std::uint64_t g = d0.granularity();
+    EXPECT_THAT(test::error_text([&] { (void)d0.allocate(g, location::on_device(1)); }), HasSubstr("no sim device 1 is open"));
+    (void)reg.get("sim:1");
+    std::vector<physical_chunk> all;
+    EXPECT_THAT(test::error_text([&] {
+                  for (;;) all.push_back(d0.allocate(g, location::on_device(1)));
+                }),
+                HasSubstr("device memory of sim:1 exhausted"));
+    EXPECT_EQ(reg.get("sim:1").memory().free, 0u);
+    EXPECT_EQ(d0.memory().free, d0.memory().total) << "sim:0's own memory is untouched";
+    all.clear();
+    EXPECT_EQ(reg.get("sim:1").memory().free, reg.get("sim:1").memory().total);
+  }
+  c.sim_peer = false;
+  device_registry reg(c);
+  EXPECT_THAT(test::error_text([&] { (void)reg.get("sim:0").allocate(reg.get("sim:0").granularity(), location::on_device(1)); }),
+              HasSubstr("FERRY_SIM_PEER=0"));
+}
+
 TEST(Sim, ManyStreamsFromManyThreads) {
   device_registry reg(small_sim(64 << 20));
   device& d = reg.get("sim:0");

@@ -207,7 +207,11 @@ class FERRY_API device {
   // Chunk size unit for memory at `where` (device memory or host memory for this device).
   std::uint64_t granularity(location where = location::on_device());
 
-  // Physical memory: bytes must be a positive multiple of granularity(where).
+  // Physical memory: bytes must be a positive multiple of granularity(where). Device memory is this
+  // device's (id -1 or its ordinal) or a peer's of the same backend (the peer's ordinal): the chunk
+  // belongs to this device, maps in its ranges and is granted like any other -- how one address range
+  // spans several GPUs (a unified space over them). A peer's memory needs peer access (throws
+  // not_supported) and counts against the peer's capacity. The peer must outlive the chunk.
   physical_chunk allocate(std::uint64_t bytes, location where = location::on_device());
 
   // Reserves `bytes` (a multiple of the device granularity) of virtual address space.

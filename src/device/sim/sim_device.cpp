@@ -97,12 +97,18 @@ class arena_allocator {
 };
 
 // Physical chunk records. Device chunks live in the arena; host chunks have their own memfd.
+class sim_device;
+
 struct chunk_rec {
   location where;
   std::uint64_t size = 0;
   std::uint64_t arena_offset = 0;      // device chunks
   std::unique_ptr<backing> host;       // host chunks
-  std::byte* view(const backing* arena) const { return host ? host->view : arena->view + arena_offset; }
+  sim_device* home = nullptr;          // device chunks in a peer's memory: that peer (its arena)
+  const backing* home_arena = nullptr;
+  std::byte* view(const backing* arena) const {
+    return host ? host->view : (home_arena ? home_arena : arena)->view + arena_offset;
+  }
 };
 
 // ---- safe host access ----------------------------------------------------------------------------
@@ -313,6 +319,26 @@ class sim_device final : public device {
   engine_pool& pool() { return pool_; }
   std::uint64_t stream_serial() { return ++streams_; }
 
+  // This device's memory, taken and given back by chunks that live in it: its own and those a peer
+  // allocated here (device::allocate with this device's ordinal). arena_mu_ is a leaf lock.
+  std::uint64_t arena_take(std::uint64_t bytes, const std::string& who) {
+    arena();
+    std::lock_guard l(arena_mu_);
+    auto off = bytes <= capacity_ - used_ ? alloc_.allocate(bytes) : std::nullopt;
+    if (!off)
+      fail(errc::out_of_memory, "device.allocate", fmt::format("{} bytes={}", who, bytes),
+           fmt::format("device memory of {} exhausted: {} of {} in use (FERRY_SIM_CAPACITY)", id(), used_, capacity_));
+    used_ += bytes;
+    return *off;
+  }
+  void arena_give(std::uint64_t off, std::uint64_t bytes) noexcept {
+    arena_->discard(off, bytes);
+    std::lock_guard l(arena_mu_);
+    alloc_.release(off, bytes);
+    used_ -= bytes;
+  }
+  const backing& arena_ref() { return arena(); }
+
  private:
   static device_info make_info(int ordinal, const settings& s) {
     device_info i;
@@ -331,7 +357,7 @@ class sim_device final : public device {
   }
 
   memory_usage do_memory() override {
-    std::lock_guard l(mem_mu_);
+    std::lock_guard l(arena_mu_);
     return {capacity_ - used_, capacity_};
   }
   std::uint64_t do_granularity(location) override { return granularity_; }
@@ -340,17 +366,29 @@ class sim_device final : public device {
     auto rec = std::make_unique<chunk_rec>();
     rec->where = where;
     rec->size = bytes;
-    if (where.kind == memory_kind::device) {
-      backing& a = arena();
-      std::lock_guard l(mem_mu_);
-      collect_garbage_locked();
-      auto off = bytes <= capacity_ - used_ ? alloc_.allocate(bytes) : std::nullopt;
-      if (!off)
-        fail(errc::out_of_memory, "device.allocate", fmt::format("{} bytes={}", id(), bytes),
-             fmt::format("device memory exhausted: {} of {} in use (FERRY_SIM_CAPACITY)", used_, capacity_));
-      (void)a;
-      rec->arena_offset = *off;
-      used_ += bytes;
+    if (where.kind == memory_kind::device && where.id >= 0 && where.id != info_.ordinal) {
+      // A peer's memory, mapped in this device's ranges: it lives in the peer's arena.
+      if (!peer_access_)
+        fail(errc::not_supported, "device.allocate", fmt::format("{} bytes={} location=sim:{}", id(), bytes, where.id),
+             "peer access between sim devices is off (FERRY_SIM_PEER=0)");
+      sim_device* peer = nullptr;
+      {
+        std::lock_guard l(g_devices_mu);
+        for (sim_device* d : g_devices)
+          if (d->info().ordinal == where.id) peer = d;
+      }
+      if (!peer)
+        fail(errc::invalid_argument, "device.allocate", fmt::format("{} bytes={}", id(), bytes),
+             fmt::format("no sim device {} is open (open it first, e.g. from the registry; FERRY_SIM_DEVICES)", where.id));
+      rec->arena_offset = peer->arena_take(bytes, id());
+      rec->home = peer;
+      rec->home_arena = &peer->arena_ref();
+    } else if (where.kind == memory_kind::device) {
+      {
+        std::lock_guard l(mem_mu_);
+        collect_garbage_locked();
+      }
+      rec->arena_offset = arena_take(bytes, id());
     } else {
       rec->host = std::make_unique<backing>(bytes, "ferry-sim-host-chunk");
     }
@@ -374,11 +412,7 @@ class sim_device final : public device {
   void collect_garbage_locked() noexcept {
     if (graveyard_.empty() || pool_.inflight.load() != 0) return;
     for (auto& r : graveyard_) {
-      if (!r->host) {
-        arena_->discard(r->arena_offset, r->size);
-        alloc_.release(r->arena_offset, r->size);
-        used_ -= r->size;
-      }
+      if (!r->host) (r->home ? r->home : this)->arena_give(r->arena_offset, r->size);
     }
     graveyard_.clear();
   }
@@ -401,7 +435,7 @@ class sim_device final : public device {
   void do_map(std::uintptr_t va, std::uint64_t bytes, std::uint64_t handle, location) override {
     std::lock_guard l(mem_mu_);
     auto& rec = chunks_.at(handle);
-    int fd = rec->host ? rec->host->fd : arena().fd;
+    int fd = rec->host ? rec->host->fd : rec->home_arena ? rec->home_arena->fd : arena().fd;
     off_t off = rec->host ? 0 : static_cast<off_t>(rec->arena_offset);
     void* p = ::mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, off);
     if (p == MAP_FAILED) fail_errno(errno, "device.map", fmt::format("{} va={}", id(), describe_range(va, bytes)));
@@ -437,6 +471,7 @@ class sim_device final : public device {
   std::once_flag arena_once_;
   std::unique_ptr<backing> arena_;
   std::mutex mem_mu_;
+  std::mutex arena_mu_;    // alloc_, used_: taken inside mem_mu_ (or a peer's), never the other way
   arena_allocator alloc_;
   std::uint64_t used_ = 0;
   std::uint64_t next_handle_ = 0;
