@@ -25,7 +25,8 @@ namespace ferry::vm {
 
 namespace {
 
-constexpr location dev_loc = 1;  // the page table's slot for the (one) attached device
+// The page table's location of the space's device k (0-based) is k + 1; 0 is host memory.
+constexpr location loc_of(std::size_t k) { return static_cast<location>(k + 1); }
 
 // A fault handed from the signal handler to the service thread; lives on the faulting thread's stack.
 struct fault_record {
@@ -119,12 +120,28 @@ class unified_client final : public peer_memory_client {
 };
 
 struct address_space::impl final : page_mover {
+  // The space's devices; the first ("home") reserves the ranges and makes every chunk, the others'
+  // memory included (device::allocate on a peer), so one range holds them all.
+  std::vector<device*> devs;
   device& dev;
   space_options o;
-  std::uint64_t page = 0, npages = 0, cap = 0;
-  va_range shared, host_mirror, dev_pool;  // host mirror: per page; device pool: per slot
+  std::uint64_t page = 0, npages = 0;
+  std::vector<std::uint64_t> cap;           // per device: pages it may hold
+  va_range shared, host_mirror;             // host mirror: per page
+  // Per device k: its pool of slots (device chunks, mapped in pool[k] at their index) and which slot
+  // each page uses there (-1: none; the page's lock). A page may have copies on several devices
+  // (READ_MOSTLY).
+  struct devmem {
+    va_range pool;
+    std::vector<std::int64_t> slot_of;
+    std::vector<physical_chunk> slots;      // slot_mu
+    std::vector<std::uint32_t> idle, holes; // slot_mu: made and unused / never made or trimmed
+    std::uint32_t made = 0;                 // slot_mu: slots below this index exist or are holes
+    std::unique_ptr<stream> st;             // this device's copy engines: copies to (or from) it
+    std::mutex st_mu;
+  };
+  std::vector<std::unique_ptr<devmem>> dm;
   std::vector<physical_chunk> hostc;        // per page, kept once made; guarded by the page's lock
-  std::vector<std::int64_t> slot_of;        // per page: its device slot or -1 (page lock)
   std::vector<char> shared_mapped;          // per page: a chunk is mapped in the shared range (page lock)
   std::vector<location> shared_at;          // per page: which (page lock)
   std::vector<char> host_w;                 // per page: its host mapping may be written (page lock)
@@ -133,12 +150,7 @@ struct address_space::impl final : page_mover {
   // so it is paid only when the CPU touches the page (a fault) or a transfer pins it.
   std::unique_ptr<std::atomic<std::uint8_t>[]> cpu;
   std::mutex slot_mu;
-  std::vector<physical_chunk> slots;        // slot_mu: device chunks, mapped in dev_pool at their index
-  std::vector<std::uint32_t> idle, holes;   // slot_mu: made and unused / never made or trimmed
-  std::uint32_t made = 0;                   // slot_mu: slots below this index exist or are holes
   physical_chunk zero;                      // a zeroed host chunk at the end of the host mirror
-  std::unique_ptr<stream> st;
-  std::mutex st_mu;
   std::unique_ptr<page_table> table;
   std::mutex streams_mu;
   std::vector<stream*> streams;  // attached: migrations wait for their work
@@ -157,45 +169,74 @@ struct address_space::impl final : page_mover {
     std::vector<step> steps;
     std::vector<char> mapped_new;  // per step: the shared range points at `to`
     std::vector<char> copied;      // per step: `to` memory was taken and a copy queued
-    std::unique_ptr<event> done;
+    std::vector<std::unique_ptr<event>> done;  // one per stream the copies went to
   };
   std::mutex flights_mu;
   std::map<std::uint64_t, flight> flights;
   std::uint64_t next_ticket = 0;
 
-  impl(device& d, std::uint64_t bytes, space_options opt) : dev(d), o(opt) {
+  static std::vector<device*> checked(std::vector<device*> ds) {
+    expects(!ds.empty() && ds[0], "vm.space", "devices", "an address space needs a device");
+    expects(ds.size() < static_cast<std::size_t>(max_locations), "vm.space", ds[0]->id(),
+            fmt::format("at most {} devices per address space", max_locations - 1));
+    for (std::size_t i = 0; i < ds.size(); ++i) {
+      expects(ds[i] != nullptr, "vm.space", ds[0]->id(), "a null device");
+      if (ds[i]->info().backend != ds[0]->info().backend)
+        fail(errc::invalid_argument, "vm.space", ds[i]->id(), "the devices of a space must share a backend with " + ds[0]->id());
+      for (std::size_t j = 0; j < i; ++j)
+        if (ds[j] == ds[i]) fail(errc::invalid_argument, "vm.space", ds[i]->id(), "the device is given twice");
+    }
+    return ds;
+  }
+
+  impl(std::vector<device*> ds, std::uint64_t bytes, space_options opt) : devs(checked(std::move(ds))), dev(*devs[0]), o(opt) {
     std::uint64_t gran = dev.granularity();
+    for (auto* d : devs)
+      if (d->granularity() != gran)
+        fail(errc::invalid_argument, "vm.space", d->id(), fmt::format("granularity {} differs from {}'s {}", d->granularity(), dev.id(), gran));
+    // Every device reaches every other's memory (a kernel on one reads pages living on another; a
+    // device's engine copies between them): refused here, clearly, when the hardware cannot.
+    for (auto* a : devs)
+      for (auto* b : devs)
+        if (a != b) a->enable_peer_access(*b);
     page = std::max(gran, (o.page_bytes + gran - 1) / gran * gran);
     npages = (bytes + page - 1) / page;
     expects(npages > 0, "vm.space", dev.id(), "an address space needs at least one page");
     expects(o.batch > 0 && o.fault_ahead > 0, "vm.space", dev.id(), "batch and fault_ahead must be positive");
     shared = dev.reserve(npages * page);
     host_mirror = dev.reserve((npages + 1) * page);
-    dev_pool = dev.reserve(npages * page);
+    for (std::size_t k = 0; k < devs.size(); ++k) {
+      auto m = std::make_unique<devmem>();
+      m->pool = dev.reserve(npages * page);
+      m->slot_of.assign(npages, -1);
+      m->slots.resize(npages);
+      m->st = devs[k]->create_stream();
+      dm.push_back(std::move(m));
+    }
     hostc.resize(npages);
-    slot_of.assign(npages, -1);
-    slots.resize(npages);
     shared_mapped.assign(npages, 0);
     shared_at.assign(npages, -1);
     host_w.assign(npages, 0);
     cpu.reset(new std::atomic<std::uint8_t>[npages]);
     for (std::uint64_t i = 0; i < npages; ++i) cpu[i] = 0;
-    st = dev.create_stream();
     zero = dev.allocate(page, ferry::location::on_host());
     map_mirror(host_mirror.at(npages * page), zero, true);
     std::memset(host_mirror.at(npages * page), 0, page);
-    std::uint64_t bytes_cap = o.device_capacity;
-    if (bytes_cap == 0) {
-      auto m = dev.memory();
-      std::uint64_t free = m.free ? m.free : dev.info().total_memory;
-      // A small device (the sim's, a test cap) keeps at most a quarter back.
-      bytes_cap = free - std::min(o.reserve, free / 4);
+    std::vector<std::uint64_t> caps{0};
+    for (auto* d : devs) {
+      std::uint64_t bytes_cap = o.device_capacity;
+      if (bytes_cap == 0) {
+        auto m = d->memory();
+        std::uint64_t free = m.free ? m.free : d->info().total_memory;
+        // A small device (the sim's, a test cap) keeps at most a quarter back.
+        bytes_cap = free - std::min(o.reserve, free / 4);
+      }
+      expects(bytes_cap / page > 0, "vm.space", d->id(),
+              fmt::format("device capacity {} bytes is below one page of {} (device free memory minus the reserve?)", bytes_cap, page));
+      cap.push_back(bytes_cap / page);
+      caps.push_back(bytes_cap / page);
     }
-    cap = bytes_cap / page;
-    expects(cap > 0, "vm.space", dev.id(),
-            fmt::format("device capacity {} bytes is below one page of {} (device free memory minus the reserve?)", bytes_cap, page));
-    table = std::make_unique<page_table>(npages, page, std::vector<std::uint64_t>{0, cap}, o.policy, *this,
-                                         thrash_policy{o.thrash_lapse, o.thrash_hold});
+    table = std::make_unique<page_table>(npages, page, caps, o.policy, *this, thrash_policy{o.thrash_lapse, o.thrash_hold});
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) fail_errno(errno, "vm.space", "fault pipe");
     pipe_rd = fds[0];
@@ -226,14 +267,16 @@ struct address_space::impl final : page_mover {
     service.join();
     ::close(pipe_rd);
     ::close(pipe_wr);
-    try {
-      st->synchronize(deadline_after(o.deadline));
-    } catch (const std::exception& e) {
-      log::error("vm", "{}: unified address space destroyed with failed copies: {}", dev.id(), e.what());
+    for (auto& m : dm) {
+      try {
+        m->st->synchronize(deadline_after(o.deadline));
+      } catch (const std::exception& e) {
+        log::error("vm", "{}: unified address space destroyed with failed copies: {}", m->st->owner().id(), e.what());
+      }
     }
     shared.reset();
     host_mirror.reset();
-    dev_pool.reset();
+    for (auto& m : dm) m->pool.reset();
   }
 
   using clk = std::chrono::steady_clock;
@@ -243,16 +286,23 @@ struct address_space::impl final : page_mover {
     ~timed() { into += std::chrono::duration_cast<std::chrono::nanoseconds>(clk::now() - t0).count(); }
   };
 
+  // Every device may read and write every chunk (mirrors, shared range): the CPU host chunks only.
+  std::vector<access_desc> device_grants() const {
+    std::vector<access_desc> g;
+    for (auto* d : devs) g.push_back({ferry::location::on_device(d->info().ordinal), access::read_write});
+    return g;
+  }
   void map_mirror(void* va, const physical_chunk& c, bool host_chunk) {
     dev.map(va, c);
-    std::vector<access_desc> g{{ferry::location::on_device(), access::read_write}};
+    auto g = device_grants();
     if (host_chunk) g.push_back({ferry::location::on_host(), access::read_write});
     dev.set_access(va, c.size(), g);
   }
+  devmem& on(location at) { return *dm[static_cast<std::size_t>(at - 1)]; }
   std::byte* mirror(location at, std::uint64_t p) {
-    return at == host ? host_mirror.at(p * page) : dev_pool.at(static_cast<std::uint64_t>(slot_of[p]) * page);
+    return at == host ? host_mirror.at(p * page) : on(at).pool.at(static_cast<std::uint64_t>(on(at).slot_of[p]) * page);
   }
-  physical_chunk& chunk(location at, std::uint64_t p) { return at == host ? hostc[p] : slots[slot_of[p]]; }
+  physical_chunk& chunk(location at, std::uint64_t p) { return at == host ? hostc[p] : on(at).slots[on(at).slot_of[p]]; }
   void ensure_chunk(location at, std::uint64_t p) {
     if (at == host) {
       if (hostc[p]) return;
@@ -262,48 +312,57 @@ struct address_space::impl final : page_mover {
       hostc[p] = std::move(c);
       return;
     }
-    if (slot_of[p] >= 0) return;
+    devmem& m = on(at);
+    if (m.slot_of[p] >= 0) return;
     std::lock_guard l(slot_mu);
     std::uint32_t i;
-    if (!idle.empty()) {
-      i = idle.back();
-      idle.pop_back();
+    if (!m.idle.empty()) {
+      i = m.idle.back();
+      m.idle.pop_back();
     } else {
-      if (!holes.empty()) {
-        i = holes.back();
+      if (!m.holes.empty()) {
+        i = m.holes.back();
       } else {
-        if (made >= npages) fail(errc::internal, "vm.space", dev.id(), "more device slots than pages");
-        i = made;
+        if (m.made >= npages) fail(errc::internal, "vm.space", devs[at - 1]->id(), "more device slots than pages");
+        i = m.made;
       }
       timed tm{t.allocate};
-      auto c = dev.allocate(page, ferry::location::on_device());
-      map_mirror(dev_pool.at(static_cast<std::uint64_t>(i) * page), c, false);
-      slots[i] = std::move(c);
-      if (!holes.empty()) holes.pop_back();
-      else ++made;
+      // The home device makes the chunk, in the memory of the device it is for.
+      auto c = dev.allocate(page, ferry::location::on_device(devs[at - 1]->info().ordinal));
+      map_mirror(m.pool.at(static_cast<std::uint64_t>(i) * page), c, false);
+      m.slots[i] = std::move(c);
+      if (!m.holes.empty()) m.holes.pop_back();
+      else ++m.made;
     }
-    slot_of[p] = i;
+    m.slot_of[p] = i;
   }
-  // Gives device memory no page uses back to the device.
+  // Gives device memory no page uses back to the devices.
   void trim() {
     std::lock_guard l(slot_mu);
-    for (auto i : idle) {
-      try {
-        dev.unmap(dev_pool.at(static_cast<std::uint64_t>(i) * page), page);
-      } catch (const std::exception& e) {
-        log::error("vm", "{}: unmapping device slot {} failed: {}", dev.id(), i, e.what());
-        continue;
+    for (auto& m : dm) {
+      for (auto i : m->idle) {
+        try {
+          dev.unmap(m->pool.at(static_cast<std::uint64_t>(i) * page), page);
+        } catch (const std::exception& e) {
+          log::error("vm", "{}: unmapping a device slot ({}) failed: {}", dev.id(), i, e.what());
+          continue;
+        }
+        m->slots[i].reset();
+        m->holes.push_back(i);
       }
-      slots[i].reset();
-      holes.push_back(i);
+      m->idle.clear();
     }
-    idle.clear();
   }
-  void copy_sync(std::byte* dst, const std::byte* src) {
-    std::lock_guard l(st_mu);
-    st->copy(dst, src, page);
+  // The copy engines that move a page from -> to: the target device's, or the source device's when
+  // the target is host memory (each device's engines reach its own memory at full speed; a peer's
+  // over NVLink / PCIe peer-to-peer).
+  devmem& engine(location from, location to) { return on(to != host ? to : from != host ? from : loc_of(0)); }
+  void copy_sync(location from, location to, std::byte* dst, const std::byte* src) {
+    devmem& m = engine(from, to);
+    std::lock_guard l(m.st_mu);
+    m.st->copy(dst, src, page);
     timed tm{t.copy_wait};
-    st->synchronize(deadline_after(o.deadline));
+    m.st->synchronize(deadline_after(o.deadline));
   }
 
   // Waits for the work queued on attached streams: a kernel must not run on a page while its data
@@ -314,8 +373,8 @@ struct address_space::impl final : page_mover {
     for (auto* s : streams) s->synchronize(deadline_after(o.deadline));
   }
 
-  // The device only: the GPU cannot fault, so always rw; the CPU is granted on its first touch.
-  std::vector<access_desc> grants() const { return {{ferry::location::on_device(), access::read_write}}; }
+  // The devices only: a GPU cannot fault, so always rw; the CPU is granted on its first touch.
+  std::vector<access_desc> grants() const { return device_grants(); }
   // Lets the CPU reach page p through the shared range if it is mapped to its host chunk (page
   // locked or pinned): read, or read+write when the mapping may be written.
   void grant_cpu(std::uint64_t p) {
@@ -331,8 +390,8 @@ struct address_space::impl final : page_mover {
       std::vector<std::uint64_t> these;
       for (auto p : pages)
         if (static_cast<bool>(host_w[p]) == w) these.push_back(p);
-      std::vector<access_desc> g{{ferry::location::on_device(), access::read_write},
-                                 {ferry::location::on_host(), w ? access::read_write : access::read}};
+      auto g = device_grants();
+      g.push_back({ferry::location::on_host(), w ? access::read_write : access::read});
       runs(these, [&](std::uint64_t first, std::uint64_t n) {
         dev.set_access(shared.at(first * page), n * page, g);
         for (std::uint64_t p = first; p < first + n; ++p) cpu[p] = w ? 3 : 1;
@@ -379,18 +438,19 @@ struct address_space::impl final : page_mover {
   void copy(std::uint64_t p, location from, location to) override {
     quiesce();
     ensure_chunk(to, p);
-    copy_sync(mirror(to, p), mirror(from, p));
+    copy_sync(from, to, mirror(to, p), mirror(from, p));
   }
   void populate(std::uint64_t p, location at) override {
     ensure_chunk(at, p);
-    copy_sync(mirror(at, p), host_mirror.at(npages * page));
+    copy_sync(host, at, mirror(at, p), host_mirror.at(npages * page));
   }
   void drop(std::uint64_t p, location at) noexcept override {
     if (at == host) return;  // host chunks stay with their page
-    if (slot_of[p] < 0) return;
+    devmem& m = on(at);
+    if (m.slot_of[p] < 0) return;
     std::lock_guard l(slot_mu);
-    idle.push_back(static_cast<std::uint32_t>(slot_of[p]));
-    slot_of[p] = -1;
+    m.idle.push_back(static_cast<std::uint32_t>(m.slot_of[p]));
+    m.slot_of[p] = -1;
   }
   void map(std::uint64_t p, location at, bool writable) override {
     if (shared_mapped[p]) {
@@ -413,7 +473,7 @@ struct address_space::impl final : page_mover {
           ensure_chunk(steps[i].to, steps[i].page);
           f.copied[i] = 1;
         }
-      std::vector<std::uint64_t> un, dm;
+      std::vector<std::uint64_t> un, dev_mapped;
       for (auto& s : steps)
         if (s.map && shared_mapped[s.page]) un.push_back(s.page);
       unmap_shared(un);
@@ -423,15 +483,17 @@ struct address_space::impl final : page_mover {
         if (steps[i].map && steps[i].to != host) {
           map_shared(steps[i].page, steps[i].to, true);
           f.mapped_new[i] = 1;
-          dm.push_back(steps[i].page);
+          dev_mapped.push_back(steps[i].page);
         }
-      grant_shared(dm);
-      bool any = std::any_of(steps.begin(), steps.end(), [](const step& s) { return s.copy; });
-      if (any) {
-        std::lock_guard l(st_mu);
+      grant_shared(dev_mapped);
+      for (auto& m : dm) {
+        bool any = false;
+        for (auto& s : steps) any = any || (s.copy && &engine(s.from, s.to) == m.get());
+        if (!any) continue;
+        std::lock_guard l(m->st_mu);
         for (auto& s : steps)
-          if (s.copy) st->copy(mirror(s.to, s.page), mirror(s.from, s.page), page);
-        f.done = st->record();
+          if (s.copy && &engine(s.from, s.to) == m.get()) m->st->copy(mirror(s.to, s.page), mirror(s.from, s.page), page);
+        f.done.push_back(m->st->record());
       }
     } catch (...) {
       rollback(f);
@@ -452,9 +514,10 @@ struct address_space::impl final : page_mover {
       flights.erase(it);
     }
     try {
-      if (f.done) {
+      if (!f.done.empty()) {
         timed tm{t.copy_wait};
-        f.done->wait(deadline_after(o.deadline));
+        auto until = deadline_after(o.deadline);
+        for (auto& e : f.done) e->wait(until);
       }
       std::vector<std::uint64_t> hm, hc;  // host targets: for the device only / for the CPU as well
       for (std::size_t i = 0; i < f.steps.size(); ++i) {
@@ -474,12 +537,14 @@ struct address_space::impl final : page_mover {
 
   // Puts a failed batch's pages back as they were: old mappings, no memory at `to`.
   void rollback(flight& f) noexcept {
-    if (f.done) {
-      try {
-        std::lock_guard l(st_mu);
-        st->synchronize(deadline_after(o.deadline));  // nothing may still write into memory given back
-      } catch (const std::exception& e) {
-        log::error("vm", "{}: copies of a failed migration batch: {}", dev.id(), e.what());
+    if (!f.done.empty()) {
+      for (auto& m : dm) {
+        try {
+          std::lock_guard l(m->st_mu);
+          m->st->synchronize(deadline_after(o.deadline));  // nothing may still write into memory given back
+        } catch (const std::exception& e) {
+          log::error("vm", "{}: copies of a failed migration batch: {}", m->st->owner().id(), e.what());
+        }
       }
     }
     for (std::size_t i = 0; i < f.steps.size(); ++i) {
@@ -528,6 +593,12 @@ struct address_space::impl final : page_mover {
     --it;
     if (p >= it->first + it->second) return p + 1;
     return std::min(it->first + it->second, p + ahead);
+  }
+
+  std::string device_list() const {
+    std::string r;
+    for (auto* d : devs) r += (r.empty() ? "" : ", ") + d->id();
+    return r;
   }
 
   std::pair<std::uint64_t, std::uint64_t> pages_of(const void* p, std::uint64_t bytes, const char* op) {
@@ -581,7 +652,10 @@ void unified_client::unpin(std::uint64_t, std::uintptr_t base, std::uint64_t siz
   }
 }
 
-address_space::address_space(device& dev, std::uint64_t bytes, space_options o) : impl_(std::make_unique<impl>(dev, bytes, o)) {}
+address_space::address_space(device& dev, std::uint64_t bytes, space_options o)
+    : impl_(std::make_unique<impl>(std::vector<device*>{&dev}, bytes, o)) {}
+address_space::address_space(std::span<device* const> devs, std::uint64_t bytes, space_options o)
+    : impl_(std::make_unique<impl>(std::vector<device*>(devs.begin(), devs.end()), bytes, o)) {}
 address_space::~address_space() = default;
 
 void* address_space::alloc(std::uint64_t bytes) {
@@ -612,20 +686,41 @@ void address_space::free(void* p) {
     I.used_ranges.erase(it);
   }
   // Give the device memory back: drop device copies (kept on host until the page is reused).
-  for (std::uint64_t pg = first; pg < first + n; ++pg) I.table->dontneed(pg, dev_loc, deadline_after(I.o.deadline));
+  for (std::uint64_t pg = first; pg < first + n; ++pg)
+    for (std::size_t k = 0; k < I.devs.size(); ++k) I.table->dontneed(pg, loc_of(k), deadline_after(I.o.deadline));
   I.trim();
 }
 
 void address_space::advise(void* p, std::uint64_t bytes, advice a, memory_kind where) {
+  advise(p, bytes, a, ferry::location{where, -1});
+}
+
+void address_space::advise(void* p, std::uint64_t bytes, advice a, ferry::location where) {
   auto& I = *impl_;
   auto [first, end] = I.pages_of(p, bytes, "vm.advise");
-  location at = where == memory_kind::host ? host : dev_loc;
+  // The page table's location: host 0, device k of the space k + 1 (id -1: the first device).
+  location at = host;
+  if (where.kind == memory_kind::device) {
+    at = -1;
+    for (std::size_t k = 0; k < I.devs.size(); ++k)
+      if (where.id == -1 ? k == 0 : I.devs[k]->info().ordinal == where.id) at = loc_of(k);
+    if (at < 0)
+      fail(errc::invalid_argument, "vm.advise", fmt::format("{}:{}", I.dev.info().backend, where.id),
+           fmt::format("not a device of this address space ({})", I.device_list()));
+  }
   if (a == advice::prefetch) return I.table->prefetch_range(first, end, at, I.o.batch, I.o.deadline);
   for (std::uint64_t pg = first; pg < end; ++pg) {
     auto until = deadline_after(I.o.deadline);
     switch (a) {
       case advice::prefetch: I.table->prefetch(pg, at, until); break;
-      case advice::dontneed: I.table->dontneed(pg, dev_loc, until); break;
+      case advice::dontneed:
+        // A device's copy; without a device named (id -1) every device's.
+        if (where.kind == memory_kind::device && where.id != -1) {
+          I.table->dontneed(pg, at, until);
+        } else {
+          for (std::size_t k = 0; k < I.devs.size(); ++k) I.table->dontneed(pg, loc_of(k), until);
+        }
+        break;
       case advice::read_mostly: I.table->set_read_mostly(pg, true); break;
       case advice::no_read_mostly: I.table->set_read_mostly(pg, false); break;
       case advice::preferred_location: I.table->set_preferred(pg, at); break;
@@ -637,7 +732,8 @@ void* address_space::base() const noexcept { return impl_->shared.base(); }
 std::uint64_t address_space::size() const noexcept { return impl_->shared.size(); }
 std::uint64_t address_space::page_bytes() const noexcept { return impl_->page; }
 void address_space::attach_stream(stream& s) {
-  if (&s.owner() != &impl_->dev) fail(errc::invalid_argument, "vm.stream", s.owner().id(), "a stream of another device than the space's " + impl_->dev.id());
+  if (std::find(impl_->devs.begin(), impl_->devs.end(), &s.owner()) == impl_->devs.end())
+    fail(errc::invalid_argument, "vm.stream", s.owner().id(), "a stream of another device than the space's (" + impl_->device_list() + ")");
   std::lock_guard l(impl_->streams_mu);
   if (std::find(impl_->streams.begin(), impl_->streams.end(), &s) == impl_->streams.end()) impl_->streams.push_back(&s);
 }
@@ -652,7 +748,18 @@ space_timings address_space::timings() const noexcept {
   auto& t = impl_->t;
   return {t.quiesce.load(), t.allocate.load(), t.unmap.load(), t.map.load(), t.access.load(), t.copy_wait.load()};
 }
-std::uint64_t address_space::device_capacity() const noexcept { return impl_->cap * impl_->page; }
+std::uint64_t address_space::device_capacity() const noexcept { return impl_->cap[0] * impl_->page; }
+std::uint64_t address_space::device_capacity(const device& d) const {
+  for (std::size_t k = 0; k < impl_->devs.size(); ++k)
+    if (impl_->devs[k] == &d) return impl_->cap[k] * impl_->page;
+  fail(errc::invalid_argument, "vm.space", d.id(), "not a device of this address space (" + impl_->device_list() + ")");
+}
+std::vector<device*> address_space::devices() const { return impl_->devs; }
+std::uint64_t address_space::resident(const device& d) const {
+  for (std::size_t k = 0; k < impl_->devs.size(); ++k)
+    if (impl_->devs[k] == &d) return impl_->table->resident(loc_of(k));
+  fail(errc::invalid_argument, "vm.space", d.id(), "not a device of this address space (" + impl_->device_list() + ")");
+}
 
 space_options space_options::from(const settings& s) {
   space_options o;

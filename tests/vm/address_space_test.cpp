@@ -242,6 +242,105 @@ TEST(VmSpace, DontneedThenCpuReadAndReadMostlyInvalidation) {
   as.free(p);
 }
 
+// One space over two devices: every pointer is valid on the CPU and on both; pages move between
+// host and either device and from one device to the other; each device reads pages living on the
+// other (peer access); READ_MOSTLY copies on both devices are invalidated by a CPU write; each device
+// has its own cap.
+TEST(VmSpace, TwoDevicesShareOnePointer) {
+  runtime rt(sim_cfg());
+  device& d0 = rt.devices().get("sim:0");
+  device& d1 = rt.devices().get("sim:1");
+  device* both[] = {&d0, &d1};
+  vm::space_options o;
+  o.device_capacity = 6 * (64 << 10);
+  o.thrash_lapse = {};
+  vm::address_space as(both, 32 * (64 << 10), o);
+  EXPECT_EQ(as.devices().size(), 2u);
+  EXPECT_EQ(as.device_capacity(d1), 6u * (64 << 10));
+  const std::size_t pg = as.page_bytes(), n = 4 * pg;
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  fill(p, n, 17);  // first touch on the CPU: host pages
+  const auto want = sum(p, n);
+  auto s0 = d0.create_stream(), s1 = d1.create_stream();
+  as.attach_stream(*s0);
+  as.attach_stream(*s1);
+  auto dsum = [&](stream& s) {
+    std::uint64_t r = 0;
+    s.checksum(p, n, &r);
+    s.synchronize();
+    return r;
+  };
+  EXPECT_EQ(dsum(*s0), want) << "sim:0 reads host-resident pages";
+  EXPECT_EQ(dsum(*s1), want) << "sim:1 reads them too";
+
+  as.advise(p, n, vm::advice::prefetch, location::on_device(1));
+  EXPECT_EQ(as.resident(d1), 4u);
+  EXPECT_EQ(as.resident(d0), 0u);
+  EXPECT_EQ(as.stats().migrations_h2d, 4u);
+  EXPECT_EQ(dsum(*s1), want) << "sim:1 reads its own memory";
+  EXPECT_EQ(dsum(*s0), want) << "sim:0 reads pages living on sim:1 (peer access)";
+
+  as.advise(p, n, vm::advice::prefetch, location::on_device(0));
+  EXPECT_EQ(as.resident(d0), 4u);
+  EXPECT_EQ(as.resident(d1), 0u);
+  EXPECT_EQ(as.stats().migrations_d2d, 4u) << "device to device, not through the host";
+  EXPECT_EQ(dsum(*s1), want);
+
+  s1->fill_pattern(p, n, 23);  // sim:1 writes pages living on sim:0
+  s1->synchronize();
+  EXPECT_EQ(sum(p, n), pattern_checksum(n, 23)) << "the CPU reads what sim:1 wrote (fault path)";
+
+  // READ_MOSTLY: a copy on each device and the host; a CPU write leaves the host's alone.
+  as.advise(p, pg, vm::advice::read_mostly);
+  as.advise(p, pg, vm::advice::prefetch, location::on_device(0));
+  as.advise(p, pg, vm::advice::prefetch, location::on_device(1));
+  EXPECT_EQ(as.pages().snapshot(0).valid, 7u) << "host, sim:0 and sim:1 hold copies";
+  p[5] = std::byte{0x5a};
+  EXPECT_EQ(as.pages().snapshot(0).valid, 1u);
+  EXPECT_GE(as.stats().invalidations, 2u);
+  as.advise(p, pg, vm::advice::prefetch, location::on_device(1));
+  std::vector<std::byte> back(pg);
+  s0->copy(back.data(), p, pg);  // sim:0's engine reads the page on sim:1
+  s0->synchronize();
+  EXPECT_EQ(back[5], std::byte{0x5a});
+  as.advise(p, pg, vm::advice::no_read_mostly);
+
+  // DONTNEED on one device; the other keeps its pages.
+  as.advise(p, n, vm::advice::prefetch, location::on_device(0));
+  as.advise(p + pg, pg, vm::advice::prefetch, location::on_device(1));
+  as.advise(p, n, vm::advice::dontneed, location::on_device(0));
+  EXPECT_EQ(as.resident(d0), 0u);
+  EXPECT_EQ(as.resident(d1), 1u);
+
+  // Each device has its own cap: 10 pages on sim:1 evict, none on sim:0.
+  auto* q = static_cast<std::byte*>(as.alloc(10 * pg));
+  fill(q, 10 * pg, 29);
+  const auto wq = sum(q, 10 * pg);
+  as.advise(q, 10 * pg, vm::advice::prefetch, location::on_device(1));
+  EXPECT_LE(as.resident(d1), 6u);
+  EXPECT_GE(as.stats().evictions, 4u);
+  EXPECT_EQ(sum(q, 10 * pg), wq);
+
+  // Bad input names what was wrong.
+  EXPECT_THAT(test::error_text([&] { as.advise(p, pg, vm::advice::prefetch, location::on_device(5)); }),
+              HasSubstr("not a device of this address space (sim:0, sim:1)"));
+  device* twice[] = {&d0, &d0};
+  EXPECT_THAT(test::error_text([&] { vm::address_space bad(twice, 4 * pg); }), HasSubstr("given twice"));
+  as.detach_stream(*s0);
+  as.detach_stream(*s1);
+  as.free(q);
+  as.free(p);
+  EXPECT_EQ(as.resident(d0) + as.resident(d1), 0u);
+}
+
+TEST(VmSpace, DevicesWithoutPeerAccessCannotShareASpace) {
+  settings c = sim_cfg();
+  c.sim_peer = false;
+  runtime rt(c);
+  device* both[] = {&rt.devices().get("sim:0"), &rt.devices().get("sim:1")};
+  EXPECT_THAT(test::error_text([&] { vm::address_space as(both, 4 * (64 << 10)); }), HasSubstr("FERRY_SIM_PEER=0"));
+}
+
 // Attached streams: their queued work completes before a migration copies or remaps (the data the
 // CPU faults in is the finished fill). The sim backend runs work in order, so this cannot show the
 // race itself -- tests/vm/gpu_vm_test.cpp does, on independent CUDA streams.

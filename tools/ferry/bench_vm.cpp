@@ -454,6 +454,60 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   }
   rows = {pre_gpu, pre_host, host_touch, touch_back, gpu_stream};
 
+  // ---- two devices: pages moved GPU to GPU (a space over both) vs UVM's prefetch between them ----
+  device* peer = nullptr;
+  try {
+    peer = &rt.devices().get(fmt::format("{}:{}", dev.info().backend, dev.info().ordinal + 1));
+    if (!rt.devices().peer(dev, *peer).access) peer = nullptr;
+  } catch (const error&) {
+    peer = nullptr;
+  }
+  if (peer && peer->memory().free && n + (uvm ? 1ull << 30 : 0) > peer->memory().free) peer = nullptr;  // too small to hold the test
+  if (!peer) fmt::print("two-device test skipped: no second {} device with peer access and room\n", dev.info().backend);
+  if (peer) {
+    row d2d{fmt::format("prefetch {} -> {} and back", dev.id(), peer->id()), "UVM cudaMemPrefetchAsync", {}, {}, 0};
+    const int po = peer->info().ordinal;
+    if (uvm) {
+      void* u = nullptr;
+      cr.check(cr.set_device(ordinal), "cudaSetDevice");
+      cr.check(cr.malloc_managed(&u, n, 1), "cudaMallocManaged");
+      fill(static_cast<std::byte*>(u), n, 3);
+      auto to = [&](int dev_ordinal) {
+        cr.check(cr.prefetch(u, n, {1, dev_ordinal}, 0, nullptr), "cudaMemPrefetchAsync");
+        cr.check(cr.sync(), "cudaDeviceSynchronize");
+      };
+      to(ordinal);
+      for (int r = 0; r < o.rounds; ++r) d2d.base.push_back(gbps(2 * n, timed([&] { to(po), to(ordinal); })));
+      cr.check(cr.free_(u), "cudaFree(managed)");
+    }
+    auto so = vm::space_options::from(rt.config());
+    so.device_capacity = std::max(so.device_capacity, n);
+    device* both[] = {&dev, peer};
+    vm::address_space as(both, n, so);
+    auto pst = peer->create_stream();
+    as.attach_stream(*st);
+    as.attach_stream(*pst);
+    auto* b = static_cast<std::byte*>(as.alloc(n));
+    fill(b, n, 3);
+    const std::uint64_t sum = checksum64(b, n);
+    as.advise(b, n, vm::advice::prefetch, location::on_device(ordinal));
+    for (int r = 0; r < o.rounds; ++r)
+      d2d.ferry.push_back(gbps(2 * n, timed([&] {
+        as.advise(b, n, vm::advice::prefetch, location::on_device(po));
+        as.advise(b, n, vm::advice::prefetch, location::on_device(ordinal));
+      })));
+    std::uint64_t got = 0;
+    as.advise(b, n, vm::advice::prefetch, location::on_device(po));
+    st->checksum(b, n, &got);  // the first device reads the pages on the second
+    st->synchronize();
+    check_sum("ferry two-device prefetch", got, sum);
+    fmt::print("two devices: {} pages moved device to device ({} through the host)\n", as.stats().migrations_d2d,
+               as.stats().migrations_d2h);
+    as.detach_stream(*st);
+    as.detach_stream(*pst);
+    rows.push_back(d2d);
+  }
+
   // ---- ferry streaming at 2x its cap vs pinned cudaMemcpy ----
   // The same stream (windows of a quarter of the cap prefetched in turn, each read by a kernel on an
   // attached stream) in two spaces: one where every PREFETCH migrates (thrashing mitigation off:

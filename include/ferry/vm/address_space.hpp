@@ -20,7 +20,11 @@
 //    mapped before their copies, host targets after, access set per run, and the next batch's copies
 //    are queued before this one's host mappings are made.
 //  - Policy (coherence, capacity, eviction, hints) is the page_table's.
-// Not yet: several devices per space. Streams that work on the space must be attached
+// Several devices per space (all of one backend, with peer access between them): every page is
+// mapped for all of them, a device-resident page lives in one device's memory (or, READ_MOSTLY, in
+// several) and the others read it over NVLink / PCIe peer-to-peer; PREFETCH names the device. The
+// first device reserves the ranges and makes every chunk (device::allocate on a peer); each device's
+// own copy engines move pages to it. Streams that work on the space must be attached
 // (attach_stream): migrations wait for them. With space_options::cache the space is a peer-memory
 // client of that registration cache: memory type `unified`, pages pinned in place (and made
 // exclusive) only while a transfer holds the registration; the space's memory is invalidated in the
@@ -32,6 +36,8 @@
 #include <ferry/vm/page_table.hpp>
 
 #include <memory>
+#include <span>
+#include <vector>
 
 namespace ferry::vm {
 
@@ -72,6 +78,11 @@ class FERRY_API address_space {
  public:
   // Reserves `bytes` (rounded up to the device granularity) of shared address space on `dev`.
   address_space(device& dev, std::uint64_t bytes, space_options o = {});
+  // A space over several devices of one backend (the first reserves): pointers are valid on the CPU
+  // and on each of them. Throws invalid_argument for mixed backends, a device given twice or unequal
+  // granularities, not_supported when two of them have no peer access. The devices must outlive it.
+  // space_options::device_capacity applies to each device.
+  address_space(std::span<device* const> devs, std::uint64_t bytes, space_options o = {});
   ~address_space();
   address_space(const address_space&) = delete;
   address_space& operator=(const address_space&) = delete;
@@ -80,8 +91,10 @@ class FERRY_API address_space {
   // the space has no room.
   void* alloc(std::uint64_t bytes);
   void free(void* p);
-  // Hints for [p, p+bytes): prefetch to `where` (host or the device), drop the device copy
-  // (dontneed), read duplication on/off, preferred location.
+  // Hints for [p, p+bytes): prefetch to `where` (host or one of the space's devices, by ordinal; id -1:
+  // the first), drop the device copy (dontneed: that device's, or with id -1 every device's), read
+  // duplication on/off, preferred location. A device not in the space is invalid_argument.
+  void advise(void* p, std::uint64_t bytes, advice a, ferry::location where);
   void advise(void* p, std::uint64_t bytes, advice a, memory_kind where = memory_kind::device);
 
   void* base() const noexcept;
@@ -96,7 +109,10 @@ class FERRY_API address_space {
   vm_stats stats() const;
   std::uint64_t cpu_faults() const noexcept;  // faults resolved for the CPU by the service thread
   space_timings timings() const noexcept;
-  std::uint64_t device_capacity() const noexcept;  // bytes
+  std::uint64_t device_capacity() const noexcept;  // bytes, of the first device
+  std::uint64_t device_capacity(const device& d) const;  // bytes, of one of the space's devices
+  std::vector<device*> devices() const;  // the first one first
+  std::uint64_t resident(const device& d) const;  // pages with a valid copy on d
 
   struct impl;
 
