@@ -126,7 +126,7 @@ struct address_space::impl final : page_mover {
   device& dev;
   space_options o;
   std::uint64_t page = 0, npages = 0;
-  std::vector<std::uint64_t> cap;           // per device: pages it may hold
+  std::vector<std::uint64_t> cap;           // per page-table location: pages it may hold (0, the host: unused)
   va_range shared, host_mirror;             // host mirror: per page
   // Per device k: its pool of slots (device chunks, mapped in pool[k] at their index) and which slot
   // each page uses there (-1: none; the page's lock). A page may have copies on several devices
@@ -222,7 +222,7 @@ struct address_space::impl final : page_mover {
     zero = dev.allocate(page, ferry::location::on_host());
     map_mirror(host_mirror.at(npages * page), zero, true);
     std::memset(host_mirror.at(npages * page), 0, page);
-    std::vector<std::uint64_t> caps{0};
+    cap.push_back(0);
     for (auto* d : devs) {
       std::uint64_t bytes_cap = o.device_capacity;
       if (bytes_cap == 0) {
@@ -234,9 +234,8 @@ struct address_space::impl final : page_mover {
       expects(bytes_cap / page > 0, "vm.space", d->id(),
               fmt::format("device capacity {} bytes is below one page of {} (device free memory minus the reserve?)", bytes_cap, page));
       cap.push_back(bytes_cap / page);
-      caps.push_back(bytes_cap / page);
     }
-    table = std::make_unique<page_table>(npages, page, caps, o.policy, *this, thrash_policy{o.thrash_lapse, o.thrash_hold});
+    table = std::make_unique<page_table>(npages, page, cap, o.policy, *this, thrash_policy{o.thrash_lapse, o.thrash_hold});
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) fail_errno(errno, "vm.space", "fault pipe");
     pipe_rd = fds[0];
@@ -748,10 +747,10 @@ space_timings address_space::timings() const noexcept {
   auto& t = impl_->t;
   return {t.quiesce.load(), t.allocate.load(), t.unmap.load(), t.map.load(), t.access.load(), t.copy_wait.load()};
 }
-std::uint64_t address_space::device_capacity() const noexcept { return impl_->cap[0] * impl_->page; }
+std::uint64_t address_space::device_capacity() const noexcept { return impl_->cap[loc_of(0)] * impl_->page; }
 std::uint64_t address_space::device_capacity(const device& d) const {
   for (std::size_t k = 0; k < impl_->devs.size(); ++k)
-    if (impl_->devs[k] == &d) return impl_->cap[k] * impl_->page;
+    if (impl_->devs[k] == &d) return impl_->cap[loc_of(k)] * impl_->page;
   fail(errc::invalid_argument, "vm.space", d.id(), "not a device of this address space (" + impl_->device_list() + ")");
 }
 std::vector<device*> address_space::devices() const { return impl_->devs; }
