@@ -49,6 +49,21 @@ class DeviceConformance : public ::testing::Test {
  protected:
   device& dev() { return g_registry->get(g_backend + ":0"); }
   std::uint64_t gran() { return dev().granularity(); }
+  // The second device of the backend when it has peer access with the first; else null and why.
+  device* peer(std::string& why) {
+    device* other = nullptr;
+    try {
+      other = &g_registry->get(g_backend + ":1");
+    } catch (const error&) {
+      why = "only one " + g_backend + " device";
+      return nullptr;
+    }
+    if (!g_registry->peer(dev(), *other).access) {
+      why = "no peer access between " + dev().id() + " and " + other->id();
+      return nullptr;
+    }
+    return other;
+  }
 };
 
 TEST_F(DeviceConformance, InfoIsFilledIn) {
@@ -265,14 +280,9 @@ TEST_F(DeviceConformance, RangeReleaseUnmapsWhatIsLeft) {
 }
 
 TEST_F(DeviceConformance, PeerCopyWhenASecondDeviceExists) {
-  device* other = nullptr;
-  try {
-    other = &g_registry->get(g_backend + ":1");
-  } catch (const error&) {
-    GTEST_SKIP() << "only one " << g_backend << " device";
-  }
-  peer_info p = g_registry->peer(dev(), *other);
-  if (!p.access) GTEST_SKIP() << "no peer access between " << dev().id() << " and " << other->id();
+  std::string why;
+  device* other = peer(why);
+  if (!other) GTEST_SKIP() << why;
   mapped_region mine(dev(), 2);
   // Memory of the other device, granted to both.
   va_range va = other->reserve(mine.size());
@@ -297,22 +307,17 @@ TEST_F(DeviceConformance, PeerCopyWhenASecondDeviceExists) {
 }
 
 TEST_F(DeviceConformance, PeerMemoryMapsInThisDevicesRangeForBothDevices) {
-  device* other = nullptr;
-  try {
-    other = &g_registry->get(g_backend + ":1");
-  } catch (const error&) {
-    GTEST_SKIP() << "only one " << g_backend << " device";
-  }
-  peer_info p = g_registry->peer(dev(), *other);
-  if (!p.access) GTEST_SKIP() << "no peer access between " << dev().id() << " and " << other->id();
-  const int peer = other->info().ordinal;
+  std::string why;
+  device* other = peer(why);
+  if (!other) GTEST_SKIP() << why;
+  const int peer_ordinal = other->info().ordinal;
   std::uint64_t g = gran();
   auto before = other->memory().free;
   // One range of this device: a chunk of its own memory, then one of the peer's.
   va_range va = dev().reserve(2 * g);
   physical_chunk mine = dev().allocate(g);
-  physical_chunk theirs = dev().allocate(g, location::on_device(peer));
-  EXPECT_EQ(theirs.where().id, peer);
+  physical_chunk theirs = dev().allocate(g, location::on_device(peer_ordinal));
+  EXPECT_EQ(theirs.where().id, peer_ordinal);
   EXPECT_EQ(theirs.owner(), &dev()) << "the chunk is this device's to map";
   if (g_backend == "sim") {
     EXPECT_EQ(other->memory().free, before - g) << "it counts against the peer's memory";
@@ -320,7 +325,7 @@ TEST_F(DeviceConformance, PeerMemoryMapsInThisDevicesRangeForBothDevices) {
   dev().map(va.at(0), mine);
   dev().map(va.at(g), theirs);
   access_desc both[] = {{location::on_device(dev().info().ordinal), access::read_write},
-                        {location::on_device(peer), access::read_write}};
+                        {location::on_device(peer_ordinal), access::read_write}};
   dev().set_access(va.base(), va.size(), both);
   auto src = random_words(2 * g / 8, 91);
   auto s = dev().create_stream();
