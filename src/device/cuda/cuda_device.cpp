@@ -147,7 +147,13 @@ class cuda_device final : public device {
       p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
       p.location.id = where.id >= 0 ? where.id : info_.ordinal;
       CUdevice d = dev_;
-      if (p.location.id != info_.ordinal) check(api_.cuDeviceGet(&d, p.location.id), "device.allocate", fmt::format("{} peer cuda:{}", id(), p.location.id));
+      if (p.location.id != info_.ordinal) {  // a peer's memory, to map here: only with peer access
+        std::string res = fmt::format("{} location=cuda:{}", id(), p.location.id);
+        int can = 0;
+        check(api_.cuDeviceGet(&d, p.location.id), "device.allocate", res);
+        check(api_.cuDeviceCanAccessPeer(&can, dev_, d), "device.allocate", res);
+        if (!can) fail(errc::not_supported, "device.allocate", res, "the GPUs have no peer access: this device cannot map the peer's memory");
+      }
       int rdma = 0;
       if (api_.cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, d) ==
               CUDA_SUCCESS && rdma)
@@ -176,15 +182,6 @@ class cuda_device final : public device {
   std::uint64_t do_allocate(std::uint64_t bytes, location where) override {
     make_current();
     CUmemAllocationProp p = device_prop(where);
-    if (where.kind == memory_kind::device && p.location.id != info_.ordinal) {
-      CUdevice peer = 0;
-      int can = 0;
-      check(api_.cuDeviceGet(&peer, p.location.id), "device.allocate", fmt::format("{} peer cuda:{}", id(), p.location.id));
-      check(api_.cuDeviceCanAccessPeer(&can, dev_, peer), "device.allocate", fmt::format("{} peer cuda:{}", id(), p.location.id));
-      if (!can)
-        fail(errc::not_supported, "device.allocate", fmt::format("{} bytes={} location=cuda:{}", id(), bytes, p.location.id),
-             "the GPUs have no peer access: this device cannot map the peer's memory");
-    }
     CUmemGenericAllocationHandle h = 0;
     check(api_.cuMemCreate(&h, bytes, &p, 0), "device.allocate",
           fmt::format("{} bytes={} location={}", id(), bytes,
