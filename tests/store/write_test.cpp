@@ -157,6 +157,7 @@ TEST(StoreWrite, ManyOutstandingRequestsOnOneConnection) {
       EXPECT_EQ(std::memcmp(fb.data(), data.data() + rs[k].first, fb.size()), 0);
     }
     EXPECT_GT(s.srv->stats().inline_replies, 0u) << "small reads were answered inline";
+    EXPECT_GT(s.srv->stats().mapped_reads, 0u) << "small reads of a file that did not change came from its mapping";
     EXPECT_THAT(test::error_text([&] { c.finish(12345); }), HasSubstr("unknown or already finished"));
   }
 }

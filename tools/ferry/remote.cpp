@@ -58,8 +58,8 @@ int run_serve(runtime& rt, const serve_options& o) {
     if (sig == SIGTERM || sig == SIGINT) break;
     if (sig == SIGUSR1) {
       auto st = srv.stats();
-      fmt::print("ferry serve: {} connections ({} live), {} requests ({} reads, {} inline, {} writes), {} sent, {} received, {} errors\n",
-                 st.connections, st.live_sessions, st.requests, st.reads, st.inline_replies, st.writes,
+      fmt::print("ferry serve: {} connections ({} live), {} requests ({} reads, {} inline ({} mapped), {} writes), {} sent, {} received, {} errors\n",
+                 st.connections, st.live_sessions, st.requests, st.reads, st.inline_replies, st.mapped_reads, st.writes,
                  format_size(st.bytes_sent), format_size(st.bytes_received), st.errors);
       std::fflush(stdout);
     }

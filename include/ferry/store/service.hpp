@@ -53,6 +53,7 @@ struct server_options {
 struct server_stats {
   std::uint64_t connections = 0, requests = 0, reads = 0, writes = 0, bytes_sent = 0, bytes_received = 0, errors = 0;
   std::uint64_t inline_replies = 0;  // small reads answered in one message
+  std::uint64_t mapped_reads = 0;    // of those, read from the file's mapping (no system call)
   std::uint64_t live_sessions = 0;   // connections not yet gone
   std::uint64_t write_buffered = 0;  // write bytes held now (bounded by max_write_buffer)
   std::uint64_t direct_reads = 0, direct_writes = 0;  // served straight into/out of a client's mapped region
