@@ -143,10 +143,16 @@ void am_send(connection& conn, unsigned id, send_ctx* c, const void* header, std
 
 void connection::send_frame(const message& m) {
   if (!alive_) fail(errc::network_error, "net.send", peer_, "connection lost: " + failure());
-  auto* c = new send_ctx{encode(m), nullptr};
+  auto buf = encode(m);
+  // Frames are always eager: the receiver handles them whole, never by rendezvous. The frame is
+  // the message's data (id am_frame), not its header.
+  if (int how = w_.enter()) {
+    w_.send_owned(*this, am_frame, std::move(buf), 0);
+    w_.leave(how, true);
+    return;
+  }
   auto self = shared_from_this();
-  // Frames are always eager: the receiver handles them whole, never by rendezvous.
-  w_.run_or_post([self, c] { am_send(*self, am_frame, c, nullptr, 0, c->buf.data(), c->buf.size(), UCP_AM_SEND_FLAG_EAGER); }, true);
+  w_.post([self, b = std::move(buf)]() mutable { self->worker().send_owned(*self, am_frame, std::move(b), 0); });
 }
 
 void connection::send_data(std::uint64_t rid, std::uint64_t off, const void* data, std::size_t n,
@@ -168,11 +174,13 @@ void connection::send_reply(const message& m, const void* data, std::size_t n) {
 void connection::send_reply(std::vector<std::byte> buf, std::size_t hl) {
   if (!alive_) fail(errc::network_error, "net.send", peer_, "connection lost: " + failure());
   if (hl > buf.size()) fail(errc::invalid_argument, "net.send", peer_, "reply frame longer than its buffer");
-  auto* c = new send_ctx{std::move(buf), nullptr};
+  if (int how = w_.enter()) {
+    w_.send_owned(*this, am_reply, std::move(buf), hl);
+    w_.leave(how, true);
+    return;
+  }
   auto self = shared_from_this();
-  w_.run_or_post([self, c, hl] {
-    am_send(*self, am_reply, c, c->buf.data(), hl, c->buf.data() + hl, c->buf.size() - hl, UCP_AM_SEND_FLAG_EAGER);
-  }, true);
+  w_.post([self, b = std::move(buf), hl]() mutable { self->worker().send_owned(*self, am_reply, std::move(b), hl); });
 }
 
 std::string connection::transports() {
@@ -553,32 +561,77 @@ void ucx_worker::post(std::function<void()> f) {
 }
 
 void ucx_worker::run_or_post(std::function<void()> f, bool settles) {
+  if (int how = enter()) {
+    f();
+    leave(how, settles);
+    return;
+  }
+  post(std::move(f));
+}
+
+int ucx_worker::enter() {
   if (owner_.load(std::memory_order_relaxed) == std::this_thread::get_id()) {
-    if (nposted_.load(std::memory_order_acquire) == 0) return f();
-    return post(std::move(f));
+    // Already the holder (a callback, the progress thread): run now unless posted work is waiting
+    // (order is kept by posting behind it).
+    return nposted_.load(std::memory_order_acquire) != 0 ? 0 : entered_holder;
   }
   // Ask the progress thread to let this thread in, and wait for the worker a bounded while (the
   // progress thread looks at callers_ between progress calls; a caller that drives holds it
   // longer): posting instead would hand the send to the other thread.
-  struct announced {
-    std::atomic<int>& n;
-    explicit announced(std::atomic<int>& c) : n(c) { n.fetch_add(1, std::memory_order_seq_cst); }
-    ~announced() { n.fetch_sub(1, std::memory_order_seq_cst); }
-  } a(callers_);
-  std::unique_lock l(ucx_mu_, std::defer_lock);
-  for (int i = 0; i < 256 && !l.try_lock(); ++i) cpu_relax();
-  if (!l.owns_lock()) return post(std::move(f));
+  callers_.fetch_add(1, std::memory_order_seq_cst);
+  int i = 0;
+  while (!ucx_mu_.try_lock()) {
+    if (++i >= 256) {
+      callers_.fetch_sub(1, std::memory_order_seq_cst);
+      return 0;
+    }
+    cpu_relax();
+  }
   lock_owner();
-  struct disowned {
-    ucx_worker& w;
-    ~disowned() { w.unlock_owner(); }
-  } d{*this};  // released before the lock (and the announcement) go
-  drain_posted();  // earlier work first
-  f();
-  // Push what f started (the progress thread may be asleep), unless it finished at once.
+  try {
+    drain_posted();  // earlier work first
+  } catch (...) {
+    unlock_owner();
+    ucx_mu_.unlock();
+    callers_.fetch_sub(1, std::memory_order_seq_cst);
+    throw;
+  }
+  return entered_took;
+}
+
+void ucx_worker::leave(int how, bool settles) {
+  if (how != entered_took) return;
+  // Push what was started (the progress thread may be asleep), unless it finished at once.
   if (!settles || pending_ > 0)
     while (ucp_worker_progress(worker_) != 0) {
     }
+  unlock_owner();  // released before the lock (and the announcement) go
+  ucx_mu_.unlock();
+  callers_.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void ucx_worker::owned_send_cb(void* request, ucs_status_t, void* user) {
+  auto* w = static_cast<ucx_worker*>(user);
+  w->held_.erase(request);
+  w->pending_op(-1);
+  ucp_request_free(request);
+}
+
+void ucx_worker::send_owned(connection& c, unsigned id, std::vector<std::byte>&& buf, std::size_t hl) {
+  if (!c.alive() || !c.ep) return;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = owned_send_cb;
+  p.user_data = this;
+  p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+  ucs_status_ptr_t r = ucp_am_send_nbx(c.ep, id, buf.data(), hl, buf.data() + hl, buf.size() - hl, &p);
+  if (r == nullptr) return;  // sent (copied out): the buffer may go
+  if (UCS_PTR_IS_ERR(r)) {
+    c.mark_failed("send failed: " + status_text(UCS_PTR_STATUS(r)));
+    return;
+  }
+  held_.emplace(r, std::move(buf));  // moving a vector keeps its bytes where UCX points
+  pending_op(+1);
 }
 
 void ucx_worker::progress_once() {

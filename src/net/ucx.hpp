@@ -30,6 +30,7 @@
 #include <string>
 #include <span>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace ferry::net {
@@ -202,6 +203,20 @@ class ucx_worker {
   // operation (pending_op): then no progress call follows it here (one costs a system call when tcp
   // is in the context, a fifth of a shared-memory round trip).
   void run_or_post(std::function<void()> f, bool settles = false);
+  // The same without the std::function (an allocation) when this thread gets the worker: f runs
+  // here and now, or is posted (then it must be copyable and keep what it uses alive).
+  template <typename F>
+  void run_or_post_now(F&& f, bool settles = false) {
+    if (int how = enter()) {
+      f();
+      leave(how, settles);
+      return;
+    }
+    post(std::function<void()>(std::forward<F>(f)));
+  }
+  // Sends [frame (hl bytes) | data] held in `buf` as one eager AM; holder of the worker only. The
+  // buffer is kept (by the worker) only if UCX could not send it at once.
+  void send_owned(connection& c, unsigned id, std::vector<std::byte>&& buf, std::size_t hl);
   // Operations started on the worker that UCX has not completed yet (sends, RMA): +1 when one is
   // left pending, -1 from its completion callback. The worker's holder only.
   void pending_op(int delta) { pending_ += delta; }
@@ -271,6 +286,7 @@ class ucx_worker {
   std::uint64_t wakeups() const { return wakeups_.load(); }
 
  private:
+  friend class connection;  // its sends take the worker with enter()/leave()
   static ucs_status_t am_frame_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                   const ucp_am_recv_param_t* param);
   static ucs_status_t am_reply_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
@@ -280,6 +296,12 @@ class ucx_worker {
   static void conn_cb(ucp_conn_request_h req, void* arg);
   static void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
   void loop();
+  // run_or_post's halves: enter() takes the worker for this thread if it may (non-zero: run now,
+  // then leave() with what enter returned); 0: post instead.
+  static constexpr int entered_holder = 1, entered_took = 2;
+  int enter();
+  void leave(int how, bool settles);
+  static void owned_send_cb(void* request, ucs_status_t status, void* user);
   bool drain_posted();
   void progress_once();  // posted work, then UCX progress until idle (worker held)
   void step_aside(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: let callers have the worker
@@ -302,6 +324,7 @@ class ucx_worker {
   std::mutex ucx_mu_;  // held by whichever thread is inside UCX (serialized worker)
   std::atomic<std::thread::id> owner_{};  // that thread
   std::int64_t pending_ = 0;              // the worker's holder only (see pending_op)
+  std::unordered_map<void*, std::vector<std::byte>> held_;  // buffers of sends UCX has not finished (holder only)
   std::atomic<int> drivers_{0};           // callers driving the worker (drive): the progress thread steps aside and naps
   std::atomic<int> callers_{0};           // callers taking it briefly (run_or_post): the progress thread lets them in
   std::atomic<bool> sleeping_{false};     // the progress thread is (about to be) in epoll: post() must wake it
