@@ -108,6 +108,9 @@ struct client::impl {
   // Whether every lane's server mapped the landing region: recomputed when a lane (re)connects, read
   // per request without a lock.
   std::atomic<bool> all_mapped{false};
+  // Connection failures (and closes) counted, and the count when every lane was last seen alive:
+  // while they are equal, requests skip the per-lane check.
+  std::atomic<std::uint64_t> lane_events{1}, lanes_checked{0};
 
   std::vector<std::unique_ptr<lane>> lanes;  // last: their progress threads (and callbacks) stop first
 
@@ -282,6 +285,7 @@ struct client::impl {
     maybe_settle(pp);
   }
   void conn_failed(connection* cn, const std::string& why) {
+    lane_events.fetch_add(1, std::memory_order_acq_rel);
     std::lock_guard l(mu);
     std::vector<std::shared_ptr<piece>> hit;
     for (auto& [id, p] : pend)
@@ -328,8 +332,13 @@ struct client::impl {
     if (needs_credit) {
       auto pick = [&]() -> lane* {
         lane* best = nullptr;
-        for (auto& x : lanes)
-          if (x->c && x->c->alive() && x->inflight < x->credits && (!best || x->inflight < best->inflight)) best = x.get();
+        for (auto& x : lanes) {
+          if (!x->c || !x->c->alive()) {
+            lane_events.fetch_add(1, std::memory_order_acq_rel);  // the next request reconnects it
+            continue;
+          }
+          if (x->inflight < x->credits && (!best || x->inflight < best->inflight)) best = x.get();
+        }
         return best;
       };
       if (!cv.wait_until(l, until, [&] { return (ln = pick()) != nullptr; }))
@@ -388,6 +397,10 @@ struct client::impl {
   }
 
   void ensure_connected(clk::time_point until) {
+    // Nothing failed or was closed since every lane was last seen alive: no lock, no look at each
+    // lane (this runs per request).
+    std::uint64_t seen = lane_events.load(std::memory_order_acquire);
+    if (seen == lanes_checked.load(std::memory_order_relaxed)) return;
     for (auto& ln : lanes) {
       std::shared_ptr<connection> cn;
       {
@@ -399,6 +412,7 @@ struct client::impl {
       connect(*ln, until);
     }
     connected_once = true;
+    lanes_checked.store(seen, std::memory_order_release);  // a failure since `seen` is looked at next time
   }
   // (Re)connects one lane before `until`. Lane 0 goes to the server's well-known port; the others
   // to the worker ports its welcome named (each server worker listens on its own port), or, when
