@@ -103,11 +103,13 @@ std::uint16_t type_of(const body& b) {
 
 }  // namespace
 
-std::vector<std::byte> encode(const message& m) {
+std::vector<std::byte> encode(const message& m) { return encode(m, 0); }
+
+std::vector<std::byte> encode(const message& m, std::size_t extra) {
   // One buffer, sized for the common small frame up front: a frame is encoded per request, and
   // growing a vector byte by byte would allocate several times each.
   writer p;
-  p.out.reserve(header_size + 96);
+  p.out.reserve(header_size + 96 + extra);
   p.put(frame_magic);
   p.put(protocol_version);
   p.put(type_of(m.b));

@@ -188,7 +188,9 @@ struct server::impl {
         if (workers[i].get() == &c->worker()) per_worker[i]++;
       {
         std::lock_guard l(sess_mu);
-        sessions[c.get()] = std::make_shared<session>();
+        auto& s = sessions[c.get()];
+        s = std::make_shared<session>();
+        c->user = s.get();  // for the small-read path (the map keeps it; cleared when it goes)
       }
       // A client that dies or leaves: its session goes; running jobs hold their own reference.
       connection* raw = c.get();
@@ -199,6 +201,7 @@ struct server::impl {
           auto it = sessions.find(raw);
           if (it != sessions.end()) s = std::move(it->second), sessions.erase(it);
         }
+        raw->user = nullptr;  // runs where the connection's frames are handled (the worker's holder)
         log::info("store", "client {} gone: {}", raw->peer(), why);
       };
       log::info("store", "client {} connected on {}", c->peer(), c->worker().name());
@@ -298,6 +301,23 @@ struct server::impl {
 
   // ---- progress thread: handshake, checks, inline reads; file work goes to the I/O threads ----
   void on_frame(connection& c, message m) {
+    // The hot path first: a small read by a welcomed client, answered here in one message. Same
+    // checks as below, without the session map's lock (the connection points at its session; it
+    // is cleared, on this same serialized worker, when the session goes).
+    if (auto* r = std::get_if<read_req>(&m.b); r && c.user) {
+      auto* fs = static_cast<session*>(c.user);
+      if (fs->welcomed && r->length <= std::min(o.inline_max, o.max_request) &&
+          fs->outstanding.load() < static_cast<int>(o.max_outstanding)) {
+        requests++;
+        reads++;
+        try {
+          read_inline(c, m.request_id, *r);
+        } catch (const error& e) {
+          reply_error(c, m.request_id, e);
+        }
+        return;
+      }
+    }
     auto s = session_of(c);
     if (!s) return;
     std::uint64_t rid = m.request_id;
@@ -522,7 +542,7 @@ struct server::impl {
   void read_inline(connection& c, std::uint64_t rid, const read_req& r) {
     // The reply is built in place: frame, then the file data read straight after it (complete's
     // fields are fixed-size, so the frame is re-encoded in place when the read comes up short).
-    auto buf = encode({rid, 0, complete{0, r.length}});
+    auto buf = encode({rid, 0, complete{0, r.length}}, r.length);
     const std::size_t hl = buf.size();
     buf.resize(hl + r.length);
     auto f = files.get(r.path, false);

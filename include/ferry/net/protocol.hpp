@@ -93,6 +93,8 @@ struct message {
 // Encodes one frame. Throws invalid_argument for values that could not be decoded (a path with a NUL
 // byte or too long, too many entries for max_message).
 FERRY_API std::vector<std::byte> encode(const message& m);
+// The same, with room for `extra` bytes after the frame (a reply's inline data, read in after it).
+FERRY_API std::vector<std::byte> encode(const message& m, std::size_t extra);
 
 // Decodes exactly one frame from `bytes` (header + payload). Throws protocol_error naming the
 // offending field for anything malformed: bad magic, unsupported version, unknown type, truncated or
