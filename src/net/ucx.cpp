@@ -672,10 +672,13 @@ void ucx_worker::reacquire(std::unique_lock<std::mutex>& l, std::chrono::nanosec
         l.unlock();  // a caller arrived meanwhile: it goes first
       }
     }
-    // Naps only while a caller drives (it progresses the worker itself); a brief caller
+    // Naps while a caller drives (it progresses the worker itself), and only naps: polling the
+    // worker's counters and lock here would pull their cache lines away from the caller at every
+    // look, and the caller writes them a few times per request (a cache-line transfer between
+    // cores costs about as much as a small request's whole bookkeeping). A brief caller
     // (run_or_post: a send from an I/O thread) is waited for by polling, so that incoming messages
     // are not left for a nap's length.
-    if (driven && i % 256 == 0) std::this_thread::sleep_for(std::chrono::microseconds(10));
+    if (driven) std::this_thread::sleep_for(std::chrono::microseconds(20));
     else cpu_relax();
   }
   lock_owner();
