@@ -203,17 +203,6 @@ class ucx_worker {
   // operation (pending_op): then no progress call follows it here (one costs a system call when tcp
   // is in the context, a fifth of a shared-memory round trip).
   void run_or_post(std::function<void()> f, bool settles = false);
-  // The same without the std::function (an allocation) when this thread gets the worker: f runs
-  // here and now, or is posted (then it must be copyable and keep what it uses alive).
-  template <typename F>
-  void run_or_post_now(F&& f, bool settles = false) {
-    if (int how = enter()) {
-      f();
-      leave(how, settles);
-      return;
-    }
-    post(std::function<void()>(std::forward<F>(f)));
-  }
   // Sends [frame (hl bytes) | data] held in `buf` as one eager AM; holder of the worker only. The
   // buffer is kept (by the worker) only if UCX could not send it at once.
   void send_owned(connection& c, unsigned id, std::vector<std::byte>&& buf, std::size_t hl);

@@ -216,6 +216,11 @@ TEST(StoreWrite, MappedLandingRegionOverSharedMemory) {
   ::unsetenv("UCX_MM_ERROR_HANDLING");
   if (st0.data_path.find("mapped") == std::string::npos)
     GTEST_SKIP() << "no shared-memory transport between client and server here (lanes " << st0.transports << ")";
+  std::error_code ec;
+  if (std::filesystem::directory_iterator("/sys/class/infiniband", ec) == std::filesystem::directory_iterator()) {
+    EXPECT_EQ(st0.transports.find("tcp"), std::string::npos)
+        << "a shared-memory connection without an RDMA device has no tcp (rendezvous) lane: " << st0.transports;
+  }
   auto data = random_bytes((9 << 20) + 77, 21);
   {
     std::ofstream f(s.root / "out" / "src.bin", std::ios::binary);
@@ -257,6 +262,27 @@ TEST(StoreWrite, MappedLandingRegionOverSharedMemory) {
 // puts reads into it / gets writes out of it. Over tcp UCX emulates RMA in software (slow, but the
 // same protocol as on verbs), which is what lets this run here. Random data, unaligned offsets,
 // pieces cut at the piece size; sim memory keeps the staged path.
+// Shared memory without the landing region: data moves by messages, multi-MiB pieces by UCX's
+// rendezvous, which runs as its AM pipeline here (no rendezvous lane on shared-memory connections).
+TEST(StoreWrite, SharedMemoryWithoutTheLandingRegionMovesDataByMessages) {
+  ::setenv("UCX_MM_ERROR_HANDLING", "y", 1);
+  writable_server s(4 << 20);
+  auto o = s.opts(4 << 20);
+  o.map = false;
+  store::client c("127.0.0.1", s.srv->port(), o);
+  auto st0 = c.stats();
+  ::unsetenv("UCX_MM_ERROR_HANDLING");
+  if (st0.transports.find("memory") == std::string::npos)
+    GTEST_SKIP() << "no shared-memory transport between client and server here (lanes " << st0.transports << ")";
+  EXPECT_EQ(st0.data_path.find("mapped"), std::string::npos) << st0.data_path;
+  auto data = random_bytes((13 << 20) + 333, 23);
+  c.write("out/msg.bin", 0, data.data(), data.size());
+  EXPECT_EQ(slurp(s.root / "out" / "msg.bin"), data);
+  std::vector<unsigned char> back(data.size());
+  EXPECT_EQ(c.read("out/msg.bin", 0, back.data(), back.size()), back.size());
+  EXPECT_EQ(back, data);
+}
+
 TEST(StoreWrite, RmaIntoRegisteredMemoryRoundTrips) {
   writable_server s;
   auto data = random_bytes((9 << 20) + 77, 31);
