@@ -137,7 +137,7 @@ struct server::impl {
     std::uint64_t offset = 0, length = 0, announced = 0, written = 0;
     bool failed = false;
   };
-  struct session {
+  struct session : std::enable_shared_from_this<session> {
     std::atomic<int> outstanding{0};
     bool welcomed = false;
     unsigned lanes = 1;  // the client's, from its hello
@@ -190,7 +190,7 @@ struct server::impl {
         std::lock_guard l(sess_mu);
         auto& s = sessions[c.get()];
         s = std::make_shared<session>();
-        c->user = s.get();  // for the small-read path (the map keeps it; cleared when it goes)
+        c->user = s.get();  // for session_of (the map keeps it; cleared when it goes)
       }
       // A client that dies or leaves: its session goes; running jobs hold their own reference.
       connection* raw = c.get();
@@ -275,10 +275,13 @@ struct server::impl {
     }
     cv.notify_one();
   }
+  // The connection's session, or null once it went. No lock and no map lookup (this runs per
+  // request): the connection points at its session, and callers are the connection's worker's
+  // holder -- frame and data callbacks -- the same serialized context that clears the pointer
+  // when the session goes.
   std::shared_ptr<session> session_of(connection& c) {
-    std::lock_guard l(sess_mu);
-    auto it = sessions.find(&c);
-    return it == sessions.end() ? nullptr : it->second;
+    auto* s = static_cast<session*>(c.user);
+    return s ? s->shared_from_this() : nullptr;
   }
   void reply_error(connection& c, std::uint64_t rid, const error& e) {
     errors++;
@@ -301,23 +304,6 @@ struct server::impl {
 
   // ---- progress thread: handshake, checks, inline reads; file work goes to the I/O threads ----
   void on_frame(connection& c, message m) {
-    // The hot path first: a small read by a welcomed client, answered here in one message. Same
-    // checks as below, without the session map's lock (the connection points at its session; it
-    // is cleared, on this same serialized worker, when the session goes).
-    if (auto* r = std::get_if<read_req>(&m.b); r && c.user) {
-      auto* fs = static_cast<session*>(c.user);
-      if (fs->welcomed && r->length <= std::min(o.inline_max, o.max_request) &&
-          fs->outstanding.load() < static_cast<int>(o.max_outstanding)) {
-        requests++;
-        reads++;
-        try {
-          read_inline(c, m.request_id, *r);
-        } catch (const error& e) {
-          reply_error(c, m.request_id, e);
-        }
-        return;
-      }
-    }
     auto s = session_of(c);
     if (!s) return;
     std::uint64_t rid = m.request_id;
