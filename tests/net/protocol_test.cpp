@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 
 using namespace ferry;
@@ -52,6 +53,25 @@ TEST(Protocol, EveryMessageRoundTrips) {
   EXPECT_EQ(r.offset, 1ull << 33);
   auto w = std::get<welcome>(decode(encode(samples()[3])).b);
   EXPECT_EQ(w, std::get<welcome>(samples()[3].b)) << "instance and worker ports survive the wire";
+}
+
+// A sender reuses one buffer for every frame (no allocation per request): whatever it held
+// before, longer or shorter, the bytes are exactly encode()'s.
+TEST(Protocol, EncodingIntoAReusedBufferGivesTheSameBytes) {
+  auto all = samples();
+  std::vector<std::byte> buf;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (auto& m : all) {
+      encode_into(m, buf);
+      EXPECT_EQ(buf, encode(m)) << "message " << m.request_id;
+      EXPECT_EQ(decode(buf).request_id, m.request_id);
+    }
+    std::reverse(all.begin(), all.end());
+  }
+  // A frame that cannot be encoded throws; the buffer is then usable again.
+  EXPECT_THROW(encode_into({1, 0, read_req{std::string("a\0b", 3), 0, 1}}, buf), error);
+  encode_into(all[0], buf);
+  EXPECT_EQ(buf, encode(all[0]));
 }
 
 TEST(Protocol, HandshakeLanesAndPortsAreChecked) {

@@ -95,6 +95,9 @@ struct message {
 FERRY_API std::vector<std::byte> encode(const message& m);
 // The same, with room for `extra` bytes after the frame (a reply's inline data, read in after it).
 FERRY_API std::vector<std::byte> encode(const message& m, std::size_t extra);
+// The same into `out` (its contents replaced, its capacity kept): a sender that reuses one buffer
+// encodes a frame per request without allocating.
+FERRY_API void encode_into(const message& m, std::vector<std::byte>& out);
 
 // Decodes exactly one frame from `bytes` (header + payload). Throws protocol_error naming the
 // offending field for anything malformed: bad magic, unsupported version, unknown type, truncated or
