@@ -143,14 +143,20 @@ void am_send(connection& conn, unsigned id, send_ctx* c, const void* header, std
 
 void connection::send_frame(const message& m) {
   if (!alive_) fail(errc::network_error, "net.send", peer_, "connection lost: " + failure());
-  auto buf = encode(m);
   // Frames are always eager: the receiver handles them whole, never by rendezvous. The frame is
   // the message's data (id am_frame), not its header.
   if (int how = w_.enter()) {
-    w_.send_owned(*this, am_frame, std::move(buf), 0);
+    try {
+      encode_into(m, w_.frame_scratch_);
+    } catch (...) {
+      w_.leave(how, true);
+      throw;
+    }
+    w_.send_held(*this, am_frame, w_.frame_scratch_, 0, nullptr, 0);
     w_.leave(how, true);
     return;
   }
+  auto buf = encode(m);
   auto self = shared_from_this();
   w_.post([self, b = std::move(buf)]() mutable { self->worker().send_owned(*self, am_frame, std::move(b), 0); });
 }
@@ -181,6 +187,37 @@ void connection::send_reply(std::vector<std::byte> buf, std::size_t hl) {
   }
   auto self = shared_from_this();
   w_.post([self, b = std::move(buf), hl]() mutable { self->worker().send_owned(*self, am_reply, std::move(b), hl); });
+}
+
+std::byte* connection::reply_space(std::size_t n) {
+  if (w_.owner_.load(std::memory_order_relaxed) != std::this_thread::get_id())
+    fail(errc::internal, "net.send", peer_, "reply_space outside the worker's handlers");
+  auto& d = w_.reply_scratch_;
+  if (d.size() < n) d.resize(n);
+  return d.data();
+}
+
+void connection::send_reply_space(const message& m, std::size_t n) {
+  if (!alive_) fail(errc::network_error, "net.send", peer_, "connection lost: " + failure());
+  auto& d = w_.reply_scratch_;
+  if (n > d.size() || w_.owner_.load(std::memory_order_relaxed) != std::this_thread::get_id())
+    fail(errc::internal, "net.send", peer_, "send_reply_space without reply_space on the worker's thread");
+  if (int how = w_.enter()) {
+    try {
+      encode_into(m, w_.frame_scratch_);
+    } catch (...) {
+      w_.leave(how, true);
+      throw;
+    }
+    w_.send_held(*this, am_reply, w_.frame_scratch_, w_.frame_scratch_.size(), &d, n);
+    w_.leave(how, true);
+    return;
+  }
+  // Work posted earlier goes first: this reply waits behind it, with its own copy of the data.
+  auto buf = encode(m, n);
+  std::size_t hl = buf.size();
+  buf.insert(buf.end(), d.data(), d.data() + n);
+  send_reply(std::move(buf), hl);
 }
 
 std::string connection::transports() {
@@ -618,19 +655,27 @@ void ucx_worker::owned_send_cb(void* request, ucs_status_t, void* user) {
 }
 
 void ucx_worker::send_owned(connection& c, unsigned id, std::vector<std::byte>&& buf, std::size_t hl) {
+  send_held(c, id, buf, hl, nullptr, 0);
+}
+
+void ucx_worker::send_held(connection& c, unsigned id, std::vector<std::byte>& a, std::size_t hl, std::vector<std::byte>* b,
+                           std::size_t n) {
   if (!c.alive() || !c.ep) return;
+  const std::byte* data = b ? b->data() : a.data() + hl;
+  if (!b) n = a.size() - hl;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.cb.send = owned_send_cb;
   p.user_data = this;
   p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t r = ucp_am_send_nbx(c.ep, id, buf.data(), hl, buf.data() + hl, buf.size() - hl, &p);
-  if (r == nullptr) return;  // sent (copied out): the buffer may go
+  ucs_status_ptr_t r = ucp_am_send_nbx(c.ep, id, a.data(), hl, data, n, &p);
+  if (r == nullptr) return;  // sent (copied out): the buffers may be reused
   if (UCS_PTR_IS_ERR(r)) {
     c.mark_failed("send failed: " + status_text(UCS_PTR_STATUS(r)));
     return;
   }
-  held_.emplace(r, std::move(buf));  // moving a vector keeps its bytes where UCX points
+  // Moving a vector keeps its bytes where UCX points.
+  held_.emplace(r, held_send{std::move(a), b ? std::move(*b) : std::vector<std::byte>{}});
   pending_op(+1);
 }
 

@@ -70,6 +70,37 @@ TEST(StoreService, ReadStatListOverLoopbackWithChecksums) {
   EXPECT_GE(s.srv->stats().requests, 5u);
 }
 
+// Small reads keep the file open between requests (the server's file cache, and each session's
+// last file); a file replaced under the same name is read anew once the cache's time to live is over.
+TEST(StoreService, AReplacedFileIsSeenAfterTheFileCacheTimeToLive) {
+  auto base = std::filesystem::path(::testing::TempDir()) / ("ferry-ttl-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(base);
+  auto put = [&](char fill) {
+    std::string content(8192, fill);
+    std::ofstream(base / "next", std::ios::binary).write(content.data(), static_cast<std::streamsize>(content.size()));
+    std::filesystem::rename(base / "next", base / "f");  // a new file under the old name
+  };
+  put('a');
+  store::server_options o;
+  o.root = base.string();
+  o.fd_cache_ttl = std::chrono::milliseconds(200);
+  {
+    store::server srv(o);
+    store::client c("127.0.0.1", srv.port());
+    char buf[4096];
+    for (int i = 0; i < 3; ++i) {  // the same file, several small reads: served from the open file
+      ASSERT_EQ(c.read("f", 4096 * (i % 2), buf, sizeof buf), sizeof buf);
+      EXPECT_EQ(buf[0], 'a');
+    }
+    put('b');
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ASSERT_EQ(c.read("f", 0, buf, sizeof buf), sizeof buf);
+    EXPECT_EQ(buf[0], 'b') << "still reading the replaced file after the time to live";
+    EXPECT_EQ(buf[4095], 'b');
+  }
+  std::filesystem::remove_all(base);
+}
+
 TEST(StoreService, RefusalsNameThePeerAndPath) {
   served s;
   store::client c("127.0.0.1", s.srv->port());
