@@ -60,12 +60,61 @@ struct client::impl {
     std::optional<error> err;
     std::atomic<bool> done{false};
   };
+  // The pieces of one request; most requests are one piece, kept without a vector.
+  struct piece_list {
+    std::shared_ptr<piece> first;
+    std::vector<std::shared_ptr<piece>> rest;
+    void push_back(std::shared_ptr<piece> p) {
+      if (!first) first = std::move(p);
+      else rest.push_back(std::move(p));
+    }
+    template <typename F>
+    void each(F&& f) const {
+      if (first) f(first);
+      for (auto& p : rest) f(p);
+    }
+  };
   struct op {
     std::string path;
     bool write = false;
     std::uint64_t offset = 0, length = 0;
     clk::time_point until;
-    std::vector<std::shared_ptr<piece>> pieces;
+    piece_list pieces;
+  };
+  // A map whose nodes are recycled: every request inserts and erases one entry in `pend` and in
+  // `ops`, and the allocator round trips would cost more than the entries' bookkeeping.
+  template <typename K, typename V>
+  struct recycling_map {
+    std::map<K, V> m;
+    std::vector<typename std::map<K, V>::node_type> spare;
+    void put(K k, V v) {
+      if (spare.empty()) {
+        m.insert_or_assign(k, std::move(v));
+        return;
+      }
+      auto nh = std::move(spare.back());
+      spare.pop_back();
+      nh.key() = k;
+      nh.mapped() = std::move(v);
+      auto r = m.insert(std::move(nh));
+      if (!r.inserted) r.position->second = std::move(r.node.mapped());
+    }
+    void erase(typename std::map<K, V>::iterator it) {
+      auto nh = m.extract(it);
+      nh.mapped() = V{};
+      if (spare.size() < 64) spare.push_back(std::move(nh));
+    }
+    void erase(const K& k) {
+      auto it = m.find(k);
+      if (it != m.end()) erase(it);
+    }
+    auto find(const K& k) { return m.find(k); }
+    auto begin() { return m.begin(); }
+    auto end() { return m.end(); }
+    void clear() {
+      m.clear();
+      spare.clear();
+    }
   };
 
   client_options o;
@@ -75,8 +124,8 @@ struct client::impl {
   std::mutex mu;
   std::condition_variable cv;
   std::uint64_t next_id = 1;
-  std::map<std::uint64_t, std::shared_ptr<piece>> pend;  // by request id, until settled
-  std::map<ticket, op> ops;
+  recycling_map<std::uint64_t, std::shared_ptr<piece>> pend;  // by request id, until settled
+  recycling_map<ticket, op> ops;
   ticket next_ticket = 1;
   welcome hello_reply;
   bool connected_once = false;
@@ -351,7 +400,7 @@ struct client::impl {
     p->ln = ln;
     p->rid = m.request_id = next_id++;
     p->conn = cn.get();
-    pend[p->rid] = p;
+    pend.put(p->rid, p);
     n_pieces++;
     l.unlock();
     try {
@@ -367,7 +416,8 @@ struct client::impl {
   // Waits for one piece until `until`; on timeout closes its connection so that nothing lands later.
   // `what` names the request in errors; it is built only when one is raised (formatting a string
   // per request would cost more than a shared-memory round trip).
-  void wait_piece(piece& p, clk::time_point until, const std::function<std::string()>& what) {
+  template <typename What>
+  void wait_piece(piece& p, clk::time_point until, const What& what) {
     // Drive the worker from this thread for a while: a small request then completes without any
     // thread hand-off (the progress thread takes over if this one gives up and sleeps).
     if (p.ln->w->drive([&] { return p.done.load(std::memory_order_acquire); }, std::min(until, clk::now() + o.spin))) return;
@@ -632,17 +682,17 @@ struct client::impl {
       } while (off < length);
     } catch (...) {
       // Pieces already on the wire may still land: wait for them (bounded) before the buffer is given back.
-      for (auto& p : o2.pieces) {
+      o2.pieces.each([&](const std::shared_ptr<piece>& p) {
         try {
           wait_piece(*p, until, [] { return std::string("request"); });
         } catch (...) {
         }
-      }
+      });
       throw;
     }
     std::lock_guard l(mu);
     ticket t = next_ticket++;
-    ops.emplace(t, std::move(o2));
+    ops.put(t, std::move(o2));
     return t;
   }
 
@@ -657,16 +707,16 @@ struct client::impl {
     }
     const char* opname = x.write ? "store.write" : "store.read";
     std::optional<error> first;
-    for (auto& p : x.pieces) {
+    x.pieces.each([&](const std::shared_ptr<piece>& p) {
       try {
         wait_piece(*p, x.until, [&] { return fmt::format("{} {} offset {}", opname, printable(x.path), x.offset); });
       } catch (const error& e) {
         if (!first) first = e;
       }
-    }
+    });
     if (first) throw *first;
     std::uint64_t total = 0;
-    for (auto& p : x.pieces) {
+    x.pieces.each([&](const std::shared_ptr<piece>& p) {
       if (p->err) {
         if (p->err->code() == errc::network_error || p->err->code() == errc::timeout) throw *p->err;
         throw error(error_info{p->err->code(), opname, fmt::format("{} {}", peer, printable(x.path)), "", p->err->what(), 0, 0});
@@ -676,7 +726,7 @@ struct client::impl {
       total += bytes;
       if (x.write && bytes != p->len)
         fail(errc::io_error, opname, fmt::format("{} {}", peer, printable(x.path)), fmt::format("the server wrote {} of {} bytes", bytes, p->len));
-    }
+    });
     (x.write ? n_written : n_read) += total;
     return total;
   }
