@@ -1,7 +1,7 @@
 // `ferry bench remote`: ferry:// reads and writes against the raw UCX primitives, in one run, per
 // transport (tcp, shared memory), on loopback:
 //   baseline  ucx_perftest (two processes, its own bootstrap): ucp_am_bw, ucp_put_bw, ucp_get,
-//             tag_bw at each block size (16 outstanding), and ucp_am_lat (8 B, 4 KiB) for the round trip
+//             tag_bw at each block size (16 outstanding), and ucp_am_lat (8 B; 4 KiB three times, median) for the round trip
 //   ferry     a `ferry serve` child process over a generated file (warm page cache), this process as
 //             the client: reads and writes into host memory and GPU memory, block sizes x queue
 //             depths, GB/s, IOPS, p50/p99 latency, and the ratio to the best baseline primitive at
@@ -361,11 +361,24 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
         jb.push_back(row);
       }
       auto l8 = perftest(o.perftest, penv, "ucp_am_lat", 8, 20000, false);
-      auto l4 = perftest(o.perftest, penv, "ucp_am_lat", 4096, 20000, false);
       rtt8 = l8.ok ? 2 * l8.p50_us : 0;
-      rtt4k = l4.ok ? 2 * l4.p50_us : 0;
-      fmt::print("raw AM round trip (p50, 2x perftest's one-way latency): 8 B {:.2f} us, 4 KiB {:.2f} us\n", rtt8, rtt4k);
-      jt["am_rtt_us"] = {{"8B", rtt8}, {"4KiB", rtt4k}};
+      // The 4 KiB round trip (the latency target's baseline) three times, each in fresh processes:
+      // from run to run it moves by up to 1.8x on a shared VM (where the scheduler puts the two
+      // processes), more than any single change measured against it. The median of the three is
+      // the baseline; all three are printed.
+      std::vector<double> runs;
+      for (int i = 0; i < 3; ++i) {
+        auto l4 = perftest(o.perftest, penv, "ucp_am_lat", 4096, 20000, false);
+        if (l4.ok) runs.push_back(2 * l4.p50_us);
+      }
+      auto sorted = runs;
+      std::sort(sorted.begin(), sorted.end());
+      rtt4k = sorted.empty() ? 0 : sorted[sorted.size() / 2];
+      std::string each;
+      for (double r : runs) each += fmt::format("{}{:.2f}", each.empty() ? "" : ", ", r);
+      fmt::print("raw AM round trip (p50, 2x perftest's one-way latency): 8 B {:.2f} us, 4 KiB {:.2f} us (median of {}: {})\n", rtt8,
+                 rtt4k, runs.size(), each);
+      jt["am_rtt_us"] = {{"8B", rtt8}, {"4KiB", rtt4k}, {"4KiB_runs", runs}};
       if (fenv.at("UCX_TLS") != penv.at("UCX_TLS")) {
         // For reference: the same AM round trip with ferry's UCX transport list (tcp in the context
         // is polled on every progress call even when the lanes are shared memory).
