@@ -221,6 +221,9 @@ struct server::impl {
           if (it != sessions.end()) s = std::move(it->second), sessions.erase(it);
         }
         raw->user = nullptr;  // runs where the connection's frames are handled (the worker's holder)
+        // Freed only after the handler that may be running returns (a send from it can be what
+        // failed): frame handlers use the session by plain pointer.
+        if (s) raw->worker().post([s = std::move(s)] {});
         log::info("store", "client {} gone: {}", raw->peer(), why);
       };
       log::info("store", "client {} connected on {}", c->peer(), c->worker().name());
@@ -323,8 +326,9 @@ struct server::impl {
 
   // ---- progress thread: handshake, checks, inline reads; file work goes to the I/O threads ----
   void on_frame(connection& c, message m) {
-    // A plain pointer: this handler runs in the same serialized context that clears c.user, and
-    // only work handed to other threads takes a reference (two atomic operations per request less).
+    // A plain pointer: this handler runs in the same serialized context that clears c.user, the
+    // session is freed only after it returns (on_failure), and only work handed to other threads
+    // takes a reference (two atomic operations per request less).
     auto* s = static_cast<session*>(c.user);
     if (!s) return;
     std::uint64_t rid = m.request_id;
