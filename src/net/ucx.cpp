@@ -146,12 +146,7 @@ void connection::send_frame(const message& m) {
   // Frames are always eager: the receiver handles them whole, never by rendezvous. The frame is
   // the message's data (id am_frame), not its header.
   if (int how = w_.enter()) {
-    try {
-      encode_into(m, w_.frame_scratch_);
-    } catch (...) {
-      w_.leave(how, true);
-      throw;
-    }
+    w_.encode_scratch(how, m);
     w_.send_held(*this, am_frame, w_.frame_scratch_, 0, nullptr, 0);
     w_.leave(how, true);
     return;
@@ -203,12 +198,7 @@ void connection::send_reply_space(const message& m, std::size_t n) {
   if (n > d.size() || w_.owner_.load(std::memory_order_relaxed) != std::this_thread::get_id())
     fail(errc::internal, "net.send", peer_, "send_reply_space without reply_space on the worker's thread");
   if (int how = w_.enter()) {
-    try {
-      encode_into(m, w_.frame_scratch_);
-    } catch (...) {
-      w_.leave(how, true);
-      throw;
-    }
+    w_.encode_scratch(how, m);
     w_.send_held(*this, am_reply, w_.frame_scratch_, w_.frame_scratch_.size(), &d, n);
     w_.leave(how, true);
     return;
@@ -656,6 +646,15 @@ void ucx_worker::owned_send_cb(void* request, ucs_status_t, void* user) {
 
 void ucx_worker::send_owned(connection& c, unsigned id, std::vector<std::byte>&& buf, std::size_t hl) {
   send_held(c, id, buf, hl, nullptr, 0);
+}
+
+void ucx_worker::encode_scratch(int how, const message& m) {
+  try {
+    encode_into(m, frame_scratch_);
+  } catch (...) {
+    leave(how, true);
+    throw;
+  }
 }
 
 void ucx_worker::send_held(connection& c, unsigned id, std::vector<std::byte>& a, std::size_t hl, std::vector<std::byte>* b,

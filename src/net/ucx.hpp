@@ -216,6 +216,9 @@ class ucx_worker {
   // eager AM; holder only. Only if UCX could not send at once (it then still points into them) are
   // a and b moved into the worker until the send completes, leaving the caller's vectors empty.
   void send_held(connection& c, unsigned id, std::vector<std::byte>& a, std::size_t hl, std::vector<std::byte>* b, std::size_t n);
+  // Encodes m into frame_scratch_ after enter() returned `how`; if m cannot be encoded, leaves
+  // the worker before the error goes up.
+  void encode_scratch(int how, const message& m);
   // Operations started on the worker that UCX has not completed yet (sends, RMA): +1 when one is
   // left pending, -1 from its completion callback. The worker's holder only.
   void pending_op(int delta) { pending_ += delta; }
