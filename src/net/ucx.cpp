@@ -166,7 +166,7 @@ void connection::send_data(std::uint64_t rid, std::uint64_t off, const void* dat
 }
 
 void connection::send_reply(const message& m, const void* data, std::size_t n) {
-  auto buf = encode(m);
+  auto buf = encode(m, n);
   std::size_t hl = buf.size();
   if (n) buf.insert(buf.end(), static_cast<const std::byte*>(data), static_cast<const std::byte*>(data) + n);
   send_reply(std::move(buf), hl);
@@ -204,10 +204,7 @@ void connection::send_reply_space(const message& m, std::size_t n) {
     return;
   }
   // Work posted earlier goes first: this reply waits behind it, with its own copy of the data.
-  auto buf = encode(m, n);
-  std::size_t hl = buf.size();
-  buf.insert(buf.end(), d.data(), d.data() + n);
-  send_reply(std::move(buf), hl);
+  send_reply(m, d.data(), n);
 }
 
 std::string connection::transports() {
