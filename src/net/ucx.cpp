@@ -281,11 +281,11 @@ ucx_context::ucx_context() {
   // from the environment (ucp_config_modify accepts it but the worker rejects it), so it is set
   // there once, before the first UCX context, unless the user set it.
   static std::once_flag once;
+  std::call_once(once, [] { ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0); });
   // Shared-memory transports are left out of endpoints that ask for peer error handling (which
   // ferry needs) unless UCX_MM_ERROR_HANDLING=y (UCX 1.13). ferry does not set it: with shm lanes
   // UCX 1.13 does not always report a peer's close to the other side (requests then end only at
   // their deadlines). `ferry bench remote` sets it for its shm runs; users opt in the same way.
-  std::call_once(once, [] { ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0); });
   ucp_config_t* cfg = nullptr;
   check(ucp_config_read(nullptr, nullptr, &cfg), "net.init", "ucp_config_read");
   // Shared-memory connections without an RDMA device: UCX gives them a tcp lane for rendezvous
