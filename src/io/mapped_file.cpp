@@ -13,18 +13,20 @@
 namespace ferry {
 
 namespace {
-// The guarded read of this thread, if one is running: where to jump and which bytes it reads.
+// The guarded copy of this thread, if one is running: where to jump and which bytes it reads and writes.
 // (Touched by the thread before it copies, so the handler never makes the TLS block allocate.)
 // Volatile, with signal fences around the copy: to the compiler these are stores nobody reads
 // (the copy cannot see them), and it would drop them.
 thread_local sigjmp_buf* volatile t_jump = nullptr;
 thread_local const std::byte* volatile t_lo = nullptr;
 thread_local const std::byte* volatile t_hi = nullptr;
+thread_local const std::byte* volatile t_dlo = nullptr;
+thread_local const std::byte* volatile t_dhi = nullptr;
 struct sigaction g_previous {};
 
 void on_sigbus(int sig, siginfo_t* si, void* ctx) {
   auto* at = static_cast<const std::byte*>(si->si_addr);
-  if (t_jump && at >= t_lo && at < t_hi) siglongjmp(*t_jump, 1);
+  if (t_jump && ((at >= t_lo && at < t_hi) || (at >= t_dlo && at < t_dhi))) siglongjmp(*t_jump, 1);
   // Not a guarded read: whatever handled SIGBUS before us does.
   if (g_previous.sa_flags & SA_SIGINFO) {
     if (g_previous.sa_sigaction) return g_previous.sa_sigaction(sig, si, ctx);
@@ -59,6 +61,8 @@ bool guarded_copy(void* dst, const void* src, std::size_t n) {
   sigjmp_buf jump;
   t_lo = static_cast<const std::byte*>(src);
   t_hi = t_lo + n;
+  t_dlo = static_cast<const std::byte*>(dst);
+  t_dhi = t_dlo + n;
   if (sigsetjmp(jump, 0) != 0) {
     t_jump = nullptr;
     return false;

@@ -79,6 +79,27 @@ TEST(MappedFile, AFileTruncatedUnderTheMappingFailsTheReadInsteadOfKillingThePro
   }
 }
 
+// The destination may be a peer's shared-memory file mapped here (a client's lent region), which
+// the peer can truncate: writing past its end fails the copy too.
+TEST(MappedFile, ADestinationTruncatedUnderItsMappingFailsTheCopyInsteadOfKillingTheProcess) {
+  std::vector<unsigned char> data, junk;
+  temp_file src(64 << 10, data);
+  temp_file dst((64 << 10) + 1, junk);  // another size: another file name
+  mapped_file m(src.fd);
+  auto* d = static_cast<unsigned char*>(::mmap(nullptr, 64 << 10, PROT_READ | PROT_WRITE, MAP_SHARED, dst.fd, 0));
+  ASSERT_NE(d, MAP_FAILED);
+  ASSERT_TRUE(m.read(d + (40 << 10), 4096, 4096));
+  EXPECT_EQ(std::memcmp(d + (40 << 10), data.data() + 4096, 4096), 0);
+  ASSERT_EQ(::ftruncate(dst.fd, 8 << 10), 0);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_FALSE(m.read(d + (40 << 10), 4096, 0));
+    EXPECT_FALSE(guarded_copy(d + 4096, data.data(), 8192));  // straddles the destination's new end
+    ASSERT_TRUE(m.read(d, 4096, 8192));
+    EXPECT_EQ(std::memcmp(d, data.data() + 8192, 4096), 0);
+  }
+  ::munmap(d, 64 << 10);
+}
+
 TEST(MappedFileDeathTest, ASigbusOutsideAGuardedReadStillEndsTheProcess) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   std::vector<unsigned char> data;

@@ -35,7 +35,8 @@ class FERRY_API mapped_file {
   std::uint64_t size_ = 0;
 };
 
-// memcpy from mapped memory that may raise SIGBUS (a mapping past its file's end): false if it did.
+// memcpy between mappings that may raise SIGBUS (a mapping past its file's end, on either side --
+// a peer's shared-memory file truncated under the destination): false if it did.
 FERRY_API bool guarded_copy(void* dst, const void* src, std::size_t n);
 
 }  // namespace ferry
