@@ -154,6 +154,17 @@ struct client::impl {
   std::condition_variable land_cv;
   std::vector<int> land_free;
   std::atomic<std::uint64_t> quarantined{0};
+  // Buffers the caller allocated from this client (allocate): shared memory lent to every lane's
+  // server like the landing region, so requests on them move no data and make no copy here. Which
+  // lanes' servers mapped each one (a bit per lane, mu); lend_mu orders lending against (re)connects.
+  struct user_region {
+    std::unique_ptr<ucx_region> r;
+    std::uint64_t lanes_mapped = 0;
+  };
+  std::mutex lend_mu;
+  std::vector<std::unique_ptr<user_region>> user_regions;  // mu (changed under lend_mu too)
+  std::atomic<std::size_t> n_user_regions{0};             // lets requests skip the look-up when there are none
+  std::atomic<std::uint64_t> n_lent{0};
   // Whether every lane's server mapped the landing region: recomputed when a lane (re)connects, read
   // per request without a lock.
   std::atomic<bool> all_mapped{false};
@@ -260,6 +271,83 @@ struct client::impl {
     p.land_slot = -1;
   }
   bool direct_available() const { return all_mapped.load(std::memory_order_relaxed); }
+  std::uint64_t all_lanes() const { return lanes.size() >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << lanes.size()) - 1; }
+  // Whether [p, p+n) lies in a buffer from allocate() that every lane's server mapped.
+  bool in_lent_buffer(const std::byte* p, std::uint64_t n) {
+    if (n == 0 || n_user_regions.load(std::memory_order_relaxed) == 0) return false;
+    std::lock_guard l(mu);
+    for (auto& u : user_regions) {
+      const std::byte* b = u->r->data();
+      if (p >= b && n <= u->r->size() && static_cast<std::uint64_t>(p - b) <= u->r->size() - n) return u->lanes_mapped == all_lanes();
+    }
+    return false;
+  }
+  // Lends (or, with `give_back`, takes back) one region to one lane's server; true if it mapped it.
+  bool lend_to(lane& ln, const ucx_region& r, bool give_back, clk::time_point until) {
+    std::vector<std::uint8_t> key;
+    if (!give_back) {
+      auto& rk = r.rkey();
+      key.assign(reinterpret_cast<const std::uint8_t*>(rk.data()), reinterpret_cast<const std::uint8_t*>(rk.data()) + rk.size());
+    }
+    message lr = request({0, 0, lend{reinterpret_cast<std::uint64_t>(r.data()), give_back ? 0 : r.size(), std::move(key)}}, until,
+                         false, &ln);
+    auto* cp = std::get_if<complete>(&lr.b);
+    return cp && cp->status == 0 && cp->bytes == 1;
+  }
+  void* allocate(std::uint64_t bytes) {
+    expects(bytes > 0 && bytes <= (1ull << 40), "store.allocate", peer, fmt::format("{} bytes: must be between 1 and 1 TiB", bytes));
+    std::lock_guard g(lend_mu);
+    auto u = std::make_unique<user_region>();
+    u->r = std::make_unique<ucx_region>(ctx, static_cast<std::size_t>(bytes));
+    auto until = clk::now() + o.timeout;
+    std::uint64_t mapped = 0;
+    if (o.map && landing) {  // only where the landing region could be made: a transport that maps regions
+      for (auto& ln : lanes) {
+        std::shared_ptr<connection> cn;
+        {
+          std::lock_guard l(mu);
+          cn = ln->c;
+        }
+        if (!cn || !cn->alive()) continue;  // its reconnect lends it
+        try {
+          if (lend_to(*ln, *u->r, false, until)) mapped |= std::uint64_t{1} << ln->index;
+        } catch (const error& e) {
+          log::info("store", "{}: lane {} cannot take buffer {} ({}); requests on it move data by messages", peer, ln->index,
+                    static_cast<void*>(u->r->data()), e.what());
+        }
+      }
+    }
+    void* p = u->r->data();
+    std::lock_guard l(mu);
+    u->lanes_mapped = mapped;
+    user_regions.push_back(std::move(u));
+    n_user_regions.store(user_regions.size(), std::memory_order_relaxed);
+    return p;
+  }
+  void deallocate(void* p) {
+    std::lock_guard g(lend_mu);
+    std::unique_ptr<user_region> u;
+    {
+      std::lock_guard l(mu);
+      auto it = std::find_if(user_regions.begin(), user_regions.end(), [&](auto& x) { return x->r->data() == p; });
+      if (it == user_regions.end())
+        fail(errc::invalid_argument, "store.deallocate", fmt::format("{}", p), "not a buffer this client allocated (or freed already)");
+      u = std::move(*it);
+      user_regions.erase(it);
+      n_user_regions.store(user_regions.size(), std::memory_order_relaxed);
+    }
+    // The servers forget it before the memory goes (a region allocated later at the same address
+    // must not be taken for this one); a lane that is down has no session holding it any more.
+    auto until = clk::now() + o.timeout;
+    for (auto& ln : lanes) {
+      if (!(u->lanes_mapped >> ln->index & 1)) continue;
+      try {
+        lend_to(*ln, *u->r, true, until);
+      } catch (const error& e) {
+        log::debug("store", "{}: lane {} did not take buffer {} back ({})", peer, ln->index, p, e.what());
+      }
+    }
+  }
   // Host memory or not: device-side copies go through the transfer engine, host ones are a memcpy.
   void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n) {
     if (o.engine) o.engine->copy(dst, src, n);
@@ -489,6 +577,7 @@ struct client::impl {
       if (ln.c) ln.c->close();
       ln.mapped = false;
       all_mapped = false;
+      for (auto& u : user_regions) u->lanes_mapped &= ~(std::uint64_t{1} << ln.index);
     }
     auto cn = ln.w->connect(host, to, until);
     connection* raw = cn.get();
@@ -528,6 +617,19 @@ struct client::impl {
       mapped = cp && cp->status == 0 && cp->bytes == 1;
     }
     if (ln.index == 0) decide_rma(*cn);
+    if (landing && n_user_regions.load()) {  // the caller's buffers too (a new session knows none of them)
+      std::lock_guard g(lend_mu);
+      std::vector<user_region*> us;
+      {
+        std::lock_guard l(mu);
+        for (auto& u : user_regions) us.push_back(u.get());
+      }
+      for (auto* u : us)
+        if (lend_to(ln, *u->r, false, until)) {
+          std::lock_guard l(mu);
+          u->lanes_mapped |= std::uint64_t{1} << ln.index;
+        }
+    }
     std::lock_guard l(mu);
     auto& w = std::get<welcome>(r.b);
     if (ln.index == 0) hello_reply = w;
@@ -588,13 +690,15 @@ struct client::impl {
     const char* opname = write ? "store.write" : "store.read";
     if (length && !mem) fail(errc::invalid_argument, opname, path, "null buffer");
     if (offset + length < offset) fail(errc::invalid_argument, opname, path, "offset + length overflows");
-    bool staged = needs_staging(mem, length, opname);
+    // The caller's allocated buffer, mapped by every lane's server: straight in or out, for any size.
+    bool lent = in_lent_buffer(mem, length);
+    bool staged = !lent && needs_staging(mem, length, opname);
     ensure_connected(until);
     if (write && !hello_reply.writable)
       fail(errc::permission_denied, opname, fmt::format("{} {}", peer, printable(path)), "the server is read-only");
     // Through the landing region when the server maps it: GPU/sim memory always, host memory above
     // the inline size (a small read is one message either way).
-    bool direct = direct_available() && (staged || length > (16u << 10));
+    bool direct = lent || (direct_available() && (staged || length > (16u << 10)));
     if (direct && staged) pin_landing();
     // RMA into/out of the caller's memory, registered for the network (cached); memory UCX cannot
     // register (GPU memory without CUDA support in UCX) keeps the staged path.
@@ -637,12 +741,17 @@ struct client::impl {
           n_rma++;
         } else if (direct && n) {
           p->direct = true;
-          p->land_slot = get_land_slot(until);
-          p->land = landing->data() + static_cast<std::size_t>(p->land_slot) * o.piece;
-          if (write) {
-            copy_bytes(p->land, mem + off, n);
+          if (lent) {
+            p->land = mem + off;
+            n_lent++;
           } else {
-            p->final_dst = mem + off;
+            p->land_slot = get_land_slot(until);
+            p->land = landing->data() + static_cast<std::size_t>(p->land_slot) * o.piece;
+            if (write) {
+              copy_bytes(p->land, mem + off, n);
+            } else {
+              p->final_dst = mem + off;
+            }
           }
           auto addr = reinterpret_cast<std::uint64_t>(p->land);
           m = {0, 0, write ? body{write_from{path, offset + off, n, addr}} : body{read_into{path, offset + off, n, addr}}};
@@ -784,6 +893,8 @@ client::ticket client::start_write(const std::string& path, std::uint64_t offset
   return impl_->start(path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until);
 }
 std::uint64_t client::finish(ticket t) { return impl_->finish(t); }
+void* client::allocate(std::uint64_t bytes) { return impl_->allocate(bytes); }
+void client::deallocate(void* buffer) { impl_->deallocate(buffer); }
 
 std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                            std::chrono::nanoseconds timeout) {
@@ -814,7 +925,7 @@ client_stats client::stats() const {
                  i.n_reconnects.load(), wakeups, i.lanes[0]->w->cuda_memory(), "",
                  direct ? "mapped landing region (server reads/writes it in place; shared memory)"
                         : "active messages (rendezvous above the eager limit)",
-                 static_cast<int>(i.lanes.size()), i.n_direct.load(), i.quarantined.load(), i.n_rma.load(), i.use_rma.load()};
+                 static_cast<int>(i.lanes.size()), i.n_direct.load(), i.quarantined.load(), i.n_rma.load(), i.use_rma.load(), i.n_lent.load()};
   if (s.rma && !direct) s.data_path = "RMA into registered client memory (server puts reads, gets writes)";
   std::shared_ptr<connection> cn;
   {

@@ -44,6 +44,9 @@ clk::time_point coarse_now() {
   return clk::time_point(std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec));
 }
 constexpr std::chrono::milliseconds coarse_slack{20};
+// Regions one connection may have mapped here at once (its landing region and the buffers it
+// allocated); more are refused (their requests then move data by messages).
+constexpr std::size_t max_lent = 64;
 
 error_reply to_reply(const error& e) {
   return error_reply{e.sys_errno() ? e.sys_errno() : errno_from_errc(e.code()), printable(e.what(), 1000)};
@@ -162,8 +165,19 @@ struct server::impl {
     std::shared_ptr<open_file> last_file;
     clk::time_point last_until{};
     std::map<std::uint64_t, std::shared_ptr<write_state>> writes;  // its worker's thread only
-    std::shared_ptr<remote_mapping> lent;  // the client's region, mapped here (its worker's thread; jobs hold copies)
+    // The client's lent regions (its landing region, buffers it allocated), mapped here; the newest
+    // last (its worker's thread; jobs hold copies).
+    std::vector<std::shared_ptr<remote_mapping>> lent;
     std::atomic<bool> mapped{false};       // for stats (read under sess_mu from any thread)
+    // The lent region that holds [addr, addr + n), or null. Newest first: a region lent again at
+    // an address that was given back is the live one.
+    remote_mapping* lent_at(std::uint64_t addr, std::uint64_t n) const {
+      for (auto it = lent.rbegin(); it != lent.rend(); ++it) {
+        auto& m = **it;
+        if (addr >= m.addr && n <= m.len && addr - m.addr <= m.len - n) return &m;
+      }
+      return nullptr;
+    }
   };
   std::mutex sess_mu;
   std::map<connection*, std::shared_ptr<session>> sessions;
@@ -367,13 +381,23 @@ struct server::impl {
       return;
     }
     if (auto* l = std::get_if<lend>(&m.b)) {
+      // Length 0 gives the region at `addr` back (the client frees it); jobs still writing into it
+      // hold their own reference.
+      if (l->length == 0) {
+        std::erase_if(s->lent, [&](const auto& x) { return x->addr == l->addr; });
+        s->mapped = !s->lent.empty();
+        c.send_frame({rid, 0, complete{0, 0}});
+        return;
+      }
       std::shared_ptr<remote_mapping> mapped;
-      if (o.map && l->length <= (1ull << 40))
+      if (o.map && l->length <= (1ull << 40) && s->lent.size() < max_lent)
         mapped = c.map_remote(l->addr, l->length, std::as_bytes(std::span(l->rkey.data(), l->rkey.size())));
-      s->lent = mapped;
-      s->mapped = mapped != nullptr;
+      if (mapped) s->lent.push_back(mapped);
+      s->mapped = !s->lent.empty();
       log::info("store", "client {} lent {} bytes: {}", c.peer(), l->length,
-                mapped ? "mapped (reads and writes go straight through it)" : "not mappable here (data moves by messages)");
+                mapped ? "mapped (reads and writes go straight through it)"
+                       : s->lent.size() >= max_lent ? fmt::format("not mapped (it has {} regions mapped here already)", max_lent)
+                                                    : "not mappable here (data moves by messages)");
       c.send_frame({rid, 0, complete{0, mapped ? 1u : 0u}});
       return;
     }
@@ -424,18 +448,22 @@ struct server::impl {
     });
   }
 
-  // A read into / write from the client's lent region: one pread/pwrite on an I/O thread, then the
-  // completion. The job holds the mapping, so a client that leaves meanwhile cannot make it vanish.
+  // A read into / write from a region the client lent: a small read on this thread from the file's
+  // mapping (as read_inline, but into the client's memory, and only the completion is sent), else
+  // one pread/pwrite on an I/O thread, then the completion. The job holds the mapping, so a client
+  // that leaves or gives the region back meanwhile cannot make it vanish.
   void direct(connection& c, const std::shared_ptr<session>& s, std::uint64_t rid, const std::string& path,
               std::uint64_t offset, std::uint64_t length, std::uint64_t addr, bool write) {
     const char* op = write ? "store.write" : "store.read";
     if (length > o.max_request)
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
-    auto m = s->lent;
-    if (!m) fail(errc::protocol_error, op, c.peer(), "direct request without a mapped region (lend first)");
-    if (addr < m->addr || length > m->len || addr - m->addr > m->len - length)
-      fail(errc::out_of_range, op, c.peer(),
-           fmt::format("[{:#x}, +{}) is outside the lent region [{:#x}, +{})", addr, length, m->addr, m->len));
+    if (s->lent.empty()) fail(errc::protocol_error, op, c.peer(), "direct request without a mapped region (lend first)");
+    remote_mapping* at = s->lent_at(addr, length);
+    if (!at) fail(errc::out_of_range, op, c.peer(), fmt::format("[{:#x}, +{}) is outside every region the client lent", addr, length));
+    if (!write && length <= o.inline_max) return read_direct_here(c, *s, rid, path, offset, length, at->base + (addr - at->addr));
+    std::shared_ptr<remote_mapping> m;
+    for (auto& x : s->lent)
+      if (x.get() == at) m = x;
     s->outstanding++;
     auto self = c.shared_from_this();
     queue([this, self, s, m, rid, path, offset, length, addr, write] {
@@ -554,28 +582,37 @@ struct server::impl {
     // The file data is read straight into the worker's reply space, which the reply is sent from:
     // nothing allocated, one copy before UCX's.
     std::byte* buf = c.reply_space(r.length);
-    // The session's last file first: a client reading one file in small pieces costs no lock and
-    // no lookup in the shared cache per request.
-    if (s.last_path != r.path || coarse_now() >= s.last_until) {
-      clk::time_point opened;
-      s.last_file = files.get(r.path, false, &opened);
-      s.last_path = r.path;
-      s.last_until = opened + o.fd_cache_ttl - coarse_slack;
-    }
-    open_file* f = s.last_file.get();
-    // From the file's mapping when the range lies in it (a pread would cost a third of the whole
-    // request); past the mapped size (the file grew, or the read ends at EOF) or after the file
-    // shrank under the mapping, pread says what is there now.
-    std::uint64_t got;
-    if (f->map.read(buf, r.length, r.offset)) {
-      got = r.length;
-      mapped_reads++;
-    } else {
-      got = pread_all(*f, r.path, buf, r.length, r.offset);
-    }
+    std::uint64_t got = read_small(s, r.path, buf, r.length, r.offset);
     bytes_sent += got;
     inline_replies++;
     c.send_reply_space({rid, 0, complete{0, got}}, got);
+  }
+  // A small read straight into the client's lent memory: only the completion travels.
+  void read_direct_here(connection& c, session& s, std::uint64_t rid, const std::string& path, std::uint64_t offset,
+                        std::uint64_t length, std::byte* dst) {
+    std::uint64_t got = read_small(s, path, dst, length, offset);
+    bytes_sent += got;
+    direct_reads++;
+    c.send_frame({rid, 0, complete{0, got}});
+  }
+  // Reads a small range on the worker's thread. The session's last file first: a client reading
+  // one file in small pieces costs no lock and no lookup in the shared cache per request. From the
+  // file's mapping when the range lies in it (a pread would cost a third of the whole request);
+  // past the mapped size (the file grew, or the read ends at EOF) or after the file shrank under
+  // the mapping -- or the client's region under the destination -- pread says what is there now.
+  std::uint64_t read_small(session& s, const std::string& path, std::byte* dst, std::uint64_t length, std::uint64_t offset) {
+    if (s.last_path != path || coarse_now() >= s.last_until) {
+      clk::time_point opened;
+      s.last_file = files.get(path, false, &opened);
+      s.last_path = path;
+      s.last_until = opened + o.fd_cache_ttl - coarse_slack;
+    }
+    open_file* f = s.last_file.get();
+    if (f->map.read(dst, length, offset)) {
+      mapped_reads++;
+      return length;
+    }
+    return pread_all(*f, path, dst, length, offset);
   }
 
   // ---- writes: the frame opens the request; data arrives as AM data (rendezvous for large pieces) ----

@@ -256,6 +256,78 @@ TEST(StoreWrite, MappedLandingRegionOverSharedMemory) {
   EXPECT_EQ(cs.quarantined, 0u);
 }
 
+// Buffers allocated from the client: over shared memory every lane's server maps them and serves
+// reads and writes in place, at any size (a small read sends only its completion). Random data,
+// unaligned offsets and lengths, multi-piece requests; a freed buffer's address reused by the next
+// allocation is not confused with it; over tcp the same calls work with ordinary memory.
+TEST(StoreWrite, AllocatedBuffersAreServedInPlaceOverSharedMemory) {
+  ::setenv("UCX_MM_ERROR_HANDLING", "y", 1);
+  writable_server s;
+  store::client c("127.0.0.1", s.srv->port(), s.opts());
+  auto st0 = c.stats();
+  ::unsetenv("UCX_MM_ERROR_HANDLING");
+  if (st0.data_path.find("mapped") == std::string::npos)
+    GTEST_SKIP() << "no shared-memory transport between client and server here (lanes " << st0.transports << ")";
+  auto data = random_bytes((6 << 20) + 4321, 41);
+  {
+    std::ofstream f(s.root / "out" / "src.bin", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+  }
+  const std::uint64_t size = 8 << 20;
+  auto* b = static_cast<unsigned char*>(c.allocate(size));
+  auto inline0 = s.srv->stats().inline_replies;
+  // Small (answered on the server's progress thread), medium, and several pieces of 1 MiB.
+  for (auto [off, at, n] : {std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>{4097, 0, 4096}, {12345, 777, 100000},
+                            {3, 4096 + 5, (5 << 20) + 11}, {data.size() - 1000, size - 4096, 4096}}) {
+    std::memset(b + at, 0xEE, n);
+    std::uint64_t want = std::min<std::uint64_t>(n, data.size() - off);
+    ASSERT_EQ(c.read("out/src.bin", off, b + at, n), want) << off << "+" << n;
+    EXPECT_EQ(std::memcmp(b + at, data.data() + off, want), 0) << off << "+" << n;
+  }
+  auto cs = c.stats();
+  EXPECT_GE(cs.lent_pieces, 1u + 1 + 6 + 1) << "every piece went straight into the buffer";
+  EXPECT_EQ(s.srv->stats().inline_replies, inline0) << "no data message for a small read into an allocated buffer";
+  EXPECT_GE(s.srv->stats().direct_reads, 9u);
+  // Writes from the buffer, at an unaligned offset of both.
+  auto patch = random_bytes((3 << 20) + 5, 42);
+  std::memcpy(b + 99, patch.data(), patch.size());
+  c.write("out/dst.bin", 7, b + 99, patch.size());
+  auto back = slurp(s.root / "out" / "dst.bin");
+  ASSERT_EQ(back.size(), patch.size() + 7);
+  EXPECT_EQ(std::memcmp(back.data() + 7, patch.data(), patch.size()), 0);
+  EXPECT_GT(c.stats().lent_pieces, cs.lent_pieces);
+  // Freed: the servers forget it; a new buffer (often at the same address) is served, not the old one.
+  c.deallocate(b);
+  EXPECT_THAT(test::error_text([&] { c.deallocate(b); }), HasSubstr("not a buffer this client allocated"));
+  for (int i = 0; i < 3; ++i) {
+    auto* b2 = static_cast<unsigned char*>(c.allocate(size));
+    std::memset(b2, 0, 4096);
+    ASSERT_EQ(c.read("out/src.bin", 4096 * (i + 1), b2, 4096), 4096u);
+    EXPECT_EQ(std::memcmp(b2, data.data() + 4096 * (i + 1), 4096), 0) << "round " << i << (b2 == b ? " (same address)" : "");
+    c.deallocate(b2);
+  }
+  EXPECT_THAT(test::error_text([&] { c.allocate(0); }), HasSubstr("must be between 1 and 1 TiB"));
+}
+
+TEST(StoreWrite, AllocatedBuffersAreOrdinaryMemoryWhereTheServerCannotMapThem) {
+  writable_server s;
+  auto o = s.opts();
+  o.map = false;
+  store::client c("127.0.0.1", s.srv->port(), o);
+  auto data = random_bytes((2 << 20) + 9, 43);
+  {
+    std::ofstream f(s.root / "out" / "src.bin", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+  }
+  auto* b = static_cast<unsigned char*>(c.allocate(data.size()));
+  ASSERT_EQ(c.read("out/src.bin", 0, b, data.size()), data.size());
+  EXPECT_EQ(std::memcmp(b, data.data(), data.size()), 0);
+  ASSERT_EQ(c.read("out/src.bin", 100, b, 4096), 4096u);
+  EXPECT_EQ(std::memcmp(b, data.data() + 100, 4096), 0);
+  EXPECT_EQ(c.stats().lent_pieces, 0u);
+  c.deallocate(b);
+}
+
 }  // namespace
 
 // RMA data path (FERRY_NET_RMA=on): the client registers its memory for the network and the server

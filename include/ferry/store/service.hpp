@@ -118,6 +118,7 @@ struct client_stats {
   std::uint64_t quarantined = 0;       // landing slots never reused (a request was abandoned while the server might still write)
   std::uint64_t rma_pieces = 0;        // pieces the server moved by RMA into / out of registered memory
   bool rma = false;                    // RMA in use for bulk data (FERRY_NET_RMA and the transports)
+  std::uint64_t lent_pieces = 0;       // pieces the server moved straight into / out of buffers from allocate()
 };
 
 class FERRY_API client {
@@ -142,6 +143,18 @@ class FERRY_API client {
   // Throws an error naming the peer and the path; after a timeout the connection is closed first,
   // so nothing lands in the buffer afterwards (the next request reconnects).
   std::uint64_t finish(ticket t);
+
+  // Host memory that this client's server can reach directly, for buffers used again and again (as
+  // memory registered for RDMA is): shared memory lent to a same-host server, which then reads files
+  // straight into it and writes files straight from it -- no data message and no copy in this
+  // process, at any size (a 4 KiB read costs one small request and one small completion). Where the
+  // server cannot map it (another host, tcp, FERRY_NET_MAP=0) it is ordinary host memory and
+  // requests on it take the usual path (client_stats::lent_pieces counts those that went straight).
+  // Valid until deallocate() or until the client is destroyed. Like any destination, a buffer must
+  // not be reused before its requests finish; after a request timed out, the server may still
+  // write into the buffer until its read ends.
+  void* allocate(std::uint64_t bytes);
+  void deallocate(void* buffer);  // throws invalid_argument for a pointer allocate() did not return
 
   // Synchronous helpers. Reads and writes are retried once after a reconnect (server restarted).
   std::uint64_t read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
