@@ -405,12 +405,12 @@ struct server::impl {
     try {
       if (auto* r = std::get_if<read_into>(&m.b)) {
         reads++;
-        return direct(c, s->shared_from_this(), rid, r->path, r->offset, r->length, r->addr, false);
+        return direct(c, *s, rid, r->path, r->offset, r->length, r->addr, false);
       }
       if (auto* r = std::get_if<write_from>(&m.b)) {
         writes++;
         if (!o.writable) fail(errc::permission_denied, "store.write", r->path, "this server is read-only (started without --writable)");
-        return direct(c, s->shared_from_this(), rid, r->path, r->offset, r->length, r->addr, true);
+        return direct(c, *s, rid, r->path, r->offset, r->length, r->addr, true);
       }
       if (auto* r = std::get_if<read_rma>(&m.b)) {
         reads++;
@@ -452,15 +452,18 @@ struct server::impl {
   // mapping (as read_inline, but into the client's memory, and only the completion is sent), else
   // one pread/pwrite on an I/O thread, then the completion. The job holds the mapping, so a client
   // that leaves or gives the region back meanwhile cannot make it vanish.
-  void direct(connection& c, const std::shared_ptr<session>& s, std::uint64_t rid, const std::string& path,
-              std::uint64_t offset, std::uint64_t length, std::uint64_t addr, bool write) {
+  void direct(connection& c, session& sn, std::uint64_t rid, const std::string& path, std::uint64_t offset,
+              std::uint64_t length, std::uint64_t addr, bool write) {
     const char* op = write ? "store.write" : "store.read";
     if (length > o.max_request)
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
-    if (s->lent.empty()) fail(errc::protocol_error, op, c.peer(), "direct request without a mapped region (lend first)");
-    remote_mapping* at = s->lent_at(addr, length);
+    if (sn.lent.empty()) fail(errc::protocol_error, op, c.peer(), "direct request without a mapped region (lend first)");
+    remote_mapping* at = sn.lent_at(addr, length);
     if (!at) fail(errc::out_of_range, op, c.peer(), fmt::format("[{:#x}, +{}) is outside every region the client lent", addr, length));
-    if (!write && length <= o.inline_max) return read_direct_here(c, *s, rid, path, offset, length, at->base + (addr - at->addr));
+    if (!write && length <= o.inline_max) return read_direct_here(c, sn, rid, path, offset, length, at->base + (addr - at->addr));
+    // Work for an I/O thread: it holds the session and the mapping (a plain reference suffices
+    // above, on this thread; taking one costs two atomic operations per request).
+    auto s = sn.shared_from_this();
     std::shared_ptr<remote_mapping> m;
     for (auto& x : s->lent)
       if (x.get() == at) m = x;
