@@ -46,7 +46,7 @@ struct client::impl {
     std::uint64_t rid = 0;
     lane* ln = nullptr;
     connection* conn = nullptr;
-    bool write = false, direct = false, rma = false;
+    bool write = false, direct = false, rma = false, lent = false;
     std::shared_ptr<registration> net;  // network registration of the memory an RMA piece uses
     std::byte* rma_mem = nullptr;
     std::byte* land = nullptr;       // where read data lands (the destination, a staging buffer or a landing slot)
@@ -108,6 +108,14 @@ struct client::impl {
       auto it = m.find(k);
       if (it != m.end()) erase(it);
     }
+    // Removes k's entry and returns its value (moved out), or a default value.
+    V take(const K& k) {
+      auto it = m.find(k);
+      if (it == m.end()) return V{};
+      V v = std::move(it->second);
+      erase(it);
+      return v;
+    }
     auto find(const K& k) { return m.find(k); }
     auto begin() { return m.begin(); }
     auto end() { return m.end(); }
@@ -129,7 +137,10 @@ struct client::impl {
   ticket next_ticket = 1;
   welcome hello_reply;
   bool connected_once = false;
-  std::atomic<std::uint64_t> n_requests{0}, n_pieces{0}, n_read{0}, n_written{0}, n_staged{0}, n_reconnects{0}, n_direct{0}, n_rma{0};
+  // Counted under mu, where each request already is (an atomic add each would cost more than the
+  // lock on some machines); staged bytes and reconnects by the threads that make them.
+  std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0;
+  std::atomic<std::uint64_t> n_staged{0}, n_reconnects{0};
   // RMA: memory registered for the network through a registration cache of our own (lazily
   // deregistered, dropped when the memory goes); decided when lane 0 connects.
   std::unique_ptr<ucx_net_client> net_client;
@@ -158,13 +169,31 @@ struct client::impl {
   // server like the landing region, so requests on them move no data and make no copy here. Which
   // lanes' servers mapped each one (a bit per lane, mu); lend_mu orders lending against (re)connects.
   struct user_region {
-    std::unique_ptr<ucx_region> r;
-    std::uint64_t lanes_mapped = 0;
+    std::unique_ptr<ucx_region> r;  // null once deallocated (the entry itself lives as long as the client)
+    std::atomic<std::uint64_t> lanes_mapped{0};
   };
   std::mutex lend_mu;
-  std::vector<std::unique_ptr<user_region>> user_regions;  // mu (changed under lend_mu too)
+  std::vector<std::unique_ptr<user_region>> user_regions;  // live ones (mu; changed under lend_mu too)
   std::atomic<std::size_t> n_user_regions{0};             // lets requests skip the look-up when there are none
-  std::atomic<std::uint64_t> n_lent{0};
+  // What requests look at, without a lock: the live buffers' spans, republished (never changed in
+  // place) under lend_mu; old tables and deallocated entries stay until the client goes.
+  struct lent_span {
+    const std::byte* base;
+    std::uint64_t size;
+    const user_region* u;
+  };
+  std::atomic<const std::vector<lent_span>*> lent_spans{nullptr};
+  std::vector<std::unique_ptr<const std::vector<lent_span>>> old_spans;  // lend_mu
+  std::vector<std::unique_ptr<user_region>> freed_regions;                // lend_mu
+  void publish_spans() {  // lend_mu held
+    auto t = std::make_unique<std::vector<lent_span>>();
+    {
+      std::lock_guard l(mu);
+      for (auto& u : user_regions) t->push_back({u->r->data(), u->r->size(), u.get()});
+    }
+    lent_spans.store(t.get(), std::memory_order_release);
+    old_spans.push_back(std::move(t));
+  }
   // Whether every lane's server mapped the landing region: recomputed when a lane (re)connects, read
   // per request without a lock.
   std::atomic<bool> all_mapped{false};
@@ -275,11 +304,11 @@ struct client::impl {
   // Whether [p, p+n) lies in a buffer from allocate() that every lane's server mapped.
   bool in_lent_buffer(const std::byte* p, std::uint64_t n) {
     if (n == 0 || n_user_regions.load(std::memory_order_relaxed) == 0) return false;
-    std::lock_guard l(mu);
-    for (auto& u : user_regions) {
-      const std::byte* b = u->r->data();
-      if (p >= b && n <= u->r->size() && static_cast<std::uint64_t>(p - b) <= u->r->size() - n) return u->lanes_mapped == all_lanes();
-    }
+    const auto* t = lent_spans.load(std::memory_order_acquire);
+    if (!t) return false;
+    for (auto& s : *t)
+      if (p >= s.base && n <= s.size && static_cast<std::uint64_t>(p - s.base) <= s.size - n)
+        return s.u->lanes_mapped.load(std::memory_order_acquire) == all_lanes();
     return false;
   }
   // Lends (or, with `give_back`, takes back) one region to one lane's server; true if it mapped it.
@@ -318,10 +347,13 @@ struct client::impl {
       }
     }
     void* p = u->r->data();
-    std::lock_guard l(mu);
     u->lanes_mapped = mapped;
-    user_regions.push_back(std::move(u));
-    n_user_regions.store(user_regions.size(), std::memory_order_relaxed);
+    {
+      std::lock_guard l(mu);
+      user_regions.push_back(std::move(u));
+      n_user_regions.store(user_regions.size(), std::memory_order_relaxed);
+    }
+    publish_spans();
     return p;
   }
   void deallocate(void* p) {
@@ -336,6 +368,7 @@ struct client::impl {
       user_regions.erase(it);
       n_user_regions.store(user_regions.size(), std::memory_order_relaxed);
     }
+    publish_spans();
     // The servers forget it before the memory goes (a region allocated later at the same address
     // must not be taken for this one); a lane that is down has no session holding it any more.
     auto until = clk::now() + o.timeout;
@@ -347,6 +380,8 @@ struct client::impl {
         log::debug("store", "{}: lane {} did not take buffer {} back ({})", peer, ln->index, p, e.what());
       }
     }
+    u->r.reset();  // the memory goes; the entry stays for requests that may still look at it
+    freed_regions.push_back(std::move(u));
   }
   // Host memory or not: device-side copies go through the transfer engine, host ones are a memcpy.
   void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n) {
@@ -368,15 +403,18 @@ struct client::impl {
                                          p.received >= p.expect));
     if (!ready) return;
     p.settled = true;
-    auto keep = pp;  // pp may be the map's own reference
-    pend.erase(p.rid);
+    // The map's reference moves out (pp may be that very reference): no reference-count traffic.
+    std::shared_ptr<piece> keep = pend.take(p.rid);
+    if (!keep) keep = pp;
     if (p.credit) {
       p.credit = false;
       p.ln->inflight--;
     }
+    if (!p.err && p.reply)
+      if (auto* cp = std::get_if<complete>(&p.reply->b)) (p.write ? n_written : n_read) += cp->bytes;
     if (!p.err && !p.write && p.final_dst && p.received) {
       std::lock_guard l(stage_mu);
-      stage_q.push_back(pp);
+      stage_q.push_back(std::move(keep));
       stage_cv.notify_one();
       return;
     }
@@ -389,7 +427,7 @@ struct client::impl {
     std::lock_guard l(mu);
     auto it = pend.find(m.request_id);
     if (it == pend.end()) return;
-    auto pp = it->second;
+    const auto& pp = it->second;  // maybe_settle moves it out of the map last
     auto& p = *pp;
     if (auto* cp = std::get_if<complete>(&m.b)) {
       if (p.land) p.expect = cp->bytes;  // data still to come by messages (a lend's answer carries none)
@@ -407,7 +445,7 @@ struct client::impl {
     std::lock_guard l(mu);
     auto it = pend.find(m.request_id);
     if (it == pend.end()) return;
-    auto pp = it->second;
+    const auto& pp = it->second;  // maybe_settle moves it out of the map last
     auto& p = *pp;
     auto* cp = std::get_if<complete>(&m.b);
     if (!cp || p.write || p.direct || cp->bytes != n || n > p.len || (n && !p.land)) {
@@ -463,7 +501,9 @@ struct client::impl {
   // ---- caller threads ----
   // Registers a piece and sends its frame on `force` or the least loaded lane with a credit.
   // `until` bounds the wait for a credit.
-  std::shared_ptr<piece> send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force = nullptr) {
+  // `whole`: a request of this one piece, registered under the same lock (its ticket goes to `t`).
+  std::shared_ptr<piece> send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force = nullptr,
+                              op* whole = nullptr, ticket* t = nullptr) {
     std::unique_lock l(mu);
     lane* ln = force;
     if (needs_credit) {
@@ -490,6 +530,15 @@ struct client::impl {
     p->conn = cn.get();
     pend.put(p->rid, p);
     n_pieces++;
+    if (p->rma) n_rma++;
+    else if (p->direct) n_direct++;
+    if (p->lent) n_lent++;
+    if (whole) {
+      whole->pieces.push_back(p);
+      *t = next_ticket++;
+      ops.put(*t, std::move(*whole));
+      n_requests++;
+    }
     l.unlock();
     try {
       if (!cn) fail(errc::network_error, "store.request", peer, "not connected");
@@ -508,7 +557,7 @@ struct client::impl {
   void wait_piece(piece& p, clk::time_point until, const What& what) {
     // Drive the worker from this thread for a while: a small request then completes without any
     // thread hand-off (the progress thread takes over if this one gives up and sleeps).
-    if (p.ln->w->drive([&] { return p.done.load(std::memory_order_acquire); }, std::min(until, clk::now() + o.spin))) return;
+    if (p.ln->w->drive([&] { return p.done.load(std::memory_order_acquire); }, until, o.spin)) return;
     std::unique_lock l(mu);
     if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     auto cn = p.ln->c;
@@ -577,7 +626,7 @@ struct client::impl {
       if (ln.c) ln.c->close();
       ln.mapped = false;
       all_mapped = false;
-      for (auto& u : user_regions) u->lanes_mapped &= ~(std::uint64_t{1} << ln.index);
+      for (auto& u : user_regions) u->lanes_mapped.fetch_and(~(std::uint64_t{1} << ln.index));
     }
     auto cn = ln.w->connect(host, to, until);
     connection* raw = cn.get();
@@ -625,10 +674,7 @@ struct client::impl {
         for (auto& u : user_regions) us.push_back(u.get());
       }
       for (auto* u : us)
-        if (lend_to(ln, *u->r, false, until)) {
-          std::lock_guard l(mu);
-          u->lanes_mapped |= std::uint64_t{1} << ln.index;
-        }
+        if (lend_to(ln, *u->r, false, until)) u->lanes_mapped.fetch_or(std::uint64_t{1} << ln.index);
     }
     std::lock_guard l(mu);
     auto& w = std::get<welcome>(r.b);
@@ -713,8 +759,10 @@ struct client::impl {
         net.reset();
       }
     }
-    n_requests++;
     op o2{path, write, offset, length, until, {}};
+    // A read of one piece (most small ones) is registered with its piece, under one lock.
+    bool one_piece = !write && length <= o.piece && !net;
+    ticket registered = 0;
     try {
       std::uint64_t off = 0;
       do {
@@ -738,12 +786,11 @@ struct client::impl {
           p->net = net;
           p->rma_mem = mem + off;
           m = {0, 0, write ? body{write_rma{path, offset + off, n, addr, std::move(rk)}} : body{read_rma{path, offset + off, n, addr, std::move(rk)}}};
-          n_rma++;
         } else if (direct && n) {
           p->direct = true;
           if (lent) {
             p->land = mem + off;
-            n_lent++;
+            p->lent = true;
           } else {
             p->land_slot = get_land_slot(until);
             p->land = landing->data() + static_cast<std::size_t>(p->land_slot) * o.piece;
@@ -755,7 +802,6 @@ struct client::impl {
           }
           auto addr = reinterpret_cast<std::uint64_t>(p->land);
           m = {0, 0, write ? body{write_from{path, offset + off, n, addr}} : body{read_into{path, offset + off, n, addr}}};
-          n_direct++;
         } else {
           if (staged) {
             p->slot = staging->get(until);
@@ -766,6 +812,10 @@ struct client::impl {
             p->land = mem ? mem + off : nullptr;
           }
           m = {0, 0, write ? body{write_req{path, offset + off, n}} : body{read_req{path, offset + off, n}}};
+        }
+        if (one_piece) {
+          p = send(std::move(m), std::move(p), true, until, nullptr, &o2, &registered);
+          return registered;
         }
         p = send(std::move(m), std::move(p), true, until);
         o2.pieces.push_back(p);
@@ -802,6 +852,7 @@ struct client::impl {
     std::lock_guard l(mu);
     ticket t = next_ticket++;
     ops.put(t, std::move(o2));
+    n_requests++;
     return t;
   }
 
@@ -836,7 +887,6 @@ struct client::impl {
       if (x.write && bytes != p->len)
         fail(errc::io_error, opname, fmt::format("{} {}", peer, printable(x.path)), fmt::format("the server wrote {} of {} bytes", bytes, p->len));
     });
-    (x.write ? n_written : n_read) += total;
     return total;
   }
 
@@ -921,17 +971,15 @@ client_stats client::stats() const {
   std::uint64_t wakeups = 0;
   for (auto& ln : i.lanes) wakeups += ln->w->wakeups();
   bool direct = i.direct_available();
-  client_stats s{i.n_requests.load(), i.n_pieces.load(), i.n_read.load(), i.n_written.load(), i.n_staged.load(),
+  std::unique_lock l(i.mu);
+  client_stats s{i.n_requests, i.n_pieces, i.n_read, i.n_written, i.n_staged.load(),
                  i.n_reconnects.load(), wakeups, i.lanes[0]->w->cuda_memory(), "",
                  direct ? "mapped landing region (server reads/writes it in place; shared memory)"
                         : "active messages (rendezvous above the eager limit)",
-                 static_cast<int>(i.lanes.size()), i.n_direct.load(), i.quarantined.load(), i.n_rma.load(), i.use_rma.load(), i.n_lent.load()};
+                 static_cast<int>(i.lanes.size()), i.n_direct, i.quarantined.load(), i.n_rma, i.use_rma.load(), i.n_lent};
+  std::shared_ptr<connection> cn = i.lanes[0]->c;
+  l.unlock();
   if (s.rma && !direct) s.data_path = "RMA into registered client memory (server puts reads, gets writes)";
-  std::shared_ptr<connection> cn;
-  {
-    std::lock_guard l(i.mu);
-    cn = i.lanes[0]->c;
-  }
   try {
     s.transports = cn && cn->alive() ? cn->transports() : "not connected";
   } catch (const error&) {
