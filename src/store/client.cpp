@@ -300,6 +300,10 @@ struct client::impl {
     p.land_slot = -1;
   }
   bool direct_available() const { return all_mapped.load(std::memory_order_relaxed); }
+  std::size_t home_lane() const {
+    thread_local const std::size_t h = std::hash<std::thread::id>{}(std::this_thread::get_id());
+    return h % lanes.size();
+  }
   std::uint64_t all_lanes() const { return lanes.size() >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << lanes.size()) - 1; }
   // Whether [p, p+n) lies in a buffer from allocate() that every lane's server mapped.
   bool in_lent_buffer(const std::byte* p, std::uint64_t n) {
@@ -507,7 +511,13 @@ struct client::impl {
     std::unique_lock l(mu);
     lane* ln = force;
     if (needs_credit) {
+      // Small pieces stay on the calling thread's own lane while it has credit: the caller drives
+      // that lane's worker while it waits, so their replies are handled on this thread, without
+      // waking the other lanes' progress threads (spread over four lanes, 4 KiB reads at queue
+      // depth 4 took longer than one at a time). Large pieces spread for bandwidth.
+      lane* home = p->len <= (64u << 10) && lanes.size() > 1 ? lanes[home_lane()].get() : nullptr;
       auto pick = [&]() -> lane* {
+        if (home && home->c && home->c->alive() && home->inflight < home->credits) return home;
         lane* best = nullptr;
         for (auto& x : lanes) {
           if (!x->c || !x->c->alive()) {
