@@ -319,6 +319,28 @@ struct server::impl {
     auto* s = static_cast<session*>(c.user);
     return s ? s->shared_from_this() : nullptr;
   }
+  // A request's credit, given back just before its answer goes out: the client may send its next
+  // request the moment the answer arrives, and must not find the credit still taken (it would be
+  // refused as one too many). Given back once; the job gives it back if nothing did.
+  struct credit {
+    std::atomic<int>* n = nullptr;
+    explicit credit(std::atomic<int>& c) : n(&c) { c++; }
+    credit(credit&& o) noexcept : n(std::exchange(o.n, nullptr)) {}
+    credit(const credit&) = delete;
+    ~credit() { give_back(); }
+    void give_back() {
+      if (n) n->fetch_sub(1);
+      n = nullptr;
+    }
+  };
+  void answer(connection& c, credit& cr, const message& m) {
+    cr.give_back();
+    c.send_frame(m);
+  }
+  void answer_error(connection& c, credit& cr, std::uint64_t rid, const error& e) {
+    cr.give_back();
+    reply_error(c, rid, e);
+  }
   void reply_error(connection& c, std::uint64_t rid, const error& e) {
     errors++;
     try {
@@ -434,17 +456,16 @@ struct server::impl {
       reply_error(c, rid, e);
       return;
     }
-    s->outstanding++;
     auto self = c.shared_from_this();
-    queue([this, self, s = s->shared_from_this(), m = std::move(m)]() mutable {
+    // (The job holds its session, so the credit's counter outlives it.)
+    queue([this, self, s = s->shared_from_this(), cr = std::make_shared<credit>(s->outstanding), m = std::move(m)]() mutable {
       try {
-        serve(*self, m);
+        serve(*self, m, *cr);
       } catch (const error& e) {
-        reply_error(*self, m.request_id, e);
+        answer_error(*self, *cr, m.request_id, e);
       } catch (const std::exception& e) {
-        reply_error(*self, m.request_id, error(errc::internal, "store.request", self->peer(), e.what()));
+        answer_error(*self, *cr, m.request_id, error(errc::internal, "store.request", self->peer(), e.what()));
       }
-      s->outstanding--;
     });
   }
 
@@ -467,9 +488,8 @@ struct server::impl {
     std::shared_ptr<remote_mapping> m;
     for (auto& x : s->lent)
       if (x.get() == at) m = x;
-    s->outstanding++;
     auto self = c.shared_from_this();
-    queue([this, self, s, m, rid, path, offset, length, addr, write] {
+    queue([this, self, s, cr = std::make_shared<credit>(s->outstanding), m, rid, path, offset, length, addr, write] {
       try {
         std::byte* p = m->base + (addr - m->addr);
         std::uint64_t done;
@@ -484,11 +504,10 @@ struct server::impl {
           bytes_sent += done;
           direct_reads++;
         }
-        self->send_frame({rid, 0, complete{0, done}});
+        answer(*self, *cr, {rid, 0, complete{0, done}});
       } catch (const error& e) {
-        reply_error(*self, rid, e);
+        answer_error(*self, *cr, rid, e);
       }
-      s->outstanding--;
     });
   }
 
@@ -503,9 +522,8 @@ struct server::impl {
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
     auto key = c.unpack_rkey(std::as_bytes(std::span(rkey.data(), rkey.size())));
     if (!key) fail(errc::protocol_error, op, c.peer(), "the client's rkey cannot be unpacked on this endpoint");
-    s->outstanding++;
     auto self = c.shared_from_this();
-    queue([this, self, s, key, rid, path, offset, length, addr, write] {
+    queue([this, self, s, cr = std::make_shared<credit>(s->outstanding), key, rid, path, offset, length, addr, write] {
       try {
         auto f = files.get(path, write);
         std::uint64_t chunk = std::min<std::uint64_t>(o.chunk, std::max<std::uint64_t>(length, 1));
@@ -535,11 +553,11 @@ struct server::impl {
           bytes_sent += done;
           rma_puts++;
         }
+        cr->give_back();
         self->send_frame_fenced({rid, 0, complete{0, done}});
       } catch (const error& e) {
-        reply_error(*self, rid, e);
+        answer_error(*self, *cr, rid, e);
       }
-      s->outstanding--;
     });
   }
   void rma_wait(connection& c, const std::shared_ptr<std::vector<std::byte>>& buf, bool get, std::uint64_t n, std::uint64_t remote,
@@ -705,7 +723,7 @@ struct server::impl {
         ws->written += n;
         if (ws->written < ws->length) return;
         s->writes.erase(it);
-        s->outstanding--;
+        s->outstanding--;  // before the answer (see credit)
         try {
           self->send_frame({rid, 0, complete{0, ws->written}});
         } catch (...) {
@@ -743,7 +761,7 @@ struct server::impl {
     }
   }
 
-  void serve(connection& c, const message& m) {
+  void serve(connection& c, const message& m, credit& cr) {
     std::uint64_t rid = m.request_id;
     if (auto* r = std::get_if<read_req>(&m.b)) {
       auto f = files.get(r->path, false);
@@ -778,7 +796,7 @@ struct server::impl {
         bytes_sent += got;
         if (got < want) break;  // end of file
       }
-      c.send_frame({rid, 0, complete{0, off}});
+      answer(c, cr, {rid, 0, complete{0, off}});
       return;
     }
     if (auto* r = std::get_if<stat_req>(&m.b)) {
@@ -786,7 +804,7 @@ struct server::impl {
       struct stat st{};
       ::fstat(fd, &st);
       ::close(fd);
-      c.send_frame({rid, 0, stat_reply{static_cast<std::uint64_t>(st.st_size), st.st_mode,
+      answer(c, cr, {rid, 0, stat_reply{static_cast<std::uint64_t>(st.st_size), st.st_mode,
                                        static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec}});
       return;
     }
@@ -810,7 +828,7 @@ struct server::impl {
                                static_cast<std::uint64_t>(st.st_size)});
       }
       ::closedir(d);
-      c.send_frame({rid, 0, std::move(rep)});
+      answer(c, cr, {rid, 0, std::move(rep)});
       return;
     }
     fail(errc::protocol_error, "store.request", c.peer(), "unexpected message type");
