@@ -167,7 +167,7 @@ struct client::impl {
   std::atomic<std::uint64_t> quarantined{0};
   // Buffers the caller allocated from this client (allocate): shared memory lent to every lane's
   // server like the landing region, so requests on them move no data and make no copy here. Which
-  // lanes' servers mapped each one (a bit per lane, mu); lend_mu orders lending against (re)connects.
+  // lanes' servers mapped each one (a bit per lane); lend_mu orders lending against (re)connects.
   struct user_region {
     std::unique_ptr<ucx_region> r;  // null once deallocated (the entry itself lives as long as the client)
     std::atomic<std::uint64_t> lanes_mapped{0};

@@ -139,6 +139,15 @@ TEST(StoreHostile, DirectRequestsNeedAMappedRegionAndStayInsideIt) {
   h.c->send_frame({4, 0, read_into{"a.bin", 0, 4096, 0x10000}});
   ASSERT_TRUE(h.wait_for(4));
   EXPECT_THAT(std::get<error_reply>(h.got[3].b).message, HasSubstr("without a mapped region"));
+  // Giving back a region that was never mapped (length 0): answered, nothing else changes.
+  h.c->send_frame({6, 0, lend{0x10000, 0, {}}});
+  ASSERT_TRUE(h.wait_for(5));
+  ASSERT_TRUE(std::holds_alternative<complete>(h.got[4].b));
+  EXPECT_EQ(h.got[4].request_id, 6u);
+  {
+    std::lock_guard l(h.mu);
+    h.got.pop_back();  // the RMA check below counts answers from here
+  }
   // An RMA request with a key that is no key (bounded copy before UCX unpacks it): the server
   // answers and stays up. Over tcp UCX emulates RMA and does not check keys at the target -- the
   // put lands wherever the requester named in its own process, so the address here is a buffer of
