@@ -603,28 +603,21 @@ int ucx_worker::enter() {
   // atomic read-modify-write costs 20-30 ns on the GPU machine's VM, and a small request makes
   // dozens; the progress thread takes the worker back only after callers_ and drivers_ stayed zero
   // for a while, and its try_lock simply fails meanwhile.
-  if (ucx_mu_.try_lock()) {
-    lock_owner();
-    try {
-      drain_posted();
-    } catch (...) {
-      unlock_owner();
-      ucx_mu_.unlock();
-      throw;
+  int how = entered_quiet;
+  if (!ucx_mu_.try_lock()) {
+    // Ask the progress thread to let this thread in, and wait for the worker a bounded while (the
+    // progress thread looks at callers_ between progress calls; a caller that drives holds it
+    // longer): posting instead would hand the send to the other thread.
+    callers_.fetch_add(1, std::memory_order_seq_cst);
+    int i = 0;
+    while (!ucx_mu_.try_lock()) {
+      if (++i >= 256) {
+        callers_.fetch_sub(1, std::memory_order_seq_cst);
+        return 0;
+      }
+      cpu_relax();
     }
-    return entered_quiet;
-  }
-  // Ask the progress thread to let this thread in, and wait for the worker a bounded while (the
-  // progress thread looks at callers_ between progress calls; a caller that drives holds it
-  // longer): posting instead would hand the send to the other thread.
-  callers_.fetch_add(1, std::memory_order_seq_cst);
-  int i = 0;
-  while (!ucx_mu_.try_lock()) {
-    if (++i >= 256) {
-      callers_.fetch_sub(1, std::memory_order_seq_cst);
-      return 0;
-    }
-    cpu_relax();
+    how = entered_took;
   }
   lock_owner();
   try {
@@ -632,10 +625,10 @@ int ucx_worker::enter() {
   } catch (...) {
     unlock_owner();
     ucx_mu_.unlock();
-    callers_.fetch_sub(1, std::memory_order_seq_cst);
+    if (how == entered_took) callers_.fetch_sub(1, std::memory_order_seq_cst);
     throw;
   }
-  return entered_took;
+  return how;
 }
 
 void ucx_worker::leave(int how, bool settles) {

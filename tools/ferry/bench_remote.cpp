@@ -200,8 +200,6 @@ struct run_result {
   std::uint64_t requests = 0;
 };
 
-// `reqs` requests of `size` bytes with `qd` outstanding; request i uses buffer slot i % qd and file
-// offset (i * size) mod (file - size), 4 KiB aligned.
 // Memory for one row of the table: the caller's own (an endpoint: host or a device) or, for "lent",
 // host memory allocated from the client (client::allocate).
 class lent_or_endpoint {
@@ -225,6 +223,8 @@ class lent_or_endpoint {
   std::optional<endpoint> ep_;
 };
 
+// `reqs` requests of `size` bytes with `qd` outstanding; request i uses buffer slot i % qd and file
+// offset (i * size) mod (file - size), 4 KiB aligned.
 run_result measure(store::client& c, bool write, const std::string& path, std::byte* base, std::uint64_t size, int qd,
                    std::uint64_t reqs, std::uint64_t file_bytes, std::chrono::nanoseconds timeout) {
   std::vector<double> lat, in_start;
