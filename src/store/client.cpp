@@ -33,6 +33,7 @@ namespace {
 }  // namespace
 
 struct client::impl {
+  struct piece;
   // One connection to the server with its own UCX worker (progress thread) and credits.
   struct lane {
     int index = 0;
@@ -40,6 +41,9 @@ struct client::impl {
     std::shared_ptr<connection> c;                // mu
     std::uint32_t credits = 1, inflight = 0;      // mu
     bool mapped = false;                          // the server mapped our landing region (mu)
+    // The read a caller waits for with this lane's worker held (fast_read): not in `pend`, seen
+    // and settled only by the worker's holder, which is that caller until it lets the worker go.
+    piece* fast = nullptr;
   };
   // One wire request.
   struct piece {
@@ -139,7 +143,7 @@ struct client::impl {
   bool connected_once = false;
   // Counted under mu, where each request already is (an atomic add each would cost more than the
   // lock on some machines); staged bytes and reconnects by the threads that make them.
-  std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0;
+  std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0, n_held = 0, n_handed = 0;
   std::atomic<std::uint64_t> n_staged{0}, n_reconnects{0};
   // RMA: memory registered for the network through a registration cache of our own (lazily
   // deregistered, dropped when the memory goes); decided when lane 0 connects.
@@ -214,25 +218,36 @@ struct client::impl {
       ln->index = i;
       ln->w = std::make_unique<ucx_worker>(fmt::format("ferry-client-{}", i), o.spin, ctx);
       auto& w = *ln->w;
-      w.on_frame([this](connection& cn, message m) { on_frame(cn, std::move(m)); });
-      w.on_reply([this](connection& cn, message m, const std::byte* d, std::size_t n) { on_inline(cn, std::move(m), d, n); });
+      lane* lp = ln.get();
+      w.on_frame([this, lp](connection& cn, message m) { on_frame(*lp, cn, std::move(m)); });
+      w.on_reply([this, lp](connection& cn, message m, const std::byte* d, std::size_t n) { on_inline(*lp, cn, std::move(m), d, n); });
+      auto sink = [](const piece& pc, std::uint64_t off, std::size_t n) -> void* {
+        if (!pc.land || pc.write || pc.direct || off > pc.len || n > pc.len - off) return nullptr;
+        return pc.land + off;
+      };
+      auto received = [this](piece& pc, std::size_t n, ucs_status_t s) {
+        if (s != UCS_OK && !pc.err)
+          pc.err = error(errc::network_error, "store.read", peer, std::string("data receive failed: ") + ucs_status_string(s));
+        pc.received += n;
+      };
       w.on_data(
-          [this](connection&, std::uint64_t rid, std::uint64_t off, std::size_t n) -> void* {
+          [this, lp, sink](connection& cn, std::uint64_t rid, std::uint64_t off, std::size_t n) -> void* {
+            if (piece* f = fast_piece(*lp, cn, rid)) return sink(*f, off, n);
             std::lock_guard l(mu);
             auto it = pend.find(rid);
-            if (it == pend.end() || !it->second->land || it->second->write || it->second->direct || off > it->second->len ||
-                n > it->second->len - off)
-              return nullptr;
-            return it->second->land + off;
+            return it == pend.end() ? nullptr : sink(*it->second, off, n);
           },
-          [this](connection&, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
+          [this, lp, received](connection& cn, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
+            if (piece* f = fast_piece(*lp, cn, rid)) {
+              received(*f, n, s);
+              f->settled = ready(*f);
+              return;
+            }
             std::lock_guard l(mu);
             auto it = pend.find(rid);
             if (it == pend.end()) return;
             auto pp = it->second;
-            if (s != UCS_OK && !pp->err)
-              pp->err = error(errc::network_error, "store.read", peer, std::string("data receive failed: ") + ucs_status_string(s));
-            pp->received += n;
+            received(*pp, n, s);
             maybe_settle(pp);
           });
       lanes.push_back(std::move(ln));
@@ -400,12 +415,17 @@ struct client::impl {
 
   // ---- progress threads ----
   // A piece is finished when its reply came and all its data arrived, or when it failed. Called with mu held.
+  static bool ready(const piece& p) {
+    return p.err || (p.replied && (!p.reply || !std::holds_alternative<complete>(p.reply->b) || p.write || p.received >= p.expect));
+  }
+  // The lane's fast read, if `rid` on `cn` is it. The worker's holder only (every handler is).
+  static piece* fast_piece(const lane& ln, const connection& cn, std::uint64_t rid) {
+    piece* f = ln.fast;
+    return f && f->rid == rid && f->conn == &cn ? f : nullptr;
+  }
   void maybe_settle(const std::shared_ptr<piece>& pp) {
     piece& p = *pp;
-    if (p.settled) return;
-    bool ready = p.err || (p.replied && (!p.reply || !std::holds_alternative<complete>(p.reply->b) || p.write ||
-                                         p.received >= p.expect));
-    if (!ready) return;
+    if (p.settled || !ready(p)) return;
     p.settled = true;
     // The map's reference moves out (pp may be that very reference): no reference-count traffic.
     std::shared_ptr<piece> keep = pend.take(p.rid);
@@ -427,12 +447,21 @@ struct client::impl {
     cv.notify_all();
   }
 
-  void on_frame(connection&, message m) {
+  void on_frame(lane& ln, connection& cn, message m) {
+    if (piece* f = fast_piece(ln, cn, m.request_id)) {
+      take_reply(*f, std::move(m));
+      f->settled = ready(*f);
+      return;
+    }
     std::lock_guard l(mu);
     auto it = pend.find(m.request_id);
     if (it == pend.end()) return;
     const auto& pp = it->second;  // maybe_settle moves it out of the map last
-    auto& p = *pp;
+    take_reply(*pp, std::move(m));
+    maybe_settle(pp);
+  }
+  // A piece's answer (a frame): what it says about the data, kept for finish.
+  void take_reply(piece& p, message&& m) {
     if (auto* cp = std::get_if<complete>(&m.b)) {
       if (p.land) p.expect = cp->bytes;  // data still to come by messages (a lend's answer carries none)
       if (cp->status != 0 && !p.err)
@@ -443,14 +472,22 @@ struct client::impl {
     }
     p.replied = true;
     p.reply = std::move(m);
-    maybe_settle(pp);
   }
-  void on_inline(connection&, message m, const std::byte* d, std::size_t n) {
+  void on_inline(lane& ln, connection& cn, message m, const std::byte* d, std::size_t n) {
+    if (piece* f = fast_piece(ln, cn, m.request_id)) {
+      take_inline(*f, std::move(m), d, n);
+      f->settled = ready(*f);
+      return;
+    }
     std::lock_guard l(mu);
     auto it = pend.find(m.request_id);
     if (it == pend.end()) return;
     const auto& pp = it->second;  // maybe_settle moves it out of the map last
-    auto& p = *pp;
+    take_inline(*pp, std::move(m), d, n);
+    maybe_settle(pp);
+  }
+  // A piece's answer with its data inline: copied to where the piece lands.
+  void take_inline(piece& p, message&& m, const std::byte* d, std::size_t n) {
     auto* cp = std::get_if<complete>(&m.b);
     if (!cp || p.write || p.direct || cp->bytes != n || n > p.len || (n && !p.land)) {
       if (!p.err) p.err = error(errc::protocol_error, "store.read", peer, "malformed inline reply");
@@ -461,10 +498,14 @@ struct client::impl {
     p.expect = n;
     p.replied = true;
     p.reply = std::move(m);
-    maybe_settle(pp);
   }
-  void conn_failed(connection* cn, const std::string& why) {
+  // Runs on the lane's worker (its holder), like every handler.
+  void conn_failed(lane& ln, connection* cn, const std::string& why) {
     lane_events.fetch_add(1, std::memory_order_acq_rel);
+    if (piece* f = ln.fast; f && f->conn == cn && !f->settled) {
+      if (!f->err) f->err = error(errc::network_error, "store.request", peer, "connection lost: " + why);
+      f->settled = true;
+    }
     std::lock_guard l(mu);
     std::vector<std::shared_ptr<piece>> hit;
     for (auto& [id, p] : pend)
@@ -640,7 +681,7 @@ struct client::impl {
     }
     auto cn = ln.w->connect(host, to, until);
     connection* raw = cn.get();
-    cn->on_failure = [this, raw](const std::string& why) { conn_failed(raw, why); };
+    cn->on_failure = [this, raw, lp = &ln](const std::string& why) { conn_failed(*lp, raw, why); };
     {
       std::lock_guard l(mu);
       ln.c = cn;
@@ -886,18 +927,113 @@ struct client::impl {
     });
     if (first) throw *first;
     std::uint64_t total = 0;
-    x.pieces.each([&](const std::shared_ptr<piece>& p) {
-      if (p->err) {
-        if (p->err->code() == errc::network_error || p->err->code() == errc::timeout) throw *p->err;
-        throw error(error_info{p->err->code(), opname, fmt::format("{} {}", peer, printable(x.path)), "", p->err->what(), 0, 0});
-      }
-      if (auto* e = std::get_if<error_reply>(&p->reply->b)) rethrow_reply(*e, opname, peer, x.path);
-      auto bytes = std::get<complete>(p->reply->b).bytes;
-      total += bytes;
-      if (x.write && bytes != p->len)
-        fail(errc::io_error, opname, fmt::format("{} {}", peer, printable(x.path)), fmt::format("the server wrote {} of {} bytes", bytes, p->len));
-    });
+    x.pieces.each([&](const std::shared_ptr<piece>& p) { total += outcome(*p, opname, x.path); });
     return total;
+  }
+  // A settled piece's bytes, or the error it ended with (naming the peer and path).
+  std::uint64_t outcome(const piece& p, const char* opname, const std::string& path) {
+    if (p.err) {
+      if (p.err->code() == errc::network_error || p.err->code() == errc::timeout) throw *p.err;
+      throw error(error_info{p.err->code(), opname, fmt::format("{} {}", peer, printable(path)), "", p.err->what(), 0, 0});
+    }
+    if (auto* e = std::get_if<error_reply>(&p.reply->b)) rethrow_reply(*e, opname, peer, path);
+    auto bytes = std::get<complete>(p.reply->b).bytes;
+    if (p.write && bytes != p.len)
+      fail(errc::io_error, opname, fmt::format("{} {}", peer, printable(path)), fmt::format("the server wrote {} of {} bytes", bytes, p.len));
+    return bytes;
+  }
+
+  // A read of one piece into host memory or an allocated buffer, waited for on this thread with
+  // the caller's own lane's worker held from the send to the answer: no registration in `pend` or
+  // `ops`, no shared piece, no second acquisition of the worker — the bookkeeping a small read
+  // otherwise pays between its send and its answer costs as much as the shared-memory round trip
+  // itself. nullopt when it does not apply (larger, staged or RMA reads; no credit or worker free
+  // on that lane at once): the caller takes the general path. Not answered within the spin time,
+  // it becomes an ordinary piece, waited for as any other.
+  std::optional<std::uint64_t> fast_read(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length,
+                                         clk::time_point until) {
+    if (length == 0 || length > o.piece || !mem) return std::nullopt;
+    bool lent = in_lent_buffer(mem, length);
+    // Host memory goes by read_req up to 16 KiB (above that through the landing region, or RMA).
+    if (!lent && (length > (16u << 10) || needs_staging(mem, length, "store.read"))) return std::nullopt;
+    ensure_connected(until);
+    lane& ln = *lanes[lanes.size() > 1 ? home_lane() : 0];
+    piece p;
+    std::shared_ptr<connection> cn;
+    {
+      std::lock_guard l(mu);
+      if (!ln.c || !ln.c->alive() || ln.inflight >= ln.credits) return std::nullopt;
+      cn = ln.c;
+      ln.inflight++;
+      p.rid = next_id++;
+    }
+    p.ln = &ln;
+    p.conn = cn.get();
+    p.len = length;
+    p.land = mem;
+    p.credit = true;
+    message m;
+    if (lent) {
+      p.direct = p.lent = true;
+      m = {p.rid, 0, read_into{path, offset, length, reinterpret_cast<std::uint64_t>(mem)}};
+    } else {
+      m = {p.rid, 0, read_req{path, offset, length}};
+    }
+    std::shared_ptr<piece> handed;  // the piece, registered, if the answer did not come while driving
+    ucx_worker::exchanged r;
+    try {
+      r = ln.w->exchange(
+          [&] {
+            ln.fast = &p;
+            try {
+              cn->send_frame(m);
+            } catch (...) {
+              ln.fast = nullptr;
+              throw;
+            }
+          },
+          [&] { return p.settled; },
+          [&](bool done) {
+            ln.fast = nullptr;
+            if (done) return;
+            // Still the worker's holder: no answer can be handled meanwhile.
+            handed = std::make_shared<piece>();
+            auto& h = *handed;
+            h.rid = p.rid, h.ln = p.ln, h.conn = p.conn, h.direct = p.direct, h.lent = p.lent, h.land = p.land, h.len = p.len;
+            h.received = p.received, h.credit = true;
+            std::lock_guard l(mu);
+            pend.put(h.rid, handed);
+            p.credit = false;  // the registered piece returns it when it settles
+          },
+          until, o.spin);
+    } catch (...) {
+      give_back_credit(ln);
+      throw;
+    }
+    if (r == ucx_worker::exchanged::not_taken) {
+      give_back_credit(ln);
+      return std::nullopt;
+    }
+    {
+      std::lock_guard l(mu);
+      n_requests++, n_pieces++;
+      if (lent) n_direct++, n_lent++;
+      (handed ? n_handed : n_held)++;
+    }
+    if (handed) {
+      wait_piece(*handed, until, [&] { return fmt::format("store.read {} offset {}", printable(path), offset); });
+      return outcome(*handed, "store.read", path);
+    }
+    std::uint64_t got = 0;
+    if (auto* cp = !p.err && p.reply ? std::get_if<complete>(&p.reply->b) : nullptr) got = cp->bytes;
+    give_back_credit(ln, got);
+    return outcome(p, "store.read", path);
+  }
+  void give_back_credit(lane& ln, std::uint64_t bytes_read = 0) {
+    std::lock_guard l(mu);
+    ln.inflight--;
+    n_read += bytes_read;
+    cv.notify_all();
   }
 
   // A request without data (stat, list), retried after a reconnect; a refusal is rethrown naming the path.
@@ -958,8 +1094,16 @@ void client::deallocate(void* buffer) { impl_->deallocate(buffer); }
 
 std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                            std::chrono::nanoseconds timeout) {
-  auto until = clk::now() + timeout;
-  return impl_->retrying([&] { return finish(start_read(path, offset, dst, length, until)); }, until);
+  return read(path, offset, dst, length, clk::now() + timeout);
+}
+std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
+                           clk::time_point until) {
+  return impl_->retrying(
+      [&] {
+        if (auto n = impl_->fast_read(path, offset, static_cast<std::byte*>(dst), length, until)) return *n;
+        return finish(start_read(path, offset, dst, length, until));
+      },
+      until);
 }
 
 void client::write(const std::string& path, std::uint64_t offset, const void* src, std::uint64_t length,
@@ -986,7 +1130,8 @@ client_stats client::stats() const {
                  i.n_reconnects.load(), wakeups, i.lanes[0]->w->cuda_memory(), "",
                  direct ? "mapped landing region (server reads/writes it in place; shared memory)"
                         : "active messages (rendezvous above the eager limit)",
-                 static_cast<int>(i.lanes.size()), i.n_direct, i.quarantined.load(), i.n_rma, i.use_rma.load(), i.n_lent};
+                 static_cast<int>(i.lanes.size()), i.n_direct, i.quarantined.load(), i.n_rma, i.use_rma.load(), i.n_lent,
+                 i.n_held, i.n_handed};
   std::shared_ptr<connection> cn = i.lanes[0]->c;
   l.unlock();
   if (s.rma && !direct) s.data_path = "RMA into registered client memory (server puts reads, gets writes)";

@@ -146,8 +146,15 @@ struct server::impl {
   server_options o;
   root_dir root;
   fd_cache files;
-  std::atomic<std::uint64_t> connections{0}, requests{0}, reads{0}, writes{0}, bytes_sent{0}, bytes_received{0},
-      errors{0}, inline_replies{0}, mapped_reads{0}, write_buffered{0}, direct_reads{0}, direct_writes{0}, rma_puts{0}, rma_gets{0};
+  std::atomic<std::uint64_t> connections{0}, bytes_sent{0}, bytes_received{0}, errors{0}, write_buffered{0}, direct_reads{0},
+      direct_writes{0}, rma_puts{0}, rma_gets{0};
+  // What each worker's progress thread counts itself (requests, and what it serves at once: most
+  // small reads), summed -- with the shared counters above, the I/O threads' -- when stats are read:
+  // no atomic add per request, and no cache line shared between workers.
+  struct alignas(64) worker_counts {
+    owned_counter requests, reads, writes, bytes_sent, inline_replies, mapped_reads, direct_reads;
+  };
+  std::unique_ptr<worker_counts[]> counts;  // one per worker
 
   struct write_state {
     std::shared_ptr<open_file> f;
@@ -157,6 +164,7 @@ struct server::impl {
   };
   struct session : std::enable_shared_from_this<session> {
     std::atomic<int> outstanding{0};
+    worker_counts* counts = nullptr;  // its worker's
     bool welcomed = false;
     unsigned lanes = 1;  // the client's, from its hello
     std::vector<std::uint8_t> client_nonce, server_nonce;  // pending challenge
@@ -215,14 +223,17 @@ struct server::impl {
                 });
     }
     per_worker = std::make_unique<std::atomic<std::uint64_t>[]>(workers.size());
+    counts = std::make_unique<worker_counts[]>(workers.size());
     auto accepted = [this](std::shared_ptr<connection> c) {
       connections++;
+      std::size_t wi = 0;
       for (std::size_t i = 0; i < workers.size(); ++i)
-        if (workers[i].get() == &c->worker()) per_worker[i]++;
+        if (workers[i].get() == &c->worker()) per_worker[wi = i]++;
       {
         std::lock_guard l(sess_mu);
         auto& s = sessions[c.get()];
         s = std::make_shared<session>();
+        s->counts = &counts[wi];
         c->user = s.get();  // for session_of (the map keeps it; cleared when it goes)
       }
       // A client that dies or leaves: its session goes; running jobs hold their own reference.
@@ -423,33 +434,34 @@ struct server::impl {
       c.send_frame({rid, 0, complete{0, mapped ? 1u : 0u}});
       return;
     }
-    requests++;
+    auto& n = *s->counts;
+    n.requests.add();
     try {
       if (auto* r = std::get_if<read_into>(&m.b)) {
-        reads++;
+        n.reads.add();
         return direct(c, *s, rid, r->path, r->offset, r->length, r->addr, false);
       }
       if (auto* r = std::get_if<write_from>(&m.b)) {
-        writes++;
+        n.writes.add();
         if (!o.writable) fail(errc::permission_denied, "store.write", r->path, "this server is read-only (started without --writable)");
         return direct(c, *s, rid, r->path, r->offset, r->length, r->addr, true);
       }
       if (auto* r = std::get_if<read_rma>(&m.b)) {
-        reads++;
+        n.reads.add();
         return rma(c, s->shared_from_this(), rid, r->path, r->offset, r->length, r->addr, r->rkey, false);
       }
       if (auto* r = std::get_if<write_rma>(&m.b)) {
-        writes++;
+        n.writes.add();
         if (!o.writable) fail(errc::permission_denied, "store.write", r->path, "this server is read-only (started without --writable)");
         return rma(c, s->shared_from_this(), rid, r->path, r->offset, r->length, r->addr, r->rkey, true);
       }
       if (auto* r = std::get_if<read_req>(&m.b)) {
-        reads++;
+        n.reads.add();
         if (r->length > o.max_request)
           fail(errc::out_of_range, "store.read", r->path, fmt::format("request of {} bytes exceeds the limit {}", r->length, o.max_request));
         if (r->length <= o.inline_max) return read_inline(c, *s, rid, *r);
       } else if (auto* wr = std::get_if<write_req>(&m.b)) {
-        writes++;
+        n.writes.add();
         return begin_write(c, *s, rid, *wr);
       }
     } catch (const error& e) {
@@ -604,16 +616,16 @@ struct server::impl {
     // nothing allocated, one copy before UCX's.
     std::byte* buf = c.reply_space(r.length);
     std::uint64_t got = read_small(s, r.path, buf, r.length, r.offset);
-    bytes_sent += got;
-    inline_replies++;
+    s.counts->bytes_sent.add(got);
+    s.counts->inline_replies.add();
     c.send_reply_space({rid, 0, complete{0, got}}, got);
   }
   // A small read straight into the client's lent memory: only the completion travels.
   void read_direct_here(connection& c, session& s, std::uint64_t rid, const std::string& path, std::uint64_t offset,
                         std::uint64_t length, std::byte* dst) {
     std::uint64_t got = read_small(s, path, dst, length, offset);
-    bytes_sent += got;
-    direct_reads++;
+    s.counts->bytes_sent.add(got);
+    s.counts->direct_reads.add();
     c.send_frame({rid, 0, complete{0, got}});
   }
   // Reads a small range on the worker's thread. The session's last file first: a client reading
@@ -630,7 +642,7 @@ struct server::impl {
     }
     open_file* f = s.last_file.get();
     if (f->map.read(dst, length, offset)) {
-      mapped_reads++;
+      s.counts->mapped_reads.add();
       return length;
     }
     return pread_all(*f, path, dst, length, offset);
@@ -854,10 +866,31 @@ server_stats server::stats() const {
   std::lock_guard l(i.sess_mu);
   std::uint64_t mapped = 0;
   for (auto& [c, s] : i.sessions) mapped += s->mapped.load();
-  return {i.connections.load(), i.requests.load(),       i.reads.load(),          i.writes.load(),
-          i.bytes_sent.load(),  i.bytes_received.load(), i.errors.load(),         i.inline_replies.load(), i.mapped_reads.load(),
-          i.sessions.size(),    i.write_buffered.load(),  i.direct_reads.load(),  i.direct_writes.load(),
-          mapped,               i.rma_puts.load(),        i.rma_gets.load(),       per_worker(i)};
+  server::impl::worker_counts sum;  // the workers' own counts
+  for (std::size_t k = 0; k < i.workers.size(); ++k) {
+    auto& w = i.counts[k];
+    for (auto [to, from] : {std::pair{&sum.requests, &w.requests}, {&sum.reads, &w.reads}, {&sum.writes, &w.writes},
+                            {&sum.bytes_sent, &w.bytes_sent}, {&sum.inline_replies, &w.inline_replies},
+                            {&sum.mapped_reads, &w.mapped_reads}, {&sum.direct_reads, &w.direct_reads}})
+      to->add(from->value());
+  }
+  return {i.connections.load(),
+          sum.requests.value(),
+          sum.reads.value(),
+          sum.writes.value(),
+          i.bytes_sent.load() + sum.bytes_sent.value(),
+          i.bytes_received.load(),
+          i.errors.load(),
+          sum.inline_replies.value(),
+          sum.mapped_reads.value(),
+          i.sessions.size(),
+          i.write_buffered.load(),
+          i.direct_reads.load() + sum.direct_reads.value(),
+          i.direct_writes.load(),
+          mapped,
+          i.rma_puts.load(),
+          i.rma_gets.load(),
+          per_worker(i)};
 }
 
 }  // namespace ferry::store

@@ -260,6 +260,40 @@ TEST(StoreWrite, MappedLandingRegionOverSharedMemory) {
 // reads and writes in place, at any size (a small read sends only its completion). Random data,
 // unaligned offsets and lengths, multi-piece requests; a freed buffer's address reused by the next
 // allocation is not confused with it; over tcp the same calls work with ordinary memory.
+// A small synchronous read is sent and answered on the caller's thread with its lane's worker held;
+// one not answered within the spin time is handed over and waited for as any other. With a spin of
+// a nanosecond both happen; every read must land whole either way, in allocated and in host memory.
+TEST(StoreWrite, SmallReadsHeldOrHandedOverAllLand) {
+  ::setenv("UCX_MM_ERROR_HANDLING", "y", 1);
+  writable_server s;
+  auto o = s.opts();
+  o.spin = std::chrono::nanoseconds(1);
+  store::client c("127.0.0.1", s.srv->port(), o);
+  ::unsetenv("UCX_MM_ERROR_HANDLING");
+  auto data = random_bytes(1 << 20, 43);
+  {
+    std::ofstream f(s.root / "out" / "small.bin", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+  }
+  auto* lent = static_cast<unsigned char*>(c.allocate(16 << 10));
+  std::vector<unsigned char> host(16 << 10);
+  for (int i = 0; i < 400; ++i) {
+    unsigned char* b = i % 2 ? lent : host.data();
+    std::uint64_t off = (static_cast<std::uint64_t>(i) * 7919) % (data.size() - 9000), n = 1 + (i * 131) % 9000;
+    std::memset(b, 0xEE, n);
+    ASSERT_EQ(c.read("out/small.bin", off, b, n), n) << i;
+    ASSERT_EQ(std::memcmp(b, data.data() + off, n), 0) << i << ": " << off << "+" << n;
+  }
+  auto st = c.stats();
+  // (A read that finds the worker busy beyond the spin time takes the general path instead.)
+  EXPECT_GT(st.held_reads + st.handed_reads, 0u);
+  EXPECT_GT(st.handed_reads, 0u) << "a spin of 1 ns hands some over";
+  // Past the end: short, either way.
+  EXPECT_EQ(c.read("out/small.bin", data.size() - 10, lent, 100), 10u);
+  EXPECT_EQ(c.read("out/small.bin", data.size() - 10, host.data(), 100), 10u);
+  c.deallocate(lent);
+}
+
 TEST(StoreWrite, AllocatedBuffersAreServedInPlaceOverSharedMemory) {
   ::setenv("UCX_MM_ERROR_HANDLING", "y", 1);
   writable_server s;
@@ -286,6 +320,9 @@ TEST(StoreWrite, AllocatedBuffersAreServedInPlaceOverSharedMemory) {
   }
   auto cs = c.stats();
   EXPECT_GE(cs.lent_pieces, 1u + 1 + 6 + 1) << "every piece went straight into the buffer";
+  for (int i = 0; i < 20; ++i) ASSERT_EQ(c.read("out/src.bin", 4096 * i, b, 4096), 4096u);
+  EXPECT_GT(c.stats().held_reads, 0u) << "small reads are sent and answered on this thread";
+  cs = c.stats();
   EXPECT_EQ(s.srv->stats().inline_replies, inline0) << "no data message for a small read into an allocated buffer";
   EXPECT_GE(s.srv->stats().direct_reads, 9u);
   // Writes from the buffer, at an unaligned offset of both.

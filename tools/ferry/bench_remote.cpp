@@ -225,8 +225,9 @@ class lent_or_endpoint {
 
 // `reqs` requests of `size` bytes with `qd` outstanding; request i uses buffer slot i % qd and file
 // offset (i * size) mod (file - size), 4 KiB aligned.
+// At queue depth 1 the synchronous calls are used unless `async` (start/finish, for comparison).
 run_result measure(store::client& c, bool write, const std::string& path, std::byte* base, std::uint64_t size, int qd,
-                   std::uint64_t reqs, std::uint64_t file_bytes, std::chrono::nanoseconds timeout) {
+                   std::uint64_t reqs, std::uint64_t file_bytes, std::chrono::nanoseconds timeout, bool async = false) {
   std::vector<double> lat, in_start;
   lat.reserve(reqs);
   in_start.reserve(reqs);
@@ -244,8 +245,19 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
     if (n != size) fail(errc::io_error, "bench remote", path, fmt::format("short transfer: {} of {} bytes", n, size));
     if (record) lat.push_back(std::chrono::duration<double, std::micro>(clk::now() - s.t0).count());
   };
+  auto offset_of = [&](std::uint64_t i) { return span ? ((i * size) % span) & ~std::uint64_t{4095} : 0; };
+  // Queue depth 1: one synchronous read() or write() after the other, as a caller that waits for
+  // each request does (a small read is then sent and answered on the caller's thread).
+  auto one = [&](std::uint64_t i, bool record) {
+    auto t0 = clk::now();
+    std::uint64_t n = size;
+    if (write) c.write(path, offset_of(i), base, size, timeout);
+    else n = c.read(path, offset_of(i), base, size, t0 + timeout);
+    if (record) lat.push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count());
+    if (n != size) fail(errc::io_error, "bench remote", path, fmt::format("short transfer: {} of {} bytes", n, size));
+  };
   auto issue = [&](std::uint64_t i) {
-    std::uint64_t off = span ? ((i * size) % span) & ~std::uint64_t{4095} : 0;
+    std::uint64_t off = offset_of(i);
     std::byte* p = base + (i % static_cast<std::uint64_t>(qd)) * size;
     auto t0 = clk::now();
     auto until = t0 + timeout;
@@ -258,6 +270,10 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
   // Warm-up: a few rounds of the same pattern.
   std::uint64_t warm = std::min<std::uint64_t>(reqs, 2 * static_cast<std::uint64_t>(qd) + 8);
   for (std::uint64_t i = 0; i < warm; ++i) {
+    if (qd == 1 && !async) {
+      one(i, false);
+      continue;
+    }
     if (q.size() >= static_cast<std::size_t>(qd)) finish_one(false);
     issue(i);
   }
@@ -265,6 +281,10 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
   timing = true;
   auto t0 = clk::now();
   for (std::uint64_t i = 0; i < reqs; ++i) {
+    if (qd == 1 && !async) {
+      one(i, true);
+      continue;
+    }
     if (q.size() >= static_cast<std::size_t>(qd)) finish_one(true);
     issue(i);
   }
@@ -273,7 +293,7 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
   std::sort(lat.begin(), lat.end());
   std::sort(in_start.begin(), in_start.end());
   run_result r;
-  r.start_p50_us = in_start[in_start.size() / 2];
+  r.start_p50_us = in_start.empty() ? 0 : in_start[in_start.size() / 2];
   r.requests = reqs;
   r.gbps = static_cast<double>(reqs * size) / secs / 1e9;
   r.iops = static_cast<double>(reqs) / secs;
@@ -436,7 +456,8 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     fmt::print("{:>5} {:>6} {:>10} {:>4} {:>9} {:>10} {:>9} {:>9} {:>8}\n", "mem", "op", "block", "qd", "GB/s", "IOPS", "p50 us",
                "p99 us", "vs best");
     std::map<std::string, double> best_ratio_1m;  // per mem/op: min over sizes >= 1 MiB of (best over qd) / baseline
-    std::map<std::string, std::pair<double, double>> lat4k;  // per memory: 4 KiB QD1 read p50, of which in start_read
+    // Per memory: 4 KiB QD1 read() p50; start_read/finish at QD1 p50, of which in start_read.
+  std::map<std::string, std::tuple<double, double, double>> lat4k;
     // Host memory the client allocated (client::allocate): where the server maps it (shared memory)
     // requests on it move no data message and make no copy in the client -- measured beside the
     // caller's own host memory, which always takes a copy.
@@ -457,7 +478,10 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
                              rt.config().deadline);
             double ratio = best.count(s) && best[s] > 0 ? r.gbps / best[s] : 0;
             best_ferry[s] = std::max(best_ferry[s], r.gbps);
-            if (!write && mem != "gpu" && s == 4096 && q == 1) lat4k[mem] = {r.p50_us, r.start_p50_us};
+            if (!write && mem != "gpu" && s == 4096 && q == 1) {
+              auto a = measure(c, write, "data.bin", buf.data(), s, 1, reqs, file_bytes, rt.config().deadline, true);
+              lat4k[mem] = {r.p50_us, a.p50_us, a.start_p50_us};
+            }
             fmt::print("{:>5} {:>6} {:>10} {:>4} {:>9.2f} {:>10.0f} {:>9.1f} {:>9.1f} {:>8}\n", mem, op, format_size(s), q, r.gbps,
                        r.iops, r.p50_us, r.p99_us, ratio > 0 ? fmt::format("{:.3f}", ratio) : "-");
             std::fflush(stdout);
@@ -497,13 +521,15 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
       summary.push_back({{"transport", tl}, {"what", k + " >= 1 MiB vs best raw"}, {"ratio", r}});
     }
     for (auto& [mem, l] : lat4k) {
-      if (rtt4k <= 0 || l.first <= 0) continue;
-      auto [p50, start] = l;
+      auto [p50, async_p50, start] = l;
+      if (rtt4k <= 0 || p50 <= 0) continue;
       std::string into = mem == "lent" ? " into client-allocated memory" : " into host memory";
       fmt::print("SUMMARY {} 4 KiB read QD1{} p50 {:.2f} us = {:.2f}x raw AM RTT 4 KiB ({:.2f} us), {:.2f}x RTT 8 B ({:.2f} us)\n", tl,
                  into, p50, p50 / rtt4k, rtt4k, rtt8 > 0 ? p50 / rtt8 : 0, rtt8);
-      // Where it goes: the caller's send side (start_read) vs the rest (network, server, reply).
-      fmt::print("  of which in start_read (p50): {:.2f} us; the rest (wire, server, reply handling): {:.2f} us\n", start, p50 - start);
+      // The asynchronous calls at the same depth, and where their time goes: the caller's send side
+      // (start_read) vs the rest (network, server, reply).
+      fmt::print("  (read() above; start_read + finish at QD1: p50 {:.2f} us = {:.2f}x, of which in start_read {:.2f} us)\n", async_p50,
+                 async_p50 / rtt4k, start);
       summary.push_back({{"transport", tl}, {"what", "4KiB read QD1" + into + " p50 / raw AM RTT 4KiB"}, {"ratio", p50 / rtt4k},
                          {"p50_us", p50}, {"rtt_4k_us", rtt4k}, {"rtt_8b_us", rtt8}});
     }

@@ -119,6 +119,8 @@ struct client_stats {
   std::uint64_t rma_pieces = 0;        // pieces the server moved by RMA into / out of registered memory
   bool rma = false;                    // RMA in use for bulk data (FERRY_NET_RMA and the transports)
   std::uint64_t lent_pieces = 0;       // pieces the server moved straight into / out of buffers from allocate()
+  std::uint64_t held_reads = 0;        // small read()s answered on the caller's thread (worker held from send to answer)
+  std::uint64_t handed_reads = 0;      // of those started so, the ones not answered while held (then waited for as usual)
 };
 
 class FERRY_API client {
@@ -157,8 +159,13 @@ class FERRY_API client {
   void deallocate(void* buffer);  // throws invalid_argument for a pointer allocate() did not return
 
   // Synchronous helpers. Reads and writes are retried once after a reconnect (server restarted).
+  // A small read (one piece) into host memory or an allocated buffer is the quickest request there
+  // is: the calling thread sends it and takes its answer itself, with nothing registered for other
+  // threads in between (start_read/finish cannot: the caller may do anything between the two).
   std::uint64_t read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                      std::chrono::nanoseconds timeout = std::chrono::seconds(30));
+  std::uint64_t read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
+                     std::chrono::steady_clock::time_point until);
   void write(const std::string& path, std::uint64_t offset, const void* src, std::uint64_t length,
              std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   net::stat_reply stat(const std::string& path, std::chrono::nanoseconds timeout = std::chrono::seconds(30));
