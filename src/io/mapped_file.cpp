@@ -54,25 +54,39 @@ void install_handler() {
     sigaction(SIGBUS, &sa, &g_previous);
   });
 }
-}  // namespace
 
-bool guarded_copy(void* dst, const void* src, std::size_t n) {
+// Runs f() with SIGBUS on [src, src+n) or [dst, dst+dn) turned into `false`. Inlined into its
+// callers: the frame that called sigsetjmp has to stay alive while f runs.
+template <typename F>
+inline bool guarded(const void* src, std::size_t n, const void* dst, std::size_t dn, F f) {
   install_handler();
   sigjmp_buf jump;
   t_lo = static_cast<const std::byte*>(src);
   t_hi = t_lo + n;
   t_dlo = static_cast<const std::byte*>(dst);
-  t_dhi = t_dlo + n;
+  t_dhi = t_dlo + dn;
   if (sigsetjmp(jump, 0) != 0) {
     t_jump = nullptr;
     return false;
   }
   t_jump = &jump;
   std::atomic_signal_fence(std::memory_order_seq_cst);
-  std::memcpy(dst, src, n);
+  f();
   std::atomic_signal_fence(std::memory_order_seq_cst);
   t_jump = nullptr;
   return true;
+}
+}  // namespace
+
+bool guarded_copy(void* dst, const void* src, std::size_t n) {
+  return guarded(src, n, dst, n, [&] { std::memcpy(dst, src, n); });
+}
+
+bool guarded_publish(std::uint64_t* at, std::uint64_t first, std::uint64_t second) {
+  return guarded(nullptr, 0, at, 2 * sizeof(std::uint64_t), [&] {
+    std::atomic_ref<std::uint64_t>(at[1]).store(second, std::memory_order_relaxed);
+    std::atomic_ref<std::uint64_t>(at[0]).store(first, std::memory_order_release);
+  });
 }
 
 mapped_file::mapped_file(int fd) {

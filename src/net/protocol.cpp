@@ -195,6 +195,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.length);
           p.put(v.addr);
           p.str(v.path, max_path, "path");
+          if constexpr (std::is_same_v<T, read_into>) p.put(v.notify);
         } else if constexpr (std::is_same_v<T, read_rma> || std::is_same_v<T, write_rma>) {
           p.put(v.offset);
           p.put(v.length);
@@ -327,8 +328,13 @@ message decode(std::span<const std::byte> bytes) {
       if (off + len < off) bad("offset + length overflows");
       if (addr + len < addr) bad("address + length overflows");
       std::string path = r.str(max_path, "path");
-      if (fi.type == msg_type::read_into) m.b = read_into{std::move(path), off, len, addr};
-      else m.b = write_from{std::move(path), off, len, addr};
+      if (fi.type == msg_type::read_into) {
+        std::uint64_t notify = r.get<std::uint64_t>("notify");
+        if (notify % 8 != 0 || notify + 16 < notify) bad("notify record misaligned or out of range");
+        m.b = read_into{std::move(path), off, len, addr, notify};
+      } else {
+        m.b = write_from{std::move(path), off, len, addr};
+      }
       break;
     }
     case msg_type::read_rma:

@@ -163,6 +163,7 @@ struct client::impl {
   // `piece` bytes; a slot whose request was abandoned stays out of use (the server may still write).
   std::shared_ptr<ucx_context> ctx;
   std::unique_ptr<ucx_region> landing;
+  std::byte* notify_base = nullptr;  // in the landing region: lane i's notify record at + 64 i (its fast read's)
   registration landing_pin;  // for DMA from/to GPU memory (taken on first use)
   bool landing_pinned = false;
   std::mutex land_mu;
@@ -256,7 +257,10 @@ struct client::impl {
     if (o.map) {
       int count = static_cast<int>(std::max<std::uint64_t>(2, o.staging / o.piece));
       try {
-        landing = std::make_unique<ucx_region>(ctx, static_cast<std::size_t>(count) * o.piece);
+        // The slots, then a cache line per lane for the notify records of its small reads.
+        std::size_t slots = static_cast<std::size_t>(count) * o.piece;
+        landing = std::make_unique<ucx_region>(ctx, slots + ((lanes.size() * 64 + 4095) & ~std::size_t{4095}));
+        notify_base = landing->data() + slots;
         for (int i = count - 1; i >= 0; --i) land_free.push_back(i);
       } catch (const error& e) {
         log::info("store", "{}: no landing region ({}); data moves by messages", peer, e.what());
@@ -485,6 +489,16 @@ struct client::impl {
     const auto& pp = it->second;  // maybe_settle moves it out of the map last
     take_inline(*pp, std::move(m), d, n);
     maybe_settle(pp);
+  }
+  // A fast read's notify record, seen: as its completion.
+  void take_notice(piece& p, std::uint64_t bytes) {
+    if (bytes > p.len) {
+      p.err = error(errc::protocol_error, "store.read", peer, fmt::format("the server claims {} bytes for a {}-byte request", bytes, p.len));
+    } else {
+      p.received = p.expect = bytes;
+      p.reply = message{p.rid, 0, complete{0, bytes}};
+    }
+    p.replied = p.settled = true;
   }
   // A piece's answer with its data inline: copied to where the piece lands.
   void take_inline(piece& p, message&& m, const std::byte* d, std::size_t n) {
@@ -960,12 +974,18 @@ struct client::impl {
     lane& ln = *lanes[lanes.size() > 1 ? home_lane() : 0];
     piece p;
     std::shared_ptr<connection> cn;
+    // Into an allocated buffer, the server also writes the lane's notify record (in the landing
+    // region, which its server mapped): polling it, this thread sees the read done as soon as the
+    // data is in place, without taking the completion message off the queue (which comes after
+    // it, and is dropped, or settles the piece if it was handed over).
+    std::uint64_t* record = nullptr;
     {
       std::lock_guard l(mu);
       if (!ln.c || !ln.c->alive() || ln.inflight >= ln.credits) return std::nullopt;
       cn = ln.c;
       ln.inflight++;
       p.rid = next_id++;
+      if (lent && notify_base && ln.mapped) record = reinterpret_cast<std::uint64_t*>(notify_base + 64 * static_cast<std::size_t>(ln.index));
     }
     p.ln = &ln;
     p.conn = cn.get();
@@ -975,7 +995,7 @@ struct client::impl {
     message m;
     if (lent) {
       p.direct = p.lent = true;
-      m = {p.rid, 0, read_into{path, offset, length, reinterpret_cast<std::uint64_t>(mem)}};
+      m = {p.rid, 0, read_into{path, offset, length, reinterpret_cast<std::uint64_t>(mem), reinterpret_cast<std::uint64_t>(record)}};
     } else {
       m = {p.rid, 0, read_req{path, offset, length}};
     }
@@ -992,7 +1012,12 @@ struct client::impl {
               throw;
             }
           },
-          [&] { return p.settled; },
+          [&] {
+            if (p.settled) return true;
+            if (!record || std::atomic_ref<std::uint64_t>(record[0]).load(std::memory_order_acquire) != p.rid) return false;
+            take_notice(p, std::atomic_ref<std::uint64_t>(record[1]).load(std::memory_order_relaxed));
+            return true;
+          },
           [&](bool done) {
             ln.fast = nullptr;
             if (done) return;

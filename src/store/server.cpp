@@ -439,7 +439,7 @@ struct server::impl {
     try {
       if (auto* r = std::get_if<read_into>(&m.b)) {
         n.reads.add();
-        return direct(c, *s, rid, r->path, r->offset, r->length, r->addr, false);
+        return direct(c, *s, rid, r->path, r->offset, r->length, r->addr, false, r->notify);
       }
       if (auto* r = std::get_if<write_from>(&m.b)) {
         n.writes.add();
@@ -485,15 +485,26 @@ struct server::impl {
   // mapping (as read_inline, but into the client's memory, and only the completion is sent), else
   // one pread/pwrite on an I/O thread, then the completion. The job holds the mapping, so a client
   // that leaves or gives the region back meanwhile cannot make it vanish.
+  // A read with a notify record (read_into::notify) served at once also writes the record, in
+  // a region the client lent, before the completion goes: the client, polling it, is done without
+  // receiving a message. (A queued read only sends the completion; the client waits for that.)
   void direct(connection& c, session& sn, std::uint64_t rid, const std::string& path, std::uint64_t offset,
-              std::uint64_t length, std::uint64_t addr, bool write) {
+              std::uint64_t length, std::uint64_t addr, bool write, std::uint64_t notify = 0) {
     const char* op = write ? "store.write" : "store.read";
     if (length > o.max_request)
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
     if (sn.lent.empty()) fail(errc::protocol_error, op, c.peer(), "direct request without a mapped region (lend first)");
     remote_mapping* at = sn.lent_at(addr, length);
     if (!at) fail(errc::out_of_range, op, c.peer(), fmt::format("[{:#x}, +{}) is outside every region the client lent", addr, length));
-    if (!write && length <= o.inline_max) return read_direct_here(c, sn, rid, path, offset, length, at->base + (addr - at->addr));
+    if (!write && length <= o.inline_max) {
+      std::uint64_t* record = nullptr;
+      if (notify) {
+        remote_mapping* nm = sn.lent_at(notify, 2 * sizeof(std::uint64_t));
+        if (!nm) fail(errc::out_of_range, op, c.peer(), fmt::format("notify record {:#x} is outside every region the client lent", notify));
+        record = reinterpret_cast<std::uint64_t*>(nm->base + (notify - nm->addr));
+      }
+      return read_direct_here(c, sn, rid, path, offset, length, at->base + (addr - at->addr), record);
+    }
     // Work for an I/O thread: it holds the session and the mapping (a plain reference suffices
     // above, on this thread; taking one costs two atomic operations per request).
     auto s = sn.shared_from_this();
@@ -622,8 +633,10 @@ struct server::impl {
   }
   // A small read straight into the client's lent memory: only the completion travels.
   void read_direct_here(connection& c, session& s, std::uint64_t rid, const std::string& path, std::uint64_t offset,
-                        std::uint64_t length, std::byte* dst) {
+                        std::uint64_t length, std::byte* dst, std::uint64_t* record) {
     std::uint64_t got = read_small(s, path, dst, length, offset);
+    // A client that truncated its region under the record is told by the completion alone.
+    if (record) guarded_publish(record, rid, got);
     s.counts->bytes_sent.add(got);
     s.counts->direct_reads.add();
     c.send_frame({rid, 0, complete{0, got}});

@@ -32,6 +32,7 @@ std::vector<message> samples() {
       {12, 0, error_reply{2, "no such file"}},
       {13, 0, lend{0x7f0000000000, 256 << 20, std::vector<std::uint8_t>(40, 7)}},
       {14, 0, read_into{"kv/block-7", 4096, 1 << 20, 0x7f0000100000}},
+      {14, 0, read_into{"kv/block-7", 4096, 4096, 0x7f0000100000, 0x7f0000000fc0}},
       {15, 0, write_from{"kv/block-8", 0, 4096, 0x7f0000200000}},
       {16, 0, read_rma{"kv/block-9", 8192, 1 << 20, 0x7f0000300000, std::vector<std::uint8_t>(60, 3)}},
       {17, 0, write_rma{"kv/block-10", 0, 4096, 0x7f0000400000, std::vector<std::uint8_t>(60, 4)}},
@@ -99,6 +100,8 @@ TEST(Protocol, LentRegionsAndDirectRequestsAreBoundsChecked) {
   // An address range that wraps is refused by the decoder, before the server looks at it.
   auto wrap = encode({1, 0, read_into{"f", 0, 4096, ~0ull - 100}});
   EXPECT_THAT(test::error_text([&] { decode(wrap); }), HasSubstr("address + length overflows"));
+  auto odd = encode({1, 0, read_into{"f", 0, 4096, 4096, 4097}});
+  EXPECT_THAT(test::error_text([&] { decode(odd); }), HasSubstr("notify record misaligned"));
   auto region = encode({1, 0, lend{~0ull - 10, 100, {1, 2, 3}}});
   EXPECT_THAT(test::error_text([&] { decode(region); }), HasSubstr("address + length overflows"));
   // An rkey longer than the frame says is refused, not read past the end.

@@ -121,6 +121,38 @@ TEST(StoreHostile, RequestsBeforeTheHandshakeOversizeAndOverCreditAreRefused) {
   EXPECT_EQ(good.stat("a.bin").size, 1u << 20);
 }
 
+// A read's notify record must lie in a region the client lent; one that does is written
+// {request id, bytes} once the data is in place, before the completion is sent.
+TEST(StoreHostile, NotifyRecordsStayInsideLentRegions) {
+  ::setenv("UCX_MM_ERROR_HANDLING", "y", 1);
+  exported e;
+  raw_client h(e.srv->port());
+  ::unsetenv("UCX_MM_ERROR_HANDLING");
+  h.c->send_frame({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(32, 1)}});
+  ASSERT_TRUE(h.wait_for(1));
+  ucx_region r(h.w.context(), 1 << 20);
+  auto base = reinterpret_cast<std::uint64_t>(r.data());
+  std::vector<std::uint8_t> key(reinterpret_cast<const std::uint8_t*>(r.rkey().data()),
+                                reinterpret_cast<const std::uint8_t*>(r.rkey().data()) + r.rkey().size());
+  h.c->send_frame({2, 0, lend{base, r.size(), key}});
+  ASSERT_TRUE(h.wait_for(2));
+  if (std::get<complete>(h.got[1].b).bytes != 1) GTEST_SKIP() << "the server cannot map a region here (no shared memory)";
+  // Just past the region's end: refused, nothing written.
+  h.c->send_frame({3, 0, read_into{"a.bin", 0, 4096, base, base + r.size() - 8}});
+  ASSERT_TRUE(h.wait_for(3));
+  ASSERT_TRUE(std::holds_alternative<error_reply>(h.got[2].b));
+  EXPECT_THAT(std::get<error_reply>(h.got[2].b).message, HasSubstr("notify record"));
+  // Inside it: the record says which request and how much, and the data is there.
+  auto* rec = reinterpret_cast<std::uint64_t*>(r.data() + r.size() - 64);
+  h.c->send_frame({4, 0, read_into{"a.bin", (1 << 20) - 100, 4096, base, base + r.size() - 64}});
+  ASSERT_TRUE(h.wait_for(4));
+  ASSERT_TRUE(std::holds_alternative<complete>(h.got[3].b));
+  EXPECT_EQ(std::get<complete>(h.got[3].b).bytes, 100u);
+  EXPECT_EQ(rec[0], 4u);
+  EXPECT_EQ(rec[1], 100u);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(r.data()), 100), std::string(100, 'x'));
+}
+
 TEST(StoreHostile, DirectRequestsNeedAMappedRegionAndStayInsideIt) {
   exported e;
   raw_client h(e.srv->port());

@@ -38,5 +38,9 @@ class FERRY_API mapped_file {
 // memcpy between mappings that may raise SIGBUS (a mapping past its file's end, on either side --
 // a peer's shared-memory file truncated under the destination): false if it did.
 FERRY_API bool guarded_copy(void* dst, const void* src, std::size_t n);
+// Writes the record {first, second} to `at` (8-byte aligned, in such a mapping) for a reader that
+// polls `first`: `second` is stored before `first` (release), so a reader that sees `first`
+// (acquire) sees `second` and everything written before. False if the mapping raised SIGBUS.
+FERRY_API bool guarded_publish(std::uint64_t* at, std::uint64_t first, std::uint64_t second);
 
 }  // namespace ferry

@@ -20,7 +20,9 @@
 namespace ferry::net {
 
 inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
-inline constexpr std::uint16_t protocol_version = 2;  // 2: hello gives the client's lanes; welcome the server instance and worker ports
+// 2: hello gives the client's lanes; welcome the server instance and worker ports.
+// 3: read_into names a notify record (see read_into).
+inline constexpr std::uint16_t protocol_version = 3;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
@@ -65,7 +67,10 @@ struct welcome {
   bool operator==(const welcome&) const = default;
 };
 struct lend { std::uint64_t addr = 0, length = 0; std::vector<std::uint8_t> rkey; };
-struct read_into { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; };
+// `notify` (0: none): the address, inside a lent region, of a 16-byte record {request id, bytes}
+// the server writes -- request id last -- once the data is in place, before it sends the completion:
+// a client polling the record sees a small read done without receiving a message.
+struct read_into { std::string path; std::uint64_t offset = 0, length = 0, addr = 0, notify = 0; };
 struct write_from { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; };
 // RMA where the transport really has it (verbs): the client registers its memory for the network
 // and names it by address and packed rkey; the server RMA-writes (read) or RMA-reads (write) it.
