@@ -1032,11 +1032,11 @@ struct client::impl {
           },
           until, o.spin);
     } catch (...) {
-      give_back_credit(ln);
+      give_back_credit(ln, p.conn);
       throw;
     }
     if (r == ucx_worker::exchanged::not_taken) {
-      give_back_credit(ln);
+      give_back_credit(ln, p.conn);
       return std::nullopt;
     }
     {
@@ -1051,12 +1051,14 @@ struct client::impl {
     }
     std::uint64_t got = 0;
     if (auto* cp = !p.err && p.reply ? std::get_if<complete>(&p.reply->b) : nullptr) got = cp->bytes;
-    give_back_credit(ln, got);
+    give_back_credit(ln, p.conn, got);
     return outcome(p, "store.read", path);
   }
-  void give_back_credit(lane& ln, std::uint64_t bytes_read = 0) {
+  // A fast read's credit, taken on `cn`: a lane reconnected meanwhile counted only the new
+  // connection's pieces (connect_to), so the credit is gone with the old one.
+  void give_back_credit(lane& ln, const connection* cn, std::uint64_t bytes_read = 0) {
     std::lock_guard l(mu);
-    ln.inflight--;
+    if (ln.c.get() == cn && ln.inflight > 0) ln.inflight--;
     n_read += bytes_read;
     cv.notify_all();
   }
