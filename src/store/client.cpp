@@ -306,6 +306,14 @@ struct client::impl {
     land_free.pop_back();
     return s;
   }
+  // A free landing slot at once, or -1.
+  int try_land_slot() {
+    std::lock_guard l(land_mu);
+    if (land_free.empty()) return -1;
+    int s = land_free.back();
+    land_free.pop_back();
+    return s;
+  }
   // Gives a piece's landing slot back, or keeps it out of use when the server may still write into it.
   void release_land(piece& p) {
     if (p.land_slot < 0) return;
@@ -968,16 +976,20 @@ struct client::impl {
                                          clk::time_point until) {
     if (length == 0 || length > o.piece || !mem) return std::nullopt;
     bool lent = in_lent_buffer(mem, length);
-    // Host memory goes by read_req up to 16 KiB (above that through the landing region, or RMA).
+    // Host memory up to the server's inline size (above that through the landing region, or RMA).
     if (!lent && (length > (16u << 10) || needs_staging(mem, length, "store.read"))) return std::nullopt;
     ensure_connected(until);
     lane& ln = *lanes[lanes.size() > 1 ? home_lane() : 0];
     piece p;
     std::shared_ptr<connection> cn;
-    // Into an allocated buffer, the server also writes the lane's notify record (in the landing
-    // region, which its server mapped): polling it, this thread sees the read done as soon as the
-    // data is in place, without taking the completion message off the queue (which comes after
-    // it, and is dropped, or settles the piece if it was handed over).
+    // Where the server maps the landing region, it also writes the lane's notify record there:
+    // polling it, this thread sees the read done as soon as the data is in place, without taking
+    // the completion message off the queue (which comes after it, and is dropped, or settles the
+    // piece if it was handed over). Into an allocated buffer the data goes straight there; into
+    // host memory, to a landing slot this thread copies it out of. (Sent inline, the data would
+    // cross into this process twice as slowly: the server copies it into UCX's queue from its
+    // own buffer, and this side takes the message off the queue and decodes it; through the slot
+    // only the record and the one copy out remain.)
     std::uint64_t* record = nullptr;
     {
       std::lock_guard l(mu);
@@ -985,17 +997,22 @@ struct client::impl {
       cn = ln.c;
       ln.inflight++;
       p.rid = next_id++;
-      if (lent && notify_base && ln.mapped) record = reinterpret_cast<std::uint64_t*>(notify_base + 64 * static_cast<std::size_t>(ln.index));
+      if (notify_base && ln.mapped) {
+        record = reinterpret_cast<std::uint64_t*>(notify_base + 64 * static_cast<std::size_t>(ln.index));
+        if (!lent) p.land_slot = try_land_slot();  // none free: inline, as without a landing region
+      }
+      if (!lent && p.land_slot < 0) record = nullptr;
     }
     p.ln = &ln;
     p.conn = cn.get();
     p.len = length;
-    p.land = mem;
+    p.land = p.land_slot >= 0 ? landing->data() + static_cast<std::size_t>(p.land_slot) * o.piece : mem;
     p.credit = true;
     message m;
-    if (lent) {
-      p.direct = p.lent = true;
-      m = {p.rid, 0, read_into{path, offset, length, reinterpret_cast<std::uint64_t>(mem), reinterpret_cast<std::uint64_t>(record)}};
+    if (lent || p.land_slot >= 0) {
+      p.direct = true;
+      p.lent = lent;
+      m = {p.rid, 0, read_into{path, offset, length, reinterpret_cast<std::uint64_t>(p.land), reinterpret_cast<std::uint64_t>(record)}};
     } else {
       m = {p.rid, 0, read_req{path, offset, length}};
     }
@@ -1026,6 +1043,8 @@ struct client::impl {
             auto& h = *handed;
             h.rid = p.rid, h.ln = p.ln, h.conn = p.conn, h.direct = p.direct, h.lent = p.lent, h.land = p.land, h.len = p.len;
             h.received = p.received, h.credit = true;
+            // Through a landing slot: the stager copies it out when the answer comes, then frees the slot.
+            if (p.land_slot >= 0) h.land_slot = std::exchange(p.land_slot, -1), h.final_dst = mem;
             std::lock_guard l(mu);
             pend.put(h.rid, handed);
             p.credit = false;  // the registered piece returns it when it settles
@@ -1033,16 +1052,20 @@ struct client::impl {
           until, o.spin);
     } catch (...) {
       give_back_credit(ln, p.conn);
+      drop_slot(p);
       throw;
     }
     if (r == ucx_worker::exchanged::not_taken) {
       give_back_credit(ln, p.conn);
+      p.replied = true;  // nothing was sent: the slot is free
+      drop_slot(p);
       return std::nullopt;
     }
     {
       std::lock_guard l(mu);
       n_requests++, n_pieces++;
-      if (lent) n_direct++, n_lent++;
+      if (p.direct) n_direct++;
+      if (lent) n_lent++;
       (handed ? n_handed : n_held)++;
     }
     if (handed) {
@@ -1051,8 +1074,16 @@ struct client::impl {
     }
     std::uint64_t got = 0;
     if (auto* cp = !p.err && p.reply ? std::get_if<complete>(&p.reply->b) : nullptr) got = cp->bytes;
+    if (p.land_slot >= 0 && got) std::memcpy(mem, p.land, got);
+    drop_slot(p);
     give_back_credit(ln, p.conn, got);
     return outcome(p, "store.read", path);
+  }
+  // A fast read's landing slot: free again once answered, else kept out of use (release_land).
+  void drop_slot(piece& p) {
+    if (p.land_slot < 0) return;
+    std::lock_guard l(mu);
+    release_land(p);
   }
   // A fast read's credit, taken on `cn`: a lane reconnected meanwhile counted only the new
   // connection's pieces (connect_to), so the credit is gone with the old one.
