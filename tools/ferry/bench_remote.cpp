@@ -457,7 +457,7 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
                "p99 us", "vs best");
     std::map<std::string, double> best_ratio_1m;  // per mem/op: min over sizes >= 1 MiB of (best over qd) / baseline
     // Per memory: 4 KiB QD1 read() p50; start_read/finish at QD1 p50, of which in start_read.
-  std::map<std::string, std::tuple<double, double, double>> lat4k;
+    std::map<std::string, std::tuple<std::vector<double>, double, double>> lat4k;
     // Host memory the client allocated (client::allocate): where the server maps it (shared memory)
     // requests on it move no data message and make no copy in the client -- measured beside the
     // caller's own host memory, which always takes a copy.
@@ -479,8 +479,13 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
             double ratio = best.count(s) && best[s] > 0 ? r.gbps / best[s] : 0;
             best_ferry[s] = std::max(best_ferry[s], r.gbps);
             if (!write && mem != "gpu" && s == 4096 && q == 1) {
+              // The latency target's number, like its baseline, is the median of three runs (the
+              // row above and two more): a single run moves with where the scheduler puts the threads.
+              std::vector<double> runs{r.p50_us};
+              for (int i = 0; i < 2; ++i)
+                runs.push_back(measure(c, write, "data.bin", buf.data(), s, 1, reqs, file_bytes, rt.config().deadline).p50_us);
               auto a = measure(c, write, "data.bin", buf.data(), s, 1, reqs, file_bytes, rt.config().deadline, true);
-              lat4k[mem] = {r.p50_us, a.p50_us, a.start_p50_us};
+              lat4k[mem] = {runs, a.p50_us, a.start_p50_us};
             }
             fmt::print("{:>5} {:>6} {:>10} {:>4} {:>9.2f} {:>10.0f} {:>9.1f} {:>9.1f} {:>8}\n", mem, op, format_size(s), q, r.gbps,
                        r.iops, r.p50_us, r.p99_us, ratio > 0 ? fmt::format("{:.3f}", ratio) : "-");
@@ -521,17 +526,22 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
       summary.push_back({{"transport", tl}, {"what", k + " >= 1 MiB vs best raw"}, {"ratio", r}});
     }
     for (auto& [mem, l] : lat4k) {
-      auto [p50, async_p50, start] = l;
+      auto [runs, async_p50, start] = l;
+      auto sorted = runs;
+      std::sort(sorted.begin(), sorted.end());
+      double p50 = sorted[sorted.size() / 2];
       if (rtt4k <= 0 || p50 <= 0) continue;
       std::string into = mem == "lent" ? " into client-allocated memory" : " into host memory";
-      fmt::print("SUMMARY {} 4 KiB read QD1{} p50 {:.2f} us = {:.2f}x raw AM RTT 4 KiB ({:.2f} us), {:.2f}x RTT 8 B ({:.2f} us)\n", tl,
-                 into, p50, p50 / rtt4k, rtt4k, rtt8 > 0 ? p50 / rtt8 : 0, rtt8);
+      std::string each;
+      for (double x : runs) each += fmt::format("{}{:.2f}", each.empty() ? "" : ", ", x);
+      fmt::print("SUMMARY {} 4 KiB read QD1{} p50 {:.2f} us (median of {}: {}) = {:.2f}x raw AM RTT 4 KiB ({:.2f} us), {:.2f}x RTT 8 B ({:.2f} us)\n",
+                 tl, into, p50, runs.size(), each, p50 / rtt4k, rtt4k, rtt8 > 0 ? p50 / rtt8 : 0, rtt8);
       // The asynchronous calls at the same depth, and where their time goes: the caller's send side
       // (start_read) vs the rest (network, server, reply).
       fmt::print("  (read() above; start_read + finish at QD1: p50 {:.2f} us = {:.2f}x, of which in start_read {:.2f} us)\n", async_p50,
                  async_p50 / rtt4k, start);
       summary.push_back({{"transport", tl}, {"what", "4KiB read QD1" + into + " p50 / raw AM RTT 4KiB"}, {"ratio", p50 / rtt4k},
-                         {"p50_us", p50}, {"rtt_4k_us", rtt4k}, {"rtt_8b_us", rtt8}});
+                         {"p50_us", p50}, {"p50_runs_us", runs}, {"rtt_4k_us", rtt4k}, {"rtt_8b_us", rtt8}});
     }
     jt["ferry"] = jf;
     out[tl] = jt;
