@@ -58,6 +58,7 @@ struct client::impl {
     std::byte* final_dst = nullptr;  // staged reads: copied here by the stager
     pinned_pool::buffer slot;
     int land_slot = -1;              // slot of the landing region, while the server may use it
+    clk::time_point landed{};        // staged reads: when the piece went to the stagers
     std::uint64_t received = 0, expect = 0;
     bool replied = false, settled = false, credit = false;
     std::optional<message> reply;
@@ -145,6 +146,7 @@ struct client::impl {
   // lock on some machines); staged bytes and reconnects by the threads that make them.
   std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0, n_held = 0, n_handed = 0;
   std::atomic<std::uint64_t> n_staged{0}, n_reconnects{0};
+  std::atomic<std::uint64_t> n_staged_pieces{0}, stage_wait_ns{0}, stage_copy_ns{0};
   // RMA: memory registered for the network through a registration cache of our own (lazily
   // deregistered, dropped when the memory goes); decided when lane 0 connects.
   std::unique_ptr<ucx_net_client> net_client;
@@ -449,6 +451,7 @@ struct client::impl {
     if (!p.err && p.reply)
       if (auto* cp = std::get_if<complete>(&p.reply->b)) (p.write ? n_written : n_read) += cp->bytes;
     if (!p.err && !p.write && p.final_dst && p.received) {
+      p.landed = clk::now();
       std::lock_guard l(stage_mu);
       stage_q.push_back(std::move(keep));
       stage_cv.notify_one();
@@ -551,12 +554,17 @@ struct client::impl {
         stage_q.pop_front();
       }
       std::optional<error> err;
+      auto t0 = clk::now();
       try {
         copy_bytes(p->final_dst, p->land, p->received);
         n_staged += p->received;
       } catch (const error& e) {
         err = e;
       }
+      auto t1 = clk::now();
+      n_staged_pieces.fetch_add(1, std::memory_order_relaxed);
+      stage_wait_ns.fetch_add(static_cast<std::uint64_t>((t0 - p->landed).count()), std::memory_order_relaxed);
+      stage_copy_ns.fetch_add(static_cast<std::uint64_t>((t1 - t0).count()), std::memory_order_relaxed);
       std::lock_guard l(mu);
       if (err) p->err = err;
       release_buffers(*p);
@@ -1189,7 +1197,7 @@ client_stats client::stats() const {
                  direct ? "mapped landing region (server reads/writes it in place; shared memory)"
                         : "active messages (rendezvous above the eager limit)",
                  static_cast<int>(i.lanes.size()), i.n_direct, i.quarantined.load(), i.n_rma, i.use_rma.load(), i.n_lent,
-                 i.n_held, i.n_handed};
+                 i.n_held, i.n_handed, i.n_staged_pieces.load(), i.stage_wait_ns.load(), i.stage_copy_ns.load()};
   std::shared_ptr<connection> cn = i.lanes[0]->c;
   l.unlock();
   if (s.rma && !direct) s.data_path = "RMA into registered client memory (server puts reads, gets writes)";

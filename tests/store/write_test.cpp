@@ -195,7 +195,12 @@ TEST(StoreWrite, SimDeviceMemoryIsStagedBothWays) {
   st->checksum(m.data(), data.size(), &sum);
   st->synchronize();
   EXPECT_EQ(sum, checksum64(data.data(), data.size())) << "sim memory holds the file";
-  EXPECT_GE(c.stats().staged_bytes, data.size());
+  auto cs = c.stats();
+  EXPECT_GE(cs.staged_bytes, data.size());
+  // Every piece of the read went through a stager, and its copy took time (where GPU reads' time goes).
+  const auto piece = s.opts_with(rt).piece;
+  EXPECT_GE(cs.staged_pieces, (data.size() + piece - 1) / piece);
+  EXPECT_GT(cs.stage_copy_ns, 0u);
   c.write("out/back.bin", 0, m.data(), data.size());  // sim -> staging -> server
   EXPECT_EQ(slurp(s.root / "out" / "back.bin"), data);
   // Memory nobody knows is refused up front, naming the pointer.

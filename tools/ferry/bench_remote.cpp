@@ -466,6 +466,7 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     else fmt::print("lent (client-allocated) memory: not measured, the server cannot map it over {}\n", tl);
     for (auto& [mem, spec] : mems) {
       lent_or_endpoint buf(rt, c, spec, region);
+      auto before = c.stats();
       for (bool write : {false, true}) {
         std::string op = write ? "write" : "read";
         if (!do_op.count(op)) continue;
@@ -517,10 +518,18 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
       fmt::print("  {}: read {} checksum {}, write {} checksum {}\n", mem, format_size(v), ok_read ? "verified" : "MISMATCH",
                  format_size(v), ok_write ? "verified" : "MISMATCH");
       jt["verified_" + mem] = ok_read && ok_write;
+      // Pieces landed in host memory and copied on by the client's stager threads (GPU memory, and
+      // host memory above the inline size through the landing region): where their time went.
+      auto after = c.stats();
+      if (auto n = after.staged_pieces - before.staged_pieces)
+        fmt::print("  {}: {} pieces staged; each waited {:.1f} us for a stager and took {:.1f} us in its copy (mean)\n", mem, n,
+                   static_cast<double>(after.stage_wait_ns - before.stage_wait_ns) / 1e3 / static_cast<double>(n),
+                   static_cast<double>(after.stage_copy_ns - before.stage_copy_ns) / 1e3 / static_cast<double>(n));
     }
     auto fst = c.stats();
     fmt::print("client: {} requests in {} pieces ({} through the mapped region), {} staged, {} progress wake-ups, {} landing slots quarantined\n",
                fst.requests, fst.pieces, fst.direct_pieces, format_size(fst.staged_bytes), fst.progress_wakeups, fst.quarantined);
+
     for (auto& [k, r] : best_ratio_1m) {
       fmt::print("SUMMARY {} {}: worst over blocks >= 1 MiB of (best over QD) / best raw primitive = {:.3f}\n", tl, k, r);
       summary.push_back({{"transport", tl}, {"what", k + " >= 1 MiB vs best raw"}, {"ratio", r}});
