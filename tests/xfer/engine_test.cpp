@@ -102,9 +102,28 @@ TEST(Engine, MixedBatchOverEveryPathWithRandomData) {
   for (std::size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(back[i], src[i]) << "request " << i;
   // host -> host
   std::vector<unsigned char> h2(sizes.back());
+  auto on_caller = rt.engine().counters().get("copies_on_caller").value();
   rt.engine().copy(h2.data(), src.back().data(), h2.size());
   EXPECT_EQ(h2, src.back());
   EXPECT_GE(rt.engine().counters().get("path.host").value(), 1u);
+  // copy() of one unit of work (one chunk, one device copy) runs on the calling thread: no worker
+  // hand-off. (The 9 MiB host copy above is several chunks, for the workers.)
+  EXPECT_EQ(rt.engine().counters().get("copies_on_caller").value(), on_caller);
+  std::vector<unsigned char> small(4096);
+  rt.engine().copy(small.data(), src[2].data(), small.size());
+  EXPECT_EQ(small, src[2]);
+  EXPECT_EQ(rt.engine().counters().get("copies_on_caller").value(), on_caller + 1);
+  std::vector<unsigned char> h3(sizes.back());
+  rt.engine().copy(c.p(0), src.back().data(), h3.size());
+  rt.engine().copy(h3.data(), c.p(0), h3.size());
+  EXPECT_EQ(h3, src.back()) << "host -> sim -> host by copy()";
+  EXPECT_EQ(rt.engine().counters().get("copies_on_caller").value(), on_caller + 3);
+  // submit() leaves its work to the workers (the waiter may still help).
+  std::vector<unsigned char> h4(sizes.back());
+  transfer_request one{h4.data(), src.back().data(), h4.size()};
+  ASSERT_TRUE(rt.engine().submit({&one, 1}).wait());
+  EXPECT_EQ(h4, src.back());
+  EXPECT_EQ(rt.engine().counters().get("copies_on_caller").value(), on_caller + 3);
 }
 
 TEST(Engine, StagedThroughHostWithoutPeerAccess) {

@@ -92,13 +92,15 @@ class FERRY_API transfer_engine {
   struct impl;  // opaque
 
   transfer_batch submit(std::span<const transfer_request> requests, transfer_options o = {});
-  // Submit one request and wait; throws its error.
+  // Submit one request and wait; throws its error. A request that makes one unit of work (one
+  // chunk, one device copy) runs on the calling thread, on its own stream: no worker hand-off.
   void copy(void* dst, const void* src, std::uint64_t bytes, transfer_options o = {});
 
   ferry::stats& counters() noexcept;
   int workers() const noexcept;
 
  private:
+  static transfer_batch submit_to(impl& I, std::span<const transfer_request> requests, transfer_options o, bool here);
   std::unique_ptr<impl> impl_;
 };
 
