@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <random>
 
@@ -124,6 +125,32 @@ TEST(Engine, MixedBatchOverEveryPathWithRandomData) {
   ASSERT_TRUE(rt.engine().submit({&one, 1}).wait());
   EXPECT_EQ(h4, src.back());
   EXPECT_EQ(rt.engine().counters().get("copies_on_caller").value(), on_caller + 3);
+}
+
+// copy() from many threads: each runs its copy on a stream of its own until the engine holds 64
+// such streams; the copies of further threads go to the workers (a stream per thread ever seen would
+// pile up). The threads stay alive until all have copied, so that no thread id is reused.
+TEST(Engine, CopiesFromManyThreadsKeepHelperStreamsBounded) {
+  runtime rt(sim_settings());
+  device& d0 = rt.devices().get("sim:0");
+  region a(d0, 1 << 20);
+  auto src = random_bytes(4096, 5);
+  auto before = rt.engine().counters().get("copies_on_caller").value();
+  std::atomic<int> copied{0};
+  std::vector<std::thread> ts;
+  for (int i = 0; i < 80; ++i)
+    ts.emplace_back([&, i] {
+      rt.engine().copy(a.p(4096 * static_cast<std::uint64_t>(i)), src.data(), src.size());
+      copied++;
+      while (copied.load() < 80) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+  for (auto& t : ts) t.join();
+  auto ran_here = rt.engine().counters().get("copies_on_caller").value() - before;
+  EXPECT_GE(ran_here, 60u);
+  EXPECT_LE(ran_here, 64u) << "threads past the bound hand their copies to the workers";
+  std::vector<unsigned char> back(4096);
+  rt.engine().copy(back.data(), a.p(4096 * 79), back.size());
+  EXPECT_EQ(back, src);
 }
 
 TEST(Engine, StagedThroughHostWithoutPeerAccess) {
