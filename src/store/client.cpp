@@ -304,14 +304,15 @@ struct client::impl {
     std::unique_lock l(land_mu);
     if (!land_cv.wait_until(l, until, [&] { return !land_free.empty(); }))
       fail(errc::timeout, "store.request", peer, "no free landing slot before the deadline");
-    int s = land_free.back();
-    land_free.pop_back();
-    return s;
+    return take_free_slot();
   }
   // A free landing slot at once, or -1.
   int try_land_slot() {
     std::lock_guard l(land_mu);
-    if (land_free.empty()) return -1;
+    return land_free.empty() ? -1 : take_free_slot();
+  }
+  // The most recently freed slot (its lines are likeliest still cached). land_mu held, one free.
+  int take_free_slot() {
     int s = land_free.back();
     land_free.pop_back();
     return s;
