@@ -121,9 +121,10 @@ struct client_stats {
   std::uint64_t lent_pieces = 0;       // pieces the server moved straight into / out of buffers from allocate()
   std::uint64_t held_reads = 0;        // small read()s answered on the caller's thread (worker held from send to answer)
   std::uint64_t handed_reads = 0;      // of those started so, the ones not answered while held (then waited for as usual)
-  // Staged pieces (landed in host memory, then copied on to GPU/sim memory by the stager threads):
-  // how many, and the summed time they waited for a stager and spent in its copy -- where a slow
-  // GPU read's time goes on this side.
+  // Staged pieces (landed in pinned staging or the landing region, then copied on to their
+  // destination -- GPU/sim memory, or host memory read through the landing region -- by the stager
+  // threads): how many, and the summed time they waited for a stager and spent in its copy; where a
+  // slow GPU read's time goes on this side.
   std::uint64_t staged_pieces = 0, stage_wait_ns = 0, stage_copy_ns = 0;
 };
 
