@@ -156,12 +156,25 @@ struct transfer_engine::impl {
   }
   // Whether the calling thread may run `w` itself: it has the streams already, or making them keeps
   // the helper streams bounded (callers that come and go -- short-lived threads -- would otherwise
-  // leave a stream each behind; past the bound their copies go to the workers).
+  // leave a stream each behind; past the bound their copies go to the workers). The streams are
+  // made here, under the same lock as the count, so that racing callers cannot pass the bound.
   bool may_run_here(const work_item& w) {
     std::lock_guard l(helper_mu);
     auto me = std::this_thread::get_id();
+    std::size_t missing = 0;
     for (device* d : {w.dev, w.dev2})
-      if (d && !helper_streams.count({me, d}) && helper_streams.size() >= 64) return false;
+      if (d && !helper_streams.count({me, d})) missing++;
+    if (missing && helper_streams.size() + missing > 64) return false;
+    try {
+      for (device* d : {w.dev, w.dev2})
+        if (d && !helper_streams.count({me, d})) {
+          auto made = d->create_stream();
+          helper_streams.emplace(std::make_pair(me, d), std::move(made));
+        }
+    } catch (const std::exception& e) {
+      log::debug("xfer", "no stream for the calling thread ({}); the copy goes to a worker", e.what());
+      return false;
+    }
     return true;
   }
   // Runs one item on the calling thread, on that thread's own stream of the device.
