@@ -140,7 +140,8 @@ struct transfer_engine::impl {
   std::map<std::pair<std::thread::id, device*>, std::unique_ptr<stream>> helper_streams;
 
   // Runs queued items of batch `b` on the calling thread: for small batches this saves the wake-up
-  // of a worker and of the waiter. Returns when none of b's items is left in the queue.
+  // of a worker and of the waiter. Returns when none of b's items is left in the queue, or when this
+  // thread may not have a stream of its own (the bound below): the workers take the rest.
   void help(transfer_batch::state* b) {
     for (;;) {
       work_item w;
@@ -151,13 +152,21 @@ struct transfer_engine::impl {
         w = std::move(*it);
         queue.erase(it);
       }
+      if (!may_run_here(w)) {
+        {
+          std::lock_guard l(mu);
+          queue.push_front(std::move(w));
+        }
+        cv.notify_one();
+        return;
+      }
       run_here(w);
     }
   }
-  // Whether the calling thread may run `w` itself: it has the streams already, or making them keeps
-  // the helper streams bounded (callers that come and go -- short-lived threads -- would otherwise
-  // leave a stream each behind; past the bound their copies go to the workers). The streams are
-  // made here, under the same lock as the count, so that racing callers cannot pass the bound.
+  // Whether the calling thread may run `w` itself (help(), copy()): it has the streams already, or
+  // making them keeps the helper streams bounded (callers that come and go -- short-lived threads --
+  // would otherwise leave a stream each behind; past the bound their work goes to the workers). The
+  // streams are made here, under the same lock as the count, so racing callers cannot pass the bound.
   bool may_run_here(const work_item& w) {
     std::lock_guard l(helper_mu);
     auto me = std::this_thread::get_id();
@@ -177,13 +186,12 @@ struct transfer_engine::impl {
     }
     return true;
   }
-  // Runs one item on the calling thread, on that thread's own stream of the device.
+  // Runs one item on the calling thread, on that thread's own stream of the device (made by
+  // may_run_here, which every caller asks first).
   void run_here(work_item& w) {
     auto stream_of = [&](device* d) -> stream& {
       std::lock_guard l(helper_mu);
-      auto& s = helper_streams[{std::this_thread::get_id(), d}];
-      if (!s) s = d->create_stream();
-      return *s;
+      return *helper_streams.at({std::this_thread::get_id(), d});
     };
     run(w, stream_of);
     w.b->item_done();
