@@ -1,7 +1,7 @@
 // What the system calls on a small ferry:// read's path cost on this machine: the server's pread of
 // 4 KiB from the page cache, and the epoll_wait(0) UCX's tcp transport makes on every progress call
-// (a shared-memory connection still polls its tcp lane). They set the floor under the 4 KiB QD1
-// latency next to the raw UCX round trip (issue 5).
+// of a worker with a tcp lane. They set the floor under the 4 KiB QD1 latency next to the raw UCX
+// round trip.
 #include <benchmark/benchmark.h>
 
 #include <cstdlib>

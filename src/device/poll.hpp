@@ -10,9 +10,9 @@
 namespace ferry::detail {
 
 // Calls ready() until it returns true (then true) or `until` passes (then false). Yields for the
-// first 2 ms -- a sleep overshoots by its timer slack, ~50 us by default: 7% of a 64 MiB PCIe copy,
-// and long enough to leave the copy engines idle between pipelined batches -- then sleeps with a
-// back-off of at most 50 us.
+// first 2 ms -- a sleep overshoots by its timer slack (the kernel's default is 50 us), a visible
+// share of even a large PCIe copy and long enough to leave the copy engines idle between pipelined
+// batches -- then sleeps with a back-off of at most 50 us.
 template <typename F>
 bool poll_until(deadline until, F&& ready) {
   auto start = std::chrono::steady_clock::now();

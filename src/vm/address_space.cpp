@@ -146,8 +146,9 @@ struct address_space::impl final : page_mover {
   std::vector<location> shared_at;          // per page: which (page lock)
   std::vector<char> host_w;                 // per page: its host mapping may be written (page lock)
   // Per page: what the CPU may do through the shared range (0, 1 read, 3 read+write). Host chunks are
-  // mapped for the device alone at first: granting the CPU costs ~30-50 us per MiB (its page tables),
-  // so it is paid only when the CPU touches the page (a fault) or a transfer pins it.
+  // mapped for the device alone at first: granting the CPU is expensive (it fills the CPU's page
+  // tables for the whole chunk), so it is paid only when the CPU touches the page (a fault) or a
+  // transfer pins it.
   std::unique_ptr<std::atomic<std::uint8_t>[]> cpu;
   std::mutex slot_mu;
   physical_chunk zero;                      // a zeroed host chunk at the end of the host mirror

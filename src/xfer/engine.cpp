@@ -207,7 +207,7 @@ struct transfer_engine::impl {
   }
 
   void work() {
-    // Precise sleeps while polling for completion (the default 50 us slack is a copy's worth).
+    // Precise sleeps while polling for completion: the default timer slack is as long as a small copy.
     ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     std::map<device*, std::unique_ptr<stream>> streams;  // this worker's stream per device
     auto stream_of = [&](device* d) -> stream& {
@@ -430,8 +430,7 @@ transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, t
 
 // `here`: a batch of one work item runs on the calling thread before this returns (copy(), whose
 // caller waits anyway): no worker to wake, no waiter to wake. On a machine whose threads outnumber
-// its cores each wake-up can cost more than a 1 MiB copy itself: the stagers of a ferry:// client
-// spent 216-267 us per staged copy through the workers on the H100 machine, 170-190 us on their own.
+// its cores each wake-up can cost more than a 1 MiB copy itself (docs/design/transfer-engine.md).
 transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_request> reqs, transfer_options o, bool here) {
   transfer_batch tb;
   tb.s_ = std::make_shared<transfer_batch::state>();
@@ -541,10 +540,10 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
         b.segs_left[i] = 1;
         continue;
       }
-      // Copy-engine paths: one stream already saturates one direction of a link (measured on
-      // H200: splitting a 1 GiB NVLink copy over 4 streams gave 0.93x of one cudaMemcpyPeer, one
-      // stream 0.99x), so a request stays whole unless FERRY_XFER_SPLIT asks for pieces; requests
-      // of a batch still run on different workers and streams (both directions, several GPUs).
+      // Copy-engine paths: one stream already saturates one direction of a link (splitting a copy
+      // over several streams only adds overhead), so a request stays whole unless FERRY_XFER_SPLIT
+      // asks for pieces; requests of a batch still run on different workers and streams (both
+      // directions, several GPUs).
       // Staged and host paths go chunk by chunk over the workers.
       std::uint64_t piece = I.cfg.xfer_split ? std::max<std::uint64_t>(I.cfg.xfer_split, 1 * MiB) : r.bytes;
       if (w.path == transfer_path::bounce || w.path == transfer_path::staged) piece = chunk;

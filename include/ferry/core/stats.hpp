@@ -24,9 +24,9 @@ class FERRY_API counter {
 };
 
 // A counter only one thread adds to (a progress thread, say), read by any: a relaxed load and
-// store, no locked instruction. An atomic add costs 20-30 ns on some VMs, more right after stores
-// that another core has to see first (a message just written into its queue), and a small request
-// would make several.
+// store, no locked instruction. An atomic add costs far more, most of all right after stores that
+// another core has to see first (a message just written into its queue), and a small request would
+// make several.
 class FERRY_API owned_counter {
  public:
   void add(std::uint64_t n = 1) noexcept { v_.store(v_.load(std::memory_order_relaxed) + n, std::memory_order_relaxed); }

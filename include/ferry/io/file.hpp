@@ -8,8 +8,8 @@
 // as fixed buffers) and only the asked bytes are delivered; page-cache-resident ranges are read
 // buffered (faster than bypassing a warm cache). Reads and host->device copies overlap: several
 // staging buffers are in flight. cuFile (GPUDirect Storage) is probed (see probe_cufile); where
-// handle registration fails — as on the machines we measured (error 5027) — io_uring is used and the
-// reason is reported by `ferry info --path`.
+// handle registration fails (cuFile error 5027, for example) io_uring is used and the reason is
+// reported by `ferry info --path`.
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
 #include <ferry/io/file_source.hpp>

@@ -1,6 +1,6 @@
 #pragma once
 // A file mapped read-only and read by memcpy: no system call per read. For small reads on a hot
-// path (a storage server answering 4 KiB requests), a pread costs about as much as a whole
+// path (a storage server answering 4 KiB requests), a system call per read is a large part of a
 // shared-memory round trip. A file truncated under the mapping would make a read of the lost pages
 // raise SIGBUS; every read runs under a guard that turns that into a failed read, so the caller
 // falls back to pread, which then sees the new end of file. Nothing else of the process's SIGBUS
