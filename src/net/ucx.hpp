@@ -336,7 +336,10 @@ class ucx_worker {
   // async context while an event for it may still wait in this one's missed-event queue; UCX then
   // aborts on an assertion, async.c:643, fixed upstream only in 1.17. So servers spread connections by
   // giving each worker a listener of its own.)
-  std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted);
+  // `admit(peer)` (optional), asked first on the same thread, may refuse a connection request
+  // before any endpoint exists (ucp_listener_reject): cheap enough to turn a flood away.
+  std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted,
+                       std::function<bool(const std::string& peer)> admit = {});
   // Connects to host:port; the endpoint is usable once this returns.
   std::shared_ptr<connection> connect(const std::string& host, std::uint16_t port, std::chrono::steady_clock::time_point until);
 
@@ -401,6 +404,7 @@ class ucx_worker {
   data_sink sink_;
   data_done data_done_;
   std::function<void(std::shared_ptr<connection>)> accepted_;
+  std::function<bool(const std::string&)> admit_;
   std::vector<std::shared_ptr<connection>> conns_;  // progress thread
   std::thread thread_;
 };

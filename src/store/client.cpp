@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <deque>
 #include <fstream>
+#include <sys/stat.h>
 #include <map>
 #include <thread>
 
@@ -957,8 +958,16 @@ struct client::impl {
       }
     });
     if (first) throw *first;
+    // A read counts up to its first short piece only: there the file ended when that piece was
+    // served, and a later piece served before the file shrank holds bytes after a gap -- never
+    // data the caller can take as contiguous.
     std::uint64_t total = 0;
-    x.pieces.each([&](const std::shared_ptr<piece>& p) { total += outcome(*p, opname, x.path); });
+    bool ended = false;
+    x.pieces.each([&](const std::shared_ptr<piece>& p) {
+      std::uint64_t n = outcome(*p, opname, x.path);
+      if (!ended) total += n;
+      ended = ended || n < p->len;
+    });
     return total;
   }
   // A settled piece's bytes, or the error it ended with (naming the peer and path).
@@ -1216,6 +1225,11 @@ std::string read_secret_file(const std::string& path) {
   std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
   if (s.empty()) fail(errc::invalid_argument, "store.secret", path, "the secret file is empty");
+  struct ::stat st{};
+  if (::stat(path.c_str(), &st) == 0 && (st.st_mode & 0077))
+    log::warn("store", "secret file {} is readable by group or others (mode {:o}); chmod 600 it", path, st.st_mode & 07777);
+  if (s.size() < 16)
+    log::warn("store", "the secret in {} is only {} bytes; use at least 16 random bytes (e.g. head -c 32 /dev/urandom | base64)", path, s.size());
   return s;
 }
 

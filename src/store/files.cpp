@@ -46,7 +46,8 @@ uri parse_uri(const std::string& text) {
   auto [ptr, ec] = std::from_chars(port.data(), port.data() + port.size(), p);
   if (ec != std::errc() || ptr != port.data() + port.size() || p == 0 || p > 65535) bad("bad port");
   r.port = static_cast<std::uint16_t>(p);
-  if (r.path.empty()) bad("empty path");
+  // An empty path names the root: `ferry ls ferry://host:port/` lists it (reads of it are refused
+  // by the server, naming the path).
   return r;
 }
 

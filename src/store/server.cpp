@@ -17,6 +17,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -54,39 +55,58 @@ error_reply to_reply(const error& e) {
 
 struct open_file {
   int fd = -1;
+  dev_t dev = 0;
+  ino_t ino = 0;
   mapped_file map;  // files opened for reading: small reads copy from here, no system call
-  explicit open_file(int f, bool mapped = false) : fd(f) {
+  open_file(int f, const struct ::stat& st, bool mapped) : fd(f), dev(st.st_dev), ino(st.st_ino) {
     if (mapped) map = mapped_file(fd);
   }
+  open_file(const open_file&) = delete;
+  open_file& operator=(const open_file&) = delete;
   ~open_file() {
     if (fd >= 0) ::close(fd);
   }
 };
 
-// Open files, reused for `ttl`: a storage server answers many small requests on the same few files,
-// and openat2 + fstat + close per 4 KiB read would cost more than the read. A file replaced under the
-// same name is seen at most `ttl` later (documented in docs/design/storage-service.md).
+// Open files for reading, reused: a storage server answers many small requests on the same few
+// files, and openat2 + fstat + close per 4 KiB read would cost more than the read. A cached file is
+// used only while its path still names it (one fstatat per use, compared by device and inode), so a
+// deleted or replaced file is never served; entries older than `ttl` are closed at the next miss,
+// so a deleted file's descriptor does not keep its space.
 class fd_cache {
  public:
   fd_cache(const root_dir& r, std::chrono::nanoseconds ttl) : root_(r), ttl_(ttl) {}
   // `opened` (if given) gets when the file was opened: it is reused until opened + ttl.
-  std::shared_ptr<open_file> get(const std::string& path, bool write, clk::time_point* opened = nullptr) {
+  std::shared_ptr<open_file> get(const std::string& path, clk::time_point* opened = nullptr) {
     auto now = clk::now();
-    auto& m = map_[write ? 1 : 0];
+    std::shared_ptr<open_file> hit;
+    clk::time_point at;
     {
       std::lock_guard l(mu_);
-      auto it = m.find(path);
-      if (it != m.end() && now - it->second.at < ttl_) {
-        if (opened) *opened = it->second.at;
-        return it->second.f;
-      }
+      auto it = map_.find(path);
+      if (it != map_.end() && now - it->second.at < ttl_) hit = it->second.f, at = it->second.at;
     }
-    auto f = std::make_shared<open_file>(root_.open(path, write ? (O_WRONLY | O_CREAT) : O_RDONLY), !write);
+    if (hit && still_names(path, *hit)) {
+      if (opened) *opened = at;
+      return hit;
+    }
+    struct ::stat st{};
+    int fd = root_.open_regular(path, O_RDONLY, &st);
+    auto f = std::make_shared<open_file>(fd, st, true);
     if (opened) *opened = now;
     std::lock_guard l(mu_);
-    if (m.size() >= 256) m.clear();  // bounded; entries still in use live on in their holders
-    m[path] = {f, now};
+    std::erase_if(map_, [&](const auto& kv) { return now - kv.second.at >= ttl_; });
+    if (map_.size() >= 256) map_.clear();  // bounded; entries still in use live on in their holders
+    map_[path] = {f, now};
     return f;
+  }
+  // Whether `path` (beneath the root) still names `f`'s file; `size` gets its size now. The lookup
+  // is not confined to the root, but only a match with a file opened through it counts.
+  bool still_names(const std::string& path, const open_file& f, std::uint64_t* size = nullptr) const {
+    struct ::stat st{};
+    if (::fstatat(root_.fd(), path.c_str(), &st, 0) != 0 || st.st_dev != f.dev || st.st_ino != f.ino) return false;
+    if (size) *size = static_cast<std::uint64_t>(st.st_size);
+    return true;
   }
 
  private:
@@ -97,8 +117,22 @@ class fd_cache {
   const root_dir& root_;
   std::chrono::nanoseconds ttl_;
   std::mutex mu_;
-  std::unordered_map<std::string, entry> map_[2];
+  std::unordered_map<std::string, entry> map_;
 };
+
+// A file opened for writing in place (regular files only; created when missing).
+std::shared_ptr<open_file> open_for_write(const root_dir& root, const std::string& path) {
+  struct ::stat st{};
+  int fd;
+  try {
+    fd = root.open_regular(path, O_WRONLY, &st);
+  } catch (const error& e) {
+    if (e.code() != errc::not_found) throw;
+    fd = root.open(path, O_WRONLY | O_CREAT | O_NONBLOCK | O_NOCTTY);
+    ::fstat(fd, &st);
+  }
+  return std::make_shared<open_file>(fd, st, false);
+}
 
 // A chunk buffer that UCX may still be sending from: reused only once its send completed.
 struct send_buffer {
@@ -165,7 +199,14 @@ struct server::impl {
   struct session : std::enable_shared_from_this<session> {
     std::atomic<int> outstanding{0};
     worker_counts* counts = nullptr;  // its worker's
-    bool welcomed = false;
+    std::atomic<bool> welcomed{false};  // the handshake is complete (read by the janitor too)
+    // Connection limits (the janitor reads these under sess_mu; `last` is written per request).
+    std::weak_ptr<connection> conn;
+    std::string peer_addr;              // the peer's address without its port
+    clk::time_point since;              // accepted
+    std::atomic<std::int64_t> last{0};  // coarse time of the last request, ns
+    bool closing = false;               // a close was asked for (sess_mu)
+    int auth_failures = 0;              // its worker's thread only
     unsigned lanes = 1;  // the client's, from its hello
     std::vector<std::uint8_t> client_nonce, server_nonce;  // pending challenge
     // The file its last small read used, until the file cache would reopen it (its worker's thread only).
@@ -205,6 +246,14 @@ struct server::impl {
   std::unique_ptr<std::atomic<std::uint64_t>[]> per_worker;  // connections each worker took
   std::uint16_t port = 0;
   std::uint64_t instance = 0;                // random per start: a client's lanes check they reached one server
+  // Connection limits: failed authentications per address, and addresses refused until a time.
+  struct address_state {
+    int failures = 0;
+    clk::time_point window{}, banned_until{};
+  };
+  std::map<std::string, address_state> addresses;  // sess_mu; bounded (see note_auth_failure)
+  std::atomic<std::uint64_t> refused{0}, closed_handshake{0}, closed_idle{0}, auth_failures{0};
+  std::thread janitor_thread;  // closes connections past their handshake or idle time
   std::vector<std::unique_ptr<ucx_worker>> workers;  // last: stopped first
 
   explicit impl(server_options opt) : o(std::move(opt)), root(o.root), files(root, o.fd_cache_ttl) {
@@ -234,7 +283,23 @@ struct server::impl {
         auto& s = sessions[c.get()];
         s = std::make_shared<session>();
         s->counts = &counts[wi];
+        s->conn = c;
+        s->peer_addr = host_of(c->peer());
+        s->since = clk::now();
+        s->last = coarse_now().time_since_epoch().count();
         c->user = s.get();  // for session_of (the map keeps it; cleared when it goes)
+        // Room for this one among connections still in their handshake: the oldest goes.
+        std::size_t waiting = 0;
+        session* oldest = nullptr;
+        for (auto& [k, x] : sessions)
+          if (!x->welcomed && !x->closing) {
+            waiting++;
+            if (!oldest || x->since < oldest->since) oldest = x.get();
+          }
+        if (waiting > static_cast<std::size_t>(o.max_unauthenticated) && oldest) {
+          closed_handshake++;
+          close_locked(*oldest, "displaced: too many connections in their handshake (FERRY_SERVE_MAX_UNAUTHENTICATED)");
+        }
       }
       // A client that dies or leaves: its session goes; running jobs hold their own reference.
       connection* raw = c.get();
@@ -258,6 +323,7 @@ struct server::impl {
     // Every worker listens: the first on the well-known port, the others on the ports after it (or on
     // free ports when the first is), which welcomes name so that clients spread their further lanes
     // over them. Connections are never handed between workers (see ucx_worker::listen).
+    raise_descriptor_limit();
     for (std::size_t i = 0; i < workers.size(); ++i) {
       std::uint16_t want = 0;
       if (o.port != 0) {
@@ -267,7 +333,7 @@ struct server::impl {
         want = static_cast<std::uint16_t>(o.port + i);
       }
       try {
-        ports.push_back(workers[i]->listen(o.host, want, accepted));
+        ports.push_back(workers[i]->listen(o.host, want, accepted, [this](const std::string& peer) { return admit(peer); }));
       } catch (const error& e) {
         if (i == 0) throw;
         throw error(error_info{e.code(), "store.serve", fmt::format("{}:{}", o.host, want),
@@ -279,6 +345,7 @@ struct server::impl {
     port = ports[0];
     // Last: a constructor that threw above leaves no running thread behind.
     for (int i = 0; i < o.threads; ++i) threads.emplace_back([this] { work(); });
+    janitor_thread = std::thread([this] { janitor(); });
   }
   ~impl() {
     {
@@ -286,6 +353,8 @@ struct server::impl {
       stopping = true;
     }
     cv.notify_all();
+    cv_janitor.notify_all();
+    janitor_thread.join();
     for (auto& t : threads) t.join();
     // Sessions go while the workers still run: their mapped regions are released on those threads.
     jobs.clear();
@@ -296,6 +365,96 @@ struct server::impl {
     }
     gone.clear();
   }
+  static std::string host_of(const std::string& peer) {
+    auto colon = peer.rfind(':');
+    return colon == std::string::npos ? peer : peer.substr(0, colon);
+  }
+  // Each connection costs descriptors (its sockets, UCX's); a server at the soft limit would refuse
+  // everyone, so it runs at the hard limit, and max_connections bounds what clients may take.
+  static void raise_descriptor_limit() {
+    rlimit r{};
+    if (::getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur < r.rlim_max) {
+      r.rlim_cur = r.rlim_max;
+      ::setrlimit(RLIMIT_NOFILE, &r);
+    }
+  }
+  // Closes a session's connection (its session goes when the close is seen). sess_mu held.
+  void close_locked(session& s, const std::string& why) {
+    if (s.closing) return;
+    s.closing = true;
+    if (auto c = s.conn.lock()) {
+      log::info("store", "closing client {}: {}", c->peer(), why);
+      c->close();
+    }
+  }
+  // Asked before a connection request becomes an endpoint: refused when the address is banned, or
+  // when the server is full and no connection still in its handshake can make room.
+  bool admit(const std::string& peer) {
+    auto now = clk::now();
+    std::lock_guard l(sess_mu);
+    if (auto it = addresses.find(host_of(peer)); it != addresses.end() && it->second.banned_until > now) {
+      refused++;
+      return false;
+    }
+    std::size_t live = 0;
+    session* oldest = nullptr;
+    for (auto& [k, x] : sessions) {
+      if (x->closing) continue;
+      live++;
+      if (!x->welcomed && (!oldest || x->since < oldest->since)) oldest = x.get();
+    }
+    if (live < static_cast<std::size_t>(o.max_connections)) return true;
+    if (!oldest) {
+      if (refused++ % 1000 == 0)
+        log::warn("store", "refusing {}: {} connections, all authenticated (FERRY_SERVE_MAX_CONNECTIONS)", peer, live);
+      return false;
+    }
+    closed_handshake++;
+    close_locked(*oldest, "displaced: the server is at FERRY_SERVE_MAX_CONNECTIONS");
+    return true;
+  }
+  // Counts a failed authentication from `addr`; true when the address is now refused for `ban`.
+  // sess_mu held.
+  bool note_auth_failure(const std::string& addr) {
+    auto now = clk::now();
+    if (addresses.size() >= 4096)
+      std::erase_if(addresses, [&](const auto& kv) { return kv.second.banned_until <= now && now - kv.second.window >= o.ban; });
+    if (addresses.size() >= 4096) addresses.clear();  // a flood of addresses: forget them rather than grow
+    auto& a = addresses[addr];
+    if (now - a.window >= o.ban) a.failures = 0, a.window = now;
+    if (++a.failures < 4 * o.auth_failures) return false;
+    a.banned_until = now + o.ban;
+    a.failures = 0;
+    log::warn("store", "address {}: {} failed authentications; refusing it for {} s", addr, 4 * o.auth_failures,
+              std::chrono::duration_cast<std::chrono::seconds>(o.ban).count());
+    return true;
+  }
+  // Closes connections that did not complete their handshake in time, and idle ones.
+  void janitor() {
+    for (;;) {
+      {
+        std::unique_lock l(mu);
+        if (cv_janitor.wait_for(l, std::chrono::milliseconds(100), [&] { return stopping; })) return;
+      }
+      auto now = clk::now();
+      auto coarse = coarse_now().time_since_epoch().count();
+      std::lock_guard l(sess_mu);
+      for (auto& [k, s] : sessions) {
+        if (s->closing) continue;
+        if (!s->welcomed) {
+          if (now - s->since > o.handshake_timeout) {
+            closed_handshake++;
+            close_locked(*s, "no handshake within FERRY_SERVE_HANDSHAKE_TIMEOUT");
+          }
+        } else if (s->outstanding.load() == 0 && coarse - s->last.load(std::memory_order_relaxed) > o.idle_timeout.count()) {
+          closed_idle++;
+          close_locked(*s, "idle for FERRY_SERVE_IDLE_TIMEOUT");
+        }
+      }
+    }
+  }
+  std::condition_variable cv_janitor;  // with `mu` and `stopping`
+
   void work() {
     current_ring = std::make_shared<send_ring>();
     for (;;) {
@@ -378,6 +537,7 @@ struct server::impl {
     // takes a reference (two atomic operations per request less).
     auto* s = static_cast<session*>(c.user);
     if (!s) return;
+    s->last.store(coarse_now().time_since_epoch().count(), std::memory_order_relaxed);
     std::uint64_t rid = m.request_id;
     if (auto* h = std::get_if<hello>(&m.b)) {
       s->lanes = h->lanes;
@@ -396,8 +556,12 @@ struct server::impl {
                 detail::proof_matches(detail::proof(o.secret, s->server_nonce, s->client_nonce), a->mac);
       s->server_nonce.clear();  // one answer per challenge
       if (!ok) {
-        log::warn("store", "client {} failed to authenticate", c.peer());
+        auth_failures++;
+        bool drop = ++s->auth_failures >= o.auth_failures;
+        if (s->auth_failures == 1) log::warn("store", "client {} failed to authenticate", c.peer());
         reply_error(c, rid, error(errc::permission_denied, "store.auth", c.peer(), "authentication failed (wrong secret?)"));
+        std::lock_guard l(sess_mu);
+        if (note_auth_failure(s->peer_addr) || drop) close_locked(*s, fmt::format("{} failed authentications", s->auth_failures));
         return;
       }
       s->welcomed = true;
@@ -517,12 +681,12 @@ struct server::impl {
         std::byte* p = m->base + (addr - m->addr);
         std::uint64_t done;
         if (write) {
-          auto f = files.get(path, true);
+          auto f = open_for_write(root, path);
           done = pwrite_all(*f, path, p, length, offset);
           bytes_received += done;
           direct_writes++;
         } else {
-          auto f = files.get(path, false);
+          auto f = files.get(path);
           done = pread_all(*f, path, p, length, offset);
           bytes_sent += done;
           direct_reads++;
@@ -548,7 +712,7 @@ struct server::impl {
     auto self = c.shared_from_this();
     queue([this, self, s, cr = std::make_shared<credit>(s->outstanding), key, rid, path, offset, length, addr, write] {
       try {
-        auto f = files.get(path, write);
+        auto f = write ? open_for_write(root, path) : files.get(path);
         std::uint64_t chunk = std::min<std::uint64_t>(o.chunk, std::max<std::uint64_t>(length, 1));
         // The buffer is shared with the completion callback: an operation that outlives its wait
         // (timeout) still has memory to land in.
@@ -646,19 +810,28 @@ struct server::impl {
   // file's mapping when the range lies in it (a pread would cost a third of the whole request);
   // past the mapped size (the file grew, or the read ends at EOF) or after the file shrank under
   // the mapping -- or the client's region under the destination -- pread says what is there now.
+  // Either way the path must still name the file (a deleted or replaced file is never served), and
+  // a read from the mapping counts only the bytes the file still has after the copy: a page of the
+  // mapping past a shrunken file's end reads as zeros, which are not data.
   std::uint64_t read_small(session& s, const std::string& path, std::byte* dst, std::uint64_t length, std::uint64_t offset) {
-    if (s.last_path != path || coarse_now() >= s.last_until) {
+    auto reopen = [&] {
       clk::time_point opened;
-      s.last_file = files.get(path, false, &opened);
+      s.last_file.reset();
+      s.last_path.clear();
+      s.last_file = files.get(path, &opened);
       s.last_path = path;
       s.last_until = opened + o.fd_cache_ttl - coarse_slack;
+    };
+    if (s.last_path != path || coarse_now() >= s.last_until || !files.still_names(path, *s.last_file)) reopen();
+    if (s.last_file->map.read(dst, length, offset)) {
+      std::uint64_t size = 0;
+      if (files.still_names(path, *s.last_file, &size)) {
+        s.counts->mapped_reads.add();
+        return size <= offset ? 0 : std::min(length, size - offset);
+      }
+      reopen();  // replaced or deleted during the copy
     }
-    open_file* f = s.last_file.get();
-    if (f->map.read(dst, length, offset)) {
-      s.counts->mapped_reads.add();
-      return length;
-    }
-    return pread_all(*f, path, dst, length, offset);
+    return pread_all(*s.last_file, path, dst, length, offset);
   }
 
   // ---- writes: the frame opens the request; data arrives as AM data (rendezvous for large pieces) ----
@@ -668,7 +841,7 @@ struct server::impl {
       fail(errc::out_of_range, "store.write", r.path, fmt::format("request of {} bytes exceeds the limit {}", r.length, o.max_request));
     if (s.writes.count(rid)) fail(errc::protocol_error, "store.write", c.peer(), fmt::format("request id {} is already in use", rid));
     auto ws = std::make_shared<write_state>();
-    ws->f = files.get(r.path, true);
+    ws->f = open_for_write(root, r.path);
     ws->path = r.path;
     ws->offset = r.offset;
     ws->length = r.length;
@@ -789,7 +962,7 @@ struct server::impl {
   void serve(connection& c, const message& m, credit& cr) {
     std::uint64_t rid = m.request_id;
     if (auto* r = std::get_if<read_req>(&m.b)) {
-      auto f = files.get(r->path, false);
+      auto f = files.get(r->path);
       auto ring = current_ring;
       auto until = clk::now() + std::chrono::minutes(1);
       std::uint64_t off = 0;
@@ -825,7 +998,7 @@ struct server::impl {
       return;
     }
     if (auto* r = std::get_if<stat_req>(&m.b)) {
-      int fd = root.open(r->path, O_RDONLY | O_PATH);
+      int fd = root.open(r->path.empty() ? "." : r->path, O_RDONLY | O_PATH);
       struct stat st{};
       ::fstat(fd, &st);
       ::close(fd);
@@ -834,7 +1007,7 @@ struct server::impl {
       return;
     }
     if (auto* r = std::get_if<list_req>(&m.b)) {
-      int fd = root.open(r->path, O_RDONLY | O_DIRECTORY);
+      int fd = root.open(r->path.empty() ? "." : r->path, O_RDONLY | O_DIRECTORY);
       DIR* d = ::fdopendir(fd);
       if (!d) {
         ::close(fd);
@@ -862,6 +1035,21 @@ struct server::impl {
 
 thread_local std::shared_ptr<send_ring> server::impl::current_ring;
 
+server_options server_options_from(const settings& s) {
+  server_options o;
+  o.threads = s.serve_threads;
+  o.workers = s.serve_workers;
+  o.map = s.net_map;
+  o.spin = s.net_spin;
+  o.max_connections = s.serve_max_connections;
+  o.max_unauthenticated = s.serve_max_unauthenticated;
+  o.handshake_timeout = s.serve_handshake_timeout;
+  o.idle_timeout = s.serve_idle_timeout;
+  o.auth_failures = s.serve_auth_failures;
+  o.ban = s.serve_ban;
+  return o;
+}
+
 server::server(server_options o) : impl_(std::make_unique<impl>(std::move(o))) {}
 server::~server() = default;
 std::uint16_t server::port() const noexcept { return impl_->port; }
@@ -877,8 +1065,8 @@ std::vector<std::uint64_t> per_worker(const server::impl& i) {
 server_stats server::stats() const {
   auto& i = *impl_;
   std::lock_guard l(i.sess_mu);
-  std::uint64_t mapped = 0;
-  for (auto& [c, s] : i.sessions) mapped += s->mapped.load();
+  std::uint64_t mapped = 0, unauthenticated = 0;
+  for (auto& [c, s] : i.sessions) mapped += s->mapped.load(), unauthenticated += !s->welcomed;
   server::impl::worker_counts sum;  // the workers' own counts
   for (std::size_t k = 0; k < i.workers.size(); ++k) {
     auto& w = i.counts[k];
@@ -903,7 +1091,12 @@ server_stats server::stats() const {
           mapped,
           i.rma_puts.load(),
           i.rma_gets.load(),
-          per_worker(i)};
+          per_worker(i),
+          unauthenticated,
+          i.refused.load(),
+          i.closed_handshake.load(),
+          i.closed_idle.load(),
+          i.auth_failures.load()};
 }
 
 }  // namespace ferry::store

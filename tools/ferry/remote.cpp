@@ -31,7 +31,7 @@ int run_serve(runtime& rt, const serve_options& o) {
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGUSR1);  // print stats on demand
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  store::server_options so;
+  store::server_options so = store::server_options_from(rt.config());
   so.root = o.root;
   auto colon = o.listen.rfind(':');
   if (colon == std::string::npos) fail(errc::invalid_argument, "serve", o.listen, "expected HOST:PORT");
@@ -40,10 +40,6 @@ int run_serve(runtime& rt, const serve_options& o) {
   if (!o.secret_file.empty()) so.secret = store::read_secret_file(o.secret_file);
   so.writable = o.writable;
   so.insecure = o.insecure;
-  so.spin = rt.config().net_spin;
-  so.threads = rt.config().serve_threads;
-  so.workers = rt.config().serve_workers;
-  so.map = rt.config().net_map;
   store::server srv(so);
   auto ports = srv.ports();
   std::string more;
@@ -75,11 +71,11 @@ int run_ls(runtime& rt, const std::string& uri, bool stat_only) {
   store::client c(r.host, r.port, store::client_options_from(rt.config(), nullptr, nullptr));
   if (stat_only) {
     auto s = c.stat(r.path);
-    fmt::print("{}: {} bytes, mode {:o}\n", uri, s.size, s.mode);
+    fmt::print("{}: {} bytes, mode {:o}\n", printable(uri, 4096), s.size, s.mode);
     return 0;
   }
   for (auto& e : c.list(r.path))
-    fmt::print("{:<4} {:>14}  {}\n", e.kind == 0 ? "file" : e.kind == 1 ? "dir" : "?", e.size, e.name);
+    fmt::print("{:<4} {:>14}  {}\n", e.kind == 0 ? "file" : e.kind == 1 ? "dir" : "?", e.size, printable(e.name, 4096));
   return 0;
 }
 

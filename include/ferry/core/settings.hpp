@@ -66,6 +66,12 @@ struct FERRY_API settings {
   std::chrono::nanoseconds net_spin = std::chrono::microseconds(200);  // progress back-off before sleeping
   int serve_threads = 8;                // file I/O threads of `ferry serve`
   int serve_workers = 4;                // UCX workers (progress threads) of `ferry serve`
+  int serve_max_connections = 1024;     // connections a server keeps at once
+  int serve_max_unauthenticated = 64;   // of those, connections that have not completed the handshake
+  std::chrono::nanoseconds serve_handshake_timeout = std::chrono::seconds(5);  // hello..welcome
+  std::chrono::nanoseconds serve_idle_timeout = std::chrono::minutes(10);      // no request for this long: closed
+  int serve_auth_failures = 3;          // failed authentications per connection before it is closed
+  std::chrono::nanoseconds serve_ban = std::chrono::seconds(30);  // an address failing too often is refused this long
   int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
   int net_stagers = 4;                  // client threads moving landed pieces on to GPU memory
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host

@@ -6,6 +6,7 @@
 
 #include <string>
 #include <string_view>
+#include <sys/stat.h>
 #include <sys/types.h>
 
 namespace ferry::store {
@@ -23,6 +24,17 @@ class FERRY_API root_dir {
   // Throws permission_denied for any attempt to leave the root, invalid_argument for malformed
   // paths (empty, NUL byte, '..' component), and the errno error otherwise — each naming the path.
   int open(std::string_view rel, int flags, mode_t mode = 0644) const;
+  // Opens an existing regular file beneath the root for reading (O_RDONLY) or writing in place,
+  // without ever blocking or touching anything that is not a plain file: the path is first opened
+  // O_PATH (which opens nothing) and refused unless it is a regular file on a disk file system (a
+  // FIFO, socket, device node, directory or a file of procfs/sysfs and the like is refused with an
+  // error naming the path and its type); only then is it opened for I/O, O_NONBLOCK, and checked
+  // to be the same inode. `st` (if given) gets its fstat.
+  int open_regular(std::string_view rel, int flags, struct ::stat* st = nullptr) const;
+  // The type of what `st` describes, for messages ("FIFO", "socket", "directory", ...).
+  static const char* kind_of(const struct ::stat& st) noexcept;
+  // The root directory's O_PATH descriptor (for *at() calls relative to it).
+  int fd() const noexcept { return fd_; }
   // Checks a client path without opening it (same rules as open's string checks).
   static void check(std::string_view rel);
 

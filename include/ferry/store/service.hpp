@@ -28,6 +28,8 @@ class registration_cache;
 
 namespace ferry::store {
 
+// Tunables take their defaults from the settings table (docs/settings.md); server_options_from()
+// fills them from a settings snapshot.
 struct server_options {
   std::string root;
   std::string host = "127.0.0.1";
@@ -35,13 +37,21 @@ struct server_options {
   std::uint32_t max_outstanding = 64;  // per connection (credits)
   std::uint64_t max_request = 1ull << 30;
   std::uint64_t chunk = 4ull << 20;    // bytes per data message (larger client data messages are refused)
-  int threads = 8;                     // file I/O threads (FERRY_SERVE_THREADS)
-  int workers = 4;                     // UCX workers (progress threads), each with its own port; clients spread their lanes over them (FERRY_SERVE_WORKERS)
-  bool map = true;                     // serve regions lent by same-host clients directly (FERRY_NET_MAP)
+  int threads = settings::defaults().serve_threads;  // file I/O threads
+  int workers = settings::defaults().serve_workers;  // UCX workers (progress threads), each with its own port
+  bool map = settings::defaults().net_map;           // serve regions lent by same-host clients directly
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
   std::uint64_t max_write_buffer = 1ull << 30;  // write data buffered at once, all connections together
-  std::chrono::nanoseconds spin = std::chrono::microseconds(200);  // progress back-off (FERRY_NET_SPIN)
-  std::chrono::nanoseconds fd_cache_ttl = std::chrono::seconds(1);  // open files reused this long
+  std::chrono::nanoseconds spin = settings::defaults().net_spin;  // progress back-off
+  std::chrono::nanoseconds fd_cache_ttl = std::chrono::seconds(1);  // open files reused at most this long
+  // Connection limits (FERRY_SERVE_*): every resource a client can hold is bounded, and clients
+  // that never complete their handshake cannot lock out one that does.
+  int max_connections = settings::defaults().serve_max_connections;
+  int max_unauthenticated = settings::defaults().serve_max_unauthenticated;
+  std::chrono::nanoseconds handshake_timeout = settings::defaults().serve_handshake_timeout;
+  std::chrono::nanoseconds idle_timeout = settings::defaults().serve_idle_timeout;
+  int auth_failures = settings::defaults().serve_auth_failures;  // per connection; 4x per address within `ban`
+  std::chrono::nanoseconds ban = settings::defaults().serve_ban;
   // Shared secret: when set, clients must answer a challenge with HMAC-SHA256(secret, server nonce |
   // client nonce) before any request. Empty: no authentication.
   std::string secret;
@@ -49,6 +59,9 @@ struct server_options {
   bool writable = false;
   bool insecure = false;
 };
+// Server options from settings (threads, workers, map, spin, connection limits); root, address and
+// secret are the caller's.
+FERRY_API server_options server_options_from(const settings& s);
 
 struct server_stats {
   std::uint64_t connections = 0, requests = 0, reads = 0, writes = 0, bytes_sent = 0, bytes_received = 0, errors = 0;
@@ -60,6 +73,11 @@ struct server_stats {
   std::uint64_t mapped_sessions = 0;  // connections whose lent region is mapped here
   std::uint64_t rma_puts = 0, rma_gets = 0;  // requests served by RMA into / out of registered client memory
   std::vector<std::uint64_t> worker_connections;  // connections each worker took (on its own port), the first worker first
+  std::uint64_t unauthenticated = 0;   // live connections still in their handshake
+  std::uint64_t refused = 0;           // connection requests refused (limits, banned addresses)
+  std::uint64_t closed_handshake = 0;  // closed for not completing the handshake in time (or displaced by newer ones)
+  std::uint64_t closed_idle = 0;       // closed after the idle timeout
+  std::uint64_t auth_failures = 0;     // failed authentications
 };
 
 class FERRY_API server {

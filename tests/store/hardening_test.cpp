@@ -1,0 +1,280 @@
+// The storage service against what its operator meets: special files in the root, files that change
+// underneath, connections that never speak, clients that guess secrets or go quiet. Each test fails
+// on a server without the defence it names.
+#include <ferry/store/service.hpp>
+
+#include "net/ucx.hpp"
+#include "store/auth.hpp"
+#include "support/errors.hpp"
+
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <thread>
+
+using namespace ferry;
+using namespace ferry::net;
+using ::testing::HasSubstr;
+using clk = std::chrono::steady_clock;
+
+namespace {
+
+struct served {
+  std::filesystem::path root;
+  std::unique_ptr<store::server> srv;
+  explicit served(store::server_options o = {}) {
+    root = std::filesystem::path(::testing::TempDir()) / ("ferry-hardening-" + std::to_string(::getpid()));
+    std::filesystem::remove_all(root);
+    std::filesystem::create_directories(root);
+    put("a.bin", std::string(64 << 10, 'a'));
+    o.root = root.string();
+    srv = std::make_unique<store::server>(o);
+  }
+  ~served() {
+    srv.reset();
+    std::filesystem::remove_all(root);
+  }
+  void put(const std::string& name, const std::string& bytes) {
+    std::ofstream(root / name, std::ios::binary | std::ios::trunc) << bytes;
+  }
+  store::client client(std::string secret = {}) {
+    store::client_options co;
+    co.timeout = std::chrono::seconds(5);
+    co.secret = std::move(secret);
+    return store::client("127.0.0.1", srv->port(), co);
+  }
+};
+
+// Waits up to `t` for `f()`.
+template <typename F>
+bool eventually(F f, std::chrono::milliseconds t = std::chrono::milliseconds(5000)) {
+  auto until = clk::now() + t;
+  while (clk::now() < until) {
+    if (f()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return f();
+}
+
+TEST(StoreHardening, OnlyRegularFilesAreServedAndOpeningNeverBlocks) {
+  served s;
+  ASSERT_EQ(::mkfifo((s.root / "fifo").c_str(), 0644), 0);
+  int sock = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::string sp = (s.root / "sock").string();
+  ASSERT_LT(sp.size(), sizeof sa.sun_path);
+  std::strcpy(sa.sun_path, sp.c_str());
+  ASSERT_EQ(::bind(sock, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  std::filesystem::create_symlink("fifo", s.root / "link-to-fifo");
+  bool have_dev = ::mknod((s.root / "null").c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0;
+  auto c = s.client();
+  std::vector<char> buf(1 << 20);
+  // Small (served on the progress thread) and large (an I/O thread) reads alike: refused at once,
+  // naming the path and what it is. Before the fix each read of the FIFO blocked a server thread.
+  for (std::uint64_t n : {std::uint64_t{100}, std::uint64_t{1} << 20}) {
+    auto t0 = clk::now();
+    EXPECT_THAT(test::error_text([&] { c.read("fifo", 0, buf.data(), n); }), HasSubstr("'fifo' under"));
+    EXPECT_THAT(test::error_text([&] { c.read("fifo", 0, buf.data(), n); }), HasSubstr("is a FIFO; only regular files are served"));
+    EXPECT_THAT(test::error_text([&] { c.read("link-to-fifo", 0, buf.data(), n); }), HasSubstr("is a FIFO"));
+    EXPECT_THAT(test::error_text([&] { c.read("sock", 0, buf.data(), n); }), HasSubstr("is a socket"));
+    EXPECT_THAT(test::error_text([&] { c.read("", 0, buf.data(), n); }), HasSubstr("empty path"));
+    if (have_dev) {
+      EXPECT_THAT(test::error_text([&] { c.read("null", 0, buf.data(), n); }), HasSubstr("is a character device"));
+    }
+    EXPECT_LT(clk::now() - t0, std::chrono::seconds(3));
+  }
+  // The server still serves: every I/O thread is free.
+  EXPECT_EQ(c.read("a.bin", 0, buf.data(), 64 << 10), 64u << 10);
+  ::close(sock);
+}
+
+TEST(StoreHardening, AReplacedOrDeletedFileIsNeverServedFromTheCache) {
+  store::server_options o;
+  o.fd_cache_ttl = std::chrono::hours(1);  // the cache alone would keep the old file for an hour
+  served s(o);
+  auto c = s.client();
+  std::string got(16, '\0');
+  ASSERT_EQ(c.read("a.bin", 0, got.data(), 16), 16u);
+  EXPECT_EQ(got, std::string(16, 'a'));
+  // Replaced under the same name (a new inode renamed over it).
+  s.put("new.tmp", std::string(64 << 10, 'b'));
+  std::filesystem::rename(s.root / "new.tmp", s.root / "a.bin");
+  ASSERT_EQ(c.read("a.bin", 0, got.data(), 16), 16u);
+  EXPECT_EQ(got, std::string(16, 'b')) << "a replaced file was served from the descriptor cache";
+  std::vector<char> big(1 << 20);
+  EXPECT_EQ(c.read("a.bin", 0, big.data(), 1 << 20), 64u << 10);
+  EXPECT_EQ(big[100], 'b');
+  // Deleted.
+  std::filesystem::remove(s.root / "a.bin");
+  EXPECT_THAT(test::error_text([&] { c.read("a.bin", 0, got.data(), 16); }), HasSubstr("No such file"));
+  EXPECT_THAT(test::error_text([&] { c.read("a.bin", 0, big.data(), 1 << 20); }), HasSubstr("No such file"));
+}
+
+TEST(StoreHardening, AFileThatShrinksGivesAShortReadNeverZerosAsData) {
+  served s;
+  auto c = s.client();
+  std::string got(4096, '\0');
+  ASSERT_EQ(c.read("a.bin", 4096, got.data(), 4096), 4096u);  // mapped and cached now
+  // Truncated inside the page the next read covers: the mapping still shows that page, its tail zeros.
+  ASSERT_EQ(::truncate((s.root / "a.bin").c_str(), 5000), 0);
+  EXPECT_EQ(c.read("a.bin", 4096, got.data(), 4096), 5000u - 4096u);
+  EXPECT_EQ(c.read("a.bin", 8192, got.data(), 4096), 0u);
+  // A large read split into pieces: what comes back ends where the file does.
+  std::vector<char> big(2 << 20);
+  EXPECT_EQ(c.read("a.bin", 0, big.data(), big.size()), 5000u);
+}
+
+TEST(StoreHardening, TheRootCanBeListed) {
+  served s;
+  std::filesystem::create_directories(s.root / "sub");
+  s.put("we\nird", "x");
+  auto c = s.client();
+  auto entries = c.list("");
+  std::set<std::string> names;
+  for (auto& e : entries) names.insert(e.name);
+  EXPECT_TRUE(names.count("a.bin") && names.count("sub") && names.count("we\nird"));
+  EXPECT_EQ(c.stat("").mode & S_IFMT, static_cast<std::uint32_t>(S_IFDIR));
+}
+
+// A raw UCX endpoint to the server that sends what the test says (nothing, by default).
+struct silent {
+  std::shared_ptr<connection> c;
+  silent(ucx_worker& w, std::uint16_t port) { c = w.connect("127.0.0.1", port, clk::now() + std::chrono::seconds(5)); }
+};
+
+TEST(StoreHardening, ConnectionsThatNeverSpeakAreClosedAndCannotLockOutAClient) {
+  store::server_options o;
+  o.handshake_timeout = std::chrono::milliseconds(500);
+  o.max_unauthenticated = 16;
+  o.max_connections = 64;
+  o.workers = 1;
+  served s(o);
+  ucx_worker w("silent");
+  std::vector<silent> quiet;
+  for (int i = 0; i < 200; ++i) quiet.emplace_back(w, s.srv->port());
+  // While they sit there a client connects and reads.
+  auto c = s.client();
+  std::string got(16, '\0');
+  EXPECT_EQ(c.read("a.bin", 0, got.data(), 16), 16u);
+  // Every silent connection is displaced or closed at its handshake deadline; none is left.
+  EXPECT_TRUE(eventually([&] {
+    auto st = s.srv->stats();
+    return st.unauthenticated == 0 && st.live_sessions <= static_cast<std::uint64_t>(c.stats().lanes);
+  })) << "live " << s.srv->stats().live_sessions << ", unauthenticated " << s.srv->stats().unauthenticated;
+  auto st = s.srv->stats();
+  EXPECT_GE(st.closed_handshake + st.refused, 199u);
+  // The client was never touched.
+  EXPECT_EQ(c.read("a.bin", 0, got.data(), 16), 16u);
+  EXPECT_EQ(c.stats().reconnects, 0u);
+}
+
+// Raw TCP connections that never send UCX's connection request hold a descriptor each in the
+// server's process (UCX's tcp connection manager owns them): the server runs at the hard descriptor
+// limit, so a thousand of them leave room for a client.
+TEST(StoreHardening, AThousandIdleTcpConnectionsNeverLockOutAClient) {
+  served s;
+  std::vector<int> socks;
+  for (int i = 0; i < 1000; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) break;  // this process's own limit
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(s.srv->port());
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+      ::close(fd);
+      break;
+    }
+    socks.push_back(fd);
+  }
+  EXPECT_EQ(socks.size(), 1000u);
+  auto c = s.client();
+  std::string got(16, '\0');
+  EXPECT_EQ(c.read("a.bin", 0, got.data(), 16), 16u);
+  for (int fd : socks) ::close(fd);
+  EXPECT_EQ(c.read("a.bin", 0, got.data(), 16), 16u);
+}
+
+TEST(StoreHardening, IdleConnectionsAreClosedAndTheClientReconnects) {
+  store::server_options o;
+  o.idle_timeout = std::chrono::milliseconds(300);
+  served s(o);
+  auto c = s.client();
+  std::string got(16, '\0');
+  EXPECT_EQ(c.read("a.bin", 0, got.data(), 16), 16u);
+  EXPECT_TRUE(eventually([&] { return s.srv->stats().closed_idle >= 1 && s.srv->stats().live_sessions == 0; }));
+  EXPECT_EQ(c.read("a.bin", 0, got.data(), 16), 16u);  // reconnects
+  EXPECT_GE(c.stats().reconnects, 1u);
+}
+
+TEST(StoreHardening, FailedAuthenticationsCloseTheConnectionThenRefuseTheAddress) {
+  store::server_options o;
+  o.secret = "the-right-secret-0123456789";
+  o.auth_failures = 2;
+  o.ban = std::chrono::seconds(5);
+  served s(o);
+  ucx_worker w("guesser");
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<message> got;
+  w.on_frame([&](connection&, message m) {
+    std::lock_guard l(mu);
+    got.push_back(std::move(m));
+    cv.notify_all();
+  });
+  auto wait_n = [&](std::size_t n) {
+    std::unique_lock l(mu);
+    return cv.wait_for(l, std::chrono::seconds(5), [&] { return got.size() >= n; });
+  };
+  // One connection guesses until it is closed: at the second failure.
+  auto c = w.connect("127.0.0.1", s.srv->port(), clk::now() + std::chrono::seconds(5));
+  std::uint64_t rid = 1;
+  std::size_t answers = 0;
+  for (int i = 0; i < 5 && c->alive(); ++i) {
+    c->send_frame({rid++, 0, hello{1, protocol_version, 64, std::vector<std::uint8_t>(32, 1)}});
+    if (!wait_n(++answers)) break;
+    c->send_frame({rid++, 0, auth{std::vector<std::uint8_t>(32, 0)}});
+    if (!wait_n(++answers)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(eventually([&] { return !c->alive(); })) << "a connection guessed secrets without limit";
+  EXPECT_LE(s.srv->stats().auth_failures, 3u);
+  // More connections from the same address keep guessing: after 4 x 2 failures it is refused.
+  for (int k = 0; k < 10 && s.srv->stats().auth_failures < 8; ++k) {
+    auto g = w.connect("127.0.0.1", s.srv->port(), clk::now() + std::chrono::seconds(2));
+    for (int i = 0; i < 2 && g->alive() && s.srv->stats().auth_failures < 8; ++i) {
+      std::size_t before;
+      {
+        std::lock_guard l(mu);
+        before = got.size();
+      }
+      g->send_frame({rid++, 0, hello{1, protocol_version, 64, std::vector<std::uint8_t>(32, 1)}});
+      if (!wait_n(before + 1)) break;
+      g->send_frame({rid++, 0, auth{std::vector<std::uint8_t>(32, 0)}});
+      wait_n(before + 2);
+    }
+  }
+  ASSERT_GE(s.srv->stats().auth_failures, 8u);
+  // While banned, even the right secret is turned away; after the ban it is served.
+  auto t0 = clk::now();
+  EXPECT_THAT(test::error_text([&] { s.client(o.secret); }), HasSubstr("127.0.0.1"));
+  EXPECT_GE(s.srv->stats().refused, 1u);
+  std::this_thread::sleep_until(t0 + o.ban);
+  auto ok = s.client(o.secret);
+  std::string buf(16, '\0');
+  EXPECT_EQ(ok.read("a.bin", 0, buf.data(), 16), 16u);
+}
+
+}  // namespace
