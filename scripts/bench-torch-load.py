@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """What users do today to load a file onto the GPU, measured cold and warm on the same file that
-`ferry bench file` reads (a safetensors file with one U8 tensor):
+`ferry-bench file` reads (a safetensors file with one U8 tensor):
 
   torch.from_file(path, size=N, dtype=torch.uint8).cuda()
   safetensors.torch.load_file(path, device="cuda:0")
 
 Cold: the file's pages are dropped from the page cache first (posix_fadvise DONTNEED, plus
 /proc/sys/vm/drop_caches as root). Each measurement prints one JSON line
-{"what", "kind", "gbps", "note"}; `ferry bench file --compare-script` reads them.
+{"what", "kind", "gbps", "note"}; `ferry-bench file --compare-script` reads them.
 """
 import argparse
 import json

@@ -1,6 +1,7 @@
-// `ferry cp SRC DST`: copy between local endpoints and files through the transfer and file
-// engines, with a progress bar on long copies, verified by checksums (computed where the data lies
-// for memory, by reading the file back for files).
+// `ferry cp SRC DST`: copy between any two endpoints -- memory (host, pinned, gpu:N, sim:N), local
+// files (file:PATH) and remote files (ferry://host:port/path) -- through the transfer and file
+// engines and the store client, with a progress bar on long copies, verified by checksums
+// (computed where the data lies for memory, by reading the data back for files and ferry://).
 #include "commands.hpp"
 #include "endpoint.hpp"
 
@@ -19,6 +20,20 @@ namespace {
 
 bool is_file(const std::string& s) { return s.starts_with("file:"); }
 bool is_remote(const std::string& s) { return s.starts_with("ferry://"); }
+bool is_memory(const std::string& s) { return !is_file(s) && !is_remote(s); }
+
+// Reads the first `bytes` of a remote file again into host memory, piece by piece, to checksum them.
+std::uint64_t remote_checksum(runtime& rt, store::client& c, const std::string& path, std::uint64_t bytes) {
+  std::vector<std::byte> buf(std::min<std::uint64_t>(bytes, 64ull << 20));
+  checksum64_stream cs;
+  for (std::uint64_t off = 0; off < bytes; off += buf.size()) {
+    std::uint64_t n = std::min<std::uint64_t>(buf.size(), bytes - off);
+    std::uint64_t got = c.read(path, off, buf.data(), n, rt.config().deadline);
+    cs.update(buf.data(), got);
+    if (got < n) break;
+  }
+  return cs.value();
+}
 
 // Streams a file through host memory to checksum it.
 std::uint64_t file_checksum(runtime& rt, file& f, std::uint64_t bytes) {
@@ -60,13 +75,11 @@ std::string engine_path(const file& f, const transfer_batch& b) {
 
 }  // namespace
 
-// ferry://host:port/path -> any memory endpoint. The client splits the read into pieces served in
+// ferry://host:port/path -> a memory endpoint. The client splits the read into pieces served in
 // parallel; GPU and sim memory are staged through pinned buffers it lends (unless UCX registers
 // CUDA memory itself). Verified by reading the range again into host memory.
 int cp_from_remote(runtime& rt, const cp_options& o) {
   remote_uri u = parse_uri(o.src);
-  if (is_file(o.dst) || is_remote(o.dst))
-    fail(errc::not_supported, "cp", o.dst, "ferry:// sources go to memory endpoints (host, pinned, gpu:N, sim:N)");
   store::client c(u.host, u.port, store::client_options_from(rt.config(), &rt.registrations(), &rt.engine()));
   std::uint64_t size = c.stat(u.path).size;
   std::uint64_t bytes = o.size.empty() ? size : std::min<std::uint64_t>(parse_size(o.size, "--size"), size);
@@ -75,12 +88,7 @@ int cp_from_remote(runtime& rt, const cp_options& o) {
   auto t0 = std::chrono::steady_clock::now();
   std::uint64_t moved = c.read(u.path, 0, dst.data(), bytes, rt.config().deadline);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  bool ok = true;
-  if (o.verify) {
-    std::vector<std::byte> again(moved);
-    c.read(u.path, 0, again.data(), moved, rt.config().deadline);
-    ok = dst.checksum(moved) == checksum64(again.data(), moved);
-  }
+  bool ok = !o.verify || dst.checksum(moved) == remote_checksum(rt, c, u.path, moved);
   auto st = c.stats();
   fmt::print("{} -> {}: {} in {:.3f} s ({}), path UCX [{}] -> {}{}, checksum {}\n", o.src, o.dst, format_size(moved), secs,
              format_rate(static_cast<double>(moved) / secs), st.transports, st.staged_bytes ? "pinned staging -> " : "", o.dst,
@@ -89,39 +97,69 @@ int cp_from_remote(runtime& rt, const cp_options& o) {
   return 0;
 }
 
-// A memory endpoint (filled with a pattern) or a local file -> ferry://host:port/path on a writable
-// server. Verified by reading the written range back.
+// Any source -> ferry://host:port/path on a writable server, in one write request of the whole
+// range (the server then replaces the file as a whole). A memory source is filled with a pattern; a
+// file or ferry:// source is first read whole into the --via endpoint (host by default), so the
+// data must fit there. Verified by the server's size and by reading the written range back.
 int cp_to_remote(runtime& rt, const cp_options& o) {
   remote_uri u = parse_uri(o.dst);
-  if (is_remote(o.src)) fail(errc::not_supported, "cp", o.src, "ferry:// -> ferry:// is not supported; copy through a file");
-  store::client c(u.host, u.port, store::client_options_from(rt.config(), &rt.registrations(), &rt.engine()));
+  store::client_options opts = store::client_options_from(rt.config(), &rt.registrations(), &rt.engine());
+  store::client c(u.host, u.port, opts);
+  // Before reading anything: a read-only server would refuse the write only at the end.
+  if (!c.writable()) fail(errc::permission_denied, "cp", o.dst, "the server is read-only (start it with ferry serve --writable)");
   std::shared_ptr<file> fin;
-  if (is_file(o.src)) fin = file::open(o.src.substr(5), open_mode::read);
-  std::uint64_t bytes = o.size.empty() ? (fin ? fin->size() : 64ull << 20) : parse_size(o.size, "--size");
-  expects(bytes > 0, "cp", o.src, "nothing to copy");
-  endpoint src(rt, fin ? std::string("host") : o.src, bytes);
-  if (fin) bytes = rt.files().read(*fin, 0, src.data(), bytes);
-  else src.fill(bytes, 0xF0E1);
+  std::unique_ptr<store::client> rin;
+  remote_uri su;
+  std::uint64_t size = 0;
+  if (is_file(o.src)) {
+    fin = file::open(o.src.substr(5), open_mode::read);
+    size = fin->size();
+  } else if (is_remote(o.src)) {
+    su = parse_uri(o.src);
+    rin = std::make_unique<store::client>(su.host, su.port, opts);
+    size = rin->stat(su.path).size;
+  }
+  bool from_data = fin || rin;
+  std::uint64_t bytes = o.size.empty() ? (from_data ? size : 64ull << 20) : parse_size(o.size, "--size");
+  if (from_data) bytes = std::min(bytes, size);
+  expects(bytes > 0, "cp", o.src, from_data ? "nothing to copy (empty file)" : "nothing to copy");
+  std::string via = o.via.empty() ? "host" : o.via;
+  endpoint src(rt, from_data ? via : o.src, bytes);
   auto t0 = std::chrono::steady_clock::now();
+  if (fin) bytes = rt.files().read(*fin, 0, src.data(), bytes);
+  else if (rin) bytes = rin->read(su.path, 0, src.data(), bytes, rt.config().deadline);
+  else src.fill(bytes, 0xF0E1);
+  expects(bytes > 0, "cp", o.src, "nothing to copy (the file is empty now)");
   c.write(u.path, 0, src.data(), bytes, rt.config().deadline);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  bool ok = true;
+  std::string why;
   if (o.verify) {
-    std::vector<std::byte> back(bytes);
-    ok = c.read(u.path, 0, back.data(), bytes, rt.config().deadline) == bytes && checksum64(back.data(), bytes) == src.checksum(bytes);
+    std::uint64_t held = c.stat(u.path).size;
+    if (held != bytes) why = fmt::format("the server's file holds {} bytes, not the {} written", held, bytes);
+    else if (src.checksum(bytes) != remote_checksum(rt, c, u.path, bytes)) why = "what the server holds does not match the source";
   }
-  fmt::print("{} -> {}: {} in {:.3f} s ({}), path {} -> UCX [{}], checksum {}\n", o.src, o.dst, format_size(bytes), secs,
-             format_rate(static_cast<double>(bytes) / secs), fin ? "file -> host" : o.src, c.stats().transports,
-             !o.verify ? "not checked" : ok ? "verified" : "MISMATCH");
-  if (!ok) fail(errc::internal, "cp", o.src + " -> " + o.dst, "what the server holds does not match the source");
+  std::string path = fin ? fmt::format("file -> {} -> UCX", via)
+                     : rin ? fmt::format("UCX [{}] -> {} -> UCX", rin->stats().transports, via)
+                           : o.src + " -> UCX";
+  fmt::print("{} -> {}: {} in {:.3f} s ({}), path {} [{}], checksum {}\n", o.src, o.dst, format_size(bytes), secs,
+             format_rate(static_cast<double>(bytes) / secs), path, c.stats().transports,
+             !o.verify ? "not checked" : why.empty() ? "verified" : "MISMATCH");
+  if (!why.empty()) fail(errc::internal, "cp", o.src + " -> " + o.dst, why);
   return 0;
 }
 
 int run_cp(runtime& rt, const cp_options& o) {
-  if (is_remote(o.src)) return cp_from_remote(rt, o);
+  if (o.src == o.dst) fail(errc::invalid_argument, "cp", o.src, "source and destination are the same");
+  if (!o.via.empty() && (is_memory(o.src) || is_memory(o.dst)))
+    fail(errc::invalid_argument, "cp", "--via " + o.via,
+         "only for copies between files and ferry:// (a memory endpoint already holds the data)");
   if (is_remote(o.dst)) return cp_to_remote(rt, o);
+  if (is_remote(o.src) && is_memory(o.dst)) return cp_from_remote(rt, o);
+  // ferry:// -> file: the remote file is a file of the file engine (ferry:// scheme), copied like
+  // file -> file below.
   std::shared_ptr<file> fin, fout;
   if (is_file(o.src)) fin = file::open(o.src.substr(5), open_mode::read);
+  if (is_remote(o.src)) fin = file::open(o.src, open_mode::read);
   std::uint64_t bytes = o.size.empty() ? (fin ? fin->size() : 64ull << 20) : parse_size(o.size, "--size");
   if (fin && o.size.empty() && bytes == 0) fail(errc::invalid_argument, "cp", o.src, "the file is empty");
   expects(bytes > 0, "cp", "--size", "must be positive");
@@ -134,7 +172,7 @@ int run_cp(runtime& rt, const cp_options& o) {
   std::uint64_t got_sum = 0, want_sum = 0, moved = bytes;
 
   if (fin && fout) {
-    // file -> file through host memory or a device (--via), 256 MiB at a time.
+    // file or ferry:// -> file through host memory or a device (--via), 256 MiB at a time.
     std::string via = o.via.empty() ? "host" : o.via;
     std::uint64_t piece = std::min<std::uint64_t>(bytes, 256ull << 20);
     endpoint mid(rt, via, piece);
@@ -149,7 +187,7 @@ int run_cp(runtime& rt, const cp_options& o) {
     }
     fout->sync();
     secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    path_used = "file -> " + via + " -> file";
+    path_used = fmt::format("{} -> {} -> file", fin->source() ? "ferry:// (UCX)" : "file", via);
     if (o.verify) {
       want_sum = file_checksum(rt, *fin, moved);
       got_sum = file_checksum(rt, *fout, moved);

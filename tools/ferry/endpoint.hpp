@@ -1,5 +1,5 @@
 #pragma once
-// Local endpoints of `ferry cp` and `ferry bench`: "host", "pinned", "gpu:N" / "cuda:N", "sim:N",
+// Local endpoints of `ferry cp` and `ferry-bench`: "host", "pinned", "gpu:N" / "cuda:N", "sim:N",
 // each optionally "+OFFSET" (bytes into the buffer, a multiple of 8), allocated by the CLI.
 #include <ferry/device/mapped_memory.hpp>
 #include <ferry/runtime.hpp>

@@ -196,11 +196,4 @@ int run_info(runtime& rt, const info_options& o) {
   return 0;
 }
 
-std::string changed_settings(const settings& s) {
-  std::string out;
-  for (auto& r : s.describe())
-    if (r.value != r.default_value) out += fmt::format(" {}={}", r.name, r.value);
-  return out.empty() ? "ferry settings: all defaults" : "ferry settings not at their defaults:" + out;
-}
-
 }  // namespace ferry::cli

@@ -24,55 +24,19 @@ int main(int argc, char** argv) {
 
   ferry::cli::cp_options cp;
   auto* cp_cmd = app.add_subcommand(
-      "cp", "Copy between files (file:PATH) and memory (host, pinned, gpu:N, sim:N, each +OFFSET), verified by checksums");
+      "cp", "Copy between any two of: memory (host, pinned, gpu:N, sim:N, each +OFFSET), files (file:PATH) and "
+            "ferry://host:port/path, verified by checksums");
   cp_cmd->add_option("src", cp.src, "Source endpoint")->required();
   cp_cmd->add_option("dst", cp.dst, "Destination endpoint")->required();
   cp_cmd->add_option("--size", cp.size, "Bytes to copy, e.g. 1GiB (default: the source file's size, else 64MiB)");
-  cp_cmd->add_option("--via", cp.via, "file -> file through this endpoint (host or gpu:N; default host)");
+  cp_cmd->add_option("--via", cp.via, "Between files and ferry://, the data passes through this memory (host, pinned, gpu:N, sim:N; default host)");
   cp_cmd->add_flag("!--no-verify", cp.verify, "Skip the checksum verification");
   cp_cmd->add_flag("--progress", cp.progress, "Show a progress bar (default: on a terminal, for >= 256 MiB)");
 
-  ferry::cli::bench_options bench;
-  auto* bench_cmd = app.add_subcommand("bench", "Benchmarks against the baselines measured in the same run");
-  bench_cmd->require_subcommand(1);
-  auto* bench_local = bench_cmd->add_subcommand("local", "Host<->GPU, GPU<->GPU: ferry vs cudaMemcpy / cudaMemcpyPeer");
-  bench_local->add_option("--device", bench.device, "Device (default: FERRY_BACKEND's choice)");
-  bench_local->add_option("--peer", bench.peer, "Second GPU for GPU->GPU (default: another GPU if present)");
-  bench_local->add_option("--sizes", bench.sizes, "Comma-separated sizes")->capture_default_str();
-  bench_local->add_option("--budget", bench.budget, "Bytes per trial (iterations = budget / size)")->capture_default_str();
-  bench_local->add_option("--trials", bench.trials, "Trials per measurement (best is kept)")->capture_default_str();
-  bench_local->add_flag("--json", bench.json, "Print JSON");
-  bench_local->add_option("--json-out", bench.json_out, "Also write the JSON to this file");
-
-  ferry::cli::bench_file_options bfile;
-  auto* bench_file = bench_cmd->add_subcommand("file", "File -> GPU: ferry vs the disk's ceiling, naive pread+cudaMemcpy, torch");
-  bench_file->add_option("--path", bfile.path, "Directory (or file path) for the test file")->required();
-  bench_file->add_option("--size", bfile.size, "Test file size")->capture_default_str();
-  bench_file->add_option("--device", bfile.device, "Device (default: FERRY_BACKEND's choice)");
-  bench_file->add_option("--compare-script", bfile.compare_script, "Script loading the same file the way users do");
-  bench_file->add_option("--json-out", bfile.json_out, "Write the results as JSON here");
-  bench_file->add_flag("--keep", bfile.keep, "Keep the test file");
-
-  ferry::cli::bench_remote_options bremote;
-  auto* bench_remote = bench_cmd->add_subcommand("remote", "ferry:// read/write (host, GPU) vs raw UCX put/get/AM/tag (ucx_perftest), tcp and shm");
-  bench_remote->add_option("--transports", bremote.transports, "Comma-separated: tcp, shm")->capture_default_str();
-  bench_remote->add_option("--sizes", bremote.sizes, "Block sizes")->capture_default_str();
-  bench_remote->add_option("--qd", bremote.qds, "Queue depths")->capture_default_str();
-  bench_remote->add_option("--ops", bremote.ops, "Comma-separated: read, write")->capture_default_str();
-  bench_remote->add_option("--budget", bremote.budget, "Bytes per measurement")->capture_default_str();
-  bench_remote->add_option("--file-size", bremote.file_size, "Size of the served file")->capture_default_str();
-  bench_remote->add_option("--device", bremote.device, "Device memory to read into (default: the first GPU, if any)");
-  bench_remote->add_option("--dir", bremote.dir, "Directory for the served file (default: temp directory)");
-  bench_remote->add_option("--perftest", bremote.perftest, "ucx_perftest binary (the raw baseline)")->capture_default_str();
-  bench_remote->add_option("--json-out", bremote.json_out, "Write the results as JSON here");
-
-  ferry::cli::bench_vm_options bvm;
-  auto* bench_vm = bench_cmd->add_subcommand("vm", "Unified memory: ferry's address space vs CUDA managed memory (UVM)");
-  bench_vm->add_option("--size", bvm.size, "Data per test")->capture_default_str();
-  bench_vm->add_option("--cap", bvm.cap, "Device cap of the oversubscription test (default: size / 2)");
-  bench_vm->add_option("--device", bvm.device, "Device (default: FERRY_BACKEND's choice)");
-  bench_vm->add_option("--rounds", bvm.rounds, "Rounds per test (the median is reported)")->capture_default_str();
-  bench_vm->add_option("--json-out", bvm.json_out, "Write the results as JSON here");
+  // The benchmarks live in their own program; an old `ferry bench ...` line gets pointed there.
+  auto* bench_cmd = app.add_subcommand("bench", "Moved: benchmarks are the ferry-bench program")->group("");
+  bench_cmd->set_help_flag();
+  bench_cmd->allow_extras()->prefix_command();
 
   ferry::cli::serve_options serve;
   auto* serve_cmd = app.add_subcommand("serve", "Serve the files under a directory over UCX (ferry://host:port/path)");
@@ -98,15 +62,16 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  if (*bench_cmd) {
+    std::fprintf(stderr, "ferry: the benchmarks moved out of the ferry command into the ferry-bench program "
+                         "(installed beside it): run `ferry-bench local|file|remote|vm ...` with the same options\n");
+    return 2;
+  }
   try {
     ferry::runtime rt;
     if (*info_cmd) return ferry::cli::run_info(rt, info);
     if (*demo_cmd) return ferry::cli::run_demo(rt, demo);
     if (*cp_cmd) return ferry::cli::run_cp(rt, cp);
-    if (*bench_local) return ferry::cli::run_bench_local(rt, bench);
-    if (*bench_file) return ferry::cli::run_bench_file(rt, bfile);
-    if (*bench_remote) return ferry::cli::run_bench_remote(rt, bremote);
-    if (*bench_vm) return ferry::cli::run_bench_vm(rt, bvm);
     if (*serve_cmd) return ferry::cli::run_serve(rt, serve);
     if (*job_cmd) return ferry::cli::run_job(rt, job);
     if (*ls_cmd) return ferry::cli::run_ls(rt, ls_uri, false);

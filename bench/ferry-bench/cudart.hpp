@@ -1,5 +1,5 @@
 #pragma once
-// The CUDA runtime, loaded at run time, only for the baselines that `ferry bench` measures
+// The CUDA runtime, loaded at run time, only for the baselines that `ferry-bench` measures
 // ferry against (cudaMemcpy, cudaMemcpyPeer). ferry itself never uses it.
 #include <cstddef>
 #include <string>
@@ -23,7 +23,7 @@ struct cudart {
   int (*sync)() = nullptr;
   const char* (*error_string)(int) = nullptr;
   int (*runtime_version)(int*) = nullptr;
-  // CUDA managed memory (UVM), the baseline of `ferry bench vm`. The prefetch takes CUDA 13's
+  // CUDA managed memory (UVM), the baseline of `ferry-bench vm`. The prefetch takes CUDA 13's
   // signature (cudaMemLocation by value); uvm_ok() says whether this runtime has it.
   struct mem_location {
     int type;  // cudaMemLocationTypeDevice = 1, cudaMemLocationTypeHost = 2

@@ -1,4 +1,4 @@
-// `ferry bench remote`: ferry:// reads and writes against the raw UCX primitives, in one run, per
+// `ferry-bench remote`: ferry:// reads and writes against the raw UCX primitives, in one run, per
 // transport (tcp, shared memory), on loopback:
 //   baseline  ucx_perftest (two processes, its own bootstrap): ucp_am_bw, ucp_put_bw, ucp_get,
 //             tag_bw at each block size (16 outstanding), and ucp_am_lat (8 B; 4 KiB three times, median) for the round trip
@@ -6,7 +6,7 @@
 //             the client: reads and writes into host memory and GPU memory, block sizes x queue
 //             depths, GB/s, IOPS, p50/p99 latency, and the ratio to the best baseline primitive at
 //             the same block size; data verified by checksum after each sweep.
-#include "commands.hpp"
+#include "bench.hpp"
 #include "endpoint.hpp"
 #include "scratch_dir.hpp"
 
@@ -436,7 +436,8 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     }
     jt["baseline"] = jb;
 
-    // 2. ferry serve (child process) + this process as the client.
+    // 2. ferry serve (this program's hidden `serve`, the same code as `ferry serve`, in a child
+    // process) + this process as the client.
     for (auto& [k, v] : fenv) ::setenv(k.c_str(), v.c_str(), 1);
     child server({exe, "serve", "--root", dir.string(), "--listen", "127.0.0.1:0", "--writable", "--insecure"}, fenv);
     std::string line = server.read_line(clk::now() + std::chrono::seconds(20));

@@ -1,4 +1,4 @@
-// `ferry bench local`: ferry's transfer engine next to the CUDA baseline measured in the same run,
+// `ferry-bench local`: ferry's transfer engine next to the CUDA baseline measured in the same run,
 // on the same kind of memory, for every local path and size. Ratios > 1 mean ferry is faster.
 //
 // Baselines (CUDA runtime, loaded at run time): cudaMemcpy from pinned memory (cudaMallocHost),
@@ -7,7 +7,7 @@
 // buffers of its own (once ferry has registered a buffer, the baseline would see pinned memory).
 // "ferry first" is the first copy of a never-seen pageable buffer (bounce path, no registration);
 // the steady-state figure is after registration, as a loop over the same buffer (like the baseline).
-#include "commands.hpp"
+#include "bench.hpp"
 #include "cudart.hpp"
 #include "endpoint.hpp"
 
@@ -72,7 +72,6 @@ std::vector<std::uint64_t> parse_sizes(const std::string& list) {
 
 int run_bench_local(runtime& rt, const bench_options& o) {
   std::vector<std::uint64_t> sizes = parse_sizes(o.sizes);
-  std::uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
   std::uint64_t budget = parse_size(o.budget, "--budget");
   transfer_engine& eng = rt.engine();
   json rows = json::array();
@@ -82,8 +81,26 @@ int run_bench_local(runtime& rt, const bench_options& o) {
   cudart cr;
   if (cuda && !cr.ok()) fail(errc::unavailable, "bench local", "cudart", cr.why);
   if (!o.json)
-    fmt::print("ferry bench local on {} ({}){}; {} engine workers\n", dev.id(), dev.info().name,
+    fmt::print("ferry-bench local on {} ({}){}; {} engine workers\n", dev.id(), dev.info().name,
                cuda ? "" : " — simulated device: numbers are NOT performance figures", eng.workers());
+
+  // Two device buffers of the largest size are held at once; sizes that do not fit in the device's
+  // free memory (with room left for the driver and the engine) are skipped, not run out of memory.
+  std::uint64_t free_bytes = dev.memory().free;
+  std::uint64_t fits = free_bytes / 2 - free_bytes / 8;
+  std::vector<std::uint64_t> skipped;
+  std::erase_if(sizes, [&](std::uint64_t n) {
+    if (n <= fits) return false;
+    skipped.push_back(n);
+    return true;
+  });
+  if (!skipped.empty() && !o.json) {
+    std::string list;
+    for (auto n : skipped) list += (list.empty() ? "" : ", ") + format_size(n);
+    fmt::print("skipped sizes {}: two buffers of each do not fit in {}'s {} free\n", list, dev.id(), format_size(free_bytes));
+  }
+  if (sizes.empty()) fail(errc::out_of_memory, "bench local", dev.id(), fmt::format("no size in --sizes fits in {} free", format_size(free_bytes)));
+  std::uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
 
   auto iters_for = [&](std::uint64_t n) { return static_cast<int>(std::clamp<std::uint64_t>(budget / n, 2, 2000)); };
   struct path_case {
@@ -225,7 +242,7 @@ int run_bench_local(runtime& rt, const bench_options& o) {
     target("gpu->gpu >= 0.95x cudaMemcpyPeer at >= 256 MiB", "gpu", 256ull << 20, 0.95);
   }
   json doc{{"device", dev.id()}, {"name", dev.info().name}, {"workers", eng.workers()}, {"rows", rows},
-           {"targets", targets}};
+           {"targets", targets}, {"skipped_sizes", skipped}};
   if (o.json) std::cout << doc.dump(2) << "\n";
   if (!o.json_out.empty()) {
     std::ofstream f(o.json_out);

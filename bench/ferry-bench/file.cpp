@@ -1,4 +1,4 @@
-// `ferry bench file --path P`: file -> device memory, in one run on the same file:
+// `ferry-bench file --path P`: file -> device memory, in one run on the same file:
 //   ceiling   the disk's best raw read into host memory: O_DIRECT through io_uring at queue depths
 //             1, 4, 16, 64 (1 MiB blocks) and buffered sequential pread (16 MiB), cold
 //   naive     pread 16 MiB into pageable memory + cudaMemcpy (what a simple loader does), cold and warm
@@ -6,7 +6,7 @@
 //   script    what users run today (--compare-script, e.g. scripts/bench-torch-load.py), cold and warm
 //   write     raw O_DIRECT writes (QD sweep) vs ferry device -> file, both ending with fdatasync
 // The file is a valid safetensors file (one U8 tensor) so that safetensors can load the same bytes.
-#include "commands.hpp"
+#include "bench.hpp"
 #include "cudart.hpp"
 #include "endpoint.hpp"
 
@@ -184,12 +184,17 @@ int run_bench_file(runtime& rt, const bench_file_options& o) {
   bool cuda = dev.info().backend == "cuda";
   cudart cr;
   if (cuda && !cr.ok()) fail(errc::unavailable, "bench file", "cudart", cr.why);
+  // The whole file is loaded into device memory at once: say so before writing gigabytes.
+  if (std::uint64_t free_bytes = dev.memory().free; free_bytes && bytes > free_bytes)
+    fail(errc::out_of_memory, "bench file", dev.id(),
+         fmt::format("--size {} does not fit in the {} it has free; give a smaller --size", format_size(bytes),
+                     format_size(free_bytes)));
   json out{{"file", path}, {"bytes", bytes}, {"device", dev.id()}, {"name", dev.info().name}};
   auto say = [&](const std::string& s) {
     fmt::print("{}\n", s);
     std::fflush(stdout);
   };
-  say(fmt::format("ferry bench file: {} ({}) -> {} ({}){}", path, format_size(bytes), dev.id(), dev.info().name,
+  say(fmt::format("ferry-bench file: {} ({}) -> {} ({}){}", path, format_size(bytes), dev.id(), dev.info().name,
                   cuda ? "" : " — simulated device: NOT performance figures"));
   auto t0 = clk::now();
   std::uint64_t want = make_file(rt, path, bytes);

@@ -1,4 +1,4 @@
-// `ferry bench vm`: ferry's unified address space next to CUDA managed memory (UVM), measured in
+// `ferry-bench vm`: ferry's unified address space next to CUDA managed memory (UVM), measured in
 // the same run on the same GPU, plus ferry alone streaming over twice its device cap next to the
 // pinned cudaMemcpy bandwidth of the same run. Every test moves the same bytes both ways and checks
 // them (CPU sums of what was written, device checksums of what the kernels read).
@@ -19,7 +19,7 @@
 //    FERRY_VM_THRASH_LAPSE). Then, for orientation, the same data read in place by the kernel
 //    (PREFERRED_LOCATION host: nothing migrates, the GPU reads host chunks over PCIe).
 // UVM memory is never more than the GPU has free (more can hang the GPU).
-#include "commands.hpp"
+#include "bench.hpp"
 #include "cudart.hpp"
 
 #include <ferry/core/checksum.hpp>
@@ -335,7 +335,7 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   bool uvm = cuda && cr.uvm_ok();
   int ordinal = dev.info().ordinal;
   auto mem = dev.memory();
-  fmt::print("ferry bench vm on {} ({}), {} per test, {} rounds (median){}\n", dev.id(), dev.info().name, format_size(n),
+  fmt::print("ferry-bench vm on {} ({}), {} per test, {} rounds (median){}\n", dev.id(), dev.info().name, format_size(n),
              o.rounds, cuda ? "" : " — simulated device: numbers are NOT performance figures");
   if (cuda && !uvm) fmt::print("UVM baseline unavailable: {}\n", cr.ok() ? "the CUDA runtime is older than 13.0" : cr.why);
   // UVM's prefetched data and ferry's device copy never coexist; the streaming test holds `cap`.

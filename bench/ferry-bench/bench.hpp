@@ -1,0 +1,60 @@
+#pragma once
+// Sub-commands of `ferry-bench`: ferry next to baselines measured in the same run, with the
+// project's pass/fail targets. Each returns the process exit code.
+#include <ferry/runtime.hpp>
+
+#include <string>
+
+namespace ferry::cli {
+
+struct bench_options {
+  std::string device;  // default: the default device
+  std::string peer;    // default: another GPU when there is one
+  // Sizes the device cannot hold (two buffers each, in its free memory) are skipped with a note.
+  std::string sizes = "4KiB,64KiB,1MiB,16MiB,64MiB,256MiB,1GiB";
+  std::string budget = "1GiB";  // bytes moved per trial (iterations = budget / size, 2..2000)
+  int trials = 3;
+  bool json = false;
+  std::string json_out;  // also write the JSON here
+};
+int run_bench_local(runtime& rt, const bench_options& o);
+
+struct bench_file_options {
+  std::string path;            // a directory (the test file is created there) or a file path
+  std::string size = "4GiB";
+  std::string device;          // default: the default device
+  std::string compare_script;  // e.g. scripts/bench-torch-load.py, run on the same file
+  std::string json_out;
+  bool keep = false;           // keep the test file
+};
+int run_bench_file(runtime& rt, const bench_file_options& o);
+
+struct bench_remote_options {
+  std::string transports = "tcp,shm";
+  std::string sizes = "4KiB,64KiB,1MiB,4MiB,16MiB,64MiB";
+  std::string qds = "1,4,16,64";
+  std::string ops = "read,write";
+  std::string budget = "512MiB";     // bytes per measurement (requests = budget / block, 3*qd..20000)
+  std::string file_size = "1GiB";    // the served file
+  std::string device;                // default: the first GPU; none: host only
+  std::string dir;                   // where the served file goes (default: the temp directory)
+  std::string perftest = "ucx_perftest";
+  std::string json_out;
+};
+// The server it measures is this program's own `serve` (the `ferry serve` code, in a child process).
+int run_bench_remote(runtime& rt, const bench_remote_options& o);
+
+struct bench_vm_options {
+  std::string size = "4GiB";   // data per test (UVM and ferry each; never more than the GPU has free)
+  std::string cap;             // device cap of the streaming test (default: size / 2)
+  std::string device;          // default: the default device
+  int rounds = 5;              // the median round is reported
+  std::string json_out;
+};
+int run_bench_vm(runtime& rt, const bench_vm_options& o);
+
+// "ferry settings not at their defaults: FERRY_X=v ..." (or "ferry settings: all defaults"), so a
+// benchmark's output records the configuration it measured.
+std::string changed_settings(const settings& s);
+
+}  // namespace ferry::cli

@@ -1,0 +1,97 @@
+// ferry-bench: end-to-end benchmarks of ferry against baselines measured in the same run, with the
+// project's pass/fail targets. Kept out of the user CLI (`ferry`); shares its endpoints and server.
+#include "bench.hpp"
+
+#include "commands.hpp"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstdio>
+
+namespace ferry::cli {
+
+std::string changed_settings(const settings& s) {
+  std::string out;
+  for (auto& r : s.describe())
+    if (r.value != r.default_value) out += fmt::format(" {}={}", r.name, r.value);
+  return out.empty() ? "ferry settings: all defaults" : "ferry settings not at their defaults:" + out;
+}
+
+}  // namespace ferry::cli
+
+int main(int argc, char** argv) {
+  CLI::App app{"ferry-bench: ferry next to the baselines measured in the same run (host, GPU, files, ferry://, unified memory)"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("ferry-bench ") + ferry::version());
+
+  ferry::cli::bench_options bench;
+  auto* bench_local = app.add_subcommand("local", "Host<->GPU, GPU<->GPU: ferry vs cudaMemcpy / cudaMemcpyPeer");
+  bench_local->add_option("--device", bench.device, "Device (default: FERRY_BACKEND's choice)");
+  bench_local->add_option("--peer", bench.peer, "Second GPU for GPU->GPU (default: another GPU if present)");
+  bench_local->add_option("--sizes", bench.sizes, "Comma-separated sizes (those the device cannot hold are skipped)")
+      ->capture_default_str();
+  bench_local->add_option("--budget", bench.budget, "Bytes per trial (iterations = budget / size)")->capture_default_str();
+  bench_local->add_option("--trials", bench.trials, "Trials per measurement (best is kept)")->capture_default_str();
+  bench_local->add_flag("--json", bench.json, "Print JSON");
+  bench_local->add_option("--json-out", bench.json_out, "Also write the JSON to this file");
+
+  ferry::cli::bench_file_options bfile;
+  auto* bench_file = app.add_subcommand("file", "File -> GPU: ferry vs the disk's ceiling, naive pread+cudaMemcpy, torch");
+  bench_file->add_option("--path", bfile.path, "Directory (or file path) for the test file")->required();
+  bench_file->add_option("--size", bfile.size, "Test file size")->capture_default_str();
+  bench_file->add_option("--device", bfile.device, "Device (default: FERRY_BACKEND's choice)");
+  bench_file->add_option("--compare-script", bfile.compare_script, "Script loading the same file the way users do");
+  bench_file->add_option("--json-out", bfile.json_out, "Write the results as JSON here");
+  bench_file->add_flag("--keep", bfile.keep, "Keep the test file");
+
+  ferry::cli::bench_remote_options bremote;
+  auto* bench_remote = app.add_subcommand("remote", "ferry:// read/write (host, GPU) vs raw UCX put/get/AM/tag (ucx_perftest), tcp and shm");
+  bench_remote->add_option("--transports", bremote.transports, "Comma-separated: tcp, shm")->capture_default_str();
+  bench_remote->add_option("--sizes", bremote.sizes, "Block sizes")->capture_default_str();
+  bench_remote->add_option("--qd", bremote.qds, "Queue depths")->capture_default_str();
+  bench_remote->add_option("--ops", bremote.ops, "Comma-separated: read, write")->capture_default_str();
+  bench_remote->add_option("--budget", bremote.budget, "Bytes per measurement")->capture_default_str();
+  bench_remote->add_option("--file-size", bremote.file_size, "Size of the served file")->capture_default_str();
+  bench_remote->add_option("--device", bremote.device, "Device memory to read into (default: the first GPU, if any)");
+  bench_remote->add_option("--dir", bremote.dir, "Directory for the served file (default: temp directory)");
+  bench_remote->add_option("--perftest", bremote.perftest, "ucx_perftest binary (the raw baseline)")->capture_default_str();
+  bench_remote->add_option("--json-out", bremote.json_out, "Write the results as JSON here");
+
+  ferry::cli::bench_vm_options bvm;
+  auto* bench_vm = app.add_subcommand("vm", "Unified memory: ferry's address space vs CUDA managed memory (UVM)");
+  bench_vm->add_option("--size", bvm.size, "Data per test")->capture_default_str();
+  bench_vm->add_option("--cap", bvm.cap, "Device cap of the oversubscription test (default: size / 2)");
+  bench_vm->add_option("--device", bvm.device, "Device (default: FERRY_BACKEND's choice)");
+  bench_vm->add_option("--rounds", bvm.rounds, "Rounds per test (the median is reported)")->capture_default_str();
+  bench_vm->add_option("--json-out", bvm.json_out, "Write the results as JSON here");
+
+  // The server `remote` measures, started as a child process of this program (not for users: hidden).
+  ferry::cli::serve_options serve;
+  auto* serve_cmd = app.add_subcommand("serve", "The server of `remote` (same code as `ferry serve`)")->group("");
+  serve_cmd->add_option("--root", serve.root)->required();
+  serve_cmd->add_option("--listen", serve.listen);
+  serve_cmd->add_flag("--writable", serve.writable);
+  serve_cmd->add_flag("--insecure", serve.insecure);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    ferry::runtime rt;
+    if (*bench_local) return ferry::cli::run_bench_local(rt, bench);
+    if (*bench_file) return ferry::cli::run_bench_file(rt, bfile);
+    if (*bench_remote) return ferry::cli::run_bench_remote(rt, bremote);
+    if (*bench_vm) return ferry::cli::run_bench_vm(rt, bvm);
+    if (*serve_cmd) return ferry::cli::run_serve(rt, serve);
+  } catch (const ferry::error& e) {
+    std::fprintf(stderr, "ferry-bench: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ferry-bench: internal error: %s\n", e.what());
+    return 70;
+  }
+  return 0;
+}
