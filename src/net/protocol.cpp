@@ -128,6 +128,8 @@ std::uint16_t type_of(const body& b) {
         else if constexpr (std::is_same_v<T, write_from>) return static_cast<std::uint16_t>(msg_type::write_from);
         else if constexpr (std::is_same_v<T, read_rma>) return static_cast<std::uint16_t>(msg_type::read_rma);
         else if constexpr (std::is_same_v<T, write_rma>) return static_cast<std::uint16_t>(msg_type::write_rma);
+        else if constexpr (std::is_same_v<T, open_write>) return static_cast<std::uint16_t>(msg_type::open_write);
+        else if constexpr (std::is_same_v<T, end_write>) return static_cast<std::uint16_t>(msg_type::end_write);
         else return static_cast<std::uint16_t>(msg_type::error);
       },
       b);
@@ -184,6 +186,14 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.offset);
           p.put(v.length);
           p.str(v.path, max_path, "path");
+          if constexpr (std::is_same_v<T, write_req>) p.put(v.handle);
+        } else if constexpr (std::is_same_v<T, open_write>) {
+          p.put(static_cast<std::uint8_t>(v.mode));
+          p.str(v.path, max_path, "path");
+        } else if constexpr (std::is_same_v<T, end_write>) {
+          p.put(v.handle);
+          p.put(v.size);
+          p.put(static_cast<std::uint8_t>(v.how));
         } else if constexpr (std::is_same_v<T, lend>) {
           p.put(v.addr);
           p.put(v.length);
@@ -196,6 +206,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.addr);
           p.str(v.path, max_path, "path");
           if constexpr (std::is_same_v<T, read_into>) p.put(v.notify);
+          else p.put(v.handle);
         } else if constexpr (std::is_same_v<T, read_rma> || std::is_same_v<T, write_rma>) {
           p.put(v.offset);
           p.put(v.length);
@@ -204,6 +215,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(static_cast<std::uint16_t>(v.rkey.size()));
           p.bytes(v.rkey, v.rkey.size());
           p.str(v.path, max_path, "path");
+          if constexpr (std::is_same_v<T, write_rma>) p.put(v.handle);
         } else if constexpr (std::is_same_v<T, stat_req> || std::is_same_v<T, list_req>) {
           p.str(v.path, max_path, "path");
         } else if constexpr (std::is_same_v<T, complete>) {
@@ -306,7 +318,23 @@ message decode(std::span<const std::byte> bytes) {
       if (off + len < off) bad("offset + length overflows");
       std::string path = r.str(max_path, "path");
       if (fi.type == msg_type::read) m.b = read_req{std::move(path), off, len};
-      else m.b = write_req{std::move(path), off, len};
+      else m.b = write_req{std::move(path), off, len, r.get<std::uint64_t>("handle")};
+      break;
+    }
+    case msg_type::open_write: {
+      auto mode = r.get<std::uint8_t>("write mode");
+      if (mode > 1) bad(fmt::format("unknown write mode {}", mode));
+      m.b = open_write{r.str(max_path, "path"), static_cast<write_mode>(mode)};
+      break;
+    }
+    case msg_type::end_write: {
+      end_write v;
+      v.handle = r.get<std::uint64_t>("handle");
+      v.size = r.get<std::uint64_t>("size");
+      auto how = r.get<std::uint8_t>("end");
+      if (how > 2) bad(fmt::format("unknown write end {}", how));
+      v.how = static_cast<write_end>(how);
+      m.b = v;
       break;
     }
     case msg_type::lend: {
@@ -333,7 +361,7 @@ message decode(std::span<const std::byte> bytes) {
         if (notify % 8 != 0 || notify + 16 < notify) bad("notify record misaligned or out of range");
         m.b = read_into{std::move(path), off, len, addr, notify};
       } else {
-        m.b = write_from{std::move(path), off, len, addr};
+        m.b = write_from{std::move(path), off, len, addr, r.get<std::uint64_t>("handle")};
       }
       break;
     }
@@ -349,7 +377,7 @@ message decode(std::span<const std::byte> bytes) {
       auto rkey = r.bytes(n, "rkey");
       std::string path = r.str(max_path, "path");
       if (fi.type == msg_type::read_rma) m.b = read_rma{std::move(path), off, len, addr, std::move(rkey)};
-      else m.b = write_rma{std::move(path), off, len, addr, std::move(rkey)};
+      else m.b = write_rma{std::move(path), off, len, addr, std::move(rkey), r.get<std::uint64_t>("handle")};
       break;
     }
     case msg_type::stat:

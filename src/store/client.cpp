@@ -814,8 +814,9 @@ struct client::impl {
     }
   }
 
+  // `handle`: the open write that write pieces fill (0 for reads).
   ticket start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
-               clk::time_point until) {
+               clk::time_point until, std::uint64_t handle = 0) {
     const char* opname = write ? "store.write" : "store.read";
     if (length && !mem) fail(errc::invalid_argument, opname, path, "null buffer");
     if (offset + length < offset) fail(errc::invalid_argument, opname, path, "offset + length overflows");
@@ -868,7 +869,7 @@ struct client::impl {
           p->rma = true;
           p->net = net;
           p->rma_mem = mem + off;
-          m = {0, 0, write ? body{write_rma{path, offset + off, n, addr, std::move(rk)}} : body{read_rma{path, offset + off, n, addr, std::move(rk)}}};
+          m = {0, 0, write ? body{write_rma{path, offset + off, n, addr, std::move(rk), handle}} : body{read_rma{path, offset + off, n, addr, std::move(rk)}}};
         } else if (direct && n) {
           p->direct = true;
           if (lent) {
@@ -884,7 +885,7 @@ struct client::impl {
             }
           }
           auto addr = reinterpret_cast<std::uint64_t>(p->land);
-          m = {0, 0, write ? body{write_from{path, offset + off, n, addr}} : body{read_into{path, offset + off, n, addr}}};
+          m = {0, 0, write ? body{write_from{path, offset + off, n, addr, handle}} : body{read_into{path, offset + off, n, addr}}};
         } else {
           if (staged) {
             p->slot = staging->get(until);
@@ -894,7 +895,7 @@ struct client::impl {
           } else {
             p->land = mem ? mem + off : nullptr;
           }
-          m = {0, 0, write ? body{write_req{path, offset + off, n}} : body{read_req{path, offset + off, n}}};
+          m = {0, 0, write ? body{write_req{path, offset + off, n, handle}} : body{read_req{path, offset + off, n}}};
         }
         if (one_piece) {
           p = send(std::move(m), std::move(p), true, until, nullptr, &o2, &registered);
@@ -1159,10 +1160,11 @@ client::ticket client::start_read(const std::string& path, std::uint64_t offset,
                                   clk::time_point until) {
   return impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until);
 }
-client::ticket client::start_write(const std::string& path, std::uint64_t offset, const void* src, std::uint64_t length,
+client::ticket client::start_write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
                                    clk::time_point until) {
+  if (!h.id) fail(errc::invalid_argument, "store.write", h.path, "not an open write (use open_write)");
   // The buffer is only read (sent), never written.
-  return impl_->start(path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until);
+  return impl_->start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id);
 }
 std::uint64_t client::finish(ticket t) { return impl_->finish(t); }
 void* client::allocate(std::uint64_t bytes) { return impl_->allocate(bytes); }
@@ -1182,10 +1184,60 @@ std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* 
       until);
 }
 
-void client::write(const std::string& path, std::uint64_t offset, const void* src, std::uint64_t length,
+client::write_handle client::open_write(const std::string& path, net::write_mode mode, std::chrono::nanoseconds timeout) {
+  if (!impl_->hello_reply.writable)
+    fail(errc::permission_denied, "store.write", fmt::format("{} {}", impl_->peer, printable(path)), "the server is read-only");
+  auto r = impl_->query({0, 0, net::open_write{path, mode}}, "store.write", path, timeout);
+  auto* cp = std::get_if<complete>(&r.b);
+  if (!cp || cp->bytes == 0) fail(errc::protocol_error, "store.write", impl_->peer, "open_write was not answered with a handle");
+  return {cp->bytes, path};
+}
+
+void client::write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
                    std::chrono::nanoseconds timeout) {
+  // Not retried: the open write goes with a lost connection (the caller starts it again).
+  finish(start_write(h, offset, src, length, clk::now() + timeout));
+}
+
+std::uint64_t client::commit(const write_handle& h, std::optional<std::uint64_t> size, std::chrono::nanoseconds timeout) {
+  // Sent once: a commit that may have happened is not repeated blindly; an error names the path.
   auto until = clk::now() + timeout;
-  impl_->retrying([&] { return finish(start_write(path, offset, src, length, until)); }, until);
+  impl_->ensure_connected(until);
+  auto r = impl_->request({0, 0, net::end_write{h.id, size.value_or(0), size ? net::write_end::commit_size : net::write_end::commit}}, until);
+  if (auto* e = std::get_if<error_reply>(&r.b)) rethrow_reply(*e, "store.commit", impl_->peer, h.path);
+  auto* cp = std::get_if<complete>(&r.b);
+  if (!cp) fail(errc::protocol_error, "store.commit", impl_->peer, "commit was not answered with a completion");
+  return cp->bytes;
+}
+
+void client::abort(const write_handle& h, std::chrono::nanoseconds timeout) noexcept {
+  try {
+    auto until = clk::now() + timeout;
+    impl_->ensure_connected(until);
+    impl_->request({0, 0, net::end_write{h.id, 0, net::write_end::abort}}, until);
+  } catch (const error& e) {
+    log::debug("store", "{}: abort of the write to {}: {}", impl_->peer, printable(h.path), e.what());
+  }
+}
+
+void client::put(const std::string& path, const void* src, std::uint64_t length, std::chrono::nanoseconds timeout) {
+  auto until = clk::now() + timeout;
+  impl_->retrying(
+      [&] {
+        auto h = open_write(path, net::write_mode::replace, until - clk::now());
+        try {
+          finish(start_write(h, 0, src, length, until));
+        } catch (...) {
+          abort(h, std::chrono::seconds(1));
+          throw;
+        }
+        auto n = commit(h, length, until - clk::now());
+        if (n != length)
+          fail(errc::io_error, "store.commit", fmt::format("{} {}", impl_->peer, printable(path)),
+               fmt::format("the server committed {} of {} bytes", n, length));
+        return n;
+      },
+      until);
 }
 
 stat_reply client::stat(const std::string& path, std::chrono::nanoseconds timeout) {

@@ -85,6 +85,7 @@ class remote_endpoint {
 
   struct op {
     bool write = false;
+    std::function<client::write_handle()> handle;  // writes: the open write they fill (opened on first use)
     std::string path;
     std::uint64_t offset = 0;
     void* mem = nullptr;
@@ -113,7 +114,7 @@ class remote_endpoint {
         to_start_.pop_front();
       }
       try {
-        o.t = o.write ? c_.start_write(o.path, o.offset, o.mem, o.bytes, o.until) : c_.start_read(o.path, o.offset, o.mem, o.bytes, o.until);
+        o.t = o.write ? c_.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : c_.start_read(o.path, o.offset, o.mem, o.bytes, o.until);
       } catch (const error& e) {
         complete_after_error(o, e);
         continue;
@@ -143,15 +144,14 @@ class remote_endpoint {
       }
     }
   }
-  // A request whose connection was lost (server restarted) is retried once, synchronously, within
-  // its deadline -- reads and positional writes are idempotent. Other errors are final.
+  // A read whose connection was lost (server restarted) is retried once, synchronously, within
+  // its deadline. A write is not: its open write went with the connection (the file's commit then
+  // fails, and the target stays as it was). Other errors are final.
   void complete_after_error(op& o, const error& e) {
     auto left = o.until - clk::now();
-    if (e.code() == errc::network_error && left > std::chrono::milliseconds(1)) {
+    if (!o.write && e.code() == errc::network_error && left > std::chrono::milliseconds(1)) {
       try {
-        std::uint64_t n = o.bytes;
-        if (o.write) c_.write(o.path, o.offset, o.mem, o.bytes, left);
-        else n = c_.read(o.path, o.offset, o.mem, o.bytes, left);
+        std::uint64_t n = c_.read(o.path, o.offset, o.mem, o.bytes, left);
         o.done(n, nullptr);
         return;
       } catch (const error& e2) {
@@ -171,17 +171,72 @@ class remote_endpoint {
   std::thread starter_, finisher_;
 };
 
+// A remote file. Writes are atomic per file (the server's open writes): they fill a new version,
+// opened on the first write (a copy of the current file for read_write, empty for create), which
+// sync() -- or closing the file -- commits in one step; until then readers see the file as it was.
+// A write that failed makes the next sync() fail (and nothing is committed).
 class remote_file final : public file_source {
  public:
-  remote_file(std::shared_ptr<remote_endpoint> ep, std::string path) : ep_(std::move(ep)), path_(std::move(path)) {}
+  remote_file(std::shared_ptr<remote_endpoint> ep, std::string path, open_mode mode)
+      : ep_(std::move(ep)), path_(std::move(path)), mode_(mode) {
+    if (mode_ == open_mode::create) handle();  // the file is created (empty) even if nothing is written
+  }
+  ~remote_file() override {
+    try {
+      sync();
+    } catch (const error& e) {
+      log::warn("store", "{}: closing {} without committing its writes: {}", ep_->c().peer(), printable(path_), e.what());
+    }
+  }
   std::uint64_t size() override { return ep_->c().stat(path_, ep_->timeout()).size; }
+  void sync() override {
+    std::optional<client::write_handle> h;
+    std::optional<error> failed;
+    {
+      std::lock_guard l(mu_);
+      h = std::exchange(h_, std::nullopt);
+      failed = std::exchange(failed_, std::nullopt);
+    }
+    if (!h) {
+      if (failed) throw *failed;
+      return;
+    }
+    if (failed) {
+      ep_->c().abort(*h);
+      throw *failed;
+    }
+    ep_->c().commit(*h, std::nullopt, ep_->timeout());
+  }
   void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, clk::time_point until, completion done) override {
-    ep_->submit({write, path_, offset, mem, bytes, until, std::move(done), 0});
+    std::function<client::write_handle()> h;
+    if (write) {
+      // Runs on the endpoint's starter thread: file_engine::submit never waits for the network.
+      h = [this] { return handle(); };
+      done = [this, d = std::move(done)](std::uint64_t n, const error* e) {
+        if (e) {
+          std::lock_guard l(mu_);
+          if (!failed_) failed_ = *e;
+        }
+        d(n, e);
+      };
+    }
+    ep_->submit({write, std::move(h), path_, offset, mem, bytes, until, std::move(done), 0});
   }
 
  private:
+  client::write_handle handle() {
+    std::lock_guard l(mu_);
+    if (!h_) h_ = ep_->c().open_write(path_, mode_ == open_mode::create && !created_ ? net::write_mode::replace : net::write_mode::keep, ep_->timeout());
+    created_ = true;
+    return *h_;
+  }
   std::shared_ptr<remote_endpoint> ep_;
   std::string path_;
+  open_mode mode_;
+  std::mutex mu_;
+  std::optional<client::write_handle> h_;
+  std::optional<error> failed_;
+  bool created_ = false;
 };
 
 struct registry {
@@ -191,8 +246,6 @@ struct registry {
 
   std::shared_ptr<file_source> open(const std::string& text, open_mode mode) {
     uri u = parse_uri(text);
-    if (mode == open_mode::create)
-      fail(errc::not_supported, "file.open", text, "remote files cannot be created empty or truncated; open them read_write (the first write creates a missing file)");
     std::shared_ptr<remote_endpoint> ep;
     {
       std::lock_guard l(mu);
@@ -207,15 +260,15 @@ struct registry {
       }
       ep = slot;
     }
-    if (mode == open_mode::read_write && !ep->c().writable())
+    if (mode != open_mode::read && !ep->c().writable())
       fail(errc::permission_denied, "file.open", text, "the server is read-only (ferry serve without --writable)");
     try {
       auto st = ep->c().stat(u.path, ep->timeout());
       if ((st.mode & S_IFMT) == S_IFDIR) fail(errc::invalid_argument, "file.open", text, "is a directory");
     } catch (const error& e) {
-      if (!(mode == open_mode::read_write && e.code() == errc::not_found)) throw;
+      if (!(mode != open_mode::read && e.code() == errc::not_found)) throw;
     }
-    return std::make_shared<remote_file>(ep, u.path);
+    return std::make_shared<remote_file>(ep, u.path, mode);
   }
 };
 

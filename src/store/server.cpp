@@ -26,6 +26,7 @@
 #include <cstring>
 #include <deque>
 #include <future>
+#include <optional>
 #include <map>
 #include <thread>
 #include <unordered_map>
@@ -120,19 +121,111 @@ class fd_cache {
   std::unordered_map<std::string, entry> map_;
 };
 
-// A file opened for writing in place (regular files only; created when missing).
-std::shared_ptr<open_file> open_for_write(const root_dir& root, const std::string& path) {
-  struct ::stat st{};
-  int fd;
-  try {
-    fd = root.open_regular(path, O_WRONLY, &st);
-  } catch (const error& e) {
-    if (e.code() != errc::not_found) throw;
-    fd = root.open(path, O_WRONLY | O_CREAT | O_NONBLOCK | O_NOCTTY);
+// A write in progress (protocol 4): a new file in the target's directory -- unnamed (O_TMPFILE)
+// where the file system allows it, else under a hidden name -- that write pieces fill and commit()
+// renames over the target in one step: readers see the old file or the new one, never a mix, and
+// a writer that goes away leaves the target untouched. Unless committed, the new file goes with
+// its descriptor (a hidden one is unlinked).
+class write_txn {
+ public:
+  write_txn(const root_dir& root, const std::string& path, write_mode mode, std::uint64_t id) : path_(path) {
+    root_dir::check(path);
+    res_ = fmt::format("'{}' under {}", printable(path), root.path());
+    auto slash = path.rfind('/');
+    name_ = slash == std::string::npos ? path : path.substr(slash + 1);
+    if (name_.empty() || name_ == "." || name_ == "..") fail(errc::invalid_argument, "store.write", res_, "names no file");
+    dir_ = root.open(slash == std::string::npos ? "." : path.substr(0, slash), O_PATH | O_DIRECTORY);
+    // The target, if there is one, must be a regular file: its permissions carry over, and `keep`
+    // starts from its content.
+    struct ::stat ts{};
+    bool exists = ::fstatat(dir_, name_.c_str(), &ts, AT_SYMLINK_NOFOLLOW) == 0;
+    if (exists && !S_ISREG(ts.st_mode)) {
+      ::close(dir_);
+      fail(errc::invalid_argument, "store.write", res_, fmt::format("is a {}; only regular files are written", root_dir::kind_of(ts)));
+    }
+    mode_t perm = exists ? (ts.st_mode & 07777) : 0644;
+    hidden_ = fmt::format(".ferry-{:016x}", id);
+    int fd = ::openat(dir_, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, perm);
+    if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
+      fd = ::openat(dir_, hidden_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC | O_NOFOLLOW, perm);
+      named_ = fd >= 0;
+    }
+    if (fd < 0) {
+      int e = errno;
+      ::close(dir_);
+      fail_errno(e, "store.write", res_, "cannot create its new version beside it");
+    }
+    struct ::stat st{};
     ::fstat(fd, &st);
+    if (exists) ::fchmod(fd, perm);  // not narrowed by the umask
+    f_ = std::make_shared<open_file>(fd, st, false);
+    if (mode == write_mode::keep && exists) copy_from(root);
   }
-  return std::make_shared<open_file>(fd, st, false);
-}
+  ~write_txn() {
+    if (named_ && !committed_) ::unlinkat(dir_, hidden_.c_str(), 0);
+    ::close(dir_);
+  }
+  write_txn(const write_txn&) = delete;
+  write_txn& operator=(const write_txn&) = delete;
+
+  const std::string& path() const noexcept { return path_; }
+  const std::shared_ptr<open_file>& file() const noexcept { return f_; }
+  std::atomic<std::uint64_t> written{0};  // bytes write pieces put into it
+  void* owner = nullptr;                  // the session that opened it (dropped with it)
+
+  // Puts it in place; `size`: set the size first, refused when fewer bytes arrived. Returns its size.
+  std::uint64_t commit(std::optional<std::uint64_t> size) {
+    int fd = f_->fd;
+    if (size) {
+      if (written.load() < *size)
+        fail(errc::io_error, "store.commit", res_,
+             fmt::format("{} bytes arrived for a commit of {}; nothing was replaced", written.load(), *size));
+      if (::ftruncate(fd, static_cast<off_t>(*size)) != 0) fail_errno(errno, "store.commit", res_, "cannot set its size");
+    }
+    if (!named_) {
+      // linkat cannot replace a name: the new file gets its hidden name first, then the rename.
+      if (::linkat(fd, "", dir_, hidden_.c_str(), AT_EMPTY_PATH) != 0) {
+        std::string self = fmt::format("/proc/self/fd/{}", fd);
+        if (::linkat(AT_FDCWD, self.c_str(), dir_, hidden_.c_str(), AT_SYMLINK_FOLLOW) != 0)
+          fail_errno(errno, "store.commit", res_, "cannot link the new version into the directory");
+      }
+      named_ = true;
+    }
+    if (::renameat(dir_, hidden_.c_str(), dir_, name_.c_str()) != 0) fail_errno(errno, "store.commit", res_, "cannot put the new version in place");
+    committed_ = true;
+    struct ::stat st{};
+    ::fstat(fd, &st);
+    return static_cast<std::uint64_t>(st.st_size);
+  }
+
+ private:
+  // `keep`: the target's content first (in the kernel where it can, else through a buffer).
+  void copy_from(const root_dir& root) {
+    int src = root.open_regular(path_, O_RDONLY);
+    std::vector<std::byte> buf;
+    for (;;) {
+      ssize_t n = ::copy_file_range(src, nullptr, f_->fd, nullptr, 64 << 20, 0);
+      if (n < 0 && (errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP)) {
+        if (buf.empty()) buf.resize(4 << 20);
+        n = ::read(src, buf.data(), buf.size());
+        if (n > 0 && ::write(f_->fd, buf.data(), static_cast<std::size_t>(n)) != n) n = -1;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        int e = errno;
+        ::close(src);
+        fail_errno(e, "store.write", res_, "cannot copy its current content (write_mode::keep)");
+      }
+      if (n == 0) break;
+    }
+    ::close(src);
+  }
+
+  std::string path_, res_, name_, hidden_;
+  int dir_ = -1;
+  bool named_ = false, committed_ = false;
+  std::shared_ptr<open_file> f_;
+};
 
 // A chunk buffer that UCX may still be sending from: reused only once its send completed.
 struct send_buffer {
@@ -191,6 +284,7 @@ struct server::impl {
   std::unique_ptr<worker_counts[]> counts;  // one per worker
 
   struct write_state {
+    std::shared_ptr<write_txn> txn;
     std::shared_ptr<open_file> f;
     std::string path;
     std::uint64_t offset = 0, length = 0, announced = 0, written = 0;
@@ -252,7 +346,23 @@ struct server::impl {
     clk::time_point window{}, banned_until{};
   };
   std::map<std::string, address_state> addresses;  // sess_mu; bounded (see note_auth_failure)
-  std::atomic<std::uint64_t> refused{0}, closed_handshake{0}, closed_idle{0}, auth_failures{0};
+  // Open writes by handle; any of a client's lanes may fill one (the handle is the capability),
+  // the session that opened it owns it.
+  std::mutex txn_mu;
+  std::unordered_map<std::uint64_t, std::shared_ptr<write_txn>> txns;
+  static constexpr std::size_t max_txns_per_session = 256, max_txns = 16384;
+  std::shared_ptr<write_txn> txn(std::uint64_t handle, const std::string& path) {
+    std::lock_guard l(txn_mu);
+    auto it = txns.find(handle);
+    if (it == txns.end() || !handle)
+      fail(errc::invalid_argument, "store.write", printable(path),
+           handle ? "no open write with this handle (committed, aborted, or its connection closed)"
+                  : "a write needs an open write (open_write; protocol 4)");
+    if (it->second->path() != path)
+      fail(errc::invalid_argument, "store.write", printable(path), fmt::format("the handle belongs to '{}'", printable(it->second->path())));
+    return it->second;
+  }
+  std::atomic<std::uint64_t> refused{0}, closed_handshake{0}, closed_idle{0}, auth_failures{0}, commits{0};
   std::thread janitor_thread;  // closes connections past their handshake or idle time
   std::vector<std::unique_ptr<ucx_worker>> workers;  // last: stopped first
 
@@ -311,6 +421,10 @@ struct server::impl {
           if (it != sessions.end()) s = std::move(it->second), sessions.erase(it);
         }
         raw->user = nullptr;  // runs where the connection's frames are handled (the worker's holder)
+        if (s) {
+          std::lock_guard l(txn_mu);  // its open writes go: their targets stay as they were
+          std::erase_if(txns, [&](const auto& kv) { return kv.second->owner == s.get(); });
+        }
         // Freed only after the handler that may be running returns (a send from it can be what
         // failed): frame handlers use the session by plain pointer.
         if (s) raw->worker().post([s = std::move(s)] {});
@@ -608,16 +722,16 @@ struct server::impl {
       if (auto* r = std::get_if<write_from>(&m.b)) {
         n.writes.add();
         if (!o.writable) fail(errc::permission_denied, "store.write", r->path, "this server is read-only (started without --writable)");
-        return direct(c, *s, rid, r->path, r->offset, r->length, r->addr, true);
+        return direct(c, *s, rid, r->path, r->offset, r->length, r->addr, true, 0, r->handle);
       }
       if (auto* r = std::get_if<read_rma>(&m.b)) {
         n.reads.add();
-        return rma(c, s->shared_from_this(), rid, r->path, r->offset, r->length, r->addr, r->rkey, false);
+        return rma(c, s->shared_from_this(), rid, r->path, r->offset, r->length, r->addr, r->rkey, false, 0);
       }
       if (auto* r = std::get_if<write_rma>(&m.b)) {
         n.writes.add();
         if (!o.writable) fail(errc::permission_denied, "store.write", r->path, "this server is read-only (started without --writable)");
-        return rma(c, s->shared_from_this(), rid, r->path, r->offset, r->length, r->addr, r->rkey, true);
+        return rma(c, s->shared_from_this(), rid, r->path, r->offset, r->length, r->addr, r->rkey, true, r->handle);
       }
       if (auto* r = std::get_if<read_req>(&m.b)) {
         n.reads.add();
@@ -636,7 +750,7 @@ struct server::impl {
     // (The job holds its session, so the credit's counter outlives it.)
     queue([this, self, s = s->shared_from_this(), cr = std::make_shared<credit>(s->outstanding), m = std::move(m)]() mutable {
       try {
-        serve(*self, m, *cr);
+        serve(*self, *s, m, *cr);
       } catch (const error& e) {
         answer_error(*self, *cr, m.request_id, e);
       } catch (const std::exception& e) {
@@ -653,7 +767,7 @@ struct server::impl {
   // a region the client lent, before the completion goes: the client, polling it, is done without
   // receiving a message. (A queued read only sends the completion; the client waits for that.)
   void direct(connection& c, session& sn, std::uint64_t rid, const std::string& path, std::uint64_t offset,
-              std::uint64_t length, std::uint64_t addr, bool write, std::uint64_t notify = 0) {
+              std::uint64_t length, std::uint64_t addr, bool write, std::uint64_t notify = 0, std::uint64_t handle = 0) {
     const char* op = write ? "store.write" : "store.read";
     if (length > o.max_request)
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
@@ -676,13 +790,14 @@ struct server::impl {
     for (auto& x : s->lent)
       if (x.get() == at) m = x;
     auto self = c.shared_from_this();
-    queue([this, self, s, cr = std::make_shared<credit>(s->outstanding), m, rid, path, offset, length, addr, write] {
+    queue([this, self, s, cr = std::make_shared<credit>(s->outstanding), m, rid, path, offset, length, addr, write, handle] {
       try {
         std::byte* p = m->base + (addr - m->addr);
         std::uint64_t done;
         if (write) {
-          auto f = open_for_write(root, path);
-          done = pwrite_all(*f, path, p, length, offset);
+          auto t = txn(handle, path);
+          done = pwrite_all(*t->file(), path, p, length, offset);
+          t->written += done;
           bytes_received += done;
           direct_writes++;
         } else {
@@ -703,16 +818,17 @@ struct server::impl {
   // and writes it), waiting for each operation before the next; the completion goes after a fence,
   // so it cannot overtake the data. The rkey is unpacked here, on the progress thread.
   void rma(connection& c, const std::shared_ptr<session>& s, std::uint64_t rid, const std::string& path, std::uint64_t offset,
-           std::uint64_t length, std::uint64_t addr, const std::vector<std::uint8_t>& rkey, bool write) {
+           std::uint64_t length, std::uint64_t addr, const std::vector<std::uint8_t>& rkey, bool write, std::uint64_t handle) {
     const char* op = write ? "store.write" : "store.read";
     if (length > o.max_request)
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
     auto key = c.unpack_rkey(std::as_bytes(std::span(rkey.data(), rkey.size())));
     if (!key) fail(errc::protocol_error, op, c.peer(), "the client's rkey cannot be unpacked on this endpoint");
     auto self = c.shared_from_this();
-    queue([this, self, s, cr = std::make_shared<credit>(s->outstanding), key, rid, path, offset, length, addr, write] {
+    queue([this, self, s, cr = std::make_shared<credit>(s->outstanding), key, rid, path, offset, length, addr, write, handle] {
       try {
-        auto f = write ? open_for_write(root, path) : files.get(path);
+        auto t = write ? txn(handle, path) : nullptr;
+        auto f = write ? t->file() : files.get(path);
         std::uint64_t chunk = std::min<std::uint64_t>(o.chunk, std::max<std::uint64_t>(length, 1));
         // The buffer is shared with the completion callback: an operation that outlives its wait
         // (timeout) still has memory to land in.
@@ -734,6 +850,7 @@ struct server::impl {
           }
         }
         if (write) {
+          t->written += done;
           bytes_received += done;
           rma_gets++;
         } else {
@@ -841,7 +958,8 @@ struct server::impl {
       fail(errc::out_of_range, "store.write", r.path, fmt::format("request of {} bytes exceeds the limit {}", r.length, o.max_request));
     if (s.writes.count(rid)) fail(errc::protocol_error, "store.write", c.peer(), fmt::format("request id {} is already in use", rid));
     auto ws = std::make_shared<write_state>();
-    ws->f = open_for_write(root, r.path);
+    ws->txn = txn(r.handle, r.path);
+    ws->f = ws->txn->file();
     ws->path = r.path;
     ws->offset = r.offset;
     ws->length = r.length;
@@ -909,6 +1027,7 @@ struct server::impl {
       std::optional<error> err;
       try {
         pwrite_all(*ws->f, ws->path, buf.get(), n, ws->offset + off);
+        ws->txn->written += n;
       } catch (const error& e) {
         err = e;
       }
@@ -959,8 +1078,48 @@ struct server::impl {
     }
   }
 
-  void serve(connection& c, const message& m, credit& cr) {
+  void serve(connection& c, session& sn, const message& m, credit& cr) {
     std::uint64_t rid = m.request_id;
+    if (auto* r = std::get_if<open_write>(&m.b)) {
+      if (!o.writable) fail(errc::permission_denied, "store.write", r->path, "this server is read-only (started without --writable)");
+      std::uint64_t id = 0;
+      while (!id) {
+        auto nonce = detail::random_nonce();
+        std::memcpy(&id, nonce.data(), sizeof id);
+      }
+      auto t = std::make_shared<write_txn>(root, r->path, r->mode, id);
+      t->owner = &sn;
+      {
+        std::lock_guard l(txn_mu);
+        std::size_t mine = 0;
+        for (auto& [k, x] : txns) mine += x->owner == &sn;
+        if (mine >= max_txns_per_session || txns.size() >= max_txns)
+          fail(errc::busy, "store.write", r->path,
+               fmt::format("too many open writes ({} on this connection, {} in all); commit or abort some", mine, txns.size()));
+        txns[id] = t;
+      }
+      answer(c, cr, {rid, 0, complete{0, id}});
+      return;
+    }
+    if (auto* r = std::get_if<end_write>(&m.b)) {
+      std::shared_ptr<write_txn> t;
+      {
+        std::lock_guard l(txn_mu);
+        auto it = txns.find(r->handle);
+        if (it == txns.end())
+          fail(errc::invalid_argument, "store.commit", c.peer(), "no open write with this handle (committed, aborted, or its connection closed)");
+        t = std::move(it->second);
+        txns.erase(it);
+      }
+      std::uint64_t n = 0;
+      if (r->how != write_end::abort) {
+        n = t->commit(r->how == write_end::commit_size ? std::optional<std::uint64_t>(r->size) : std::nullopt);
+        log::debug("store", "client {} committed {} ({} bytes)", c.peer(), printable(t->path()), n);
+        commits++;
+      }
+      answer(c, cr, {rid, 0, complete{0, n}});
+      return;
+    }
     if (auto* r = std::get_if<read_req>(&m.b)) {
       auto f = files.get(r->path);
       auto ring = current_ring;
@@ -1065,6 +1224,11 @@ std::vector<std::uint64_t> per_worker(const server::impl& i) {
 server_stats server::stats() const {
   auto& i = *impl_;
   std::lock_guard l(i.sess_mu);
+  std::uint64_t open_writes = 0;
+  {
+    std::lock_guard t(i.txn_mu);
+    open_writes = i.txns.size();
+  }
   std::uint64_t mapped = 0, unauthenticated = 0;
   for (auto& [c, s] : i.sessions) mapped += s->mapped.load(), unauthenticated += !s->welcomed;
   server::impl::worker_counts sum;  // the workers' own counts
@@ -1096,7 +1260,9 @@ server_stats server::stats() const {
           i.refused.load(),
           i.closed_handshake.load(),
           i.closed_idle.load(),
-          i.auth_failures.load()};
+          i.auth_failures.load(),
+          open_writes,
+          i.commits.load()};
 }
 
 }  // namespace ferry::store

@@ -23,7 +23,7 @@ std::vector<message> samples() {
       {3, 0, auth{bytes32(1)}},
       {4, 16, welcome{16, 1ull << 30, true, 0x5eed5eed5eed5eedull, {40001, 40002, 40003}}},
       {5, 0, read_req{"data/shard-0001.bin", 1ull << 33, 4096}},
-      {6, 0, write_req{"out/x", 7, 9}},
+      {6, 0, write_req{"out/x", 7, 9, 0x1234567890abcdefull}},
       {7, 0, stat_req{"a"}},
       {8, 0, list_req{"dir/sub"}},
       {9, 3, complete{0, 12345}},
@@ -37,6 +37,8 @@ std::vector<message> samples() {
       {16, 0, read_rma{"kv/block-9", 8192, 1 << 20, 0x7f0000300000, std::vector<std::uint8_t>(60, 3)}},
       {17, 0, write_rma{"kv/block-10", 0, 4096, 0x7f0000400000, std::vector<std::uint8_t>(60, 4)}},
       {18, 0, read_rma{"empty-key", 0, 1, 0x1000, {}}},  // found by the fuzzer: an empty rkey (memcpy from null)
+      {19, 0, open_write{"out/new.bin", write_mode::keep}},
+      {20, 0, end_write{0x1234567890abcdefull, 1 << 20, write_end::commit_size}},
   };
 }
 
@@ -52,6 +54,17 @@ TEST(Protocol, EveryMessageRoundTrips) {
   auto r = std::get<read_req>(decode(encode(samples()[4])).b);
   EXPECT_EQ(r.path, "data/shard-0001.bin");
   EXPECT_EQ(r.offset, 1ull << 33);
+  EXPECT_EQ(std::get<write_req>(decode(encode(samples()[5])).b).handle, 0x1234567890abcdefull);
+  auto ow = std::get<open_write>(decode(encode(samples()[19])).b);
+  EXPECT_EQ(ow.path, "out/new.bin");
+  EXPECT_EQ(ow.mode, write_mode::keep);
+  auto ew = std::get<end_write>(decode(encode(samples()[20])).b);
+  EXPECT_EQ(ew.handle, 0x1234567890abcdefull);
+  EXPECT_EQ(ew.size, 1u << 20);
+  EXPECT_EQ(ew.how, write_end::commit_size);
+  auto bad_end = encode(samples()[20]);
+  bad_end.back() = std::byte{7};
+  EXPECT_THAT(test::error_text([&] { decode(bad_end); }), HasSubstr("unknown write end 7"));
   auto w = std::get<welcome>(decode(encode(samples()[3])).b);
   EXPECT_EQ(w, std::get<welcome>(samples()[3].b)) << "instance and worker ports survive the wire";
 }

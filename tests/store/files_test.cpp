@@ -120,12 +120,25 @@ TEST(RemoteFiles, WritesThroughTheFileEngineLandOnTheServer) {
     st->copy(sim.data(), ones.data(), ones.size());
     st->synchronize();
     rt.files().write(*f, data.size(), sim.data(), 1 << 20);  // sim memory -> staging -> server
+    // Writes are atomic per file: not in place before sync() (or closing the file) commits them.
+    EXPECT_EQ(f->size(), data.size());
+    EXPECT_EQ(std::filesystem::file_size(fx.root / "d" / "new.bin"), data.size());
+    f->sync();
     EXPECT_EQ(f->size(), data.size() + (1 << 20));
   }
   auto back = slurp(fx.root / "d" / "new.bin");
   ASSERT_EQ(back.size(), data.size() + (1 << 20));
   EXPECT_EQ(0, std::memcmp(back.data(), data.data(), data.size()));
   EXPECT_EQ(std::count(back.begin() + static_cast<std::ptrdiff_t>(data.size()), back.end(), 0x5a), 1 << 20);
+  // create: a new, empty version; closing the file commits what was written -- an existing file
+  // is replaced whole (no stale tail).
+  {
+    auto f = file::open(fx.uri("d/new.bin"), open_mode::create);
+    rt.files().write(*f, 0, data.data(), 1000);
+  }
+  EXPECT_EQ(slurp(fx.root / "d" / "new.bin"), std::vector<unsigned char>(data.begin(), data.begin() + 1000));
+  { auto f = file::open(fx.uri("d/empty.bin"), open_mode::create); }
+  EXPECT_EQ(std::filesystem::file_size(fx.root / "d" / "empty.bin"), 0u);
 }
 
 TEST(RemoteFiles, BadOpensAreRefusedNamingWhatWasWrong) {
@@ -134,7 +147,7 @@ TEST(RemoteFiles, BadOpensAreRefusedNamingWhatWasWrong) {
   {
     runtime rt(fx.cfg());
     EXPECT_THAT(test::error_text([&] { file::open(fx.uri("d/missing.bin"), open_mode::read); }), HasSubstr("d/missing.bin"));
-    EXPECT_THAT(test::error_text([&] { file::open(fx.uri("d/x.bin"), open_mode::create); }), HasSubstr("cannot be created"));
+    EXPECT_THAT(test::error_text([&] { file::open(fx.uri("d/x.bin"), open_mode::create); }), HasSubstr("read-only"));
     EXPECT_THAT(test::error_text([&] { file::open(fx.uri("d/x.bin"), open_mode::read_write); }), HasSubstr("read-only"));
     EXPECT_THAT(test::error_text([&] { file::open(fx.uri("d"), open_mode::read); }), HasSubstr("is a directory"));
     EXPECT_THAT(test::error_text([&] { file::open("ferry://127.0.0.1/x", open_mode::read); }), HasSubstr("no port"));

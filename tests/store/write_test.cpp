@@ -25,7 +25,13 @@ using ferry::test::slurp;
 
 namespace {
 
-
+// An update in place, atomic like every write: the file's current content with [off, off + n)
+// replaced, committed.
+void update(store::client& c, const std::string& path, std::uint64_t off, const void* src, std::uint64_t n) {
+  auto h = c.open_write(path, net::write_mode::keep);
+  c.write(h, off, src, n);
+  c.commit(h);
+}
 
 settings sim_settings() {
   settings cfg = settings::defaults();
@@ -75,11 +81,11 @@ TEST(StoreWrite, WriteThenReadRoundTripsRandomData) {
   store::client c("127.0.0.1", s.srv->port(), s.opts());
   EXPECT_TRUE(c.writable());
   auto data = random_bytes((5 << 20) + 777, 7);  // several pieces and a ragged tail
-  c.write("out/new.bin", 0, data.data(), data.size());
+  c.put("out/new.bin", data.data(), data.size());
   EXPECT_EQ(slurp(s.root / "out" / "new.bin"), data) << "the file on the server holds exactly what was written";
   // Overwrite an unaligned range in the middle, then read the whole file back through the service.
   auto patch = random_bytes(300001, 8);
-  c.write("out/new.bin", 4097, patch.data(), patch.size());
+  update(c, "out/new.bin", 4097, patch.data(), patch.size());
   std::memcpy(data.data() + 4097, patch.data(), patch.size());
   std::vector<unsigned char> back(data.size());
   EXPECT_EQ(c.read("out/new.bin", 0, back.data(), back.size()), back.size());
@@ -90,7 +96,7 @@ TEST(StoreWrite, WriteThenReadRoundTripsRandomData) {
   EXPECT_EQ(st.write_buffered, 0u) << "every write buffer was released";
   // Small writes (one eager data message).
   unsigned char small[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
-  c.write("out/small.bin", 0, small, sizeof small);
+  c.put("out/small.bin", small, sizeof small);
   EXPECT_EQ(slurp(s.root / "out" / "small.bin"), std::vector<unsigned char>(small, small + 10));
 }
 
@@ -98,8 +104,8 @@ TEST(StoreWrite, RefusedOnReadOnlyServersAndOutsideTheRoot) {
   writable_server s;
   store::client c("127.0.0.1", s.srv->port(), s.opts());
   unsigned char b[16] = {};
-  EXPECT_THAT(test::error_text([&] { c.write("../escape.bin", 0, b, sizeof b); }), HasSubstr("'..' is not allowed"));
-  EXPECT_THAT(test::error_text([&] { c.write("/tmp/abs.bin", 0, b, sizeof b); }), HasSubstr("absolute paths are not allowed"));
+  EXPECT_THAT(test::error_text([&] { c.put("../escape.bin", b, sizeof b); }), HasSubstr("'..' is not allowed"));
+  EXPECT_THAT(test::error_text([&] { c.put("/tmp/abs.bin", b, sizeof b); }), HasSubstr("absolute paths are not allowed"));
   EXPECT_FALSE(std::filesystem::exists(s.root.parent_path() / "escape.bin"));
   // A read-only server: the client knows from the handshake and says so, naming the path.
   store::server_options ro;
@@ -107,7 +113,7 @@ TEST(StoreWrite, RefusedOnReadOnlyServersAndOutsideTheRoot) {
   store::server rs(ro);
   store::client r("127.0.0.1", rs.port());
   EXPECT_FALSE(r.writable());
-  std::string t = test::error_text([&] { r.write("out/x.bin", 0, b, sizeof b); });
+  std::string t = test::error_text([&] { r.put("out/x.bin", b, sizeof b); });
   EXPECT_THAT(t, HasSubstr("the server is read-only"));
   EXPECT_THAT(t, HasSubstr("out/x.bin"));
   EXPECT_THAT(t, HasSubstr("[permission_denied]"));
@@ -119,7 +125,7 @@ TEST(StoreWrite, RefusedOnReadOnlyServersAndOutsideTheRoot) {
   w.insecure = true;
   store::server x(w);
   store::client xc("127.0.0.1", x.port());
-  xc.write("out/insecure.bin", 0, b, sizeof b);
+  xc.put("out/insecure.bin", b, sizeof b);
   EXPECT_EQ(std::filesystem::file_size(s.root / "out" / "insecure.bin"), sizeof b);
 }
 
@@ -131,9 +137,12 @@ TEST(StoreWrite, ManyOutstandingRequestsOnOneConnection) {
     // 64 writes in flight at once (more pieces than credits: start waits for credits, never fails).
     std::vector<store::client::ticket> ts;
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    auto h = c.open_write("out/many.bin");
     for (std::uint64_t i = 0; i < 64; ++i)
-      ts.push_back(c.start_write("out/many.bin", i * (256 << 10), data.data() + i * (256 << 10), 256 << 10, until));
+      ts.push_back(c.start_write(h, i * (256 << 10), data.data() + i * (256 << 10), 256 << 10, until));
     for (auto t : ts) EXPECT_EQ(c.finish(t), 256u << 10);
+    EXPECT_FALSE(std::filesystem::exists(s.root / "out" / "many.bin")) << "visible before its commit";
+    EXPECT_EQ(c.commit(h, data.size()), data.size());
     EXPECT_EQ(slurp(s.root / "out" / "many.bin"), data);
     // 200 reads of random sizes and offsets, up to 64 outstanding.
     std::mt19937_64 rng(3);
@@ -170,7 +179,7 @@ TEST(StoreWrite, ThirtyTwoClientsWriteAndReadBackConcurrently) {
       [&](store::client& c, int i) {
         auto d = random_bytes((1 << 20) + static_cast<std::size_t>(i) * 1000, 100 + static_cast<std::uint64_t>(i));
         std::string p = "out/client" + std::to_string(i) + ".bin";
-        c.write(p, 0, d.data(), d.size());
+        c.put(p, d.data(), d.size());
         std::vector<unsigned char> back(d.size());
         if (c.read(p, 0, back.data(), back.size()) == d.size() && back == d) good++;
       });
@@ -201,7 +210,7 @@ TEST(StoreWrite, SimDeviceMemoryIsStagedBothWays) {
   const auto piece = s.opts_with(rt).piece;
   EXPECT_GE(cs.staged_pieces, (data.size() + piece - 1) / piece);
   EXPECT_GT(cs.stage_copy_ns, 0u);
-  c.write("out/back.bin", 0, m.data(), data.size());  // sim -> staging -> server
+  c.put("out/back.bin", m.data(), data.size());  // sim -> staging -> server
   EXPECT_EQ(slurp(s.root / "out" / "back.bin"), data);
   // Memory nobody knows is refused up front, naming the pointer.
   EXPECT_THAT(test::error_text([&] { c.read("out/src.bin", 0, reinterpret_cast<void*>(0x10), 100); }),
@@ -244,11 +253,11 @@ TEST(StoreWrite, MappedLandingRegionOverSharedMemory) {
   stream->checksum(m.data(), data.size(), &sum);
   stream->synchronize();
   EXPECT_EQ(sum, checksum64(data.data(), data.size())) << "sim memory holds the file";
-  c.write("out/back.bin", 0, m.data(), data.size());
+  c.put("out/back.bin", m.data(), data.size());
   EXPECT_EQ(slurp(s.root / "out" / "back.bin"), data);
   // Host write at an unaligned offset into an existing file.
   auto patch = random_bytes(3 << 20, 22);
-  c.write("out/back.bin", 12345, patch.data(), patch.size());
+  update(c, "out/back.bin", 12345, patch.data(), patch.size());
   auto back = slurp(s.root / "out" / "back.bin");
   EXPECT_EQ(std::memcmp(back.data() + 12345, patch.data(), patch.size()), 0);
   EXPECT_EQ(std::memcmp(back.data(), data.data(), 12345), 0);
@@ -377,7 +386,7 @@ TEST(StoreWrite, AllocatedBuffersAreServedInPlaceOverSharedMemory) {
   // Writes from the buffer, at an unaligned offset of both.
   auto patch = random_bytes((3 << 20) + 5, 42);
   std::memcpy(b + 99, patch.data(), patch.size());
-  c.write("out/dst.bin", 7, b + 99, patch.size());
+  update(c, "out/dst.bin", 7, b + 99, patch.size());
   auto back = slurp(s.root / "out" / "dst.bin");
   ASSERT_EQ(back.size(), patch.size() + 7);
   EXPECT_EQ(std::memcmp(back.data() + 7, patch.data(), patch.size()), 0);
@@ -434,7 +443,7 @@ TEST(StoreWrite, SharedMemoryWithoutTheLandingRegionMovesDataByMessages) {
     GTEST_SKIP() << "no shared-memory transport between client and server here (lanes " << st0.transports << ")";
   EXPECT_EQ(st0.data_path.find("mapped"), std::string::npos) << st0.data_path;
   auto data = random_bytes((13 << 20) + 333, 23);
-  c.write("out/msg.bin", 0, data.data(), data.size());
+  c.put("out/msg.bin", data.data(), data.size());
   EXPECT_EQ(slurp(s.root / "out" / "msg.bin"), data);
   std::vector<unsigned char> back(data.size());
   EXPECT_EQ(c.read("out/msg.bin", 0, back.data(), back.size()), back.size());
@@ -472,7 +481,7 @@ TEST(StoreWrite, RmaIntoRegisteredMemoryRoundTrips) {
   EXPECT_THAT(cs.data_path, HasSubstr("RMA"));
   // Writes: the server gets the data out of our memory.
   auto back = random_bytes((5 << 20) + 5, 32);
-  c.write("out/rma.bin", 0, back.data(), back.size());
+  c.put("out/rma.bin", back.data(), back.size());
   EXPECT_EQ(slurp(s.root / "out" / "rma.bin"), back);
   auto ss = s.srv->stats();
   EXPECT_GE(ss.rma_puts, 10u);

@@ -130,7 +130,7 @@ int cp_to_remote(runtime& rt, const cp_options& o) {
   else if (rin) bytes = rin->read(su.path, 0, src.data(), bytes, rt.config().deadline);
   else src.fill(bytes, 0xF0E1);
   expects(bytes > 0, "cp", o.src, "nothing to copy (the file is empty now)");
-  c.write(u.path, 0, src.data(), bytes, rt.config().deadline);
+  c.put(u.path, src.data(), bytes, rt.config().deadline);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::string why;
   if (o.verify) {

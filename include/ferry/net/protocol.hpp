@@ -22,7 +22,8 @@ namespace ferry::net {
 inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
 // 2: hello gives the client's lanes; welcome the server instance and worker ports.
 // 3: read_into names a notify record (see read_into).
-inline constexpr std::uint16_t protocol_version = 3;
+// 4: writes are atomic per file: open_write / end_write, and every write piece names its handle.
+inline constexpr std::uint16_t protocol_version = 4;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
@@ -45,6 +46,8 @@ enum class msg_type : std::uint16_t {
   write_from = 15,  // path, offset, length, address inside the lent region: the server takes the data from there
   read_rma = 16,    // path, offset, length, address + packed rkey of registered client memory: the server puts the data there
   write_rma = 17,   // path, offset, length, address + packed rkey of registered client memory: the server gets the data from there
+  open_write = 18,  // path, mode: a new file beside the target that write pieces fill; answered complete{0, handle}
+  end_write = 19,   // handle, size, how: commit it into place (or abort); answered complete{0, size}
   complete = 20,  // status + bytes for a read/write
   stat_reply = 21,
   list_reply = 22,
@@ -71,13 +74,26 @@ struct lend { std::uint64_t addr = 0, length = 0; std::vector<std::uint8_t> rkey
 // the server writes -- request id last -- once the data is in place, before it sends the completion:
 // a client polling the record sees a small read done without receiving a message.
 struct read_into { std::string path; std::uint64_t offset = 0, length = 0, addr = 0, notify = 0; };
-struct write_from { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; };
+struct write_from { std::string path; std::uint64_t offset = 0, length = 0, addr = 0, handle = 0; };
 // RMA where the transport really has it (verbs): the client registers its memory for the network
 // and names it by address and packed rkey; the server RMA-writes (read) or RMA-reads (write) it.
 struct read_rma { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; std::vector<std::uint8_t> rkey; };
-struct write_rma { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; std::vector<std::uint8_t> rkey; };
+struct write_rma { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; std::vector<std::uint8_t> rkey; std::uint64_t handle = 0; };
 struct read_req { std::string path; std::uint64_t offset = 0, length = 0; };
-struct write_req { std::string path; std::uint64_t offset = 0, length = 0; };
+struct write_req { std::string path; std::uint64_t offset = 0, length = 0, handle = 0; };
+// Writes are atomic per file. open_write makes a new, unnamed file beside the target (`keep`: a
+// copy of the target's current content, for updates; else empty) and answers its handle; write
+// pieces (write, write_from, write_rma) name the handle and fill it; end_write renames it over the
+// target in one step (commit) or drops it (abort). Until the commit the target is untouched, and a
+// client that goes away leaves it untouched: its open writes are dropped with its connection.
+enum class write_mode : std::uint8_t { replace = 0, keep = 1 };
+enum class write_end : std::uint8_t {
+  commit = 0,       // into place as written
+  commit_size = 1,  // into place, its size set to `size` first (a replaced file has no stale tail)
+  abort = 2,
+};
+struct open_write { std::string path; write_mode mode = write_mode::replace; };
+struct end_write { std::uint64_t handle = 0, size = 0; write_end how = write_end::commit; };
 struct stat_req { std::string path; };
 struct list_req { std::string path; };
 struct complete { std::int32_t status = 0; std::uint64_t bytes = 0; };  // status: 0 or an errno value
@@ -87,7 +103,8 @@ struct list_reply { std::vector<list_entry> entries; };
 struct error_reply { std::int32_t code = 0; std::string message; };
 
 using body = std::variant<hello, challenge, auth, welcome, read_req, write_req, stat_req, list_req, complete,
-                          stat_reply, list_reply, error_reply, lend, read_into, write_from, read_rma, write_rma>;
+                          stat_reply, list_reply, error_reply, lend, read_into, write_from, read_rma, write_rma, open_write,
+                          end_write>;
 
 struct message {
   std::uint64_t request_id = 0;

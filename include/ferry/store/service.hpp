@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,8 @@ struct server_stats {
   std::uint64_t closed_handshake = 0;  // closed for not completing the handshake in time (or displaced by newer ones)
   std::uint64_t closed_idle = 0;       // closed after the idle timeout
   std::uint64_t auth_failures = 0;     // failed authentications
+  std::uint64_t open_writes = 0;       // writes opened and not yet committed or aborted
+  std::uint64_t commits = 0;           // writes put in place
 };
 
 class FERRY_API server {
@@ -162,8 +165,32 @@ class FERRY_API client {
   using ticket = std::uint64_t;
   ticket start_read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                     std::chrono::steady_clock::time_point until);
-  ticket start_write(const std::string& path, std::uint64_t offset, const void* src, std::uint64_t length,
+
+  // Writes are atomic per file. open_write() starts a new version of `path` on the server, invisible
+  // under its name (`keep`: a copy of its current content, for updates in place; `replace`: empty);
+  // writes fill it from any memory; commit() puts it in place in one step -- a reader sees the old
+  // file or the new one, never a mix -- and returns its size once the server confirmed it. A client
+  // that dies, a lost connection, or abort() leaves the file as it was. Two writers of one path each
+  // write their own version; the last commit wins whole.
+  struct write_handle {
+    std::uint64_t id = 0;
+    std::string path;
+  };
+  write_handle open_write(const std::string& path, net::write_mode mode = net::write_mode::replace,
+                          std::chrono::nanoseconds timeout = std::chrono::seconds(30));
+  ticket start_write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
                      std::chrono::steady_clock::time_point until);
+  void write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
+             std::chrono::nanoseconds timeout = std::chrono::seconds(30));
+  // `size`: the file's size is set to it first (a replacement then has exactly the bytes written,
+  // whatever was there before); the server refuses a commit of more bytes than arrived.
+  std::uint64_t commit(const write_handle& h, std::optional<std::uint64_t> size = std::nullopt,
+                       std::chrono::nanoseconds timeout = std::chrono::seconds(30));
+  void abort(const write_handle& h, std::chrono::nanoseconds timeout = std::chrono::seconds(5)) noexcept;
+  // Replaces `path` with [src, src + length): open_write, the data, commit(length). After a lost
+  // connection it starts again once, from the beginning.
+  void put(const std::string& path, const void* src, std::uint64_t length,
+           std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   // Waits for a ticket (until its deadline) and returns the bytes read (short at EOF) or written.
   // Throws an error naming the peer and the path; after a timeout the connection is closed first,
   // so nothing lands in the buffer afterwards (the next request reconnects).
@@ -181,7 +208,7 @@ class FERRY_API client {
   void* allocate(std::uint64_t bytes);
   void deallocate(void* buffer);  // throws invalid_argument for a pointer allocate() did not return
 
-  // Synchronous helpers. Reads and writes are retried once after a reconnect (server restarted).
+  // Synchronous helpers. Reads are retried once after a reconnect (server restarted).
   // A small read (one piece) into host memory or an allocated buffer is the quickest request there
   // is: the calling thread sends it and takes its answer itself, with nothing registered for other
   // threads in between (start_read/finish cannot: the caller may do anything between the two).
@@ -189,8 +216,6 @@ class FERRY_API client {
                      std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   std::uint64_t read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                      std::chrono::steady_clock::time_point until);
-  void write(const std::string& path, std::uint64_t offset, const void* src, std::uint64_t length,
-             std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   net::stat_reply stat(const std::string& path, std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   std::vector<net::list_entry> list(const std::string& path, std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   bool writable() const noexcept;  // what the server said at the handshake
