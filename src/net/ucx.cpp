@@ -3,6 +3,7 @@
 #include "core/logging.hpp"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <sys/epoll.h>
@@ -275,7 +276,49 @@ bool shm_connections_enabled() {
 }
 }  // namespace
 
-ucx_context::ucx_context() {
+std::string interface_for(const std::string& host, bool local) {
+  sockaddr_storage want = make_addr(host, 9);
+  auto same = [](const sockaddr* a, const sockaddr_storage& b) {
+    if (!a || a->sa_family != b.ss_family) return false;
+    if (a->sa_family == AF_INET)
+      return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr == reinterpret_cast<const sockaddr_in*>(&b)->sin_addr.s_addr;
+    return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr, &reinterpret_cast<const sockaddr_in6*>(&b)->sin6_addr,
+                       sizeof(in6_addr)) == 0;
+  };
+  if (want.ss_family == AF_INET) {
+    auto a = reinterpret_cast<sockaddr_in*>(&want)->sin_addr.s_addr;
+    if (a == htonl(INADDR_ANY)) return {};
+    if ((ntohl(a) >> 24) == 127) return "lo";
+  } else {
+    auto& a = reinterpret_cast<sockaddr_in6*>(&want)->sin6_addr;
+    if (IN6_IS_ADDR_UNSPECIFIED(&a)) return {};
+    if (IN6_IS_ADDR_LOOPBACK(&a)) return "lo";
+  }
+  sockaddr_storage mine = want;
+  if (!local) {
+    // The source address the kernel would use towards `host`.
+    int fd = ::socket(want.ss_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return {};
+    socklen_t len = sizeof mine;
+    bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&want),
+                        want.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6)) == 0 &&
+              ::getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &len) == 0;
+    ::close(fd);
+    if (!ok) return {};
+  }
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return {};
+  std::string name;
+  for (ifaddrs* i = list; i; i = i->ifa_next)
+    if (same(i->ifa_addr, mine)) {
+      name = i->ifa_name;
+      break;
+    }
+  ::freeifaddrs(list);
+  return name;
+}
+
+ucx_context::ucx_context(const std::string& net_device) {
   // A restarted server must get its well-known port back while the old connections sit in
   // TIME_WAIT (UCX's default is not to set SO_REUSEADDR). UCX reads this transport setting only
   // from the environment (ucp_config_modify accepts it but the worker rejects it), so it is set
@@ -288,6 +331,10 @@ ucx_context::ucx_context() {
   // their deadlines). `ferry bench remote` sets it for its shm runs; users opt in the same way.
   ucp_config_t* cfg = nullptr;
   check(ucp_config_read(nullptr, nullptr, &cfg), "net.init", "ucp_config_read");
+  // Lanes only on the interface of the address the service was asked to use: a server told to
+  // listen on loopback must not be reachable on the machine's other addresses through UCX's own
+  // tcp listeners, and a client of it must not take lanes over them.
+  if (!net_device.empty() && !std::getenv("UCX_NET_DEVICES")) ucp_config_modify(cfg, "NET_DEVICES", net_device.c_str());
   // Shared-memory connections without an RDMA device: UCX gives them a tcp lane for rendezvous
   // (rma_bw; the shared-memory domains cannot register user memory, so only tcp offers it), and
   // then every progress call polls tcp with an epoll_wait system call. Measured (2-core CPU VM):

@@ -53,7 +53,9 @@ class ucx_worker;
 // connection requests accepted on one worker may then be served by another.
 class ucx_context {
  public:
-  ucx_context();
+  // `net_device` (e.g. "lo"): the one network interface UCX may use for its lanes (UCX_NET_DEVICES,
+  // unless the user set that); empty: all. Shared memory is not a network device and stays allowed.
+  explicit ucx_context(const std::string& net_device = {});
   ~ucx_context();
   ucx_context(const ucx_context&) = delete;
   ucx_context& operator=(const ucx_context&) = delete;
@@ -65,6 +67,11 @@ class ucx_context {
   ucp_context_h ctx_ = nullptr;
   bool cuda_memory_ = false;
 };
+
+// The network interface that holds `host` (local: a server's listen address) or that routes to it
+// (a client's server; found with a UDP socket's connect, which sends nothing), by name: "lo" for a
+// loopback address. Empty for a wildcard address (0.0.0.0, ::) or when it cannot be told.
+std::string interface_for(const std::string& host, bool local);
 
 // Memory UCX allocated and registered for remote access (ucp_mem_map with ALLOCATE): on shared-memory
 // transports a peer on the same host can map it (rkey_ptr) and write into it directly.

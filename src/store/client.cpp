@@ -216,7 +216,7 @@ struct client::impl {
     expects(o.piece >= 4096 && o.piece <= max_data, "store.client", peer,
             fmt::format("piece size {} must be between 4KiB and {}", o.piece, max_data));
     expects(o.lanes >= 1 && o.lanes <= 64, "store.client", peer, fmt::format("lanes {} must be between 1 and 64", o.lanes));
-    ctx = std::make_shared<ucx_context>();
+    ctx = std::make_shared<ucx_context>(interface_for(host, false));
     for (int i = 0; i < o.lanes; ++i) {
       auto ln = std::make_unique<lane>();
       ln->index = i;

@@ -372,7 +372,7 @@ struct server::impl {
            "refusing to serve writable without a shared secret (give a secret file, or --insecure to let anyone write)");
     expects(o.chunk > 0 && o.max_outstanding > 0 && o.threads > 0 && o.workers > 0, "store.serve", o.root,
             "chunk, credits, threads and workers must be positive");
-    auto ctx = std::make_shared<ucx_context>();
+    auto ctx = std::make_shared<ucx_context>(interface_for(o.host, true));
     for (int i = 0; i < o.workers; ++i) {
       auto& w = *workers.emplace_back(std::make_unique<ucx_worker>(fmt::format("ferry-serve-{}", i), o.spin, ctx));
       w.on_frame([this](connection& c, message m) { on_frame(c, std::move(m)); });

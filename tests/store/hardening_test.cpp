@@ -20,7 +20,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
+#include <sstream>
 #include <thread>
 
 using namespace ferry;
@@ -146,6 +148,57 @@ TEST(StoreHardening, TheRootCanBeListed) {
   for (auto& e : entries) names.insert(e.name);
   EXPECT_TRUE(names.count("a.bin") && names.count("sub") && names.count("we\nird"));
   EXPECT_EQ(c.stat("").mode & S_IFMT, static_cast<std::uint32_t>(S_IFDIR));
+}
+
+// The inodes of this process's listening TCP sockets, with the address each is bound to.
+std::map<unsigned long, std::string> listening() {
+  std::set<unsigned long> mine;
+  for (auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    auto t = std::filesystem::read_symlink(e.path(), ec).string();
+    if (t.rfind("socket:[", 0) == 0) mine.insert(std::stoul(t.substr(8)));
+  }
+  std::map<unsigned long, std::string> out;
+  for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
+    std::ifstream f(table);
+    std::string line;
+    std::getline(f, line);  // header
+    while (std::getline(f, line)) {
+      std::istringstream in(line);
+      std::string sl, local, remote, st, q, tr, rt, uid, timeout;
+      unsigned long inode = 0;
+      in >> sl >> local >> remote >> st >> q >> tr >> rt >> uid >> timeout >> inode;
+      if (st == "0A" && mine.count(inode)) out[inode] = local;
+    }
+  }
+  return out;
+}
+
+// A local address as /proc/net/tcp writes it: loopback is 0100007F (IPv4) or ...01000000 (::1).
+bool loopback(const std::string& hex_addr) {
+  auto ip = hex_addr.substr(0, hex_addr.find(':'));
+  if (ip.size() == 8) return ip.substr(6) == "7F";
+  return ip == "00000000000000000000000001000000";
+}
+
+TEST(StoreHardening, ALoopbackServerAndItsClientsUseLoopbackOnly) {
+  auto before = listening();
+  served s;
+  auto c = s.client();
+  std::string got(16, '\0');
+  EXPECT_EQ(c.read("a.bin", 0, got.data(), 16), 16u);
+  int added = 0;
+  for (auto& [inode, addr] : listening()) {
+    if (before.count(inode)) continue;
+    added++;
+    EXPECT_TRUE(loopback(addr)) << "a listener on " << addr << " (not loopback) for a server asked to listen on 127.0.0.1";
+  }
+  EXPECT_GT(added, 0);
+  auto tr = c.stats().transports;
+  EXPECT_EQ(tr.find("eth"), std::string::npos) << tr;
+  if (tr.find("tcp/") != std::string::npos) {
+    EXPECT_NE(tr.find("tcp/lo"), std::string::npos) << tr;
+  }
 }
 
 // A raw UCX endpoint to the server that sends what the test says (nothing, by default).
