@@ -109,6 +109,15 @@ class fd_cache {
     if (size) *size = static_cast<std::uint64_t>(st.st_size);
     return true;
   }
+  // The cheap check for the small-read path, without a path lookup: a file deleted, or replaced by
+  // a rename over its name, has no links left. (A file renamed away under another name keeps its
+  // link: it is noticed when the session's entry expires and `get` looks the path up.)
+  static bool still_linked(const open_file& f, std::uint64_t* size) {
+    struct ::stat st{};
+    if (::fstat(f.fd, &st) != 0 || st.st_nlink == 0) return false;
+    *size = static_cast<std::uint64_t>(st.st_size);
+    return true;
+  }
 
  private:
   struct entry {
@@ -927,9 +936,9 @@ struct server::impl {
   // file's mapping when the range lies in it (a pread would cost a third of the whole request);
   // past the mapped size (the file grew, or the read ends at EOF) or after the file shrank under
   // the mapping -- or the client's region under the destination -- pread says what is there now.
-  // Either way the path must still name the file (a deleted or replaced file is never served), and
-  // a read from the mapping counts only the bytes the file still has after the copy: a page of the
-  // mapping past a shrunken file's end reads as zeros, which are not data.
+  // Either way the file must still be linked (a deleted or replaced file is never served; one
+  // fstat, no path lookup), and a read from the mapping counts only the bytes the file still has
+  // after the copy: a page of the mapping past a shrunken file's end reads as zeros, not data.
   std::uint64_t read_small(session& s, const std::string& path, std::byte* dst, std::uint64_t length, std::uint64_t offset) {
     auto reopen = [&] {
       clk::time_point opened;
@@ -939,14 +948,16 @@ struct server::impl {
       s.last_path = path;
       s.last_until = opened + o.fd_cache_ttl - coarse_slack;
     };
-    if (s.last_path != path || coarse_now() >= s.last_until || !files.still_names(path, *s.last_file)) reopen();
+    std::uint64_t size = 0;
+    if (s.last_path != path || coarse_now() >= s.last_until) reopen();
     if (s.last_file->map.read(dst, length, offset)) {
-      std::uint64_t size = 0;
-      if (files.still_names(path, *s.last_file, &size)) {
+      if (fd_cache::still_linked(*s.last_file, &size)) {
         s.counts->mapped_reads.add();
         return size <= offset ? 0 : std::min(length, size - offset);
       }
-      reopen();  // replaced or deleted during the copy
+      reopen();  // replaced or deleted
+    } else if (!fd_cache::still_linked(*s.last_file, &size)) {
+      reopen();
     }
     return pread_all(*s.last_file, path, dst, length, offset);
   }
