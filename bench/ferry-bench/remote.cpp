@@ -241,7 +241,7 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
   // Writes fill one new version of the file (writes are atomic per file), committed at the end of
   // the timed run: a write counts once it is in place.
   store::client::write_handle h;
-  if (write) h = c.open_write(path, net::write_mode::replace, timeout);
+  if (write) h = c.open_write(path, net::write_mode::replace, timeout, file_bytes);
   auto finish_one = [&](bool record) {
     auto s = q.front();
     q.pop_front();

@@ -189,6 +189,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           if constexpr (std::is_same_v<T, write_req>) p.put(v.handle);
         } else if constexpr (std::is_same_v<T, open_write>) {
           p.put(static_cast<std::uint8_t>(v.mode));
+          p.put(v.size_hint);
           p.str(v.path, max_path, "path");
         } else if constexpr (std::is_same_v<T, end_write>) {
           p.put(v.handle);
@@ -324,7 +325,8 @@ message decode(std::span<const std::byte> bytes) {
     case msg_type::open_write: {
       auto mode = r.get<std::uint8_t>("write mode");
       if (mode > 1) bad(fmt::format("unknown write mode {}", mode));
-      m.b = open_write{r.str(max_path, "path"), static_cast<write_mode>(mode)};
+      auto hint = r.get<std::uint64_t>("size hint");
+      m.b = open_write{r.str(max_path, "path"), static_cast<write_mode>(mode), hint};
       break;
     }
     case msg_type::end_write: {

@@ -1184,10 +1184,11 @@ std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* 
       until);
 }
 
-client::write_handle client::open_write(const std::string& path, net::write_mode mode, std::chrono::nanoseconds timeout) {
+client::write_handle client::open_write(const std::string& path, net::write_mode mode, std::chrono::nanoseconds timeout,
+                                        std::uint64_t size_hint) {
   if (!impl_->hello_reply.writable)
     fail(errc::permission_denied, "store.write", fmt::format("{} {}", impl_->peer, printable(path)), "the server is read-only");
-  auto r = impl_->query({0, 0, net::open_write{path, mode}}, "store.write", path, timeout);
+  auto r = impl_->query({0, 0, net::open_write{path, mode, size_hint}}, "store.write", path, timeout);
   auto* cp = std::get_if<complete>(&r.b);
   if (!cp || cp->bytes == 0) fail(errc::protocol_error, "store.write", impl_->peer, "open_write was not answered with a handle");
   return {cp->bytes, path};
@@ -1224,7 +1225,7 @@ void client::put(const std::string& path, const void* src, std::uint64_t length,
   auto until = clk::now() + timeout;
   impl_->retrying(
       [&] {
-        auto h = open_write(path, net::write_mode::replace, until - clk::now());
+        auto h = open_write(path, net::write_mode::replace, until - clk::now(), length);
         try {
           finish(start_write(h, 0, src, length, until));
         } catch (...) {

@@ -37,7 +37,7 @@ std::vector<message> samples() {
       {16, 0, read_rma{"kv/block-9", 8192, 1 << 20, 0x7f0000300000, std::vector<std::uint8_t>(60, 3)}},
       {17, 0, write_rma{"kv/block-10", 0, 4096, 0x7f0000400000, std::vector<std::uint8_t>(60, 4)}},
       {18, 0, read_rma{"empty-key", 0, 1, 0x1000, {}}},  // found by the fuzzer: an empty rkey (memcpy from null)
-      {19, 0, open_write{"out/new.bin", write_mode::keep}},
+      {19, 0, open_write{"out/new.bin", write_mode::keep, 5 << 20}},
       {20, 0, end_write{0x1234567890abcdefull, 1 << 20, write_end::commit_size}},
   };
 }
@@ -58,6 +58,7 @@ TEST(Protocol, EveryMessageRoundTrips) {
   auto ow = std::get<open_write>(decode(encode(samples()[19])).b);
   EXPECT_EQ(ow.path, "out/new.bin");
   EXPECT_EQ(ow.mode, write_mode::keep);
+  EXPECT_EQ(ow.size_hint, 5u << 20);
   auto ew = std::get<end_write>(decode(encode(samples()[20])).b);
   EXPECT_EQ(ew.handle, 0x1234567890abcdefull);
   EXPECT_EQ(ew.size, 1u << 20);

@@ -92,7 +92,9 @@ enum class write_end : std::uint8_t {
   commit_size = 1,  // into place, its size set to `size` first (a replaced file has no stale tail)
   abort = 2,
 };
-struct open_write { std::string path; write_mode mode = write_mode::replace; };
+// `size_hint` (0: none): the size the new version will have, set up front so that pieces arriving
+// out of order fill it instead of extending it (the commit sets the exact size).
+struct open_write { std::string path; write_mode mode = write_mode::replace; std::uint64_t size_hint = 0; };
 struct end_write { std::uint64_t handle = 0, size = 0; write_end how = write_end::commit; };
 struct stat_req { std::string path; };
 struct list_req { std::string path; };

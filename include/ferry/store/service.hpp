@@ -43,6 +43,7 @@ struct server_options {
   bool map = settings::defaults().net_map;           // serve regions lent by same-host clients directly
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
   std::uint64_t max_write_buffer = 1ull << 30;  // write data buffered at once, all connections together
+  std::uint64_t max_write_hint = 1ull << 40;    // the largest size an open write is given up front (sparse)
   std::chrono::nanoseconds spin = settings::defaults().net_spin;  // progress back-off
   std::chrono::nanoseconds fd_cache_ttl = std::chrono::seconds(1);  // open files reused at most this long
   // Connection limits (FERRY_SERVE_*): every resource a client can hold is bounded, and clients
@@ -176,8 +177,10 @@ class FERRY_API client {
     std::uint64_t id = 0;
     std::string path;
   };
+  // `size_hint`: the size the new version will have, when known (pieces then fill it in any order
+  // without extending it).
   write_handle open_write(const std::string& path, net::write_mode mode = net::write_mode::replace,
-                          std::chrono::nanoseconds timeout = std::chrono::seconds(30));
+                          std::chrono::nanoseconds timeout = std::chrono::seconds(30), std::uint64_t size_hint = 0);
   ticket start_write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
                      std::chrono::steady_clock::time_point until);
   void write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
