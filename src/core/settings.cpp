@@ -243,7 +243,7 @@ const setting_def table[] = {
   {"FERRY_SERVE_IDLE_TIMEOUT", "A connection to `ferry serve` with no request in flight and none received for this long is closed (clients reconnect on their next request).",
    [](settings& s, std::string_view v) { s.serve_idle_timeout = parse_duration_in(v, std::chrono::milliseconds(10), std::chrono::hours(24 * 7)); },
    [](const settings& s) { return format_duration(s.serve_idle_timeout); }},
-  {"FERRY_SERVE_AUTH_FAILURES", "Failed authentications `ferry serve` allows on one connection before closing it; an address with four times as many within FERRY_SERVE_BAN is refused for FERRY_SERVE_BAN.",
+  {"FERRY_SERVE_AUTH_FAILURES", "Failed authentications `ferry serve` allows on one connection before closing it; an address with four times as many within a minute is refused for FERRY_SERVE_BAN.",
    [](settings& s, std::string_view v) { s.serve_auth_failures = static_cast<int>(parse_int(v, 1, 1000)); },
    [](const settings& s) { return std::to_string(s.serve_auth_failures); }},
   {"FERRY_SERVE_BAN", "How long `ferry serve` refuses connections from an address that failed authentication too often (see FERRY_SERVE_AUTH_FAILURES).",

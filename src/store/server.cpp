@@ -370,6 +370,7 @@ struct server::impl {
     clk::time_point window{}, banned_until{};
   };
   std::map<std::string, address_state> addresses;  // sess_mu; bounded (see note_auth_failure)
+  static constexpr std::chrono::minutes failure_window{1};  // an address's failed authentications count this long
   // Open writes by handle; any of a client's lanes may fill one (the handle is the capability),
   // the session that opened it owns it.
   std::mutex txn_mu;
@@ -556,10 +557,10 @@ struct server::impl {
   bool note_auth_failure(const std::string& addr) {
     auto now = clk::now();
     if (addresses.size() >= 4096)
-      std::erase_if(addresses, [&](const auto& kv) { return kv.second.banned_until <= now && now - kv.second.window >= o.ban; });
+      std::erase_if(addresses, [&](const auto& kv) { return kv.second.banned_until <= now && now - kv.second.window >= failure_window; });
     if (addresses.size() >= 4096) addresses.clear();  // a flood of addresses: forget them rather than grow
     auto& a = addresses[addr];
-    if (now - a.window >= o.ban) a.failures = 0, a.window = now;
+    if (now - a.window >= failure_window) a.failures = 0, a.window = now;
     if (++a.failures < 4 * o.auth_failures) return false;
     a.banned_until = now + o.ban;
     a.failures = 0;

@@ -295,7 +295,7 @@ TEST(StoreHardening, FailedAuthenticationsCloseTheConnectionThenRefuseTheAddress
   auto c = w.connect("127.0.0.1", s.srv->port(), clk::now() + std::chrono::seconds(5));
   std::uint64_t rid = 1;
   std::size_t answers = 0;
-  for (int i = 0; i < 5 && c->alive(); ++i) {
+  for (int i = 0; i < o.auth_failures && c->alive(); ++i) {
     c->send_frame({rid++, 0, hello{1, protocol_version, 64, std::vector<std::uint8_t>(32, 1)}});
     if (!wait_n(++answers)) break;
     c->send_frame({rid++, 0, auth{std::vector<std::uint8_t>(32, 0)}});
