@@ -328,7 +328,7 @@ ucx_context::ucx_context(const std::string& net_device) {
   // Shared-memory transports are left out of endpoints that ask for peer error handling (which
   // ferry needs) unless UCX_MM_ERROR_HANDLING=y (UCX 1.13). ferry does not set it: with shm lanes
   // UCX 1.13 does not always report a peer's close to the other side (requests then end only at
-  // their deadlines). `ferry bench remote` sets it for its shm runs; users opt in the same way.
+  // their deadlines). `ferry-bench remote` sets it for its shm runs; users opt in the same way.
   ucp_config_t* cfg = nullptr;
   check(ucp_config_read(nullptr, nullptr, &cfg), "net.init", "ucp_config_read");
   // Lanes only on the interface of the address the service was asked to use: a server told to
