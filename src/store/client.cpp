@@ -711,19 +711,31 @@ struct client::impl {
       all_mapped = false;
       for (auto& u : user_regions) u->lanes_mapped.fetch_and(~(std::uint64_t{1} << ln.index));
     }
-    auto cn = ln.w->connect(host, to, until);
-    connection* raw = cn.get();
-    cn->on_failure = [this, raw, lp = &ln](const std::string& why) { conn_failed(*lp, raw, why); };
-    {
-      std::lock_guard l(mu);
-      ln.c = cn;
-    }
+    std::shared_ptr<connection> cn;
+    connection* raw = nullptr;
     message r;
     auto nonce = detail::random_nonce();
-    try {
-      r = request({0, 0, hello{1, 1, 64, nonce, static_cast<std::uint16_t>(lanes.size())}}, until, false, &ln);
-    } catch (const error& e) {
-      throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});
+    // A server flooded by connections that never speak closes some still in their handshake to
+    // make room (FERRY_SERVE_MAX_UNAUTHENTICATED): a connection lost before the hello is answered
+    // is tried again, a few times, within the deadline.
+    for (int attempt = 0;; ++attempt) {
+      cn = ln.w->connect(host, to, until);
+      raw = cn.get();
+      cn->on_failure = [this, raw, lp = &ln](const std::string& why) { conn_failed(*lp, raw, why); };
+      {
+        std::lock_guard l(mu);
+        ln.c = cn;
+      }
+      try {
+        r = request({0, 0, hello{1, 1, 64, nonce, static_cast<std::uint16_t>(lanes.size())}}, until, false, &ln);
+        break;
+      } catch (const error& e) {
+        auto pause = std::chrono::milliseconds(10 << attempt);
+        if (e.code() != errc::network_error || attempt >= 4 || clk::now() + 2 * pause >= until)
+          throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});
+        cn->close();
+        std::this_thread::sleep_for(pause);
+      }
     }
     if (auto* ch = std::get_if<challenge>(&r.b)) {
       if (o.secret.empty())

@@ -318,6 +318,7 @@ struct server::impl {
     std::atomic<int> outstanding{0};
     worker_counts* counts = nullptr;  // its worker's
     std::atomic<bool> welcomed{false};  // the handshake is complete (read by the janitor too)
+    std::atomic<bool> spoke{false};     // it sent a frame
     // Connection limits (the janitor reads these under sess_mu; `last` is written per request).
     std::weak_ptr<connection> conn;
     std::string peer_addr;              // the peer's address without its port
@@ -423,17 +424,14 @@ struct server::impl {
         s->since = clk::now();
         s->last = coarse_now().time_since_epoch().count();
         c->user = s.get();  // for session_of (the map keeps it; cleared when it goes)
-        // Room for this one among connections still in their handshake: the oldest goes.
+        // Room for this one among connections still in their handshake.
         std::size_t waiting = 0;
-        session* oldest = nullptr;
-        for (auto& [k, x] : sessions)
-          if (!x->welcomed && !x->closing) {
-            waiting++;
-            if (!oldest || x->since < oldest->since) oldest = x.get();
+        for (auto& [k, x] : sessions) waiting += !x->welcomed && !x->closing;
+        if (waiting > static_cast<std::size_t>(o.max_unauthenticated)) {
+          if (session* v = victim_locked()) {
+            closed_handshake++;
+            close_locked(*v, "displaced: too many connections in their handshake (FERRY_SERVE_MAX_UNAUTHENTICATED)");
           }
-        if (waiting > static_cast<std::size_t>(o.max_unauthenticated) && oldest) {
-          closed_handshake++;
-          close_locked(*oldest, "displaced: too many connections in their handshake (FERRY_SERVE_MAX_UNAUTHENTICATED)");
         }
       }
       // A client that dies or leaves: its session goes; running jobs hold their own reference.
@@ -517,6 +515,27 @@ struct server::impl {
       ::setrlimit(RLIMIT_NOFILE, &r);
     }
   }
+  // The connection to displace when too many are in their handshake: one that has not said anything
+  // yet, picked at random -- a client that just connected and is about to speak survives a flood
+  // of silent connections with good odds, whatever their order -- else the oldest that spoke but
+  // has not finished. Null when every connection is authenticated. sess_mu held.
+  session* victim_locked() {
+    session* silent = nullptr;
+    session* oldest = nullptr;
+    std::size_t n_silent = 0;
+    for (auto& [k, x] : sessions) {
+      if (x->welcomed || x->closing) continue;
+      if (!x->spoke) {
+        victim_rng = victim_rng * 6364136223846793005ull + 1442695040888963407ull;
+        if ((victim_rng >> 33) % ++n_silent == 0) silent = x.get();  // reservoir: each equally likely
+      } else if (!oldest || x->since < oldest->since) {
+        oldest = x.get();
+      }
+    }
+    return silent ? silent : oldest;
+  }
+  std::uint64_t victim_rng = 0x853c49e6748fea9bull;  // sess_mu
+
   // Closes a session's connection (its session goes when the close is seen). sess_mu held.
   void close_locked(session& s, const std::string& why) {
     if (s.closing) return;
@@ -536,13 +555,9 @@ struct server::impl {
       return false;
     }
     std::size_t live = 0;
-    session* oldest = nullptr;
-    for (auto& [k, x] : sessions) {
-      if (x->closing) continue;
-      live++;
-      if (!x->welcomed && (!oldest || x->since < oldest->since)) oldest = x.get();
-    }
+    for (auto& [k, x] : sessions) live += !x->closing;
     if (live < static_cast<std::size_t>(o.max_connections)) return true;
+    session* oldest = victim_locked();
     if (!oldest) {
       if (refused++ % 1000 == 0)
         log::warn("store", "refusing {}: {} connections, all authenticated (FERRY_SERVE_MAX_CONNECTIONS)", peer, live);
@@ -677,6 +692,7 @@ struct server::impl {
     auto* s = static_cast<session*>(c.user);
     if (!s) return;
     s->last.store(coarse_now().time_since_epoch().count(), std::memory_order_relaxed);
+    if (!s->welcomed.load(std::memory_order_relaxed)) s->spoke.store(true, std::memory_order_relaxed);
     std::uint64_t rid = m.request_id;
     if (auto* h = std::get_if<hello>(&m.b)) {
       s->lanes = h->lanes;
