@@ -34,6 +34,8 @@ check "missing secret file" "cannot read the secret file" env FERRY_SECRET_FILE=
 check "write to read-only" "the server is read-only" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp host "ferry://127.0.0.1:$port/w.bin" --size 1MiB
 check "file API (file:ferry://)" "file engine \(ferry://, UCX\), checksum verified" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp "file:ferry://127.0.0.1:$port/a.txt" host
 check "file API, missing file" "no_such|not_found|No such file.*missing.txt|missing.txt.*No such file" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp "file:ferry://127.0.0.1:$port/missing.txt" host
+check "secret file warnings" "readable by group or others.*chmod 600" cat "$work/serve.log"
+check "short secret warning" "only 6 bytes; use at least 16" cat "$work/serve.log"
 check "writable without secret" "refusing to serve writable without a shared secret" "$FERRY" serve --root "$work/export" --listen 127.0.0.1:0 --writable
 kill -TERM "$srv"
 for _ in $(seq 50); do kill -0 "$srv" 2>/dev/null || break; sleep 0.1; done
