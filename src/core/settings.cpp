@@ -228,7 +228,7 @@ const setting_def table[] = {
   {"FERRY_SERVE_THREADS", "File I/O threads of `ferry serve` (reads larger than 16KiB and all writes).",
    [](settings& s, std::string_view v) { s.serve_threads = static_cast<int>(parse_int(v, 1, 256)); },
    [](const settings& s) { return std::to_string(s.serve_threads); }},
-  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`, each listening on its own port (the given port and the ones after it, or free ports for port 0); clients spread their lanes over them, so several connections' messages are handled in parallel. 1: one port only, and immune to a UCX 1.13 abort under heavy connection churn, at a cost in tcp bandwidth (docs/design/storage-service.md).",
+  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`, each listening on its own port (the given port and the ones after it, or free ports for port 0); clients spread their lanes over them, so several connections' messages are handled in parallel (more tcp bandwidth). 1 (the default): one port only, and immune to a UCX 1.13 abort that clients connecting and leaving at a high rate can cause with several workers; raise it only where clients are trusted (docs/design/storage-service.md).",
    [](settings& s, std::string_view v) { s.serve_workers = static_cast<int>(parse_int(v, 1, 64)); },
    [](const settings& s) { return std::to_string(s.serve_workers); }},
   {"FERRY_SERVE_MAX_CONNECTIONS", "Connections `ferry serve` keeps at once; past it a new connection first displaces the oldest one that has not completed its handshake, else it is refused.",

@@ -43,6 +43,7 @@ struct served {
     store::server_options o;
     o.root = root.string();
     o.chunk = 1 << 20;
+    o.workers = 4;  // the lane-spreading tests need several
     srv = std::make_unique<store::server>(o);
   }
   ~served() {

@@ -65,7 +65,7 @@ struct FERRY_API settings {
   std::uint64_t net_staging = 256ull << 20; // pinned staging for GPU/sim memory per client
   std::chrono::nanoseconds net_spin = std::chrono::microseconds(200);  // progress back-off before sleeping
   int serve_threads = 8;                // file I/O threads of `ferry serve`
-  int serve_workers = 4;                // UCX workers (progress threads) of `ferry serve`
+  int serve_workers = 1;                // UCX workers (progress threads) of `ferry serve`
   int serve_max_connections = 1024;     // connections a server keeps at once
   int serve_max_unauthenticated = 64;   // of those, connections that have not completed the handshake
   std::chrono::nanoseconds serve_handshake_timeout = std::chrono::seconds(5);  // hello..welcome
