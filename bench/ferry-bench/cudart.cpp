@@ -28,6 +28,10 @@ cudart::cudart() {
   sym(memcpy_, "cudaMemcpy");
   sym(memcpy_peer, "cudaMemcpyPeer");
   sym(set_device, "cudaSetDevice");
+  sym(stream_create, "cudaStreamCreate");
+  sym(stream_destroy, "cudaStreamDestroy");
+  sym(stream_sync, "cudaStreamSynchronize");
+  sym(memcpy_async, "cudaMemcpyAsync");
   sym(enable_peer, "cudaDeviceEnablePeerAccess");
   sym(sync, "cudaDeviceSynchronize");
   sym(error_string, "cudaGetErrorString");

@@ -19,6 +19,11 @@ struct cudart {
   int (*memcpy_)(void*, const void*, std::size_t, int) = nullptr;
   int (*memcpy_peer)(void*, int, const void*, int, std::size_t) = nullptr;
   int (*set_device)(int) = nullptr;
+  // Streams, for the multi-threaded pread + cudaMemcpyAsync pipeline of `ferry-bench file`.
+  int (*stream_create)(void**) = nullptr;
+  int (*stream_destroy)(void*) = nullptr;
+  int (*stream_sync)(void*) = nullptr;
+  int (*memcpy_async)(void*, const void*, std::size_t, int, void*) = nullptr;
   int (*enable_peer)(int, unsigned) = nullptr;
   int (*sync)() = nullptr;
   const char* (*error_string)(int) = nullptr;
