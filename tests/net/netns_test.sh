@@ -99,10 +99,12 @@ echo "== (e) unshaped link: ferry:// read of $BIG vs iperf3 over the same veth p
 tc -n "$S" qdisc del dev "vs$n" root
 kill -9 "${pids[-1]}" 2>/dev/null; wait "${pids[-1]}" 2>/dev/null
 "$FERRY" cp host "file:$work/export/big.bin" --size "$BIG" >/dev/null || { echo "FAIL: cannot make the $BIG file"; exit 1; }
-# iperf3: one-off server bound to the server's address in its namespace, a 3 s client from the other.
+# iperf3: a server bound to the server's address in its namespace, a 3 s client from the other.
 IPORT=5201  # away from the server's ports (PORT and, one per worker, the ones after it)
-ip netns exec "$S" iperf3 -s -1 -B "$SRV" -p "$IPORT" > "$work/iperf3-server.log" 2>&1 &
-pids+=($!)
+# A server that stays up (not one-off: a client attempt that races its start must not end it); killed below.
+ip netns exec "$S" iperf3 -s -B "$SRV" -p "$IPORT" > "$work/iperf3-server.log" 2>&1 &
+iperf_srv=$!
+pids+=($iperf_srv)
 link_bps=
 for _ in $(seq 50); do
   if ip netns exec "$C" iperf3 -c "$SRV" -B "10.250.$n.2" -p "$IPORT" -t 3 --json > "$work/iperf3.json" 2>&1; then
@@ -111,6 +113,7 @@ for _ in $(seq 50); do
   fi
   sleep 0.1
 done
+kill "$iperf_srv" 2>/dev/null; wait "$iperf_srv" 2>/dev/null
 # Up to 3 ferry reads, the best one counts (the 2-core machine is noisy); cp prints the rate of the
 # read itself (connect and checksum read-back excluded) in decimal units: "(123.45 MB/s)", "(1.23 GB/s)".
 serve || exit 1
