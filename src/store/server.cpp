@@ -101,13 +101,11 @@ class fd_cache {
     map_[path] = {f, now};
     return f;
   }
-  // Whether `path` (beneath the root) still names `f`'s file; `size` gets its size now. The lookup
-  // is not confined to the root, but only a match with a file opened through it counts.
-  bool still_names(const std::string& path, const open_file& f, std::uint64_t* size = nullptr) const {
+  // Whether `path` (beneath the root) still names `f`'s file. The lookup is not confined to the
+  // root, but only a match with a file opened through it counts.
+  bool still_names(const std::string& path, const open_file& f) const {
     struct ::stat st{};
-    if (::fstatat(root_.fd(), path.c_str(), &st, 0) != 0 || st.st_dev != f.dev || st.st_ino != f.ino) return false;
-    if (size) *size = static_cast<std::uint64_t>(st.st_size);
-    return true;
+    return ::fstatat(root_.fd(), path.c_str(), &st, 0) == 0 && st.st_dev == f.dev && st.st_ino == f.ino;
   }
   // The cheap check for the small-read path, without a path lookup: a file deleted, or replaced by
   // a rename over its name, has no links left. (A file renamed away under another name keeps its
@@ -557,14 +555,14 @@ struct server::impl {
     std::size_t live = 0;
     for (auto& [k, x] : sessions) live += !x->closing;
     if (live < static_cast<std::size_t>(o.max_connections)) return true;
-    session* oldest = victim_locked();
-    if (!oldest) {
+    session* victim = victim_locked();
+    if (!victim) {
       if (refused++ % 1000 == 0)
         log::warn("store", "refusing {}: {} connections, all authenticated (FERRY_SERVE_MAX_CONNECTIONS)", peer, live);
       return false;
     }
     closed_handshake++;
-    close_locked(*oldest, "displaced: the server is at FERRY_SERVE_MAX_CONNECTIONS");
+    close_locked(*victim, "displaced: the server is at FERRY_SERVE_MAX_CONNECTIONS");
     return true;
   }
   // Counts a failed authentication from `addr`; true when the address is now refused for `ban`.
