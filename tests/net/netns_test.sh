@@ -105,13 +105,15 @@ IPORT=5201  # away from the server's ports (PORT and, one per worker, the ones a
 ip netns exec "$S" iperf3 -s -B "$SRV" -p "$IPORT" > "$work/iperf3-server.log" 2>&1 &
 iperf_srv=$!
 pids+=($iperf_srv)
-link_bps=
-for _ in $(seq 50); do
-  if ip netns exec "$C" iperf3 -c "$SRV" -B "10.250.$n.2" -p "$IPORT" -t 3 --json > "$work/iperf3.json" 2>&1; then
-    link_bps=$(python3 -c 'import json,sys; print(int(json.load(open(sys.argv[1]))["end"]["sum_received"]["bits_per_second"]))' "$work/iperf3.json" 2>/dev/null)
-    break
-  fi
-  sleep 0.1
+link_bps= iperf_error=
+iperf_until=$(( $(date +%s) + 30 ))
+while [ "$(date +%s)" -lt "$iperf_until" ]; do
+  ip netns exec "$C" timeout 15 iperf3 -c "$SRV" -B "10.250.$n.2" -p "$IPORT" -t 3 --json > "$work/iperf3.json" 2>&1
+  link_bps=$(python3 -c 'import json,sys; print(int(json.load(open(sys.argv[1]))["end"]["sum_received"]["bits_per_second"]))' "$work/iperf3.json" 2>/dev/null)
+  [ -n "$link_bps" ] && [ "$link_bps" != 0 ] && break
+  # What the client said (its JSON names an "error"), kept for the report below.
+  iperf_error=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("error", ""))' "$work/iperf3.json" 2>/dev/null || head -c 200 "$work/iperf3.json")
+  sleep 0.2
 done
 kill "$iperf_srv" 2>/dev/null; wait "$iperf_srv" 2>/dev/null
 # Up to 3 ferry reads, the best one counts (the 2-core machine is noisy); cp prints the rate of the
@@ -136,8 +138,9 @@ done
 if ! command -v iperf3 >/dev/null || ! command -v python3 >/dev/null; then
   echo "FAIL (e): needs iperf3 and python3 (scripts/install-deps installs iperf3)"; fails=$((fails+1))
 elif [ -z "$link_bps" ] || [ "$link_bps" = 0 ]; then
-  echo "FAIL (e): iperf3 gave no figure: $(cat "$work/iperf3.json" "$work/iperf3-server.log" | tail -4 | tr '\n' ' ' | cut -c1-200)"
-  fails=$((fails+1))
+  # No baseline, so no ratio: a failure when a ratio is required; otherwise the reads alone decide.
+  echo "(e): iperf3 gave no figure in 30 s (client: ${iperf_error:-no output}; server: $(tr '\n' ' ' < "$work/iperf3-server.log" | cut -c1-160)); ferry:// read $((best_bps / 1000000)) Mbit/s, $verified of $reads reads with checksums verified"
+  if [ "$min_ratio" != 0 ] || [ "$verified" != "$reads" ]; then echo "FAIL (e)"; fails=$((fails+1)); fi
 else
   r=$(ratio "$best_bps" "$link_bps")
   echo "(e): iperf3 $((link_bps / 1000000)) Mbit/s, ferry:// read $((best_bps / 1000000)) Mbit/s (best of $reads reads, $verified with checksums verified), ratio $r (target >= 0.80$([ "$min_ratio" = 0 ] && echo ", reported only: NETNS_MIN_RATIO unset"))"

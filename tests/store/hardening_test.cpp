@@ -15,6 +15,11 @@
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/un.h>
+#include <sys/wait.h>
+#include <poll.h>
+#include <spawn.h>
+#include <fcntl.h>
+#include <csignal>
 #include <unistd.h>
 
 #include <cstring>
@@ -201,11 +206,77 @@ TEST(StoreHardening, ALoopbackServerAndItsClientsUseLoopbackOnly) {
   }
 }
 
-// A raw UCX endpoint to the server that sends what the test says (nothing, by default).
-struct silent {
-  std::shared_ptr<connection> c;
-  silent(ucx_worker& w, std::uint16_t port) { c = w.connect("127.0.0.1", port, clk::now() + std::chrono::seconds(5)); }
+// Raw UCX endpoints to the server that never send anything, opened by a child process (this test
+// binary again, told by FERRY_TEST_SILENT=<port>:<count>). Not in this process: UCX 1.13 aborts
+// (async.c:643, fixed upstream in 1.17) when a socket that one worker closed is reused by another
+// worker of the same process before the first handled an event it had missed, and the server closes
+// these connections while they are being opened.
+struct silent_peers {
+  pid_t pid = -1;
+  int to_child = -1;
+  silent_peers(std::uint16_t port, int count) {
+    int in[2], out[2];
+    if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) env.emplace_back(*e);
+    env.push_back("FERRY_TEST_SILENT=" + std::to_string(port) + ":" + std::to_string(count));
+    std::vector<char*> envp;
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    char self[] = "/proc/self/exe";
+    char* argv[] = {self, nullptr};
+    int rc = ::posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv, envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(in[0]);
+    ::close(out[1]);
+    to_child = in[1];
+    if (rc != 0) throw std::runtime_error("posix_spawn: " + std::string(std::strerror(rc)));
+    // The child writes one line once every endpoint is made.
+    pollfd p{out[0], POLLIN, 0};
+    char line[64] = {};
+    bool ready = ::poll(&p, 1, 20000) == 1 && ::read(out[0], line, sizeof line - 1) > 0;
+    ::close(out[0]);
+    if (!ready) throw std::runtime_error("the silent peers' process did not report ready within 20 s");
+  }
+  ~silent_peers() {
+    ::close(to_child);  // the child exits at end of input
+    for (int i = 0; i < 100; ++i) {
+      if (::waitpid(pid, nullptr, WNOHANG) == pid) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
 };
+
+// The child's side: runs before main when FERRY_TEST_SILENT is set.
+const bool silent_child = [] {
+  const char* spec = std::getenv("FERRY_TEST_SILENT");
+  if (!spec) return false;
+  unsigned port = 0;
+  int count = 0;
+  if (std::sscanf(spec, "%u:%d", &port, &count) != 2) ::_exit(2);
+  ucx_worker w("silent");
+  std::vector<std::shared_ptr<connection>> held;
+  int made = 0;
+  for (int i = 0; i < count; ++i) {
+    try {
+      held.push_back(w.connect("127.0.0.1", static_cast<std::uint16_t>(port), clk::now() + std::chrono::seconds(5)));
+      made++;
+    } catch (const std::exception&) {
+    }
+  }
+  std::string msg = "ready " + std::to_string(made) + "\n";
+  if (::write(1, msg.data(), msg.size()) < 0) ::_exit(3);
+  char c;
+  while (::read(0, &c, 1) > 0) {
+  }
+  ::_exit(0);  // the endpoints go with the process
+}();
 
 TEST(StoreHardening, ConnectionsThatNeverSpeakAreClosedAndCannotLockOutAClient) {
   store::server_options o;
@@ -214,9 +285,7 @@ TEST(StoreHardening, ConnectionsThatNeverSpeakAreClosedAndCannotLockOutAClient) 
   o.max_connections = 64;
   o.workers = 1;
   served s(o);
-  ucx_worker w("silent");
-  std::vector<silent> quiet;
-  for (int i = 0; i < 200; ++i) quiet.emplace_back(w, s.srv->port());
+  silent_peers quiet(s.srv->port(), 200);
   // While they sit there a client connects and reads.
   auto c = s.client();
   std::string got(16, '\0');
