@@ -255,7 +255,7 @@ const setting_def table[] = {
   {"FERRY_NET_STAGERS", "Threads of a ferry:// client that copy read pieces from its landing region or staging buffers on to their destination (GPU memory) through the transfer engine, one piece each at a time.",
    [](settings& s, std::string_view v) { s.net_stagers = static_cast<int>(parse_int(v, 1, 64)); },
    [](const settings& s) { return std::to_string(s.net_stagers); }},
-  {"FERRY_NET_MAP", "Same-host shared memory: the client lends a landing region (FERRY_NET_STAGING bytes) that the server maps (UCX rkey_ptr) and reads files straight into; off = data always moves by messages. Needs both sides on.",
+  {"FERRY_NET_MAP", "Same-host shared memory: the client lends a landing region (FERRY_NET_STAGING bytes, a sealed memfd passed on the server's Unix socket) that the server maps and reads files straight into; off = data always moves by messages. Needs both sides on.",
    [](settings& s, std::string_view v) { s.net_map = parse_bool(v); },
    [](const settings& s) { return std::string(s.net_map ? "1" : "0"); }},
   {"FERRY_NET_RMA", "Bulk data of ferry:// by RMA into the client's registered memory (the server puts reads and gets writes): auto (when the connection has a transport with real RMA: InfiniBand/RoCE verbs) | on (always; over tcp UCX emulates it, slowly) | off (active messages).",

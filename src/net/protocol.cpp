@@ -182,6 +182,8 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           if (v.ports.size() > max_ports) fail(errc::invalid_argument, "net.encode", "ports", fmt::format("more than {}", max_ports));
           p.put(static_cast<std::uint8_t>(v.ports.size()));
           for (auto port : v.ports) p.put(port);
+          p.str(v.lending, max_socket_name, "lending socket");
+          p.bytes(v.token, lend_token_size);
         } else if constexpr (std::is_same_v<T, read_req> || std::is_same_v<T, write_req>) {
           p.put(v.offset);
           p.put(v.length);
@@ -198,9 +200,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
         } else if constexpr (std::is_same_v<T, lend>) {
           p.put(v.addr);
           p.put(v.length);
-          if (v.rkey.size() > max_rkey) fail(errc::invalid_argument, "net.encode", "rkey", fmt::format("longer than {} bytes", max_rkey));
-          p.put(static_cast<std::uint16_t>(v.rkey.size()));
-          p.bytes(v.rkey, v.rkey.size());
+          p.put(v.region);
         } else if constexpr (std::is_same_v<T, read_into> || std::is_same_v<T, write_from>) {
           p.put(v.offset);
           p.put(v.length);
@@ -309,6 +309,8 @@ message decode(std::span<const std::byte> bytes) {
         v.ports.push_back(r.get<std::uint16_t>("port"));
         if (v.ports.back() == 0) bad("port 0");
       }
+      v.lending = r.str(max_socket_name, "lending socket");
+      v.token = r.bytes(lend_token_size, "lending token");
       m.b = std::move(v);
       break;
     }
@@ -344,9 +346,7 @@ message decode(std::span<const std::byte> bytes) {
       v.addr = r.get<std::uint64_t>("address");
       v.length = r.get<std::uint64_t>("length");
       if (v.addr + v.length < v.addr) bad("address + length overflows");
-      auto n = r.get<std::uint16_t>("rkey length");
-      if (n > max_rkey) bad(fmt::format("rkey of {} bytes exceeds the limit {}", n, max_rkey));
-      v.rkey = r.bytes(n, "rkey");
+      v.region = r.get<std::uint64_t>("region");
       m.b = std::move(v);
       break;
     }

@@ -361,55 +361,7 @@ ucx_context::ucx_context(const std::string& net_device) {
 
 ucx_context::~ucx_context() { ucp_cleanup(ctx_); }
 
-ucx_region::ucx_region(std::shared_ptr<ucx_context> ctx, std::size_t bytes) : ctx_(std::move(ctx)), size_(bytes) {
-  ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
-  mp.length = bytes;
-  mp.flags = UCP_MEM_MAP_ALLOCATE;  // UCX picks shared memory (sysv/posix) first when a shm transport is enabled
-  check(ucp_mem_map(ctx_->handle(), &mp, &mem_), "net.region", fmt::format("{} bytes", bytes));
-  ucp_mem_attr_t ma{};
-  ma.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
-  ucs_status_t st = ucp_mem_query(mem_, &ma);
-  void* rk = nullptr;
-  std::size_t rkn = 0;
-  if (st == UCS_OK) st = ucp_rkey_pack(ctx_->handle(), mem_, &rk, &rkn);
-  if (st != UCS_OK) {
-    ucp_mem_unmap(ctx_->handle(), mem_);
-    check(st, "net.region", "ucp_mem_query/ucp_rkey_pack");
-  }
-  base_ = static_cast<std::byte*>(ma.address);
-  rkey_.assign(static_cast<std::byte*>(rk), static_cast<std::byte*>(rk) + rkn);
-  ucp_rkey_buffer_release(rk);
-}
-
-ucx_region::~ucx_region() {
-  if (mem_) ucp_mem_unmap(ctx_->handle(), mem_);
-}
-
-namespace {
-// Whether [p, p+n) lies inside one shared mapping of this process (/proc/self/maps): a peer's rkey
-// is not trusted to describe a segment of the length it claims.
-bool inside_shared_mapping(const std::byte* p, std::uint64_t n) {
-  FILE* f = std::fopen("/proc/self/maps", "r");
-  if (!f) return false;
-  auto a = reinterpret_cast<std::uintptr_t>(p);
-  bool ok = false;
-  char line[512];
-  while (std::fgets(line, sizeof line, f)) {
-    unsigned long lo = 0, hi = 0;
-    char perms[8] = {};
-    if (std::sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3) continue;
-    if (a >= lo && a < hi) {
-      ok = perms[0] == 'r' && perms[1] == 'w' && perms[3] == 's' && n <= hi - a;
-      break;
-    }
-  }
-  std::fclose(f);
-  return ok;
-}
-}  // namespace
-
-remote_mapping::~remote_mapping() {
+remote_key::~remote_key() {
   if (rkey) w->run_or_post([r = rkey] { ucp_rkey_destroy(r); });
 }
 
@@ -424,30 +376,11 @@ ucs_status_t unpack_bounded(ucp_ep_h ep, std::span<const std::byte> rkey, ucp_rk
 }
 }  // namespace
 
-std::shared_ptr<remote_mapping> connection::map_remote(std::uint64_t addr, std::uint64_t len, std::span<const std::byte> rkey) {
-  if (!ep || len == 0 || rkey.empty()) return nullptr;
-  ucp_rkey_h rk = nullptr;
-  if (unpack_bounded(ep, rkey, &rk) != UCS_OK) return nullptr;
-  void* local = nullptr;
-  if (ucp_rkey_ptr(rk, addr, &local) != UCS_OK || !local ||
-      !inside_shared_mapping(static_cast<std::byte*>(local), len)) {
-    ucp_rkey_destroy(rk);
-    return nullptr;
-  }
-  auto m = std::make_shared<remote_mapping>();
-  m->w = &w_;
-  m->rkey = rk;
-  m->base = static_cast<std::byte*>(local);
-  m->addr = addr;
-  m->len = len;
-  return m;
-}
-
-std::shared_ptr<remote_mapping> connection::unpack_rkey(std::span<const std::byte> rkey) {
+std::shared_ptr<remote_key> connection::unpack_rkey(std::span<const std::byte> rkey) {
   if (!ep || rkey.empty()) return nullptr;
   ucp_rkey_h rk = nullptr;
   if (unpack_bounded(ep, rkey, &rk) != UCS_OK) return nullptr;
-  auto m = std::make_shared<remote_mapping>();
+  auto m = std::make_shared<remote_key>();
   m->w = &w_;
   m->rkey = rk;
   return m;
@@ -456,7 +389,7 @@ std::shared_ptr<remote_mapping> connection::unpack_rkey(std::span<const std::byt
 namespace {
 struct rma_ctx {
   std::shared_ptr<connection> conn;
-  std::shared_ptr<remote_mapping> key;  // the rkey lives until the operation completes
+  std::shared_ptr<remote_key> key;  // the rkey lives until the operation completes
   std::function<void(ucs_status_t)> done;
 };
 void rma_cb(void* request, ucs_status_t status, void* user) {
@@ -468,7 +401,7 @@ void rma_cb(void* request, ucs_status_t status, void* user) {
 }
 }  // namespace
 
-void connection::rma(bool get, void* local, std::size_t n, std::uint64_t remote, std::shared_ptr<remote_mapping> key,
+void connection::rma(bool get, void* local, std::size_t n, std::uint64_t remote, std::shared_ptr<remote_key> key,
                      std::function<void(ucs_status_t)> done) {
   auto* c = new rma_ctx{shared_from_this(), std::move(key), std::move(done)};
   w_.run_or_post([c, get, local, n, remote] {

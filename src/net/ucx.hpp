@@ -73,38 +73,15 @@ class ucx_context {
 // loopback address. Empty for a wildcard address (0.0.0.0, ::) or when it cannot be told.
 std::string interface_for(const std::string& host, bool local);
 
-// Memory UCX allocated and registered for remote access (ucp_mem_map with ALLOCATE): on shared-memory
-// transports a peer on the same host can map it (rkey_ptr) and write into it directly.
-class ucx_region {
- public:
-  ucx_region(std::shared_ptr<ucx_context> ctx, std::size_t bytes);
-  ~ucx_region();
-  ucx_region(const ucx_region&) = delete;
-  ucx_region& operator=(const ucx_region&) = delete;
-  std::byte* data() const { return base_; }
-  std::size_t size() const { return size_; }
-  const std::vector<std::byte>& rkey() const { return rkey_; }  // packed remote key
-
- private:
-  std::shared_ptr<ucx_context> ctx_;
-  ucp_mem_h mem_ = nullptr;
-  std::byte* base_ = nullptr;
-  std::size_t size_ = 0;
-  std::vector<std::byte> rkey_;
-};
-
-// A peer's region mapped into this process (shared memory, ucp_rkey_ptr): [base, base+len) here is
-// [addr, addr+len) there. The mapping goes when the last holder drops it (the rkey is released on
-// the worker's thread), so work still writing into it keeps it alive.
-struct remote_mapping {
+// A peer's packed rkey unpacked for RMA on one endpoint. Released (on the worker's thread) when the
+// last holder drops it, so work still using it keeps it alive.
+struct remote_key {
   ucx_worker* w = nullptr;
   ucp_rkey_h rkey = nullptr;
-  std::byte* base = nullptr;
-  std::uint64_t addr = 0, len = 0;
-  remote_mapping() = default;
-  remote_mapping(const remote_mapping&) = delete;
-  remote_mapping& operator=(const remote_mapping&) = delete;
-  ~remote_mapping();
+  remote_key() = default;
+  remote_key(const remote_key&) = delete;
+  remote_key& operator=(const remote_key&) = delete;
+  ~remote_key();
 };
 
 // Registers memory for the network (ucp_mem_map of existing memory + packed rkey), as a peer-memory
@@ -157,17 +134,12 @@ class connection : public std::enable_shared_from_this<connection> {
   std::string transports();
   // Closes the endpoint (flush); idempotent.
   void close();
-  // Maps a peer's region [addr, addr+len) described by its packed rkey into this process, when the
-  // transport allows it (shared memory on the same host): returns the local address, or nullptr
-  // (then data has to move by messages). Progress thread only. The mapping lives as long as the
-  // connection.
-  std::shared_ptr<remote_mapping> map_remote(std::uint64_t addr, std::uint64_t len, std::span<const std::byte> rkey);
   // A peer's packed rkey unpacked for RMA on this endpoint (base stays null); null when UCX refuses
   // it. Progress thread only; released on the worker's thread when the last holder drops it.
-  std::shared_ptr<remote_mapping> unpack_rkey(std::span<const std::byte> rkey);
+  std::shared_ptr<remote_key> unpack_rkey(std::span<const std::byte> rkey);
   // RMA on the worker: put [local, local+n) to the peer's `remote` (or get it into local); `done`
   // runs on the worker's thread when the local buffer may be reused (put) or holds the data (get).
-  void rma(bool get, void* local, std::size_t n, std::uint64_t remote, std::shared_ptr<remote_mapping> key,
+  void rma(bool get, void* local, std::size_t n, std::uint64_t remote, std::shared_ptr<remote_key> key,
            std::function<void(ucs_status_t)> done);
   // Sends a frame after everything put before it has reached the peer (ucp_worker_fence): the
   // completion of an RMA read may not overtake its data.

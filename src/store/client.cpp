@@ -9,6 +9,7 @@
 #include "core/logging.hpp"
 #include "net/ucx.hpp"
 #include "store/auth.hpp"
+#include "store/lending.hpp"
 
 #include <fmt/format.h>
 
@@ -42,6 +43,9 @@ struct client::impl {
     std::shared_ptr<connection> c;                // mu
     std::uint32_t credits = 1, inflight = 0;      // mu
     bool mapped = false;                          // the server mapped our landing region (mu)
+    // From its welcome: where to pass regions it may map, and the session's token.
+    std::string lending;
+    std::vector<std::uint8_t> token;
     // The read a caller waits for with this lane's worker held (fast_read): not in `pend`, seen
     // and settled only by the worker's holder, which is that caller until it lets the worker go.
     piece* fast = nullptr;
@@ -165,7 +169,7 @@ struct client::impl {
   // The landing region lent to the server (shared memory, mapped by a same-host server): slots of
   // `piece` bytes; a slot whose request was abandoned stays out of use (the server may still write).
   std::shared_ptr<ucx_context> ctx;
-  std::unique_ptr<ucx_region> landing;
+  std::unique_ptr<detail::shared_region> landing;
   std::byte* notify_base = nullptr;  // in the landing region: lane i's notify record at + 64 i (its fast read's)
   registration landing_pin;  // for DMA from/to GPU memory (taken on first use)
   bool landing_pinned = false;
@@ -177,7 +181,7 @@ struct client::impl {
   // server like the landing region, so requests on them move no data and make no copy here. Which
   // lanes' servers mapped each one (a bit per lane); lend_mu orders lending against (re)connects.
   struct user_region {
-    std::unique_ptr<ucx_region> r;  // null once deallocated (the entry itself lives as long as the client)
+    std::unique_ptr<detail::shared_region> r;  // null once deallocated (the entry itself lives as long as the client)
     std::atomic<std::uint64_t> lanes_mapped{0};
   };
   std::mutex lend_mu;
@@ -262,7 +266,7 @@ struct client::impl {
       try {
         // The slots, then a cache line per lane for the notify records of its small reads.
         std::size_t slots = static_cast<std::size_t>(count) * o.piece;
-        landing = std::make_unique<ucx_region>(ctx, slots + ((lanes.size() * 64 + 4095) & ~std::size_t{4095}));
+        landing = std::make_unique<detail::shared_region>(slots + ((lanes.size() * 64 + 4095) & ~std::size_t{4095}));
         notify_base = landing->data() + slots;
         for (int i = count - 1; i >= 0; --i) land_free.push_back(i);
       } catch (const error& e) {
@@ -347,14 +351,17 @@ struct client::impl {
     return false;
   }
   // Lends (or, with `give_back`, takes back) one region to one lane's server; true if it mapped it.
-  bool lend_to(lane& ln, const ucx_region& r, bool give_back, clk::time_point until) {
-    std::vector<std::uint8_t> key;
+  // Lending is passing the region's descriptor on the server's lending socket, then naming it on the
+  // lane; a server on another host (or network namespace) cannot be reached there.
+  bool lend_to(lane& ln, const detail::shared_region& r, bool give_back, clk::time_point until) {
     if (!give_back) {
-      auto& rk = r.rkey();
-      key.assign(reinterpret_cast<const std::uint8_t*>(rk.data()), reinterpret_cast<const std::uint8_t*>(rk.data()) + rk.size());
+      std::string why;
+      if (!detail::pass_region(ln.lending, ln.token, r.fd(), r.id(), until, why)) {
+        log::debug("store", "{}: lane {} lends no memory: {}", peer, ln.index, why);
+        return false;
+      }
     }
-    message lr = request({0, 0, lend{reinterpret_cast<std::uint64_t>(r.data()), give_back ? 0 : r.size(), std::move(key)}}, until,
-                         false, &ln);
+    message lr = request({0, 0, lend{reinterpret_cast<std::uint64_t>(r.data()), give_back ? 0 : r.size(), r.id()}}, until, false, &ln);
     auto* cp = std::get_if<complete>(&lr.b);
     return cp && cp->status == 0 && cp->bytes == 1;
   }
@@ -362,7 +369,7 @@ struct client::impl {
     expects(bytes > 0 && bytes <= (1ull << 40), "store.allocate", peer, fmt::format("{} bytes: must be between 1 and 1 TiB", bytes));
     std::lock_guard g(lend_mu);
     auto u = std::make_unique<user_region>();
-    u->r = std::make_unique<ucx_region>(ctx, static_cast<std::size_t>(bytes));
+    u->r = std::make_unique<detail::shared_region>(static_cast<std::size_t>(bytes));
     auto until = clk::now() + o.timeout;
     std::uint64_t mapped = 0;
     if (o.map && landing) {  // only where the landing region could be made: a transport that maps regions
@@ -752,14 +759,12 @@ struct client::impl {
         fail(errc::protocol_error, "store.connect", fmt::format("{}:{}", host, to),
              fmt::format("lane {} reached another server than lane 0 (restarted, or another server on that port)", ln.index));
     }
-    bool mapped = false;
-    if (landing) {
-      auto& rk = landing->rkey();
-      std::vector<std::uint8_t> key(reinterpret_cast<const std::uint8_t*>(rk.data()), reinterpret_cast<const std::uint8_t*>(rk.data()) + rk.size());
-      message lr = request({0, 0, lend{reinterpret_cast<std::uint64_t>(landing->data()), landing->size(), std::move(key)}}, until, false, &ln);
-      auto* cp = std::get_if<complete>(&lr.b);
-      mapped = cp && cp->status == 0 && cp->bytes == 1;
+    {
+      auto& w = std::get<welcome>(r.b);
+      ln.lending = w.lending;
+      ln.token = w.token;
     }
+    bool mapped = landing && lend_to(ln, *landing, false, until);
     if (ln.index == 0) decide_rma(*cn);
     if (landing && n_user_regions.load()) {  // the caller's buffers too (a new session knows none of them)
       std::lock_guard g(lend_mu);

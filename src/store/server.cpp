@@ -2,8 +2,9 @@
 // of its own and clients spread their lanes over them, so several clients' (or one client's lanes')
 // messages are handled in parallel — and a
 // few I/O threads for file work. Small reads are served inline on the progress thread (one reply
-// message); larger reads and all writes go to the I/O threads. A same-host client may lend a shared
-// memory region (UCX rkey_ptr): reads and writes into it are then one pread/pwrite, no data message. Every per-connection resource lives in the session, which goes
+// message); larger reads and all writes go to the I/O threads. A same-host client may lend shared
+// memory (a sealed memfd passed on the lending socket, store/lending.hpp): reads and writes into it
+// are then one pread/pwrite, no data message. Every per-connection resource lives in the session, which goes
 // when the connection does; buffers UCX may still write into are owned by the in-flight table until
 // UCX reports the receive finished (or failed).
 #include <ferry/io/mapped_file.hpp>
@@ -13,6 +14,7 @@
 #include "core/logging.hpp"
 #include "net/ucx.hpp"
 #include "store/auth.hpp"
+#include "store/lending.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -34,6 +36,9 @@
 namespace ferry::store {
 
 using namespace ferry::net;
+using ferry::store::detail::lending_socket;
+using ferry::store::detail::lent_region;
+using ferry::store::detail::map_lent;
 using clk = std::chrono::steady_clock;
 
 namespace {
@@ -333,11 +338,18 @@ struct server::impl {
     std::map<std::uint64_t, std::shared_ptr<write_state>> writes;  // its worker's thread only
     // The client's lent regions (its landing region, buffers it allocated), mapped here; the newest
     // last (its worker's thread; jobs hold copies).
-    std::vector<std::shared_ptr<remote_mapping>> lent;
+    std::vector<std::shared_ptr<lent_region>> lent;
     std::atomic<bool> mapped{false};       // for stats (read under sess_mu from any thread)
+    // Lending: the token that ties descriptors passed on the lending socket to this session, and the
+    // descriptors passed and not yet named by a `lend` (sess_mu; at most max_lent).
+    std::vector<std::uint8_t> token;
+    std::vector<std::pair<std::uint64_t, int>> passed;
+    ~session() {
+      for (auto& [id, fd] : passed) ::close(fd);
+    }
     // The lent region that holds [addr, addr + n), or null. Newest first: a region lent again at
     // an address that was given back is the live one.
-    remote_mapping* lent_at(std::uint64_t addr, std::uint64_t n) const {
+    lent_region* lent_at(std::uint64_t addr, std::uint64_t n) const {
       for (auto it = lent.rbegin(); it != lent.rend(); ++it) {
         auto& m = **it;
         if (addr >= m.addr && n <= m.len && addr - m.addr <= m.len - n) return &m;
@@ -347,6 +359,12 @@ struct server::impl {
   };
   std::mutex sess_mu;
   std::map<connection*, std::shared_ptr<session>> sessions;
+  std::map<std::vector<std::uint8_t>, std::weak_ptr<session>> by_token;  // welcomed sessions, for the lending socket
+  // Where same-host clients pass the regions they lend (null: none, FERRY_NET_MAP=0); served by the
+  // janitor thread. Bytes mapped from all clients together are bounded (address space).
+  std::unique_ptr<lending_socket> lending;
+  std::atomic<std::uint64_t> lent_bytes{0};
+  static constexpr std::uint64_t max_lent_bytes = 1ull << 45;
   // Write data buffers UCX is receiving into, by (connection, request, offset); declared before the
   // workers so that they outlive them.
   buffer_pool write_buffers;  // before `receiving`: its buffers return here
@@ -440,6 +458,7 @@ struct server::impl {
           std::lock_guard l(sess_mu);
           auto it = sessions.find(raw);
           if (it != sessions.end()) s = std::move(it->second), sessions.erase(it);
+          if (s && !s->token.empty()) by_token.erase(s->token);
         }
         raw->user = nullptr;  // runs where the connection's frames are handled (the worker's holder)
         if (s) {
@@ -480,7 +499,29 @@ struct server::impl {
     port = ports[0];
     // Last: a constructor that threw above leaves no running thread behind.
     for (int i = 0; i < o.threads; ++i) threads.emplace_back([this] { work(); });
+    if (o.map) {
+      try {
+        lending = std::make_unique<lending_socket>(instance, [this](std::span<const std::uint8_t> token, std::uint64_t id, int fd) {
+          return take_passed(token, id, fd);
+        });
+      } catch (const error& e) {
+        log::warn("store", "no lending socket ({}); same-host clients move data by messages", e.what());
+      }
+    }
     janitor_thread = std::thread([this] { janitor(); });
+  }
+  // A descriptor passed on the lending socket: kept for the live session the token names, until a
+  // `lend` on that session names it. Janitor thread.
+  bool take_passed(std::span<const std::uint8_t> token, std::uint64_t id, int fd) {
+    std::lock_guard l(sess_mu);
+    auto it = by_token.find(std::vector<std::uint8_t>(token.begin(), token.end()));
+    auto s = it == by_token.end() ? nullptr : it->second.lock();
+    if (!s || s->closing || s->passed.size() >= max_lent) {
+      ::close(fd);
+      return false;
+    }
+    s->passed.emplace_back(id, fd);
+    return true;
   }
   ~impl() {
     {
@@ -489,6 +530,7 @@ struct server::impl {
     }
     cv.notify_all();
     cv_janitor.notify_all();
+    if (lending) lending->wake();
     janitor_thread.join();
     for (auto& t : threads) t.join();
     // Sessions go while the workers still run: their mapped regions are released on those threads.
@@ -581,10 +623,14 @@ struct server::impl {
               std::chrono::duration_cast<std::chrono::seconds>(o.ban).count());
     return true;
   }
-  // Closes connections that did not complete their handshake in time, and idle ones.
+  // Closes connections that did not complete their handshake in time, and idle ones; takes the
+  // descriptors clients pass on the lending socket.
   void janitor() {
     for (;;) {
-      {
+      if (lending) {
+        lending->serve(std::chrono::milliseconds(100));  // woken by the destructor
+        if (stopping_now()) return;
+      } else {
         std::unique_lock l(mu);
         if (cv_janitor.wait_for(l, std::chrono::milliseconds(100), [&] { return stopping; })) return;
       }
@@ -673,7 +719,23 @@ struct server::impl {
   // The other workers' ports, rotated past the further lanes of each client that arrives on the first
   // worker, so that all clients' further lanes together spread evenly over them.
   welcome welcome_msg(connection& c, unsigned lanes) {
-    welcome w{o.max_outstanding, o.max_request, o.writable, instance, {}};
+    welcome w;
+    w.credits = o.max_outstanding;
+    w.max_request = o.max_request;
+    w.writable = o.writable;
+    w.instance = instance;
+    if (lending) {
+      if (auto* s = static_cast<session*>(c.user)) {
+        auto nonce = detail::random_nonce();
+        s->token.assign(nonce.begin(), nonce.begin() + lend_token_size);
+        {
+          std::lock_guard l(sess_mu);
+          by_token[s->token] = s->shared_from_this();
+        }
+        w.lending = lending->name();
+        w.token = s->token;
+      }
+    }
     if (ports.size() > 1) {
       std::size_t others = ports.size() - 1;
       std::size_t start = &c.worker() == workers[0].get() ? rotation.fetch_add(lanes - 1) % others : 0;
@@ -739,15 +801,28 @@ struct server::impl {
         c.send_frame({rid, 0, complete{0, 0}});
         return;
       }
-      std::shared_ptr<remote_mapping> mapped;
-      if (o.map && l->length <= (1ull << 40) && s->lent.size() < max_lent)
-        mapped = c.map_remote(l->addr, l->length, std::as_bytes(std::span(l->rkey.data(), l->rkey.size())));
-      if (mapped) s->lent.push_back(mapped);
+      int fd = -1;
+      {
+        std::lock_guard g(sess_mu);
+        auto it = std::find_if(s->passed.begin(), s->passed.end(), [&](auto& x) { return x.first == l->region; });
+        if (it != s->passed.end()) fd = it->second, s->passed.erase(it);
+      }
+      std::shared_ptr<lent_region> mapped;
+      std::string why;
+      if (fd < 0) why = "no region was passed under this id on the lending socket";
+      else if (l->length > (1ull << 40)) why = "larger than 1 TiB";
+      else if (s->lent.size() >= max_lent) why = fmt::format("it has {} regions mapped here already", max_lent);
+      else if (lent_bytes.load() + l->length > max_lent_bytes) why = "the server maps too much lent memory already";
+      else mapped = map_lent(fd, l->addr, l->length, why);
+      if (fd >= 0) ::close(fd);
+      if (mapped) {
+        lent_bytes += l->length;
+        mapped->account = &lent_bytes;
+        s->lent.push_back(mapped);
+      }
       s->mapped = !s->lent.empty();
       log::info("store", "client {} lent {} bytes: {}", c.peer(), l->length,
-                mapped ? "mapped (reads and writes go straight through it)"
-                       : s->lent.size() >= max_lent ? fmt::format("not mapped (it has {} regions mapped here already)", max_lent)
-                                                    : "not mappable here (data moves by messages)");
+                mapped ? std::string("mapped (reads and writes go straight through it)") : "not mapped (" + why + "; data moves by messages)");
       c.send_frame({rid, 0, complete{0, mapped ? 1u : 0u}});
       return;
     }
@@ -811,12 +886,12 @@ struct server::impl {
     if (length > o.max_request)
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
     if (sn.lent.empty()) fail(errc::protocol_error, op, c.peer(), "direct request without a mapped region (lend first)");
-    remote_mapping* at = sn.lent_at(addr, length);
+    lent_region* at = sn.lent_at(addr, length);
     if (!at) fail(errc::out_of_range, op, c.peer(), fmt::format("[{:#x}, +{}) is outside every region the client lent", addr, length));
     if (!write && length <= o.inline_max) {
       std::uint64_t* record = nullptr;
       if (notify) {
-        remote_mapping* nm = sn.lent_at(notify, 2 * sizeof(std::uint64_t));
+        lent_region* nm = sn.lent_at(notify, 2 * sizeof(std::uint64_t));
         if (!nm) fail(errc::out_of_range, op, c.peer(), fmt::format("notify record {:#x} is outside every region the client lent", notify));
         record = reinterpret_cast<std::uint64_t*>(nm->base + (notify - nm->addr));
       }
@@ -825,7 +900,7 @@ struct server::impl {
     // Work for an I/O thread: it holds the session and the mapping (a plain reference suffices
     // above, on this thread; taking one costs two atomic operations per request).
     auto s = sn.shared_from_this();
-    std::shared_ptr<remote_mapping> m;
+    std::shared_ptr<lent_region> m;
     for (auto& x : s->lent)
       if (x.get() == at) m = x;
     auto self = c.shared_from_this();
@@ -904,7 +979,7 @@ struct server::impl {
     });
   }
   void rma_wait(connection& c, const std::shared_ptr<std::vector<std::byte>>& buf, bool get, std::uint64_t n, std::uint64_t remote,
-                const std::shared_ptr<remote_mapping>& key, const std::string& path) {
+                const std::shared_ptr<remote_key>& key, const std::string& path) {
     auto p = std::make_shared<std::promise<ucs_status_t>>();
     auto fut = p->get_future();
     c.rma(get, buf->data(), n, remote, key, [p, buf](ucs_status_t st) { p->set_value(st); });

@@ -43,6 +43,10 @@ check "ferry:// -> ferry://" "checksum verified" "$FERRY" cp "$remote/up.bin" "$
 same "ferry:// -> ferry:// (cmp)" "$work/src.bin" "$work/export/copy.bin"
 check "ferry:// -> ferry:// --via sim:1" "-> sim:1 -> UCX .*checksum verified" "$FERRY" cp "$remote/copy.bin" "$remote/copy2.bin" --via sim:1
 same "ferry:// -> ferry:// --via sim:1 (cmp)" "$work/src.bin" "$work/export/copy2.bin"
+# Same host, no settings: the data goes through the landing region the server maps; with
+# FERRY_NET_MAP=0 it moves in messages.
+check "ferry:// -> host, same host" "data by mapped landing region -> .*host, checksum verified" "$FERRY" cp "$remote/up.bin" host
+check "ferry:// -> host, FERRY_NET_MAP=0" "data by messages -> host, checksum verified" env FERRY_NET_MAP=0 "$FERRY" cp "$remote/up.bin" host
 check "file -> ferry:// --size" "part.bin: 1 MiB in .*checksum verified" "$FERRY" cp "file:$work/src.bin" "$remote/part.bin" --size 1MiB
 check "missing remote source" "missing.bin.*(No such file|not_found)|(No such file|not_found).*missing.bin" \
   "$FERRY" cp "$remote/missing.bin" "file:$work/never.bin"

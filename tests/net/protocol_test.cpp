@@ -21,7 +21,8 @@ std::vector<message> samples() {
       {1, 0, hello{1, 1, 64, bytes32(7), 4}},
       {2, 0, challenge{bytes32(9), true}},
       {3, 0, auth{bytes32(1)}},
-      {4, 16, welcome{16, 1ull << 30, true, 0x5eed5eed5eed5eedull, {40001, 40002, 40003}}},
+      {4, 16, welcome{16, 1ull << 30, true, 0x5eed5eed5eed5eedull, {40001, 40002, 40003}, "ferry-serve-5eed-42",
+                      std::vector<std::uint8_t>(lend_token_size, 0xab)}},
       {5, 0, read_req{"data/shard-0001.bin", 1ull << 33, 4096}},
       {6, 0, write_req{"out/x", 7, 9, 0x1234567890abcdefull}},
       {7, 0, stat_req{"a"}},
@@ -30,7 +31,7 @@ std::vector<message> samples() {
       {10, 0, stat_reply{99, 0100644, 1700000000123456789}},
       {11, 0, list_reply{{{"a.bin", 0, 10}, {"sub", 1, 0}}}},
       {12, 0, error_reply{2, "no such file"}},
-      {13, 0, lend{0x7f0000000000, 256 << 20, std::vector<std::uint8_t>(40, 7)}},
+      {13, 0, lend{0x7f0000000000, 256 << 20, 77}},
       {14, 0, read_into{"kv/block-7", 4096, 1 << 20, 0x7f0000100000}},
       {14, 0, read_into{"kv/block-7", 4096, 4096, 0x7f0000100000, 0x7f0000000fc0}},
       {15, 0, write_from{"kv/block-8", 0, 4096, 0x7f0000200000}},
@@ -93,16 +94,27 @@ TEST(Protocol, HandshakeLanesAndPortsAreChecked) {
   auto text = [](std::vector<std::byte> f) { return test::error_text([&] { decode(f); }); };
   // Layout after the header: credits u32, max_request u64, writable u8, instance u64, count u8, ports u16.
   constexpr std::size_t count_at = header_size + 4 + 8 + 1 + 8;
-  auto many = encode({1, 0, welcome{1, 1, false, 7, {1000}}});
+  auto wel = [](std::vector<std::uint16_t> ports) {
+    welcome w;
+    w.credits = 1;
+    w.max_request = 1;
+    w.instance = 7;
+    w.ports = std::move(ports);
+    return w;
+  };
+  auto many = encode({1, 0, wel({1000})});
   many[count_at] = std::byte{200};
   EXPECT_THAT(text(many), HasSubstr("200 ports (at most 64)"));
-  auto zero = encode({1, 0, welcome{1, 1, false, 7, {1000}}});
+  auto zero = encode({1, 0, wel({1000})});
   zero[count_at + 1] = zero[count_at + 2] = std::byte{0};
   EXPECT_THAT(text(zero), HasSubstr("port 0"));
-  auto short_list = encode({1, 0, welcome{1, 1, false, 7, {1000, 1001}}});
-  short_list[count_at] = std::byte{3};  // claims a third port the frame does not hold
+  auto listed = wel({1000, 1001});
+  listed.lending = "a";
+  listed.token.assign(lend_token_size, 0x11);
+  auto short_list = encode({1, 0, listed});
+  short_list[count_at] = std::byte{64};  // claims more ports than the frame holds
   EXPECT_THAT(text(short_list), HasSubstr("truncated port"));
-  EXPECT_THAT(test::error_text([] { encode({1, 0, welcome{1, 1, false, 7, std::vector<std::uint16_t>(max_ports + 1, 9)}}); }),
+  EXPECT_THAT(test::error_text([&] { encode({1, 0, wel(std::vector<std::uint16_t>(max_ports + 1, 9))}); }),
               HasSubstr("ports"));
   // A hello's lane count: 1 to 65.
   auto h = encode({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(nonce_size, 1), 4}});
@@ -116,14 +128,15 @@ TEST(Protocol, LentRegionsAndDirectRequestsAreBoundsChecked) {
   EXPECT_THAT(test::error_text([&] { decode(wrap); }), HasSubstr("address + length overflows"));
   auto odd = encode({1, 0, read_into{"f", 0, 4096, 4096, 4097}});
   EXPECT_THAT(test::error_text([&] { decode(odd); }), HasSubstr("notify record misaligned"));
-  auto region = encode({1, 0, lend{~0ull - 10, 100, {1, 2, 3}}});
+  auto region = encode({1, 0, lend{~0ull - 10, 100, 1}});
   EXPECT_THAT(test::error_text([&] { decode(region); }), HasSubstr("address + length overflows"));
-  // An rkey longer than the frame says is refused, not read past the end.
-  auto rk = encode({1, 0, lend{4096, 4096, {1, 2, 3}}});
-  rk[header_size + 16] = std::byte{200};
-  EXPECT_THAT(test::error_text([&] { decode(rk); }), HasSubstr("truncated rkey"));
-  EXPECT_THAT(test::error_text([&] { encode({1, 0, lend{0, 1, std::vector<std::uint8_t>(max_rkey + 1)}}); }),
-              HasSubstr("rkey"));
+  // A welcome's lending socket name is bounded, and its token has its fixed size.
+  welcome w;
+  w.lending = std::string(max_socket_name + 1, 'x');
+  EXPECT_THAT(test::error_text([&] { encode({1, 0, w}); }), HasSubstr("lending socket"));
+  w.lending = "s";
+  w.token.resize(3);
+  EXPECT_THAT(test::error_text([&] { encode({1, 0, w}); }), HasSubstr("expected 16 bytes"));
   // RMA requests: the same checks on the address range and the rkey.
   auto rwrap = encode({1, 0, read_rma{"f", 0, 4096, ~0ull - 100, {1, 2}}});
   EXPECT_THAT(test::error_text([&] { decode(rwrap); }), HasSubstr("address + length overflows"));

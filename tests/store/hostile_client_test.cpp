@@ -4,11 +4,19 @@
 #include <ferry/store/service.hpp>
 
 #include "net/ucx.hpp"
+#include "store/lending.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cstddef>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -50,6 +58,14 @@ struct raw_client {
   bool wait_for(std::size_t n, std::chrono::seconds t = std::chrono::seconds(5)) {
     std::unique_lock l(mu);
     return cv.wait_for(l, t, [&] { return got.size() >= n; });
+  }
+  // The handshake (no secret): the server's welcome, or an empty one if none came.
+  welcome greet() {
+    c->send_frame({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(32, 1)}});
+    if (!wait_for(1)) return {};
+    std::lock_guard l(mu);
+    auto* wm = std::get_if<welcome>(&got[0].b);
+    return wm ? *wm : welcome{};
   }
 };
 
@@ -124,19 +140,17 @@ TEST(StoreHostile, RequestsBeforeTheHandshakeOversizeAndOverCreditAreRefused) {
 // A read's notify record must lie in a region the client lent; one that does is written
 // {request id, bytes} once the data is in place, before the completion is sent.
 TEST(StoreHostile, NotifyRecordsStayInsideLentRegions) {
-  ::setenv("UCX_MM_ERROR_HANDLING", "y", 1);
   exported e;
   raw_client h(e.srv->port());
-  ::unsetenv("UCX_MM_ERROR_HANDLING");
-  h.c->send_frame({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(32, 1)}});
-  ASSERT_TRUE(h.wait_for(1));
-  ucx_region r(h.w.context(), 1 << 20);
+  auto w = h.greet();
+  ASSERT_FALSE(w.lending.empty()) << "a same-host server names its lending socket";
+  store::detail::shared_region r(1 << 20);
+  std::string why;
+  ASSERT_TRUE(store::detail::pass_region(w.lending, w.token, r.fd(), r.id(), clk::now() + std::chrono::seconds(5), why)) << why;
   auto base = reinterpret_cast<std::uint64_t>(r.data());
-  std::vector<std::uint8_t> key(reinterpret_cast<const std::uint8_t*>(r.rkey().data()),
-                                reinterpret_cast<const std::uint8_t*>(r.rkey().data()) + r.rkey().size());
-  h.c->send_frame({2, 0, lend{base, r.size(), key}});
+  h.c->send_frame({2, 0, lend{base, r.size(), r.id()}});
   ASSERT_TRUE(h.wait_for(2));
-  if (std::get<complete>(h.got[1].b).bytes != 1) GTEST_SKIP() << "the server cannot map a region here (no shared memory)";
+  ASSERT_EQ(std::get<complete>(h.got[1].b).bytes, 1u) << "the server maps a sealed memfd passed with its session's token";
   // Just past the region's end: refused, nothing written.
   h.c->send_frame({3, 0, read_into{"a.bin", 0, 4096, base, base + r.size() - 8}});
   ASSERT_TRUE(h.wait_for(3));
@@ -156,15 +170,14 @@ TEST(StoreHostile, NotifyRecordsStayInsideLentRegions) {
 TEST(StoreHostile, DirectRequestsNeedAMappedRegionAndStayInsideIt) {
   exported e;
   raw_client h(e.srv->port());
-  h.c->send_frame({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(32, 1)}});
-  ASSERT_TRUE(h.wait_for(1));
+  h.greet();
   // A direct read without a lent region: refused, nothing written anywhere.
   h.c->send_frame({2, 0, read_into{"a.bin", 0, 4096, 0x10000}});
   ASSERT_TRUE(h.wait_for(2));
   ASSERT_TRUE(std::holds_alternative<error_reply>(h.got[1].b));
   EXPECT_THAT(std::get<error_reply>(h.got[1].b).message, HasSubstr("without a mapped region"));
-  // A region whose key is garbage (or that this server cannot map): answered "not mapped" (0).
-  h.c->send_frame({3, 0, lend{0x10000, 1 << 20, std::vector<std::uint8_t>(64, 0x5a)}});
+  // A region never passed on the lending socket: answered "not mapped" (0).
+  h.c->send_frame({3, 0, lend{0x10000, 1 << 20, 12345}});
   ASSERT_TRUE(h.wait_for(3));
   ASSERT_TRUE(std::holds_alternative<complete>(h.got[2].b));
   EXPECT_EQ(std::get<complete>(h.got[2].b).bytes, 0u);
@@ -172,7 +185,7 @@ TEST(StoreHostile, DirectRequestsNeedAMappedRegionAndStayInsideIt) {
   ASSERT_TRUE(h.wait_for(4));
   EXPECT_THAT(std::get<error_reply>(h.got[3].b).message, HasSubstr("without a mapped region"));
   // Giving back a region that was never mapped (length 0): answered, nothing else changes.
-  h.c->send_frame({6, 0, lend{0x10000, 0, {}}});
+  h.c->send_frame({6, 0, lend{0x10000, 0, 0}});
   ASSERT_TRUE(h.wait_for(5));
   ASSERT_TRUE(std::holds_alternative<complete>(h.got[4].b));
   EXPECT_EQ(h.got[4].request_id, 6u);
@@ -193,6 +206,123 @@ TEST(StoreHostile, DirectRequestsNeedAMappedRegionAndStayInsideIt) {
   EXPECT_EQ(good.stat("a.bin").size, 1u << 20);
 }
 
+// The lending socket takes descriptors only with a live session's token, and the server maps only
+// sealed shared memory at least as long as claimed; anything else is answered "not mapped".
+TEST(StoreHostile, OnlySealedSharedMemoryPassedWithALiveTokenIsMapped) {
+  exported e;
+  raw_client h(e.srv->port());
+  auto w = h.greet();
+  ASSERT_FALSE(w.lending.empty());
+  auto until = [] { return clk::now() + std::chrono::seconds(5); };
+  std::string why;
+  store::detail::shared_region good(1 << 20);
+  // A token no session holds: refused on the socket.
+  EXPECT_FALSE(store::detail::pass_region(w.lending, std::vector<std::uint8_t>(lend_token_size, 0x42), good.fd(), 1, until(), why));
+  EXPECT_THAT(why, HasSubstr("refused"));
+  // Descriptors that are taken on the socket but must not be mapped.
+  int unsealed = ::memfd_create("unsealed", MFD_CLOEXEC);
+  ASSERT_EQ(::ftruncate(unsealed, 1 << 20), 0);
+  auto file = std::filesystem::path(::testing::TempDir()) / ("ferry-lend-" + std::to_string(::getpid()));
+  int plain = ::open(file.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE(plain, 0);
+  ASSERT_EQ(::ftruncate(plain, 1 << 20), 0);
+  int pipefd[2];
+  ASSERT_EQ(::pipe2(pipefd, O_CLOEXEC), 0);
+  struct bad_case {
+    int fd;
+    std::uint64_t id, length;
+    const char* what;
+  };
+  std::vector<bad_case> cases{{unsealed, 101, 1 << 20, "an unsealed memfd (the client could shrink it under the server)"},
+                              {plain, 102, 1 << 20, "a plain file"},
+                              {pipefd[0], 103, 1 << 20, "a pipe"},
+                              {good.fd(), 104, 2 << 20, "a region claimed longer than it is"}};
+  std::uint64_t rid = 2;
+  for (auto& c : cases) {
+    ASSERT_TRUE(store::detail::pass_region(w.lending, w.token, c.fd, c.id, until(), why)) << why;
+    h.c->send_frame({rid, 0, lend{0x10000000, c.length, c.id}});
+    ASSERT_TRUE(h.wait_for(rid));
+    ASSERT_TRUE(std::holds_alternative<complete>(h.got[rid - 1].b));
+    EXPECT_EQ(std::get<complete>(h.got[rid - 1].b).bytes, 0u) << c.what << " was mapped";
+    rid++;
+  }
+  // The genuine region is, and a direct read lands in it.
+  ASSERT_TRUE(store::detail::pass_region(w.lending, w.token, good.fd(), good.id(), until(), why)) << why;
+  auto base = reinterpret_cast<std::uint64_t>(good.data());
+  h.c->send_frame({rid++, 0, lend{base, good.size(), good.id()}});
+  ASSERT_TRUE(h.wait_for(rid - 1));
+  EXPECT_EQ(std::get<complete>(h.got[rid - 2].b).bytes, 1u);
+  h.c->send_frame({rid++, 0, read_into{"a.bin", 0, 60000, base}});
+  ASSERT_TRUE(h.wait_for(rid - 1));
+  ASSERT_TRUE(std::holds_alternative<complete>(h.got[rid - 2].b));
+  EXPECT_EQ(std::get<complete>(h.got[rid - 2].b).bytes, 60000u);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(good.data()), 60000), std::string(60000, 'x'));
+  ::close(unsealed);
+  ::close(plain);
+  ::close(pipefd[0]);
+  ::close(pipefd[1]);
+  std::filesystem::remove(file);
+}
+
+// Connections to the lending socket that never send are closed, and a flood of them cannot keep a
+// client from lending; descriptors passed but never named by a `lend` go with their session.
+TEST(StoreHostile, TheLendingSocketCannotBeWedgedAndLeaksNoDescriptor) {
+  auto open_fds = [] {
+    std::size_t n = 0;
+    for ([[maybe_unused]] auto& x : std::filesystem::directory_iterator("/proc/self/fd")) n++;
+    return n;
+  };
+  exported e;
+  std::string name;
+  {
+    raw_client h(e.srv->port());
+    name = h.greet().lending;
+  }
+  // 200 silent connections, more than the socket keeps waiting.
+  std::vector<int> silent;
+  for (int i = 0; i < 200; ++i) {
+    int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::memcpy(a.sun_path + 1, name.data(), name.size());
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())) == 0)
+      silent.push_back(fd);
+    else
+      ::close(fd);
+  }
+  EXPECT_GE(silent.size(), 64u);
+  // A real client still lends (its reads go through the mapped region).
+  store::client c("127.0.0.1", e.srv->port());
+  auto* buf = static_cast<char*>(c.allocate(1 << 20));
+  EXPECT_EQ(c.read("a.bin", 0, buf, 60000), 60000u);  // the fixture's request limit is 64 KiB
+  EXPECT_THAT(c.stats().data_path, HasSubstr("mapped"));
+  c.deallocate(buf);
+  // The silent ones are closed by the server within a few seconds (read returns end of file).
+  auto until = clk::now() + std::chrono::seconds(10);
+  std::size_t closed = 0;
+  for (int fd : silent) {
+    pollfd p{fd, POLLIN, 0};
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - clk::now()).count();
+    char ch;
+    if (::poll(&p, 1, static_cast<int>(std::max<long long>(0, left))) == 1 && ::recv(fd, &ch, 1, MSG_DONTWAIT) <= 0) closed++;
+    ::close(fd);
+  }
+  EXPECT_EQ(closed, silent.size());
+  // Passed and never named: closed when the session goes (this process shares the server's table).
+  auto before = open_fds();
+  {
+    raw_client h(e.srv->port());
+    auto w = h.greet();
+    store::detail::shared_region r(4096);
+    std::string why;
+    for (std::uint64_t id = 1; id <= 10; ++id)
+      EXPECT_TRUE(store::detail::pass_region(w.lending, w.token, r.fd(), id, clk::now() + std::chrono::seconds(5), why)) << why;
+  }
+  bool back = false;
+  for (int i = 0; i < 100 && !(back = open_fds() <= before); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_TRUE(back) << open_fds() << " descriptors open, " << before << " before";
+}
+
 // A stand-in server whose welcome names ports of our choosing for the client's further lanes.
 struct fake_server {
   ucx_worker w{"fake-server"};
@@ -204,7 +334,12 @@ struct fake_server {
     w.on_frame([this](connection& c, message m) {
       if (std::holds_alternative<hello>(m.b)) {
         hellos++;
-        c.send_frame({m.request_id, 4, welcome{4, 1 << 20, false, 7, lane_ports}});
+        welcome wm;
+        wm.credits = 4;
+        wm.max_request = 1 << 20;
+        wm.instance = 7;
+        wm.ports = lane_ports;
+        c.send_frame({m.request_id, 4, wm});
       } else if (std::holds_alternative<stat_req>(m.b)) {
         c.send_frame({m.request_id, 0, stat_reply{123, 0100644, 0}});
       } else {

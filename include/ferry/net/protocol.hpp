@@ -23,7 +23,9 @@ inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
 // 2: hello gives the client's lanes; welcome the server instance and worker ports.
 // 3: read_into names a notify record (see read_into).
 // 4: writes are atomic per file: open_write / end_write, and every write piece names its handle.
-inline constexpr std::uint16_t protocol_version = 4;
+// 5: regions are lent as descriptors over the server's lending socket: welcome names the socket and
+//    the session's token, lend names the region passed there (no UCX rkey).
+inline constexpr std::uint16_t protocol_version = 5;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
@@ -31,13 +33,15 @@ inline constexpr std::size_t max_data = 4 << 20;     // largest data message a c
 inline constexpr std::size_t nonce_size = 32, mac_size = 32;
 inline constexpr std::size_t max_rkey = 4096;
 inline constexpr std::size_t max_ports = 64;  // worker ports a welcome may name
+inline constexpr std::size_t lend_token_size = 16;
+inline constexpr std::size_t max_socket_name = 100;  // an abstract Unix socket name (sun_path less its NUL)
 
 enum class msg_type : std::uint16_t {
   hello = 1,      // client -> server: versions, client nonce, its number of lanes
   challenge = 2,  // server -> client: server nonce, whether a secret is required
   auth = 3,       // client -> server: HMAC-SHA256(secret, server nonce | client nonce)
   welcome = 4,    // server -> client: accepted; limits; where the client's further lanes connect
-  lend = 5,       // client -> server: a region of the client's memory the server may write/read directly (packed rkey)
+  lend = 5,       // client -> server: a region of the client's memory the server may write/read directly (passed descriptor)
   read = 10,      // path, offset, length
   write = 11,     // path, offset, length (data follows outside the frame)
   stat = 12,      // path
@@ -67,9 +71,15 @@ struct welcome {
   bool writable = false;
   std::uint64_t instance = 0;
   std::vector<std::uint16_t> ports;
+  // Where a same-host client passes the descriptors of regions it lends (an abstract Unix socket;
+  // empty: the server maps none), and the token that ties them to this session.
+  std::string lending;
+  std::vector<std::uint8_t> token = std::vector<std::uint8_t>(lend_token_size);
   bool operator==(const welcome&) const = default;
 };
-struct lend { std::uint64_t addr = 0, length = 0; std::vector<std::uint8_t> rkey; };
+// [addr, addr + length) of the client's memory, backed by the region it passed to the lending socket
+// under `region` (length 0: the region at `addr` is given back).
+struct lend { std::uint64_t addr = 0, length = 0, region = 0; };
 // `notify` (0: none): the address, inside a lent region, of a 16-byte record {request id, bytes}
 // the server writes -- request id last -- once the data is in place, before it sends the completion:
 // a client polling the record sees a small read done without receiving a message.

@@ -6,10 +6,10 @@
 // most `piece` bytes; each piece is one wire request with its own credit, spread over the client's
 // lanes (connections, each with its own UCX worker and progress thread), so a large read is served by
 // several server threads at once. Small reads (<= inline_max) are answered from the server's progress
-// thread in one message (completion + data). Bulk data travels as UCX active messages (rendezvous) —
-// on tcp the fastest primitive UCX offers (AM 7.4 vs RMA put 0.86 GB/s) — except between processes of
-// one host over shared memory: there the client lends a landing region that the server maps
-// (ucp_rkey_ptr) and reads files straight into. GPU and sim memory: when this UCX build cannot register
+// thread in one message (completion + data). Bulk data travels as UCX active messages (rendezvous) --
+// on tcp the fastest primitive UCX offers -- except between processes of one host: there the client
+// lends a landing region (a sealed memfd passed on the server's Unix socket) that the server maps and
+// reads files straight into. GPU and sim memory: when this UCX build cannot register
 // CUDA memory, pieces land in pinned host memory (the landing region or staging buffers) and a stager
 // thread moves them on through the transfer engine; with a CUDA-capable UCX they go to the GPU directly.
 #include <ferry/core/export.hpp>
@@ -117,11 +117,11 @@ struct client_options {
   // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
   int lanes = 4;
   // Threads that copy staged and landed read pieces on to their destination (GPU memory) through the
-  // transfer engine, each one piece at a time (FERRY_NET_STAGERS). One thread held shared-memory
-  // reads into an H100 at 18–21 GB/s at 1 MiB blocks; four reached 23–24 (bench/results/2026-11-22-h100-remote-stagers).
+  // transfer engine, each one piece at a time (FERRY_NET_STAGERS): one thread's copy rate would cap
+  // same-host reads into GPU memory (bench/results/2026-11-22-h100-remote-stagers).
   int stagers = 4;
-  // Lend the server a shared-memory landing region (UCX-allocated, rkey_ptr) when the transport
-  // allows it: the server then reads files straight into it and no data message is sent (FERRY_NET_MAP).
+  // Lend a same-host server a shared-memory landing region (a sealed memfd): the server then reads
+  // files straight into it and no data message is sent (FERRY_NET_MAP).
   bool map = true;
   // RMA for bulk data (FERRY_NET_RMA): "auto" when a lane has a transport with real RMA (verbs), "on"
   // always (UCX emulates it over tcp: for tests), "off" never. The client registers its memory for
@@ -203,7 +203,7 @@ class FERRY_API client {
   // memory registered for RDMA is): shared memory lent to a same-host server, which then reads files
   // straight into it and writes files straight from it -- no data message and no copy in this
   // process, at any size (a 4 KiB read costs one small request and one small completion). Where the
-  // server cannot map it (another host, tcp, FERRY_NET_MAP=0) it is ordinary host memory and
+  // server cannot map it (another host or network namespace, FERRY_NET_MAP=0) it is ordinary host memory and
   // requests on it take the usual path (client_stats::lent_pieces counts those that went straight).
   // Valid until deallocate() or until the client is destroyed. Like any destination, a buffer must
   // not be reused before its requests finish; after a request timed out, the server may still

@@ -1,0 +1,266 @@
+#include "store/lending.hpp"
+
+#include <ferry/core/error.hpp>
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <linux/magic.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+namespace ferry::store::detail {
+
+namespace {
+constexpr std::size_t token_bytes = 16;
+// What a client sends: the session's token, then the region's id; the descriptor rides along.
+struct wire_message {
+  std::uint8_t token[token_bytes];
+  std::uint64_t id;
+};
+// Connections accepted but not yet answered: bounded, each for a short time (a client sends its
+// message right after connecting; one that does not is closed).
+constexpr std::size_t max_pending = 64;
+constexpr std::chrono::seconds pending_time{2};
+
+sockaddr_un abstract_address(const std::string& name, socklen_t& len) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path + 1, name.data(), std::min(name.size(), sizeof a.sun_path - 1));
+  len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return a;
+}
+int ms_until(lending_clock::time_point until) {
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - lending_clock::now()).count();
+  return ms <= 0 ? 0 : static_cast<int>(std::min<long long>(ms, 1 << 30));
+}
+}  // namespace
+
+// ---- client ------------------------------------------------------------------------------------
+
+shared_region::shared_region(std::size_t bytes) : size_(bytes) {
+  static std::atomic<std::uint64_t> next{1};
+  id_ = next++;
+  fd_ = ::memfd_create("ferry-lent", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd_ < 0) fail_errno(errno, "store.region", fmt::format("{} bytes", bytes), "memfd_create");
+  if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0 ||
+      ::fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    int e = errno;
+    ::close(fd_);
+    fail_errno(e, "store.region", fmt::format("{} bytes", bytes), "sizing and sealing the shared region");
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    int e = errno;
+    ::close(fd_);
+    fail_errno(e, "store.region", fmt::format("{} bytes", bytes), "mapping the shared region");
+  }
+  base_ = static_cast<std::byte*>(p);
+}
+
+shared_region::~shared_region() {
+  if (base_) ::munmap(base_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> token, int fd, std::uint64_t id,
+                 lending_clock::time_point until, std::string& why) {
+  if (socket_name.empty() || token.size() != token_bytes) {
+    why = "the server offers no lending socket";
+    return false;
+  }
+  int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (s < 0) {
+    why = fmt::format("socket: {}", std::strerror(errno));
+    return false;
+  }
+  struct closer {
+    int fd;
+    ~closer() { ::close(fd); }
+  } c{s};
+  socklen_t len = 0;
+  auto a = abstract_address(socket_name, len);
+  if (::connect(s, reinterpret_cast<sockaddr*>(&a), len) != 0) {
+    why = fmt::format("cannot reach the server's lending socket ({}): not on this host, or in another network namespace",
+                      std::strerror(errno));
+    return false;
+  }
+  wire_message m{};
+  std::memcpy(m.token, token.data(), token_bytes);
+  m.id = id;
+  iovec iov{&m, sizeof m};
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+  msghdr h{};
+  h.msg_iov = &iov;
+  h.msg_iovlen = 1;
+  h.msg_control = ctl;
+  h.msg_controllen = sizeof ctl;
+  cmsghdr* cm = CMSG_FIRSTHDR(&h);
+  cm->cmsg_level = SOL_SOCKET;
+  cm->cmsg_type = SCM_RIGHTS;
+  cm->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+  if (::sendmsg(s, &h, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof m)) {
+    why = fmt::format("sendmsg to the lending socket: {}", std::strerror(errno));
+    return false;
+  }
+  pollfd p{s, POLLIN, 0};
+  std::uint8_t answer = 0;
+  int n = ::poll(&p, 1, ms_until(until));
+  if (n != 1 || ::recv(s, &answer, 1, 0) != 1) {
+    why = n == 0 ? "no answer from the lending socket before the deadline" : "the lending socket closed without an answer";
+    return false;
+  }
+  if (answer != 1) why = "the server refused the region";
+  return answer == 1;
+}
+
+// ---- server ------------------------------------------------------------------------------------
+
+lending_socket::lending_socket(std::uint64_t instance, deposit_fn deposit) : deposit_(std::move(deposit)) {
+  name_ = fmt::format("ferry-serve-{:016x}-{}", instance, ::getpid());
+  listen_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (listen_fd_ < 0) fail_errno(errno, "store.serve", "@" + name_, "lending socket");
+  socklen_t len = 0;
+  auto a = abstract_address(name_, len);
+  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(listen_fd_, 64) != 0) {
+    int e = errno;
+    ::close(listen_fd_);
+    fail_errno(e, "store.serve", "@" + name_, "binding the lending socket");
+  }
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) {
+    int e = errno;
+    ::close(listen_fd_);
+    fail_errno(e, "store.serve", "@" + name_, "eventfd");
+  }
+}
+
+lending_socket::~lending_socket() {
+  for (auto& p : pending_) ::close(p.fd);
+  ::close(listen_fd_);
+  ::close(wake_fd_);
+}
+
+void lending_socket::wake() {
+  std::uint64_t one = 1;
+  [[maybe_unused]] auto r = ::write(wake_fd_, &one, sizeof one);
+}
+
+void lending_socket::serve(std::chrono::milliseconds timeout) {
+  std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+  for (auto& p : pending_) fds.push_back({p.fd, POLLIN, 0});
+  auto until = lending_clock::now() + timeout;
+  for (auto& p : pending_) until = std::min(until, p.until);
+  if (::poll(fds.data(), fds.size(), ms_until(until)) < 0) return;
+  if (fds[0].revents) {
+    std::uint64_t v;
+    [[maybe_unused]] auto r = ::read(wake_fd_, &v, sizeof v);
+  }
+  // Messages on connections already accepted (same order as `fds` from index 2).
+  for (std::size_t i = 0; i < pending_.size(); ++i)
+    if (fds[2 + i].revents) receive(pending_[i]);
+  auto now = lending_clock::now();
+  std::erase_if(pending_, [&](pending& p) {
+    if (p.fd >= 0 && p.until > now) return false;
+    if (p.fd >= 0) ::close(p.fd);
+    return true;
+  });
+  if (fds[1].revents & POLLIN) {
+    for (;;) {
+      int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (c < 0) break;
+      if (pending_.size() >= max_pending) {  // the oldest gives way: silent connections cannot shut clients out
+        ::close(pending_.front().fd);
+        pending_.erase(pending_.begin());
+      }
+      pending_.push_back({c, now + pending_time});
+      receive(pending_.back());  // usually there already
+      if (pending_.back().fd < 0) pending_.pop_back();
+    }
+  }
+}
+
+// One message with one descriptor: handed on, answered, and the connection closed (fd = -1). Not
+// there yet: left pending.
+void lending_socket::receive(pending& p) {
+  wire_message m{};
+  iovec iov{&m, sizeof m};
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * 4)] = {};
+  msghdr h{};
+  h.msg_iov = &iov;
+  h.msg_iovlen = 1;
+  h.msg_control = ctl;
+  h.msg_controllen = sizeof ctl;
+  ssize_t n = ::recvmsg(p.fd, &h, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+  // Every descriptor that came along is ours to close, whatever else is wrong with the message.
+  std::vector<int> got;
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&h); cm; cm = CMSG_NXTHDR(&h, cm))
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS)
+      for (std::size_t k = 0; k < (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++k) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(cm) + k * sizeof(int), sizeof fd);
+        got.push_back(fd);
+      }
+  bool ok = false;
+  if (n == static_cast<ssize_t>(sizeof m) && !(h.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) && got.size() == 1) {
+    ok = deposit_(std::span<const std::uint8_t>(m.token, token_bytes), m.id, got[0]);
+    got.clear();  // deposit_ owns it now
+  }
+  for (int fd : got) ::close(fd);
+  std::uint8_t answer = ok ? 1 : 0;
+  [[maybe_unused]] auto r = ::send(p.fd, &answer, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+  ::close(p.fd);
+  p.fd = -1;
+}
+
+lent_region::~lent_region() {
+  if (base) ::munmap(base, len);
+  if (account) account->fetch_sub(len);
+}
+
+std::shared_ptr<lent_region> map_lent(int fd, std::uint64_t addr, std::uint64_t len, std::string& why) {
+  struct ::stat st{};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    why = "the descriptor is not a regular file";
+    return nullptr;
+  }
+  // Plain shared memory only: a hugetlbfs file (sealable too) could fault with SIGBUS here when the
+  // huge page pool runs dry.
+  struct ::statfs fs{};
+  if (::fstatfs(fd, &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
+    why = "the region is not plain shared memory (a memfd)";
+    return nullptr;
+  }
+  int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+    why = "the region is not sealed against shrinking (a memfd with F_SEAL_SHRINK)";
+    return nullptr;
+  }
+  if (len == 0 || static_cast<std::uint64_t>(st.st_size) < len) {
+    why = fmt::format("the region is {} bytes, not the {} claimed", st.st_size, len);
+    return nullptr;
+  }
+  void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    why = fmt::format("mmap: {}", std::strerror(errno));
+    return nullptr;
+  }
+  auto r = std::make_shared<lent_region>();
+  r->base = static_cast<std::byte*>(p);
+  r->addr = addr;
+  r->len = len;
+  return r;
+}
+
+}  // namespace ferry::store::detail

@@ -1,0 +1,97 @@
+// Memory a same-host client lends to the storage server, so that reads land in it and writes leave
+// from it with no data message: the client makes a memfd, seals it against shrinking and growing,
+// and passes the descriptor over the server's abstract Unix socket (SCM_RIGHTS) for one of its
+// authenticated sessions; the server maps it and serves direct requests into it.
+// The socket is abstract, so only processes in the server's network namespace on the same kernel
+// reach it: that is "same host" here, and a client that cannot connect moves data by messages.
+// Nothing a client passes is trusted: the server maps only a regular shared-memory file sealed
+// against shrinking, no shorter than claimed (so its mapping can never fault past the end), and the
+// descriptor alone is no capability: it must come with the token of a live session of the server.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace ferry::store::detail {
+
+using lending_clock = std::chrono::steady_clock;
+
+// A client's region: a sealed memfd mapped shared here. Throws ferry::error (errno kept).
+class shared_region {
+ public:
+  explicit shared_region(std::size_t bytes);
+  ~shared_region();
+  shared_region(const shared_region&) = delete;
+  shared_region& operator=(const shared_region&) = delete;
+  std::byte* data() const { return base_; }
+  std::size_t size() const { return size_; }
+  int fd() const { return fd_; }
+  std::uint64_t id() const { return id_; }  // unique in this process: names the region to the server
+
+ private:
+  int fd_ = -1;
+  std::byte* base_ = nullptr;
+  std::size_t size_ = 0;
+  std::uint64_t id_ = 0;
+};
+
+// Passes descriptor `fd` (a shared_region's) as region `id` to the server at `socket_name` for the
+// session that `token` names; true once the server holds it. False, with the reason in `why`, when
+// the socket cannot be reached (another host or network namespace) or the server refused it. Waits no
+// later than `until`.
+bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> token, int fd, std::uint64_t id,
+                 lending_clock::time_point until, std::string& why);
+
+// The server's socket. Each connection carries one message, {token, region id} with one descriptor,
+// and gets one byte back (1: taken, 0: refused); connections that do not send it in time are closed,
+// and beyond a few waiting at once the oldest is.
+class lending_socket {
+ public:
+  // Takes a passed descriptor (the callee owns `fd` either way); false refuses it.
+  using deposit_fn = std::function<bool(std::span<const std::uint8_t> token, std::uint64_t id, int fd)>;
+  lending_socket(std::uint64_t instance, deposit_fn deposit);
+  ~lending_socket();
+  lending_socket(const lending_socket&) = delete;
+  lending_socket& operator=(const lending_socket&) = delete;
+  const std::string& name() const { return name_; }  // without the leading NUL of the abstract name
+  // Handles what arrives for up to `timeout`; returns early after wake().
+  void serve(std::chrono::milliseconds timeout);
+  void wake();
+
+ private:
+  struct pending {
+    int fd;
+    lending_clock::time_point until;
+  };
+  void receive(pending& p);
+  deposit_fn deposit_;
+  std::string name_;
+  int listen_fd_ = -1, wake_fd_ = -1;
+  std::vector<pending> pending_;
+};
+
+// A lent region mapped in the server: [base, base + len) here is [addr, addr + len) in the client.
+// Unmapped when the last holder (the session, jobs still using it) drops it.
+struct lent_region {
+  std::byte* base = nullptr;
+  std::uint64_t addr = 0, len = 0;
+  std::atomic<std::uint64_t>* account = nullptr;  // the server's count of mapped bytes (len comes off it)
+  lent_region() = default;
+  lent_region(const lent_region&) = delete;
+  lent_region& operator=(const lent_region&) = delete;
+  ~lent_region();
+};
+
+// Maps a passed descriptor for [addr, addr + len) of its client, after checking that it is a regular
+// shared-memory file sealed against shrinking and at least `len` bytes long. Null, with the reason in
+// `why`, when it is not. Does not take `fd` (the caller closes it).
+std::shared_ptr<lent_region> map_lent(int fd, std::uint64_t addr, std::uint64_t len, std::string& why);
+
+}  // namespace ferry::store::detail
