@@ -88,6 +88,22 @@ constexpr std::pair<std::string_view, log_level> log_levels[] = {
     {"warn", log_level::warn},   {"error", log_level::error}, {"off", log_level::off}};
 constexpr std::pair<std::string_view, backend_choice> backends[] = {
     {"auto", backend_choice::automatic}, {"cuda", backend_choice::cuda}, {"sim", backend_choice::sim}};
+constexpr std::pair<std::string_view, pageable_policy> pageable_policies[] = {
+    {"auto", pageable_policy::automatic}, {"register", pageable_policy::always_register}, {"bounce", pageable_policy::always_bounce}};
+constexpr std::pair<std::string_view, file_backend_kind> file_backends[] = {
+    {"auto", file_backend_kind::automatic}, {"io_uring", file_backend_kind::io_uring}, {"cufile", file_backend_kind::cufile}};
+constexpr std::pair<std::string_view, direct_io> direct_ios[] = {
+    {"auto", direct_io::automatic}, {"always", direct_io::always}, {"never", direct_io::never}};
+constexpr std::pair<std::string_view, rma_use> rma_uses[] = {{"auto", rma_use::automatic}, {"on", rma_use::on}, {"off", rma_use::off}};
+constexpr std::pair<std::string_view, page_replacement> replacements[] = {{"lru", page_replacement::lru}, {"fifo", page_replacement::fifo}};
+
+// The name a choice is written with (the first listed for it).
+template <typename E, std::size_t N>
+std::string_view enum_name(E v, const std::pair<std::string_view, E> (&choices)[N]) noexcept {
+  for (auto& [name, e] : choices)
+    if (e == v) return name;
+  return "?";
+}
 
 bool parse_bool(std::string_view v) {
   if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
@@ -171,11 +187,8 @@ const setting_def table[] = {
    [](settings& s, std::string_view v) { s.xfer_batch_small = parse_size_in(v, 0, 1 * GiB); },
    [](const settings& s) { return format_size(s.xfer_batch_small); }},
   {"FERRY_XFER_PAGEABLE", "Pageable host memory: auto (bounce the first time, register a range copied again) | register | bounce.",
-   [](settings& s, std::string_view v) {
-     if (v != "auto" && v != "register" && v != "bounce") throw bad_value{"expected one of auto|register|bounce"};
-     s.xfer_pageable = std::string(v);
-   },
-   [](const settings& s) { return s.xfer_pageable; }},
+   [](settings& s, std::string_view v) { s.xfer_pageable = parse_enum(v, pageable_policies); },
+   [](const settings& s) { return std::string(to_string(s.xfer_pageable)); }},
   {"FERRY_XFER_PEER", "Use direct GPU<->GPU (peer) copies where the GPUs allow it; 0 stages them through host memory.",
    [](settings& s, std::string_view v) { s.xfer_peer = parse_bool(v); },
    [](const settings& s) { return std::string(s.xfer_peer ? "1" : "0"); }},
@@ -183,17 +196,11 @@ const setting_def table[] = {
    [](settings& s, std::string_view v) { s.cufile_library = nonempty(v); },
    [](const settings& s) { return s.cufile_library; }},
   {"FERRY_FILE_BACKEND", "File backend: auto (cuFile where handle registration and a probe read work, else io_uring) | io_uring | cufile.",
-   [](settings& s, std::string_view v) {
-     if (v != "auto" && v != "io_uring" && v != "cufile") throw bad_value{"expected one of auto|io_uring|cufile"};
-     s.file_backend = std::string(v);
-   },
-   [](const settings& s) { return s.file_backend; }},
+   [](settings& s, std::string_view v) { s.file_backend = parse_enum(v, file_backends); },
+   [](const settings& s) { return std::string(to_string(s.file_backend)); }},
   {"FERRY_IO_DIRECT", "O_DIRECT for file reads: auto (unless the range is in the page cache) | always | never.",
-   [](settings& s, std::string_view v) {
-     if (v != "auto" && v != "always" && v != "never") throw bad_value{"expected one of auto|always|never"};
-     s.io_direct = std::string(v);
-   },
-   [](const settings& s) { return s.io_direct; }},
+   [](settings& s, std::string_view v) { s.io_direct = parse_enum(v, direct_ios); },
+   [](const settings& s) { return std::string(to_string(s.io_direct)); }},
   {"FERRY_IO_THREADS", "File engine threads, each with its own io_uring and staging buffers, 1..64.",
    [](settings& s, std::string_view v) { s.io_threads = static_cast<int>(parse_int(v, 1, 64)); },
    [](const settings& s) { return std::to_string(s.io_threads); }},
@@ -259,11 +266,8 @@ const setting_def table[] = {
    [](settings& s, std::string_view v) { s.net_map = parse_bool(v); },
    [](const settings& s) { return std::string(s.net_map ? "1" : "0"); }},
   {"FERRY_NET_RMA", "Bulk data of ferry:// by RMA into the client's registered memory (the server puts reads and gets writes): auto (when the connection has a transport with real RMA: InfiniBand/RoCE verbs) | on (always; over tcp UCX emulates it, slowly) | off (active messages).",
-   [](settings& s, std::string_view v) {
-     if (v != "auto" && v != "on" && v != "off") throw bad_value{"expected one of auto|on|off"};
-     s.net_rma = std::string(v);
-   },
-   [](const settings& s) { return s.net_rma; }},
+   [](settings& s, std::string_view v) { s.net_rma = parse_enum(v, rma_uses); },
+   [](const settings& s) { return std::string(to_string(s.net_rma)); }},
   {"FERRY_VM_CAPACITY", "Device memory one unified address space may use for its pages; beyond it pages are evicted to host memory. 0 = what the device has free when the space is made, minus FERRY_VM_RESERVE.",
    [](settings& s, std::string_view v) { s.vm_capacity = parse_size_in(v, 0, 1ull << 50); },
    [](const settings& s) { return format_size(s.vm_capacity); }},
@@ -274,11 +278,8 @@ const setting_def table[] = {
    [](settings& s, std::string_view v) { s.vm_page = parse_size_in(v, 0, 1ull << 30); },
    [](const settings& s) { return format_size(s.vm_page); }},
   {"FERRY_VM_POLICY", "Which device page a unified address space evicts first: lru (least recently used) | fifo (first arrived).",
-   [](settings& s, std::string_view v) {
-     if (v != "lru" && v != "fifo") throw bad_value{"expected lru or fifo"};
-     s.vm_policy = std::string(v);
-   },
-   [](const settings& s) { return s.vm_policy; }},
+   [](settings& s, std::string_view v) { s.vm_policy = parse_enum(v, replacements); },
+   [](const settings& s) { return std::string(to_string(s.vm_policy)); }},
   {"FERRY_VM_BATCH", "Most pages (of FERRY_VM_PAGE) one batched migration moves: their remaps are grouped and their copies queued together, and the next batch is remapped while one copies. A range moves in at least 8 batches when it has the pages (copies overlap remaps); a batch takes at most a quarter of the device capacity.",
    [](settings& s, std::string_view v) { s.vm_batch = static_cast<int>(parse_int(v, 1, 1024)); },
    [](const settings& s) { return std::to_string(s.vm_batch); }},
@@ -327,6 +328,12 @@ void apply_file(settings& s, const std::string& path) {
 }
 
 }  // namespace
+
+std::string_view to_string(pageable_policy v) noexcept { return enum_name(v, pageable_policies); }
+std::string_view to_string(file_backend_kind v) noexcept { return enum_name(v, file_backends); }
+std::string_view to_string(direct_io v) noexcept { return enum_name(v, direct_ios); }
+std::string_view to_string(rma_use v) noexcept { return enum_name(v, rma_uses); }
+std::string_view to_string(page_replacement v) noexcept { return enum_name(v, replacements); }
 
 void settings::set(std::string_view name, std::string_view value, std::string_view origin) {
   const setting_def* d = find_def(name);

@@ -91,10 +91,10 @@ struct file_engine::impl {
   }
   // cuFile for this job? (CUDA memory, backend not io_uring, and cuFile can serve the file)
   bool use_cufile(const job& j) {
-    if (cfg.file_backend == "io_uring" || !j.dev || j.dev->info().backend != "cuda") return false;
+    if (cfg.file_backend == file_backend_kind::io_uring || !j.dev || j.dev->info().backend != "cuda") return false;
     std::string why;
     if (cufile().usable(*j.r.f, why)) return true;
-    if (cfg.file_backend == "cufile")
+    if (cfg.file_backend == file_backend_kind::cufile)
       fail(errc::not_supported, j.r.write ? "file.write" : "file.read", j.r.f->path(), "FERRY_FILE_BACKEND=cufile: " + why);
     std::lock_guard l(told_mu);
     if (told.insert(j.r.f->path()).second) log::info("io", "{}: cuFile not used ({}); io_uring instead", j.r.f->path(), why);
@@ -306,7 +306,7 @@ void file_engine::impl::worker::run(job& j) {
         return;
       } catch (const error& x) {
         // The probe: if cuFile's first transfer on a file fails, auto mode falls back for good.
-        if (e.cfg.file_backend == "cufile" || moved > 0) throw;
+        if (e.cfg.file_backend == file_backend_kind::cufile || moved > 0) throw;
         e.cufile().refuse(*j.r.f, x.what());
         log::info("io", "{}: cuFile probe failed ({}); io_uring instead", j.r.f->path(), x.what());
       }
@@ -331,10 +331,10 @@ void file_engine::impl::worker::read(job& j) {
     return;
   }
   bool direct = false;
-  if (e.cfg.io_direct == "always") {
+  if (e.cfg.io_direct == direct_io::always) {
     if (f.direct_fd() < 0) fail(errc::not_supported, "file.read", path, "O_DIRECT refused here (FERRY_IO_DIRECT=always)");
     direct = true;
-  } else if (e.cfg.io_direct == "auto" && f.direct_fd() >= 0) {
+  } else if (e.cfg.io_direct == direct_io::automatic && f.direct_fd() >= 0) {
     // Bypassing a warm page cache is slower than copying from it.
     double c = cached_fraction(f.fd(), want_lo, eff_hi - want_lo);
     direct = c < 0.9;
@@ -444,7 +444,7 @@ void file_engine::impl::worker::write(job& j) {
   auto& b = *j.b;
   if (!f.writable()) fail(errc::permission_denied, "file.write", path, "opened read-only");
   const std::uint64_t lo = j.r.offset, hi = j.r.offset + j.r.bytes;
-  const bool direct = e.cfg.io_direct != "never" && f.direct_fd() >= 0;
+  const bool direct = e.cfg.io_direct != direct_io::never && f.direct_fd() >= 0;
   const std::uint64_t a = direct ? f.dio_align() : 1;
   // O_DIRECT for the aligned middle; an unaligned head and tail go through the page cache.
   std::uint64_t mid_lo = direct ? align_up(lo, a) : lo, mid_hi = direct ? align_down(hi, a) : hi;
@@ -640,7 +640,7 @@ file_backend_choice file_engine::backend_for(const std::string& path) {
   capability cf = probe_cufile(impl_->cfg, cuda, path);
   std::string direct = c.direct ? fmt::format("O_DIRECT with {}-byte alignment", c.align ? c.align : 4096)
                                 : "no O_DIRECT here (buffered reads only)";
-  if (impl_->cfg.file_backend == "io_uring") {
+  if (impl_->cfg.file_backend == file_backend_kind::io_uring) {
     c.reason = "FERRY_FILE_BACKEND=io_uring; " + direct;
   } else if (cf.available) {
     c.backend = "cufile";

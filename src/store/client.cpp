@@ -790,8 +790,8 @@ struct client::impl {
 
   // RMA for bulk data: on request, or (auto) when UCX put a transport with real RMA on the lanes.
   void decide_rma(connection& cn) {
-    bool want = o.rma == "on";
-    if (o.rma == "auto") {
+    bool want = o.rma == rma_use::on;
+    if (o.rma == rma_use::automatic) {
       // Real RMA: the reliable verbs transports (rc_verbs, rc_mlx5, dc_mlx5); ud_* has none.
       std::string t = cn.transports();
       want = t.find("rc_") != std::string::npos || t.find("dc_") != std::string::npos;

@@ -766,7 +766,7 @@ space_options space_options::from(const settings& s) {
   o.device_capacity = s.vm_capacity;
   o.reserve = s.vm_reserve;
   o.page_bytes = s.vm_page;
-  o.policy = parse_replacement(s.vm_policy);
+  o.policy = s.vm_policy;
   o.deadline = s.deadline;
   o.batch = static_cast<std::uint64_t>(s.vm_batch);
   o.fault_ahead = static_cast<std::uint64_t>(s.vm_fault_ahead);

@@ -50,12 +50,6 @@ std::uint64_t page_mover::start(const std::vector<step>& steps) {
 
 void page_mover::finish(std::uint64_t) {}
 
-replacement parse_replacement(const std::string& s) {
-  if (s == "lru") return replacement::lru;
-  if (s == "fifo") return replacement::fifo;
-  fail(errc::invalid_argument, "vm.policy", s, "expected lru or fifo");
-}
-
 namespace {
 constexpr std::uint64_t bit(location l) { return 1ull << l; }
 std::int64_t now_ns() {

@@ -504,8 +504,8 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
         if (!needs_pin) {
           w.path = transfer_path::direct;
         } else {
-          bool reg = I.cfg.xfer_pageable == "register" ||
-                     (I.cfg.xfer_pageable == "auto" && (I.cache.cached(hp, r.bytes) || I.seen_before(hp, r.bytes)));
+          bool reg = I.cfg.xfer_pageable == pageable_policy::always_register ||
+                     (I.cfg.xfer_pageable == pageable_policy::automatic && (I.cache.cached(hp, r.bytes) || I.seen_before(hp, r.bytes)));
           if (reg) {
             w.path = transfer_path::registered;
             w.hold = std::make_shared<registration>(I.cache.acquire(hp, r.bytes));

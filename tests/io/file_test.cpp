@@ -22,7 +22,7 @@ using ::testing::HasSubstr;
 
 namespace {
 
-settings io_settings(const std::string& direct = "auto") {
+settings io_settings(direct_io direct = direct_io::automatic) {
   settings s;
   s.backend = backend_choice::sim;
   s.sim_capacity = 64ull << 20;
@@ -52,7 +52,7 @@ void write_file(const std::string& p, const std::vector<unsigned char>& data) {
   f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
 }
 
-class FileRead : public ::testing::TestWithParam<std::string> {};
+class FileRead : public ::testing::TestWithParam<direct_io> {};
 
 TEST_P(FileRead, EveryAlignmentOfOffsetLengthAndBufferIntoHostAndSim) {
   runtime rt(io_settings(GetParam()));
@@ -60,7 +60,7 @@ TEST_P(FileRead, EveryAlignmentOfOffsetLengthAndBufferIntoHostAndSim) {
   auto data = random_bytes(1 << 20, 1);
   write_file(p, data);
   auto f = file::open(p, open_mode::read);
-  if (GetParam() == "always" && f->direct_fd() < 0) GTEST_SKIP() << "no O_DIRECT on " << p;
+  if (GetParam() == direct_io::always && f->direct_fd() < 0) GTEST_SKIP() << "no O_DIRECT on " << p;
   mapped_memory dev = allocate_mapped(rt.devices().get("sim:0"), 2 << 20);
   std::vector<unsigned char> host(1 << 20 | 64);
   for (std::uint64_t off : {0ul, 1ul, 4095ul, 4096ul, 65537ul}) {
@@ -78,10 +78,11 @@ TEST_P(FileRead, EveryAlignmentOfOffsetLengthAndBufferIntoHostAndSim) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(DirectModes, FileRead, ::testing::Values("auto", "always", "never"));
+INSTANTIATE_TEST_SUITE_P(DirectModes, FileRead, ::testing::Values(direct_io::automatic, direct_io::always, direct_io::never),
+                         [](const auto& i) { return std::string(to_string(i.param)); });
 
 TEST(File, ShortReadAtEndOfFileNeverGarbage) {
-  runtime rt(io_settings("always"));
+  runtime rt(io_settings(direct_io::always));
   std::string p = temp_path("eof");
   auto data = random_bytes(10000, 2);
   write_file(p, data);
@@ -94,7 +95,7 @@ TEST(File, ShortReadAtEndOfFileNeverGarbage) {
 }
 
 TEST(File, PartialCompletionsAndEintrAreRetried) {
-  settings s = io_settings("never");
+  settings s = io_settings(direct_io::never);
   s.io_inject = "partial,eintr";
   runtime rt(s);
   std::string p = temp_path("inject");
@@ -153,7 +154,7 @@ TEST(File, SparseFilesBeyondFourGiB) {
 }
 
 TEST(File, TruncatedWhileReadingIsAnErrorNotAHang) {
-  settings s = io_settings("never");
+  settings s = io_settings(direct_io::never);
   s.io_depth = 2;
   s.sim_copy_gbps = 0.02;  // slow device copies keep the pipeline waiting
   runtime rt(s);

@@ -466,7 +466,7 @@ TEST(StoreWrite, RmaIntoRegisteredMemoryRoundTrips) {
   }
   runtime rt(sim_settings());
   auto o = s.opts_with(rt);
-  o.rma = "on";
+  o.rma = rma_use::on;
   o.map = false;  // a same-host server would map our memory instead (the path taken before RMA)
   store::client c("127.0.0.1", s.srv->port(), o);
   std::vector<unsigned char> buf(data.size() + 64);

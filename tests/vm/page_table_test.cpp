@@ -352,6 +352,7 @@ TEST(VmPageTable, PinnedPagesStayAndBadInputIsRefused) {
   EXPECT_THAT(test::error_text([&] { t.access(2, 1, false, soon()); }), HasSubstr("page 2"));
   EXPECT_THAT(test::error_text([&] { t.access(0, 5, false, soon()); }), HasSubstr("location 5"));
   EXPECT_THAT(test::error_text([&] { t.dontneed(0, host, soon()); }), HasSubstr("names a device"));
-  EXPECT_THAT(test::error_text([&] { parse_replacement("mru"); }), HasSubstr("lru or fifo"));
+  ferry::settings cfg;  // the policy is parsed once, in the settings table
+  EXPECT_THAT(test::error_text([&] { cfg.set("FERRY_VM_POLICY", "mru"); }), HasSubstr("expected one of lru|fifo"));
   EXPECT_EQ(mv.first, "");
 }

@@ -24,6 +24,24 @@ namespace ferry {
 enum class backend_choice { automatic, cuda, sim };
 FERRY_API std::string_view to_string(backend_choice b) noexcept;
 
+// Pageable host memory in the transfer engine: automatic bounces it through pinned staging the first
+// time and registers (pins) a range copied again; the others always do one of the two.
+enum class pageable_policy { automatic, always_register, always_bounce };
+// The file engine's backend: automatic takes cuFile where handle registration and a probe read work.
+enum class file_backend_kind { automatic, io_uring, cufile };
+// O_DIRECT for file reads: automatic uses it unless the range is in the page cache.
+enum class direct_io { automatic, always, never };
+// RMA into the client's registered memory for ferry:// bulk data: automatic where a lane has a
+// transport with real RMA (verbs).
+enum class rma_use { automatic, on, off };
+// Which device page a unified address space evicts first.
+enum class page_replacement { lru, fifo };
+FERRY_API std::string_view to_string(pageable_policy v) noexcept;
+FERRY_API std::string_view to_string(file_backend_kind v) noexcept;
+FERRY_API std::string_view to_string(direct_io v) noexcept;
+FERRY_API std::string_view to_string(rma_use v) noexcept;
+FERRY_API std::string_view to_string(page_replacement v) noexcept;
+
 FERRY_API int default_xfer_threads() noexcept;  // half the hardware threads, 2..16
 
 struct FERRY_API settings {
@@ -49,12 +67,12 @@ struct FERRY_API settings {
   std::uint64_t xfer_chunk = 16ull << 20;
   std::uint64_t xfer_split = 0;
   std::uint64_t xfer_batch_small = 1ull << 20;
-  std::string xfer_pageable = "auto";
+  pageable_policy xfer_pageable = pageable_policy::automatic;
   bool xfer_peer = true;
   // io
   std::string cufile_library = "libcufile.so.0";
-  std::string file_backend = "auto";   // auto | io_uring | cufile
-  std::string io_direct = "auto";      // auto | always | never
+  file_backend_kind file_backend = file_backend_kind::automatic;
+  direct_io io_direct = direct_io::automatic;
   int io_threads = 2;
   int io_depth = 16;
   std::uint64_t io_chunk = 8ull << 20;
@@ -75,12 +93,12 @@ struct FERRY_API settings {
   int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
   int net_stagers = 4;                  // client threads moving landed pieces on to GPU memory
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host
-  std::string net_rma = "auto";         // RMA into registered client memory: auto (verbs) | on | off
+  rma_use net_rma = rma_use::automatic;
   // vm
   std::uint64_t vm_capacity = 0;              // device bytes a unified address space may use (0: free minus reserve)
   std::uint64_t vm_reserve = 1ull << 30;      // left free on the device when vm_capacity is 0
   std::uint64_t vm_page = 32ull << 20;        // unified-memory page (0: the device granularity)
-  std::string vm_policy = "lru";              // eviction: lru | fifo
+  page_replacement vm_policy = page_replacement::lru;
   int vm_batch = 16;                          // pages per batched migration
   int vm_fault_ahead = 8;                     // pages a CPU fault moves to host (the faulting one and the next)
   std::chrono::nanoseconds vm_thrash_lapse = std::chrono::seconds(1);  // evicted, prefetched back within: thrashing (0: off)

@@ -126,7 +126,7 @@ struct client_options {
   // RMA for bulk data (FERRY_NET_RMA): "auto" when a lane has a transport with real RMA (verbs), "on"
   // always (UCX emulates it over tcp: for tests), "off" never. The client registers its memory for
   // the network through a registration cache of its own (cached, invalidated with the memory).
-  std::string rma = "auto";
+  rma_use rma = settings::defaults().net_rma;
 };
 
 struct client_stats {

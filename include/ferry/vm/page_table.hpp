@@ -25,6 +25,7 @@
 // other's page. Pinned pages (a DMA registration uses them) are never moved; a change that would
 // move one waits for the unpin until its deadline.
 #include <ferry/core/export.hpp>
+#include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
 
 #include <atomic>
@@ -42,8 +43,7 @@ using location = int;
 inline constexpr location host = 0;
 inline constexpr int max_locations = 64;
 
-enum class replacement { lru, fifo };
-FERRY_API replacement parse_replacement(const std::string& s);  // "lru" | "fifo"; invalid_argument otherwise
+using replacement = page_replacement;  // from the settings table
 
 // What a backend does for the policy. Every call is made with the page's lock held; calls for
 // different pages may run in parallel.
