@@ -184,7 +184,7 @@ int run_bench_file(runtime& rt, const bench_file_options& o) {
   std::string path = o.path;
   if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) path += fmt::format("/ferry-bench-{}.safetensors", bytes);
   device& dev = o.device.empty() ? rt.devices().default_device() : rt.devices().get(o.device);
-  bool cuda = dev.info().backend == "cuda";
+  bool cuda = dev.info().backend == device_kind::cuda;
   cudart cr;
   if (cuda && !cr.ok()) fail(errc::unavailable, "bench file", "cudart", cr.why);
   // The whole file is loaded into device memory at once: say so before writing gigabytes.

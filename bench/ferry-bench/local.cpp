@@ -77,7 +77,7 @@ int run_bench_local(runtime& rt, const bench_options& o) {
   json rows = json::array();
   std::string device_name = o.device.empty() ? rt.devices().default_device().id() : o.device;
   device& dev = rt.devices().get(device_name);
-  bool cuda = dev.info().backend == "cuda";
+  bool cuda = dev.info().backend == device_kind::cuda;
   cudart cr;
   if (cuda && !cr.ok()) fail(errc::unavailable, "bench local", "cudart", cr.why);
   if (!o.json)

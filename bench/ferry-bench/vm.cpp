@@ -126,7 +126,7 @@ void vmm_costs(device& dev, json& out) {
       }
   // Does an unmap wait for copies in flight on another stream?
   {
-    std::uint64_t big = dev.info().backend == "cuda" ? 512ull << 20 : 32ull << 20;
+    std::uint64_t big = dev.info().backend == device_kind::cuda ? 512ull << 20 : 32ull << 20;
     auto hv = dev.reserve(big), dv = dev.reserve(big);
     std::vector<physical_chunk> hc, dc;
     for (std::uint64_t o = 0; o < big; o += 16 * g) {
@@ -161,7 +161,7 @@ void vmm_costs(device& dev, json& out) {
 // copy engines idle vs while copies run.
 void vmm_probe(device& dev, json& out) {
   const std::uint64_t cs = 16 * dev.granularity();
-  const bool cuda = dev.info().backend == "cuda";
+  const bool cuda = dev.info().backend == device_kind::cuda;
   const std::size_t nc = cuda ? 16 : 2;
   const double units = static_cast<double>(cs) / (2 << 20);  // 2 MiB per chunk
   std::vector<access_desc> dev_only{{ferry::location::on_device(), access::read_write}};
@@ -323,7 +323,7 @@ void print_phase(const char* what, vm::space_timings& last, const vm::space_timi
 
 int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   device& dev = o.device.empty() ? rt.devices().default_device() : rt.devices().get(o.device);
-  bool cuda = dev.info().backend == "cuda";
+  bool cuda = dev.info().backend == device_kind::cuda;
   expects(o.rounds >= 1, "bench vm", "--rounds", "at least 1");
   const std::uint64_t gran = dev.granularity();
   const std::uint64_t page = std::max(gran, (rt.config().vm_page + gran - 1) / gran * gran);  // the space's page
@@ -457,13 +457,13 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   // ---- two devices: pages moved GPU to GPU (a space over both) vs UVM's prefetch between them ----
   device* peer = nullptr;
   try {
-    peer = &rt.devices().get(fmt::format("{}:{}", dev.info().backend, dev.info().ordinal + 1));
+    peer = &rt.devices().get(dev.info().backend, dev.info().ordinal + 1);
     if (!rt.devices().peer(dev, *peer).access) peer = nullptr;
   } catch (const error&) {
     peer = nullptr;
   }
   if (peer && peer->memory().free && n + (uvm ? 1ull << 30 : 0) > peer->memory().free) peer = nullptr;  // too small to hold the test
-  if (!peer) fmt::print("two-device test skipped: no second {} device with peer access and room\n", dev.info().backend);
+  if (!peer) fmt::print("two-device test skipped: no second {} device with peer access and room\n", to_string(dev.info().backend));
   if (peer) {
     row d2d{fmt::format("prefetch {} -> {} and back", dev.id(), peer->id()), "UVM cudaMemPrefetchAsync", {}, {}, 0};
     const int po = peer->info().ordinal;

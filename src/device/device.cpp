@@ -292,7 +292,7 @@ void device::check_access(const void* p, std::size_t bytes, bool write, int engi
       if (!ok)
         fail(errc::bad_address, std::string(op), res,
              fmt::format("{:#x} is mapped on {} without {} access for {}:{}", cur, id(), write ? "write" : "read",
-                         info_.backend, engine_ordinal));
+                         to_string(info_.backend), engine_ordinal));
       cur = base + m->size;
     }
   }

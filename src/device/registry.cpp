@@ -40,6 +40,11 @@ backend_status device_registry::sim_status() const {
   return b;
 }
 
+device& device_registry::get(device_kind kind, int ordinal) {
+  if (kind == device_kind::none) fail(errc::invalid_argument, "device.lookup", "host", "host memory belongs to no device");
+  return get(fmt::format("{}:{}", to_string(kind), ordinal));
+}
+
 device& device_registry::get(std::string_view name) {
   auto colon = name.find(':');
   std::string_view kind = name.substr(0, colon);
@@ -98,7 +103,7 @@ peer_info device_registry::peer(device& a, device& b) {
   peer_info p;
   if (&a == &b) return {true, "self", 0};
   if (a.info().backend != b.info().backend) return {false, "-", -1};
-  if (a.info().backend == "sim") return {settings_.sim_peer, settings_.sim_peer ? "sim" : "-", 0};
+  if (a.info().backend == device_kind::sim) return {settings_.sim_peer, settings_.sim_peer ? "sim" : "-", 0};
 #ifdef FERRY_HAVE_CUDA
   auto l = cuda::query_peer(settings_, a.info().ordinal, b.info().ordinal);
   p.access = l.access;

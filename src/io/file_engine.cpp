@@ -91,7 +91,7 @@ struct file_engine::impl {
   }
   // cuFile for this job? (CUDA memory, backend not io_uring, and cuFile can serve the file)
   bool use_cufile(const job& j) {
-    if (cfg.file_backend == file_backend_kind::io_uring || !j.dev || j.dev->info().backend != "cuda") return false;
+    if (cfg.file_backend == file_backend_kind::io_uring || !j.dev || j.dev->info().backend != device_kind::cuda) return false;
     std::string why;
     if (cufile().usable(*j.r.f, why)) return true;
     if (cfg.file_backend == file_backend_kind::cufile)
@@ -545,13 +545,13 @@ transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_
         fail(errc::bad_address, "file.submit", res, "memory is not mapped memory ferry knows (freed or invalid?)");
       if ((m.type == memory_type::device || m.type == memory_type::managed || m.type == memory_type::unified) && m.size &&
           !m.contains(reinterpret_cast<std::uintptr_t>(r.mem), r.bytes))
-        fail(errc::out_of_range, "file.submit", res, fmt::format("memory extends past its allocation on {}", m.owner));
+        fail(errc::out_of_range, "file.submit", res, fmt::format("memory extends past its allocation on {}", m.device_id()));
       job j;
       j.b = b;
       j.idx = i;
       j.r = r;
       j.dev = (m.type == memory_type::device || m.type == memory_type::managed || m.type == memory_type::unified)
-                  ? &I.devices.get(m.owner)
+                  ? &I.devices.get(m.device, m.ordinal)
                   : nullptr;
       // Unified memory stays where it is while the request uses it (its pages may move otherwise).
       if (m.type == memory_type::unified) j.hold = std::make_shared<registration>(I.cache.acquire(r.mem, r.bytes));

@@ -62,7 +62,7 @@ class host_client final : public peer_memory_client {
   std::string_view name() const noexcept override { return "host"; }
   std::optional<memory_region> acquire(const void* p, std::uint64_t n) override {
     if (!mapped(p, n)) return std::nullopt;
-    return memory_region{memory_type::host_pageable, "host", -1, reinterpret_cast<std::uintptr_t>(p), n, 0, this};
+    return memory_region{memory_type::host_pageable, device_kind::none, -1, reinterpret_cast<std::uintptr_t>(p), n, 0, this};
   }
   std::uint64_t pin(const memory_region&, std::uintptr_t base, std::uint64_t size) override {
 #ifdef FERRY_HAVE_CUDA
@@ -124,17 +124,16 @@ class cuda_client final : public peer_memory_client {
     if (managed) {
       r.type = memory_type::managed;
       r.ordinal = ordinal;
-      r.owner = fmt::format("cuda:{}", ordinal);
+      r.device = device_kind::cuda;
     } else if (type == CU_MEMORYTYPE_DEVICE) {
       r.type = memory_type::device;
       r.ordinal = ordinal;
-      r.owner = fmt::format("cuda:{}", ordinal);
+      r.device = device_kind::cuda;
     } else if (type == CU_MEMORYTYPE_HOST) {
       // Only a range wholly inside what CUDA registered is pinned; a range that merely starts in a
       // registered prefix is pageable beyond it (the cache registers the rest).
       if (!r.contains(reinterpret_cast<std::uintptr_t>(p), n)) return std::nullopt;
       r.type = memory_type::host_pinned;
-      r.owner = "host";
     } else {
       return std::nullopt;
     }

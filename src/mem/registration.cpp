@@ -16,6 +16,15 @@
 
 namespace ferry {
 
+std::string_view to_string(device_kind k) noexcept {
+  switch (k) {
+    case device_kind::none: return "host";
+    case device_kind::cuda: return "cuda";
+    case device_kind::sim: return "sim";
+  }
+  return "?";
+}
+
 std::string_view to_string(memory_type t) noexcept {
   switch (t) {
     case memory_type::unknown: return "unknown";
@@ -335,7 +344,7 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
       }
       return *r;
     }
-  return memory_region{memory_type::unknown, "", -1, a, n, 0, nullptr};
+  return memory_region{memory_type::unknown, device_kind::none, -1, a, n, 0, nullptr};
 }
 
 bool registration_cache::cached(const void* p, std::uint64_t n) {

@@ -450,11 +450,11 @@ std::optional<memory_region> ucx_net_client::acquire(const void* p, std::uint64_
   if (classify_) {
     r = classify_->classify(p, n);
     bool host = r.type == memory_type::host_pageable || r.type == memory_type::host_pinned;
-    bool cuda = r.type == memory_type::device && ctx_->cuda_memory() && r.owner.starts_with("cuda");
+    bool cuda = r.type == memory_type::device && ctx_->cuda_memory() && r.device == device_kind::cuda;
     if (!host && !cuda) return std::nullopt;
   } else {
     r.type = memory_type::host_pageable;
-    r.owner = "host";
+    r.device = device_kind::none;
   }
   r.base = reinterpret_cast<std::uintptr_t>(p);
   r.size = n;

@@ -810,8 +810,8 @@ struct client::impl {
     if (r.type == memory_type::unknown)
       fail(errc::bad_address, what, fmt::format("{}+{}", p, n), "not memory ferry knows (freed, or never mapped?)");
     if (r.type != memory_type::device && r.type != memory_type::unified) return false;
-    if (lanes[0]->w->cuda_memory() && r.owner.starts_with("cuda")) return false;  // UCX registers it itself
-    if (!o.engine) fail(errc::invalid_argument, what, r.owner, "device memory needs a transfer engine for staging (client_options::engine)");
+    if (lanes[0]->w->cuda_memory() && r.device == device_kind::cuda) return false;  // UCX registers it itself
+    if (!o.engine) fail(errc::invalid_argument, what, r.device_id(), "device memory needs a transfer engine for staging (client_options::engine)");
     std::lock_guard l(stage_mu);
     if (!staging) {
       int count = static_cast<int>(std::max<std::uint64_t>(2, o.staging / o.piece));

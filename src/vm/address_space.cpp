@@ -618,7 +618,7 @@ std::optional<memory_region> unified_client::acquire(const void* p, std::uint64_
   if (a < b || n > sz || a - b > sz - n) return std::nullopt;
   memory_region r;
   r.type = memory_type::unified;
-  r.owner = s_.dev.id();
+  r.device = s_.dev.info().backend;
   r.ordinal = s_.dev.info().ordinal;
   r.base = b;
   r.size = sz;
@@ -705,7 +705,7 @@ void address_space::advise(void* p, std::uint64_t bytes, advice a, ferry::locati
     for (std::size_t k = 0; k < I.devs.size(); ++k)
       if (where.id == -1 ? k == 0 : I.devs[k]->info().ordinal == where.id) at = loc_of(k);
     if (at < 0)
-      fail(errc::invalid_argument, "vm.advise", fmt::format("{}:{}", I.dev.info().backend, where.id),
+      fail(errc::invalid_argument, "vm.advise", fmt::format("{}:{}", to_string(I.dev.info().backend), where.id),
            fmt::format("not a device of this address space ({})", I.device_list()));
   }
   if (a == advice::prefetch) return I.table->prefetch_range(first, end, at, I.o.batch, I.o.deadline);

@@ -472,11 +472,11 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
             !m->contains(m == &src ? s : d, r.bytes))
           fail(errc::out_of_range, "xfer.submit", res_of(),
                fmt::format("{} extends past the end of its allocation on {} ({})", m == &src ? "source" : "destination",
-                           m->owner, describe_range(m->base, m->size)));
+                           m->device_id(), describe_range(m->base, m->size)));
       work_item w;
       w.b = tb.s_;
-      device* sdev = is_host(src.type) ? nullptr : &I.devices.get(src.owner);
-      device* ddev = is_host(dst.type) ? nullptr : &I.devices.get(dst.owner);
+      device* sdev = is_host(src.type) ? nullptr : &I.devices.get(src.device, src.ordinal);
+      device* ddev = is_host(dst.type) ? nullptr : &I.devices.get(dst.device, dst.ordinal);
       std::uint64_t chunk = chunk_cap;
       if (!sdev && !ddev) {
         w.path = transfer_path::host;
@@ -500,7 +500,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
         const void* hp = sdev ? static_cast<const void*>(r.dst) : r.src;
         w.dev = dev;
         w.to_device = ddev != nullptr;
-        bool needs_pin = host.type == memory_type::host_pageable && dev->info().backend == "cuda";
+        bool needs_pin = host.type == memory_type::host_pageable && dev->info().backend == device_kind::cuda;
         if (!needs_pin) {
           w.path = transfer_path::direct;
         } else {
@@ -521,8 +521,8 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       if (dst.type == memory_type::unified) w.unified.push_back(std::make_shared<registration>(I.cache.acquire(r.dst, r.bytes)));
       b.results[i].path = w.path;
       I.path_count[static_cast<int>(w.path)]->add();
-      log::debug("xfer", "{}: {} -> {} via {}", res_of(), src.owner.empty() ? to_string(src.type) : src.owner,
-                 dst.owner.empty() ? to_string(dst.type) : dst.owner, to_string(w.path));
+      log::debug("xfer", "{}: {} -> {} via {}", res_of(), is_host(src.type) ? std::string(to_string(src.type)) : src.device_id(),
+                 is_host(dst.type) ? std::string(to_string(dst.type)) : dst.device_id(), to_string(w.path));
 
       auto* dp = static_cast<std::byte*>(r.dst);
       auto* sp = static_cast<const std::byte*>(r.src);

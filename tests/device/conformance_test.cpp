@@ -68,7 +68,7 @@ class DeviceConformance : public ::testing::Test {
 
 TEST_F(DeviceConformance, InfoIsFilledIn) {
   const device_info& i = dev().info();
-  EXPECT_EQ(i.backend, g_backend);
+  EXPECT_EQ(to_string(i.backend), g_backend);
   EXPECT_EQ(i.ordinal, 0);
   EXPECT_FALSE(i.name.empty());
   EXPECT_GT(i.total_memory, 0u);

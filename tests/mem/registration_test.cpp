@@ -28,7 +28,7 @@ class fake_client final : public peer_memory_client {
     auto a = reinterpret_cast<std::uintptr_t>(p);
     if (a < base_ || a + n > base_ + size_) return std::nullopt;
     std::lock_guard l(mu_);
-    return memory_region{memory_type::host_pageable, "fake", -1, a, n, generation_, this};
+    return memory_region{memory_type::host_pageable, device_kind::none, -1, a, n, generation_, this};
   }
   std::uint64_t pin(const memory_region&, std::uintptr_t b, std::uint64_t n) override {
     std::lock_guard l(mu_);

@@ -144,7 +144,7 @@ TEST(GpuEngine, FreedAndReallocatedDeviceMemoryIsNeverServedStale) {
   {
     registration r = cache.acquire(first->data(), n);
     EXPECT_EQ(r.region().type, memory_type::device);
-    EXPECT_EQ(r.region().owner, "cuda:0");
+    EXPECT_EQ(r.region().device_id(), "cuda:0");
   }
   std::uint64_t old_id = cache.classify(first->data(), n).buffer_id;
   first->free();

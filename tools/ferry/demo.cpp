@@ -21,7 +21,7 @@ int run_demo(runtime& rt, const demo_options& o) {
   std::uint64_t want = parse_size(o.size, "--size");
   std::uint64_t bytes = (want + g - 1) / g * g;
   if (bytes == 0) fail(errc::invalid_argument, "demo", "--size", "must be positive");
-  bool sim = in.backend == "sim";
+  bool sim = in.backend == device_kind::sim;
 
   fmt::print("device {}: {} ({} total, chunk granularity {}){}\n", d.id(), in.name, format_size(in.total_memory),
              format_size(g), sim ? " — simulated: timings below are not performance figures" : "");

@@ -30,7 +30,7 @@ int run_job(runtime& rt, const job_options& o) {
   const std::filesystem::path& dir = scratch.path();
   fmt::print("ferry job: {} file(s) of {} -> ferry serve on loopback -> ferry:// -> {} ({}){}\n", o.files,
              format_size(size), dev.id(), dev.info().name,
-             dev.info().backend == "sim" ? " — simulated device: timings are not performance figures" : "");
+             dev.info().backend == device_kind::sim ? " — simulated device: timings are not performance figures" : "");
 
   // 1. Dataset.
   std::vector<std::byte> buf(size);

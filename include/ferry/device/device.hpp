@@ -15,6 +15,7 @@
 #include <ferry/core/error.hpp>
 #include <ferry/core/export.hpp>
 #include <ferry/core/stats.hpp>
+#include <ferry/mem/memory.hpp>
 
 #include <chrono>
 #include <cstdint>
@@ -61,7 +62,7 @@ struct access_desc {
 
 // What a device is. Fields a backend cannot know are 0 / empty / -1.
 struct device_info {
-  std::string backend;  // "cuda" or "sim"
+  device_kind backend = device_kind::none;  // cuda or sim
   int ordinal = 0;      // index within the backend
   std::string name;     // "NVIDIA H200", "ferry sim device"
   std::string uuid;
@@ -74,7 +75,7 @@ struct device_info {
   int pcie_gen_current = 0, pcie_width_current = 0, pcie_gen_max = 0, pcie_width_max = 0;
   int copy_engines = 0;    // asynchronous copy engines
   // "cuda:0" / "sim:1": the canonical name used in URIs and errors.
-  std::string id() const { return backend + ":" + std::to_string(ordinal); }
+  std::string id() const { return std::string(to_string(backend)) + ":" + std::to_string(ordinal); }
 };
 
 struct memory_usage {

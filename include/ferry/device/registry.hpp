@@ -42,6 +42,8 @@ class FERRY_API device_registry {
   // out_of_range for an index past the last device, unavailable (with the reason) when the
   // backend is missing.
   device& get(std::string_view name);
+  // The device that memory of this kind and ordinal belongs to (memory_region::device, ordinal).
+  device& get(device_kind kind, int ordinal);
   device& default_device();
   // All CUDA devices (loading the driver), then all sim devices.
   std::vector<device*> all();

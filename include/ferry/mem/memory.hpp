@@ -25,18 +25,27 @@ enum class memory_type {
 };
 FERRY_API std::string_view to_string(memory_type t) noexcept;
 
+// The kind of device memory belongs to (none: host memory). With an ordinal it names the device:
+// the device layer looks it up by these (device_registry::get), nothing parses a name.
+enum class device_kind : std::uint8_t { none, cuda, sim };
+FERRY_API std::string_view to_string(device_kind k) noexcept;  // "host", "cuda", "sim"
+
 class peer_memory_client;
 
 // The allocation (or mapping) a pointer belongs to.
 struct memory_region {
   memory_type type = memory_type::unknown;
-  std::string owner;             // "host", "cuda:0", "sim:1"
+  device_kind device = device_kind::none;  // whose memory: with `ordinal`, the device (none: host)
   int ordinal = -1;              // device ordinal for device/managed memory
   std::uintptr_t base = 0;       // start of the allocation when known, else of the asked range
   std::uint64_t size = 0;
   std::uint64_t buffer_id = 0;   // CUDA buffer id: changes when memory is freed and re-allocated
   peer_memory_client* client = nullptr;
   bool contains(std::uintptr_t p, std::uint64_t n) const { return p >= base && p + n <= base + size; }
+  // "cuda:0", "sim:1", "host": for messages.
+  std::string device_id() const {
+    return device == device_kind::none ? std::string("host") : std::string(to_string(device)) + ":" + std::to_string(ordinal);
+  }
 };
 
 class FERRY_API peer_memory_client {

@@ -102,7 +102,7 @@ class cuda_device final : public device {
   static device_info make_info(int ordinal, const settings& s) {
     const driver_api& api = api_or_throw(s, "cuda.open");
     device_info i;
-    i.backend = "cuda";
+    i.backend = device_kind::cuda;
     i.ordinal = ordinal;
     std::string res = fmt::format("cuda:{}", ordinal);
     CUdevice d = 0;

@@ -342,7 +342,7 @@ class sim_device final : public device {
  private:
   static device_info make_info(int ordinal, const settings& s) {
     device_info i;
-    i.backend = "sim";
+    i.backend = device_kind::sim;
     i.ordinal = ordinal;
     i.name = "ferry sim device";
     i.uuid = fmt::format("sim-{:04d}", ordinal);
@@ -699,7 +699,7 @@ class sim_client final : public peer_memory_client {
     std::lock_guard l(g_devices_mu);
     for (sim_device* d : g_devices)
       if (auto r = d->range_containing(p))
-        return memory_region{memory_type::device, d->id(), d->info().ordinal, r->base, r->size, r->serial, this};
+        return memory_region{memory_type::device, device_kind::sim, d->info().ordinal, r->base, r->size, r->serial, this};
     return std::nullopt;
   }
   std::uint64_t pin(const memory_region&, std::uintptr_t, std::uint64_t) override { return 0; }
