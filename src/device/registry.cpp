@@ -40,11 +40,6 @@ backend_status device_registry::sim_status() const {
   return b;
 }
 
-device& device_registry::get(device_kind kind, int ordinal) {
-  if (kind == device_kind::none) fail(errc::invalid_argument, "device.lookup", "host", "host memory belongs to no device");
-  return get(fmt::format("{}:{}", to_string(kind), ordinal));
-}
-
 device& device_registry::get(std::string_view name) {
   auto colon = name.find(':');
   std::string_view kind = name.substr(0, colon);
@@ -57,19 +52,28 @@ device& device_registry::get(std::string_view name) {
   if (index < 0 || (kind != "gpu" && kind != "cuda" && kind != "sim"))
     fail(errc::invalid_argument, "device.lookup", fmt::format("'{}'", name),
          "expected a device name like gpu:0, cuda:0 or sim:0");
+  return get(kind == "sim" ? device_kind::sim : device_kind::cuda, index);
+}
+
+device& device_registry::get(device_kind kind, int index) {
+  if (kind == device_kind::none || index < 0)
+    fail(errc::invalid_argument, "device.lookup", fmt::format("{}:{}", to_string(kind), index), "host memory or a negative ordinal names no device");
   std::lock_guard l(mu_);
-  if (kind == "sim") {
+  if (kind == device_kind::sim) {
     if (static_cast<std::size_t>(index) >= sim_.size())
-      fail(errc::out_of_range, "device.lookup", std::string(name),
+      fail(errc::out_of_range, "device.lookup", fmt::format("sim:{}", index),
            fmt::format("there are {} sim devices (FERRY_SIM_DEVICES)", sim_.size()));
     auto& d = sim_[static_cast<std::size_t>(index)];
     if (!d) d = sim::create_device(index, settings_);
     return *d;
   }
+#ifdef FERRY_HAVE_CUDA
+  if (static_cast<std::size_t>(index) < cuda_.size() && cuda_[static_cast<std::size_t>(index)]) return *cuda_[static_cast<std::size_t>(index)];
+#endif
   backend_status st = cuda_status();
-  if (!st.available) fail(errc::unavailable, "device.lookup", std::string(name), "CUDA unavailable: " + st.reason);
+  if (!st.available) fail(errc::unavailable, "device.lookup", fmt::format("cuda:{}", index), "CUDA unavailable: " + st.reason);
   if (index >= st.device_count)
-    fail(errc::out_of_range, "device.lookup", std::string(name),
+    fail(errc::out_of_range, "device.lookup", fmt::format("cuda:{}", index),
          fmt::format("this machine has {} CUDA device(s)", st.device_count));
 #ifdef FERRY_HAVE_CUDA
   if (cuda_.empty()) cuda_.resize(static_cast<std::size_t>(st.device_count));
@@ -77,7 +81,7 @@ device& device_registry::get(std::string_view name) {
   if (!d) d = cuda::create_device(index, settings_);
   return *d;
 #else
-  fail(errc::internal, "device.lookup", std::string(name), "unreachable");
+  fail(errc::internal, "device.lookup", fmt::format("cuda:{}", index), "unreachable");
 #endif
 }
 
