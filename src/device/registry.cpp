@@ -52,16 +52,20 @@ device& device_registry::get(std::string_view name) {
   if (index < 0 || (kind != "gpu" && kind != "cuda" && kind != "sim"))
     fail(errc::invalid_argument, "device.lookup", fmt::format("'{}'", name),
          "expected a device name like gpu:0, cuda:0 or sim:0");
-  return get(kind == "sim" ? device_kind::sim : device_kind::cuda, index);
+  return lookup(kind == "sim" ? device_kind::sim : device_kind::cuda, index, name);
 }
 
-device& device_registry::get(device_kind kind, int index) {
+device& device_registry::get(device_kind kind, int index) { return lookup(kind, index, {}); }
+
+// `name`: what the caller asked for, for errors (a user's "gpu:7"); empty: kind:index.
+device& device_registry::lookup(device_kind kind, int index, std::string_view name) {
+  auto res = [&] { return name.empty() ? fmt::format("{}:{}", to_string(kind), index) : std::string(name); };
   if (kind == device_kind::none || index < 0)
-    fail(errc::invalid_argument, "device.lookup", fmt::format("{}:{}", to_string(kind), index), "host memory or a negative ordinal names no device");
+    fail(errc::invalid_argument, "device.lookup", res(), "host memory or a negative ordinal names no device");
   std::lock_guard l(mu_);
   if (kind == device_kind::sim) {
     if (static_cast<std::size_t>(index) >= sim_.size())
-      fail(errc::out_of_range, "device.lookup", fmt::format("sim:{}", index),
+      fail(errc::out_of_range, "device.lookup", res(),
            fmt::format("there are {} sim devices (FERRY_SIM_DEVICES)", sim_.size()));
     auto& d = sim_[static_cast<std::size_t>(index)];
     if (!d) d = sim::create_device(index, settings_);
@@ -71,9 +75,9 @@ device& device_registry::get(device_kind kind, int index) {
   if (static_cast<std::size_t>(index) < cuda_.size() && cuda_[static_cast<std::size_t>(index)]) return *cuda_[static_cast<std::size_t>(index)];
 #endif
   backend_status st = cuda_status();
-  if (!st.available) fail(errc::unavailable, "device.lookup", fmt::format("cuda:{}", index), "CUDA unavailable: " + st.reason);
+  if (!st.available) fail(errc::unavailable, "device.lookup", res(), "CUDA unavailable: " + st.reason);
   if (index >= st.device_count)
-    fail(errc::out_of_range, "device.lookup", fmt::format("cuda:{}", index),
+    fail(errc::out_of_range, "device.lookup", res(),
          fmt::format("this machine has {} CUDA device(s)", st.device_count));
 #ifdef FERRY_HAVE_CUDA
   if (cuda_.empty()) cuda_.resize(static_cast<std::size_t>(st.device_count));
@@ -81,7 +85,7 @@ device& device_registry::get(device_kind kind, int index) {
   if (!d) d = cuda::create_device(index, settings_);
   return *d;
 #else
-  fail(errc::internal, "device.lookup", fmt::format("cuda:{}", index), "unreachable");
+  fail(errc::internal, "device.lookup", res(), "unreachable");
 #endif
 }
 

@@ -53,6 +53,7 @@ class FERRY_API device_registry {
   const settings& config() const noexcept { return settings_; }
 
  private:
+  device& lookup(device_kind kind, int index, std::string_view name);
   settings settings_;
   std::mutex mu_;
   std::vector<std::unique_ptr<device>> cuda_;
