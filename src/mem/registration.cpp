@@ -309,6 +309,7 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
   auto a = reinterpret_cast<std::uintptr_t>(p);
   {
     cache_lock l(impl_->mu);
+    impl_->st.classifications++;
     auto it = impl_->index.upper_bound(a);
     if (it != impl_->index.begin()) {
       auto& e = std::prev(it)->second;

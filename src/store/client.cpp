@@ -61,6 +61,7 @@ struct client::impl {
     std::byte* land = nullptr;       // where read data lands (the destination, a staging buffer or a landing slot)
     std::uint64_t len = 0;
     std::byte* final_dst = nullptr;  // staged reads: copied here by the stager
+    memory_region user;              // staged pieces: the caller's memory, as classified once at the start
     pinned_pool::buffer slot;
     int land_slot = -1;              // slot of the landing region, while the server may use it
     clk::time_point landed{};        // staged reads: when the piece went to the stagers
@@ -173,6 +174,7 @@ struct client::impl {
   std::byte* notify_base = nullptr;  // in the landing region: lane i's notify record at + 64 i (its fast read's)
   registration landing_pin;  // for DMA from/to GPU memory (taken on first use)
   bool landing_pinned = false;
+  std::atomic<const memory_region*> landing_region{nullptr};  // landing_pin's, once it holds
   std::mutex land_mu;
   std::condition_variable land_cv;
   std::vector<int> land_free;
@@ -425,10 +427,13 @@ struct client::impl {
     u->r.reset();  // the memory goes; the entry stays for requests that may still look at it
     freed_regions.push_back(std::move(u));
   }
-  // Host memory or not: device-side copies go through the transfer engine, host ones are a memcpy.
-  void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n) {
-    if (o.engine) o.engine->copy(dst, src, n);
-    else std::memcpy(dst, src, n);
+  // Host memory or not: device-side copies go through the transfer engine (told what the caller's
+  // side is, classified when the request started), host ones are a memcpy.
+  void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n, const memory_region* dst_r = nullptr,
+                  const memory_region* src_r = nullptr) {
+    if (!o.engine) return void(std::memcpy(dst, src, n));
+    transfer_request r{dst, src, n, dst_r, src_r};
+    o.engine->copy(r);
   }
   // A finished piece gives back whatever buffer it borrowed (staging buffer, landing slot). mu held.
   void release_buffers(piece& p) {
@@ -565,7 +570,7 @@ struct client::impl {
       std::optional<error> err;
       auto t0 = clk::now();
       try {
-        copy_bytes(p->final_dst, p->land, p->received);
+        copy_bytes(p->final_dst, p->land, p->received, p->user.type == memory_type::unknown ? nullptr : &p->user, buffer_region(*p));
         n_staged += p->received;
       } catch (const error& e) {
         err = e;
@@ -803,10 +808,11 @@ struct client::impl {
     use_rma = want;
   }
 
-  // Does [p, p+n) need host staging (GPU or sim memory UCX cannot reach)?
-  bool needs_staging(const void* p, std::uint64_t n, const char* what) {
+  // Does [p, p+n) need host staging (GPU or sim memory UCX cannot reach)? `r` gets what it is: the
+  // one classification of the caller's memory for the whole request.
+  bool needs_staging(const void* p, std::uint64_t n, const char* what, memory_region& r) {
     if (!o.cache || n == 0) return false;
-    memory_region r = o.cache->classify(p, n);
+    r = o.cache->classify(p, n);
     if (r.type == memory_type::unknown)
       fail(errc::bad_address, what, fmt::format("{}+{}", p, n), "not memory ferry knows (freed, or never mapped?)");
     if (r.type != memory_type::device && r.type != memory_type::unified) return false;
@@ -819,6 +825,12 @@ struct client::impl {
     }
     return true;
   }
+  // What a piece's buffer is (a landing slot, a staging buffer), as registered: null when unknown.
+  const memory_region* buffer_region(const piece& p) {
+    if (p.land_slot >= 0) return landing_region.load(std::memory_order_acquire);
+    if (p.slot) return &staging->region();
+    return nullptr;
+  }
   // The landing region pinned for DMA (GPU copies from/to it); once, on first staged use.
   void pin_landing() {
     std::lock_guard l(stage_mu);
@@ -826,6 +838,7 @@ struct client::impl {
     landing_pinned = true;
     try {
       landing_pin = o.cache->acquire(landing->data(), landing->size());
+      landing_region.store(&landing_pin.region(), std::memory_order_release);
     } catch (const error& e) {
       log::warn("store", "{}: cannot pin the landing region ({}); GPU copies from it are slower", peer, e.what());
     }
@@ -839,7 +852,8 @@ struct client::impl {
     if (offset + length < offset) fail(errc::invalid_argument, opname, path, "offset + length overflows");
     // The caller's allocated buffer, mapped by every lane's server: straight in or out, for any size.
     bool lent = in_lent_buffer(mem, length);
-    bool staged = !lent && needs_staging(mem, length, opname);
+    memory_region user;
+    bool staged = !lent && needs_staging(mem, length, opname, user);
     ensure_connected(until);
     if (write && !hello_reply.writable)
       fail(errc::permission_denied, opname, fmt::format("{} {}", peer, printable(path)), "the server is read-only");
@@ -896,9 +910,10 @@ struct client::impl {
             p->land_slot = get_land_slot(until);
             p->land = landing->data() + static_cast<std::size_t>(p->land_slot) * o.piece;
             if (write) {
-              copy_bytes(p->land, mem + off, n);
+              copy_bytes(p->land, mem + off, n, buffer_region(*p), user.type == memory_type::unknown ? nullptr : &user);
             } else {
               p->final_dst = mem + off;
+              p->user = user;
             }
           }
           auto addr = reinterpret_cast<std::uint64_t>(p->land);
@@ -906,8 +921,8 @@ struct client::impl {
         } else {
           if (staged) {
             p->slot = staging->get(until);
-            if (write) o.engine->copy(p->slot.data(), mem + off, n);
-            else p->final_dst = mem + off;
+            if (write) copy_bytes(p->slot.data(), mem + off, n, buffer_region(*p), &user);
+            else p->final_dst = mem + off, p->user = user;
             p->land = p->slot.data();
           } else {
             p->land = mem ? mem + off : nullptr;
@@ -1013,7 +1028,8 @@ struct client::impl {
     if (length == 0 || length > o.piece || !mem) return std::nullopt;
     bool lent = in_lent_buffer(mem, length);
     // Host memory up to the server's inline size (above that through the landing region, or RMA).
-    if (!lent && (length > (16u << 10) || needs_staging(mem, length, "store.read"))) return std::nullopt;
+    memory_region ignored;
+    if (!lent && (length > (16u << 10) || needs_staging(mem, length, "store.read", ignored))) return std::nullopt;
     ensure_connected(until);
     lane& ln = *lanes[lanes.size() > 1 ? home_lane() : 0];
     piece p;

@@ -460,8 +460,12 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       auto d = reinterpret_cast<std::uintptr_t>(r.dst), s = reinterpret_cast<std::uintptr_t>(r.src);
       if (d + r.bytes < d || s + r.bytes < s) fail(errc::out_of_range, "xfer.submit", res_of(), "length overflows the address space");
       if (d < s + r.bytes && s < d + r.bytes) fail(errc::invalid_argument, "xfer.submit", res_of(), "source and destination overlap");
-      memory_region src = I.cache.classify(r.src, r.bytes);
-      memory_region dst = I.cache.classify(r.dst, r.bytes);
+      // A region the caller classified is taken only if it holds the range (else classified here).
+      auto known = [](const memory_region* k, std::uintptr_t p, std::uint64_t n) {
+        return k && k->type != memory_type::unknown && (k->size == 0 || k->contains(p, n));
+      };
+      memory_region src = known(r.src_region, s, r.bytes) ? *r.src_region : I.cache.classify(r.src, r.bytes);
+      memory_region dst = known(r.dst_region, d, r.bytes) ? *r.dst_region : I.cache.classify(r.dst, r.bytes);
       if (src.type == memory_type::unknown)
         fail(errc::bad_address, "xfer.submit", res_of(), "source is not mapped memory ferry knows (freed or invalid?)");
       if (dst.type == memory_type::unknown)
@@ -582,7 +586,10 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
 }
 
 void transfer_engine::copy(void* dst, const void* src, std::uint64_t bytes, transfer_options o) {
-  transfer_request r{dst, src, bytes};
+  copy(transfer_request{dst, src, bytes}, o);
+}
+
+void transfer_engine::copy(const transfer_request& r, transfer_options o) {
   transfer_batch b = submit_to(*impl_, {&r, 1}, o, true);
   b.wait();
   b.check();

@@ -217,6 +217,34 @@ TEST(StoreWrite, SimDeviceMemoryIsStagedBothWays) {
               HasSubstr("not memory ferry knows"));
 }
 
+// With no settings a same-host client's data goes through the landing region the server maps, and
+// a staged request classifies the caller's memory once: the stagers' copies (one per piece) tell the
+// transfer engine what both sides are instead of having them classified again.
+TEST(StoreWrite, SameHostIsMappedByDefaultAndTheCallersMemoryIsClassifiedOnce) {
+  writable_server s;
+  runtime rt(sim_settings());
+  store::client c("127.0.0.1", s.srv->port(), s.opts_with(rt));
+  EXPECT_THAT(c.stats().data_path, HasSubstr("mapped"));
+  auto data = random_bytes((6 << 20) + 5, 23);
+  {
+    std::ofstream f(s.root / "out" / "src.bin", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+  }
+  device& dev = rt.devices().get("sim:0");
+  mapped_memory m = allocate_mapped(dev, 8 << 20);
+  ASSERT_EQ(c.read("out/src.bin", 0, m.data(), 4096), 4096u);  // the landing region is pinned on first use
+  auto before = rt.registrations().stats().classifications;
+  auto staged = c.stats().staged_pieces;
+  ASSERT_EQ(c.read("out/src.bin", 0, m.data(), data.size()), data.size());
+  EXPECT_GE(c.stats().staged_pieces - staged, 7u) << "several pieces, each copied on by a stager";
+  EXPECT_EQ(rt.registrations().stats().classifications - before, 1u) << "the destination was classified per piece";
+  EXPECT_GE(c.stats().direct_pieces, 7u);
+  before = rt.registrations().stats().classifications;
+  c.put("out/back.bin", m.data(), data.size());
+  EXPECT_EQ(rt.registrations().stats().classifications - before, 1u) << "the source was classified per piece";
+  EXPECT_EQ(slurp(s.root / "out" / "back.bin"), data);
+}
+
 // Same host over shared memory: the client lends a landing region, the server maps it and reads
 // and writes files in place (no data message). Host and sim memory, random data, unaligned offsets,
 // fewer landing slots than pieces (recycled).

@@ -47,6 +47,9 @@ class FERRY_API pinned_pool {
   std::size_t buffer_bytes() const noexcept { return bytes_; }
   int count() const noexcept { return count_; }
   int numa_node() const noexcept { return numa_; }
+  // The pool's memory as the cache registered it (one region holding every buffer): callers that
+  // hand a buffer to the transfer engine say so instead of having it classified again.
+  const memory_region& region() const noexcept { return reg_.region(); }
 
  private:
   void put(std::byte* d) noexcept;

@@ -26,6 +26,7 @@ class registration_cache;
 
 struct registration_stats {
   std::uint64_t hits = 0, misses = 0, evictions = 0, invalidations = 0, stale_detected = 0;
+  std::uint64_t classifications = 0;  // classify() calls: what a pointer is, asked
   std::uint64_t bytes_pinned = 0, entries = 0;
 };
 

@@ -31,6 +31,10 @@ struct transfer_request {
   void* dst = nullptr;
   const void* src = nullptr;
   std::uint64_t bytes = 0;
+  // What the caller already knows the memory to be (from registration_cache::classify, for this
+  // range or one holding it): the engine then does not classify that side again. Null: it does.
+  const memory_region* dst_region = nullptr;
+  const memory_region* src_region = nullptr;
 };
 
 enum class request_state { pending, done, failed, cancelled, timed_out };
@@ -95,6 +99,7 @@ class FERRY_API transfer_engine {
   // Submit one request and wait; throws its error. A request that makes one unit of work (one
   // chunk, one device copy) runs on the calling thread, on its own stream: no worker hand-off.
   void copy(void* dst, const void* src, std::uint64_t bytes, transfer_options o = {});
+  void copy(const transfer_request& r, transfer_options o = {});  // with regions the caller classified
 
   ferry::stats& counters() noexcept;
   int workers() const noexcept;
