@@ -226,7 +226,7 @@ void lending_socket::receive(pending& p) {
 
 lent_region::~lent_region() {
   if (base) ::munmap(base, len);
-  if (account) account->fetch_sub(len);
+  if (totals) totals->bytes -= len, totals->regions -= 1;
 }
 
 std::shared_ptr<lent_region> map_lent(int fd, std::uint64_t addr, std::uint64_t len, std::string& why) {

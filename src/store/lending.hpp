@@ -77,12 +77,18 @@ class lending_socket {
   std::vector<pending> pending_;
 };
 
+// What all clients together have mapped in a server: bounded, since each region takes address space
+// and a mapping (the kernel's vm.max_map_count counts those for the whole process).
+struct lent_totals {
+  std::atomic<std::uint64_t> bytes{0}, regions{0};
+};
+
 // A lent region mapped in the server: [base, base + len) here is [addr, addr + len) in the client.
 // Unmapped when the last holder (the session, jobs still using it) drops it.
 struct lent_region {
   std::byte* base = nullptr;
   std::uint64_t addr = 0, len = 0;
-  std::atomic<std::uint64_t>* account = nullptr;  // the server's count of mapped bytes (len comes off it)
+  lent_totals* totals = nullptr;  // counted in while mapped
   lent_region() = default;
   lent_region(const lent_region&) = delete;
   lent_region& operator=(const lent_region&) = delete;

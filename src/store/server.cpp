@@ -55,8 +55,13 @@ constexpr std::chrono::milliseconds coarse_slack{20};
 // allocated); more are refused (their requests then move data by messages).
 constexpr std::size_t max_lent = 64;
 
+// The error as the client will show it: the code travels as the errno (the client names it once),
+// so the message leaves out what()'s trailing " [code]".
 error_reply to_reply(const error& e) {
-  return error_reply{e.sys_errno() ? e.sys_errno() : errno_from_errc(e.code()), printable(e.what(), 1000)};
+  std::string m = e.what();
+  std::string tag = fmt::format(" [{}]", to_string(e.code()));
+  if (m.ends_with(tag)) m.resize(m.size() - tag.size());
+  return error_reply{e.sys_errno() ? e.sys_errno() : errno_from_errc(e.code()), printable(m, 1000)};
 }
 
 struct open_file {
@@ -363,8 +368,8 @@ struct server::impl {
   // Where same-host clients pass the regions they lend (null: none, FERRY_NET_MAP=0); served by the
   // janitor thread. Bytes mapped from all clients together are bounded (address space).
   std::unique_ptr<lending_socket> lending;
-  std::atomic<std::uint64_t> lent_bytes{0};
-  static constexpr std::uint64_t max_lent_bytes = 1ull << 45;
+  detail::lent_totals lent_total;
+  static constexpr std::uint64_t max_lent_bytes = 1ull << 45, max_lent_regions = 16384;
   // Write data buffers UCX is receiving into, by (connection, request, offset); declared before the
   // workers so that they outlive them.
   buffer_pool write_buffers;  // before `receiving`: its buffers return here
@@ -812,12 +817,14 @@ struct server::impl {
       if (fd < 0) why = "no region was passed under this id on the lending socket";
       else if (l->length > (1ull << 40)) why = "larger than 1 TiB";
       else if (s->lent.size() >= max_lent) why = fmt::format("it has {} regions mapped here already", max_lent);
-      else if (lent_bytes.load() + l->length > max_lent_bytes) why = "the server maps too much lent memory already";
+      else if (lent_total.bytes.load() + l->length > max_lent_bytes || lent_total.regions.load() >= max_lent_regions)
+        why = "the server maps too much lent memory already";
       else mapped = map_lent(fd, l->addr, l->length, why);
       if (fd >= 0) ::close(fd);
       if (mapped) {
-        lent_bytes += l->length;
-        mapped->account = &lent_bytes;
+        lent_total.bytes += l->length;
+        lent_total.regions += 1;
+        mapped->totals = &lent_total;
         s->lent.push_back(mapped);
       }
       s->mapped = !s->lent.empty();

@@ -5,6 +5,7 @@
 
 #include "net/ucx.hpp"
 #include "store/lending.hpp"
+#include "support/errors.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -321,6 +322,18 @@ TEST(StoreHostile, TheLendingSocketCannotBeWedgedAndLeaksNoDescriptor) {
   bool back = false;
   for (int i = 0; i < 100 && !(back = open_fds() <= before); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_TRUE(back) << open_fds() << " descriptors open, " << before << " before";
+}
+
+// A refusal keeps the server's code (as errno on the wire) and names it once.
+TEST(StoreHostile, ARefusalNamesItsCodeOnce) {
+  exported e;
+  store::client c("127.0.0.1", e.srv->port());
+  std::vector<char> buf(1 << 20);
+  auto t = test::error_text([&] { c.read("a.bin", 0, buf.data(), buf.size()); });  // over the 64 KiB limit
+  EXPECT_THAT(t, HasSubstr("exceeds the limit 65536"));
+  auto first = t.find("[out_of_range]");
+  ASSERT_NE(first, std::string::npos) << t;
+  EXPECT_EQ(t.find("[out_of_range]", first + 1), std::string::npos) << t;
 }
 
 // A stand-in server whose welcome names ports of our choosing for the client's further lanes.
