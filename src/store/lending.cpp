@@ -78,7 +78,9 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
     why = "the server offers no lending socket";
     return false;
   }
-  int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  // Non-blocking: a full backlog (another process flooding the socket) makes connect fail with
+  // EAGAIN rather than wait; it is tried again until the deadline.
+  int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (s < 0) {
     why = fmt::format("socket: {}", std::strerror(errno));
     return false;
@@ -89,9 +91,14 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
   } c{s};
   socklen_t len = 0;
   auto a = abstract_address(socket_name, len);
-  if (::connect(s, reinterpret_cast<sockaddr*>(&a), len) != 0) {
-    why = fmt::format("cannot reach the server's lending socket ({}): not on this host, or in another network namespace",
-                      std::strerror(errno));
+  while (::connect(s, reinterpret_cast<sockaddr*>(&a), len) != 0) {
+    if (errno == EAGAIN && lending_clock::now() < until) {
+      ::usleep(1000);
+      continue;
+    }
+    why = errno == EAGAIN ? std::string("the server's lending socket stayed busy until the deadline")
+                          : fmt::format("cannot reach the server's lending socket ({}): not on this host, or in another network namespace",
+                                        std::strerror(errno));
     return false;
   }
   wire_message m{};
@@ -109,9 +116,14 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
   cm->cmsg_type = SCM_RIGHTS;
   cm->cmsg_len = CMSG_LEN(sizeof(int));
   std::memcpy(CMSG_DATA(cm), &fd, sizeof fd);
-  if (::sendmsg(s, &h, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof m)) {
-    why = fmt::format("sendmsg to the lending socket: {}", std::strerror(errno));
-    return false;
+  for (;;) {
+    if (::sendmsg(s, &h, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof m)) break;
+    pollfd w{s, POLLOUT, 0};
+    if (errno != EAGAIN || ::poll(&w, 1, ms_until(until)) != 1) {
+      why = errno == EAGAIN ? std::string("the lending socket took no message before the deadline")
+                            : fmt::format("sendmsg to the lending socket: {}", std::strerror(errno));
+      return false;
+    }
   }
   pollfd p{s, POLLIN, 0};
   std::uint8_t answer = 0;
