@@ -43,7 +43,7 @@ int run_job(runtime& rt, const job_options& o) {
   double t_gen = secs(t0);
 
   // 2. Server on loopback.
-  store::server_options so;
+  store::server_options so = store::server_options_from(rt.config());  // the user's FERRY_SERVE_* settings
   so.root = dir.string();
   so.host = "127.0.0.1";
   store::server srv(so);
