@@ -417,8 +417,8 @@ struct server::impl {
     if (o.writable && o.secret.empty() && !o.insecure)
       fail(errc::permission_denied, "store.serve", o.root,
            "refusing to serve writable without a shared secret (give a secret file, or --insecure to let anyone write)");
-    expects(o.chunk > 0 && o.max_outstanding > 0 && o.threads > 0 && o.workers > 0, "store.serve", o.root,
-            "chunk, credits, threads and workers must be positive");
+    expects(o.chunk > 0 && o.max_outstanding > 0 && o.threads >= 0 && o.workers > 0, "store.serve", o.root,
+            "chunk, credits and workers must be positive, threads not negative");
     auto ctx = std::make_shared<ucx_context>(interface_for(o.host, true));
     for (int i = 0; i < o.workers; ++i) {
       auto& w = *workers.emplace_back(std::make_unique<ucx_worker>(fmt::format("ferry-serve-{}", i), o.spin, ctx));
@@ -503,7 +503,7 @@ struct server::impl {
     }
     port = ports[0];
     // Last: a constructor that threw above leaves no running thread behind.
-    for (int i = 0; i < o.threads; ++i) threads.emplace_back([this] { work(); });
+    for (int i = 0, n = o.threads > 0 ? o.threads : default_serve_threads(); i < n; ++i) threads.emplace_back([this] { work(); });
     if (o.map) {
       try {
         lending = std::make_unique<lending_socket>(instance, [this](std::span<const std::uint8_t> token, std::uint64_t id, int fd) {

@@ -38,7 +38,7 @@ struct server_options {
   std::uint32_t max_outstanding = 64;  // per connection (credits)
   std::uint64_t max_request = 1ull << 30;
   std::uint64_t chunk = 4ull << 20;    // bytes per data message (larger client data messages are refused)
-  int threads = settings::defaults().serve_threads;  // file I/O threads
+  int threads = settings::defaults().serve_threads;  // file I/O threads; 0: default_serve_threads()
   int workers = settings::defaults().serve_workers;  // UCX workers (progress threads), each with its own port
   bool map = settings::defaults().net_map;           // serve regions lent by same-host clients directly
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
