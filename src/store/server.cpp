@@ -731,9 +731,9 @@ struct server::impl {
     w.instance = instance;
     if (lending) {
       if (auto* s = static_cast<session*>(c.user)) {
-        auto nonce = detail::random_nonce();
-        s->token.assign(nonce.begin(), nonce.begin() + lend_token_size);
-        {
+        if (s->token.empty()) {  // one per session, however often it says hello
+          auto nonce = detail::random_nonce();
+          s->token.assign(nonce.begin(), nonce.begin() + lend_token_size);
           std::lock_guard l(sess_mu);
           by_token[s->token] = s->shared_from_this();
         }
