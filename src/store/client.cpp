@@ -153,6 +153,7 @@ struct client::impl {
   std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0, n_held = 0, n_handed = 0;
   std::atomic<std::uint64_t> n_staged{0}, n_reconnects{0};
   std::atomic<std::uint64_t> n_staged_pieces{0}, stage_wait_ns{0}, stage_copy_ns{0};
+  std::shared_ptr<ucx_context> ctx;  // the lanes' workers'
   // RMA: memory registered for the network through a registration cache of our own (lazily
   // deregistered, dropped when the memory goes); decided when lane 0 connects.
   std::unique_ptr<ucx_net_client> net_client;
@@ -169,7 +170,6 @@ struct client::impl {
 
   // The landing region lent to the server (shared memory, mapped by a same-host server): slots of
   // `piece` bytes; a slot whose request was abandoned stays out of use (the server may still write).
-  std::shared_ptr<ucx_context> ctx;
   std::unique_ptr<detail::shared_region> landing;
   std::byte* notify_base = nullptr;  // in the landing region: lane i's notify record at + 64 i (its fast read's)
   registration landing_pin;  // for DMA from/to GPU memory (taken on first use)

@@ -462,7 +462,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       if (d < s + r.bytes && s < d + r.bytes) fail(errc::invalid_argument, "xfer.submit", res_of(), "source and destination overlap");
       // A region the caller classified is taken only if it holds the range (else classified here).
       auto known = [](const memory_region* k, std::uintptr_t p, std::uint64_t n) {
-        return k && k->type != memory_type::unknown && (k->size == 0 || k->contains(p, n));
+        return k && k->type != memory_type::unknown && k->contains(p, n);
       };
       memory_region src = known(r.src_region, s, r.bytes) ? *r.src_region : I.cache.classify(r.src, r.bytes);
       memory_region dst = known(r.dst_region, d, r.bytes) ? *r.dst_region : I.cache.classify(r.dst, r.bytes);

@@ -1,8 +1,10 @@
 #pragma once
 // Sub-commands of the `ferry` CLI. Each returns the process exit code.
 #include <ferry/runtime.hpp>
+#include <ferry/store/service.hpp>
 
 #include <string>
+#include <string_view>
 
 namespace ferry::cli {
 
@@ -45,6 +47,9 @@ struct serve_options {
 };
 // The secret from FERRY_SECRET_FILE, or empty.
 std::string client_secret(runtime& rt);
+// How a client's data moved, for summaries: through the landing region a same-host server mapped,
+// by RMA, or in messages.
+std::string_view data_route(const store::client_stats& s);
 int run_serve(runtime& rt, const serve_options& o);
 int run_ls(runtime& rt, const std::string& uri, bool stat_only);
 

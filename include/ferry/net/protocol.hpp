@@ -24,7 +24,7 @@ inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
 // 3: read_into names a notify record (see read_into).
 // 4: writes are atomic per file: open_write / end_write, and every write piece names its handle.
 // 5: regions are lent as descriptors over the server's lending socket: welcome names the socket and
-//    the session's token, lend names the region passed there (no UCX rkey).
+//    the session's token, lend names the region passed there.
 inline constexpr std::uint16_t protocol_version = 5;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
