@@ -524,13 +524,12 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
       fmt::print("  {}: read {} checksum {}, write {} checksum {}\n", mem, format_size(v), ok_read ? "verified" : "MISMATCH",
                  format_size(v), ok_write ? "verified" : "MISMATCH");
       jt["verified_" + mem] = ok_read && ok_write;
-      // Pieces landed in host memory and copied on by the client's stager threads (GPU memory, and
-      // host memory above the inline size through the landing region): where their time went.
+      // Pieces landed in host memory and copied on by the transfer engine (GPU memory, and host
+      // memory above the inline size through the landing region): where their time went.
       auto after = c.stats();
       if (auto n = after.staged_pieces - before.staged_pieces)
-        fmt::print("  {}: {} pieces staged; each waited {:.1f} us for a stager and took {:.1f} us in its copy (mean)\n", mem, n,
-                   static_cast<double>(after.stage_wait_ns - before.stage_wait_ns) / 1e3 / static_cast<double>(n),
-                   static_cast<double>(after.stage_copy_ns - before.stage_copy_ns) / 1e3 / static_cast<double>(n));
+        fmt::print("  {}: {} pieces staged; each took {:.1f} us from landing to copied on (mean)\n", mem, n,
+                   static_cast<double>(after.copy_out_ns - before.copy_out_ns) / 1e3 / static_cast<double>(n));
     }
     auto fst = c.stats();
     fmt::print("client: {} requests in {} pieces ({} through the mapped region), {} staged, {} progress wake-ups, {} landing slots quarantined\n",

@@ -1,6 +1,6 @@
 // The ferry:// client: requests split into pieces (one wire request and one credit each), replies
-// matched by request id on the progress thread, staged pieces moved on by a stager thread, every
-// wait bounded by the request's deadline.
+// matched by request id on the progress thread, pieces that landed in a slot copied on by the
+// transfer engine, every wait bounded by the request's deadline.
 #include <ferry/mem/pinned_pool.hpp>
 #include <ferry/mem/registration.hpp>
 #include <ferry/store/service.hpp>
@@ -60,11 +60,12 @@ struct client::impl {
     std::byte* rma_mem = nullptr;
     std::byte* land = nullptr;       // where read data lands (the destination, a staging buffer or a landing slot)
     std::uint64_t len = 0;
-    std::byte* final_dst = nullptr;  // staged reads: copied here by the stager
+    std::byte* final_dst = nullptr;  // staged reads: copied here by the transfer engine
     memory_region user;              // staged pieces: the caller's memory, as classified once at the start
     pinned_pool::buffer slot;
     int land_slot = -1;              // slot of the landing region, while the server may use it
-    clk::time_point landed{};        // staged reads: when the piece went to the stagers
+    clk::time_point until{};         // the request's deadline (its copy on has the same)
+    clk::time_point landed{};        // staged reads: when the piece went to the engine
     std::uint64_t received = 0, expect = 0;
     bool replied = false, settled = false, credit = false;
     std::optional<message> reply;
@@ -152,7 +153,7 @@ struct client::impl {
   // lock on some machines); staged bytes and reconnects by the threads that make them.
   std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0, n_held = 0, n_handed = 0;
   std::atomic<std::uint64_t> n_staged{0}, n_reconnects{0};
-  std::atomic<std::uint64_t> n_staged_pieces{0}, stage_wait_ns{0}, stage_copy_ns{0};
+  std::atomic<std::uint64_t> n_staged_pieces{0}, copy_out_ns{0};
   std::shared_ptr<ucx_context> ctx;  // the lanes' workers'
   // RMA: memory registered for the network through a registration cache of our own (lazily
   // deregistered, dropped when the memory goes); decided when lane 0 connects.
@@ -160,13 +161,14 @@ struct client::impl {
   std::unique_ptr<registration_cache> net_cache;
   std::atomic<bool> use_rma{false};
 
-  // Staging for GPU/sim memory, and the thread that moves staged and landed pieces on.
-  std::unique_ptr<pinned_pool> staging;
-  std::mutex stage_mu;
-  std::condition_variable stage_cv;
-  std::deque<std::shared_ptr<piece>> stage_q;
-  bool stage_stop = false;
-  std::vector<std::thread> stagers;
+  // Staging for GPU/sim memory whose data moves by messages: the transfer engine's pinned buffers
+  // (set on first use, under buffers_mu); and the copies on of landed pieces the engine still runs:
+  // their completions use this client, which waits for them.
+  std::atomic<pinned_pool*> staging{nullptr};
+  std::mutex buffers_mu;
+  std::mutex copies_mu;
+  std::condition_variable copies_cv;
+  std::uint64_t copies_running = 0;  // copies_mu
 
   // The landing region lent to the server (shared memory, mapped by a same-host server): slots of
   // `piece` bytes; a slot whose request was abandoned stays out of use (the server may still write).
@@ -253,18 +255,21 @@ struct client::impl {
               f->settled = ready(*f);
               return;
             }
-            std::lock_guard l(mu);
-            auto it = pend.find(rid);
-            if (it == pend.end()) return;
-            auto pp = it->second;
-            received(*pp, n, s);
-            maybe_settle(pp);
+            std::shared_ptr<piece> due;
+            {
+              std::lock_guard l(mu);
+              auto it = pend.find(rid);
+              if (it == pend.end()) return;
+              auto pp = it->second;
+              received(*pp, n, s);
+              due = maybe_settle(pp);
+            }
+            if (due) copy_out(std::move(due));
           });
       lanes.push_back(std::move(ln));
     }
-    for (int i = 0; i < std::max(1, o.stagers); ++i) stagers.emplace_back([this] { stage_loop(); });
     if (o.map) {
-      int count = static_cast<int>(std::max<std::uint64_t>(2, o.staging / o.piece));
+      int count = static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece));
       try {
         // The slots, then a cache line per lane for the notify records of its small reads.
         std::size_t slots = static_cast<std::size_t>(count) * o.piece;
@@ -297,13 +302,10 @@ struct client::impl {
       }
       if (cn) cn->close();
     }
-    {
-      std::lock_guard l(stage_mu);
-      stage_stop = true;
-    }
-    stage_cv.notify_all();
-    for (auto& t : stagers)
-      if (t.joinable()) t.join();
+    // A copy on ends by its request's deadline at the latest (the engine's bound): its completion
+    // must not outlive this client.
+    std::unique_lock l(copies_mu);
+    copies_cv.wait(l, [&] { return copies_running == 0; });
   }
 
   // ---- landing slots ----
@@ -451,9 +453,11 @@ struct client::impl {
     piece* f = ln.fast;
     return f && f->rid == rid && f->conn == &cn ? f : nullptr;
   }
-  void maybe_settle(const std::shared_ptr<piece>& pp) {
+  // Settles a piece that is ready. Returns it when its data must still be copied on from where it
+  // landed: the caller hands it to copy_out once mu is released.
+  [[nodiscard]] std::shared_ptr<piece> maybe_settle(const std::shared_ptr<piece>& pp) {
     piece& p = *pp;
-    if (p.settled || !ready(p)) return;
+    if (p.settled || !ready(p)) return nullptr;
     p.settled = true;
     // The map's reference moves out (pp may be that very reference): no reference-count traffic.
     std::shared_ptr<piece> keep = pend.take(p.rid);
@@ -466,14 +470,43 @@ struct client::impl {
       if (auto* cp = std::get_if<complete>(&p.reply->b)) (p.write ? n_written : n_read) += cp->bytes;
     if (!p.err && !p.write && p.final_dst && p.received) {
       p.landed = clk::now();
-      std::lock_guard l(stage_mu);
-      stage_q.push_back(std::move(keep));
-      stage_cv.notify_one();
-      return;
+      return keep;
     }
     release_buffers(p);
     p.done.store(true, std::memory_order_release);
     cv.notify_all();
+    return nullptr;
+  }
+  // A landed piece's data on to the caller's memory, by the transfer engine (on one of its workers,
+  // so that the progress thread goes on); the piece is done, and its slot free, when the copy is.
+  // Without an engine every destination is host memory: a memcpy here.
+  void copy_out(std::shared_ptr<piece> pp) {
+    piece& p = *pp;
+    auto finished = [this, pp](const error* e) {
+      auto& q = *pp;
+      n_staged_pieces.fetch_add(1, std::memory_order_relaxed);
+      copy_out_ns.fetch_add(static_cast<std::uint64_t>((clk::now() - q.landed).count()), std::memory_order_relaxed);
+      std::lock_guard l(mu);
+      if (e) q.err = *e;
+      else n_staged += q.received;
+      release_buffers(q);
+      q.done.store(true, std::memory_order_release);
+      cv.notify_all();
+    };
+    if (!o.engine) {
+      std::memcpy(p.final_dst, p.land, p.received);
+      return finished(nullptr);
+    }
+    {
+      std::lock_guard l(copies_mu);
+      copies_running++;
+    }
+    transfer_request r{p.final_dst, p.land, p.received, p.user.type == memory_type::unknown ? nullptr : &p.user, buffer_region(p)};
+    o.engine->submit({&r, 1}, {p.until}, [this, finished](std::span<const request_result> res) {
+      finished(res[0].err ? &*res[0].err : nullptr);
+      std::lock_guard l(copies_mu);
+      if (--copies_running == 0) copies_cv.notify_all();
+    });
   }
 
   void on_frame(lane& ln, connection& cn, message m) {
@@ -482,12 +515,16 @@ struct client::impl {
       f->settled = ready(*f);
       return;
     }
-    std::lock_guard l(mu);
-    auto it = pend.find(m.request_id);
-    if (it == pend.end()) return;
-    const auto& pp = it->second;  // maybe_settle moves it out of the map last
-    take_reply(*pp, std::move(m));
-    maybe_settle(pp);
+    std::shared_ptr<piece> due;
+    {
+      std::lock_guard l(mu);
+      auto it = pend.find(m.request_id);
+      if (it == pend.end()) return;
+      const auto& pp = it->second;  // maybe_settle moves it out of the map last
+      take_reply(*pp, std::move(m));
+      due = maybe_settle(pp);
+    }
+    if (due) copy_out(std::move(due));
   }
   // A piece's answer (a frame): what it says about the data, kept for finish.
   void take_reply(piece& p, message&& m) {
@@ -508,12 +545,16 @@ struct client::impl {
       f->settled = ready(*f);
       return;
     }
-    std::lock_guard l(mu);
-    auto it = pend.find(m.request_id);
-    if (it == pend.end()) return;
-    const auto& pp = it->second;  // maybe_settle moves it out of the map last
-    take_inline(*pp, std::move(m), d, n);
-    maybe_settle(pp);
+    std::shared_ptr<piece> due;
+    {
+      std::lock_guard l(mu);
+      auto it = pend.find(m.request_id);
+      if (it == pend.end()) return;
+      const auto& pp = it->second;  // maybe_settle moves it out of the map last
+      take_inline(*pp, std::move(m), d, n);
+      due = maybe_settle(pp);
+    }
+    if (due) copy_out(std::move(due));
   }
   // A fast read's notify record, seen: as its completion.
   void take_notice(piece& p, std::uint64_t bytes) {
@@ -551,40 +592,9 @@ struct client::impl {
       if (p->conn == cn) hit.push_back(p);
     for (auto& p : hit) {
       if (!p->err) p->err = error(errc::network_error, "store.request", peer, "connection lost: " + why);
-      maybe_settle(p);
+      (void)maybe_settle(p);  // failed: nothing to copy on
     }
     cv.notify_all();
-  }
-
-  // ---- stager: staged and landed read pieces -> their destination through the transfer engine ----
-  void stage_loop() {
-    for (;;) {
-      std::shared_ptr<piece> p;
-      {
-        std::unique_lock l(stage_mu);
-        stage_cv.wait(l, [&] { return stage_stop || !stage_q.empty(); });
-        if (stage_q.empty()) return;
-        p = std::move(stage_q.front());
-        stage_q.pop_front();
-      }
-      std::optional<error> err;
-      auto t0 = clk::now();
-      try {
-        copy_bytes(p->final_dst, p->land, p->received, p->user.type == memory_type::unknown ? nullptr : &p->user, buffer_region(*p));
-        n_staged += p->received;
-      } catch (const error& e) {
-        err = e;
-      }
-      auto t1 = clk::now();
-      n_staged_pieces.fetch_add(1, std::memory_order_relaxed);
-      stage_wait_ns.fetch_add(static_cast<std::uint64_t>((t0 - p->landed).count()), std::memory_order_relaxed);
-      stage_copy_ns.fetch_add(static_cast<std::uint64_t>((t1 - t0).count()), std::memory_order_relaxed);
-      std::lock_guard l(mu);
-      if (err) p->err = err;
-      release_buffers(*p);
-      p->done.store(true, std::memory_order_release);
-      cv.notify_all();
-    }
   }
 
   // ---- caller threads ----
@@ -641,7 +651,7 @@ struct client::impl {
     } catch (const error& e) {
       std::lock_guard g(mu);
       if (!p->err) p->err = e;
-      maybe_settle(p);
+      (void)maybe_settle(p);  // failed: nothing to copy on
     }
     return p;
   }
@@ -818,22 +828,18 @@ struct client::impl {
     if (r.type != memory_type::device && r.type != memory_type::unified) return false;
     if (lanes[0]->w->cuda_memory() && r.device == device_kind::cuda) return false;  // UCX registers it itself
     if (!o.engine) fail(errc::invalid_argument, what, r.device_id(), "device memory needs a transfer engine for staging (client_options::engine)");
-    std::lock_guard l(stage_mu);
-    if (!staging) {
-      int count = static_cast<int>(std::max<std::uint64_t>(2, o.staging / o.piece));
-      staging = std::make_unique<pinned_pool>(*o.cache, o.piece, count, -1);
-    }
+    if (!staging.load(std::memory_order_acquire)) staging.store(&o.engine->staging_for(r), std::memory_order_release);
     return true;
   }
   // What a piece's buffer is (a landing slot, a staging buffer), as registered: null when unknown.
   const memory_region* buffer_region(const piece& p) {
     if (p.land_slot >= 0) return landing_region.load(std::memory_order_acquire);
-    if (p.slot) return &staging->region();
+    if (p.slot) return &staging.load(std::memory_order_acquire)->region();
     return nullptr;
   }
   // The landing region pinned for DMA (GPU copies from/to it); once, on first staged use.
   void pin_landing() {
-    std::lock_guard l(stage_mu);
+    std::lock_guard l(buffers_mu);
     if (landing_pinned || !o.cache) return;
     landing_pinned = true;
     try {
@@ -875,15 +881,19 @@ struct client::impl {
       }
     }
     op o2{path, write, offset, length, until, {}};
+    // Staged through the engine's buffers, a piece is at most one of them.
+    pinned_pool* pool = staged && !direct ? staging.load(std::memory_order_acquire) : nullptr;
+    const std::uint64_t piece_len = pool ? std::min<std::uint64_t>(o.piece, pool->buffer_bytes()) : o.piece;
     // A read of one piece (most small ones) is registered with its piece, under one lock.
-    bool one_piece = !write && length <= o.piece && !net;
+    bool one_piece = !write && length <= piece_len && !net;
     ticket registered = 0;
     try {
       std::uint64_t off = 0;
       do {
-        std::uint64_t n = std::min<std::uint64_t>(o.piece, length - off);
+        std::uint64_t n = std::min<std::uint64_t>(piece_len, length - off);
         auto p = std::make_shared<piece>();
         p->write = write;
+        p->until = until;
         message m;
         const registration::piece* rp = nullptr;
         if (net && n) {
@@ -920,7 +930,7 @@ struct client::impl {
           m = {0, 0, write ? body{write_from{path, offset + off, n, addr, handle}} : body{read_into{path, offset + off, n, addr}}};
         } else {
           if (staged) {
-            p->slot = staging->get(until);
+            p->slot = pool->get(until);
             if (write) copy_bytes(p->slot.data(), mem + off, n, buffer_region(*p), &user);
             else p->final_dst = mem + off, p->user = user;
             p->land = p->slot.data();
@@ -949,7 +959,7 @@ struct client::impl {
               if (s == UCS_OK) return;
               std::lock_guard l(mu);
               if (!pp->err) pp->err = error(errc::network_error, "store.write", peer, std::string("data send failed: ") + ucs_status_string(s));
-              maybe_settle(pp);
+              (void)maybe_settle(pp);  // a write: nothing to copy on
             });
           }
         }
@@ -1094,8 +1104,8 @@ struct client::impl {
             handed = std::make_shared<piece>();
             auto& h = *handed;
             h.rid = p.rid, h.ln = p.ln, h.conn = p.conn, h.direct = p.direct, h.lent = p.lent, h.land = p.land, h.len = p.len;
-            h.received = p.received, h.credit = true;
-            // Through a landing slot: the stager copies it out when the answer comes, then frees the slot.
+            h.received = p.received, h.credit = true, h.until = until;
+            // Through a landing slot: copied out when the answer comes (copy_out), then the slot is free.
             if (p.land_slot >= 0) h.land_slot = std::exchange(p.land_slot, -1), h.final_dst = mem;
             std::lock_guard l(mu);
             pend.put(h.rid, handed);
@@ -1293,7 +1303,7 @@ client_stats client::stats() const {
                  direct ? "mapped landing region (server reads/writes it in place; shared memory)"
                         : "active messages (rendezvous above the eager limit)",
                  static_cast<int>(i.lanes.size()), i.n_direct, i.quarantined.load(), i.n_rma, i.use_rma.load(), i.n_lent,
-                 i.n_held, i.n_handed, i.n_staged_pieces.load(), i.stage_wait_ns.load(), i.stage_copy_ns.load()};
+                 i.n_held, i.n_handed, i.n_staged_pieces.load(), i.copy_out_ns.load()};
   std::shared_ptr<connection> cn = i.lanes[0]->c;
   l.unlock();
   if (s.rma && !direct) s.data_path = "RMA into registered client memory (server puts reads, gets writes)";
@@ -1326,10 +1336,9 @@ client_options client_options_from(const settings& s, registration_cache* cache,
   o.cache = cache;
   o.engine = engine;
   o.piece = s.net_piece;
-  o.staging = s.net_staging;
+  o.landing = s.net_landing;
   o.spin = s.net_spin;
   o.lanes = s.net_lanes;
-  o.stagers = s.net_stagers;
   o.map = s.net_map;
   o.rma = s.net_rma;
   return o;

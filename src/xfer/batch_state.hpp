@@ -22,10 +22,21 @@ struct transfer_batch::state {
   std::atomic<bool> cancelled{false};
   deadline until;
   void* engine = nullptr;  // transfer_engine::impl, for wait() to run its own queued work
+  transfer_engine::completion on_done;  // set: called once when the last request is final (no handle waits)
+
+  // Calls on_done, once, outside the lock (it may submit more work or take its owner's locks).
+  void completed(std::unique_lock<std::mutex>& l) {
+    cv.notify_all();
+    if (!on_done) return;
+    auto f = std::move(on_done);
+    on_done = nullptr;
+    l.unlock();
+    f(results);  // final: nothing changes them any more
+  }
 
   // Records the end of one segment of request i.
   void finish(std::size_t i, std::uint64_t len, const error* e, request_state fail_state = request_state::failed) {
-    std::lock_guard l(mu);
+    std::unique_lock l(mu);
     request_result& r = results[i];
     if (r.state != request_state::pending) return;  // already timed out / cancelled
     if (e && !r.err) r.err = *e;
@@ -38,7 +49,7 @@ struct transfer_batch::state {
                                                         : r.err->code() == errc::timeout ? request_state::timed_out
                                                                                           : fail_state)
                     : request_state::done;
-    if (--unfinished == 0) cv.notify_all();
+    if (--unfinished == 0) completed(l);
   }
   // Progress of request i before it finishes (bytes delivered so far).
   void progress(std::size_t i, std::uint64_t n) {
@@ -49,11 +60,11 @@ struct transfer_batch::state {
   }
   // A request that never reaches the workers (bad input, classification error).
   void fail_now(std::size_t i, error e) {
-    std::lock_guard l(mu);
+    std::unique_lock l(mu);
     results[i].state = request_state::failed;
     results[i].err = std::move(e);
     segs_left[i] = 0;
-    if (--unfinished == 0) cv.notify_all();
+    if (--unfinished == 0) completed(l);
   }
   void item_done() {
     std::lock_guard l(mu);

@@ -418,6 +418,10 @@ transfer_engine::transfer_engine(device_registry& devices, registration_cache& c
     : impl_(std::make_unique<impl>(devices, cache, s)) {}
 transfer_engine::~transfer_engine() = default;
 ferry::stats& transfer_engine::counters() noexcept { return impl_->st; }
+pinned_pool& transfer_engine::staging_for(const memory_region& m) {
+  if (m.device == device_kind::none) return impl_->pool(-1);
+  return impl_->pool(impl_->devices.get(m.device, m.ordinal).info().numa_node);
+}
 int transfer_engine::workers() const noexcept { return impl_->nworkers; }
 
 namespace {
@@ -431,12 +435,14 @@ transfer_batch transfer_engine::submit(std::span<const transfer_request> reqs, t
 // `here`: a batch of one work item runs on the calling thread before this returns (copy(), whose
 // caller waits anyway): no worker to wake, no waiter to wake. On a machine whose threads outnumber
 // its cores each wake-up can cost more than a 1 MiB copy itself (docs/design/transfer-engine.md).
-transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_request> reqs, transfer_options o, bool here) {
+transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_request> reqs, transfer_options o, bool here,
+                                          completion done) {
   transfer_batch tb;
   tb.s_ = std::make_shared<transfer_batch::state>();
   auto& b = *tb.s_;
   b.until = o.until.value_or(deadline_after(I.cfg.deadline));
   b.engine = &I;
+  b.on_done = std::move(done);
   b.results.resize(reqs.size());
   for (auto& r : reqs) b.sizes.push_back(r.bytes);
   b.segs_left.assign(reqs.size(), 0);
@@ -583,6 +589,13 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
   }
   I.enqueue(items);
   return tb;
+}
+
+void transfer_engine::submit(std::span<const transfer_request> reqs, transfer_options o, completion done) {
+  expects(static_cast<bool>(done), "xfer.submit", "batch", "a batch without a handle needs a completion");
+  if (reqs.empty()) return done({});
+  transfer_batch b = submit_to(*impl_, reqs, o, false, std::move(done));
+  b.s_.reset();  // the queued items hold the state; dropping the handle this way cancels nothing
 }
 
 void transfer_engine::copy(void* dst, const void* src, std::uint64_t bytes, transfer_options o) {

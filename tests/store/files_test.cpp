@@ -60,7 +60,7 @@ struct fixture {
     c.sim_granularity = 1ull << 20;
     c.secret_file = secret_file.string();
     c.net_piece = 1 << 20;
-    c.net_staging = 4 << 20;
+    c.net_landing = 4 << 20;
     c.deadline = std::chrono::seconds(10);
     return c;
   }

@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <cstring>
 #include <random>
 
@@ -280,6 +283,76 @@ TEST(Engine, ManySmallRequestsAreGroupedAndProgressIsCounted) {
   // 1024 requests of 4 KiB in work items of at most FERRY_XFER_CHUNK (4 MiB): one copy per request,
   // but far fewer synchronizations than requests.
   EXPECT_EQ(rt.devices().get("sim:0").counters().get("copies").value(), 1024u);
+}
+
+// A batch nobody waits for: its completion is called once, with every result, when the last request
+// is final -- done, refused at submit, or past its deadline -- and the data is in place by then.
+TEST(Engine, ABatchWithoutAHandleReportsThroughItsCompletionOnce) {
+  settings s = sim_settings();
+  runtime rt(s);
+  region a(rt.devices().get("sim:0"), 8 << 20);
+  auto src = random_bytes(6 << 20, 11);
+  struct seen {
+    std::mutex mu;
+    std::condition_variable cv;
+    int calls = 0;
+    std::vector<request_result> results;
+    bool data_in_place = false;
+  } got;
+  std::vector<transfer_request> reqs = {{a.p(), src.data(), 4 << 20}, {nullptr, src.data(), 10}, {a.p(4 << 20), src.data(), 2 << 20}};
+  rt.engine().submit(reqs, {}, [&](std::span<const request_result> r) {
+    bool ok = device_checksum(rt.devices().get("sim:0"), a.p(), 4 << 20) == checksum64(src.data(), 4 << 20);
+    std::lock_guard l(got.mu);
+    got.calls++;
+    got.results.assign(r.begin(), r.end());
+    got.data_in_place = ok;
+    got.cv.notify_all();
+  });
+  {
+    std::unique_lock l(got.mu);
+    ASSERT_TRUE(got.cv.wait_for(l, std::chrono::seconds(10), [&] { return got.calls > 0; }));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::lock_guard l(got.mu);
+  EXPECT_EQ(got.calls, 1);
+  ASSERT_EQ(got.results.size(), 3u);
+  EXPECT_EQ(got.results[0].state, request_state::done);
+  EXPECT_EQ(got.results[1].state, request_state::failed);
+  EXPECT_THAT(got.results[1].err->what(), HasSubstr("null pointer"));
+  EXPECT_EQ(got.results[2].state, request_state::done);
+  EXPECT_TRUE(got.data_in_place);
+
+  // Every request refused at submit: called before submit returns.
+  int refused = 0;
+  transfer_request bad{nullptr, src.data(), 10};
+  rt.engine().submit({&bad, 1}, {}, [&](std::span<const request_result> r) { refused += r[0].state == request_state::failed; });
+  EXPECT_EQ(refused, 1);
+}
+
+TEST(Engine, ABatchWithoutAHandleEndsAtItsDeadline) {
+  settings s = sim_settings();
+  s.sim_copy_gbps = 0.02;
+  s.xfer_threads = 1;
+  runtime rt(s);
+  region a(rt.devices().get("sim:0"), 32 << 20);
+  std::vector<unsigned char> src(32 << 20, 1);
+  std::vector<transfer_request> reqs;
+  for (int i = 0; i < 8; ++i) reqs.push_back({a.p(static_cast<std::uint64_t>(i) << 22), src.data(), 4 << 20});
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<std::vector<request_result>> got;
+  auto t0 = std::chrono::steady_clock::now();
+  rt.engine().submit(reqs, {deadline_after(std::chrono::milliseconds(100))}, [&](std::span<const request_result> r) {
+    std::lock_guard l(mu);
+    got.emplace(r.begin(), r.end());
+    cv.notify_all();
+  });
+  std::unique_lock l(mu);
+  ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(10), [&] { return got.has_value(); })) << "no completion after the deadline";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  int timed_out = 0;
+  for (auto& r : *got) timed_out += r.state == request_state::timed_out;
+  EXPECT_GE(timed_out, 7);
 }
 
 }  // namespace

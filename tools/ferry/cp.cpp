@@ -90,10 +90,10 @@ int cp_from_remote(runtime& rt, const cp_options& o) {
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   bool ok = !o.verify || dst.checksum(moved) == remote_checksum(rt, c, u.path, moved);
   auto st = c.stats();
-  // Where the bytes went, then, when they did not land in place, one copy on by the stagers.
+  // Where the bytes went, then, when they did not land in place, one copy on by the transfer engine.
   fmt::print("{} -> {}: {} in {:.3f} s ({}), path UCX [{}], data by {} -> {}{}, checksum {}\n", o.src, o.dst, format_size(moved),
              secs, format_rate(static_cast<double>(moved) / secs), st.transports, data_route(st),
-             st.staged_bytes ? "copy out (stagers) -> " : "", o.dst, !o.verify ? "not checked" : ok ? "verified" : "MISMATCH");
+             st.staged_bytes ? "copy on (transfer engine) -> " : "", o.dst, !o.verify ? "not checked" : ok ? "verified" : "MISMATCH");
   if (!ok) fail(errc::internal, "cp", o.src + " -> " + o.dst, "destination checksum does not match what the server holds");
   return 0;
 }

@@ -81,7 +81,7 @@ struct FERRY_API settings {
   // net / store
   std::string secret_file;             // shared secret for ferry:// servers that require one
   std::uint64_t net_piece = 4ull << 20;     // bytes per wire request of a ferry:// read or write
-  std::uint64_t net_staging = 256ull << 20; // pinned staging for GPU/sim memory per client
+  std::uint64_t net_landing = 256ull << 20; // the landing region a client lends a same-host server
   std::chrono::nanoseconds net_spin = std::chrono::microseconds(200);  // progress back-off before sleeping
   int serve_threads = 0;                // file I/O threads of `ferry serve`; 0: default_serve_threads()
   int serve_workers = 1;                // UCX workers (progress threads) of `ferry serve`
@@ -92,7 +92,6 @@ struct FERRY_API settings {
   int serve_auth_failures = 3;          // failed authentications per connection before it is closed
   std::chrono::nanoseconds serve_ban = std::chrono::seconds(30);  // an address failing too often is refused this long
   int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
-  int net_stagers = 4;                  // client threads moving landed pieces on to GPU memory
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host
   rma_use net_rma = rma_use::automatic;
   // vm

@@ -10,8 +10,8 @@
 // on tcp the fastest primitive UCX offers -- except between processes of one host: there the client
 // lends a landing region (a sealed memfd passed on the server's Unix socket) that the server maps and
 // reads files straight into. GPU and sim memory: when this UCX build cannot register
-// CUDA memory, pieces land in pinned host memory (the landing region or staging buffers) and a stager
-// thread moves them on through the transfer engine; with a CUDA-capable UCX they go to the GPU directly.
+// CUDA memory, pieces land in pinned host memory (the landing region, or the transfer engine's staging
+// buffers) and the engine copies them on; with a CUDA-capable UCX they go to the GPU directly.
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
 #include <ferry/net/protocol.hpp>
@@ -111,15 +111,11 @@ struct client_options {
   registration_cache* cache = nullptr;
   transfer_engine* engine = nullptr;
   std::uint64_t piece = 4ull << 20;       // bytes per wire request (FERRY_NET_PIECE)
-  std::uint64_t staging = 256ull << 20;   // pinned staging for GPU/sim memory (FERRY_NET_STAGING)
+  std::uint64_t landing = 256ull << 20;   // the landing region lent to a same-host server (FERRY_NET_LANDING)
   std::chrono::nanoseconds spin = std::chrono::microseconds(200);
   // Connections (lanes) to the server, each with its own UCX worker and progress thread; pieces are
   // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
   int lanes = 4;
-  // Threads that copy staged and landed read pieces on to their destination (GPU memory) through the
-  // transfer engine, each one piece at a time (FERRY_NET_STAGERS): one thread's copy rate would cap
-  // same-host reads into GPU memory (bench/results/2026-11-22-h100-remote-stagers).
-  int stagers = 4;
   // Lend a same-host server a shared-memory landing region (a sealed memfd): the server then reads
   // files straight into it and no data message is sent (FERRY_NET_MAP).
   bool map = true;
@@ -144,10 +140,10 @@ struct client_stats {
   std::uint64_t held_reads = 0;        // small read()s answered on the caller's thread (worker held from send to answer)
   std::uint64_t handed_reads = 0;      // of those started so, the ones not answered while held (then waited for as usual)
   // Staged pieces (landed in pinned staging or the landing region, then copied on to their
-  // destination -- GPU/sim memory, or host memory read through the landing region -- by the stager
-  // threads): how many, and the summed time they waited for a stager and spent in its copy; where a
-  // slow GPU read's time goes on this side.
-  std::uint64_t staged_pieces = 0, stage_wait_ns = 0, stage_copy_ns = 0;
+  // destination -- GPU/sim memory, or host memory read through the landing region -- by the transfer
+  // engine): how many, and the summed time from landing to copied; where a slow GPU read's time goes
+  // on this side.
+  std::uint64_t staged_pieces = 0, copy_out_ns = 0;
 };
 
 class FERRY_API client {
@@ -230,7 +226,7 @@ class FERRY_API client {
   std::unique_ptr<impl> impl_;
 };
 
-// Client options from settings (piece, staging, spin, secret file) plus the runtime's cache and engine.
+// Client options from settings (piece, landing region, spin, lanes, secret file) plus the runtime's cache and engine.
 FERRY_API client_options client_options_from(const settings& s, registration_cache* cache, transfer_engine* engine);
 
 }  // namespace ferry::store

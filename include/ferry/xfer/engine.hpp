@@ -20,12 +20,15 @@
 #include <ferry/device/registry.hpp>
 #include <ferry/mem/registration.hpp>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
 #include <vector>
 
 namespace ferry {
+
+class pinned_pool;
 
 struct transfer_request {
   void* dst = nullptr;
@@ -96,16 +99,28 @@ class FERRY_API transfer_engine {
   struct impl;  // opaque
 
   transfer_batch submit(std::span<const transfer_request> requests, transfer_options o = {});
+  // Submits a batch that no thread waits for: `done` is called once, with every request's result,
+  // when all are final -- on the engine thread that finished the last one (or on this thread, before
+  // submit returns, if none could start). The batch runs until it is done or its deadline passes; it
+  // cannot be cancelled. `done` must not block: it runs where the engine's next copy would.
+  using completion = std::function<void(std::span<const request_result>)>;
+  void submit(std::span<const transfer_request> requests, transfer_options o, completion done);
   // Submit one request and wait; throws its error. A request that makes one unit of work (one
   // chunk, one device copy) runs on the calling thread, on its own stream: no worker hand-off.
   void copy(void* dst, const void* src, std::uint64_t bytes, transfer_options o = {});
   void copy(const transfer_request& r, transfer_options o = {});  // with regions the caller classified
 
+  // The engine's pinned staging buffers near `device_memory`'s device (its NUMA node): the one
+  // staging pool of a process, for layers above that land data in host memory before the engine
+  // copies it on (FERRY_STAGING_BYTES each, FERRY_STAGING_BUFFERS per NUMA node).
+  pinned_pool& staging_for(const memory_region& device_memory);
+
   ferry::stats& counters() noexcept;
   int workers() const noexcept;
 
  private:
-  static transfer_batch submit_to(impl& I, std::span<const transfer_request> requests, transfer_options o, bool here);
+  static transfer_batch submit_to(impl& I, std::span<const transfer_request> requests, transfer_options o, bool here,
+                                  completion done = {});
   std::unique_ptr<impl> impl_;
 };
 
