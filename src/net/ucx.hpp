@@ -12,6 +12,12 @@
 // arms the worker and sleeps in epoll — back-off polling. Back-to-back requests then never pay a
 // thread wake-up (several microseconds, more than a whole AM round trip on shared memory), and an
 // idle transport still sleeps.
+//
+// Who drives progress (the one rule): only the worker's holder calls UCX, and handlers run on it.
+// The progress thread holds the worker unless a caller waiting for its own request drives it
+// (drive(): the progress thread steps aside until the caller stops, at its spin time or when its
+// request is done). Any other thread hands work in: run_or_post() runs it at once if the worker is
+// free (else posts it, order kept), call() posts it and waits with a deadline, post() only posts.
 #include <ferry/core/error.hpp>
 #include <ferry/mem/registration.hpp>
 #include <ferry/net/protocol.hpp>
@@ -257,56 +263,6 @@ class ucx_worker {
     if (l.owns_lock()) unlock_owner();
     drivers_.fetch_sub(1, std::memory_order_seq_cst);
     return ok;
-  }
-
-  // One request answered on this worker, with the worker held by the calling thread from the send
-  // to the answer (one acquisition, no hand-off): takes it as drive() does (the progress thread steps
-  // aside), runs `send()`, drives until `done()` or the limits (as drive), then runs `last(done)`
-  // still holding it, so that a request not answered yet can be registered for whoever progresses
-  // the worker next. Returns not_taken (nothing run) if the worker could not be had within
-  // `for_at_most`; an exception from send() or last() leaves the worker first.
-  enum class exchanged { done, not_done, not_taken };
-  template <typename Send, typename Done, typename Last>
-  exchanged exchange(Send send, Done done, Last last, std::chrono::steady_clock::time_point until,
-                     std::chrono::nanoseconds for_at_most) {
-    drivers_.fetch_add(1, std::memory_order_seq_cst);
-    std::unique_lock l(ucx_mu_, std::defer_lock);
-    bool ok = false;
-    try {
-      // The progress thread lets go between two progress calls once it sees drivers_.
-      for (unsigned i = 0; !l.try_lock(); ++i) {
-        if ((i & 255) == 255) {
-          auto now = std::chrono::steady_clock::now();
-          if (i == 255 && for_at_most < until - now) until = now + for_at_most;
-          if (now >= until) {
-            drivers_.fetch_sub(1, std::memory_order_seq_cst);
-            return exchanged::not_taken;
-          }
-        }
-        cpu_relax();
-      }
-      lock_owner();
-      drain_posted();  // work posted earlier goes first
-      send();
-      for (unsigned i = 0;; ++i) {
-        if ((ok = done())) break;
-        if ((i & 7) == 7) {  // the clock every 8th turn, from the 8th (as drive)
-          auto now = std::chrono::steady_clock::now();
-          if (i == 7 && for_at_most < until - now) until = now + for_at_most;
-          if (now >= until) break;
-        }
-        progress_once();
-      }
-      last(ok);
-    } catch (...) {
-      if (l.owns_lock()) unlock_owner();
-      drivers_.fetch_sub(1, std::memory_order_seq_cst);
-      throw;
-    }
-    unlock_owner();
-    l.unlock();
-    drivers_.fetch_sub(1, std::memory_order_seq_cst);
-    return ok ? exchanged::done : exchanged::not_done;
   }
 
   // Listens on host:port (port 0: any); returns the port. New connections get `accepted`, on this

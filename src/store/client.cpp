@@ -46,9 +46,6 @@ struct client::impl {
     // From its welcome: where to pass regions it may map, and the session's token.
     std::string lending;
     std::vector<std::uint8_t> token;
-    // The read a caller waits for with this lane's worker held (fast_read): not in `pend`, seen
-    // and settled only by the worker's holder, which is that caller until it lets the worker go.
-    piece* fast = nullptr;
   };
   // One wire request.
   struct piece {
@@ -64,6 +61,7 @@ struct client::impl {
     memory_region user;              // staged pieces: the caller's memory, as classified once at the start
     pinned_pool::buffer slot;
     int land_slot = -1;              // slot of the landing region, while the server may use it
+    const std::uint64_t* record = nullptr;  // the slot's notify record, for a read into a slot (set before sending)
     clk::time_point until{};         // the request's deadline (its copy on has the same)
     clk::time_point landed{};        // staged reads: when the piece went to the engine
     std::uint64_t received = 0, expect = 0;
@@ -71,6 +69,9 @@ struct client::impl {
     std::optional<message> reply;
     std::optional<error> err;
     std::atomic<bool> done{false};
+    // The thread waiting for it, while it waits (wait_piece): a piece it settles itself, driving
+    // its lane, it also copies on itself -- it would only wait for another thread to do it.
+    std::atomic<std::thread::id> waiter{};
   };
   // The pieces of one request; most requests are one piece, kept without a vector.
   struct piece_list {
@@ -151,9 +152,9 @@ struct client::impl {
   bool connected_once = false;
   // Counted under mu, where each request already is (an atomic add each would cost more than the
   // lock on some machines); staged bytes and reconnects by the threads that make them.
-  std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0, n_held = 0, n_handed = 0;
+  std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0, n_noticed = 0;
   std::atomic<std::uint64_t> n_staged{0}, n_reconnects{0};
-  std::atomic<std::uint64_t> n_staged_pieces{0}, copy_out_ns{0};
+  std::atomic<std::uint64_t> n_staged_pieces{0}, copy_out_ns{0}, n_copied_by_waiter{0};
   std::shared_ptr<ucx_context> ctx;  // the lanes' workers'
   // RMA: memory registered for the network through a registration cache of our own (lazily
   // deregistered, dropped when the memory goes); decided when lane 0 connects.
@@ -173,7 +174,7 @@ struct client::impl {
   // The landing region lent to the server (shared memory, mapped by a same-host server): slots of
   // `piece` bytes; a slot whose request was abandoned stays out of use (the server may still write).
   std::unique_ptr<detail::shared_region> landing;
-  std::byte* notify_base = nullptr;  // in the landing region: lane i's notify record at + 64 i (its fast read's)
+  std::byte* notify_base = nullptr;  // in the landing region: slot i's notify record at + 64 i
   registration landing_pin;  // for DMA from/to GPU memory (taken on first use)
   bool landing_pinned = false;
   std::atomic<const memory_region*> landing_region{nullptr};  // landing_pin's, once it holds
@@ -230,9 +231,8 @@ struct client::impl {
       ln->index = i;
       ln->w = std::make_unique<ucx_worker>(fmt::format("ferry-client-{}", i), o.spin, ctx);
       auto& w = *ln->w;
-      lane* lp = ln.get();
-      w.on_frame([this, lp](connection& cn, message m) { on_frame(*lp, cn, std::move(m)); });
-      w.on_reply([this, lp](connection& cn, message m, const std::byte* d, std::size_t n) { on_inline(*lp, cn, std::move(m), d, n); });
+      w.on_frame([this](connection&, message m) { on_frame(std::move(m)); });
+      w.on_reply([this](connection&, message m, const std::byte* d, std::size_t n) { on_inline(std::move(m), d, n); });
       auto sink = [](const piece& pc, std::uint64_t off, std::size_t n) -> void* {
         if (!pc.land || pc.write || pc.direct || off > pc.len || n > pc.len - off) return nullptr;
         return pc.land + off;
@@ -243,18 +243,12 @@ struct client::impl {
         pc.received += n;
       };
       w.on_data(
-          [this, lp, sink](connection& cn, std::uint64_t rid, std::uint64_t off, std::size_t n) -> void* {
-            if (piece* f = fast_piece(*lp, cn, rid)) return sink(*f, off, n);
+          [this, sink](connection&, std::uint64_t rid, std::uint64_t off, std::size_t n) -> void* {
             std::lock_guard l(mu);
             auto it = pend.find(rid);
             return it == pend.end() ? nullptr : sink(*it->second, off, n);
           },
-          [this, lp, received](connection& cn, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
-            if (piece* f = fast_piece(*lp, cn, rid)) {
-              received(*f, n, s);
-              f->settled = ready(*f);
-              return;
-            }
+          [this, received](connection&, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
             std::shared_ptr<piece> due;
             {
               std::lock_guard l(mu);
@@ -271,9 +265,9 @@ struct client::impl {
     if (o.map) {
       int count = static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece));
       try {
-        // The slots, then a cache line per lane for the notify records of its small reads.
+        // The slots, then a cache line per slot for the notify record of a small read into it.
         std::size_t slots = static_cast<std::size_t>(count) * o.piece;
-        landing = std::make_unique<detail::shared_region>(slots + ((lanes.size() * 64 + 4095) & ~std::size_t{4095}));
+        landing = std::make_unique<detail::shared_region>(slots + ((static_cast<std::size_t>(count) * 64 + 4095) & ~std::size_t{4095}));
         notify_base = landing->data() + slots;
         for (int i = count - 1; i >= 0; --i) land_free.push_back(i);
       } catch (const error& e) {
@@ -448,11 +442,6 @@ struct client::impl {
   static bool ready(const piece& p) {
     return p.err || (p.replied && (!p.reply || !std::holds_alternative<complete>(p.reply->b) || p.write || p.received >= p.expect));
   }
-  // The lane's fast read, if `rid` on `cn` is it. The worker's holder only (every handler is).
-  static piece* fast_piece(const lane& ln, const connection& cn, std::uint64_t rid) {
-    piece* f = ln.fast;
-    return f && f->rid == rid && f->conn == &cn ? f : nullptr;
-  }
   // Settles a piece that is ready. Returns it when its data must still be copied on from where it
   // landed: the caller hands it to copy_out once mu is released.
   [[nodiscard]] std::shared_ptr<piece> maybe_settle(const std::shared_ptr<piece>& pp) {
@@ -477,11 +466,15 @@ struct client::impl {
     cv.notify_all();
     return nullptr;
   }
-  // A landed piece's data on to the caller's memory, by the transfer engine (on one of its workers,
-  // so that the progress thread goes on); the piece is done, and its slot free, when the copy is.
-  // Without an engine every destination is host memory: a memcpy here.
+  // A landed piece's data on to the caller's memory, by the transfer engine; the piece is done, and
+  // its slot free, when the copy is. Settled by the thread that waits for it (driving its lane), the
+  // copy runs right here (engine.copy runs one copy on its caller's thread): that thread would only
+  // wait for another to do it. Settled elsewhere (a progress thread), it goes to an engine worker as
+  // a batch with a completion, so that the progress thread goes on. Without an engine every
+  // destination is host memory: a memcpy here.
   void copy_out(std::shared_ptr<piece> pp) {
     piece& p = *pp;
+    const bool here = p.waiter.load(std::memory_order_acquire) == std::this_thread::get_id();
     auto finished = [this, pp](const error* e) {
       auto& q = *pp;
       n_staged_pieces.fetch_add(1, std::memory_order_relaxed);
@@ -493,15 +486,24 @@ struct client::impl {
       q.done.store(true, std::memory_order_release);
       cv.notify_all();
     };
+    if (here) n_copied_by_waiter.fetch_add(1, std::memory_order_relaxed);
     if (!o.engine) {
       std::memcpy(p.final_dst, p.land, p.received);
+      return finished(nullptr);
+    }
+    transfer_request r{p.final_dst, p.land, p.received, p.user.type == memory_type::unknown ? nullptr : &p.user, buffer_region(p)};
+    if (here) {
+      try {
+        o.engine->copy(r, {p.until});
+      } catch (const error& e) {
+        return finished(&e);
+      }
       return finished(nullptr);
     }
     {
       std::lock_guard l(copies_mu);
       copies_running++;
     }
-    transfer_request r{p.final_dst, p.land, p.received, p.user.type == memory_type::unknown ? nullptr : &p.user, buffer_region(p)};
     o.engine->submit({&r, 1}, {p.until}, [this, finished](std::span<const request_result> res) {
       finished(res[0].err ? &*res[0].err : nullptr);
       std::lock_guard l(copies_mu);
@@ -509,12 +511,7 @@ struct client::impl {
     });
   }
 
-  void on_frame(lane& ln, connection& cn, message m) {
-    if (piece* f = fast_piece(ln, cn, m.request_id)) {
-      take_reply(*f, std::move(m));
-      f->settled = ready(*f);
-      return;
-    }
+  void on_frame(message m) {
     std::shared_ptr<piece> due;
     {
       std::lock_guard l(mu);
@@ -539,12 +536,7 @@ struct client::impl {
     p.replied = true;
     p.reply = std::move(m);
   }
-  void on_inline(lane& ln, connection& cn, message m, const std::byte* d, std::size_t n) {
-    if (piece* f = fast_piece(ln, cn, m.request_id)) {
-      take_inline(*f, std::move(m), d, n);
-      f->settled = ready(*f);
-      return;
-    }
+  void on_inline(message m, const std::byte* d, std::size_t n) {
     std::shared_ptr<piece> due;
     {
       std::lock_guard l(mu);
@@ -556,7 +548,7 @@ struct client::impl {
     }
     if (due) copy_out(std::move(due));
   }
-  // A fast read's notify record, seen: as its completion.
+  // A read's notify record, seen: as its completion (the message that follows finds it settled).
   void take_notice(piece& p, std::uint64_t bytes) {
     if (bytes > p.len) {
       p.err = error(errc::protocol_error, "store.read", peer, fmt::format("the server claims {} bytes for a {}-byte request", bytes, p.len));
@@ -564,7 +556,7 @@ struct client::impl {
       p.received = p.expect = bytes;
       p.reply = message{p.rid, 0, complete{0, bytes}};
     }
-    p.replied = p.settled = true;
+    p.replied = true;
   }
   // A piece's answer with its data inline: copied to where the piece lands.
   void take_inline(piece& p, message&& m, const std::byte* d, std::size_t n) {
@@ -580,12 +572,8 @@ struct client::impl {
     p.reply = std::move(m);
   }
   // Runs on the lane's worker (its holder), like every handler.
-  void conn_failed(lane& ln, connection* cn, const std::string& why) {
+  void conn_failed(connection* cn, const std::string& why) {
     lane_events.fetch_add(1, std::memory_order_acq_rel);
-    if (piece* f = ln.fast; f && f->conn == cn && !f->settled) {
-      if (!f->err) f->err = error(errc::network_error, "store.request", peer, "connection lost: " + why);
-      f->settled = true;
-    }
     std::lock_guard l(mu);
     std::vector<std::shared_ptr<piece>> hit;
     for (auto& [id, p] : pend)
@@ -659,10 +647,30 @@ struct client::impl {
   // `what` names the request in errors; it is built only when one is raised (formatting a string
   // per request would cost more than a shared-memory round trip).
   template <typename What>
-  void wait_piece(piece& p, clk::time_point until, const What& what) {
+  void wait_piece(const std::shared_ptr<piece>& pp, clk::time_point until, const What& what) {
+    piece& p = *pp;
+    p.waiter.store(std::this_thread::get_id(), std::memory_order_release);
     // Drive the worker from this thread for a while: a small request then completes without any
-    // thread hand-off (the progress thread takes over if this one gives up and sleeps).
-    if (p.ln->w->drive([&] { return p.done.load(std::memory_order_acquire); }, until, o.spin)) return;
+    // thread hand-off (the progress thread takes over if this one gives up and sleeps). A read the
+    // server answered at once into a landing slot also wrote the slot's notify record: seen, the
+    // read is done without taking its completion message off the queue.
+    const std::uint64_t* record = p.record;
+    auto finished = [&] {
+      if (p.done.load(std::memory_order_acquire)) return true;
+      if (!record || std::atomic_ref<const std::uint64_t>(record[0]).load(std::memory_order_acquire) != p.rid) return false;
+      std::shared_ptr<piece> due;
+      {
+        std::lock_guard l(mu);
+        if (!p.settled) {
+          take_notice(p, std::atomic_ref<const std::uint64_t>(record[1]).load(std::memory_order_relaxed));
+          n_noticed++;
+          due = maybe_settle(pp);
+        }
+      }
+      if (due) copy_out(std::move(due));
+      return p.done.load(std::memory_order_acquire);
+    };
+    if (p.ln->w->drive(finished, until, o.spin)) return;
     std::unique_lock l(mu);
     if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     auto cn = p.ln->c;
@@ -683,7 +691,7 @@ struct client::impl {
   }
   message request(message m, clk::time_point until, bool needs_credit = true, lane* force = nullptr) {
     auto p = send(std::move(m), std::make_shared<piece>(), needs_credit, until, force);
-    wait_piece(*p, until, [] { return std::string("request"); });
+    wait_piece(p, until, [] { return std::string("request"); });
     if (p->err) throw *p->err;
     return *p->reply;
   }
@@ -743,7 +751,7 @@ struct client::impl {
     for (int attempt = 0;; ++attempt) {
       cn = ln.w->connect(host, to, until);
       raw = cn.get();
-      cn->on_failure = [this, raw, lp = &ln](const std::string& why) { conn_failed(*lp, raw, why); };
+      cn->on_failure = [this, raw](const std::string& why) { conn_failed(raw, why); };
       {
         std::lock_guard l(mu);
         ln.c = cn;
@@ -863,9 +871,12 @@ struct client::impl {
     ensure_connected(until);
     if (write && !hello_reply.writable)
       fail(errc::permission_denied, opname, fmt::format("{} {}", peer, printable(path)), "the server is read-only");
-    // Through the landing region when the server maps it: GPU/sim memory always, host memory above
-    // the inline size (a small read is one message either way).
-    bool direct = lent || (direct_available() && (staged || length > (16u << 10)));
+    // Through the landing region when the server maps it: reads always (a small one answered at once
+    // also writes the slot's notify record, which the waiter sees before any message: sent inline,
+    // the data would cross into this process twice -- the server copies it into UCX's queue, this side
+    // takes the message off it); writes of GPU/sim memory and of host memory above the inline size
+    // (a small write is one message either way).
+    bool direct = lent || (direct_available() && (!write || staged || length > (16u << 10)));
     if (direct && staged) pin_landing();
     // RMA into/out of the caller's memory, registered for the network (cached); memory UCX cannot
     // register (GPU memory without CUDA support in UCX) keeps the staged path.
@@ -927,7 +938,10 @@ struct client::impl {
             }
           }
           auto addr = reinterpret_cast<std::uint64_t>(p->land);
-          m = {0, 0, write ? body{write_from{path, offset + off, n, addr, handle}} : body{read_into{path, offset + off, n, addr}}};
+          if (!write && p->land_slot >= 0 && notify_base)
+            p->record = reinterpret_cast<const std::uint64_t*>(notify_base + 64 * static_cast<std::size_t>(p->land_slot));
+          m = {0, 0, write ? body{write_from{path, offset + off, n, addr, handle}}
+                           : body{read_into{path, offset + off, n, addr, reinterpret_cast<std::uint64_t>(p->record)}}};
         } else {
           if (staged) {
             p->slot = pool->get(until);
@@ -969,7 +983,7 @@ struct client::impl {
       // Pieces already on the wire may still land: wait for them (bounded) before the buffer is given back.
       o2.pieces.each([&](const std::shared_ptr<piece>& p) {
         try {
-          wait_piece(*p, until, [] { return std::string("request"); });
+          wait_piece(p, until, [] { return std::string("request"); });
         } catch (...) {
         }
       });
@@ -995,7 +1009,7 @@ struct client::impl {
     std::optional<error> first;
     x.pieces.each([&](const std::shared_ptr<piece>& p) {
       try {
-        wait_piece(*p, x.until, [&] { return fmt::format("{} {} offset {}", opname, printable(x.path), x.offset); });
+        wait_piece(p, x.until, [&] { return fmt::format("{} {} offset {}", opname, printable(x.path), x.offset); });
       } catch (const error& e) {
         if (!first) first = e;
       }
@@ -1024,136 +1038,6 @@ struct client::impl {
     if (p.write && bytes != p.len)
       fail(errc::io_error, opname, fmt::format("{} {}", peer, printable(path)), fmt::format("the server wrote {} of {} bytes", bytes, p.len));
     return bytes;
-  }
-
-  // A read of one piece into host memory or an allocated buffer, waited for on this thread with
-  // the caller's own lane's worker held from the send to the answer: no registration in `pend` or
-  // `ops`, no shared piece, no second acquisition of the worker — the bookkeeping a small read
-  // otherwise pays between its send and its answer costs as much as the shared-memory round trip
-  // itself. nullopt when it does not apply (larger, staged or RMA reads; no credit or worker free
-  // on that lane at once): the caller takes the general path. Not answered within the spin time,
-  // it becomes an ordinary piece, waited for as any other.
-  std::optional<std::uint64_t> fast_read(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length,
-                                         clk::time_point until) {
-    if (length == 0 || length > o.piece || !mem) return std::nullopt;
-    bool lent = in_lent_buffer(mem, length);
-    // Host memory up to the server's inline size (above that through the landing region, or RMA).
-    memory_region ignored;
-    if (!lent && (length > (16u << 10) || needs_staging(mem, length, "store.read", ignored))) return std::nullopt;
-    ensure_connected(until);
-    lane& ln = *lanes[lanes.size() > 1 ? home_lane() : 0];
-    piece p;
-    std::shared_ptr<connection> cn;
-    // Where the server maps the landing region, it also writes the lane's notify record there:
-    // polling it, this thread sees the read done as soon as the data is in place, without taking
-    // the completion message off the queue (which comes after it, and is dropped, or settles the
-    // piece if it was handed over). Into an allocated buffer the data goes straight there; into
-    // host memory, to a landing slot this thread copies it out of. (Sent inline, the data would
-    // cross into this process twice as slowly: the server copies it into UCX's queue from its
-    // own buffer, and this side takes the message off the queue and decodes it; through the slot
-    // only the record and the one copy out remain.)
-    std::uint64_t* record = nullptr;
-    {
-      std::lock_guard l(mu);
-      if (!ln.c || !ln.c->alive() || ln.inflight >= ln.credits) return std::nullopt;
-      cn = ln.c;
-      ln.inflight++;
-      p.rid = next_id++;
-      if (notify_base && ln.mapped) {
-        record = reinterpret_cast<std::uint64_t*>(notify_base + 64 * static_cast<std::size_t>(ln.index));
-        if (!lent) p.land_slot = try_land_slot();  // none free: inline, as without a landing region
-      }
-      if (!lent && p.land_slot < 0) record = nullptr;
-    }
-    p.ln = &ln;
-    p.conn = cn.get();
-    p.len = length;
-    p.land = p.land_slot >= 0 ? landing->data() + static_cast<std::size_t>(p.land_slot) * o.piece : mem;
-    p.credit = true;
-    message m;
-    if (lent || p.land_slot >= 0) {
-      p.direct = true;
-      p.lent = lent;
-      m = {p.rid, 0, read_into{path, offset, length, reinterpret_cast<std::uint64_t>(p.land), reinterpret_cast<std::uint64_t>(record)}};
-    } else {
-      m = {p.rid, 0, read_req{path, offset, length}};
-    }
-    std::shared_ptr<piece> handed;  // the piece, registered, if the answer did not come while driving
-    ucx_worker::exchanged r;
-    try {
-      r = ln.w->exchange(
-          [&] {
-            ln.fast = &p;
-            try {
-              cn->send_frame(m);
-            } catch (...) {
-              ln.fast = nullptr;
-              throw;
-            }
-          },
-          [&] {
-            if (p.settled) return true;
-            if (!record || std::atomic_ref<std::uint64_t>(record[0]).load(std::memory_order_acquire) != p.rid) return false;
-            take_notice(p, std::atomic_ref<std::uint64_t>(record[1]).load(std::memory_order_relaxed));
-            return true;
-          },
-          [&](bool done) {
-            ln.fast = nullptr;
-            if (done) return;
-            // Still the worker's holder: no answer can be handled meanwhile.
-            handed = std::make_shared<piece>();
-            auto& h = *handed;
-            h.rid = p.rid, h.ln = p.ln, h.conn = p.conn, h.direct = p.direct, h.lent = p.lent, h.land = p.land, h.len = p.len;
-            h.received = p.received, h.credit = true, h.until = until;
-            // Through a landing slot: copied out when the answer comes (copy_out), then the slot is free.
-            if (p.land_slot >= 0) h.land_slot = std::exchange(p.land_slot, -1), h.final_dst = mem;
-            std::lock_guard l(mu);
-            pend.put(h.rid, handed);
-            p.credit = false;  // the registered piece returns it when it settles
-          },
-          until, o.spin);
-    } catch (...) {
-      give_back_credit(ln, p.conn);
-      drop_slot(p);
-      throw;
-    }
-    if (r == ucx_worker::exchanged::not_taken) {
-      give_back_credit(ln, p.conn);
-      p.replied = true;  // nothing was sent: the slot is free
-      drop_slot(p);
-      return std::nullopt;
-    }
-    {
-      std::lock_guard l(mu);
-      n_requests++, n_pieces++;
-      if (p.direct) n_direct++;
-      if (lent) n_lent++;
-      (handed ? n_handed : n_held)++;
-    }
-    if (handed) {
-      wait_piece(*handed, until, [&] { return fmt::format("store.read {} offset {}", printable(path), offset); });
-      return outcome(*handed, "store.read", path);
-    }
-    std::uint64_t got = 0;
-    if (auto* cp = !p.err && p.reply ? std::get_if<complete>(&p.reply->b) : nullptr) got = cp->bytes;
-    if (p.land_slot >= 0 && got) std::memcpy(mem, p.land, got);
-    drop_slot(p);
-    give_back_credit(ln, p.conn, got);
-    return outcome(p, "store.read", path);
-  }
-  // A fast read's landing slot: free again once answered, else kept out of use (release_land).
-  void drop_slot(piece& p) {
-    if (p.land_slot < 0) return;
-    std::lock_guard l(mu);
-    release_land(p);
-  }
-  // A fast read's credit, taken on `cn`: a lane reconnected meanwhile counted only the new
-  // connection's pieces (connect_to), so the credit is gone with the old one.
-  void give_back_credit(lane& ln, const connection* cn, std::uint64_t bytes_read = 0) {
-    std::lock_guard l(mu);
-    if (ln.c.get() == cn && ln.inflight > 0) ln.inflight--;
-    n_read += bytes_read;
-    cv.notify_all();
   }
 
   // A request without data (stat, list), retried after a reconnect; a refusal is rethrown naming the path.
@@ -1221,7 +1105,6 @@ std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* 
                            clk::time_point until) {
   return impl_->retrying(
       [&] {
-        if (auto n = impl_->fast_read(path, offset, static_cast<std::byte*>(dst), length, until)) return *n;
         return finish(start_read(path, offset, dst, length, until));
       },
       until);
@@ -1303,7 +1186,7 @@ client_stats client::stats() const {
                  direct ? "mapped landing region (server reads/writes it in place; shared memory)"
                         : "active messages (rendezvous above the eager limit)",
                  static_cast<int>(i.lanes.size()), i.n_direct, i.quarantined.load(), i.n_rma, i.use_rma.load(), i.n_lent,
-                 i.n_held, i.n_handed, i.n_staged_pieces.load(), i.copy_out_ns.load()};
+                 i.n_noticed, i.n_copied_by_waiter.load(), i.n_staged_pieces.load(), i.copy_out_ns.load()};
   std::shared_ptr<connection> cn = i.lanes[0]->c;
   l.unlock();
   if (s.rma && !direct) s.data_path = "RMA into registered client memory (server puts reads, gets writes)";

@@ -137,8 +137,8 @@ struct client_stats {
   std::uint64_t rma_pieces = 0;        // pieces the server moved by RMA into / out of registered memory
   bool rma = false;                    // RMA in use for bulk data (FERRY_NET_RMA and the transports)
   std::uint64_t lent_pieces = 0;       // pieces the server moved straight into / out of buffers from allocate()
-  std::uint64_t held_reads = 0;        // small read()s answered on the caller's thread (worker held from send to answer)
-  std::uint64_t handed_reads = 0;      // of those started so, the ones not answered while held (then waited for as usual)
+  std::uint64_t noticed_reads = 0;     // reads into a landing slot their waiter saw done by the slot's notify record (no message taken)
+  std::uint64_t copied_by_waiter = 0;  // landed pieces copied on by the thread waiting for them (the others by engine workers)
   // Staged pieces (landed in pinned staging or the landing region, then copied on to their
   // destination -- GPU/sim memory, or host memory read through the landing region -- by the transfer
   // engine): how many, and the summed time from landing to copied; where a slow GPU read's time goes
