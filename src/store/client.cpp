@@ -9,6 +9,7 @@
 #include "core/logging.hpp"
 #include "net/ucx.hpp"
 #include "store/auth.hpp"
+#include "store/landing.hpp"
 #include "store/lending.hpp"
 
 #include <fmt/format.h>
@@ -61,7 +62,8 @@ struct client::impl {
     memory_region user;              // staged pieces: the caller's memory, as classified once at the start
     pinned_pool::buffer slot;
     int land_slot = -1;              // slot of the landing region, while the server may use it
-    const std::uint64_t* record = nullptr;  // the slot's notify record, for a read into a slot (set before sending)
+    int rec = -1;                    // notify record of a small direct read, while the server may write it
+    const std::uint64_t* record = nullptr;  // that record (set before sending)
     clk::time_point until{};         // the request's deadline (its copy on has the same)
     clk::time_point landed{};        // staged reads: when the piece went to the engine
     std::uint64_t received = 0, expect = 0;
@@ -171,17 +173,9 @@ struct client::impl {
   std::condition_variable copies_cv;
   std::uint64_t copies_running = 0;  // copies_mu
 
-  // The landing region lent to the server (shared memory, mapped by a same-host server): slots of
-  // `piece` bytes; a slot whose request was abandoned stays out of use (the server may still write).
-  std::unique_ptr<detail::shared_region> landing;
-  std::byte* notify_base = nullptr;  // in the landing region: slot i's notify record at + 64 i
-  registration landing_pin;  // for DMA from/to GPU memory (taken on first use)
-  bool landing_pinned = false;
-  std::atomic<const memory_region*> landing_region{nullptr};  // landing_pin's, once it holds
-  std::mutex land_mu;
-  std::condition_variable land_cv;
-  std::vector<int> land_free;
-  std::atomic<std::uint64_t> quarantined{0};
+  // The landing region lent to the server (shared memory, mapped by a same-host server); null where
+  // none could be made or FERRY_NET_MAP is off.
+  std::unique_ptr<detail::landing_region> landing;
   // Buffers the caller allocated from this client (allocate): shared memory lent to every lane's
   // server like the landing region, so requests on them move no data and make no copy here. Which
   // lanes' servers mapped each one (a bit per lane); lend_mu orders lending against (re)connects.
@@ -265,11 +259,7 @@ struct client::impl {
     if (o.map) {
       int count = static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece));
       try {
-        // The slots, then a cache line per slot for the notify record of a small read into it.
-        std::size_t slots = static_cast<std::size_t>(count) * o.piece;
-        landing = std::make_unique<detail::shared_region>(slots + ((static_cast<std::size_t>(count) * 64 + 4095) & ~std::size_t{4095}));
-        notify_base = landing->data() + slots;
-        for (int i = count - 1; i >= 0; --i) land_free.push_back(i);
+        landing = std::make_unique<detail::landing_region>(o.piece, count, 256);
       } catch (const error& e) {
         log::info("store", "{}: no landing region ({}); data moves by messages", peer, e.what());
       }
@@ -302,35 +292,11 @@ struct client::impl {
     copies_cv.wait(l, [&] { return copies_running == 0; });
   }
 
-  // ---- landing slots ----
-  int get_land_slot(clk::time_point until) {
-    std::unique_lock l(land_mu);
-    if (!land_cv.wait_until(l, until, [&] { return !land_free.empty(); }))
-      fail(errc::timeout, "store.request", peer, "no free landing slot before the deadline");
-    return take_free_slot();
-  }
-  // A free landing slot at once, or -1.
-  int try_land_slot() {
-    std::lock_guard l(land_mu);
-    return land_free.empty() ? -1 : take_free_slot();
-  }
-  // The most recently freed slot (its lines are likeliest still cached). land_mu held, one free.
-  int take_free_slot() {
-    int s = land_free.back();
-    land_free.pop_back();
-    return s;
-  }
-  // Gives a piece's landing slot back, or keeps it out of use when the server may still write into it.
+  // Gives a piece's landing slot and notify record back, or keeps them out of use when the server
+  // may still write into them.
   void release_land(piece& p) {
-    if (p.land_slot < 0) return;
-    if (p.replied) {
-      std::lock_guard l(land_mu);
-      land_free.push_back(p.land_slot);
-      land_cv.notify_one();
-    } else {
-      quarantined++;
-    }
-    p.land_slot = -1;
+    if (p.land_slot >= 0) landing->give_back_slot(std::exchange(p.land_slot, -1), p.replied);
+    if (p.rec >= 0) landing->give_back_record(std::exchange(p.rec, -1), p.replied);
   }
   bool direct_available() const { return all_mapped.load(std::memory_order_relaxed); }
   std::size_t home_lane() const {
@@ -468,8 +434,8 @@ struct client::impl {
   }
   // A landed piece's data on to the caller's memory, by the transfer engine; the piece is done, and
   // its slot free, when the copy is. Settled by the thread that waits for it (driving its lane), the
-  // copy runs right here (engine.copy runs one copy on its caller's thread): that thread would only
-  // wait for another to do it. Settled elsewhere (a progress thread), it goes to an engine worker as
+  // copy runs right here (engine.copy runs one copy on its caller's thread; into host memory, a
+  // memcpy): that thread would only wait for another to do it. Settled elsewhere (a progress thread), it goes to an engine worker as
   // a batch with a completion, so that the progress thread goes on. Without an engine every
   // destination is host memory: a memcpy here.
   void copy_out(std::shared_ptr<piece> pp) {
@@ -487,7 +453,10 @@ struct client::impl {
       cv.notify_all();
     };
     if (here) n_copied_by_waiter.fetch_add(1, std::memory_order_relaxed);
-    if (!o.engine) {
+    // Host memory on the waiting thread: a memcpy, which is all the engine would do there.
+    const bool to_host = p.user.type == memory_type::unknown || p.user.type == memory_type::host_pageable ||
+                         p.user.type == memory_type::host_pinned;
+    if (!o.engine || (here && to_host)) {
       std::memcpy(p.final_dst, p.land, p.received);
       return finished(nullptr);
     }
@@ -787,7 +756,7 @@ struct client::impl {
       ln.lending = w.lending;
       ln.token = w.token;
     }
-    bool mapped = landing && lend_to(ln, *landing, false, until);
+    bool mapped = landing && lend_to(ln, landing->region(), false, until);
     if (ln.index == 0) decide_rma(*cn);
     if (landing && n_user_regions.load()) {  // the caller's buffers too (a new session knows none of them)
       std::lock_guard g(lend_mu);
@@ -841,23 +810,10 @@ struct client::impl {
   }
   // What a piece's buffer is (a landing slot, a staging buffer), as registered: null when unknown.
   const memory_region* buffer_region(const piece& p) {
-    if (p.land_slot >= 0) return landing_region.load(std::memory_order_acquire);
+    if (p.land_slot >= 0) return landing->pinned();
     if (p.slot) return &staging.load(std::memory_order_acquire)->region();
     return nullptr;
   }
-  // The landing region pinned for DMA (GPU copies from/to it); once, on first staged use.
-  void pin_landing() {
-    std::lock_guard l(buffers_mu);
-    if (landing_pinned || !o.cache) return;
-    landing_pinned = true;
-    try {
-      landing_pin = o.cache->acquire(landing->data(), landing->size());
-      landing_region.store(&landing_pin.region(), std::memory_order_release);
-    } catch (const error& e) {
-      log::warn("store", "{}: cannot pin the landing region ({}); GPU copies from it are slower", peer, e.what());
-    }
-  }
-
   // `handle`: the open write that write pieces fill (0 for reads).
   ticket start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
                clk::time_point until, std::uint64_t handle = 0) {
@@ -877,7 +833,7 @@ struct client::impl {
     // takes the message off it); writes of GPU/sim memory and of host memory above the inline size
     // (a small write is one message either way).
     bool direct = lent || (direct_available() && (!write || staged || length > (16u << 10)));
-    if (direct && staged) pin_landing();
+    if (direct && staged && o.cache && landing) landing->pinned(*o.cache, peer);  // pinned once, on first use
     // RMA into/out of the caller's memory, registered for the network (cached); memory UCX cannot
     // register (GPU memory without CUDA support in UCX) keeps the staged path.
     std::shared_ptr<registration> net;
@@ -928,8 +884,8 @@ struct client::impl {
             p->land = mem + off;
             p->lent = true;
           } else {
-            p->land_slot = get_land_slot(until);
-            p->land = landing->data() + static_cast<std::size_t>(p->land_slot) * o.piece;
+            p->land_slot = landing->take_slot(until, peer);
+            p->land = landing->slot(p->land_slot);
             if (write) {
               copy_bytes(p->land, mem + off, n, buffer_region(*p), user.type == memory_type::unknown ? nullptr : &user);
             } else {
@@ -938,8 +894,7 @@ struct client::impl {
             }
           }
           auto addr = reinterpret_cast<std::uint64_t>(p->land);
-          if (!write && p->land_slot >= 0 && notify_base)
-            p->record = reinterpret_cast<const std::uint64_t*>(notify_base + 64 * static_cast<std::size_t>(p->land_slot));
+          if (!write && n <= (16u << 10) && landing && (p->rec = landing->try_take_record()) >= 0) p->record = landing->record(p->rec);
           m = {0, 0, write ? body{write_from{path, offset + off, n, addr, handle}}
                            : body{read_into{path, offset + off, n, addr, reinterpret_cast<std::uint64_t>(p->record)}}};
         } else {
@@ -1185,7 +1140,7 @@ client_stats client::stats() const {
                  i.n_reconnects.load(), wakeups, i.lanes[0]->w->cuda_memory(), "",
                  direct ? "mapped landing region (server reads/writes it in place; shared memory)"
                         : "active messages (rendezvous above the eager limit)",
-                 static_cast<int>(i.lanes.size()), i.n_direct, i.quarantined.load(), i.n_rma, i.use_rma.load(), i.n_lent,
+                 static_cast<int>(i.lanes.size()), i.n_direct, i.landing ? i.landing->quarantined() : 0, i.n_rma, i.use_rma.load(), i.n_lent,
                  i.n_noticed, i.n_copied_by_waiter.load(), i.n_staged_pieces.load(), i.copy_out_ns.load()};
   std::shared_ptr<connection> cn = i.lanes[0]->c;
   l.unlock();

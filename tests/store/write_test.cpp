@@ -413,6 +413,7 @@ TEST(StoreWrite, AllocatedBuffersAreServedInPlaceOverSharedMemory) {
   auto cs = c.stats();
   EXPECT_GE(cs.lent_pieces, 1u + 1 + 6 + 1) << "every piece went straight into the buffer";
   for (int i = 0; i < 20; ++i) ASSERT_EQ(c.read("out/src.bin", 4096 * i, b, 4096), 4096u);
+  EXPECT_GT(c.stats().noticed_reads, 0u) << "small reads into the buffer end by their notify record";
   cs = c.stats();
   EXPECT_EQ(s.srv->stats().inline_replies, inline0) << "no data message for a small read into an allocated buffer";
   EXPECT_GE(s.srv->stats().direct_reads, 9u);

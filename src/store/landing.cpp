@@ -1,0 +1,70 @@
+#include "store/landing.hpp"
+
+#include <ferry/core/error.hpp>
+
+#include "core/logging.hpp"
+
+namespace ferry::store::detail {
+
+landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records) : slot_bytes_(slot_bytes) {
+  std::size_t slot_area = static_cast<std::size_t>(slots) * slot_bytes;
+  std::size_t record_area = (static_cast<std::size_t>(records) * 64 + 4095) & ~std::size_t{4095};
+  mem_ = std::make_unique<shared_region>(slot_area + record_area);
+  records_ = mem_->data() + slot_area;
+  for (int i = slots - 1; i >= 0; --i) free_slots_.push_back(i);
+  for (int i = records - 1; i >= 0; --i) free_records_.push_back(i);
+}
+
+int landing_region::take_slot(lending_clock::time_point until, const std::string& peer) {
+  std::unique_lock l(mu_);
+  if (!cv_.wait_until(l, until, [&] { return !free_slots_.empty(); }))
+    fail(errc::timeout, "store.request", peer, "no free landing slot before the deadline");
+  int s = free_slots_.back();
+  free_slots_.pop_back();
+  return s;
+}
+
+int landing_region::try_take_record() {
+  std::lock_guard l(mu_);
+  if (free_records_.empty()) return -1;
+  int r = free_records_.back();
+  free_records_.pop_back();
+  return r;
+}
+
+void landing_region::give_back_slot(int i, bool answered) {
+  if (!answered) {
+    quarantined_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  {
+    std::lock_guard l(mu_);
+    free_slots_.push_back(i);
+  }
+  cv_.notify_one();
+}
+
+void landing_region::give_back_record(int i, bool answered) {
+  if (!answered) {
+    quarantined_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  std::lock_guard l(mu_);
+  free_records_.push_back(i);
+}
+
+const memory_region* landing_region::pinned(registration_cache& cache, const std::string& peer) {
+  std::lock_guard l(pin_mu_);
+  if (!pin_tried_) {
+    pin_tried_ = true;
+    try {
+      pin_ = cache.acquire(mem_->data(), mem_->size());
+      pinned_region_.store(&pin_.region(), std::memory_order_release);
+    } catch (const error& e) {
+      log::warn("store", "{}: cannot pin the landing region ({}); GPU copies from it are slower", peer, e.what());
+    }
+  }
+  return pinned_region_.load(std::memory_order_acquire);
+}
+
+}  // namespace ferry::store::detail
