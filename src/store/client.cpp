@@ -176,35 +176,10 @@ struct client::impl {
   // The landing region lent to the server (shared memory, mapped by a same-host server); null where
   // none could be made or FERRY_NET_MAP is off.
   std::unique_ptr<detail::landing_region> landing;
-  // Buffers the caller allocated from this client (allocate): shared memory lent to every lane's
-  // server like the landing region, so requests on them move no data and make no copy here. Which
-  // lanes' servers mapped each one (a bit per lane); lend_mu orders lending against (re)connects.
-  struct user_region {
-    std::unique_ptr<detail::shared_region> r;  // null once deallocated (the entry itself lives as long as the client)
-    std::atomic<std::uint64_t> lanes_mapped{0};
-  };
+  // Buffers the caller allocated from this client (allocate); lend_mu orders lending them against
+  // (re)connects.
+  detail::lent_buffers buffers;
   std::mutex lend_mu;
-  std::vector<std::unique_ptr<user_region>> user_regions;  // live ones (mu; changed under lend_mu too)
-  std::atomic<std::size_t> n_user_regions{0};             // lets requests skip the look-up when there are none
-  // What requests look at, without a lock: the live buffers' spans, republished (never changed in
-  // place) under lend_mu; old tables and deallocated entries stay until the client goes.
-  struct lent_span {
-    const std::byte* base;
-    std::uint64_t size;
-    const user_region* u;
-  };
-  std::atomic<const std::vector<lent_span>*> lent_spans{nullptr};
-  std::vector<std::unique_ptr<const std::vector<lent_span>>> old_spans;  // lend_mu
-  std::vector<std::unique_ptr<user_region>> freed_regions;                // lend_mu
-  void publish_spans() {  // lend_mu held
-    auto t = std::make_unique<std::vector<lent_span>>();
-    {
-      std::lock_guard l(mu);
-      for (auto& u : user_regions) t->push_back({u->r->data(), u->r->size(), u.get()});
-    }
-    lent_spans.store(t.get(), std::memory_order_release);
-    old_spans.push_back(std::move(t));
-  }
   // Whether every lane's server mapped the landing region: recomputed when a lane (re)connects, read
   // per request without a lock.
   std::atomic<bool> all_mapped{false};
@@ -304,16 +279,6 @@ struct client::impl {
     return h % lanes.size();
   }
   std::uint64_t all_lanes() const { return lanes.size() >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << lanes.size()) - 1; }
-  // Whether [p, p+n) lies in a buffer from allocate() that every lane's server mapped.
-  bool in_lent_buffer(const std::byte* p, std::uint64_t n) {
-    if (n == 0 || n_user_regions.load(std::memory_order_relaxed) == 0) return false;
-    const auto* t = lent_spans.load(std::memory_order_acquire);
-    if (!t) return false;
-    for (auto& s : *t)
-      if (p >= s.base && n <= s.size && static_cast<std::uint64_t>(p - s.base) <= s.size - n)
-        return s.u->lanes_mapped.load(std::memory_order_acquire) == all_lanes();
-    return false;
-  }
   // Lends (or, with `give_back`, takes back) one region to one lane's server; true if it mapped it.
   // Lending is passing the region's descriptor on the server's lending socket, then naming it on the
   // lane; a server on another host (or network namespace) cannot be reached there.
@@ -332,10 +297,8 @@ struct client::impl {
   void* allocate(std::uint64_t bytes) {
     expects(bytes > 0 && bytes <= (1ull << 40), "store.allocate", peer, fmt::format("{} bytes: must be between 1 and 1 TiB", bytes));
     std::lock_guard g(lend_mu);
-    auto u = std::make_unique<user_region>();
-    u->r = std::make_unique<detail::shared_region>(static_cast<std::size_t>(bytes));
+    auto& u = buffers.make(static_cast<std::size_t>(bytes));
     auto until = clk::now() + o.timeout;
-    std::uint64_t mapped = 0;
     if (o.map && landing) {  // only where the landing region could be made: a transport that maps regions
       for (auto& ln : lanes) {
         std::shared_ptr<connection> cn;
@@ -345,49 +308,32 @@ struct client::impl {
         }
         if (!cn || !cn->alive()) continue;  // its reconnect lends it
         try {
-          if (lend_to(*ln, *u->r, false, until)) mapped |= std::uint64_t{1} << ln->index;
+          if (lend_to(*ln, *u.r, false, until)) u.lanes.fetch_or(std::uint64_t{1} << ln->index);
         } catch (const error& e) {
           log::info("store", "{}: lane {} cannot take buffer {} ({}); requests on it move data by messages", peer, ln->index,
-                    static_cast<void*>(u->r->data()), e.what());
+                    static_cast<void*>(u.r->data()), e.what());
         }
       }
     }
-    void* p = u->r->data();
-    u->lanes_mapped = mapped;
-    {
-      std::lock_guard l(mu);
-      user_regions.push_back(std::move(u));
-      n_user_regions.store(user_regions.size(), std::memory_order_relaxed);
-    }
-    publish_spans();
-    return p;
+    buffers.publish(u);
+    return u.r->data();
   }
   void deallocate(void* p) {
     std::lock_guard g(lend_mu);
-    std::unique_ptr<user_region> u;
-    {
-      std::lock_guard l(mu);
-      auto it = std::find_if(user_regions.begin(), user_regions.end(), [&](auto& x) { return x->r->data() == p; });
-      if (it == user_regions.end())
-        fail(errc::invalid_argument, "store.deallocate", fmt::format("{}", p), "not a buffer this client allocated (or freed already)");
-      u = std::move(*it);
-      user_regions.erase(it);
-      n_user_regions.store(user_regions.size(), std::memory_order_relaxed);
-    }
-    publish_spans();
+    auto* u = buffers.withdraw(p);
+    if (!u) fail(errc::invalid_argument, "store.deallocate", fmt::format("{}", p), "not a buffer this client allocated (or freed already)");
     // The servers forget it before the memory goes (a region allocated later at the same address
     // must not be taken for this one); a lane that is down has no session holding it any more.
     auto until = clk::now() + o.timeout;
     for (auto& ln : lanes) {
-      if (!(u->lanes_mapped >> ln->index & 1)) continue;
+      if (!(u->lanes.load() >> ln->index & 1)) continue;
       try {
         lend_to(*ln, *u->r, true, until);
       } catch (const error& e) {
         log::debug("store", "{}: lane {} did not take buffer {} back ({})", peer, ln->index, p, e.what());
       }
     }
-    u->r.reset();  // the memory goes; the entry stays for requests that may still look at it
-    freed_regions.push_back(std::move(u));
+    buffers.retire(*u);  // the memory goes; the entry stays for requests that may still look at it
   }
   // Host memory or not: device-side copies go through the transfer engine (told what the caller's
   // side is, classified when the request started), host ones are a memcpy.
@@ -708,7 +654,7 @@ struct client::impl {
       if (ln.c) ln.c->close();
       ln.mapped = false;
       all_mapped = false;
-      for (auto& u : user_regions) u->lanes_mapped.fetch_and(~(std::uint64_t{1} << ln.index));
+      buffers.lane_lost(ln.index);
     }
     std::shared_ptr<connection> cn;
     connection* raw = nullptr;
@@ -758,15 +704,10 @@ struct client::impl {
     }
     bool mapped = landing && lend_to(ln, landing->region(), false, until);
     if (ln.index == 0) decide_rma(*cn);
-    if (landing && n_user_regions.load()) {  // the caller's buffers too (a new session knows none of them)
+    if (landing && buffers.any()) {  // the caller's buffers too (a new session knows none of them)
       std::lock_guard g(lend_mu);
-      std::vector<user_region*> us;
-      {
-        std::lock_guard l(mu);
-        for (auto& u : user_regions) us.push_back(u.get());
-      }
-      for (auto* u : us)
-        if (lend_to(ln, *u->r, false, until)) u->lanes_mapped.fetch_or(std::uint64_t{1} << ln.index);
+      for (auto* u : buffers.live())
+        if (lend_to(ln, *u->r, false, until)) u->lanes.fetch_or(std::uint64_t{1} << ln.index);
     }
     std::lock_guard l(mu);
     auto& w = std::get<welcome>(r.b);
@@ -821,7 +762,7 @@ struct client::impl {
     if (length && !mem) fail(errc::invalid_argument, opname, path, "null buffer");
     if (offset + length < offset) fail(errc::invalid_argument, opname, path, "offset + length overflows");
     // The caller's allocated buffer, mapped by every lane's server: straight in or out, for any size.
-    bool lent = in_lent_buffer(mem, length);
+    bool lent = buffers.covers(mem, length, all_lanes());
     memory_region user;
     bool staged = !lent && needs_staging(mem, length, opname, user);
     ensure_connected(until);

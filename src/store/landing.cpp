@@ -4,6 +4,8 @@
 
 #include "core/logging.hpp"
 
+#include <algorithm>
+
 namespace ferry::store::detail {
 
 landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records) : slot_bytes_(slot_bytes) {
@@ -65,6 +67,57 @@ const memory_region* landing_region::pinned(registration_cache& cache, const std
     }
   }
   return pinned_region_.load(std::memory_order_acquire);
+}
+
+lent_buffers::buffer& lent_buffers::make(std::size_t bytes) {
+  auto b = std::make_unique<buffer>();
+  b->r = std::make_unique<shared_region>(bytes);
+  std::lock_guard l(mu_);
+  return *all_.emplace_back(std::move(b));
+}
+
+void lent_buffers::publish(buffer& b) {
+  std::lock_guard l(mu_);
+  live_.push_back(&b);
+  republish();
+}
+
+lent_buffers::buffer* lent_buffers::withdraw(const void* p) {
+  std::lock_guard l(mu_);
+  auto it = std::find_if(live_.begin(), live_.end(), [&](buffer* b) { return b->r->data() == p; });
+  if (it == live_.end()) return nullptr;
+  buffer* b = *it;
+  live_.erase(it);
+  republish();
+  return b;
+}
+
+void lent_buffers::republish() {
+  auto t = std::make_unique<std::vector<span>>();
+  for (buffer* b : live_) t->push_back({b->r->data(), b->r->size(), b});
+  spans_.store(t.get(), std::memory_order_release);
+  tables_.push_back(std::move(t));
+  live_count_.store(live_.size(), std::memory_order_relaxed);
+}
+
+bool lent_buffers::covers(const std::byte* p, std::uint64_t n, std::uint64_t all) const {
+  if (n == 0 || !any()) return false;
+  const auto* t = spans_.load(std::memory_order_acquire);
+  if (!t) return false;
+  for (auto& s : *t)
+    if (p >= s.base && n <= s.size && static_cast<std::uint64_t>(p - s.base) <= s.size - n)
+      return s.b->lanes.load(std::memory_order_acquire) == all;
+  return false;
+}
+
+std::vector<lent_buffers::buffer*> lent_buffers::live() const {
+  std::lock_guard l(mu_);
+  return live_;
+}
+
+void lent_buffers::lane_lost(int lane) {
+  std::lock_guard l(mu_);
+  for (buffer* b : live_) b->lanes.fetch_and(~(std::uint64_t{1} << lane));
 }
 
 }  // namespace ferry::store::detail

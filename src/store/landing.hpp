@@ -57,4 +57,44 @@ class landing_region {
   std::atomic<const memory_region*> pinned_region_{nullptr};
 };
 
+// Buffers the caller allocated from the client (client::allocate): shared memory lent to every
+// lane's server like the landing region, so requests on them move no data and make no copy on the
+// client. Which lanes' servers mapped each one is a bit per lane. Requests look buffers up without a
+// lock: the live buffers' spans are republished on every change (never changed in place); old
+// tables and freed entries stay until the client goes, so a request racing a free reads valid memory.
+class lent_buffers {
+ public:
+  struct buffer {
+    std::unique_ptr<shared_region> r;  // null once freed
+    std::atomic<std::uint64_t> lanes{0};
+  };
+  // Makes a buffer of `bytes`, not yet lent to any lane.
+  buffer& make(std::size_t bytes);
+  // Makes `b` visible to requests.
+  void publish(buffer& b);
+  // Takes the buffer at `p` out of the live set; null if there is none. Its memory stays until retire().
+  buffer* withdraw(const void* p);
+  void retire(buffer& b) { b.r.reset(); }
+  // Whether [p, p+n) lies in a live buffer whose lanes are exactly `all`. Lock-free.
+  bool covers(const std::byte* p, std::uint64_t n, std::uint64_t all) const;
+  std::vector<buffer*> live() const;
+  bool any() const { return live_count_.load(std::memory_order_relaxed) != 0; }
+  // A lane's server is gone: no buffer is mapped there any more.
+  void lane_lost(int lane);
+
+ private:
+  struct span {
+    const std::byte* base;
+    std::uint64_t size;
+    const buffer* b;
+  };
+  void republish();  // mu_ held
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<buffer>> all_;  // every buffer ever made
+  std::vector<buffer*> live_;
+  std::atomic<std::size_t> live_count_{0};
+  std::atomic<const std::vector<span>*> spans_{nullptr};
+  std::vector<std::unique_ptr<const std::vector<span>>> tables_;
+};
+
 }  // namespace ferry::store::detail

@@ -311,7 +311,7 @@ struct server::impl {
   // small reads), summed -- with the shared counters above, the I/O threads' -- when stats are read:
   // no atomic add per request, and no cache line shared between workers.
   struct alignas(64) worker_counts {
-    owned_counter requests, reads, writes, bytes_sent, inline_replies, mapped_reads, direct_reads;
+    owned_counter requests, reads, writes, bytes_sent, inline_replies, mapped_reads, direct_reads, notify_records;
   };
   std::unique_ptr<worker_counts[]> counts;  // one per worker
 
@@ -1038,7 +1038,10 @@ struct server::impl {
                         std::uint64_t length, std::byte* dst, std::uint64_t* record) {
     std::uint64_t got = read_small(s, path, dst, length, offset);
     // A client that truncated its region under the record is told by the completion alone.
-    if (record) guarded_publish(record, rid, got);
+    if (record) {
+      guarded_publish(record, rid, got);
+      s.counts->notify_records.add();
+    }
     s.counts->bytes_sent.add(got);
     s.counts->direct_reads.add();
     c.send_frame({rid, 0, complete{0, got}});
@@ -1359,7 +1362,8 @@ server_stats server::stats() const {
     auto& w = i.counts[k];
     for (auto [to, from] : {std::pair{&sum.requests, &w.requests}, {&sum.reads, &w.reads}, {&sum.writes, &w.writes},
                             {&sum.bytes_sent, &w.bytes_sent}, {&sum.inline_replies, &w.inline_replies},
-                            {&sum.mapped_reads, &w.mapped_reads}, {&sum.direct_reads, &w.direct_reads}})
+                            {&sum.mapped_reads, &w.mapped_reads}, {&sum.direct_reads, &w.direct_reads},
+                            {&sum.notify_records, &w.notify_records}})
       to->add(from->value());
   }
   return {i.connections.load(),
@@ -1385,7 +1389,8 @@ server_stats server::stats() const {
           i.closed_idle.load(),
           i.auth_failures.load(),
           open_writes,
-          i.commits.load()};
+          i.commits.load(),
+          sum.notify_records.value()};
 }
 
 }  // namespace ferry::store

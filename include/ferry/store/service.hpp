@@ -82,6 +82,7 @@ struct server_stats {
   std::uint64_t auth_failures = 0;     // failed authentications
   std::uint64_t open_writes = 0;       // writes opened and not yet committed or aborted
   std::uint64_t commits = 0;           // writes put in place
+  std::uint64_t notify_records = 0;    // small direct reads answered with their notify record written
 };
 
 class FERRY_API server {
