@@ -1,0 +1,304 @@
+// The ferry:// client's connection part (see client_impl.hpp): lanes, the handshake and
+// authentication, reconnects, lending memory to a same-host server, the RMA decision.
+#include "store/client_impl.hpp"
+
+#include "core/logging.hpp"
+#include "store/auth.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace ferry::store {
+
+client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
+    : o(std::move(opt)), host(h), port(p), peer(fmt::format("{}:{}", h, p)) {
+  expects(o.piece >= 4096 && o.piece <= max_data, "store.client", peer,
+          fmt::format("piece size {} must be between 4KiB and {}", o.piece, max_data));
+  expects(o.lanes >= 1 && o.lanes <= 64, "store.client", peer, fmt::format("lanes {} must be between 1 and 64", o.lanes));
+  ctx = std::make_shared<ucx_context>(interface_for(host, false));
+  for (int i = 0; i < o.lanes; ++i) {
+    auto ln = std::make_unique<lane>();
+    ln->index = i;
+    ln->w = std::make_unique<ucx_worker>(fmt::format("ferry-client-{}", i), o.spin, ctx);
+    auto& w = *ln->w;
+    w.on_frame([this](connection&, message m) { on_frame(std::move(m)); });
+    w.on_reply([this](connection&, message m, const std::byte* d, std::size_t n) { on_inline(std::move(m), d, n); });
+    auto sink = [](const piece& pc, std::uint64_t off, std::size_t n) -> void* {
+      if (!pc.land || pc.write || pc.direct || off > pc.len || n > pc.len - off) return nullptr;
+      return pc.land + off;
+    };
+    auto received = [this](piece& pc, std::size_t n, ucs_status_t s) {
+      if (s != UCS_OK && !pc.err)
+        pc.err = error(errc::network_error, "store.read", peer, std::string("data receive failed: ") + ucs_status_string(s));
+      pc.received += n;
+    };
+    w.on_data(
+        [this, sink](connection&, std::uint64_t rid, std::uint64_t off, std::size_t n) -> void* {
+          std::lock_guard l(mu);
+          auto it = pend.find(rid);
+          return it == pend.end() ? nullptr : sink(*it->second, off, n);
+        },
+        [this, received](connection&, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
+          std::shared_ptr<piece> due;
+          {
+            std::lock_guard l(mu);
+            auto it = pend.find(rid);
+            if (it == pend.end()) return;
+            auto pp = it->second;
+            received(*pp, n, s);
+            due = maybe_settle(pp);
+          }
+          if (due) copy_out(std::move(due));
+        });
+    lanes.push_back(std::move(ln));
+  }
+  if (o.map) {
+    int count = static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece));
+    try {
+      landing = std::make_unique<detail::landing_region>(o.piece, count, 256);
+    } catch (const error& e) {
+      log::info("store", "{}: no landing region ({}); data moves by messages", peer, e.what());
+    }
+  }
+  try {
+    ensure_connected(clk::now() + o.timeout);
+  } catch (...) {
+    shutdown();
+    throw;
+  }
+}
+
+client::impl::~impl() {
+  shutdown();
+  std::lock_guard l(mu);  // network registrations held by unfinished requests go before their cache
+  ops.clear();
+  pend.clear();
+}
+
+void client::impl::shutdown() {
+  for (auto& ln : lanes) {
+    std::shared_ptr<connection> cn;
+    {
+      std::lock_guard l(mu);
+      cn = ln->c;
+    }
+    if (cn) cn->close();
+  }
+  // A copy on ends by its request's deadline at the latest (the engine's bound): its completion
+  // must not outlive this client.
+  std::unique_lock l(copies_mu);
+  copies_cv.wait(l, [&] { return copies_running == 0; });
+}
+
+bool client::impl::lend_to(lane& ln, const detail::shared_region& r, bool give_back, clk::time_point until) {
+  if (!give_back) {
+    std::string why;
+    if (!detail::pass_region(ln.lending, ln.token, r.fd(), r.id(), until, why)) {
+      log::debug("store", "{}: lane {} lends no memory: {}", peer, ln.index, why);
+      return false;
+    }
+  }
+  message lr = request({0, 0, lend{reinterpret_cast<std::uint64_t>(r.data()), give_back ? 0 : r.size(), r.id()}}, until, false, &ln);
+  auto* cp = std::get_if<complete>(&lr.b);
+  return cp && cp->status == 0 && cp->bytes == 1;
+}
+
+void* client::impl::allocate(std::uint64_t bytes) {
+  expects(bytes > 0 && bytes <= (1ull << 40), "store.allocate", peer, fmt::format("{} bytes: must be between 1 and 1 TiB", bytes));
+  std::lock_guard g(lend_mu);
+  auto& u = buffers.make(static_cast<std::size_t>(bytes));
+  auto until = clk::now() + o.timeout;
+  if (o.map && landing) {  // only where the landing region could be made: a transport that maps regions
+    for (auto& ln : lanes) {
+      std::shared_ptr<connection> cn;
+      {
+        std::lock_guard l(mu);
+        cn = ln->c;
+      }
+      if (!cn || !cn->alive()) continue;  // its reconnect lends it
+      try {
+        if (lend_to(*ln, *u.r, false, until)) u.lanes.fetch_or(std::uint64_t{1} << ln->index);
+      } catch (const error& e) {
+        log::info("store", "{}: lane {} cannot take buffer {} ({}); requests on it move data by messages", peer, ln->index,
+                  static_cast<void*>(u.r->data()), e.what());
+      }
+    }
+  }
+  buffers.publish(u);
+  return u.r->data();
+}
+
+void client::impl::deallocate(void* p) {
+  std::lock_guard g(lend_mu);
+  auto* u = buffers.withdraw(p);
+  if (!u) fail(errc::invalid_argument, "store.deallocate", fmt::format("{}", p), "not a buffer this client allocated (or freed already)");
+  // The servers forget it before the memory goes (a region allocated later at the same address
+  // must not be taken for this one); a lane that is down has no session holding it any more.
+  auto until = clk::now() + o.timeout;
+  for (auto& ln : lanes) {
+    if (!(u->lanes.load() >> ln->index & 1)) continue;
+    try {
+      lend_to(*ln, *u->r, true, until);
+    } catch (const error& e) {
+      log::debug("store", "{}: lane {} did not take buffer {} back ({})", peer, ln->index, p, e.what());
+    }
+  }
+  buffers.retire(*u);  // the memory goes; the entry stays for requests that may still look at it
+}
+
+void client::impl::conn_failed(connection* cn, const std::string& why) {
+  lane_events.fetch_add(1, std::memory_order_acq_rel);
+  std::lock_guard l(mu);
+  std::vector<std::shared_ptr<piece>> hit;
+  for (auto& [id, p] : pend)
+    if (p->conn == cn) hit.push_back(p);
+  for (auto& p : hit) {
+    if (!p->err) p->err = error(errc::network_error, "store.request", peer, "connection lost: " + why);
+    (void)maybe_settle(p);  // failed: nothing to copy on
+  }
+  cv.notify_all();
+}
+
+message client::impl::request(message m, clk::time_point until, bool needs_credit, lane* force) {
+  auto p = send(std::move(m), std::make_shared<piece>(), needs_credit, until, force);
+  wait_piece(p, until, [] { return std::string("request"); });
+  if (p->err) throw *p->err;
+  return *p->reply;
+}
+
+void client::impl::ensure_connected(clk::time_point until) {
+  // Nothing failed or was closed since every lane was last seen alive: no lock, no look at each
+  // lane (this runs per request).
+  std::uint64_t seen = lane_events.load(std::memory_order_acquire);
+  if (seen == lanes_checked.load(std::memory_order_relaxed)) return;
+  for (auto& ln : lanes) {
+    std::shared_ptr<connection> cn;
+    {
+      std::lock_guard l(mu);
+      cn = ln->c;
+    }
+    if (cn && cn->alive()) continue;
+    if (connected_once) n_reconnects++;
+    connect(*ln, until);
+  }
+  connected_once = true;
+  lanes_checked.store(seen, std::memory_order_release);  // a failure since `seen` is looked at next time
+}
+
+void client::impl::connect(lane& ln, clk::time_point until) {
+  std::uint16_t target = port;
+  if (ln.index > 0) {
+    std::lock_guard l(mu);
+    if (!hello_reply.ports.empty()) target = hello_reply.ports[static_cast<std::size_t>(ln.index - 1) % hello_reply.ports.size()];
+  }
+  if (target == port) return connect_to(ln, port, until);
+  try {
+    return connect_to(ln, target, clk::now() + (until - clk::now()) / 2);  // leaves time for the fallback
+  } catch (const error& e) {
+    log::info("store", "{}: lane {} cannot use the server's port {} ({}); it connects to port {} instead", peer, ln.index,
+              target, e.what(), port);
+  }
+  connect_to(ln, port, until);
+}
+
+void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until) {
+  {
+    std::lock_guard l(mu);
+    if (ln.c) ln.c->close();
+    ln.mapped = false;
+    all_mapped = false;
+    buffers.lane_lost(ln.index);
+  }
+  std::shared_ptr<connection> cn;
+  connection* raw = nullptr;
+  message r;
+  auto nonce = detail::random_nonce();
+  // A server flooded by connections that never speak closes some still in their handshake to
+  // make room (FERRY_SERVE_MAX_UNAUTHENTICATED): a connection lost before the hello is answered
+  // is tried again, a few times, within the deadline.
+  for (int attempt = 0;; ++attempt) {
+    cn = ln.w->connect(host, to, until);
+    raw = cn.get();
+    cn->on_failure = [this, raw](const std::string& why) { conn_failed(raw, why); };
+    {
+      std::lock_guard l(mu);
+      ln.c = cn;
+    }
+    try {
+      r = request({0, 0, hello{1, 1, 64, nonce, static_cast<std::uint16_t>(lanes.size())}}, until, false, &ln);
+      break;
+    } catch (const error& e) {
+      auto pause = std::chrono::milliseconds(10 << attempt);
+      if (e.code() != errc::network_error || attempt >= 4 || clk::now() + 2 * pause >= until)
+        throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});
+      cn->close();
+      std::this_thread::sleep_for(pause);
+    }
+  }
+  if (auto* ch = std::get_if<challenge>(&r.b)) {
+    if (o.secret.empty())
+      fail(errc::permission_denied, "store.connect", peer, "the server requires a shared secret (FERRY_SECRET_FILE)");
+    r = request({0, 0, auth{detail::proof(o.secret, ch->nonce, nonce)}}, until, false, &ln);
+    if (auto* e = std::get_if<error_reply>(&r.b))
+      fail(errc::permission_denied, "store.connect", peer, "authentication refused: " + e->message);
+  }
+  if (auto* e = std::get_if<error_reply>(&r.b)) fail(errc::network_error, "store.connect", peer, "refused: " + e->message);
+  if (!std::holds_alternative<welcome>(r.b)) fail(errc::protocol_error, "store.connect", peer, "unexpected answer to the handshake");
+  if (ln.index > 0) {
+    std::lock_guard l(mu);
+    if (std::get<welcome>(r.b).instance != hello_reply.instance)
+      fail(errc::protocol_error, "store.connect", fmt::format("{}:{}", host, to),
+           fmt::format("lane {} reached another server than lane 0 (restarted, or another server on that port)", ln.index));
+  }
+  {
+    auto& w = std::get<welcome>(r.b);
+    ln.lending = w.lending;
+    ln.token = w.token;
+  }
+  bool mapped = landing && lend_to(ln, landing->region(), false, until);
+  if (ln.index == 0) decide_rma(*cn);
+  if (landing && buffers.any()) {  // the caller's buffers too (a new session knows none of them)
+    std::lock_guard g(lend_mu);
+    for (auto* u : buffers.live())
+      if (lend_to(ln, *u->r, false, until)) u->lanes.fetch_or(std::uint64_t{1} << ln.index);
+  }
+  std::lock_guard l(mu);
+  auto& w = std::get<welcome>(r.b);
+  if (ln.index == 0) hello_reply = w;
+  ln.credits = std::max<std::uint32_t>(1, w.credits);
+  ln.mapped = mapped;
+  all_mapped = landing && std::all_of(lanes.begin(), lanes.end(), [](auto& x) { return x->mapped; });
+  ln.inflight = 0;
+  for (auto& [id, p] : pend)
+    if (p->credit && p->conn == raw) ln.inflight++;
+  cv.notify_all();
+}
+
+void client::impl::decide_rma(connection& cn) {
+  bool want = o.rma == rma_use::on;
+  if (o.rma == rma_use::automatic) {
+    // Real RMA: the reliable verbs transports (rc_verbs, rc_mlx5, dc_mlx5); ud_* has none.
+    std::string t = cn.transports();
+    want = t.find("rc_") != std::string::npos || t.find("dc_") != std::string::npos;
+  }
+  if (want && !net_cache) {
+    net_client = std::make_unique<ucx_net_client>(ctx, o.cache);
+    net_cache = std::make_unique<registration_cache>(std::vector<peer_memory_client*>{net_client.get()}, 1ull << 62);
+  }
+  use_rma = want;
+}
+
+message client::impl::query(message m, std::string_view what, const std::string& path, std::chrono::nanoseconds timeout) {
+  auto until = clk::now() + timeout;
+  message r = retrying(
+      [&] {
+        ensure_connected(until);
+        return request(m, until);
+      },
+      until);
+  if (auto* e = std::get_if<error_reply>(&r.b)) rethrow_reply(*e, what, peer, path);
+  return r;
+}
+
+}  // namespace ferry::store

@@ -1,0 +1,347 @@
+// The ferry:// client's state, in three parts a reader finds in three files:
+//   connection (client_connection.cpp): lanes -- one UCX worker and connection each, with credits --
+//     the handshake and authentication, reconnects, lending memory to a same-host server, the RMA
+//     decision;
+//   landing region and allocated buffers (landing.hpp): the shared memory a same-host server reads
+//     into and writes from;
+//   data path (client.cpp): requests split into pieces, replies matched by request id, landed
+//     pieces copied on by the transfer engine, every wait bounded by the request's deadline.
+// The data path is chosen per piece from what the connection established once: the mapped landing
+// region (same host), RMA into registered memory (transports with real RMA), or active messages.
+#pragma once
+
+#include <ferry/mem/pinned_pool.hpp>
+#include <ferry/mem/registration.hpp>
+#include <ferry/store/service.hpp>
+#include <ferry/xfer/engine.hpp>
+
+#include "core/logging.hpp"
+#include "net/ucx.hpp"
+#include "store/landing.hpp"
+#include "store/lending.hpp"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+namespace ferry::store {
+
+using namespace ferry::net;
+using clk = std::chrono::steady_clock;
+
+// A server's refusal as an error naming the operation, peer and path, its errno kept.
+[[noreturn]] void rethrow_reply(const error_reply& e, std::string_view op, const std::string& peer, const std::string& path);
+
+struct client::impl {
+  struct piece;
+  // One connection to the server with its own UCX worker (progress thread) and credits.
+  struct lane {
+    int index = 0;
+    std::unique_ptr<ucx_worker> w;
+    std::shared_ptr<connection> c;                // mu
+    std::uint32_t credits = 1, inflight = 0;      // mu
+    bool mapped = false;                          // the server mapped our landing region (mu)
+    // From its welcome: where to pass regions it may map, and the session's token.
+    std::string lending;
+    std::vector<std::uint8_t> token;
+  };
+  // One wire request.
+  struct piece {
+    std::uint64_t rid = 0;
+    lane* ln = nullptr;
+    connection* conn = nullptr;
+    bool write = false, direct = false, rma = false, lent = false;
+    std::shared_ptr<registration> net;  // network registration of the memory an RMA piece uses
+    std::byte* rma_mem = nullptr;
+    std::byte* land = nullptr;       // where read data lands (the destination, a staging buffer or a landing slot)
+    std::uint64_t len = 0;
+    std::byte* final_dst = nullptr;  // staged reads: copied here by the transfer engine
+    memory_region user;              // staged pieces: the caller's memory, as classified once at the start
+    pinned_pool::buffer slot;
+    int land_slot = -1;              // slot of the landing region, while the server may use it
+    int rec = -1;                    // notify record of a small direct read, while the server may write it
+    const std::uint64_t* record = nullptr;  // that record (set before sending)
+    clk::time_point until{};         // the request's deadline (its copy on has the same)
+    clk::time_point landed{};        // staged reads: when the piece went to the engine
+    std::uint64_t received = 0, expect = 0;
+    bool replied = false, settled = false, credit = false;
+    std::optional<message> reply;
+    std::optional<error> err;
+    std::atomic<bool> done{false};
+    // The thread waiting for it, while it waits (wait_piece): a piece it settles itself, driving
+    // its lane, it also copies on itself -- it would only wait for another thread to do it.
+    std::atomic<std::thread::id> waiter{};
+  };
+  // The pieces of one request; most requests are one piece, kept without a vector.
+  struct piece_list {
+    std::shared_ptr<piece> first;
+    std::vector<std::shared_ptr<piece>> rest;
+    void push_back(std::shared_ptr<piece> p) {
+      if (!first) first = std::move(p);
+      else rest.push_back(std::move(p));
+    }
+    template <typename F>
+    void each(F&& f) const {
+      if (first) f(first);
+      for (auto& p : rest) f(p);
+    }
+  };
+  struct op {
+    std::string path;
+    bool write = false;
+    std::uint64_t offset = 0, length = 0;
+    clk::time_point until;
+    piece_list pieces;
+  };
+  // A map whose nodes are recycled: every request inserts and erases one entry in `pend` and in
+  // `ops`, and the allocator round trips would cost more than the entries' bookkeeping.
+  template <typename K, typename V>
+  struct recycling_map {
+    std::map<K, V> m;
+    std::vector<typename std::map<K, V>::node_type> spare;
+    void put(K k, V v) {
+      if (spare.empty()) {
+        m.insert_or_assign(k, std::move(v));
+        return;
+      }
+      auto nh = std::move(spare.back());
+      spare.pop_back();
+      nh.key() = k;
+      nh.mapped() = std::move(v);
+      auto r = m.insert(std::move(nh));
+      if (!r.inserted) r.position->second = std::move(r.node.mapped());
+    }
+    void erase(typename std::map<K, V>::iterator it) {
+      auto nh = m.extract(it);
+      nh.mapped() = V{};
+      if (spare.size() < 64) spare.push_back(std::move(nh));
+    }
+    void erase(const K& k) {
+      auto it = m.find(k);
+      if (it != m.end()) erase(it);
+    }
+    // Removes k's entry and returns its value (moved out), or a default value.
+    V take(const K& k) {
+      auto it = m.find(k);
+      if (it == m.end()) return V{};
+      V v = std::move(it->second);
+      erase(it);
+      return v;
+    }
+    auto find(const K& k) { return m.find(k); }
+    auto begin() { return m.begin(); }
+    auto end() { return m.end(); }
+    void clear() {
+      m.clear();
+      spare.clear();
+    }
+  };
+
+  client_options o;
+  std::string host;
+  std::uint16_t port;
+  std::string peer;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::uint64_t next_id = 1;
+  recycling_map<std::uint64_t, std::shared_ptr<piece>> pend;  // by request id, until settled
+  recycling_map<ticket, op> ops;
+  ticket next_ticket = 1;
+  welcome hello_reply;
+  bool connected_once = false;
+  // Counted under mu, where each request already is (an atomic add each would cost more than the
+  // lock on some machines); staged bytes and reconnects by the threads that make them.
+  std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0, n_noticed = 0;
+  std::atomic<std::uint64_t> n_staged{0}, n_reconnects{0};
+  std::atomic<std::uint64_t> n_staged_pieces{0}, copy_out_ns{0}, n_copied_by_waiter{0};
+  std::shared_ptr<ucx_context> ctx;  // the lanes' workers'
+  // RMA: memory registered for the network through a registration cache of our own (lazily
+  // deregistered, dropped when the memory goes); decided when lane 0 connects.
+  std::unique_ptr<ucx_net_client> net_client;
+  std::unique_ptr<registration_cache> net_cache;
+  std::atomic<bool> use_rma{false};
+
+  // Staging for GPU/sim memory whose data moves by messages: the transfer engine's pinned buffers
+  // (set on first use, under buffers_mu); and the copies on of landed pieces the engine still runs:
+  // their completions use this client, which waits for them.
+  std::atomic<pinned_pool*> staging{nullptr};
+  std::mutex buffers_mu;
+  std::mutex copies_mu;
+  std::condition_variable copies_cv;
+  std::uint64_t copies_running = 0;  // copies_mu
+
+  // The landing region lent to the server (shared memory, mapped by a same-host server); null where
+  // none could be made or FERRY_NET_MAP is off.
+  std::unique_ptr<detail::landing_region> landing;
+  // Buffers the caller allocated from this client (allocate); lend_mu orders lending them against
+  // (re)connects.
+  detail::lent_buffers buffers;
+  std::mutex lend_mu;
+  // Whether every lane's server mapped the landing region: recomputed when a lane (re)connects, read
+  // per request without a lock.
+  std::atomic<bool> all_mapped{false};
+  // Connection failures (and closes) counted, and the count when every lane was last seen alive:
+  // while they are equal, requests skip the per-lane check.
+  std::atomic<std::uint64_t> lane_events{1}, lanes_checked{0};
+
+  std::vector<std::unique_ptr<lane>> lanes;  // last: their progress threads (and callbacks) stop first
+
+  // ---- connection (client_connection.cpp) ----
+  impl(const std::string& h, std::uint16_t p, client_options opt);
+  ~impl();
+  void shutdown();
+  // Reconnects lanes that failed since the last look (free when none did).
+  void ensure_connected(clk::time_point until);
+  // (Re)connects one lane before `until`. Lane 0 goes to the server's well-known port; the others
+  // to the worker ports its welcome named (each server worker listens on its own port), or, when
+  // such a port cannot be reached (a NAT forwarding only the first, say), to the first port too.
+  void connect(lane& ln, clk::time_point until);
+  // Connects one lane to `to` and completes its handshake (and lends the landing region).
+  void connect_to(lane& ln, std::uint16_t to, clk::time_point until);
+  // RMA for bulk data: on request, or (auto) when UCX put a transport with real RMA on the lanes.
+  void decide_rma(connection& cn);
+  // Runs on the lane's worker (its holder), like every handler: the connection's pieces fail.
+  void conn_failed(connection* cn, const std::string& why);
+  bool direct_available() const { return all_mapped.load(std::memory_order_relaxed); }
+  std::size_t home_lane() const {
+    thread_local const std::size_t h = std::hash<std::thread::id>{}(std::this_thread::get_id());
+    return h % lanes.size();
+  }
+  std::uint64_t all_lanes() const { return lanes.size() >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << lanes.size()) - 1; }
+  // Lends (or, with `give_back`, takes back) one region to one lane's server; true if it mapped it.
+  // Lending is passing the region's descriptor on the server's lending socket, then naming it on the
+  // lane; a server on another host (or network namespace) cannot be reached there.
+  bool lend_to(lane& ln, const detail::shared_region& r, bool give_back, clk::time_point until);
+  void* allocate(std::uint64_t bytes);
+  void deallocate(void* p);
+  // One request of one piece without data, waited for (handshake, lend, stat, list).
+  message request(message m, clk::time_point until, bool needs_credit = true, lane* force = nullptr);
+  // A request without data (stat, list), retried after a reconnect; a refusal is rethrown naming the path.
+  message query(message m, std::string_view what, const std::string& path, std::chrono::nanoseconds timeout);
+
+  // ---- data path (client.cpp): caller threads ----
+  // `handle`: the open write that write pieces fill (0 for reads).
+  ticket start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
+               clk::time_point until, std::uint64_t handle = 0);
+  std::uint64_t finish(ticket t);
+  // Does [p, p+n) need host staging (GPU or sim memory UCX cannot reach)? `r` gets what it is: the
+  // one classification of the caller's memory for the whole request.
+  bool needs_staging(const void* p, std::uint64_t n, const char* what, memory_region& r);
+  // What a piece's buffer is (a landing slot, a staging buffer), as registered: null when unknown.
+  const memory_region* buffer_region(const piece& p);
+  // Host memory or not: device-side copies go through the transfer engine (told what the caller's
+  // side is, classified when the request started), host ones are a memcpy.
+  void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n, const memory_region* dst_r = nullptr,
+                  const memory_region* src_r = nullptr);
+  // Registers a piece and sends its frame on `force` or the least loaded lane with a credit.
+  // `until` bounds the wait for a credit.
+  // `whole`: a request of this one piece, registered under the same lock (its ticket goes to `t`).
+  std::shared_ptr<piece> send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force = nullptr,
+                              op* whole = nullptr, ticket* t = nullptr);
+  // Waits for one piece until `until`; on timeout closes its connection so that nothing lands later.
+  // `what` names the request in errors; it is built only when one is raised (formatting a string
+  // per request would cost more than a shared-memory round trip).
+  template <typename What>
+  void wait_piece(const std::shared_ptr<piece>& pp, clk::time_point until, const What& what) {
+    piece& p = *pp;
+    p.waiter.store(std::this_thread::get_id(), std::memory_order_release);
+    // Drive the worker from this thread for a while: a small request then completes without any
+    // thread hand-off (the progress thread takes over if this one gives up and sleeps). A read the
+    // server answered at once into a landing slot also wrote the slot's notify record: seen, the
+    // read is done without taking its completion message off the queue.
+    const std::uint64_t* record = p.record;
+    auto finished = [&] {
+      if (p.done.load(std::memory_order_acquire)) return true;
+      if (!record || std::atomic_ref<const std::uint64_t>(record[0]).load(std::memory_order_acquire) != p.rid) return false;
+      std::shared_ptr<piece> due;
+      {
+        std::lock_guard l(mu);
+        if (!p.settled) {
+          take_notice(p, std::atomic_ref<const std::uint64_t>(record[1]).load(std::memory_order_relaxed));
+          n_noticed++;
+          due = maybe_settle(pp);
+        }
+      }
+      if (due) copy_out(std::move(due));
+      return p.done.load(std::memory_order_acquire);
+    };
+    if (p.ln->w->drive(finished, until, o.spin)) return;
+    std::unique_lock l(mu);
+    if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
+    auto cn = p.ln->c;
+    l.unlock();
+    log::warn("store", "{}: {} timed out; closing the connection", peer, what());
+    // An RMA piece's memory may still be written by the server: revoke its network key.
+    if (p.rma && net_cache) net_cache->invalidate(reinterpret_cast<std::uintptr_t>(p.rma_mem), p.len);
+    if (cn) {
+      cn->close();
+      try {
+        p.ln->w->call([] {}, clk::now() + std::chrono::seconds(5));  // the close has run: no more data lands
+      } catch (...) {
+      }
+    }
+    l.lock();
+    cv.wait_until(l, clk::now() + std::chrono::seconds(5), [&] { return p.done.load(); });
+    fail(errc::timeout, "store.request", peer, fmt::format("{}: no answer before the deadline", what()));
+  } 
+  // A settled piece's bytes, or the error it ended with (naming the peer and path).
+  std::uint64_t outcome(const piece& p, const char* opname, const std::string& path);
+
+  // ---- data path (client.cpp): replies, on whichever thread holds the lane's worker ----
+  void on_frame(message m);
+  void on_inline(message m, const std::byte* d, std::size_t n);
+  // A piece's answer (a frame): what it says about the data, kept for finish.
+  void take_reply(piece& p, message&& m);
+  // A read's notify record, seen: as its completion (the message that follows finds it settled).
+  void take_notice(piece& p, std::uint64_t bytes);
+  // A piece's answer with its data inline: copied to where the piece lands.
+  void take_inline(piece& p, message&& m, const std::byte* d, std::size_t n);
+  // A piece is finished when its reply came and all its data arrived, or when it failed. Called with mu held.
+  static bool ready(const piece& p) {
+    return p.err || (p.replied && (!p.reply || !std::holds_alternative<complete>(p.reply->b) || p.write || p.received >= p.expect));
+  }
+  // Settles a piece that is ready. Returns it when its data must still be copied on from where it
+  // landed: the caller hands it to copy_out once mu is released.
+  [[nodiscard]] std::shared_ptr<piece> maybe_settle(const std::shared_ptr<piece>& pp);
+  // A landed piece's data on to the caller's memory, by the transfer engine; the piece is done, and
+  // its slot free, when the copy is. Settled by the thread that waits for it (driving its lane), the
+  // copy runs right here (engine.copy runs one copy on its caller's thread; into host memory, a
+  // memcpy): that thread would only wait for another to do it. Settled elsewhere (a progress
+  // thread), it goes to an engine worker as a batch with a completion, so that the progress thread
+  // goes on. Without an engine every destination is host memory: a memcpy here.
+  void copy_out(std::shared_ptr<piece> pp);
+  // A finished piece gives back whatever buffer it borrowed (staging buffer, landing slot). mu held.
+  void release_buffers(piece& p);
+  // Gives a piece's landing slot and notify record back, or keeps them out of use when the server
+  // may still write into them.
+  void release_land(piece& p);
+
+  // Runs an idempotent request; after a lost connection (server restarted) it reconnects once and retries.
+  template <typename F>
+  auto retrying(F f, clk::time_point until) -> decltype(f()) {
+    std::optional<error> lost;
+    for (int attempt = 0;; ++attempt) {
+      try {
+        return f();
+      } catch (const error& e) {
+        bool retry = e.code() == errc::network_error && attempt == 0 && clk::now() < until;
+        if (!retry) {
+          if (lost && e.op() == "store.connect")
+            throw error(error_info{errc::network_error, lost->op(), lost->resource(),
+                                   "connection lost during the request, and reconnecting failed", e.what(), 0, 0});
+          throw;
+        }
+        lost = e;
+        log::info("store", "{}: {}; reconnecting", peer, e.what());
+      }
+    }
+  }
+};
+}  // namespace ferry::store
