@@ -1,0 +1,88 @@
+// The client's landing region and allocated-buffer registry (internal: compiled into this binary).
+#include "store/landing.hpp"
+
+#include <ferry/core/error.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <set>
+
+using namespace ferry;
+using namespace ferry::store::detail;
+using ::testing::HasSubstr;
+
+namespace {
+
+auto soon() { return std::chrono::steady_clock::now() + std::chrono::milliseconds(50); }
+
+// A slot or record comes back only when the server answered for it; one it may still write is never
+// handed out again, and a caller waiting for a slot gets a timeout naming the peer, not a hang.
+TEST(StoreLanding, SlotsAndRecordsComeBackOnlyWhenAnswered) {
+  landing_region lr(64 << 10, 2, 3);
+  int a = lr.take_slot(soon(), "peer-x"), b = lr.take_slot(soon(), "peer-x");
+  ASSERT_NE(a, b);
+  EXPECT_EQ(std::abs(lr.slot(a) - lr.slot(b)), 64 << 10);
+  EXPECT_GE(lr.slot(a), lr.region().data());
+  try {
+    lr.take_slot(soon(), "peer-x");
+    FAIL() << "a third slot out of two";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::timeout);
+    EXPECT_THAT(e.what(), HasSubstr("no free landing slot"));
+    EXPECT_THAT(e.what(), HasSubstr("peer-x"));
+  }
+  lr.give_back_slot(a, false);  // the server may still write it
+  EXPECT_EQ(lr.quarantined(), 1u);
+  EXPECT_THROW(lr.take_slot(soon(), "peer-x"), error) << "a quarantined slot was handed out again";
+  lr.give_back_slot(b, true);
+  EXPECT_EQ(lr.take_slot(soon(), "peer-x"), b);
+
+  // Records: past the slots, a cache line each, inside the lent region.
+  std::set<int> recs;
+  for (int i = 0; i < 3; ++i) recs.insert(lr.try_take_record());
+  EXPECT_EQ(recs, (std::set<int>{0, 1, 2}));
+  EXPECT_EQ(lr.try_take_record(), -1) << "none free: the read goes without one";
+  for (int r : recs) {
+    auto* p = reinterpret_cast<const std::byte*>(lr.record(r));
+    EXPECT_GE(p, lr.slot(1) + (64 << 10));
+    EXPECT_LE(p + 16, lr.region().data() + lr.region().size());
+  }
+  EXPECT_EQ(reinterpret_cast<const std::byte*>(lr.record(1)) - reinterpret_cast<const std::byte*>(lr.record(0)), 64);
+  lr.give_back_record(0, false);
+  EXPECT_EQ(lr.try_take_record(), -1);
+  EXPECT_EQ(lr.quarantined(), 2u);
+  lr.give_back_record(2, true);
+  EXPECT_EQ(lr.try_take_record(), 2);
+}
+
+// A request takes an allocated buffer's fast path only when the buffer is live and every lane's
+// server mapped it; a freed buffer is never found again, and its entry stays valid for a racing reader.
+TEST(StoreLanding, AllocatedBuffersAreFoundOnlyWhileLiveAndMappedByEveryLane) {
+  lent_buffers lb;
+  const std::uint64_t all = 0b11;
+  auto& b = lb.make(1 << 20);
+  const std::byte* p = b.r->data();
+  EXPECT_FALSE(lb.covers(p, 10, all)) << "not published yet";
+  lb.publish(b);
+  EXPECT_TRUE(lb.any());
+  EXPECT_FALSE(lb.covers(p, 10, all)) << "no lane mapped it";
+  b.lanes = all;
+  EXPECT_TRUE(lb.covers(p + 100, 1000, all));
+  EXPECT_TRUE(lb.covers(p, 1 << 20, all));
+  EXPECT_FALSE(lb.covers(p + 1, 1 << 20, all)) << "one byte past the end";
+  EXPECT_FALSE(lb.covers(p - 1, 2, all)) << "one byte before the start";
+  lb.lane_lost(1);
+  EXPECT_FALSE(lb.covers(p, 10, all)) << "a lane that reconnected has not mapped it yet";
+  b.lanes = all;
+  EXPECT_EQ(lb.live().size(), 1u);
+  EXPECT_EQ(lb.withdraw(p), &b);
+  EXPECT_FALSE(lb.covers(p, 10, all));
+  EXPECT_FALSE(lb.any());
+  lb.retire(b);
+  EXPECT_EQ(b.r, nullptr);
+  EXPECT_EQ(lb.withdraw(p), nullptr) << "freed twice";
+}
+
+}  // namespace
