@@ -166,7 +166,7 @@ void client::impl::take_inline(piece& p, message&& m, const std::byte* d, std::s
 }
 
 std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force,
-                                                        op* whole, ticket* t) {
+                                                        op* whole, ticket* t, bool defer) {
   std::unique_lock l(mu);
   lane* ln = force;
   if (needs_credit) {
@@ -204,11 +204,23 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
   if (p->lent) n_lent++;
   if (whole) {
     whole->pieces.push_back(p);
-    *t = next_ticket++;
-    ops.put(*t, std::move(*whole));
+    if (t) {
+      *t = next_ticket++;
+      ops.put(*t, std::move(*whole));
+    }
     n_requests++;
   }
   l.unlock();
+  if (defer) {
+    p->unsent.emplace(std::move(m));
+    p->unsent_on = std::move(cn);
+    return p;
+  }
+  send_frame(p, cn.get(), m);
+  return p;
+}
+
+void client::impl::send_frame(const std::shared_ptr<piece>& p, connection* cn, const message& m) {
   try {
     if (!cn) fail(errc::network_error, "store.request", peer, "not connected");
     cn->send_frame(m);
@@ -217,7 +229,6 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
     if (!p->err) p->err = e;
     (void)maybe_settle(p);  // failed: nothing to copy on
   }
-  return p;
 }
 
 bool client::impl::needs_staging(const void* p, std::uint64_t n, const char* what, memory_region& r) {
@@ -239,7 +250,7 @@ const memory_region* client::impl::buffer_region(const piece& p) {
 }
 
 client::ticket client::impl::start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
-                                   clk::time_point until, std::uint64_t handle) {
+                                   clk::time_point until, std::uint64_t handle, op* keep) {
   const char* opname = write ? "store.write" : "store.read";
   if (length && !mem) fail(errc::invalid_argument, opname, path, "null buffer");
   if (offset + length < offset) fail(errc::invalid_argument, opname, path, "offset + length overflows");
@@ -332,7 +343,9 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
         m = {0, 0, write ? body{write_req{path, offset + off, n, handle}} : body{read_req{path, offset + off, n}}};
       }
       if (one_piece) {
-        p = send(std::move(m), std::move(p), true, until, nullptr, &o2, &registered);
+        // Waited for by this thread (keep): its frame goes out when this thread drives the lane.
+        p = send(std::move(m), std::move(p), true, until, nullptr, &o2, keep ? nullptr : &registered, keep != nullptr);
+        if (keep) *keep = std::move(o2);
         return registered;
       }
       p = send(std::move(m), std::move(p), true, until);
@@ -368,9 +381,13 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
     throw;
   }
   std::lock_guard l(mu);
+  n_requests++;
+  if (keep) {
+    *keep = std::move(o2);
+    return 0;
+  }
   ticket t = next_ticket++;
   ops.put(t, std::move(o2));
-  n_requests++;
   return t;
 }
 
@@ -383,6 +400,10 @@ std::uint64_t client::impl::finish(ticket t) {
     x = std::move(it->second);
     ops.erase(it);
   }
+  return finish(x);
+}
+
+std::uint64_t client::impl::finish(op& x) {
   const char* opname = x.write ? "store.write" : "store.read";
   std::optional<error> first;
   x.pieces.each([&](const std::shared_ptr<piece>& p) {
@@ -448,7 +469,9 @@ std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* 
                            clk::time_point until) {
   return impl_->retrying(
       [&] {
-        return finish(start_read(path, offset, dst, length, until));
+        impl::op x;  // waited for here: no ticket
+        impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, 0, &x);
+        return impl_->finish(x);
       },
       until);
 }

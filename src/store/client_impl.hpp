@@ -78,6 +78,9 @@ struct client::impl {
     // The thread waiting for it, while it waits (wait_piece): a piece it settles itself, driving
     // its lane, it also copies on itself -- it would only wait for another thread to do it.
     std::atomic<std::thread::id> waiter{};
+    // A frame kept for its waiter to send (send's `defer`), and the connection it goes on.
+    std::optional<message> unsent;
+    std::shared_ptr<connection> unsent_on;
   };
   // The pieces of one request; most requests are one piece, kept without a vector.
   struct piece_list {
@@ -227,10 +230,12 @@ struct client::impl {
   message query(message m, std::string_view what, const std::string& path, std::chrono::nanoseconds timeout);
 
   // ---- data path (client.cpp): caller threads ----
-  // `handle`: the open write that write pieces fill (0 for reads).
+  // `handle`: the open write that write pieces fill (0 for reads). `keep`: the request is handed to
+  // the caller, who finishes it (a synchronous call), instead of being registered under a ticket.
   ticket start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
-               clk::time_point until, std::uint64_t handle = 0);
+               clk::time_point until, std::uint64_t handle = 0, op* keep = nullptr);
   std::uint64_t finish(ticket t);
+  std::uint64_t finish(op& x);
   // Does [p, p+n) need host staging (GPU or sim memory UCX cannot reach)? `r` gets what it is: the
   // one classification of the caller's memory for the whole request.
   bool needs_staging(const void* p, std::uint64_t n, const char* what, memory_region& r);
@@ -242,9 +247,14 @@ struct client::impl {
                   const memory_region* src_r = nullptr);
   // Registers a piece and sends its frame on `force` or the least loaded lane with a credit.
   // `until` bounds the wait for a credit.
-  // `whole`: a request of this one piece, registered under the same lock (its ticket goes to `t`).
+  // `whole`: a request of this one piece, counted under the same lock, and registered there too when
+  // `t` is given (its ticket goes to `t`).
+  // `defer`: the frame is kept in the piece (unsent) for the thread that waits for it to send when
+  // it drives the lane (wait_piece): one acquisition of the worker for the send and the answer.
   std::shared_ptr<piece> send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force = nullptr,
-                              op* whole = nullptr, ticket* t = nullptr);
+                              op* whole = nullptr, ticket* t = nullptr, bool defer = false);
+  // Sends a piece's frame on `cn`; a failure settles the piece with its error.
+  void send_frame(const std::shared_ptr<piece>& p, connection* cn, const message& m);
   // Waits for one piece until `until`; on timeout closes its connection so that nothing lands later.
   // `what` names the request in errors; it is built only when one is raised (formatting a string
   // per request would cost more than a shared-memory round trip).
@@ -272,7 +282,17 @@ struct client::impl {
       if (due) copy_out(std::move(due));
       return p.done.load(std::memory_order_acquire);
     };
-    if (p.ln->w->drive(finished, until, o.spin)) return;
+    // A frame kept for this thread goes out as soon as it holds the worker -- or the usual way if
+    // the drive never got it.
+    auto send_kept = [&] {
+      if (!p.unsent) return;
+      send_frame(pp, p.unsent_on.get(), *p.unsent);
+      p.unsent.reset();
+      p.unsent_on.reset();
+    };
+    bool answered = p.ln->w->drive(finished, until, o.spin, send_kept);
+    send_kept();
+    if (answered) return;
     std::unique_lock l(mu);
     if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     auto cn = p.ln->c;
