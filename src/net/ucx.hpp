@@ -36,7 +36,6 @@
 #include <string>
 #include <span>
 #include <thread>
-#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -235,13 +234,10 @@ class ucx_worker {
   // benchmark loop): while a caller drives, the progress thread steps aside at once instead of
   // competing for the worker, so a small request is sent, answered and completed on one thread with
   // no hand-off. Returns done(). Callbacks run on the calling thread. It gives up at `until` or
-  // about `for_at_most` after it began, whichever comes first. `first`, if given, runs once when
-  // this thread first holds the worker, after work posted earlier (a request's frame, sent by the
-  // thread that will wait for its answer: one acquisition of the worker for both); it must not
-  // throw. A drive that never gets the worker never runs it.
-  template <typename Done, typename First = std::nullptr_t>
+  // about `for_at_most` after it began, whichever comes first.
+  template <typename Done>
   bool drive(Done done, std::chrono::steady_clock::time_point until,
-             std::chrono::nanoseconds for_at_most = std::chrono::nanoseconds::max(), First first = nullptr) {
+             std::chrono::nanoseconds for_at_most = std::chrono::nanoseconds::max()) {
     drivers_.fetch_add(1, std::memory_order_seq_cst);
     std::unique_lock l(ucx_mu_, std::defer_lock);
     bool ok;
@@ -261,10 +257,6 @@ class ucx_worker {
           continue;
         }
         lock_owner();
-        if constexpr (!std::is_same_v<First, std::nullptr_t>) {
-          drain_posted();  // the lock is taken once per drive: this runs once
-          first();
-        }
       }
       progress_once();
     }

@@ -166,7 +166,7 @@ void client::impl::take_inline(piece& p, message&& m, const std::byte* d, std::s
 }
 
 std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force,
-                                                        op* whole, ticket* t, bool defer) {
+                                                        op* whole, ticket* t) {
   std::unique_lock l(mu);
   lane* ln = force;
   if (needs_credit) {
@@ -211,16 +211,6 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
     n_requests++;
   }
   l.unlock();
-  if (defer) {
-    p->unsent.emplace(std::move(m));
-    p->unsent_on = std::move(cn);
-    return p;
-  }
-  send_frame(p, cn.get(), m);
-  return p;
-}
-
-void client::impl::send_frame(const std::shared_ptr<piece>& p, connection* cn, const message& m) {
   try {
     if (!cn) fail(errc::network_error, "store.request", peer, "not connected");
     cn->send_frame(m);
@@ -229,6 +219,7 @@ void client::impl::send_frame(const std::shared_ptr<piece>& p, connection* cn, c
     if (!p->err) p->err = e;
     (void)maybe_settle(p);  // failed: nothing to copy on
   }
+  return p;
 }
 
 bool client::impl::needs_staging(const void* p, std::uint64_t n, const char* what, memory_region& r) {
@@ -343,8 +334,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
         m = {0, 0, write ? body{write_req{path, offset + off, n, handle}} : body{read_req{path, offset + off, n}}};
       }
       if (one_piece) {
-        // Waited for by this thread (keep): its frame goes out when this thread drives the lane.
-        p = send(std::move(m), std::move(p), true, until, nullptr, &o2, keep ? nullptr : &registered, keep != nullptr);
+        p = send(std::move(m), std::move(p), true, until, nullptr, &o2, keep ? nullptr : &registered);
         if (keep) *keep = std::move(o2);
         return registered;
       }

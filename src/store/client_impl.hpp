@@ -78,9 +78,6 @@ struct client::impl {
     // The thread waiting for it, while it waits (wait_piece): a piece it settles itself, driving
     // its lane, it also copies on itself -- it would only wait for another thread to do it.
     std::atomic<std::thread::id> waiter{};
-    // A frame kept for its waiter to send (send's `defer`), and the connection it goes on.
-    std::optional<message> unsent;
-    std::shared_ptr<connection> unsent_on;
   };
   // The pieces of one request; most requests are one piece, kept without a vector.
   struct piece_list {
@@ -249,12 +246,8 @@ struct client::impl {
   // `until` bounds the wait for a credit.
   // `whole`: a request of this one piece, counted under the same lock, and registered there too when
   // `t` is given (its ticket goes to `t`).
-  // `defer`: the frame is kept in the piece (unsent) for the thread that waits for it to send when
-  // it drives the lane (wait_piece): one acquisition of the worker for the send and the answer.
   std::shared_ptr<piece> send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force = nullptr,
-                              op* whole = nullptr, ticket* t = nullptr, bool defer = false);
-  // Sends a piece's frame on `cn`; a failure settles the piece with its error.
-  void send_frame(const std::shared_ptr<piece>& p, connection* cn, const message& m);
+                              op* whole = nullptr, ticket* t = nullptr);
   // Waits for one piece until `until`; on timeout closes its connection so that nothing lands later.
   // `what` names the request in errors; it is built only when one is raised (formatting a string
   // per request would cost more than a shared-memory round trip).
@@ -282,17 +275,7 @@ struct client::impl {
       if (due) copy_out(std::move(due));
       return p.done.load(std::memory_order_acquire);
     };
-    // A frame kept for this thread goes out as soon as it holds the worker -- or the usual way if
-    // the drive never got it.
-    auto send_kept = [&] {
-      if (!p.unsent) return;
-      send_frame(pp, p.unsent_on.get(), *p.unsent);
-      p.unsent.reset();
-      p.unsent_on.reset();
-    };
-    bool answered = p.ln->w->drive(finished, until, o.spin, send_kept);
-    send_kept();
-    if (answered) return;
+    if (p.ln->w->drive(finished, until, o.spin)) return;
     std::unique_lock l(mu);
     if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     auto cn = p.ln->c;
