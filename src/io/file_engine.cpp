@@ -3,6 +3,7 @@
 #include <ferry/core/units.hpp>
 #include <ferry/io/file.hpp>
 #include <ferry/io/probe.hpp>
+#include <ferry/mem/pinned_pool.hpp>
 
 #include "core/logging.hpp"
 #include "io/cufile.hpp"
@@ -51,11 +52,13 @@ struct job {
   std::size_t idx = 0;
   file_request r;
   device* dev = nullptr;  // null: host memory
+  memory_region where;    // the memory, as classified at submit (its device picks the staging pool)
   std::shared_ptr<registration> hold;  // unified memory: pinned in place until the job is done
 };
 
-// One staging slot: a fixed buffer registered with the worker's ring.
+// One staging slot: a buffer of the transfer engine's staging pool, held for one request.
 struct slot {
+  pinned_pool::buffer held;
   std::byte* buf = nullptr;
   int index = 0;
   enum { free, io, copying } state = free;
@@ -116,43 +119,40 @@ struct file_engine::impl {
     for (auto& t : threads) t.join();
   }
 
-  // ---- a worker: one ring, depth staging slots registered as fixed buffers ----
+  // ---- a worker: one ring; for each request, up to FERRY_IO_DEPTH slots from the staging pool ----
   struct worker {
     impl& e;
     io_uring ring{};
-    std::vector<slot> slots;
-    void* mem = nullptr;
-    std::size_t mem_len = 0;
-    registration pin;
+    std::vector<slot> slots;  // the current request's
+    std::uint64_t chunk = 0;  // bytes per I/O: FERRY_IO_CHUNK, at most a staging buffer
     std::map<device*, std::unique_ptr<stream>> streams;
     std::uint64_t ops = 0;
-    bool fixed = false;
 
     explicit worker(impl& en) : e(en) {
-      int depth = e.cfg.io_depth;
-      int r = io_uring_queue_init(static_cast<unsigned>(std::max(8, 2 * depth)), &ring, 0);
+      int r = io_uring_queue_init(static_cast<unsigned>(std::max(8, 2 * e.cfg.io_depth)), &ring, 0);
       if (r < 0) fail_errno(-r, "io.ring", "io_uring_queue_init", "io_uring unavailable");
-      mem_len = e.cfg.io_chunk * static_cast<std::size_t>(depth);
-      mem = ::mmap(nullptr, mem_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-      if (mem == MAP_FAILED) fail_errno(errno, "io.staging", format_size(mem_len));
-      pin = e.cache.acquire(mem, mem_len);  // pinned for the GPU (cuMemHostRegister) while the worker lives
-      std::vector<iovec> iov;
-      for (int i = 0; i < depth; ++i) {
-        slot s;
-        s.buf = static_cast<std::byte*>(mem) + static_cast<std::size_t>(i) * e.cfg.io_chunk;
-        s.index = i;
-        slots.push_back(std::move(s));
-        iov.push_back({slots.back().buf, e.cfg.io_chunk});
-      }
-      // Fixed buffers save the kernel a page walk per I/O; without them plain reads work too.
-      fixed = io_uring_register_buffers(&ring, iov.data(), static_cast<unsigned>(iov.size())) == 0;
     }
     ~worker() {
       io_uring_queue_exit(&ring);
       streams.clear();
-      pin = registration{};
-      if (mem && mem != MAP_FAILED) ::munmap(mem, mem_len);
     }
+    // Slots for one request from the transfer engine's staging pool near its memory (the one
+    // staging pool of the process): one waited for (until the deadline), more while the pool has
+    // them at once -- a busy pool makes a shallower pipeline, never a stall.
+    void take_slots(const job& j) {
+      pinned_pool& pool = e.xfer.staging_for(j.where);
+      chunk = std::max<std::uint64_t>(4096, align_down(std::min<std::uint64_t>(e.cfg.io_chunk, pool.buffer_bytes()), 4096));
+      slots.clear();
+      for (int i = 0; i < e.cfg.io_depth; ++i) {
+        slot s;
+        s.held = i == 0 ? pool.get(j.b->until) : pool.try_get();
+        if (!s.held) break;
+        s.buf = s.held.data();
+        s.index = i;
+        slots.push_back(std::move(s));
+      }
+    }
+    void give_back_slots() { slots.clear(); }
     stream& stream_of(device* d) {
       auto& s = streams[d];
       if (!s) s = d->create_stream();
@@ -168,13 +168,8 @@ struct file_engine::impl {
       auto* p = s.buf + s.got;
       auto n = static_cast<unsigned>(s.len - s.got);
       auto off = static_cast<__u64>(s.off + s.got);
-      if (fixed) {
-        if (write) io_uring_prep_write_fixed(sqe, fd, p, n, off, s.index);
-        else io_uring_prep_read_fixed(sqe, fd, p, n, off, s.index);
-      } else {
-        if (write) io_uring_prep_write(sqe, fd, p, n, off);
-        else io_uring_prep_read(sqe, fd, p, n, off);
-      }
+      if (write) io_uring_prep_write(sqe, fd, p, n, off);
+      else io_uring_prep_read(sqe, fd, p, n, off);
       // Buffered I/O that hits the page cache would otherwise complete inline, one copy at a time:
       // IOSQE_ASYNC hands it to io-wq workers so several copies run in parallel.
       if (!s.direct) sqe->flags |= IOSQE_ASYNC;
@@ -311,10 +306,13 @@ void file_engine::impl::worker::run(job& j) {
         log::info("io", "{}: cuFile probe failed ({}); io_uring instead", j.r.f->path(), x.what());
       }
     }
+    take_slots(j);
     if (j.r.write) write(j);
     else read(j);
+    give_back_slots();
   } catch (...) {
     drain();
+    give_back_slots();
     throw;
   }
 }
@@ -371,7 +369,7 @@ void file_engine::impl::worker::read(job& j) {
       if (pos >= end) break;
       if (s.state != slot::free) continue;
       s.off = pos;
-      s.len = std::min<std::uint64_t>(e.cfg.io_chunk, end - pos);
+      s.len = std::min<std::uint64_t>(chunk, end - pos);
       s.got = 0;
       s.direct = direct;
       s.retries = 0;
@@ -474,7 +472,7 @@ void file_engine::impl::worker::write(job& j) {
         if (pos >= to) break;
         if (s.state != slot::free) continue;
         s.off = pos;
-        s.len = std::min<std::uint64_t>(e.cfg.io_chunk, to - pos);
+        s.len = std::min<std::uint64_t>(chunk, to - pos);
         s.got = 0;
         s.direct = dio;
         s.retries = 0;
@@ -553,6 +551,7 @@ transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_
       j.dev = (m.type == memory_type::device || m.type == memory_type::managed || m.type == memory_type::unified)
                   ? &I.devices.get(m.device, m.ordinal)
                   : nullptr;
+      j.where = m;
       // Unified memory stays where it is while the request uses it (its pages may move otherwise).
       if (m.type == memory_type::unified) j.hold = std::make_shared<registration>(I.cache.acquire(r.mem, r.bytes));
       b->segs_left[i] = 1;

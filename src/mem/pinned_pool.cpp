@@ -7,6 +7,7 @@
 #include <hwloc.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -17,77 +18,108 @@ pinned_pool::buffer& pinned_pool::buffer::operator=(buffer&& o) noexcept {
     reset();
     pool_ = std::exchange(o.pool_, nullptr);
     data_ = o.data_;
+    region_ = o.region_;
   }
   return *this;
 }
 std::size_t pinned_pool::buffer::size() const noexcept { return pool_ ? pool_->bytes_ : 0; }
 void pinned_pool::buffer::reset() noexcept {
-  if (pool_) pool_->put(data_);
+  if (pool_) pool_->put(data_, region_);
   pool_ = nullptr;
   data_ = nullptr;
+  region_ = nullptr;
 }
 
 pinned_pool::pinned_pool(registration_cache& cache, std::size_t bytes, int count, int numa_node)
-    : bytes_(bytes), count_(count), numa_(numa_node) {
-  std::string res = fmt::format("pinned pool {}x{} numa {}", count, bytes, numa_node);
-  if (bytes == 0 || count <= 0) fail(errc::invalid_argument, "mem.pool", res, "empty pool");
-  mapped_ = bytes * static_cast<std::size_t>(count);
-  void* p = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    : cache_(cache), bytes_(bytes), count_(count), numa_(numa_node) {
+  if (bytes == 0 || count <= 0)
+    fail(errc::invalid_argument, "mem.pool", fmt::format("pinned pool {}x{} numa {}", count, bytes, numa_node), "empty pool");
+  // Segments of at most 64 MiB (and 8 buffers): a process that stages a little pins a little, and
+  // growing costs one allocation and registration per segment, not per buffer.
+  per_segment_ = static_cast<int>(std::clamp<std::size_t>((64ull << 20) / bytes, 1, 8));
+  std::lock_guard l(mu_);
+  grow_locked();
+}
+
+bool pinned_pool::grow_locked() {
+  if (allocated_ >= count_) return false;
+  int n = std::min(per_segment_, count_ - allocated_);
+  std::string res = fmt::format("pinned pool {}x{} numa {}", count_, bytes_, numa_);
+  auto seg = std::make_unique<segment>();
+  seg->bytes = bytes_ * static_cast<std::size_t>(n);
+  void* p = ::mmap(nullptr, seg->bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) fail_errno(errno, "mem.pool", res, "cannot map staging memory");
-  base_ = static_cast<std::byte*>(p);
-  if (numa_node >= 0) {
+  seg->base = static_cast<std::byte*>(p);
+  if (numa_ >= 0) {
     // Bind before first touch so the pages come from the GPU's NUMA node.
     hwloc_topology_t topo;
     if (hwloc_topology_init(&topo) == 0 && hwloc_topology_load(topo) == 0) {
-      hwloc_obj_t node = hwloc_get_numanode_obj_by_os_index(topo, static_cast<unsigned>(numa_node));
-      if (node && hwloc_set_area_membind(topo, p, mapped_, node->nodeset, HWLOC_MEMBIND_BIND,
+      hwloc_obj_t node = hwloc_get_numanode_obj_by_os_index(topo, static_cast<unsigned>(numa_));
+      if (node && hwloc_set_area_membind(topo, p, seg->bytes, node->nodeset, HWLOC_MEMBIND_BIND,
                                          HWLOC_MEMBIND_BYNODESET) != 0)
         log::debug("mem", "{}: membind failed ({}); using default placement", res, std::strerror(errno));
       hwloc_topology_destroy(topo);
     }
   }
-  std::memset(p, 0, mapped_);  // fault the pages in now, not during a transfer
+  std::memset(p, 0, seg->bytes);  // fault the pages in now, not during a transfer
   try {
-    reg_ = cache.acquire(p, mapped_);  // held for the pool's life: never evicted
+    seg->reg = cache_.acquire(p, seg->bytes);  // held for the pool's life: never evicted
   } catch (...) {
-    ::munmap(p, mapped_);
+    ::munmap(p, seg->bytes);
     throw;
   }
-  for (int i = count - 1; i >= 0; --i) free_.push_back(base_ + static_cast<std::size_t>(i) * bytes);
+  const memory_region* r = &seg->reg.region();
+  for (int i = n - 1; i >= 0; --i) free_.push_back({seg->base + static_cast<std::size_t>(i) * bytes_, r});
+  allocated_ += n;
+  segments_.push_back(std::move(seg));
+  return true;
 }
 
 pinned_pool::~pinned_pool() {
-  {
-    std::lock_guard l(mu_);
-    if (free_.size() != static_cast<std::size_t>(count_))
-      log::error("mem", "pinned pool destroyed with {} buffers still in use", count_ - static_cast<int>(free_.size()));
+  std::lock_guard l(mu_);
+  if (free_.size() != static_cast<std::size_t>(allocated_))
+    log::error("mem", "pinned pool destroyed with {} buffers still in use", allocated_ - static_cast<int>(free_.size()));
+  for (auto& s : segments_) {
+    s->reg = registration{};
+    ::munmap(s->base, s->bytes);
   }
-  reg_ = registration{};
-  ::munmap(base_, mapped_);
+}
+
+int pinned_pool::allocated() const {
+  std::lock_guard l(mu_);
+  return allocated_;
 }
 
 pinned_pool::buffer pinned_pool::get(std::chrono::steady_clock::time_point until) {
   std::unique_lock l(mu_);
+  if (free_.empty()) grow_locked();
   if (!cv_.wait_until(l, until, [&] { return !free_.empty(); }))
     fail(errc::timeout, "mem.pool.get", fmt::format("pinned pool {}x{}", count_, bytes_),
          "no staging buffer became free before the deadline");
-  std::byte* d = free_.back();
+  auto f = free_.back();
   free_.pop_back();
-  return buffer(this, d);
+  return buffer(this, f.data, f.region);
 }
 
 pinned_pool::buffer pinned_pool::try_get() {
   std::lock_guard l(mu_);
-  if (free_.empty()) return {};
-  std::byte* d = free_.back();
+  if (free_.empty()) {
+    try {
+      if (!grow_locked()) return {};
+    } catch (const error& e) {
+      log::debug("mem", "pinned pool {}x{} cannot grow ({}); no buffer now", count_, bytes_, e.what());
+      return {};
+    }
+  }
+  auto f = free_.back();
   free_.pop_back();
-  return buffer(this, d);
+  return buffer(this, f.data, f.region);
 }
 
-void pinned_pool::put(std::byte* d) noexcept {
+void pinned_pool::put(std::byte* d, const memory_region* r) noexcept {
   {
     std::lock_guard l(mu_);
-    free_.push_back(d);
+    free_.push_back({d, r});
   }
   cv_.notify_one();
 }

@@ -236,7 +236,7 @@ bool client::impl::needs_staging(const void* p, std::uint64_t n, const char* wha
 
 const memory_region* client::impl::buffer_region(const piece& p) {
   if (p.land_slot >= 0) return landing->pinned();
-  if (p.slot) return &staging.load(std::memory_order_acquire)->region();
+  if (p.slot) return &p.slot.region();
   return nullptr;
 }
 

@@ -166,7 +166,10 @@ TEST(File, TruncatedWhileReadingIsAnErrorNotAHang) {
   file_request r{f, 0, dev.data(), data.size(), false};
   auto t0 = std::chrono::steady_clock::now();
   transfer_batch b = rt.files().submit({&r, 1});
-  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  // Truncated once the read is under way (its first bytes delivered), with most of it still to come.
+  while (b.bytes_done() == 0 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10))
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_LT(b.bytes_done(), data.size() / 2);
   ::truncate(p.c_str(), 1 << 20);
   EXPECT_FALSE(b.wait());
   auto res = b.results()[0];

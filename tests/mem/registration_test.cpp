@@ -1,5 +1,7 @@
 #include <ferry/core/error.hpp>
+#include <ferry/mem/pinned_pool.hpp>
 #include <ferry/mem/registration.hpp>
+#include <ferry/runtime.hpp>
 
 #include "support/errors.hpp"
 
@@ -11,6 +13,7 @@
 
 #include <map>
 #include <random>
+#include <set>
 #include <thread>
 
 using namespace ferry;
@@ -239,6 +242,41 @@ TEST(RegistrationCache, RememberedHostClassificationGoesWithTheMemory) {
   EXPECT_EQ(cache.stats().entries, 0u) << "classifying registers nothing";
   ::munmap(p, n);
   EXPECT_EQ(cache.classify(p, n).type, memory_type::unknown) << "a remembered classification outlived the memory";
+}
+
+// The staging pool pins what is used: one segment when made, another only while every buffer is
+// out, never past its size; then a waiter gets a timeout naming the pool, and a buffer given back
+// is handed out again, with the region it was registered in.
+TEST(PinnedPool, GrowsBySegmentsOnlyAsBuffersAreTakenAndNeverPastItsSize) {
+  settings st;
+  st.backend = backend_choice::sim;
+  runtime rt(st);  // its cache knows host memory
+  pinned_pool pool(rt.registrations(), 64 << 10, 20, -1);
+  EXPECT_EQ(pool.allocated(), 8) << "one segment of 8 buffers when made";
+  std::vector<pinned_pool::buffer> out;
+  for (int i = 0; i < 8; ++i) out.push_back(pool.try_get());
+  EXPECT_EQ(pool.allocated(), 8);
+  out.push_back(pool.try_get());
+  EXPECT_TRUE(out.back());
+  EXPECT_EQ(pool.allocated(), 16) << "grown by a segment when all were out";
+  while (out.size() < 20) out.push_back(pool.get(std::chrono::steady_clock::now() + std::chrono::seconds(1)));
+  EXPECT_EQ(pool.allocated(), 20) << "the last segment is the rest, not a whole one";
+  EXPECT_FALSE(pool.try_get());
+  EXPECT_THAT(test::error_text([&] { pool.get(std::chrono::steady_clock::now() + std::chrono::milliseconds(20)); }),
+              ::testing::HasSubstr("no staging buffer became free"));
+  std::set<std::byte*> distinct;
+  for (auto& b : out) {
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b.size(), 64u << 10);
+    EXPECT_TRUE(b.region().contains(reinterpret_cast<std::uintptr_t>(b.data()), b.size())) << "its segment's region holds it";
+    distinct.insert(b.data());
+  }
+  EXPECT_EQ(distinct.size(), 20u);
+  std::byte* first = out.front().data();
+  out.front().reset();
+  auto again = pool.try_get();
+  EXPECT_EQ(again.data(), first);
+  EXPECT_EQ(pool.allocated(), 20);
 }
 
 }  // namespace

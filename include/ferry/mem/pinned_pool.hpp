@@ -1,13 +1,17 @@
 #pragma once
-// Pinned bounce buffers, reused by every staged path (pageable host memory, GPU<->GPU without peer
-// access, files, network). Buffers are allocated once per pool on a NUMA node (hwloc membind) and
-// registered through the registration cache, where the pool keeps them held so they are never evicted.
+// Pinned staging buffers, the one staging pool of a process (per NUMA node): the transfer engine's
+// bounce and GPU-to-GPU paths, the file engine's I/O slots and ferry:// staging all take buffers
+// from it. Memory is allocated on the NUMA node (hwloc membind) in segments of a few buffers, the
+// first when the pool is made and more only while every buffer is in use, up to `count`; each
+// segment is registered through the registration cache, where the pool keeps it held so it is never
+// evicted. A process that stages little pins little.
 #include <ferry/core/export.hpp>
 #include <ferry/mem/registration.hpp>
 
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -15,7 +19,8 @@ namespace ferry {
 
 class FERRY_API pinned_pool {
  public:
-  // `count` buffers of `bytes` each on NUMA node `numa_node` (-1: wherever the kernel puts them).
+  // At most `count` buffers of `bytes` each on NUMA node `numa_node` (-1: wherever the kernel puts
+  // them); the first segment is made now (errors surface here).
   pinned_pool(registration_cache& cache, std::size_t bytes, int count, int numa_node);
   ~pinned_pool();
   pinned_pool(const pinned_pool&) = delete;
@@ -24,44 +29,58 @@ class FERRY_API pinned_pool {
   class buffer {
    public:
     buffer() = default;
-    buffer(buffer&& o) noexcept : pool_(std::exchange(o.pool_, nullptr)), data_(o.data_) {}
+    buffer(buffer&& o) noexcept : pool_(std::exchange(o.pool_, nullptr)), data_(o.data_), region_(o.region_) {}
     buffer& operator=(buffer&& o) noexcept;
     ~buffer() { reset(); }
     std::byte* data() const noexcept { return data_; }
     std::size_t size() const noexcept;
     explicit operator bool() const noexcept { return pool_ != nullptr; }
     void reset() noexcept;
+    // The buffer's memory as the cache registered it (its segment): callers that hand it to the
+    // transfer engine say so instead of having it classified again.
+    const memory_region& region() const noexcept { return *region_; }
 
    private:
     friend class pinned_pool;
-    buffer(pinned_pool* p, std::byte* d) : pool_(p), data_(d) {}
+    buffer(pinned_pool* p, std::byte* d, const memory_region* r) : pool_(p), data_(d), region_(r) {}
     pinned_pool* pool_ = nullptr;
     std::byte* data_ = nullptr;
+    const memory_region* region_ = nullptr;
   };
 
-  // Waits for a free buffer until `until`; throws timeout naming the pool when none frees up.
+  // Waits for a free buffer until `until` (a new segment is made first while the pool may grow);
+  // throws timeout naming the pool when none frees up.
   buffer get(std::chrono::steady_clock::time_point until);
-  // A free buffer now, or an empty one.
+  // A free buffer now (growing the pool if it may), or an empty one.
   buffer try_get();
 
   std::size_t buffer_bytes() const noexcept { return bytes_; }
   int count() const noexcept { return count_; }
   int numa_node() const noexcept { return numa_; }
-  // The pool's memory as the cache registered it (one region holding every buffer): callers that
-  // hand a buffer to the transfer engine say so instead of having it classified again.
-  const memory_region& region() const noexcept { return reg_.region(); }
+  int allocated() const;  // buffers made so far (<= count)
 
  private:
-  void put(std::byte* d) noexcept;
+  struct segment {
+    std::byte* base = nullptr;
+    std::size_t bytes = 0;
+    registration reg;
+  };
+  struct free_buffer {
+    std::byte* data;
+    const memory_region* region;
+  };
+  void put(std::byte* d, const memory_region* r) noexcept;
+  bool grow_locked();  // mu_ held; false when the pool is at its size
+  registration_cache& cache_;
   std::size_t bytes_;
   int count_;
   int numa_;
-  std::byte* base_ = nullptr;
-  std::size_t mapped_ = 0;
-  registration reg_;
-  std::mutex mu_;
+  int per_segment_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<std::byte*> free_;
+  std::vector<std::unique_ptr<segment>> segments_;
+  int allocated_ = 0;
+  std::vector<free_buffer> free_;
 };
 
 }  // namespace ferry
