@@ -152,6 +152,16 @@ struct file_engine::impl {
         slots.push_back(std::move(s));
       }
     }
+    // Slots without buffers, for reads that land in place (buffered, into host memory).
+    void bare_slots() {
+      chunk = std::max<std::uint64_t>(4096, align_down(e.cfg.io_chunk, 4096));
+      slots.clear();
+      for (int i = 0; i < e.cfg.io_depth; ++i) {
+        slot s;
+        s.index = i;
+        slots.push_back(std::move(s));
+      }
+    }
     void give_back_slots() { slots.clear(); }
     stream& stream_of(device* d) {
       auto& s = streams[d];
@@ -306,7 +316,6 @@ void file_engine::impl::worker::run(job& j) {
         log::info("io", "{}: cuFile probe failed ({}); io_uring instead", j.r.f->path(), x.what());
       }
     }
-    take_slots(j);
     if (j.r.write) write(j);
     else read(j);
     give_back_slots();
@@ -337,9 +346,14 @@ void file_engine::impl::worker::read(job& j) {
     double c = cached_fraction(f.fd(), want_lo, eff_hi - want_lo);
     direct = c < 0.9;
   }
-  const std::uint64_t a = direct ? f.dio_align() : 4096;
+  // Buffered into host memory: the kernel copies from the page cache straight into the destination
+  // (no staging slot, no second copy); exactly the asked range, so nothing past it is written.
+  const bool in_place = !j.dev && !direct;
+  if (in_place) bare_slots();
+  else take_slots(j);
+  const std::uint64_t a = direct ? f.dio_align() : in_place ? 1 : 4096;
   const int fd = direct ? f.direct_fd() : f.fd();
-  e.st.get(direct ? "reads.direct" : "reads.buffered").add();
+  e.st.get(direct ? "reads.direct" : in_place ? "reads.in_place" : "reads.buffered").add();
   log::debug("io", "read {} [{}, {}) {} into {}", path, want_lo, eff_hi, direct ? "O_DIRECT" : "buffered",
              j.dev ? j.dev->id() : "host");
   std::uint64_t pos = align_down(want_lo, a);
@@ -373,6 +387,7 @@ void file_engine::impl::worker::read(job& j) {
       s.got = 0;
       s.direct = direct;
       s.retries = 0;
+      if (in_place) s.buf = dst + (pos - want_lo);
       submit_io(s, fd, false, path);
       pos += s.len;
     }
@@ -419,7 +434,7 @@ void file_engine::impl::worker::read(job& j) {
     }
     std::byte* src = s.buf + (lo - s.off);
     if (!j.dev) {
-      std::memcpy(dst + (lo - want_lo), src, hi - lo);
+      if (!in_place) std::memcpy(dst + (lo - want_lo), src, hi - lo);
       s.state = slot::free;
       b.progress(j.idx, hi - lo);
       delivered += hi - lo;
@@ -441,6 +456,7 @@ void file_engine::impl::worker::write(job& j) {
   const std::string& path = f.path();
   auto& b = *j.b;
   if (!f.writable()) fail(errc::permission_denied, "file.write", path, "opened read-only");
+  take_slots(j);
   const std::uint64_t lo = j.r.offset, hi = j.r.offset + j.r.bytes;
   const bool direct = e.cfg.io_direct != direct_io::never && f.direct_fd() >= 0;
   const std::uint64_t a = direct ? f.dio_align() : 1;

@@ -66,9 +66,14 @@ TEST_P(FileRead, EveryAlignmentOfOffsetLengthAndBufferIntoHostAndSim) {
   for (std::uint64_t off : {0ul, 1ul, 4095ul, 4096ul, 65537ul}) {
     for (std::uint64_t len : {1ul, 511ul, 4096ul, 100000ul, 300001ul}) {
       for (std::uint64_t boff : {0ul, 1ul, 8ul}) {
-        std::memset(host.data(), 0, host.size());
+        std::memset(host.data(), 0xEE, host.size());
         ASSERT_EQ(rt.files().read(*f, off, host.data() + boff, len), len);
         ASSERT_EQ(std::memcmp(host.data() + boff, data.data() + off, len), 0) << off << " " << len << " " << boff;
+        // Not a byte around the asked range is written (buffered reads land in place).
+        if (boff) {
+          ASSERT_EQ(host[boff - 1], 0xEE) << off << " " << len << " " << boff;
+        }
+        ASSERT_EQ(host[boff + len], 0xEE) << off << " " << len << " " << boff;
         ASSERT_EQ(rt.files().read(*f, off, dev.data() + boff, len), len);
         std::vector<unsigned char> back(len);
         rt.engine().copy(back.data(), dev.data() + boff, len);
@@ -76,6 +81,25 @@ TEST_P(FileRead, EveryAlignmentOfOffsetLengthAndBufferIntoHostAndSim) {
       }
     }
   }
+  if (GetParam() == direct_io::never) {
+    EXPECT_GT(rt.files().counters().get("reads.in_place").value(), 0u) << "buffered reads into host memory skip the staging slots";
+  }
+}
+
+// A buffered read into host memory stops at the end of the file: the bytes after it in the caller's
+// buffer stay as they were.
+TEST(File, InPlaceReadAtEndOfFileWritesNothingPastIt) {
+  runtime rt(io_settings(direct_io::never));
+  std::string p = temp_path("eof-in-place");
+  auto data = random_bytes(10000, 12);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  std::vector<unsigned char> buf(20000, 0xAA);
+  EXPECT_EQ(rt.files().read(*f, 9000, buf.data() + 3, 5000), 1000u);
+  EXPECT_EQ(std::memcmp(buf.data() + 3, data.data() + 9000, 1000), 0);
+  EXPECT_EQ(buf[2], 0xAA);
+  EXPECT_EQ(buf[1003], 0xAA) << "nothing past EOF is written";
+  EXPECT_GT(rt.files().counters().get("reads.in_place").value(), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(DirectModes, FileRead, ::testing::Values(direct_io::automatic, direct_io::always, direct_io::never),

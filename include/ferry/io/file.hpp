@@ -5,7 +5,8 @@
 //
 // Backend: io_uring (liburing). O_DIRECT when the file system allows it — any offset, length and
 // buffer work: the aligned superset is read into pinned staging buffers (the transfer engine's
-// staging pool, shared with every staged path) and only the asked bytes are delivered; page-cache-resident ranges are read
+// staging pool, shared with every staged path) and only the asked bytes are delivered (buffered reads
+// into host memory land in place, no staging); page-cache-resident ranges are read
 // buffered (faster than bypassing a warm cache). Reads and host->device copies overlap: several
 // staging buffers are in flight. cuFile (GPUDirect Storage) is probed (see probe_cufile); where
 // handle registration fails (cuFile error 5027, for example) io_uring is used and the reason is
