@@ -34,25 +34,16 @@ int landing_region::try_take_record() {
   return r;
 }
 
-void landing_region::give_back_slot(int i, bool answered) {
+void landing_region::give_back(std::vector<int>& to, int i, bool answered) {
   if (!answered) {
     quarantined_.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   {
     std::lock_guard l(mu_);
-    free_slots_.push_back(i);
+    to.push_back(i);
   }
-  cv_.notify_one();
-}
-
-void landing_region::give_back_record(int i, bool answered) {
-  if (!answered) {
-    quarantined_.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
-  std::lock_guard l(mu_);
-  free_records_.push_back(i);
+  cv_.notify_one();  // slot waiters (records are never waited for)
 }
 
 const memory_region* landing_region::pinned(registration_cache& cache, const std::string& peer) {

@@ -33,8 +33,8 @@ class landing_region {
   // A free notify record at once, or -1 (the read then waits for its completion message).
   int try_take_record();
   // `answered`: the server answered for it, so it may be used again; else it is quarantined.
-  void give_back_slot(int i, bool answered);
-  void give_back_record(int i, bool answered);
+  void give_back_slot(int i, bool answered) { give_back(free_slots_, i, answered); }
+  void give_back_record(int i, bool answered) { give_back(free_records_, i, answered); }
   std::uint64_t quarantined() const { return quarantined_.load(std::memory_order_relaxed); }
 
   // The region as pinned for DMA (GPU copies to and from slots), pinned on the first call through
@@ -49,6 +49,7 @@ class landing_region {
   std::byte* records_ = nullptr;
   std::mutex mu_;
   std::condition_variable cv_;
+  void give_back(std::vector<int>& to, int i, bool answered);
   std::vector<int> free_slots_, free_records_;  // mu_; the most recently freed last (likeliest still cached)
   std::atomic<std::uint64_t> quarantined_{0};
   std::mutex pin_mu_;
