@@ -26,11 +26,14 @@ void client::impl::release_land(piece& p) {
   if (p.rec >= 0) landing->give_back_record(std::exchange(p.rec, -1), p.replied);
 }
 
-void client::impl::copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n, const memory_region* dst_r,
-                              const memory_region* src_r) {
-  if (!o.engine) return void(std::memcpy(dst, src, n));
-  transfer_request r{dst, src, n, dst_r, src_r};
-  o.engine->copy(r);
+void client::impl::copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n, bool to_user, const memory_region& user,
+                              const memory_region* buf, clk::time_point until) {
+  const bool user_on_host = user.type == memory_type::unknown || user.type == memory_type::host_pageable ||
+                            user.type == memory_type::host_pinned;
+  if (!o.engine || user_on_host) return void(std::memcpy(dst, src, n));
+  const memory_region* u = &user;
+  transfer_request r{dst, src, n, to_user ? u : buf, to_user ? buf : u};
+  o.engine->copy(r, {until});
 }
 
 void client::impl::release_buffers(piece& p) {
@@ -75,23 +78,16 @@ void client::impl::copy_out(std::shared_ptr<piece> pp) {
     q.done.store(true, std::memory_order_release);
     cv.notify_all();
   };
-  if (here) n_copied_by_waiter.fetch_add(1, std::memory_order_relaxed);
-  // Host memory on the waiting thread: a memcpy, which is all the engine would do there.
-  const bool to_host = p.user.type == memory_type::unknown || p.user.type == memory_type::host_pageable ||
-                       p.user.type == memory_type::host_pinned;
-  if (!o.engine || (here && to_host)) {
-    std::memcpy(p.final_dst, p.land, p.received);
-    return finished(nullptr);
-  }
-  transfer_request r{p.final_dst, p.land, p.received, p.user.type == memory_type::unknown ? nullptr : &p.user, buffer_region(p)};
-  if (here) {
+  if (here || !o.engine) {
+    if (here) n_copied_by_waiter.fetch_add(1, std::memory_order_relaxed);
     try {
-      o.engine->copy(r, {p.until});
+      copy_bytes(p.final_dst, p.land, p.received, true, p.user, buffer_region(p), p.until);
     } catch (const error& e) {
       return finished(&e);
     }
     return finished(nullptr);
   }
+  transfer_request r{p.final_dst, p.land, p.received, p.user.type == memory_type::unknown ? nullptr : &p.user, buffer_region(p)};
   {
     std::lock_guard l(copies_mu);
     copies_running++;
@@ -312,7 +308,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
           p->land_slot = landing->take_slot(until, peer);
           p->land = landing->slot(p->land_slot);
           if (write) {
-            copy_bytes(p->land, mem + off, n, buffer_region(*p), user.type == memory_type::unknown ? nullptr : &user);
+            copy_bytes(p->land, mem + off, n, false, user, buffer_region(*p), until);
           } else {
             p->final_dst = mem + off;
             p->user = user;
@@ -325,7 +321,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
       } else {
         if (staged) {
           p->slot = pool->get(until);
-          if (write) copy_bytes(p->slot.data(), mem + off, n, buffer_region(*p), &user);
+          if (write) copy_bytes(p->slot.data(), mem + off, n, false, user, buffer_region(*p), until);
           else p->final_dst = mem + off, p->user = user;
           p->land = p->slot.data();
         } else {

@@ -238,10 +238,12 @@ struct client::impl {
   bool needs_staging(const void* p, std::uint64_t n, const char* what, memory_region& r);
   // What a piece's buffer is (a landing slot, a staging buffer), as registered: null when unknown.
   const memory_region* buffer_region(const piece& p);
-  // Host memory or not: device-side copies go through the transfer engine (told what the caller's
-  // side is, classified when the request started), host ones are a memcpy.
-  void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n, const memory_region* dst_r = nullptr,
-                  const memory_region* src_r = nullptr);
+  // Copies on this thread between the caller's memory (`user`, as classified when the request
+  // started) and a buffer of this client (host memory: a landing slot or staging buffer; `buf` its
+  // registered region, null when unknown), `to_user` saying which way: a memcpy into or out of host
+  // memory (all the engine would do there), else the transfer engine, told what both sides are.
+  void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n, bool to_user, const memory_region& user,
+                  const memory_region* buf, clk::time_point until);
   // Registers a piece and sends its frame on `force` or the least loaded lane with a credit.
   // `until` bounds the wait for a credit.
   // `whole`: a request of this one piece, counted under the same lock, and registered there too when
