@@ -136,28 +136,22 @@ struct file_engine::impl {
       io_uring_queue_exit(&ring);
       streams.clear();
     }
-    // Slots for one request from the transfer engine's staging pool near its memory (the one
-    // staging pool of the process): one waited for (until the deadline), more while the pool has
-    // them at once -- a busy pool makes a shallower pipeline, never a stall.
-    void take_slots(const job& j) {
-      pinned_pool& pool = e.xfer.staging_for(j.where);
-      chunk = std::max<std::uint64_t>(4096, align_down(std::min<std::uint64_t>(e.cfg.io_chunk, pool.buffer_bytes()), 4096));
+    // Slots for one request. With `staged`, each holds a buffer of the transfer engine's staging
+    // pool near the request's memory (the one staging pool of the process): one waited for (until
+    // the deadline), more while the pool has them at once -- a busy pool makes a shallower
+    // pipeline, never a stall. Without, they hold none: the reads land in place.
+    void take_slots(const job& j, bool staged) {
+      pinned_pool* pool = staged ? &e.xfer.staging_for(j.where) : nullptr;
+      std::uint64_t most = pool ? std::min<std::uint64_t>(e.cfg.io_chunk, pool->buffer_bytes()) : e.cfg.io_chunk;
+      chunk = std::max<std::uint64_t>(4096, align_down(most, 4096));
       slots.clear();
       for (int i = 0; i < e.cfg.io_depth; ++i) {
         slot s;
-        s.held = i == 0 ? pool.get(j.b->until) : pool.try_get();
-        if (!s.held) break;
-        s.buf = s.held.data();
-        s.index = i;
-        slots.push_back(std::move(s));
-      }
-    }
-    // Slots without buffers, for reads that land in place (buffered, into host memory).
-    void bare_slots() {
-      chunk = std::max<std::uint64_t>(4096, align_down(e.cfg.io_chunk, 4096));
-      slots.clear();
-      for (int i = 0; i < e.cfg.io_depth; ++i) {
-        slot s;
+        if (pool) {
+          s.held = i == 0 ? pool->get(j.b->until) : pool->try_get();
+          if (!s.held) break;
+          s.buf = s.held.data();
+        }
         s.index = i;
         slots.push_back(std::move(s));
       }
@@ -349,8 +343,7 @@ void file_engine::impl::worker::read(job& j) {
   // Buffered into host memory: the kernel copies from the page cache straight into the destination
   // (no staging slot, no second copy); exactly the asked range, so nothing past it is written.
   const bool in_place = !j.dev && !direct;
-  if (in_place) bare_slots();
-  else take_slots(j);
+  take_slots(j, !in_place);
   const std::uint64_t a = direct ? f.dio_align() : in_place ? 1 : 4096;
   const int fd = direct ? f.direct_fd() : f.fd();
   e.st.get(direct ? "reads.direct" : in_place ? "reads.in_place" : "reads.buffered").add();
@@ -456,7 +449,7 @@ void file_engine::impl::worker::write(job& j) {
   const std::string& path = f.path();
   auto& b = *j.b;
   if (!f.writable()) fail(errc::permission_denied, "file.write", path, "opened read-only");
-  take_slots(j);
+  take_slots(j, true);
   const std::uint64_t lo = j.r.offset, hi = j.r.offset + j.r.bytes;
   const bool direct = e.cfg.io_direct != direct_io::never && f.direct_fd() >= 0;
   const std::uint64_t a = direct ? f.dio_align() : 1;
