@@ -100,16 +100,8 @@ void client::impl::copy_out(std::shared_ptr<piece> pp) {
 }
 
 void client::impl::on_frame(message m) {
-  std::shared_ptr<piece> due;
-  {
-    std::lock_guard l(mu);
-    auto it = pend.find(m.request_id);
-    if (it == pend.end()) return;
-    const auto& pp = it->second;  // maybe_settle moves it out of the map last
-    take_reply(*pp, std::move(m));
-    due = maybe_settle(pp);
-  }
-  if (due) copy_out(std::move(due));
+  std::uint64_t rid = m.request_id;
+  update(rid, [&](piece& p) { take_reply(p, std::move(m)); });
 }
 
 void client::impl::take_reply(piece& p, message&& m) {
@@ -126,16 +118,8 @@ void client::impl::take_reply(piece& p, message&& m) {
 }
 
 void client::impl::on_inline(message m, const std::byte* d, std::size_t n) {
-  std::shared_ptr<piece> due;
-  {
-    std::lock_guard l(mu);
-    auto it = pend.find(m.request_id);
-    if (it == pend.end()) return;
-    const auto& pp = it->second;  // maybe_settle moves it out of the map last
-    take_inline(*pp, std::move(m), d, n);
-    due = maybe_settle(pp);
-  }
-  if (due) copy_out(std::move(due));
+  std::uint64_t rid = m.request_id;
+  update(rid, [&](piece& p) { take_inline(p, std::move(m), d, n); });
 }
 
 void client::impl::take_notice(piece& p, std::uint64_t bytes) {

@@ -40,16 +40,7 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
           return it == pend.end() ? nullptr : sink(*it->second, off, n);
         },
         [this, received](connection&, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
-          std::shared_ptr<piece> due;
-          {
-            std::lock_guard l(mu);
-            auto it = pend.find(rid);
-            if (it == pend.end()) return;
-            auto pp = it->second;
-            received(*pp, n, s);
-            due = maybe_settle(pp);
-          }
-          if (due) copy_out(std::move(due));
+          update(rid, [&](piece& pc) { received(pc, n, s); });
         });
     lanes.push_back(std::move(ln));
   }

@@ -300,6 +300,21 @@ struct client::impl {
   std::uint64_t outcome(const piece& p, const char* opname, const std::string& path);
 
   // ---- data path (client.cpp): replies, on whichever thread holds the lane's worker ----
+  // Applies `f` to the pending piece `rid` (none: nothing) under mu, settles it if that made it
+  // ready, and hands its copy on once mu is released.
+  template <typename F>
+  void update(std::uint64_t rid, F&& f) {
+    std::shared_ptr<piece> due;
+    {
+      std::lock_guard l(mu);
+      auto it = pend.find(rid);
+      if (it == pend.end()) return;
+      const auto& pp = it->second;  // maybe_settle moves it out of the map last
+      f(*pp);
+      due = maybe_settle(pp);
+    }
+    if (due) copy_out(std::move(due));
+  }
   void on_frame(message m);
   void on_inline(message m, const std::byte* d, std::size_t n);
   // A piece's answer (a frame): what it says about the data, kept for finish.
