@@ -29,12 +29,13 @@ std::string_view to_string(errc c) noexcept {
   return "unknown";
 }
 
-std::string format_error(const error_info& i) {
+std::string format_error(const error_info& i, bool with_code) {
   std::string s = i.op.empty() ? std::string("ferry") : i.op;
   if (!i.resource.empty()) s += " " + i.resource;
   s += ": ";
   s += i.detail.empty() ? std::string(to_string(i.code)) : i.detail;
   if (!i.cause.empty()) s += ": " + i.cause;
+  if (!with_code) return s;
   s += " [";
   s += to_string(i.code);
   s += "]";

@@ -56,12 +56,9 @@ constexpr std::chrono::milliseconds coarse_slack{20};
 constexpr std::size_t max_lent = 64;
 
 // The error as the client will show it: the code travels as the errno (the client names it once),
-// so the message leaves out what()'s trailing " [code]".
+// so the message leaves it out.
 error_reply to_reply(const error& e) {
-  std::string m = e.what();
-  std::string tag = fmt::format(" [{}]", to_string(e.code()));
-  if (m.ends_with(tag)) m.resize(m.size() - tag.size());
-  return error_reply{e.sys_errno() ? e.sys_errno() : errno_from_errc(e.code()), printable(m, 1000)};
+  return error_reply{e.sys_errno() ? e.sys_errno() : errno_from_errc(e.code()), printable(format_error(e.info(), false), 1000)};
 }
 
 struct open_file {

@@ -78,8 +78,9 @@ class FERRY_API error : public std::runtime_error {
   error_info info_;
 };
 
-// Formats an error_info the way error::what() does.
-FERRY_API std::string format_error(const error_info& info);
+// Formats an error_info the way error::what() does; without `with_code`, leaving out the trailing
+// " [<code>]" (for a message whose code travels beside it).
+FERRY_API std::string format_error(const error_info& info, bool with_code = true);
 
 // Throws ferry::error. Callers pass the operation and resource; the source location is captured.
 [[noreturn]] FERRY_API void fail(errc code, std::string op, std::string resource, std::string detail,
