@@ -210,7 +210,6 @@ bool client::impl::needs_staging(const void* p, std::uint64_t n, const char* wha
   if (r.type != memory_type::device && r.type != memory_type::unified) return false;
   if (lanes[0]->w->cuda_memory() && r.device == device_kind::cuda) return false;  // UCX registers it itself
   if (!o.engine) fail(errc::invalid_argument, what, r.device_id(), "device memory needs a transfer engine for staging (client_options::engine)");
-  if (!staging.load(std::memory_order_acquire)) staging.store(&o.engine->staging_for(r), std::memory_order_release);
   return true;
 }
 
@@ -254,7 +253,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   }
   op o2{path, write, offset, length, until, {}};
   // Staged through the engine's buffers, a piece is at most one of them.
-  pinned_pool* pool = staged && !direct ? staging.load(std::memory_order_acquire) : nullptr;
+  pinned_pool* pool = staged && !direct ? &o.engine->staging_for(user) : nullptr;
   const std::uint64_t piece_len = pool ? std::min<std::uint64_t>(o.piece, pool->buffer_bytes()) : o.piece;
   // A read of one piece (most small ones) is registered with its piece, under one lock.
   bool one_piece = !write && length <= piece_len && !net;

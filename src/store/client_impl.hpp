@@ -168,11 +168,9 @@ struct client::impl {
   std::unique_ptr<registration_cache> net_cache;
   std::atomic<bool> use_rma{false};
 
-  // Staging for GPU/sim memory whose data moves by messages: the transfer engine's pinned buffers
-  // (set on first use, under buffers_mu); and the copies on of landed pieces the engine still runs:
-  // their completions use this client, which waits for them.
-  std::atomic<pinned_pool*> staging{nullptr};
-  std::mutex buffers_mu;
+  // The copies on of landed pieces the engine still runs: their completions use this client, which
+  // waits for them. (GPU/sim memory whose data moves by messages is staged in the transfer engine's
+  // pool near that memory.)
   std::mutex copies_mu;
   std::condition_variable copies_cv;
   std::uint64_t copies_running = 0;  // copies_mu
