@@ -13,6 +13,20 @@
 
 namespace ferry {
 
+namespace {
+// The O_DIRECT descriptor and its alignment, for a file open as `fd` (through `how`: a path, or
+// the descriptor's /proc link). File systems that refuse O_DIRECT (tmpfs, some overlays) say EINVAL.
+void open_direct(const std::string& how, int flags, int fd, int& dfd, std::uint32_t& align) {
+  dfd = ::open(how.c_str(), flags | O_DIRECT | O_CLOEXEC);
+  struct statx sx{};
+  if (dfd >= 0 && ::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
+      sx.stx_dio_offset_align) {
+    // Use the stricter of the offset and memory alignment, at least 512.
+    align = std::max<std::uint32_t>({sx.stx_dio_offset_align, sx.stx_dio_mem_align, 512u});
+  }
+}
+}  // namespace
+
 std::shared_ptr<file> file::open(const std::string& path, open_mode mode) {
   if (auto opener = find_file_scheme(path)) {
     auto f = std::shared_ptr<file>(new file());
@@ -34,15 +48,36 @@ std::shared_ptr<file> file::open(const std::string& path, open_mode mode) {
   struct stat st{};
   if (::fstat(f->fd_, &st) != 0) fail_errno(errno, "file.open", path, "fstat failed");
   if (S_ISDIR(st.st_mode)) fail(errc::invalid_argument, "file.open", path, "is a directory");
-  // A second descriptor for O_DIRECT: file systems that refuse it (tmpfs, some overlays) say EINVAL.
-  f->dfd_ = ::open(path.c_str(), (flags & ~(O_CREAT | O_TRUNC)) | O_DIRECT | O_CLOEXEC);
-  struct statx sx{};
-  if (f->dfd_ >= 0 && ::statx(f->fd_, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
-      sx.stx_dio_offset_align) {
-    // Use the stricter of the offset and memory alignment, at least 512.
-    f->align_ = std::max<std::uint32_t>({sx.stx_dio_offset_align, sx.stx_dio_mem_align, 512u});
-  }
+  // A second descriptor for O_DIRECT.
+  open_direct(path, flags & ~(O_CREAT | O_TRUNC), f->fd_, f->dfd_, f->align_);
   return f;
+}
+
+
+std::shared_ptr<file> file::adopt(int fd, std::string path, bool writable, bool direct) {
+  auto f = std::shared_ptr<file>(new file());
+  f->fd_ = fd;
+  f->path_ = std::move(path);
+  f->writable_ = writable;
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) fail_errno(errno, "file.adopt", f->path_, "fstat failed");
+  if (!S_ISREG(st.st_mode)) fail(errc::invalid_argument, "file.adopt", f->path_, "not a regular file");
+  if (direct) open_direct(fmt::format("/proc/self/fd/{}", fd), writable ? O_RDWR : O_RDONLY, fd, f->dfd_, f->align_);
+  return f;
+}
+
+std::uint64_t file::read_here(void* dst, std::uint64_t bytes, std::uint64_t offset) const {
+  if (source_) fail(errc::not_supported, "file.read", path_, "a remote file is read through the file engine");
+  auto* p = static_cast<std::byte*>(dst);
+  std::uint64_t got = 0;
+  while (got < bytes) {
+    ssize_t r = ::pread(fd_, p + got, bytes - got, static_cast<off_t>(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) fail_errno(errno, "file.read", fmt::format("{} offset {}", path_, offset + got));
+    if (r == 0) break;  // end of file
+    got += static_cast<std::uint64_t>(r);
+  }
+  return got;
 }
 
 file::~file() {

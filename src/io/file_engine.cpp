@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <liburing.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -20,6 +21,7 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <list>
 #include <map>
 #include <set>
 #include <thread>
@@ -56,18 +58,51 @@ struct job {
   std::shared_ptr<registration> hold;  // unified memory: pinned in place until the job is done
 };
 
-// One staging slot: a buffer of the transfer engine's staging pool, held for one request.
+// A request a worker is running: the file ranges still to issue, its progress, its first error.
+struct running {
+  job j;
+  struct part {
+    std::uint64_t pos, end;  // file range still to issue
+    bool direct;
+  };
+  std::vector<part> parts;  // a read: one; a write: buffered head, O_DIRECT middle, buffered tail
+  std::size_t next = 0;     // the part being issued
+  std::uint64_t lo = 0, hi = 0;  // the asked range (a read's clipped to the size seen at the start)
+  std::uint64_t size0 = 0;       // a read: the file's size at the start
+  std::uint64_t chunk = 0;       // bytes per I/O
+  pinned_pool* pool = nullptr;   // staging buffers, for requests that need them
+  int busy = 0;                  // slots working for it
+  std::uint64_t delivered = 0;
+  std::optional<error> err;      // first failure: nothing more is issued, it ends when busy is 0
+  bool issued() const { return next >= parts.size(); }
+};
+
+// One I/O of a worker: a file range, the buffer it moves through, and where it is.
 struct slot {
-  pinned_pool::buffer held;
+  running* r = nullptr;  // null: free
+  pinned_pool::buffer held;  // a staging buffer, or none when the I/O goes to/from the request's memory
   std::byte* buf = nullptr;
-  int index = 0;
-  enum { free, io, copying } state = free;
-  std::uint64_t off = 0, len = 0, got = 0;  // file range of the current I/O
-  std::unique_ptr<event> done;              // device copy of this slot
-  std::uint64_t deliver = 0;                // bytes it delivers when its copy completes
+  enum { free, staging, io, copying } state = free;
+  std::uint64_t off = 0, len = 0, got = 0;  // file range of the I/O
+  std::uint64_t deliver = 0;                // a read's bytes its device copy delivers
   bool direct = false;
   int retries = 0;
 };
+
+// Runs f; an error it throws is returned instead.
+template <class F>
+std::optional<error> catching(F&& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return e;
+  } catch (const std::exception& e) {
+    return error(errc::internal, "io", "", e.what());
+  }
+  return std::nullopt;
+}
+
+constexpr std::uint64_t wake_tag = ~0ull;  // the completion of the worker's eventfd read
 
 }  // namespace
 
@@ -77,10 +112,12 @@ struct file_engine::impl {
   registration_cache& cache;
   settings cfg;
   ferry::stats st;
+  struct worker;
   std::mutex mu;
   std::condition_variable cv;
   std::deque<job> queue;
   bool stop = false;
+  std::vector<std::unique_ptr<worker>> workers;
   std::vector<std::thread> threads;
   bool inject_partial, inject_eintr;
   std::once_flag cufile_once;
@@ -104,89 +141,129 @@ struct file_engine::impl {
     return false;
   }
 
-  impl(transfer_engine& x, device_registry& d, registration_cache& c, const settings& s)
-      : xfer(x), devices(d), cache(c), cfg(s) {
-    inject_partial = s.io_inject.find("partial") != std::string::npos;
-    inject_eintr = s.io_inject.find("eintr") != std::string::npos;
-    for (int i = 0; i < s.io_threads; ++i) threads.emplace_back([this] { work(); });
-  }
-  ~impl() {
-    {
-      std::lock_guard l(mu);
-      stop = true;
-    }
-    cv.notify_all();
-    for (auto& t : threads) t.join();
-  }
+  impl(transfer_engine& x, device_registry& d, registration_cache& c, const settings& s);
+  ~impl();
+  void wake_sleepers();
 
-  // ---- a worker: one ring; for each request, up to FERRY_IO_DEPTH slots from the staging pool ----
+  // ---- a worker: one ring, FERRY_IO_DEPTH slots shared by the requests it runs at once ----------
+  // Requests come from the shared queue while a slot is free; each issues I/O into free slots in
+  // turn (one per round, so a large request does not starve a small one). Device copies of staged
+  // data go to the transfer engine; its completions come back through an eventfd the ring reads, so
+  // one wait sees file I/O, copies and new requests alike.
   struct worker {
     impl& e;
     io_uring ring{};
-    std::vector<slot> slots;  // the current request's
-    std::uint64_t chunk = 0;  // bytes per I/O: FERRY_IO_CHUNK, at most a staging buffer
-    std::map<device*, std::unique_ptr<stream>> streams;
+    int wake_fd = -1;
+    std::uint64_t wake_buf = 0;
+    std::atomic<bool> asleep{false};  // waiting in the ring: new requests write wake_fd
+    std::vector<slot> slots;
+    std::list<running> runs;
+    bool to_submit = false;
     std::uint64_t ops = 0;
+    std::mutex copied_mu;
+    std::vector<std::pair<std::size_t, std::optional<error>>> copied;  // device copies the engine finished
 
-    explicit worker(impl& en) : e(en) {
-      int r = io_uring_queue_init(static_cast<unsigned>(std::max(8, 2 * e.cfg.io_depth)), &ring, 0);
+    explicit worker(impl& en) : e(en), slots(static_cast<std::size_t>(en.cfg.io_depth)) {
+      int r = io_uring_queue_init(static_cast<unsigned>(std::max(8, 4 * e.cfg.io_depth)), &ring, 0);
       if (r < 0) fail_errno(-r, "io.ring", "io_uring_queue_init", "io_uring unavailable");
+      wake_fd = ::eventfd(0, EFD_CLOEXEC);
+      if (wake_fd < 0) {
+        int err = errno;
+        io_uring_queue_exit(&ring);
+        fail_errno(err, "io.ring", "eventfd");
+      }
+      arm_wake();
     }
     ~worker() {
       io_uring_queue_exit(&ring);
-      streams.clear();
+      ::close(wake_fd);
     }
-    // Slots for one request. With `staged`, each holds a buffer of the transfer engine's staging
-    // pool near the request's memory (the one staging pool of the process): one waited for (until
-    // the deadline), more while the pool has them at once -- a busy pool makes a shallower
-    // pipeline, never a stall. Without, they hold none: the reads land in place.
-    void take_slots(const job& j, bool staged) {
-      pinned_pool* pool = staged ? &e.xfer.staging_for(j.where) : nullptr;
-      std::uint64_t most = pool ? std::min<std::uint64_t>(e.cfg.io_chunk, pool->buffer_bytes()) : e.cfg.io_chunk;
-      chunk = std::max<std::uint64_t>(4096, align_down(most, 4096));
-      slots.clear();
-      for (int i = 0; i < e.cfg.io_depth; ++i) {
-        slot s;
-        if (pool) {
-          s.held = i == 0 ? pool->get(j.b->until) : pool->try_get();
-          if (!s.held) break;
-          s.buf = s.held.data();
-        }
-        s.index = i;
-        slots.push_back(std::move(s));
+    void wake() {
+      if (asleep.exchange(false)) {
+        std::uint64_t one = 1;
+        [[maybe_unused]] auto n = ::write(wake_fd, &one, sizeof one);
       }
     }
-    void give_back_slots() { slots.clear(); }
-    stream& stream_of(device* d) {
-      auto& s = streams[d];
-      if (!s) s = d->create_stream();
-      return *s;
-    }
-    void submit_io(slot& s, int fd, bool write, std::string_view path) {
-      io_uring_sqe* sqe = io_uring_get_sqe(&ring);
-      if (!sqe) {
+    io_uring_sqe* sqe() {
+      io_uring_sqe* q = io_uring_get_sqe(&ring);
+      if (!q) {
         io_uring_submit(&ring);
-        sqe = io_uring_get_sqe(&ring);
+        q = io_uring_get_sqe(&ring);
       }
-      if (!sqe) fail(errc::internal, "io.submit", std::string(path), "no submission queue entry free");
+      if (!q) fail(errc::internal, "io.submit", "io_uring", "no submission queue entry free");
+      to_submit = true;
+      return q;
+    }
+    void arm_wake() {
+      io_uring_sqe* q = sqe();
+      io_uring_prep_read(q, wake_fd, &wake_buf, sizeof wake_buf, 0);
+      io_uring_sqe_set_data64(q, wake_tag);
+    }
+    std::size_t index(const slot& s) const { return static_cast<std::size_t>(&s - slots.data()); }
+    slot* free_slot() {
+      for (auto& s : slots)
+        if (!s.r) return &s;
+      return nullptr;
+    }
+    int slots_busy() const {
+      int n = 0;
+      for (auto& s : slots) n += s.r != nullptr;
+      return n;
+    }
+    void release(slot& s) {
+      s.r->busy--;
+      s.r = nullptr;
+      s.held.reset();
+      s.buf = nullptr;
+      s.state = slot::free;
+    }
+    void submit_io(slot& s) {
+      running& r = *s.r;
+      file& f = *r.j.r.f;
+      int fd = s.direct ? f.direct_fd() : f.fd();
+      io_uring_sqe* q = sqe();
       auto* p = s.buf + s.got;
       auto n = static_cast<unsigned>(s.len - s.got);
       auto off = static_cast<__u64>(s.off + s.got);
-      if (write) io_uring_prep_write(sqe, fd, p, n, off);
-      else io_uring_prep_read(sqe, fd, p, n, off);
+      if (r.j.r.write) io_uring_prep_write(q, fd, p, n, off);
+      else io_uring_prep_read(q, fd, p, n, off);
       // Buffered I/O that hits the page cache would otherwise complete inline, one copy at a time:
       // IOSQE_ASYNC hands it to io-wq workers so several copies run in parallel.
-      if (!s.direct) sqe->flags |= IOSQE_ASYNC;
-      io_uring_sqe_set_data64(sqe, static_cast<__u64>(s.index));
+      if (!s.direct) q->flags |= IOSQE_ASYNC;
+      io_uring_sqe_set_data64(q, static_cast<__u64>(index(s)));
       s.state = slot::io;
-      int r = io_uring_submit(&ring);
-      if (r < 0) fail_errno(-r, "io.submit", std::string(path));
     }
-    // Waits for one completion, at most until `until`; returns false on timeout.
+    // A device copy through the transfer engine; its completion comes back through wake_fd.
+    void copy(slot& s, void* dst, const void* src, std::uint64_t n, const memory_region* dst_region,
+              const memory_region* src_region) {
+      transfer_request q{dst, src, n, dst_region, src_region};
+      std::size_t i = index(s);
+      e.xfer.submit({&q, 1}, {s.r->j.b->until}, [this, i](std::span<const request_result> res) {
+        std::optional<error> err;
+        if (res[0].state != request_state::done)
+          err = res[0].err ? *res[0].err : error(errc::internal, "file.copy", "", "device copy did not finish");
+        {
+          std::lock_guard l(copied_mu);
+          copied.emplace_back(i, std::move(err));
+        }
+        std::uint64_t one = 1;
+        [[maybe_unused]] auto w = ::write(wake_fd, &one, sizeof one);
+      });
+    }
+    // Applies test-only fault injection to a completion.
+    int inject(int res) {
+      ++ops;
+      if (e.inject_eintr && ops % 5 == 0) return -EINTR;
+      // A partial completion: fewer bytes than asked, on a 4 KiB boundary (as O_DIRECT would).
+      if (e.inject_partial && ops % 3 == 0 && res > static_cast<int>(2 * 4096))
+        return static_cast<int>(align_down(static_cast<std::uint64_t>(res) / 2, 4096));
+      return res;
+    }
+    // Waits for a completion, at most until `until`; false on timeout.
     bool wait_one(io_uring_cqe** cqe, std::chrono::steady_clock::time_point until) {
       for (;;) {
         auto now = std::chrono::steady_clock::now();
-        if (now >= until) return false;
+        if (now >= until) return io_uring_peek_cqe(&ring, cqe) == 0;
         auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(until - now);
         __kernel_timespec ts{static_cast<long long>(left.count() / 1000000000), static_cast<long long>(left.count() % 1000000000)};
         int r = io_uring_wait_cqe_timeout(&ring, cqe, &ts);
@@ -195,106 +272,174 @@ struct file_engine::impl {
         if (r != -EINTR) fail_errno(-r, "io.wait", "io_uring_wait_cqe_timeout");
       }
     }
-    // Applies test-only fault injection to a completion.
-    int inject(int res, const slot& s) {
-      ++ops;
-      if (e.inject_eintr && ops % 5 == 0) return -EINTR;
-      if (e.inject_partial && ops % 3 == 0 && res > static_cast<int>(2 * 4096)) {
-        // A partial completion: fewer bytes than asked, on a 4 KiB boundary (as O_DIRECT would).
-        (void)s;
-        return static_cast<int>(align_down(static_cast<std::uint64_t>(res) / 2, 4096));
-      }
-      return res;
-    }
 
-    void run(job& j);
-    void read(job& j);
-    void write(job& j);
-    // Waits (bounded) for every I/O still in the kernel: its buffer must not be reused before.
-    void drain() {
-      auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      for (auto& s : slots)
-        if (s.state == slot::io) {
-          io_uring_sqe* sqe = io_uring_get_sqe(&ring);
-          if (sqe) io_uring_prep_cancel64(sqe, static_cast<__u64>(s.index), 0);
-        }
-      io_uring_submit(&ring);
-      auto busy = [&] {
-        for (auto& s : slots)
-          if (s.state == slot::io) return true;
-        return false;
-      };
-      while (busy()) {
-        io_uring_cqe* cqe = nullptr;
-        if (!wait_one(&cqe, until)) {
-          log::error("io", "I/O still in flight 10 s after cancellation; abandoning this worker's ring");
-          break;
-        }
-        auto idx = io_uring_cqe_get_data64(cqe);
-        if (idx < slots.size()) slots[idx].state = slot::free;
-        io_uring_cqe_seen(&ring, cqe);
-      }
-      for (auto& s : slots)
-        if (s.state == slot::copying) {
-          try {
-            s.done->wait(until);
-          } catch (...) {
-          }
-          s.state = slot::free;
-        }
-    }
+    void loop();
+    bool admit();
+    void start(job j);
+    bool issue(running& r);
+    void on_io(slot& s, int res);
+    void on_copied(slot& s, const std::optional<error>& err);
+    void abort(running& r, error x);
+    void end(running& r);
   };
 
-  void work() {
-    std::unique_ptr<worker> w;
-    for (;;) {
-      job j;
-      {
-        std::unique_lock l(mu);
-        cv.wait(l, [&] { return stop || !queue.empty(); });
-        if (queue.empty()) return;
-        j = std::move(queue.front());
-        queue.pop_front();
-      }
-      try {
-        if (!w) w = std::make_unique<worker>(*this);
-        w->run(j);
-      } catch (const error& e) {
-        j.b->finish(j.idx, 0, &e);
-      } catch (const std::exception& e) {
-        error x(errc::internal, "io.run", j.r.f->path(), e.what());
-        j.b->finish(j.idx, 0, &x);
-      }
-      j.b->item_done();
-    }
+  void finish_job(job& j, const error* x) {
+    j.b->finish(j.idx, 0, x);
+    j.b->item_done();
   }
 };
 
-void file_engine::impl::worker::run(job& j) {
+file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cache& c, const settings& s)
+    : xfer(x), devices(d), cache(c), cfg(s) {
+  inject_partial = s.io_inject.find("partial") != std::string::npos;
+  inject_eintr = s.io_inject.find("eintr") != std::string::npos;
+  for (int i = 0; i < s.io_threads; ++i) workers.push_back(std::make_unique<worker>(*this));
+  for (auto& w : workers) threads.emplace_back([w = w.get()] { w->loop(); });
+}
+
+file_engine::impl::~impl() {
+  {
+    std::lock_guard l(mu);
+    stop = true;
+  }
+  cv.notify_all();
+  wake_sleepers();
+  for (auto& t : threads) t.join();
+}
+
+void file_engine::impl::wake_sleepers() {
+  for (auto& w : workers) w->wake();
+}
+
+// Takes queued requests while a slot is free (waiting for one when it runs none); false: stop.
+bool file_engine::impl::worker::admit() {
+  std::vector<job> took;
+  {
+    std::unique_lock l(e.mu);
+    if (runs.empty()) e.cv.wait(l, [&] { return e.stop || !e.queue.empty(); });
+    if (runs.empty() && e.queue.empty()) return false;  // stopping, nothing left
+    while (!e.queue.empty() && runs.size() + took.size() < slots.size()) {
+      took.push_back(std::move(e.queue.front()));
+      e.queue.pop_front();
+    }
+  }
+  for (auto& j : took) {
+    // Counted: a request that starts beside others on this worker (not behind them).
+    if (!runs.empty()) e.st.get("requests.beside_others").add();
+    start(std::move(j));
+  }
+  return true;
+}
+
+void file_engine::impl::worker::loop() {
+  while (admit()) {
+    // Issue I/O for every request in turn, one slot each per round.
+    for (bool more = true; more;) {
+      more = false;
+      for (auto& r : runs)
+        if (auto x = catching([&] { more = issue(r) || more; })) abort(r, *x);
+    }
+    if (to_submit) {
+      int n = io_uring_submit(&ring);
+      if (n < 0) fail_errno(-n, "io.submit", "io_uring_submit");
+      to_submit = false;
+    }
+    // Wait for a completion, new work, or the nearest deadline (cancellation is noticed within 50 ms).
+    auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+    for (auto& r : runs) until = std::min(until, r.j.b->until);
+    if (!runs.empty()) {
+      // Asleep before looking at the queue: a request queued after the look finds it set and wakes it.
+      asleep = true;
+      {
+        std::lock_guard l(e.mu);
+        if (!e.queue.empty() && runs.size() < slots.size()) asleep = false;
+      }
+      io_uring_cqe* first = nullptr;
+      if (asleep) wait_one(&first, until);  // (it is handled with the others below)
+      asleep = false;
+    }
+    unsigned head;
+    io_uring_cqe* cqe;
+    std::vector<std::pair<std::uint64_t, int>> done;
+    io_uring_for_each_cqe(&ring, head, cqe) done.emplace_back(io_uring_cqe_get_data64(cqe), cqe->res);
+    io_uring_cq_advance(&ring, static_cast<unsigned>(done.size()));
+    for (auto [tag, res] : done) {
+      if (tag == wake_tag) {
+        arm_wake();
+        continue;
+      }
+      if (tag >= slots.size() || !slots[tag].r) continue;  // a cancellation's own completion
+      slot& s = slots[tag];
+      running& r = *s.r;
+      auto x = catching([&] { on_io(s, res); });
+      if (s.r && s.state == slot::free) release(s);
+      if (x) abort(r, *x);
+    }
+    std::vector<std::pair<std::size_t, std::optional<error>>> copies;
+    {
+      std::lock_guard l(copied_mu);
+      copies.swap(copied);
+    }
+    for (auto& [i, err] : copies) {
+      slot& s = slots[i];
+      running& r = *s.r;
+      auto x = catching([&] { on_copied(s, err); });
+      if (s.r && s.state == slot::free) release(s);
+      if (x) abort(r, *x);
+    }
+    // Deadlines and cancellation; then the requests that are over.
+    auto now = std::chrono::steady_clock::now();
+    for (auto& r : runs) {
+      if (r.err) continue;
+      const char* op = r.j.r.write ? "file.write" : "file.read";
+      if (r.j.b->cancelled) abort(r, error(errc::cancelled, op, r.j.r.f->path(), "cancelled"));
+      else if (now >= r.j.b->until && !(r.issued() && !r.busy))
+        abort(r, error(errc::timeout, op, r.j.r.f->path(), "deadline passed"));
+    }
+    for (auto it = runs.begin(); it != runs.end();) {
+      if (!it->busy && (it->err || it->issued())) {
+        end(*it);
+        it = runs.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+void file_engine::impl::worker::start(job j) {
+  const char* op = j.r.write ? "file.write" : "file.read";
   if (j.b->cancelled) {
     error c(errc::cancelled, "io.request", fmt::format("request {} {}", j.idx, j.r.f->path()), "batch cancelled before it ran");
-    j.b->finish(j.idx, 0, &c);
-    return;
+    return e.finish_job(j, &c);
   }
-  try {
-    if (e.use_cufile(j)) {
-      auto& b = *j.b;
-      std::uint64_t moved = 0;
-      auto progress = [&](std::uint64_t n) {
-        moved += n;
-        b.progress(j.idx, n);
-      };
-      try {
-        if (j.r.write) {
-          e.cufile().write(*j.r.f, j.dev->info().ordinal, j.r.mem, j.r.offset, j.r.bytes, e.cfg.io_chunk, b.until, progress);
-        } else {
-          std::uint64_t size0 = j.r.f->size();
-          std::uint64_t n = j.r.offset >= size0 ? 0 : std::min(j.r.bytes, size0 - j.r.offset);
-          std::uint64_t got =
-              n ? e.cufile().read(*j.r.f, j.dev->info().ordinal, j.r.mem, j.r.offset, n, 64ull << 20, b.until, progress) : 0;
-          if (got < n)
-            fail(errc::io_error, "file.read", fmt::format("{} offset {}", j.r.f->path(), j.r.offset + got),
-                 "the file ended early (truncated while reading?)");
+  // cuFile's calls block: a worker runs them one at a time, beside nothing else.
+  if (auto x = catching([&] {
+        if (!e.use_cufile(j)) return;
+        auto& b = *j.b;
+        std::uint64_t moved = 0;
+        auto progress = [&](std::uint64_t n) {
+          moved += n;
+          b.progress(j.idx, n);
+        };
+        try {
+          if (j.r.write) {
+            e.cufile().write(*j.r.f, j.dev->info().ordinal, j.r.mem, j.r.offset, j.r.bytes, e.cfg.io_chunk, b.until, progress);
+          } else {
+            std::uint64_t size0 = j.r.f->size();
+            std::uint64_t n = j.r.offset >= size0 ? 0 : std::min(j.r.bytes, size0 - j.r.offset);
+            std::uint64_t got =
+                n ? e.cufile().read(*j.r.f, j.dev->info().ordinal, j.r.mem, j.r.offset, n, 64ull << 20, b.until, progress) : 0;
+            if (got < n)
+              fail(errc::io_error, "file.read", fmt::format("{} offset {}", j.r.f->path(), j.r.offset + got),
+                   "the file ended early (truncated while reading?)");
+          }
+        } catch (const error& probe) {
+          // The probe: if cuFile's first transfer on a file fails, auto mode falls back for good.
+          if (e.cfg.file_backend == file_backend_kind::cufile || moved > 0) throw;
+          e.cufile().refuse(*j.r.f, probe.what());
+          log::info("io", "{}: cuFile probe failed ({}); io_uring instead", j.r.f->path(), probe.what());
+          return;
         }
         e.st.get("requests.cufile").add();
         {
@@ -302,220 +447,182 @@ void file_engine::impl::worker::run(job& j) {
           b.results[j.idx].path = transfer_path::direct;
         }
         b.finish(j.idx, 0, nullptr);
-        return;
-      } catch (const error& x) {
-        // The probe: if cuFile's first transfer on a file fails, auto mode falls back for good.
-        if (e.cfg.file_backend == file_backend_kind::cufile || moved > 0) throw;
-        e.cufile().refuse(*j.r.f, x.what());
-        log::info("io", "{}: cuFile probe failed ({}); io_uring instead", j.r.f->path(), x.what());
+        b.item_done();
+        j.b = nullptr;  // done
+      })) {
+    return e.finish_job(j, &*x);
+  }
+  if (!j.b) return;
+
+  running r;
+  r.j = std::move(j);
+  file& f = *r.j.r.f;
+  const std::string& path = f.path();
+  auto x = catching([&] {
+    r.lo = r.j.r.offset;
+    r.hi = r.j.r.offset + r.j.r.bytes;
+    if (!r.j.r.write) {
+      r.size0 = f.size();
+      r.hi = std::min(r.hi, r.size0);
+      if (r.lo >= r.hi) return;  // entirely past the end: a short (empty) read
+      bool direct = false;
+      if (e.cfg.io_direct == direct_io::always) {
+        if (f.direct_fd() < 0) fail(errc::not_supported, op, path, "O_DIRECT refused here (FERRY_IO_DIRECT=always)");
+        direct = true;
+      } else if (e.cfg.io_direct == direct_io::automatic && f.direct_fd() >= 0) {
+        // Bypassing a warm page cache is slower than copying from it.
+        direct = cached_fraction(f.fd(), r.lo, r.hi - r.lo) < 0.9;
       }
+      // Buffered into host memory: the kernel copies from the page cache straight into the
+      // destination (no staging, no second copy); exactly the asked range, nothing past it.
+      const bool in_place = !r.j.dev && !direct;
+      const std::uint64_t a = direct ? f.dio_align() : in_place ? 1 : 4096;
+      r.parts.push_back({align_down(r.lo, a), align_up(r.hi, a), direct});
+      e.st.get(direct ? "reads.direct" : in_place ? "reads.in_place" : "reads.buffered").add();
+      log::debug("io", "read {} [{}, {}) {} into {}", path, r.lo, r.hi, direct ? "O_DIRECT" : "buffered",
+                 r.j.dev ? r.j.dev->id() : "host");
+    } else {
+      if (!f.writable()) fail(errc::permission_denied, op, path, "opened read-only");
+      // O_DIRECT for the aligned middle; an unaligned head and tail go through the page cache.
+      const bool direct = e.cfg.io_direct != direct_io::never && f.direct_fd() >= 0;
+      const std::uint64_t a = direct ? f.dio_align() : 1;
+      std::uint64_t mid_lo = direct ? align_up(r.lo, a) : r.lo, mid_hi = direct ? align_down(r.hi, a) : r.hi;
+      if (mid_lo >= mid_hi) mid_lo = mid_hi = r.hi;  // too small for O_DIRECT: all buffered
+      if (r.lo < mid_lo) r.parts.push_back({r.lo, mid_lo, false});
+      if (mid_lo < mid_hi) r.parts.push_back({mid_lo, mid_hi, direct});
+      if (mid_hi < r.hi) r.parts.push_back({std::max(mid_hi, r.lo), r.hi, false});
     }
-    if (j.r.write) write(j);
-    else read(j);
-    give_back_slots();
+    bool staged = r.j.dev != nullptr;
+    for (auto& p : r.parts) staged = staged || p.direct;
+    r.pool = staged ? &e.xfer.staging_for(r.j.where) : nullptr;
+    std::uint64_t most = r.pool ? std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes()) : e.cfg.io_chunk;
+    r.chunk = std::max<std::uint64_t>(4096, align_down(most, 4096));
+  });
+  if (x) return e.finish_job(r.j, &*x);
+  if (r.parts.empty()) return e.finish_job(r.j, nullptr);
+  runs.push_back(std::move(r));
+}
+
+// Issues the next I/O of `r` into a free slot; false when it has none to issue or no slot is free.
+bool file_engine::impl::worker::issue(running& r) {
+  if (r.err) return false;
+  while (!r.issued() && r.parts[r.next].pos >= r.parts[r.next].end) ++r.next;
+  if (r.issued() || r.busy >= static_cast<int>(slots.size())) return false;
+  slot* s = free_slot();
+  if (!s) return false;
+  auto& p = r.parts[r.next];
+  const bool write = r.j.r.write;
+  // Staging: device memory, or an O_DIRECT range (aligned buffers). Buffered I/O on host memory
+  // goes to/from the request's memory itself.
+  const bool staged = r.j.dev || p.direct;
+  if (staged) {
+    // One buffer waited for (until the deadline) when this worker has nothing else in flight; else
+    // only one free now: a busy pool makes shallower pipelines, never a stall.
+    s->held = slots_busy() == 0 ? r.pool->get(r.j.b->until) : r.pool->try_get();
+    if (!s->held) return false;
+    s->buf = s->held.data();
+  }
+  s->r = &r;
+  r.busy++;
+  s->off = p.pos;
+  s->len = std::min<std::uint64_t>(r.chunk, p.end - p.pos);
+  s->got = 0;
+  s->direct = p.direct;
+  s->retries = 0;
+  p.pos += s->len;
+  auto* mem = static_cast<std::byte*>(r.j.r.mem);
+  try {
+    if (!staged) {
+      s->buf = mem + (s->off - r.lo);
+      submit_io(*s);
+    } else if (!write) {
+      submit_io(*s);
+    } else if (r.j.dev) {
+      s->state = slot::staging;
+      copy(*s, s->buf, mem + (s->off - r.lo), s->len, &s->held.region(), &r.j.where);
+    } else {
+      std::memcpy(s->buf, mem + (s->off - r.lo), s->len);
+      submit_io(*s);
+    }
   } catch (...) {
-    drain();
-    give_back_slots();
+    release(*s);
     throw;
   }
+  return true;
 }
 
-void file_engine::impl::worker::read(job& j) {
-  file& f = *j.r.f;
-  const std::string& path = f.path();
-  auto& b = *j.b;
-  const std::uint64_t want_lo = j.r.offset, want_hi = j.r.offset + j.r.bytes;
-  const std::uint64_t size0 = f.size();
-  const std::uint64_t eff_hi = std::min(want_hi, size0);
-  if (want_lo >= eff_hi) {  // entirely past the end: a short (empty) read
-    b.finish(j.idx, 0, nullptr);
-    return;
+void file_engine::impl::worker::on_io(slot& s, int res) {
+  running& r = *s.r;
+  const std::string& path = r.j.r.f->path();
+  const bool write = r.j.r.write;
+  const char* op = write ? "file.write" : "file.read";
+  res = inject(res);
+  s.state = slot::free;  // its completion is consumed; a resubmission or a copy sets it again
+  if (r.err) return;     // cancelled: nothing more for this request
+  if (res == -EINTR || res == -EAGAIN) {
+    if (++s.retries > 100) fail_errno(-res, op, fmt::format("{} offset {}", path, s.off + s.got), "retried 100 times");
+    e.st.get("io.retries").add();
+    return submit_io(s);
   }
-  bool direct = false;
-  if (e.cfg.io_direct == direct_io::always) {
-    if (f.direct_fd() < 0) fail(errc::not_supported, "file.read", path, "O_DIRECT refused here (FERRY_IO_DIRECT=always)");
-    direct = true;
-  } else if (e.cfg.io_direct == direct_io::automatic && f.direct_fd() >= 0) {
-    // Bypassing a warm page cache is slower than copying from it.
-    double c = cached_fraction(f.fd(), want_lo, eff_hi - want_lo);
-    direct = c < 0.9;
+  if (res < 0) fail_errno(-res, op, fmt::format("{} offset {}", path, s.off + s.got));
+  if (write && res == 0) fail(errc::io_error, op, fmt::format("{} offset {}", path, s.off + s.got), "wrote nothing (disk full?)");
+  s.got += static_cast<std::uint64_t>(res);
+  if (s.got < s.len && (write || res > 0)) {  // partial completion: ask for the rest
+    e.st.get("io.partial").add();
+    return submit_io(s);
   }
-  // Buffered into host memory: the kernel copies from the page cache straight into the destination
-  // (no staging slot, no second copy); exactly the asked range, so nothing past it is written.
-  const bool in_place = !j.dev && !direct;
-  take_slots(j, !in_place);
-  const std::uint64_t a = direct ? f.dio_align() : in_place ? 1 : 4096;
-  const int fd = direct ? f.direct_fd() : f.fd();
-  e.st.get(direct ? "reads.direct" : in_place ? "reads.in_place" : "reads.buffered").add();
-  log::debug("io", "read {} [{}, {}) {} into {}", path, want_lo, eff_hi, direct ? "O_DIRECT" : "buffered",
-             j.dev ? j.dev->id() : "host");
-  std::uint64_t pos = align_down(want_lo, a);
-  const std::uint64_t end = align_up(eff_hi, a);
-  auto* dst = static_cast<std::byte*>(j.r.mem);
-  std::uint64_t delivered = 0;
-
-  auto complete_copies = [&](bool block) {
-    for (auto& s : slots)
-      if (s.state == slot::copying && (block ? (s.done->wait(b.until), true) : s.done->done())) {
-        s.state = slot::free;
-        s.done.reset();
-        b.progress(j.idx, s.deliver);
-        delivered += s.deliver;
-      }
-  };
-  auto in_flight = [&] {
-    for (auto& s : slots)
-      if (s.state != slot::free) return true;
-    return false;
-  };
-  for (;;) {
-    if (b.cancelled) fail(errc::cancelled, "file.read", path, "cancelled");
-    if (std::chrono::steady_clock::now() >= b.until)
-      fail(errc::timeout, "file.read", fmt::format("{} offset {}", path, pos), "deadline passed");
-    for (auto& s : slots) {
-      if (pos >= end) break;
-      if (s.state != slot::free) continue;
-      s.off = pos;
-      s.len = std::min<std::uint64_t>(chunk, end - pos);
-      s.got = 0;
-      s.direct = direct;
-      s.retries = 0;
-      if (in_place) s.buf = dst + (pos - want_lo);
-      submit_io(s, fd, false, path);
-      pos += s.len;
-    }
-    complete_copies(false);
-    if (pos >= end && !in_flight()) break;
-    bool any_io = false;
-    for (auto& s : slots) any_io = any_io || s.state == slot::io;
-    if (!any_io) {  // only device copies outstanding
-      std::this_thread::yield();
-      continue;
-    }
-    io_uring_cqe* cqe = nullptr;
-    auto step = std::min(b.until, std::chrono::steady_clock::now() + std::chrono::microseconds(200));
-    if (!wait_one(&cqe, step)) continue;
-    slot& s = slots[io_uring_cqe_get_data64(cqe)];
-    int res = inject(cqe->res, s);
-    io_uring_cqe_seen(&ring, cqe);
-    s.state = slot::free;  // its completion is consumed; resubmission or a copy set it again
-    if (res == -EINTR || res == -EAGAIN) {
-      if (++s.retries > 100) fail_errno(-res, "file.read", fmt::format("{} offset {}", path, s.off + s.got), "retried 100 times");
-      e.st.get("io.retries").add();
-      submit_io(s, fd, false, path);
-      continue;
-    }
-    if (res < 0) fail_errno(-res, "file.read", fmt::format("{} offset {}", path, s.off + s.got));
-    s.got += static_cast<std::uint64_t>(res);
-    bool eof = res == 0;
-    if (s.got < s.len && !eof) {  // partial completion: ask for the rest
-      e.st.get("io.partial").add();
-      submit_io(s, fd, false, path);
-      continue;
-    }
-    // The slot holds [s.off, s.off + s.got). A file that ends before the size seen at the start
-    // was truncated under us: an error, never garbage.
-    std::uint64_t have_hi = s.off + s.got;
-    if (have_hi < std::min(s.off + s.len, eff_hi))
-      fail(errc::io_error, "file.read", fmt::format("{} offset {}", path, have_hi),
-           fmt::format("the file ended at {} but was {} bytes when the read started (truncated while reading?)", have_hi,
-                       size0));
-    std::uint64_t lo = std::max(s.off, want_lo), hi = std::min(have_hi, eff_hi);
-    if (lo >= hi) {
-      s.state = slot::free;
-      continue;
-    }
-    std::byte* src = s.buf + (lo - s.off);
-    if (!j.dev) {
-      if (!in_place) std::memcpy(dst + (lo - want_lo), src, hi - lo);
-      s.state = slot::free;
-      b.progress(j.idx, hi - lo);
-      delivered += hi - lo;
-    } else {
-      stream& st = stream_of(j.dev);
-      st.copy(dst + (lo - want_lo), src, hi - lo);
-      s.done = st.record();
-      s.deliver = hi - lo;
-      s.state = slot::copying;
-    }
+  if (write) {
+    r.j.b->progress(r.j.idx, s.len);
+    r.delivered += s.len;
+    return release(s);
   }
-  complete_copies(true);
-  e.st.get("bytes_read").add(delivered);
-  b.finish(j.idx, 0, nullptr);
+  // The slot holds [s.off, s.off + s.got). A file that ends before the size seen at the start was
+  // truncated under us: an error, never garbage.
+  std::uint64_t have_hi = s.off + s.got;
+  if (have_hi < std::min(s.off + s.len, r.hi))
+    fail(errc::io_error, op, fmt::format("{} offset {}", path, have_hi),
+         fmt::format("the file ended at {} but was {} bytes when the read started (truncated while reading?)", have_hi, r.size0));
+  std::uint64_t lo = std::max(s.off, r.lo), hi = std::min(have_hi, r.hi);
+  if (lo >= hi) return release(s);
+  auto* dst = static_cast<std::byte*>(r.j.r.mem) + (lo - r.lo);
+  if (r.j.dev) {
+    s.deliver = hi - lo;
+    s.state = slot::copying;
+    return copy(s, dst, s.buf + (lo - s.off), hi - lo, &r.j.where, &s.held.region());
+  }
+  if (s.held) std::memcpy(dst, s.buf + (lo - s.off), hi - lo);
+  r.j.b->progress(r.j.idx, hi - lo);
+  r.delivered += hi - lo;
+  release(s);
 }
 
-void file_engine::impl::worker::write(job& j) {
-  file& f = *j.r.f;
-  const std::string& path = f.path();
-  auto& b = *j.b;
-  if (!f.writable()) fail(errc::permission_denied, "file.write", path, "opened read-only");
-  take_slots(j, true);
-  const std::uint64_t lo = j.r.offset, hi = j.r.offset + j.r.bytes;
-  const bool direct = e.cfg.io_direct != direct_io::never && f.direct_fd() >= 0;
-  const std::uint64_t a = direct ? f.dio_align() : 1;
-  // O_DIRECT for the aligned middle; an unaligned head and tail go through the page cache.
-  std::uint64_t mid_lo = direct ? align_up(lo, a) : lo, mid_hi = direct ? align_down(hi, a) : hi;
-  if (mid_lo >= mid_hi) mid_lo = mid_hi = lo;  // too small for O_DIRECT: all buffered
-  auto* src = static_cast<const std::byte*>(j.r.mem);
-  auto stage = [&](slot& s, std::uint64_t off, std::uint64_t n) {
-    if (j.dev) {
-      stream& st = stream_of(j.dev);
-      st.copy(s.buf, src + (off - lo), n);
-      st.synchronize(b.until);
-    } else {
-      std::memcpy(s.buf, src + (off - lo), n);
+void file_engine::impl::worker::on_copied(slot& s, const std::optional<error>& err) {
+  running& r = *s.r;
+  const bool to_file = s.state == slot::staging;
+  s.state = slot::free;
+  if (r.err) return;
+  if (err) throw *err;
+  if (to_file) return submit_io(s);
+  r.j.b->progress(r.j.idx, s.deliver);
+  r.delivered += s.deliver;
+  release(s);
+}
+
+// The request's first error: it issues nothing more; its I/O in the kernel is cancelled (a buffer
+// is reused, or the request's memory given back, only once its I/O has come back).
+void file_engine::impl::worker::abort(running& r, error x) {
+  if (!r.err) r.err = std::move(x);
+  for (auto& s : slots)
+    if (s.r == &r && s.state == slot::io) {
+      io_uring_sqe* q = sqe();
+      io_uring_prep_cancel64(q, static_cast<__u64>(index(s)), 0);
+      io_uring_sqe_set_data64(q, wake_tag - 1);
     }
-  };
-  auto write_range = [&](std::uint64_t from, std::uint64_t to, bool dio) {
-    int fd = dio ? f.direct_fd() : f.fd();
-    std::uint64_t pos = from;
-    auto busy = [&] {
-      for (auto& s : slots)
-        if (s.state == slot::io) return true;
-      return false;
-    };
-    while (pos < to || busy()) {
-      if (b.cancelled) fail(errc::cancelled, "file.write", path, "cancelled");
-      if (std::chrono::steady_clock::now() >= b.until) fail(errc::timeout, "file.write", path, "deadline passed");
-      for (auto& s : slots) {
-        if (pos >= to) break;
-        if (s.state != slot::free) continue;
-        s.off = pos;
-        s.len = std::min<std::uint64_t>(chunk, to - pos);
-        s.got = 0;
-        s.direct = dio;
-        s.retries = 0;
-        stage(s, s.off, s.len);
-        submit_io(s, fd, true, path);
-        pos += s.len;
-      }
-      io_uring_cqe* cqe = nullptr;
-      if (!wait_one(&cqe, b.until)) continue;
-      slot& s = slots[io_uring_cqe_get_data64(cqe)];
-      int res = inject(cqe->res, s);
-      io_uring_cqe_seen(&ring, cqe);
-      s.state = slot::free;  // its completion is consumed
-      if (res == -EINTR || res == -EAGAIN) {
-        if (++s.retries > 100) fail_errno(-res, "file.write", path, "retried 100 times");
-        submit_io(s, fd, true, path);
-        continue;
-      }
-      if (res < 0) fail_errno(-res, "file.write", fmt::format("{} offset {}", path, s.off + s.got));
-      if (res == 0) fail(errc::io_error, "file.write", fmt::format("{} offset {}", path, s.off + s.got), "wrote nothing (disk full?)");
-      s.got += static_cast<std::uint64_t>(res);
-      if (s.got < s.len) {
-        submit_io(s, fd, true, path);
-        continue;
-      }
-      s.state = slot::free;
-      b.progress(j.idx, s.len);
-    }
-  };
-  if (lo < mid_lo) write_range(lo, mid_lo, false);
-  if (mid_lo < mid_hi) write_range(mid_lo, mid_hi, true);
-  if (mid_hi < hi && mid_hi >= lo) write_range(std::max(mid_hi, lo), hi, false);
-  e.st.get("bytes_written").add(j.r.bytes);
-  b.finish(j.idx, 0, nullptr);
+}
+
+void file_engine::impl::worker::end(running& r) {
+  if (!r.err) e.st.get(r.j.r.write ? "bytes_written" : "bytes_read").add(r.delivered);
+  e.finish_job(r.j, r.err ? &*r.err : nullptr);
 }
 
 // ---- public ---------------------------------------------------------------------------------
@@ -526,8 +633,20 @@ file_engine::~file_engine() = default;
 ferry::stats& file_engine::counters() noexcept { return impl_->st; }
 
 transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_options o) {
+  auto b = make_batch_state(reqs.size(), o.until.value_or(deadline_after(impl_->cfg.deadline)));
+  start(b, reqs);
+  return make_batch(std::move(b));
+}
+
+void file_engine::submit(std::span<const file_request> reqs, transfer_options o, completion done) {
+  auto b = make_batch_state(reqs.size(), o.until.value_or(deadline_after(impl_->cfg.deadline)));
+  if (reqs.empty()) return done({});
+  b->on_done = std::move(done);
+  start(b, reqs);
+}
+
+void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::span<const file_request> reqs) {
   impl& I = *impl_;
-  auto b = make_batch_state(reqs.size(), o.until.value_or(deadline_after(I.cfg.deadline)));
   std::vector<job> jobs;
   std::vector<std::size_t> remote;
   for (std::size_t i = 0; i < reqs.size(); ++i) {
@@ -579,6 +698,7 @@ transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_
     for (auto& j : jobs) I.queue.push_back(std::move(j));
   }
   I.cv.notify_all();
+  I.wake_sleepers();
   for (std::size_t i : remote) {
     const file_request& r = reqs[i];
     // The completion may run before start() returns, on any thread; the batch state outlives it
@@ -597,7 +717,6 @@ transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_
     }
   }
   I.st.get("requests.remote").add(remote.size());
-  return make_batch(std::move(b));
 }
 
 std::uint64_t file_engine::read(file& f, std::uint64_t offset, void* dst, std::uint64_t bytes, transfer_options o) {

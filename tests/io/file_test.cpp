@@ -12,7 +12,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <fstream>
 #include <random>
 #include <thread>
@@ -248,6 +250,98 @@ TEST(File, ClearErrorsNamingThePath) {
   ::waitpid(pid, nullptr, 0);
   EXPECT_THAT(std::string(msg), HasSubstr("file.open " + p + ": cannot open for reading: Permission denied"));
   EXPECT_THAT(std::string(msg), HasSubstr("[permission_denied]"));
+}
+
+std::uint64_t counter_of(runtime& rt, const std::string& name) {
+  for (auto& [k, v] : rt.files().counters().snapshot())
+    if (k == name) return v;
+  return 0;
+}
+
+// One worker runs several requests at once: a request queued behind a large one starts beside it
+// (slots are shared round-robin), it does not wait for it to end.
+TEST(File, OneWorkerRunsSeveralRequestsAtOnce) {
+  settings s = io_settings();
+  s.io_threads = 1;
+  s.io_direct = direct_io::never;
+  runtime rt(s);
+  mapped_memory dev = allocate_mapped(rt.devices().get("sim:0"), 8 << 20);
+  std::vector<std::shared_ptr<file>> files;
+  std::vector<std::vector<unsigned char>> data;
+  std::vector<std::vector<unsigned char>> host(4, std::vector<unsigned char>(1 << 20));
+  std::vector<file_request> reqs;
+  for (int i = 0; i < 8; ++i) {
+    std::string p = temp_path("several-" + std::to_string(i));
+    data.push_back(random_bytes(1 << 20, 100 + i));
+    write_file(p, data.back());
+    files.push_back(file::open(p, open_mode::read));
+    void* mem = i < 4 ? static_cast<void*>(host[i].data()) : static_cast<void*>(dev.data() + (i - 4) * (1 << 20));
+    reqs.push_back({files.back(), 0, mem, 1 << 20, false});
+  }
+  transfer_batch b = rt.files().submit(reqs);
+  ASSERT_TRUE(b.wait());
+  for (int i = 0; i < 8; ++i) {
+    std::vector<unsigned char> got(1 << 20);
+    rt.engine().copy(got.data(), reqs[i].mem, 1 << 20);
+    EXPECT_EQ(std::memcmp(got.data(), data[i].data(), got.size()), 0) << i;
+  }
+  EXPECT_GT(counter_of(rt, "requests.beside_others"), 0u);
+}
+
+// A batch without a handle: the completion comes once, with every result, bad requests included.
+TEST(File, ABatchWithoutAHandleReportsThroughItsCompletionOnce) {
+  runtime rt(io_settings());
+  std::string p = temp_path("completion");
+  auto data = random_bytes(300000, 9);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  std::vector<unsigned char> a(300000), c(1000);
+  std::vector<file_request> reqs{{f, 0, a.data(), a.size(), false}, {f, 0, nullptr, 10, false}, {f, 299500, c.data(), 1000, false}};
+  std::mutex mu;
+  std::condition_variable cv;
+  int calls = 0;
+  std::vector<request_result> got;
+  rt.files().submit(reqs, {}, [&](std::span<const request_result> r) {
+    std::lock_guard l(mu);
+    ++calls;
+    got.assign(r.begin(), r.end());
+    cv.notify_all();
+  });
+  std::unique_lock l(mu);
+  ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(30), [&] { return calls > 0; }));
+  l.unlock();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(calls, 1);
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got[0].state, request_state::done);
+  EXPECT_EQ(got[0].bytes_done, 300000u);
+  EXPECT_EQ(std::memcmp(a.data(), data.data(), a.size()), 0);
+  EXPECT_EQ(got[1].state, request_state::failed);
+  ASSERT_TRUE(got[1].err.has_value());
+  EXPECT_THAT(got[1].err->what(), HasSubstr("null memory pointer"));
+  EXPECT_EQ(got[2].state, request_state::done);
+  EXPECT_EQ(got[2].bytes_done, 500u);  // short at the end of the file
+}
+
+// A descriptor opened elsewhere: regular files are read through the engine, others refused by name.
+TEST(File, AnAdoptedDescriptorIsReadLikeAnOpenedFile) {
+  runtime rt(io_settings());
+  std::string p = temp_path("adopted");
+  auto data = random_bytes(200000, 10);
+  write_file(p, data);
+  auto f = file::adopt(::open(p.c_str(), O_RDONLY | O_CLOEXEC), "served/" + p, false);
+  std::vector<unsigned char> got(200000);
+  EXPECT_EQ(rt.files().read(*f, 0, got.data(), got.size()), got.size());
+  EXPECT_EQ(got, data);
+  std::vector<unsigned char> small(100);
+  EXPECT_EQ(f->read_here(small.data(), 100, 199950), 50u);
+  EXPECT_EQ(std::memcmp(small.data(), data.data() + 199950, 50), 0);
+  EXPECT_THAT(test::error_text([&] { rt.files().write(*f, 0, got.data(), 10); }), HasSubstr("opened read-only"));
+  std::string fifo = temp_path("adopted-fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  int fd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  EXPECT_THAT(test::error_text([&] { file::adopt(fd, fifo, false); }), HasSubstr(fifo + ": not a regular file"));
+  ::unlink(fifo.c_str());
 }
 
 }  // namespace

@@ -33,6 +33,11 @@ class FERRY_API file {
   // ("ferry://host:port/path") is opened by the scheme's registered opener (see file_source.hpp; a
   // ferry::runtime registers ferry://); such a file has no descriptors (fd() is -1).
   static std::shared_ptr<file> open(const std::string& path, open_mode mode);
+  // A descriptor of a regular file opened elsewhere (a server resolves paths beneath its root
+  // itself): the file owns it from now on (closes it, even when adopt throws). `path` names it in
+  // errors. With `direct`, an O_DIRECT descriptor is opened again from this one (large cold ranges
+  // then bypass the page cache); without, all I/O goes through the page cache.
+  static std::shared_ptr<file> adopt(int fd, std::string path, bool writable, bool direct = true);
   ~file();
   file(const file&) = delete;
   file& operator=(const file&) = delete;
@@ -41,6 +46,9 @@ class FERRY_API file {
   std::uint64_t size() const;          // current size (fstat)
   void resize(std::uint64_t bytes);    // ftruncate (sparse when growing)
   void sync();                         // fsync
+  // Reads on this thread, for ranges too small to be worth a hand-off to the engine's threads;
+  // returns the bytes read (short at the end of the file). Errors name the path and offset.
+  std::uint64_t read_here(void* dst, std::uint64_t bytes, std::uint64_t offset) const;
   bool writable() const noexcept { return writable_; }
   int fd() const noexcept { return fd_; }
   // The remote side of a file opened through a scheme, else null.
@@ -83,6 +91,11 @@ class FERRY_API file_engine {
   // Reads past the end of a file complete with the bytes that exist (request_result::bytes_done);
   // a file that shrinks while it is read fails the request.
   transfer_batch submit(std::span<const file_request> requests, transfer_options o = {});
+  // A batch no thread waits for: `done` is called once with every request's result when all are
+  // final, on the thread that finished the last one (an engine thread, or this one before submit
+  // returns). It must not block. The batch runs until it is done or its deadline passes.
+  using completion = transfer_engine::completion;
+  void submit(std::span<const file_request> requests, transfer_options o, completion done);
   // Synchronous helpers; read returns the bytes read (short at EOF).
   std::uint64_t read(file& f, std::uint64_t offset, void* dst, std::uint64_t bytes, transfer_options o = {});
   void write(file& f, std::uint64_t offset, const void* src, std::uint64_t bytes, bool fsync = false,
@@ -94,6 +107,7 @@ class FERRY_API file_engine {
   struct impl;
 
  private:
+  void start(const std::shared_ptr<transfer_batch::state>& b, std::span<const file_request> requests);
   std::unique_ptr<impl> impl_;
 };
 
