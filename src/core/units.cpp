@@ -19,13 +19,6 @@ int default_xfer_threads() noexcept {
   return static_cast<int>(std::clamp(n / 2, 2u, 16u));
 }
 
-int default_serve_threads() noexcept {
-  // A same-host read is one pread from the page cache into lent memory: a CPU copy per thread, so
-  // one thread per hardware thread, and never fewer than 8 (reads of cold files wait on the disk).
-  unsigned n = std::thread::hardware_concurrency();
-  return static_cast<int>(std::clamp(n, 8u, 64u));
-}
-
 namespace {
 
 std::string lower(std::string_view s) {

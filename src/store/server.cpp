@@ -1,12 +1,15 @@
 // The storage server: a few UCX workers (progress threads) for the protocol — each listens on a port
 // of its own and clients spread their lanes over them, so several clients' (or one client's lanes')
-// messages are handled in parallel — and a
-// few I/O threads for file work. Small reads are served inline on the progress thread (one reply
-// message); larger reads and all writes go to the I/O threads. A same-host client may lend shared
-// memory (a sealed memfd passed on the lending socket, store/lending.hpp): reads and writes into it
-// are then one pread/pwrite, no data message. Every per-connection resource lives in the session, which goes
+// messages are handled in parallel — and the runtime's file engine (the io layer: io_uring, its
+// O_DIRECT policy and size checks, its threads, shared with the rest of the process) for file data.
+// Small reads are served inline on the progress thread (one reply message); larger reads and all
+// writes are requests of the file engine whose completions carry the work on (send, answer, next
+// chunk): no thread of the server waits for a file. A same-host client may lend shared memory (a
+// sealed memfd passed on the lending socket, store/lending.hpp): reads and writes into it are then
+// one file request, no data message. Every per-connection resource lives in the session, which goes
 // when the connection does; buffers UCX may still write into are owned by the in-flight table until
 // UCX reports the receive finished (or failed).
+#include <ferry/io/file.hpp>
 #include <ferry/io/mapped_file.hpp>
 #include <ferry/store/root.hpp>
 #include <ferry/store/service.hpp>
@@ -62,17 +65,14 @@ error_reply to_reply(const error& e) {
 }
 
 struct open_file {
+  std::shared_ptr<ferry::file> f;  // the io layer's file: requests of the file engine name it
   int fd = -1;
   dev_t dev = 0;
   ino_t ino = 0;
   mapped_file map;  // files opened for reading: small reads copy from here, no system call
-  open_file(int f, const struct ::stat& st, bool mapped) : fd(f), dev(st.st_dev), ino(st.st_ino) {
+  open_file(std::shared_ptr<ferry::file> fl, const struct ::stat& st, bool mapped)
+      : f(std::move(fl)), fd(f->fd()), dev(st.st_dev), ino(st.st_ino) {
     if (mapped) map = mapped_file(fd);
-  }
-  open_file(const open_file&) = delete;
-  open_file& operator=(const open_file&) = delete;
-  ~open_file() {
-    if (fd >= 0) ::close(fd);
   }
 };
 
@@ -100,7 +100,7 @@ class fd_cache {
     }
     struct ::stat st{};
     int fd = root_.open_regular(path, O_RDONLY, &st);
-    auto f = std::make_shared<open_file>(fd, st, true);
+    auto f = std::make_shared<open_file>(ferry::file::adopt(fd, printable(path), false), st, true);
     if (opened) *opened = now;
     std::lock_guard l(mu_);
     std::erase_if(map_, [&](const auto& kv) { return now - kv.second.at >= ttl_; });
@@ -143,7 +143,7 @@ class fd_cache {
 class write_txn {
  public:
   write_txn(const root_dir& root, const std::string& path, write_mode mode, std::uint64_t id, std::uint64_t size_hint)
-      : path_(path) {
+      : path_(path), id_(id) {
     root_dir::check(path);
     res_ = fmt::format("'{}' under {}", printable(path), root.path());
     auto slash = path.rfind('/');
@@ -173,8 +173,15 @@ class write_txn {
     struct ::stat st{};
     ::fstat(fd, &st);
     if (exists) ::fchmod(fd, perm);  // not narrowed by the umask
-    f_ = std::make_shared<open_file>(fd, st, false);
-    if (mode == write_mode::keep && exists) copy_from(root);
+    // Written through the page cache, as a pwrite would (no O_DIRECT descriptor): the data is read
+    // back right after the commit, and the commit does not wait for the disk.
+    try {
+      f_ = std::make_shared<open_file>(ferry::file::adopt(fd, printable(path), true, false), st, false);
+    } catch (...) {
+      ::close(dir_);
+      throw;
+    }
+    keep_ = mode == write_mode::keep && exists;
     // Pieces arrive out of order on several lanes; writes inside the file's size do not extend it.
     if (size_hint && static_cast<std::uint64_t>(st.st_size) < size_hint) ::ftruncate(fd, static_cast<off_t>(size_hint));
   }
@@ -187,7 +194,10 @@ class write_txn {
   write_txn& operator=(const write_txn&) = delete;
 
   const std::string& path() const noexcept { return path_; }
+  std::uint64_t id() const noexcept { return id_; }
   const std::shared_ptr<open_file>& file() const noexcept { return f_; }
+  // write_mode::keep of an existing file: its content is copied in first (server::impl::keep).
+  bool keeps() const noexcept { return keep_; }
   std::atomic<std::uint64_t> written{0};  // bytes write pieces put into it
   void* owner = nullptr;                  // the session that opened it (dropped with it)
 
@@ -228,44 +238,56 @@ class write_txn {
   }
 
  private:
-  // `keep`: the target's content first (in the kernel where it can, else through a buffer).
-  void copy_from(const root_dir& root) {
-    int src = root.open_regular(path_, O_RDONLY);
-    std::vector<std::byte> buf;
-    for (;;) {
-      ssize_t n = ::copy_file_range(src, nullptr, f_->fd, nullptr, 64 << 20, 0);
-      if (n < 0 && (errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP)) {
-        if (buf.empty()) buf.resize(4 << 20);
-        n = ::read(src, buf.data(), buf.size());
-        if (n > 0 && ::write(f_->fd, buf.data(), static_cast<std::size_t>(n)) != n) n = -1;
-      }
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        int e = errno;
-        ::close(src);
-        fail_errno(e, "store.write", res_, "cannot copy its current content (write_mode::keep)");
-      }
-      if (n == 0) break;
-    }
-    ::close(src);
-  }
-
   std::string path_, res_, name_, hidden_;
+  std::uint64_t id_;
   int dir_ = -1, replaced_ = -1;
-  bool named_ = false, committed_ = false;
+  bool named_ = false, committed_ = false, keep_ = false;
   std::shared_ptr<open_file> f_;
 };
 
-// A chunk buffer that UCX may still be sending from: reused only once its send completed.
-struct send_buffer {
-  std::unique_ptr<std::byte[]> data;
-  std::size_t size = 0;
-  bool busy = false;
-};
-struct send_ring {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::shared_ptr<send_buffer>> bufs;
+// Buffers for file data on its way to or from a client by message or RMA: at most `count`, shared by
+// all connections (they bound what the server holds). A request that finds none free waits in line
+// without a thread: the buffer given back next goes to it.
+class data_buffers {
+ public:
+  using then = std::function<void(std::byte*)>;
+  data_buffers(std::size_t bytes, std::size_t count) : bytes_(bytes), count_(count) {}
+  std::size_t bytes() const noexcept { return bytes_; }
+  // Calls `t` with a buffer: now, or on the thread that gives one back.
+  void take(then t) {
+    std::byte* b = nullptr;
+    {
+      std::lock_guard l(mu_);
+      if (!free_.empty()) {
+        b = free_.back().release();
+        free_.pop_back();
+      } else if (made_ < count_) {
+        ++made_;
+      } else {
+        waiting_.push_back(std::move(t));
+        return;
+      }
+    }
+    t(b ? b : new std::byte[bytes_]);
+  }
+  void give_back(std::byte* b) {
+    then next;
+    {
+      std::lock_guard l(mu_);
+      if (waiting_.empty()) {
+        free_.emplace_back(b);
+        return;
+      }
+      next = std::move(waiting_.front());
+      waiting_.pop_front();
+    }
+    next(b);
+  }
+ private:
+  std::size_t bytes_, count_, made_ = 0;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<std::byte[]>> free_;
+  std::deque<then> waiting_;
 };
 
 // Write data buffers (max_data bytes each), recycled: a fresh multi-MiB allocation per data message
@@ -300,12 +322,13 @@ class buffer_pool {
 
 struct server::impl {
   server_options o;
+  file_engine& io;
   root_dir root;
   fd_cache files;
   std::atomic<std::uint64_t> connections{0}, bytes_sent{0}, bytes_received{0}, errors{0}, write_buffered{0}, direct_reads{0},
       direct_writes{0}, rma_puts{0}, rma_gets{0};
   // What each worker's progress thread counts itself (requests, and what it serves at once: most
-  // small reads), summed -- with the shared counters above, the I/O threads' -- when stats are read:
+  // small reads), summed -- with the shared counters above, the file completions' -- when stats are read:
   // no atomic add per request, and no cache line shared between workers.
   struct alignas(64) worker_counts {
     owned_counter requests, reads, writes, bytes_sent, inline_replies, mapped_reads, direct_reads, notify_records;
@@ -331,6 +354,10 @@ struct server::impl {
     std::atomic<std::int64_t> last{0};  // coarse time of the last request, ns
     bool closing = false;               // a close was asked for (sess_mu)
     int auth_failures = 0;              // its worker's thread only
+    // RMA operations in flight, and the coarse time (ns) one last started or finished: the janitor
+    // closes a connection whose RMA makes no progress (rma_timeout).
+    std::atomic<int> rma_running{0};
+    std::atomic<std::int64_t> rma_progress{0};
     unsigned lanes = 1;  // the client's, from its hello
     std::vector<std::uint8_t> client_nonce, server_nonce;  // pending challenge
     // The file its last small read used, until the file cache would reopen it (its worker's thread only).
@@ -374,10 +401,11 @@ struct server::impl {
   std::map<std::tuple<connection*, std::uint64_t, std::uint64_t>, std::shared_ptr<std::byte[]>> receiving;
 
   std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::function<void()>> jobs;
   bool stopping = false;
-  std::vector<std::thread> threads;
+  // File requests whose completion has not run yet: the server does not go before they have.
+  std::atomic<int> io_in_flight{0};
+  std::condition_variable io_cv;  // with `mu`
+  data_buffers buffers{o.chunk, 32};
   std::atomic<std::size_t> rotation{0};     // where the next client's further lanes start among the other workers
   std::vector<std::uint16_t> ports;          // each worker's listening port (ports[0] = the well-known one)
   std::unique_ptr<std::atomic<std::uint64_t>[]> per_worker;  // connections each worker took
@@ -410,12 +438,12 @@ struct server::impl {
   std::thread janitor_thread;  // closes connections past their handshake or idle time
   std::vector<std::unique_ptr<ucx_worker>> workers;  // last: stopped first
 
-  explicit impl(server_options opt) : o(std::move(opt)), root(o.root), files(root, o.fd_cache_ttl) {
+  impl(file_engine& engine, server_options opt) : o(std::move(opt)), io(engine), root(o.root), files(root, o.fd_cache_ttl) {
     if (o.writable && o.secret.empty() && !o.insecure)
       fail(errc::permission_denied, "store.serve", o.root,
            "refusing to serve writable without a shared secret (give a secret file, or --insecure to let anyone write)");
-    expects(o.chunk > 0 && o.max_outstanding > 0 && o.threads >= 0 && o.workers > 0, "store.serve", o.root,
-            "chunk, credits and workers must be positive, threads not negative");
+    expects(o.chunk > 0 && o.max_outstanding > 0 && o.workers > 0, "store.serve", o.root,
+            "chunk, credits and workers must be positive");
     auto ctx = std::make_shared<ucx_context>(interface_for(o.host, true));
     for (int i = 0; i < o.workers; ++i) {
       auto& w = *workers.emplace_back(std::make_unique<ucx_worker>(fmt::format("ferry-serve-{}", i), o.spin, ctx));
@@ -500,7 +528,6 @@ struct server::impl {
     }
     port = ports[0];
     // Last: a constructor that threw above leaves no running thread behind.
-    for (int i = 0, n = o.threads > 0 ? o.threads : default_serve_threads(); i < n; ++i) threads.emplace_back([this] { work(); });
     if (o.map) {
       try {
         lending = std::make_unique<lending_socket>(instance, [this](std::span<const std::uint8_t> token, std::uint64_t id, int fd) {
@@ -530,13 +557,16 @@ struct server::impl {
       std::lock_guard l(mu);
       stopping = true;
     }
-    cv.notify_all();
     cv_janitor.notify_all();
     if (lending) lending->wake();
     janitor_thread.join();
-    for (auto& t : threads) t.join();
+    // File requests end by their deadline; their completions use this server.
+    {
+      std::unique_lock l(mu);
+      while (!io_cv.wait_for(l, std::chrono::seconds(10), [&] { return io_in_flight.load() == 0; }))
+        log::error("store", "stopping: {} file requests still running", io_in_flight.load());
+    }
     // Sessions go while the workers still run: their mapped regions are released on those threads.
-    jobs.clear();
     std::map<connection*, std::shared_ptr<session>> gone;
     {
       std::lock_guard l(sess_mu);
@@ -646,6 +676,9 @@ struct server::impl {
             closed_handshake++;
             close_locked(*s, "no handshake within FERRY_SERVE_HANDSHAKE_TIMEOUT");
           }
+        } else if (s->rma_running.load() > 0 &&
+                   coarse - s->rma_progress.load() > std::chrono::duration_cast<std::chrono::nanoseconds>(rma_timeout).count()) {
+          close_locked(*s, fmt::format("RMA made no progress for {} s", rma_timeout.count()));
         } else if (s->outstanding.load() == 0 && coarse - s->last.load(std::memory_order_relaxed) > o.idle_timeout.count()) {
           closed_idle++;
           close_locked(*s, "idle for FERRY_SERVE_IDLE_TIMEOUT");
@@ -655,31 +688,31 @@ struct server::impl {
   }
   std::condition_variable cv_janitor;  // with `mu` and `stopping`
 
-  void work() {
-    current_ring = std::make_shared<send_ring>();
-    for (;;) {
-      std::function<void()> j;
-      {
-        std::unique_lock l(mu);
-        cv.wait(l, [&] { return stopping || !jobs.empty(); });
-        if (stopping) return;
-        j = std::move(jobs.front());
-        jobs.pop_front();
-      }
-      j();
-    }
-  }
-  static thread_local std::shared_ptr<send_ring> current_ring;
   bool stopping_now() {
     std::lock_guard l(mu);
     return stopping;
   }
-  void queue(std::function<void()> j) {
-    {
-      std::lock_guard l(mu);
-      jobs.push_back(std::move(j));
-    }
-    cv.notify_one();
+  // A request of the file engine; `then` gets its result on the thread that finished it (it must
+  // not block). Counted, so that the server does not go while a completion may still come.
+  void file_io(std::shared_ptr<ferry::file> f, bool write, std::uint64_t offset, void* mem, std::uint64_t n,
+               std::function<void(const request_result&)> then) {
+    io_in_flight++;
+    file_request r{std::move(f), offset, mem, n, write};
+    io.submit({&r, 1}, {}, [this, then = std::move(then)](std::span<const request_result> res) {
+      try {
+        then(res[0]);
+      } catch (const std::exception& e) {
+        log::debug("store", "file request completion: {}", e.what());  // a connection that went, say
+      }
+      if (--io_in_flight == 0) {
+        std::lock_guard l(mu);
+        io_cv.notify_all();
+      }
+    });
+  }
+  static const error& error_of(const request_result& r) {
+    static const error none(errc::internal, "store.io", "", "file request did not finish");
+    return r.err ? *r.err : none;
   }
   // The connection's session, or null once it went. No lock and no map lookup (this runs per
   // request): the connection points at its session, and callers are the connection's worker's
@@ -746,7 +779,7 @@ struct server::impl {
     return w;
   }
 
-  // ---- progress thread: handshake, checks, inline reads; file work goes to the I/O threads ----
+  // ---- progress thread: handshake, checks, inline reads; file data goes to the file engine ----
   void on_frame(connection& c, message m) {
     // A plain pointer: this handler runs in the same serialized context that clears c.user, the
     // session is freed only after it returns (on_failure), and only work handed to other threads
@@ -864,23 +897,21 @@ struct server::impl {
       reply_error(c, rid, e);
       return;
     }
-    auto self = c.shared_from_this();
-    // (The job holds its session, so the credit's counter outlives it.)
-    queue([this, self, s = s->shared_from_this(), cr = std::make_shared<credit>(s->outstanding), m = std::move(m)]() mutable {
-      try {
-        serve(*self, *s, m, *cr);
-      } catch (const error& e) {
-        answer_error(*self, *cr, m.request_id, e);
-      } catch (const std::exception& e) {
-        answer_error(*self, *cr, m.request_id, error(errc::internal, "store.request", self->peer(), e.what()));
-      }
-    });
+    // (Work that goes on elsewhere holds the session, so the credit's counter outlives it.)
+    auto cr = std::make_shared<credit>(s->outstanding);
+    try {
+      serve(c, s->shared_from_this(), m, cr);
+    } catch (const error& e) {
+      answer_error(c, *cr, rid, e);
+    } catch (const std::exception& e) {
+      answer_error(c, *cr, rid, error(errc::internal, "store.request", c.peer(), e.what()));
+    }
   }
 
   // A read into / write from a region the client lent: a small read on this thread from the file's
   // mapping (as read_inline, but into the client's memory, and only the completion is sent), else
-  // one pread/pwrite on an I/O thread, then the completion. The job holds the mapping, so a client
-  // that leaves or gives the region back meanwhile cannot make it vanish.
+  // one file engine request, then the completion. The request holds the mapping, so a client that
+  // leaves or gives the region back meanwhile cannot make it vanish.
   // A read with a notify record (read_into::notify) served at once also writes the record, in
   // a region the client lent, before the completion goes: the client, polling it, is done without
   // receiving a message. (A queued read only sends the completion; the client waits for that.)
@@ -901,40 +932,49 @@ struct server::impl {
       }
       return read_direct_here(c, sn, rid, path, offset, length, at->base + (addr - at->addr), record);
     }
-    // Work for an I/O thread: it holds the session and the mapping (a plain reference suffices
-    // above, on this thread; taking one costs two atomic operations per request).
+    // The request holds the session and the mapping (a plain reference suffices above, on this
+    // thread; taking one costs two atomic operations per request).
     auto s = sn.shared_from_this();
     std::shared_ptr<lent_region> m;
     for (auto& x : s->lent)
       if (x.get() == at) m = x;
+    auto t = write ? txn(handle, path) : nullptr;
+    auto f = write ? t->file() : files.get(path);
     auto self = c.shared_from_this();
-    queue([this, self, s, cr = std::make_shared<credit>(s->outstanding), m, rid, path, offset, length, addr, write, handle] {
-      try {
-        std::byte* p = m->base + (addr - m->addr);
-        std::uint64_t done;
-        if (write) {
-          auto t = txn(handle, path);
-          done = pwrite_all(*t->file(), path, p, length, offset);
-          t->written += done;
-          bytes_received += done;
-          direct_writes++;
-        } else {
-          auto f = files.get(path);
-          done = pread_all(*f, path, p, length, offset);
-          bytes_sent += done;
-          direct_reads++;
-        }
-        answer(*self, *cr, {rid, 0, complete{0, done}});
-      } catch (const error& e) {
-        answer_error(*self, *cr, rid, e);
+    auto cr = std::make_shared<credit>(s->outstanding);
+    file_io(f->f, write, offset, m->base + (addr - m->addr), length, [this, self, s, cr, m, t, rid, write](const request_result& r) {
+      if (r.state != request_state::done) return answer_error(*self, *cr, rid, error_of(r));
+      if (write) {
+        t->written += r.bytes_done;
+        bytes_received += r.bytes_done;
+        direct_writes++;
+      } else {
+        bytes_sent += r.bytes_done;
+        direct_reads++;
       }
+      answer(*self, *cr, {rid, 0, complete{0, r.bytes_done}});
     });
   }
 
-  // A read into / write from registered client memory by RMA (NVMe-oF style): an I/O thread reads
-  // the file a chunk at a time into a buffer and puts it to the client (or gets the client's data
-  // and writes it), waiting for each operation before the next; the completion goes after a fence,
-  // so it cannot overtake the data. The rkey is unpacked here, on the progress thread.
+  // A read into / write from registered client memory by RMA (NVMe-oF style): the file a chunk at a
+  // time through a data buffer -- a file request, then a put to the client (or a get from the
+  // client, then a file request) -- each step started by the completion of the one before; the
+  // completion goes after a fence, so it cannot overtake the data. The rkey is unpacked here, on
+  // the progress thread. RMA that makes no progress for `rma_timeout` closes the connection (the
+  // janitor), which fails what is in flight.
+  static constexpr std::chrono::seconds rma_timeout{30};
+  struct rma_op {
+    std::shared_ptr<connection> c;
+    std::shared_ptr<session> s;
+    std::shared_ptr<credit> cr;
+    std::shared_ptr<remote_key> key;
+    std::shared_ptr<write_txn> t;
+    std::shared_ptr<open_file> f;
+    std::string path;
+    std::uint64_t rid = 0, offset = 0, length = 0, addr = 0, done = 0;
+    bool write = false;
+    std::byte* buf = nullptr;
+  };
   void rma(connection& c, const std::shared_ptr<session>& s, std::uint64_t rid, const std::string& path, std::uint64_t offset,
            std::uint64_t length, std::uint64_t addr, const std::vector<std::uint8_t>& rkey, bool write, std::uint64_t handle) {
     const char* op = write ? "store.write" : "store.read";
@@ -942,83 +982,79 @@ struct server::impl {
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
     auto key = c.unpack_rkey(std::as_bytes(std::span(rkey.data(), rkey.size())));
     if (!key) fail(errc::protocol_error, op, c.peer(), "the client's rkey cannot be unpacked on this endpoint");
-    auto self = c.shared_from_this();
-    queue([this, self, s, cr = std::make_shared<credit>(s->outstanding), key, rid, path, offset, length, addr, write, handle] {
-      try {
-        auto t = write ? txn(handle, path) : nullptr;
-        auto f = write ? t->file() : files.get(path);
-        std::uint64_t chunk = std::min<std::uint64_t>(o.chunk, std::max<std::uint64_t>(length, 1));
-        // The buffer is shared with the completion callback: an operation that outlives its wait
-        // (timeout) still has memory to land in.
-        thread_local std::shared_ptr<std::vector<std::byte>> tl;
-        if (!tl || tl.use_count() > 1 || tl->size() < chunk) tl = std::make_shared<std::vector<std::byte>>(chunk);
-        auto buf = tl;
-        std::uint64_t done = 0;
-        while (done < length) {
-          std::uint64_t n = std::min(chunk, length - done);
-          if (write) {
-            rma_wait(*self, buf, true, n, addr + done, key, path);
-            pwrite_all(*f, path, buf->data(), n, offset + done);
-            done += n;
-          } else {
-            std::uint64_t got = pread_all(*f, path, buf->data(), n, offset + done);
-            if (got) rma_wait(*self, buf, false, got, addr + done, key, path);
-            done += got;
-            if (got < n) break;  // end of file
-          }
-        }
-        if (write) {
-          t->written += done;
-          bytes_received += done;
-          rma_gets++;
-        } else {
-          bytes_sent += done;
-          rma_puts++;
-        }
-        cr->give_back();
-        self->send_frame_fenced({rid, 0, complete{0, done}});
-      } catch (const error& e) {
-        answer_error(*self, *cr, rid, e);
-      }
+    auto r = std::make_shared<rma_op>();
+    r->t = write ? txn(handle, path) : nullptr;
+    r->f = write ? r->t->file() : files.get(path);
+    r->c = c.shared_from_this();
+    r->s = s;
+    r->cr = std::make_shared<credit>(s->outstanding);
+    r->key = std::move(key);
+    r->path = path;
+    r->rid = rid, r->offset = offset, r->length = length, r->addr = addr, r->write = write;
+    buffers.take([this, r](std::byte* b) {
+      r->buf = b;
+      rma_step(r);
     });
   }
-  void rma_wait(connection& c, const std::shared_ptr<std::vector<std::byte>>& buf, bool get, std::uint64_t n, std::uint64_t remote,
-                const std::shared_ptr<remote_key>& key, const std::string& path) {
-    auto p = std::make_shared<std::promise<ucs_status_t>>();
-    auto fut = p->get_future();
-    c.rma(get, buf->data(), n, remote, key, [p, buf](ucs_status_t st) { p->set_value(st); });
-    if (fut.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
-      c.close();  // the operation completes (with an error) when the endpoint goes; buf stays alive until then
-      fail(errc::timeout, get ? "store.write" : "store.read", fmt::format("{} {}", c.peer(), printable(path)),
-           "RMA did not complete within 30 s");
+  void rma_step(const std::shared_ptr<rma_op>& r) {
+    if (r->done >= r->length) return rma_end(r, nullptr);
+    std::uint64_t n = std::min<std::uint64_t>(buffers.bytes(), r->length - r->done);
+    if (r->write) {
+      return rma_move(r, true, n, [this, r, n] {
+        file_io(r->f->f, true, r->offset + r->done, r->buf, n, [this, r, n](const request_result& x) {
+          if (x.state != request_state::done) return rma_end(r, &error_of(x));
+          r->done += n;
+          rma_step(r);
+        });
+      });
     }
-    ucs_status_t st = fut.get();
-    if (st != UCS_OK)
-      fail(errc::network_error, get ? "store.write" : "store.read", fmt::format("{} {}", c.peer(), printable(path)),
-           std::string(get ? "RMA get" : "RMA put") + " failed: " + ucs_status_string(st));
+    file_io(r->f->f, false, r->offset + r->done, r->buf, n, [this, r, n](const request_result& x) {
+      if (x.state != request_state::done) return rma_end(r, &error_of(x));
+      std::uint64_t got = x.bytes_done;
+      if (got == 0) return rma_end(r, nullptr);  // end of file
+      rma_move(r, false, got, [this, r, n, got] {
+        r->done += got;
+        if (got < n) return rma_end(r, nullptr);  // end of file
+        rma_step(r);
+      });
+    });
   }
-
-  std::uint64_t pwrite_all(open_file& f, const std::string& path, const std::byte* src, std::uint64_t n, std::uint64_t at) {
-    std::uint64_t done = 0;
-    while (done < n) {
-      ssize_t r = ::pwrite(f.fd, src + done, n - done, static_cast<off_t>(at + done));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) fail_errno(r < 0 ? errno : EIO, "store.write", fmt::format("{} offset {}", path, at + done));
-      done += static_cast<std::uint64_t>(r);
+  // One RMA operation between the data buffer and the client's memory at the current offset.
+  void rma_move(const std::shared_ptr<rma_op>& r, bool get, std::uint64_t n, std::function<void()> next) {
+    auto& s = *r->s;
+    if (s.rma_running++ == 0) s.rma_progress = coarse_now().time_since_epoch().count();
+    try {
+      r->c->rma(get, r->buf, n, r->addr + r->done, r->key, [this, r, get, next = std::move(next)](ucs_status_t st) {
+        r->s->rma_running--;
+        r->s->rma_progress = coarse_now().time_since_epoch().count();
+        if (st != UCS_OK) {
+          error e(errc::network_error, get ? "store.write" : "store.read", fmt::format("{} {}", r->c->peer(), printable(r->path)),
+                  std::string(get ? "RMA get" : "RMA put") + " failed: " + ucs_status_string(st));
+          return rma_end(r, &e);
+        }
+        next();
+      });
+    } catch (const error& e) {
+      s.rma_running--;
+      rma_end(r, &e);
     }
-    return done;
   }
-
-  std::uint64_t pread_all(open_file& f, const std::string& path, std::byte* dst, std::uint64_t n, std::uint64_t at) {
-    std::uint64_t got = 0;
-    while (got < n) {
-      ssize_t r = ::pread(f.fd, dst + got, n - got, static_cast<off_t>(at + got));
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) fail_errno(errno, "store.read", fmt::format("{} offset {}", path, at + got));
-      if (r == 0) break;  // end of file
-      got += static_cast<std::uint64_t>(r);
+  void rma_end(const std::shared_ptr<rma_op>& r, const error* e) {
+    buffers.give_back(std::exchange(r->buf, nullptr));
+    if (e) return answer_error(*r->c, *r->cr, r->rid, *e);
+    if (r->write) {
+      r->t->written += r->done;
+      bytes_received += r->done;
+      rma_gets++;
+    } else {
+      bytes_sent += r->done;
+      rma_puts++;
     }
-    return got;
+    r->cr->give_back();
+    try {
+      r->c->send_frame_fenced({r->rid, 0, complete{0, r->done}});
+    } catch (...) {
+    }
   }
 
   void read_inline(connection& c, session& s, std::uint64_t rid, const read_req& r) {
@@ -1071,7 +1107,7 @@ struct server::impl {
     } else if (!fd_cache::still_linked(*s.last_file, &size)) {
       reopen();
     }
-    return pread_all(*s.last_file, path, dst, length, offset);
+    return s.last_file->f->read_here(dst, length, offset);
   }
 
   // ---- writes: the frame opens the request; data arrives as AM data (rendezvous for large pieces) ----
@@ -1146,14 +1182,10 @@ struct server::impl {
     }
     bytes_received += n;
     auto self = c.shared_from_this();
-    queue([this, self, s, ws, rid, off, n, buf] {
+    file_io(ws->f->f, true, ws->offset + off, buf.get(), n, [this, self, s, ws, rid, n, buf](const request_result& r) {
       std::optional<error> err;
-      try {
-        pwrite_all(*ws->f, ws->path, buf.get(), n, ws->offset + off);
-        ws->txn->written += n;
-      } catch (const error& e) {
-        err = e;
-      }
+      if (r.state == request_state::done) ws->txn->written += n;
+      else err = error_of(r);
       write_buffered -= n;
       // Completion bookkeeping belongs to the connection's progress thread (it owns the write table).
       self->worker().post([this, self, s, ws, rid, n, err] {
@@ -1172,36 +1204,9 @@ struct server::impl {
     });
   }
 
-  // ---- I/O threads ----
-  std::shared_ptr<send_buffer> free_buffer(send_ring& ring, connection& c, clk::time_point until) {
-    std::unique_lock l(ring.mu);
-    for (;;) {
-      for (auto& b : ring.bufs)
-        if (!b->busy && b->size >= o.chunk) {
-          b->busy = true;
-          return b;
-        }
-      if (ring.bufs.size() < 4) {
-        auto b = std::make_shared<send_buffer>();
-        b->data.reset(new std::byte[o.chunk]);
-        b->size = o.chunk;
-        b->busy = true;
-        ring.bufs.push_back(b);
-        return b;
-      }
-      if (!c.alive()) fail(errc::network_error, "store.read", c.peer(), "connection lost: " + c.failure());
-      if (stopping_now()) fail(errc::cancelled, "store.read", c.peer(), "the server is stopping");
-      ring.cv.wait_for(l, std::chrono::milliseconds(100));
-      if (clk::now() >= until) {
-        // Sends stuck past the deadline: the connection is broken. Forget those buffers (their
-        // completions still own them) and let the caller fail.
-        std::erase_if(ring.bufs, [](auto& b) { return b->busy; });
-        fail(errc::timeout, "store.read", c.peer(), "sending to the client did not finish before the deadline");
-      }
-    }
-  }
-
-  void serve(connection& c, session& sn, const message& m, credit& cr) {
+  // ---- requests that are not small reads: on the progress thread, file data by the file engine ----
+  void serve(connection& c, const std::shared_ptr<session>& sp, const message& m, const std::shared_ptr<credit>& cr) {
+    session& sn = *sp;
     std::uint64_t rid = m.request_id;
     if (auto* r = std::get_if<open_write>(&m.b)) {
       if (!o.writable) fail(errc::permission_denied, "store.write", r->path, "this server is read-only (started without --writable)");
@@ -1221,7 +1226,16 @@ struct server::impl {
                fmt::format("too many open writes ({} on this connection, {} in all); commit or abort some", mine, txns.size()));
         txns[id] = t;
       }
-      answer(c, cr, {rid, 0, complete{0, id}});
+      if (t->keeps()) {
+        try {
+          return keep(c.shared_from_this(), t, cr, rid);
+        } catch (...) {
+          std::lock_guard l(txn_mu);
+          txns.erase(id);
+          throw;
+        }
+      }
+      answer(c, *cr, {rid, 0, complete{0, id}});
       return;
     }
     if (auto* r = std::get_if<end_write>(&m.b)) {
@@ -1240,51 +1254,24 @@ struct server::impl {
         log::debug("store", "client {} committed {} ({} bytes)", c.peer(), printable(t->path()), n);
         commits++;
       }
-      answer(c, cr, {rid, 0, complete{0, n}});
+      answer(c, *cr, {rid, 0, complete{0, n}});
       return;
     }
     if (auto* r = std::get_if<read_req>(&m.b)) {
-      auto f = files.get(r->path);
-      auto ring = current_ring;
-      auto until = clk::now() + std::chrono::minutes(1);
-      std::uint64_t off = 0;
-      for (;;) {
-        if (!c.alive()) return;
-        std::uint64_t want = std::min<std::uint64_t>(o.chunk, r->length - off);
-        if (want == 0) break;
-        auto b = free_buffer(*ring, c, until);
-        std::uint64_t got;
-        try {
-          got = pread_all(*f, r->path, b->data.get(), want, r->offset + off);
-        } catch (...) {
-          std::lock_guard l(ring->mu);
-          b->busy = false;
-          throw;
-        }
-        if (got == 0) {
-          std::lock_guard l(ring->mu);
-          b->busy = false;
-          break;
-        }
-        // The completion frame may overtake the data: the client waits for both.
-        c.send_data(rid, off, b->data.get(), static_cast<std::size_t>(got), [ring, b](ucs_status_t) {
-          std::lock_guard l(ring->mu);
-          b->busy = false;
-          ring->cv.notify_all();
-        });
-        off += got;
-        bytes_sent += got;
-        if (got < want) break;  // end of file
-      }
-      answer(c, cr, {rid, 0, complete{0, off}});
-      return;
+      auto st = std::make_shared<streamed>();
+      st->c = c.shared_from_this();
+      st->s = sp;
+      st->cr = cr;
+      st->f = files.get(r->path);
+      st->rid = rid, st->offset = r->offset, st->length = r->length;
+      return stream(st);
     }
     if (auto* r = std::get_if<stat_req>(&m.b)) {
       int fd = root.open(r->path.empty() ? "." : r->path, O_RDONLY | O_PATH);
       struct stat st{};
       ::fstat(fd, &st);
       ::close(fd);
-      answer(c, cr, {rid, 0, stat_reply{static_cast<std::uint64_t>(st.st_size), st.st_mode,
+      answer(c, *cr, {rid, 0, stat_reply{static_cast<std::uint64_t>(st.st_size), st.st_mode,
                                        static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec}});
       return;
     }
@@ -1308,18 +1295,106 @@ struct server::impl {
                                static_cast<std::uint64_t>(st.st_size)});
       }
       ::closedir(d);
-      answer(c, cr, {rid, 0, std::move(rep)});
+      answer(c, *cr, {rid, 0, std::move(rep)});
       return;
     }
     fail(errc::protocol_error, "store.request", c.peer(), "unexpected message type");
   }
-};
 
-thread_local std::shared_ptr<send_ring> server::impl::current_ring;
+  // A read answered by data messages: a chunk at a time into a data buffer by a file request, then
+  // sent; the next chunk's request starts when the last one's data is on its way. The completion
+  // frame may overtake the data: the client waits for both.
+  struct streamed {
+    std::shared_ptr<connection> c;
+    std::shared_ptr<session> s;
+    std::shared_ptr<credit> cr;
+    std::shared_ptr<open_file> f;
+    std::uint64_t rid = 0, offset = 0, length = 0, done = 0;
+  };
+  void stream(const std::shared_ptr<streamed>& st) {
+    std::uint64_t want = std::min<std::uint64_t>(buffers.bytes(), st->length - st->done);
+    if (want == 0 || !st->c->alive() || stopping_now()) {
+      if (st->c->alive()) answer_safely(*st->c, *st->cr, {st->rid, 0, complete{0, st->done}});
+      return;
+    }
+    buffers.take([this, st, want](std::byte* b) {
+      file_io(st->f->f, false, st->offset + st->done, b, want, [this, st, want, b](const request_result& r) {
+        std::uint64_t got = r.bytes_done;
+        if (r.state != request_state::done || got == 0) {
+          buffers.give_back(b);
+          if (r.state != request_state::done) return answer_error(*st->c, *st->cr, st->rid, error_of(r));
+          return answer_safely(*st->c, *st->cr, {st->rid, 0, complete{0, st->done}});
+        }
+        try {
+          st->c->send_data(st->rid, st->done, b, static_cast<std::size_t>(got), [this, b](ucs_status_t) { buffers.give_back(b); });
+        } catch (const error& e) {
+          buffers.give_back(b);
+          return answer_error(*st->c, *st->cr, st->rid, e);
+        }
+        st->done += got;
+        bytes_sent += got;
+        if (got < want) st->length = st->done;  // end of file
+        stream(st);
+      });
+    });
+  }
+  void answer_safely(connection& c, credit& cr, const message& m) {
+    try {
+      answer(c, cr, m);
+    } catch (...) {
+    }
+  }
+
+  // write_mode::keep of an existing file: its current content is copied into the new version first,
+  // a chunk at a time through a data buffer (a file request to read, one to write, each started by
+  // the completion of the one before); the open is answered when the copy is done.
+  struct keeping {
+    std::shared_ptr<connection> c;
+    std::shared_ptr<credit> cr;
+    std::shared_ptr<write_txn> t;
+    std::shared_ptr<ferry::file> from;
+    std::uint64_t rid = 0, done = 0;
+    std::byte* buf = nullptr;
+  };
+  void keep(std::shared_ptr<connection> c, const std::shared_ptr<write_txn>& t, const std::shared_ptr<credit>& cr, std::uint64_t rid) {
+    auto k = std::make_shared<keeping>();
+    k->c = std::move(c), k->cr = cr, k->t = t, k->rid = rid;
+    k->from = ferry::file::adopt(root.open_regular(t->path(), O_RDONLY), printable(t->path()), false);
+    buffers.take([this, k](std::byte* b) {
+      k->buf = b;
+      keep_step(k);
+    });
+  }
+  void keep_step(const std::shared_ptr<keeping>& k) {
+    auto fail_keep = [this, k](const error& e) {
+      buffers.give_back(std::exchange(k->buf, nullptr));
+      {
+        std::lock_guard l(txn_mu);
+        txns.erase(k->t->id());
+      }
+      answer_error(*k->c, *k->cr, k->rid,
+                   error(error_info{e.code(), "store.write", printable(k->t->path()), "cannot copy its current content (write_mode::keep)",
+                                    e.what(), e.sys_errno(), 0}));
+    };
+    if (!k->c->alive() || stopping_now()) return fail_keep(error(errc::cancelled, "store.write", k->c->peer(), "connection gone"));
+    file_io(k->from, false, k->done, k->buf, buffers.bytes(), [this, k, fail_keep](const request_result& r) {
+      if (r.state != request_state::done) return fail_keep(error_of(r));
+      std::uint64_t got = r.bytes_done;
+      if (got == 0) {
+        buffers.give_back(std::exchange(k->buf, nullptr));
+        return answer_safely(*k->c, *k->cr, {k->rid, 0, complete{0, k->t->id()}});
+      }
+      file_io(k->t->file()->f, true, k->done, k->buf, got, [this, k, fail_keep, got](const request_result& w) {
+        if (w.state != request_state::done) return fail_keep(error_of(w));
+        k->done += got;
+        keep_step(k);
+      });
+    });
+  }
+};
 
 server_options server_options_from(const settings& s) {
   server_options o;
-  o.threads = s.serve_threads;
   o.workers = s.serve_workers;
   o.map = s.net_map;
   o.spin = s.net_spin;
@@ -1332,7 +1407,7 @@ server_options server_options_from(const settings& s) {
   return o;
 }
 
-server::server(server_options o) : impl_(std::make_unique<impl>(std::move(o))) {}
+server::server(file_engine& io, server_options o) : impl_(std::make_unique<impl>(io, std::move(o))) {}
 server::~server() = default;
 std::uint16_t server::port() const noexcept { return impl_->port; }
 std::vector<std::uint16_t> server::ports() const { return impl_->ports; }

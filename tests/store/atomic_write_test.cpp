@@ -6,6 +6,7 @@
 
 #include "net/ucx.hpp"
 #include "support/errors.hpp"
+#include "support/server_io.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -48,7 +49,7 @@ struct writable {
     o.root = root.string();
     o.secret = secret;
     o.writable = true;
-    srv = std::make_unique<store::server>(o);
+    srv = std::make_unique<store::server>(test::server_io(), o);
   }
   ~writable() {
     srv.reset();

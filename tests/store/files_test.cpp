@@ -6,6 +6,7 @@
 #include <ferry/store/service.hpp>
 
 #include "support/data.hpp"
+#include "support/server_io.hpp"
 #include "support/errors.hpp"
 
 #include <gmock/gmock.h>
@@ -45,7 +46,7 @@ struct fixture {
     o.root = root.string();
     o.secret = "files secret";
     o.writable = writable;
-    srv = std::make_unique<store::server>(o);
+    srv = std::make_unique<store::server>(test::server_io(), o);
   }
   ~fixture() {
     srv.reset();

@@ -6,6 +6,7 @@
 #include "net/ucx.hpp"
 #include "store/auth.hpp"
 #include "support/errors.hpp"
+#include "support/server_io.hpp"
 
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
@@ -46,7 +47,7 @@ struct served {
     std::filesystem::create_directories(root);
     put("a.bin", std::string(64 << 10, 'a'));
     o.root = root.string();
-    srv = std::make_unique<store::server>(o);
+    srv = std::make_unique<store::server>(test::server_io(), o);
   }
   ~served() {
     srv.reset();

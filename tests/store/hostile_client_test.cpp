@@ -6,6 +6,7 @@
 #include "net/ucx.hpp"
 #include "store/lending.hpp"
 #include "support/errors.hpp"
+#include "support/server_io.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -81,7 +82,7 @@ struct exported {
     o.root = root.string();
     o.max_request = 64 << 10;
     o.max_outstanding = 2;
-    srv = std::make_unique<store::server>(o);
+    srv = std::make_unique<store::server>(test::server_io(), o);
   }
   ~exported() {
     srv.reset();

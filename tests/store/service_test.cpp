@@ -3,6 +3,7 @@
 #include <ferry/store/service.hpp>
 
 #include "support/errors.hpp"
+#include "support/server_io.hpp"
 #include "support/phased_clients.hpp"
 
 #include <gmock/gmock.h>
@@ -44,7 +45,7 @@ struct served {
     o.root = root.string();
     o.chunk = 1 << 20;
     o.workers = 4;  // the lane-spreading tests need several
-    srv = std::make_unique<store::server>(o);
+    srv = std::make_unique<store::server>(test::server_io(), o);
   }
   ~served() {
     srv.reset();
@@ -72,6 +73,32 @@ TEST(StoreService, ReadStatListOverLoopbackWithChecksums) {
   EXPECT_GE(s.srv->stats().requests, 5u);
 }
 
+// Reads above the inline size are requests of the file engine the server was given (the io layer:
+// its io_uring, its checks), by messages and into lent memory alike: its count of bytes read grows
+// by what was served.
+TEST(StoreService, LargeReadsAreRequestsOfTheFileEngine) {
+  served s;
+  auto bytes_read = [] {
+    for (auto& [k, v] : test::server_io().counters().snapshot())
+      if (k == "bytes_read") return v;
+    return std::uint64_t{0};
+  };
+  std::uint64_t before = bytes_read();
+  std::vector<unsigned char> buf(s.data.size());
+  for (bool map : {false, true}) {
+    store::client_options co;
+    co.map = map;
+    store::client c("127.0.0.1", s.srv->port(), co);
+    std::memset(buf.data(), 0, buf.size());
+    EXPECT_EQ(c.read("data/shard.bin", 0, buf.data(), buf.size()), buf.size());
+    EXPECT_EQ(checksum64(buf.data(), buf.size()), checksum64(s.data.data(), s.data.size())) << "map " << map;
+    if (map) {
+      EXPECT_GT(s.srv->stats().direct_reads, 0u) << "the lent-memory path was not taken";
+    }
+  }
+  EXPECT_GE(bytes_read() - before, 2 * s.data.size());
+}
+
 // Small reads keep the file open between requests (the server's file cache, and each session's
 // last file); a file replaced under the same name is read anew once the cache's time to live is over.
 TEST(StoreService, AReplacedFileIsSeenAfterTheFileCacheTimeToLive) {
@@ -87,7 +114,7 @@ TEST(StoreService, AReplacedFileIsSeenAfterTheFileCacheTimeToLive) {
   o.root = base.string();
   o.fd_cache_ttl = std::chrono::milliseconds(200);
   {
-    store::server srv(o);
+    store::server srv(test::server_io(), o);
     store::client c("127.0.0.1", srv.port());
     char buf[4096];
     for (int i = 0; i < 3; ++i) {  // the same file, several small reads: served from the open file
@@ -135,7 +162,7 @@ TEST(StoreService, ACreditIsFreeWhenItsAnswerArrives) {
   o.root = s.root.string();
   o.max_outstanding = 2;
   o.workers = 1;
-  store::server srv(o);
+  store::server srv(test::server_io(), o);
   store::client_options co;
   co.lanes = 1;
   store::client c("127.0.0.1", srv.port(), co);
@@ -232,7 +259,7 @@ TEST(StoreService, AGivenPortIsFollowedByTheOtherWorkersPorts) {
   o.workers = 3;
   o.port = free_ports(2);
   {
-    store::server srv(o);
+    store::server srv(test::server_io(), o);
     EXPECT_THAT(srv.ports(), ::testing::ElementsAre(o.port, o.port + 1, o.port + 2));
     store::client c("127.0.0.1", o.port);
     std::vector<unsigned char> buf(100);
@@ -248,13 +275,13 @@ TEST(StoreService, AGivenPortIsFollowedByTheOtherWorkersPorts) {
   a.sin_port = htons(static_cast<std::uint16_t>(o.port + 2));
   ASSERT_EQ(::bind(taken, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
   ASSERT_EQ(::listen(taken, 1), 0);
-  std::string t = test::error_text([&] { store::server srv(o); });
+  std::string t = test::error_text([&] { store::server srv(test::server_io(), o); });
   ::close(taken);
   EXPECT_THAT(t, HasSubstr("127.0.0.1:" + std::to_string(o.port + 2)));
   EXPECT_THAT(t, HasSubstr("worker 2 cannot listen"));
   EXPECT_THAT(t, HasSubstr("FERRY_SERVE_WORKERS=1"));
   o.port = 65534;
-  EXPECT_THAT(test::error_text([&] { store::server srv(o); }), HasSubstr("3 workers need ports 65534 to 65536"));
+  EXPECT_THAT(test::error_text([&] { store::server srv(test::server_io(), o); }), HasSubstr("3 workers need ports 65534 to 65536"));
 }
 
 TEST(StoreService, ServerGoneIsAnErrorWithinTheDeadline) {
@@ -291,7 +318,7 @@ TEST(StoreService, ServerRestartedTheNextReadSucceeds) {
   o.workers = 1;
   for (int i = 0; i < 50 && !s.srv; ++i) {  // the port may take a moment to be free again
     try {
-      s.srv = std::make_unique<store::server>(o);
+      s.srv = std::make_unique<store::server>(test::server_io(), o);
     } catch (const error&) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
@@ -308,7 +335,7 @@ TEST(StoreService, SharedSecretChallengeResponse) {
   store::server_options o;
   o.root = s.root.string();
   o.secret = "correct horse battery staple";
-  store::server srv(o);
+  store::server srv(test::server_io(), o);
   std::vector<unsigned char> buf(4096);
   EXPECT_THAT(test::error_text([&] { store::client c("127.0.0.1", srv.port(), std::chrono::seconds(5)); }),
               HasSubstr("the server requires a shared secret"));

@@ -5,6 +5,7 @@
 #include <ferry/store/service.hpp>
 
 #include "support/data.hpp"
+#include "support/server_io.hpp"
 #include "support/errors.hpp"
 #include "support/phased_clients.hpp"
 
@@ -53,7 +54,7 @@ struct writable_server {
     o.chunk = chunk;
     o.secret = secret;
     o.writable = true;
-    srv = std::make_unique<store::server>(o);
+    srv = std::make_unique<store::server>(test::server_io(), o);
   }
   ~writable_server() {
     srv.reset();
@@ -110,7 +111,7 @@ TEST(StoreWrite, RefusedOnReadOnlyServersAndOutsideTheRoot) {
   // A read-only server: the client knows from the handshake and says so, naming the path.
   store::server_options ro;
   ro.root = s.root.string();
-  store::server rs(ro);
+  store::server rs(test::server_io(), ro);
   store::client r("127.0.0.1", rs.port());
   EXPECT_FALSE(r.writable());
   std::string t = test::error_text([&] { r.put("out/x.bin", b, sizeof b); });
@@ -121,9 +122,9 @@ TEST(StoreWrite, RefusedOnReadOnlyServersAndOutsideTheRoot) {
   store::server_options w;
   w.root = s.root.string();
   w.writable = true;
-  EXPECT_THAT(test::error_text([&] { store::server x(w); }), HasSubstr("refusing to serve writable without a shared secret"));
+  EXPECT_THAT(test::error_text([&] { store::server x(test::server_io(), w); }), HasSubstr("refusing to serve writable without a shared secret"));
   w.insecure = true;
-  store::server x(w);
+  store::server x(test::server_io(), w);
   store::client xc("127.0.0.1", x.port());
   xc.put("out/insecure.bin", b, sizeof b);
   EXPECT_EQ(std::filesystem::file_size(s.root / "out" / "insecure.bin"), sizeof b);

@@ -46,7 +46,7 @@ int run_job(runtime& rt, const job_options& o) {
   store::server_options so = store::server_options_from(rt.config());  // the user's FERRY_SERVE_* settings
   so.root = dir.string();
   so.host = "127.0.0.1";
-  store::server srv(so);
+  store::server srv(rt.files(), so);
   store::client c("127.0.0.1", srv.port(), store::client_options_from(rt.config(), &rt.registrations(), &rt.engine()));
   fmt::print("  serving {} on 127.0.0.1:{} (UCX)\n", dir.string(), srv.port());
 

@@ -44,7 +44,7 @@ int run_serve(runtime& rt, const serve_options& o) {
   if (!o.secret_file.empty()) so.secret = store::read_secret_file(o.secret_file);
   so.writable = o.writable;
   so.insecure = o.insecure;
-  store::server srv(so);
+  store::server srv(rt.files(), so);
   auto ports = srv.ports();
   std::string more;
   for (std::size_t i = 1; i < ports.size(); ++i) more += fmt::format("{}{}", i == 1 ? "" : ",", ports[i]);

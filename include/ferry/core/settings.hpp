@@ -43,7 +43,6 @@ FERRY_API std::string_view to_string(rma_use v) noexcept;
 FERRY_API std::string_view to_string(page_replacement v) noexcept;
 
 FERRY_API int default_xfer_threads() noexcept;  // half the hardware threads, 2..16
-FERRY_API int default_serve_threads() noexcept;  // the hardware threads, 8..64
 
 struct FERRY_API settings {
   // core
@@ -83,7 +82,6 @@ struct FERRY_API settings {
   std::uint64_t net_piece = 4ull << 20;     // bytes per wire request of a ferry:// read or write
   std::uint64_t net_landing = 256ull << 20; // the landing region a client lends a same-host server
   std::chrono::nanoseconds net_spin = std::chrono::microseconds(200);  // progress back-off before sleeping
-  int serve_threads = 0;                // file I/O threads of `ferry serve`; 0: default_serve_threads()
   int serve_workers = 1;                // UCX workers (progress threads) of `ferry serve`
   int serve_max_connections = 1024;     // connections a server keeps at once
   int serve_max_unauthenticated = 64;   // of those, connections that have not completed the handshake

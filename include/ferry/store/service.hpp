@@ -5,7 +5,7 @@
 // Data path (docs/design/storage-service.md): every request is split by the client into pieces of at
 // most `piece` bytes; each piece is one wire request with its own credit, spread over the client's
 // lanes (connections, each with its own UCX worker and progress thread), so a large read is served by
-// several server threads at once. Small reads (<= inline_max) are answered from the server's progress
+// several server workers and file requests at once. Small reads (<= inline_max) are answered from the server's progress
 // thread in one message (completion + data). Bulk data travels as UCX active messages (rendezvous) --
 // on tcp the fastest primitive UCX offers -- except between processes of one host: there the client
 // lends a landing region (a sealed memfd passed on the server's Unix socket) that the server maps and
@@ -24,6 +24,7 @@
 
 namespace ferry {
 class transfer_engine;
+class file_engine;
 class registration_cache;
 }  // namespace ferry
 
@@ -38,7 +39,6 @@ struct server_options {
   std::uint32_t max_outstanding = 64;  // per connection (credits)
   std::uint64_t max_request = 1ull << 30;
   std::uint64_t chunk = 4ull << 20;    // bytes per data message (larger client data messages are refused)
-  int threads = settings::defaults().serve_threads;  // file I/O threads; 0: default_serve_threads()
   int workers = settings::defaults().serve_workers;  // UCX workers (progress threads), each with its own port
   bool map = settings::defaults().net_map;           // serve regions lent by same-host clients directly
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
@@ -87,8 +87,9 @@ struct server_stats {
 
 class FERRY_API server {
  public:
+  // File data moves through `io` (its threads, its staging pool), which must outlive the server.
   // Throws permission_denied for a writable server without a secret (unless insecure), and the root's errors.
-  explicit server(server_options o);
+  server(file_engine& io, server_options o);
   ~server();  // stops: refuses new work, closes connections
   server(const server&) = delete;
   server& operator=(const server&) = delete;

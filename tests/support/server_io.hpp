@@ -1,0 +1,23 @@
+#pragma once
+// The file engine test servers move their data through, one for the whole test process (as the
+// runtime's in `ferry serve`). Built from its parts rather than a ferry::runtime, so that it does
+// not register ferry:// for the tests' own clients. CPU only: servers read and write host memory.
+#include <ferry/io/file.hpp>
+#include <ferry/mem/registration.hpp>
+
+namespace ferry::test {
+
+inline file_engine& server_io() {
+  struct parts {
+    settings s = settings::defaults();
+    device_registry devices{s};
+    std::unique_ptr<peer_memory_client> host = make_host_client(s.cuda_driver);
+    registration_cache cache{{host.get()}, s.pin_limit};
+    transfer_engine xfer{devices, cache, s};
+    file_engine files{xfer, devices, cache, s};
+  };
+  static parts p;
+  return p.files;
+}
+
+}  // namespace ferry::test
