@@ -100,7 +100,9 @@ class fd_cache {
     }
     struct ::stat st{};
     int fd = root_.open_regular(path, O_RDONLY, &st);
-    auto f = std::make_shared<open_file>(ferry::file::adopt(fd, printable(path), false), st, true);
+    // Read through the page cache (no O_DIRECT descriptor): a server's files are read again, by
+    // other clients or the same one, and the page cache is its cache.
+    auto f = std::make_shared<open_file>(ferry::file::adopt(fd, printable(path), false, false), st, true);
     if (opened) *opened = now;
     std::lock_guard l(mu_);
     std::erase_if(map_, [&](const auto& kv) { return now - kv.second.at >= ttl_; });
