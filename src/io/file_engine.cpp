@@ -155,7 +155,7 @@ struct file_engine::impl {
     io_uring ring{};
     int wake_fd = -1;
     std::uint64_t wake_buf = 0;
-    std::atomic<bool> asleep{false};  // waiting in the ring: new requests write wake_fd
+    std::atomic<bool> asleep{false};  // from its look at the queue to the end of its wait: new requests write wake_fd
     std::vector<slot> slots;
     std::list<running> runs;
     bool to_submit = false;
@@ -312,7 +312,11 @@ void file_engine::impl::wake_sleepers() {
 }
 
 // Takes queued requests while a slot is free (waiting for one when it runs none); false: stop.
+// Asleep from before it looks at the queue until the round's wait is over: a request queued after
+// the look finds it set and wakes the ring (a wake that comes while it is still busy only makes
+// the next wait return at once).
 bool file_engine::impl::worker::admit() {
+  asleep = true;
   std::vector<job> took;
   {
     std::unique_lock l(e.mu);
@@ -347,17 +351,9 @@ void file_engine::impl::worker::loop() {
     // Wait for a completion, new work, or the nearest deadline (cancellation is noticed within 50 ms).
     auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
     for (auto& r : runs) until = std::min(until, r.j.b->until);
-    if (!runs.empty()) {
-      // Asleep before looking at the queue: a request queued after the look finds it set and wakes it.
-      asleep = true;
-      {
-        std::lock_guard l(e.mu);
-        if (!e.queue.empty() && runs.size() < slots.size()) asleep = false;
-      }
-      io_uring_cqe* first = nullptr;
-      if (asleep) wait_one(&first, until);  // (it is handled with the others below)
-      asleep = false;
-    }
+    io_uring_cqe* first = nullptr;
+    if (!runs.empty()) wait_one(&first, until);  // (it is handled with the others below)
+    asleep = false;
     unsigned head;
     io_uring_cqe* cqe;
     std::vector<std::pair<std::uint64_t, int>> done;

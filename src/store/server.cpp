@@ -1316,7 +1316,7 @@ struct server::impl {
   void stream(const std::shared_ptr<streamed>& st) {
     std::uint64_t want = std::min<std::uint64_t>(buffers.bytes(), st->length - st->done);
     if (want == 0 || !st->c->alive() || stopping_now()) {
-      if (st->c->alive()) answer_safely(*st->c, *st->cr, {st->rid, 0, complete{0, st->done}});
+      if (st->c->alive()) answer(*st->c, *st->cr, {st->rid, 0, complete{0, st->done}});
       return;
     }
     buffers.take([this, st, want](std::byte* b) {
@@ -1325,7 +1325,7 @@ struct server::impl {
         if (r.state != request_state::done || got == 0) {
           buffers.give_back(b);
           if (r.state != request_state::done) return answer_error(*st->c, *st->cr, st->rid, error_of(r));
-          return answer_safely(*st->c, *st->cr, {st->rid, 0, complete{0, st->done}});
+          return answer(*st->c, *st->cr, {st->rid, 0, complete{0, st->done}});
         }
         try {
           st->c->send_data(st->rid, st->done, b, static_cast<std::size_t>(got), [this, b](ucs_status_t) { buffers.give_back(b); });
@@ -1339,12 +1339,6 @@ struct server::impl {
         stream(st);
       });
     });
-  }
-  void answer_safely(connection& c, credit& cr, const message& m) {
-    try {
-      answer(c, cr, m);
-    } catch (...) {
-    }
   }
 
   // write_mode::keep of an existing file: its current content is copied into the new version first,
@@ -1384,7 +1378,7 @@ struct server::impl {
       std::uint64_t got = r.bytes_done;
       if (got == 0) {
         buffers.give_back(std::exchange(k->buf, nullptr));
-        return answer_safely(*k->c, *k->cr, {k->rid, 0, complete{0, k->t->id()}});
+        return answer(*k->c, *k->cr, {k->rid, 0, complete{0, k->t->id()}});
       }
       file_io(k->t->file()->f, true, k->done, k->buf, got, [this, k, fail_keep, got](const request_result& w) {
         if (w.state != request_state::done) return fail_keep(error_of(w));

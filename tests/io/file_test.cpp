@@ -252,12 +252,6 @@ TEST(File, ClearErrorsNamingThePath) {
   EXPECT_THAT(std::string(msg), HasSubstr("[permission_denied]"));
 }
 
-std::uint64_t counter_of(runtime& rt, const std::string& name) {
-  for (auto& [k, v] : rt.files().counters().snapshot())
-    if (k == name) return v;
-  return 0;
-}
-
 // One worker runs several requests at once: a request queued behind a large one starts beside it
 // (slots are shared round-robin), it does not wait for it to end.
 TEST(File, OneWorkerRunsSeveralRequestsAtOnce) {
@@ -285,7 +279,7 @@ TEST(File, OneWorkerRunsSeveralRequestsAtOnce) {
     rt.engine().copy(got.data(), reqs[i].mem, 1 << 20);
     EXPECT_EQ(std::memcmp(got.data(), data[i].data(), got.size()), 0) << i;
   }
-  EXPECT_GT(counter_of(rt, "requests.beside_others"), 0u);
+  EXPECT_GT(rt.files().counters().get("requests.beside_others").value(), 0u);
 }
 
 // A batch without a handle: the completion comes once, with every result, bad requests included.

@@ -20,11 +20,8 @@
 namespace ferry::net {
 
 inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
-// 2: hello gives the client's lanes; welcome the server instance and worker ports.
-// 3: read_into names a notify record (see read_into).
-// 4: writes are atomic per file: open_write / end_write, and every write piece names its handle.
-// 5: regions are lent as descriptors over the server's lending socket: welcome names the socket and
-//    the session's token, lend names the region passed there.
+// Raised whenever the wire format changes; both sides must speak the same one (a frame of another
+// version is refused, naming both).
 inline constexpr std::uint16_t protocol_version = 5;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
