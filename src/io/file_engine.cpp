@@ -113,10 +113,10 @@ struct file_engine::impl {
   settings cfg;
   ferry::stats st;
   struct worker;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<job> queue;
+  std::mutex mu;               // the workers' queues, `stop`
+  std::condition_variable cv;  // a queue got work, or stop
   bool stop = false;
+  std::size_t next = 0;        // with mu: where start() looks for a worker first
   std::vector<std::unique_ptr<worker>> workers;
   std::vector<std::thread> threads;
   bool inject_partial, inject_eintr;
@@ -146,7 +146,10 @@ struct file_engine::impl {
   void wake_sleepers();
 
   // ---- a worker: one ring, FERRY_IO_DEPTH slots shared by the requests it runs at once ----------
-  // Requests come from the shared queue while a slot is free; each issues I/O into free slots in
+  // A request goes to the worker with the least work (see file_engine::start), so requests that
+  // come together run on different workers: buffered I/O that hits the page cache is a copy by the
+  // kernel, and one ring's async workers take a burst of such copies one after another. A worker
+  // takes requests from its queue while a slot is free; each issues I/O into free slots in
   // turn (one per round, so a large request does not starve a small one). Device copies of staged
   // data go to the transfer engine; its completions come back through an eventfd the ring reads, so
   // one wait sees file I/O, copies and new requests alike.
@@ -156,6 +159,8 @@ struct file_engine::impl {
     int wake_fd = -1;
     std::uint64_t wake_buf = 0;
     std::atomic<bool> asleep{false};  // from its look at the queue to the end of its wait: new requests write wake_fd
+    std::deque<job> queue;            // with e.mu
+    std::atomic<std::size_t> running_now{0};  // requests it runs (as of its last round)
     std::vector<slot> slots;
     std::list<running> runs;
     bool to_submit = false;
@@ -293,7 +298,8 @@ file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cac
     : xfer(x), devices(d), cache(c), cfg(s) {
   inject_partial = s.io_inject.find("partial") != std::string::npos;
   inject_eintr = s.io_inject.find("eintr") != std::string::npos;
-  for (int i = 0; i < s.io_threads; ++i) workers.push_back(std::make_unique<worker>(*this));
+  const int n = s.io_threads > 0 ? s.io_threads : default_xfer_threads();
+  for (int i = 0; i < n; ++i) workers.push_back(std::make_unique<worker>(*this));
   for (auto& w : workers) threads.emplace_back([w = w.get()] { w->loop(); });
 }
 
@@ -320,12 +326,13 @@ bool file_engine::impl::worker::admit() {
   std::vector<job> took;
   {
     std::unique_lock l(e.mu);
-    if (runs.empty()) e.cv.wait(l, [&] { return e.stop || !e.queue.empty(); });
-    if (runs.empty() && e.queue.empty()) return false;  // stopping, nothing left
-    while (!e.queue.empty() && runs.size() + took.size() < slots.size()) {
-      took.push_back(std::move(e.queue.front()));
-      e.queue.pop_front();
+    if (runs.empty()) e.cv.wait(l, [&] { return e.stop || !queue.empty(); });
+    if (runs.empty() && queue.empty()) return false;  // stopping, nothing left
+    while (!queue.empty() && runs.size() + took.size() < slots.size()) {
+      took.push_back(std::move(queue.front()));
+      queue.pop_front();
     }
+    running_now = runs.size() + took.size();
   }
   for (auto& j : took) {
     // Counted: a request that starts beside others on this worker (not behind them).
@@ -400,6 +407,7 @@ void file_engine::impl::worker::loop() {
         ++it;
       }
     }
+    running_now = runs.size();
   }
 }
 
@@ -690,8 +698,20 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     b->items_inflight = static_cast<int>(jobs.size() + remote.size());
   }
   {
+    // Each to the worker with the least work (queued and running), the first of equals after the
+    // one that took the last request: requests that come together spread over the workers.
     std::lock_guard l(I.mu);
-    for (auto& j : jobs) I.queue.push_back(std::move(j));
+    const std::size_t n = I.workers.size();
+    for (auto& j : jobs) {
+      std::size_t best = I.next % n, least = SIZE_MAX;
+      for (std::size_t k = 0; k < n; ++k) {
+        auto& w = *I.workers[(I.next + k) % n];
+        std::size_t load = w.queue.size() + w.running_now.load();
+        if (load < least) least = load, best = (I.next + k) % n;
+      }
+      I.workers[best]->queue.push_back(std::move(j));
+      I.next = best + 1;
+    }
   }
   I.cv.notify_all();
   I.wake_sleepers();

@@ -282,6 +282,27 @@ TEST(File, OneWorkerRunsSeveralRequestsAtOnce) {
   EXPECT_GT(rt.files().counters().get("requests.beside_others").value(), 0u);
 }
 
+// Requests that come together go to different workers (a ring's kernel threads would copy a burst
+// of page-cache reads one after another): with four workers, four requests run one per worker.
+TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
+  settings s = io_settings();
+  s.io_threads = 4;
+  s.io_direct = direct_io::never;
+  runtime rt(s);
+  std::string p = temp_path("spread");
+  auto data = random_bytes(4 << 20, 17);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  std::vector<unsigned char> got(4 << 20);
+  std::vector<file_request> reqs;
+  for (int i = 0; i < 4; ++i) reqs.push_back({f, std::uint64_t(i) << 20, got.data() + (i << 20), 1 << 20, false});
+  transfer_batch b = rt.files().submit(reqs);
+  ASSERT_TRUE(b.wait());
+  b.check();
+  EXPECT_EQ(got, data);
+  EXPECT_EQ(rt.files().counters().get("requests.beside_others").value(), 0u);
+}
+
 // A batch without a handle: the completion comes once, with every result, bad requests included.
 TEST(File, ABatchWithoutAHandleReportsThroughItsCompletionOnce) {
   runtime rt(io_settings());

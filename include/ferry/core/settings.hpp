@@ -42,7 +42,7 @@ FERRY_API std::string_view to_string(direct_io v) noexcept;
 FERRY_API std::string_view to_string(rma_use v) noexcept;
 FERRY_API std::string_view to_string(page_replacement v) noexcept;
 
-FERRY_API int default_xfer_threads() noexcept;  // half the hardware threads, 2..16
+FERRY_API int default_xfer_threads() noexcept;  // half the hardware threads, 2..16 (also the file engine's)
 
 struct FERRY_API settings {
   // core
@@ -73,7 +73,7 @@ struct FERRY_API settings {
   std::string cufile_library = "libcufile.so.0";
   file_backend_kind file_backend = file_backend_kind::automatic;
   direct_io io_direct = direct_io::automatic;
-  int io_threads = 2;
+  int io_threads = 0;  // 0: default_xfer_threads()
   int io_depth = 16;
   std::uint64_t io_chunk = 8ull << 20;
   std::string io_inject;               // test-only fault injection: "partial", "eintr", "partial,eintr"
