@@ -18,6 +18,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -113,8 +114,7 @@ struct file_engine::impl {
   settings cfg;
   ferry::stats st;
   struct worker;
-  std::mutex mu;               // the workers' queues, `stop`
-  std::condition_variable cv;  // a queue got work, or stop
+  std::mutex mu;  // the workers' queues, `stop`
   bool stop = false;
   std::size_t next = 0;        // with mu: where start() looks for a worker first
   std::vector<std::unique_ptr<worker>> workers;
@@ -143,7 +143,6 @@ struct file_engine::impl {
 
   impl(transfer_engine& x, device_registry& d, registration_cache& c, const settings& s);
   ~impl();
-  void wake_sleepers();
 
   // ---- a worker: one ring, FERRY_IO_DEPTH slots shared by the requests it runs at once ----------
   // A request goes to the worker with the least work (see file_engine::start), so requests that
@@ -160,6 +159,7 @@ struct file_engine::impl {
     std::uint64_t wake_buf = 0;
     std::atomic<bool> asleep{false};  // from its look at the queue to the end of its wait: new requests write wake_fd
     std::deque<job> queue;            // with e.mu
+    std::condition_variable cv;       // with e.mu: its queue got work, or stop (it waits here when it runs nothing)
     std::atomic<std::size_t> running_now{0};  // requests it runs (as of its last round)
     std::vector<slot> slots;
     std::list<running> runs;
@@ -183,7 +183,9 @@ struct file_engine::impl {
       io_uring_queue_exit(&ring);
       ::close(wake_fd);
     }
+    // Its queue got work (or stop): the condition variable when it runs nothing, else the ring.
     void wake() {
+      cv.notify_one();
       if (asleep.exchange(false)) {
         std::uint64_t one = 1;
         [[maybe_unused]] auto n = ::write(wake_fd, &one, sizeof one);
@@ -308,13 +310,8 @@ file_engine::impl::~impl() {
     std::lock_guard l(mu);
     stop = true;
   }
-  cv.notify_all();
-  wake_sleepers();
-  for (auto& t : threads) t.join();
-}
-
-void file_engine::impl::wake_sleepers() {
   for (auto& w : workers) w->wake();
+  for (auto& t : threads) t.join();
 }
 
 // Takes queued requests while a slot is free (waiting for one when it runs none); false: stop.
@@ -326,7 +323,7 @@ bool file_engine::impl::worker::admit() {
   std::vector<job> took;
   {
     std::unique_lock l(e.mu);
-    if (runs.empty()) e.cv.wait(l, [&] { return e.stop || !queue.empty(); });
+    if (runs.empty()) cv.wait(l, [&] { return e.stop || !queue.empty(); });
     if (runs.empty() && queue.empty()) return false;  // stopping, nothing left
     while (!queue.empty() && runs.size() + took.size() < slots.size()) {
       took.push_back(std::move(queue.front()));
@@ -697,6 +694,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     std::lock_guard l(b->mu);
     b->items_inflight = static_cast<int>(jobs.size() + remote.size());
   }
+  std::vector<impl::worker*> got;
   {
     // Each to the worker with the least work (queued and running), the first of equals after the
     // one that took the last request: requests that come together spread over the workers.
@@ -711,10 +709,10 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       }
       I.workers[best]->queue.push_back(std::move(j));
       I.next = best + 1;
+      if (std::find(got.begin(), got.end(), I.workers[best].get()) == got.end()) got.push_back(I.workers[best].get());
     }
   }
-  I.cv.notify_all();
-  I.wake_sleepers();
+  for (auto* w : got) w->wake();
   for (std::size_t i : remote) {
     const file_request& r = reqs[i];
     // The completion may run before start() returns, on any thread; the batch state outlives it
