@@ -116,7 +116,6 @@ struct file_engine::impl {
   struct worker;
   std::mutex mu;  // the workers' queues, `stop`
   bool stop = false;
-  std::size_t next = 0;        // with mu: where start() looks for a worker first
   std::vector<std::unique_ptr<worker>> workers;
   std::vector<std::thread> threads;
   bool inject_partial, inject_eintr;
@@ -696,19 +695,18 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   }
   std::vector<impl::worker*> got;
   {
-    // Each to the worker with the least work (queued and running), the first of equals after the
-    // one that took the last request: requests that come together spread over the workers.
+    // Each to the worker with the least work (queued and running), the first of equals: requests
+    // that come together spread over the workers, one after another they stay on the first few
+    // (awake, their rings' kernel threads warm).
     std::lock_guard l(I.mu);
-    const std::size_t n = I.workers.size();
     for (auto& j : jobs) {
-      std::size_t best = I.next % n, least = SIZE_MAX;
-      for (std::size_t k = 0; k < n; ++k) {
-        auto& w = *I.workers[(I.next + k) % n];
+      std::size_t best = 0, least = SIZE_MAX;
+      for (std::size_t k = 0; k < I.workers.size(); ++k) {
+        auto& w = *I.workers[k];
         std::size_t load = w.queue.size() + w.running_now.load();
-        if (load < least) least = load, best = (I.next + k) % n;
+        if (load < least) least = load, best = k;
       }
       I.workers[best]->queue.push_back(std::move(j));
-      I.next = best + 1;
       if (std::find(got.begin(), got.end(), I.workers[best].get()) == got.end()) got.push_back(I.workers[best].get());
     }
   }
