@@ -70,7 +70,7 @@ TEST(MappedFile, AFileTruncatedUnderTheMappingFailsTheReadInsteadOfKillingThePro
   mapped_file m(f.fd);
   ASSERT_EQ(m.size(), 64u << 10);
   ASSERT_EQ(::ftruncate(f.fd, 8 << 10), 0);
-  std::vector<unsigned char> out(4096);
+  std::vector<unsigned char> out(8192);
   for (int i = 0; i < 3; ++i) {  // the guard works again after it caught one
     EXPECT_FALSE(m.read(out.data(), 4096, 16 << 10));
     EXPECT_FALSE(m.read(out.data(), 8192, 4096));  // straddles the new end
