@@ -71,7 +71,6 @@ struct running {
   std::uint64_t lo = 0, hi = 0;  // the asked range (a read's clipped to the size seen at the start)
   std::uint64_t size0 = 0;       // a read: the file's size at the start
   std::uint64_t chunk = 0;       // bytes per I/O
-  bool one_io = false;           // the whole request is a single I/O
   pinned_pool* pool = nullptr;   // staging buffers, for requests that need them
   int busy = 0;                  // slots working for it
   std::uint64_t delivered = 0;
@@ -234,12 +233,9 @@ struct file_engine::impl {
       auto off = static_cast<__u64>(s.off + s.got);
       if (r.j.r.write) io_uring_prep_write(q, fd, p, n, off);
       else io_uring_prep_read(q, fd, p, n, off);
-      // Buffered I/O that hits the page cache completes inline, the kernel copying during submit on
-      // this thread. A request of several I/Os hands them to io-wq (IOSQE_ASYNC) so that its
-      // copies run in parallel; a request of one I/O is copied here (another hop to a kernel thread
-      // and back would cost more than it saves: requests that come together are on other workers).
-      // Inline means without blocking: what would wait for the disk goes to io-wq anyway.
-      if (!s.direct && !r.one_io) q->flags |= IOSQE_ASYNC;
+      // Buffered I/O that hits the page cache would otherwise complete inline, one copy at a time:
+      // IOSQE_ASYNC hands it to io-wq workers so several copies run in parallel.
+      if (!s.direct) q->flags |= IOSQE_ASYNC;
       io_uring_sqe_set_data64(q, static_cast<__u64>(index(s)));
       s.state = slot::io;
     }
@@ -501,7 +497,6 @@ void file_engine::impl::worker::start(job j) {
     r.pool = staged ? &e.xfer.staging_for(r.j.where) : nullptr;
     std::uint64_t most = r.pool ? std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes()) : e.cfg.io_chunk;
     r.chunk = std::max<std::uint64_t>(4096, align_down(most, 4096));
-    r.one_io = r.parts.size() == 1 && r.parts[0].end - r.parts[0].pos <= r.chunk;
   });
   if (x) return e.finish_job(r.j, &*x);
   if (r.parts.empty()) return e.finish_job(r.j, nullptr);
