@@ -380,10 +380,10 @@ struct server::impl {
     }
     // The lent region that holds [addr, addr + n), or null. Newest first: a region lent again at
     // an address that was given back is the live one.
-    lent_region* lent_at(std::uint64_t addr, std::uint64_t n) const {
+    const std::shared_ptr<lent_region>* lent_at(std::uint64_t addr, std::uint64_t n) const {
       for (auto it = lent.rbegin(); it != lent.rend(); ++it) {
         auto& m = **it;
-        if (addr >= m.addr && n <= m.len && addr - m.addr <= m.len - n) return &m;
+        if (addr >= m.addr && n <= m.len && addr - m.addr <= m.len - n) return &*it;
       }
       return nullptr;
     }
@@ -923,23 +923,21 @@ struct server::impl {
     if (length > o.max_request)
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
     if (sn.lent.empty()) fail(errc::protocol_error, op, c.peer(), "direct request without a mapped region (lend first)");
-    lent_region* at = sn.lent_at(addr, length);
+    auto* at = sn.lent_at(addr, length);
     if (!at) fail(errc::out_of_range, op, c.peer(), fmt::format("[{:#x}, +{}) is outside every region the client lent", addr, length));
     if (!write && length <= o.inline_max) {
       std::uint64_t* record = nullptr;
       if (notify) {
-        lent_region* nm = sn.lent_at(notify, 2 * sizeof(std::uint64_t));
+        auto* nm = sn.lent_at(notify, 2 * sizeof(std::uint64_t));
         if (!nm) fail(errc::out_of_range, op, c.peer(), fmt::format("notify record {:#x} is outside every region the client lent", notify));
-        record = reinterpret_cast<std::uint64_t*>(nm->base + (notify - nm->addr));
+        record = reinterpret_cast<std::uint64_t*>((*nm)->base + (notify - (*nm)->addr));
       }
-      return read_direct_here(c, sn, rid, path, offset, length, at->base + (addr - at->addr), record);
+      return read_direct_here(c, sn, rid, path, offset, length, (*at)->base + (addr - (*at)->addr), record);
     }
     // The request holds the session and the mapping (a plain reference suffices above, on this
     // thread; taking one costs two atomic operations per request).
     auto s = sn.shared_from_this();
-    std::shared_ptr<lent_region> m;
-    for (auto& x : s->lent)
-      if (x.get() == at) m = x;
+    std::shared_ptr<lent_region> m = *at;
     auto t = write ? txn(handle, path) : nullptr;
     auto f = write ? t->file() : files.get(path);
     auto self = c.shared_from_this();
