@@ -233,9 +233,12 @@ struct file_engine::impl {
       auto off = static_cast<__u64>(s.off + s.got);
       if (r.j.r.write) io_uring_prep_write(q, fd, p, n, off);
       else io_uring_prep_read(q, fd, p, n, off);
-      // Buffered I/O that hits the page cache would otherwise complete inline, one copy at a time:
-      // IOSQE_ASYNC hands it to io-wq workers so several copies run in parallel.
-      if (!s.direct) q->flags |= IOSQE_ASYNC;
+      // Buffered I/O that hits the page cache completes inline: the kernel copies during submit, on
+      // this thread, one copy at a time. For a small copy that is cheaper than the hand-off to an
+      // io-wq kernel thread and back; larger ones go to io-wq (IOSQE_ASYNC) so that the copies of
+      // one request, and of the requests sharing this worker, run in parallel. Inline never blocks:
+      // what would wait for the disk is punted to io-wq by the kernel.
+      if (!s.direct && n > e.cfg.io_inline) q->flags |= IOSQE_ASYNC;
       io_uring_sqe_set_data64(q, static_cast<__u64>(index(s)));
       s.state = slot::io;
     }

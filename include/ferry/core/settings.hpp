@@ -76,6 +76,7 @@ struct FERRY_API settings {
   int io_threads = 0;  // 0: default_xfer_threads()
   int io_depth = 16;
   std::uint64_t io_chunk = 8ull << 20;
+  std::uint64_t io_inline = 1ull << 20;  // buffered I/O up to this size is copied during submit
   std::string io_inject;               // test-only fault injection: "partial", "eintr", "partial,eintr"
   // net / store
   std::string secret_file;             // shared secret for ferry:// servers that require one
