@@ -118,6 +118,16 @@ void stream::checksum(const void* src, std::size_t bytes, std::uint64_t* result)
   do_checksum(src, bytes, result);
 }
 
+void stream::write_value(std::uint32_t* addr, std::uint32_t value) {
+  if (!addr || reinterpret_cast<std::uintptr_t>(addr) % alignof(std::uint32_t))
+    fail(errc::invalid_argument, "stream.write_value", describe_range(addr, 4), "needs a 4-byte aligned word");
+  do_write_value(addr, value);
+}
+void stream::wait_value(const std::uint32_t* addr, std::uint32_t value) {
+  if (!addr || reinterpret_cast<std::uintptr_t>(addr) % alignof(std::uint32_t))
+    fail(errc::invalid_argument, "stream.wait_value", describe_range(addr, 4), "needs a 4-byte aligned word");
+  do_wait_value(addr, value);
+}
 std::unique_ptr<event> stream::record() { return do_record(); }
 void stream::wait(event& e) { do_wait(e); }
 bool stream::idle() { return do_idle(); }
@@ -404,5 +414,6 @@ void device::set_access(void* va, std::uint64_t bytes, std::span<const access_de
 }
 
 std::unique_ptr<stream> device::create_stream() { return do_create_stream(); }
+std::unique_ptr<stream> device::wrap_stream(native_stream s) { return do_wrap_stream(s); }
 
 }  // namespace ferry

@@ -111,14 +111,17 @@ void backend::refuse(file& f, const std::string& why) {
 
 namespace {
 #ifdef FERRY_HAVE_CUDA
-void make_current(const std::string& driver, int ordinal) {
+// The device's primary context, current (for cuFile) until the scope ends.
+cuda::context_scope make_current(const std::string& driver, int ordinal) {
   const cuda::driver_status& st = cuda::load(driver);
   CUdevice d = 0;
   CUcontext c = nullptr;
   cuda::check(st.api->cuDeviceGet(&d, ordinal), "cufile", "cuDeviceGet");
   cuda::check(st.api->cuDevicePrimaryCtxRetain(&c, d), "cufile", "primary context");
-  cuda::check(st.api->cuCtxSetCurrent(c), "cufile", "set context");
   st.api->cuDevicePrimaryCtxRelease(d);  // the device object keeps its own reference
+  cuda::context_scope cs(*st.api, c);
+  cuda::check(cs.status(), "cufile", "set context");
+  return cs;
 }
 #endif
 std::string describe_ret(long r) {
@@ -131,7 +134,7 @@ std::uint64_t backend::transfer(file& f, [[maybe_unused]] int ordinal, bool writ
                                 std::uint64_t n, std::uint64_t chunk, deadline until,
                                 const std::function<void(std::uint64_t)>& progress) {
 #ifdef FERRY_HAVE_CUDA
-  make_current(driver_, ordinal);
+  auto cs = make_current(driver_, ordinal);
 #endif
   void* h = nullptr;
   {

@@ -47,7 +47,8 @@ struct cuda_ctx {
     if (st.api->cuDeviceGet(&d, 0) != CUDA_SUCCESS || st.api->cuDevicePrimaryCtxRetain(&ctx, d) != CUDA_SUCCESS) return;
     api = st.api;
   }
-  void current() const { api->cuCtxSetCurrent(ctx); }
+  // The primary context of device 0, current until the scope ends.
+  cuda::context_scope current() const { return cuda::context_scope(*api, ctx); }
 };
 #endif
 
@@ -67,7 +68,7 @@ class host_client final : public peer_memory_client {
   std::uint64_t pin(const memory_region&, std::uintptr_t base, std::uint64_t size) override {
 #ifdef FERRY_HAVE_CUDA
     if (cuda_.api) {
-      cuda_.current();
+      auto cs = cuda_.current();
       cuda::check(cuda_.api->cuMemHostRegister(reinterpret_cast<void*>(base), size, CU_MEMHOSTREGISTER_PORTABLE),
                   "mem.pin", fmt::format("host {}", describe_range(base, size)));
       return 1;
@@ -81,7 +82,7 @@ class host_client final : public peer_memory_client {
   void unpin(std::uint64_t cookie, std::uintptr_t base, std::uint64_t size) noexcept override {
 #ifdef FERRY_HAVE_CUDA
     if (cookie == 1 && cuda_.api) {
-      cuda_.current();
+      auto cs = cuda_.current();
       cuda_.api->cuMemHostUnregister(reinterpret_cast<void*>(base));
       return;
     }
@@ -103,7 +104,7 @@ class cuda_client final : public peer_memory_client {
   explicit cuda_client(cuda_ctx c) : c_(std::move(c)) {}
   std::string_view name() const noexcept override { return "cuda"; }
   std::optional<memory_region> acquire(const void* p, std::uint64_t n) override {
-    c_.current();
+    auto cs = c_.current();
     unsigned type = 0;
     int ordinal = -1;
     unsigned managed = 0;
@@ -145,7 +146,7 @@ class cuda_client final : public peer_memory_client {
   bool pin_is_free() const noexcept override { return true; }
   // cudaFree + cudaMalloc at the same address gives a new buffer id.
   bool still_valid(const memory_region& r) override {
-    c_.current();
+    auto cs = c_.current();
     unsigned long long id = 0;
     CUpointer_attribute a = CU_POINTER_ATTRIBUTE_BUFFER_ID;
     void* d = &id;

@@ -48,10 +48,12 @@ dmabuf export_dmabuf([[maybe_unused]] const void* p, std::uint64_t bytes, [[mayb
     fail(errc::not_supported, "mem.export_dmabuf", fmt::format("{} on cuda:{}", res, ordinal),
          "the driver reports no dma-buf support on this device/platform (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED=0)");
   cuda::check(api.cuDevicePrimaryCtxRetain(&ctx, dev), "mem.export_dmabuf", res);
-  api.cuCtxSetCurrent(ctx);
   int fd = -1;
-  CUresult r = api.cuMemGetHandleForAddressRange(&fd, reinterpret_cast<CUdeviceptr>(p), bytes,
-                                                 CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+  CUresult r = CUDA_SUCCESS;
+  {
+    cuda::context_scope cs(api, ctx);
+    r = api.cuMemGetHandleForAddressRange(&fd, reinterpret_cast<CUdeviceptr>(p), bytes, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+  }
   api.cuDevicePrimaryCtxRelease(dev);
   cuda::check(r, "mem.export_dmabuf", res);
   return dmabuf(fd, bytes);

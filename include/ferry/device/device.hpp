@@ -136,6 +136,16 @@ class FERRY_API va_range {
   std::uint64_t size_ = 0;
 };
 
+// A backend's own handle of a stream. For CUDA it is the CUstream (cudaStream_t is the same value):
+// 0 and legacy() name the legacy default stream, per_thread() the per-thread default stream. The
+// sim backend's streams have handles too, so that tests can play a user's streams without a GPU.
+struct native_stream {
+  std::uintptr_t handle = 0;
+  static constexpr native_stream legacy() noexcept { return {1}; }      // CU_STREAM_LEGACY
+  static constexpr native_stream per_thread() noexcept { return {2}; }  // CU_STREAM_PER_THREAD
+  friend bool operator==(native_stream, native_stream) = default;
+};
+
 // Completion marker recorded on a stream.
 class FERRY_API event {
  public:
@@ -170,6 +180,20 @@ class FERRY_API stream {
   // after the stream is synchronized.
   void checksum(const void* src, std::size_t bytes, std::uint64_t* result);
 
+  // Stream memory operations on a 32-bit word of host memory the device can reach (pinned, or
+  // registered with the device) or of the device's own memory. write_value stores `value` once the
+  // work enqueued before it completed (and its writes are visible); wait_value holds the work
+  // enqueued after it until (int32_t)(*addr - value) >= 0 -- a sequence number that only grows, so
+  // wrap-around is harmless. Nothing runs on a CPU thread: how ferry orders its host-side work
+  // with a user's kernels (docs/design/stream-ordering.md).
+  void write_value(std::uint32_t* addr, std::uint32_t value);
+  void wait_value(const std::uint32_t* addr, std::uint32_t value);
+
+  // The backend's handle of this stream, for the user's own calls (a cudaStream_t).
+  native_stream native_handle() const noexcept { return do_native_handle(); }
+  // True for a view of a stream ferry did not make (device::wrap_stream).
+  bool is_view() const noexcept { return view_; }
+
   // Records an event after the work enqueued so far.
   std::unique_ptr<event> record();
   // Work enqueued after this waits for `e` (which may belong to another stream of the same device).
@@ -181,7 +205,7 @@ class FERRY_API stream {
   void synchronize();  // with the device's default deadline (FERRY_DEADLINE)
 
  protected:
-  explicit stream(device& owner) : owner_(&owner) {}
+  explicit stream(device& owner, bool view = false) : owner_(&owner), view_(view) {}
 
  private:
   virtual void do_copy(void* dst, const void* src, std::size_t bytes) = 0;
@@ -192,8 +216,12 @@ class FERRY_API stream {
   virtual void do_wait(event& e) = 0;
   virtual bool do_idle() = 0;
   virtual void do_synchronize(deadline until) = 0;
+  virtual void do_write_value(std::uint32_t* addr, std::uint32_t value) = 0;
+  virtual void do_wait_value(const std::uint32_t* addr, std::uint32_t value) = 0;
+  virtual native_stream do_native_handle() const noexcept = 0;
 
   device* owner_;
+  bool view_;
 };
 
 class FERRY_API device {
@@ -227,6 +255,12 @@ class FERRY_API device {
   void set_access(void* va, std::uint64_t bytes, std::span<const access_desc> grants);
 
   std::unique_ptr<stream> create_stream();
+  // A view of a stream that someone else made (the user's cudaStream_t, torch's current stream,
+  // the legacy or per-thread default stream): work ferry enqueues through it runs in that stream's
+  // order. Destroying the view neither synchronizes nor destroys the stream; the stream must outlive
+  // the view. A CUDA stream must belong to this device's primary context (the runtime API's, so
+  // torch's and CuPy's); a stream of another device or context is refused (invalid_argument).
+  std::unique_ptr<stream> wrap_stream(native_stream s);
   // The default wait deadline for this device's streams.
   std::chrono::nanoseconds default_timeout() const noexcept { return default_timeout_; }
 
@@ -293,6 +327,7 @@ class FERRY_API device {
   virtual void do_set_access(std::uintptr_t va, std::uint64_t bytes, const mapping& m,
                              std::span<const access_desc> grants) = 0;
   virtual std::unique_ptr<stream> do_create_stream() = 0;
+  virtual std::unique_ptr<stream> do_wrap_stream(native_stream s) = 0;
   virtual void do_enable_peer_access(device& peer) = 0;
 
   struct chunk_state {

@@ -41,14 +41,14 @@ class cuda_event final : public event {
   cuda_event(const driver_api& api, CUcontext ctx, CUevent e, std::string name)
       : api_(api), ctx_(ctx), e_(e), name_(std::move(name)) {}
   ~cuda_event() override {
-    api_.cuCtxSetCurrent(ctx_);
+    context_scope cs(api_, ctx_);
     api_.cuEventDestroy(e_);
   }
   CUevent handle() const { return e_; }
 
  private:
   bool do_query() override {
-    api_.cuCtxSetCurrent(ctx_);
+    context_scope cs(api_, ctx_);
     CUresult r = api_.cuEventQuery(e_);
     if (r == CUDA_ERROR_NOT_READY) return false;
     check(r, "event.query", name_);
@@ -73,21 +73,27 @@ class cuda_device final : public device {
   }
   ~cuda_device() override {
     if (module_) {
-      api_.cuCtxSetCurrent(ctx_);
+      context_scope cs(api_, ctx_);
       api_.cuModuleUnload(module_);
     }
     api_.cuDevicePrimaryCtxRelease(dev_);
   }
 
   const driver_api& api() const { return api_; }
-  void make_current() const { check(api_.cuCtxSetCurrent(ctx_), "cuda.set_context", id()); }
+  // The device's context, current until the returned scope ends (then the caller's again).
+  [[nodiscard]] context_scope make_current() const {
+    context_scope cs(api_, ctx_);
+    check(cs.status(), "cuda.set_context", id());
+    return cs;
+  }
   CUcontext context() const { return ctx_; }
+  CUdevice cu_device() const { return dev_; }
   std::uint64_t next_stream_serial() { return ++streams_; }
 
   // Kernels of kernels.cu, loaded on first use.
   CUfunction kernel(const char* name) {
     std::call_once(module_once_, [&] {
-      make_current();
+      auto cs = make_current();
       check(api_.cuModuleLoadData(&module_, detail::ferry_cuda_kernels), "cuda.load_kernels", id());
       check(api_.cuModuleGetFunction(&fill_, module_, "ferry_fill_pattern"), "cuda.load_kernels", id());
       check(api_.cuModuleGetFunction(&checksum_, module_, "ferry_checksum"), "cuda.load_kernels", id());
@@ -166,7 +172,7 @@ class cuda_device final : public device {
   }
 
   memory_usage do_memory() override {
-    make_current();
+    auto cs = make_current();
     size_t f = 0, t = 0;
     check(api_.cuMemGetInfo(&f, &t), "cuda.memory_info", id());
     return {f, t};
@@ -180,7 +186,7 @@ class cuda_device final : public device {
     return g;
   }
   std::uint64_t do_allocate(std::uint64_t bytes, location where) override {
-    make_current();
+    auto cs = make_current();
     CUmemAllocationProp p = device_prop(where);
     CUmemGenericAllocationHandle h = 0;
     check(api_.cuMemCreate(&h, bytes, &p, 0), "device.allocate",
@@ -191,35 +197,35 @@ class cuda_device final : public device {
     return h;
   }
   void do_free(std::uint64_t handle, std::uint64_t, location) noexcept override {
-    api_.cuCtxSetCurrent(ctx_);
+    context_scope cs(api_, ctx_);
     if (CUresult r = api_.cuMemRelease(handle); r != CUDA_SUCCESS)
       log::error("cuda", "{}: cuMemRelease failed: {}", id(), describe(r));
     std::lock_guard l(numa_mu_);
     host_numa_.erase(handle);
   }
   std::uintptr_t do_reserve(std::uint64_t bytes, std::uint64_t alignment) override {
-    make_current();
+    auto cs = make_current();
     CUdeviceptr p = 0;
     check(api_.cuMemAddressReserve(&p, bytes, alignment, 0, 0), "device.reserve", fmt::format("{} bytes={}", id(), bytes));
     return static_cast<std::uintptr_t>(p);
   }
   void do_release(std::uintptr_t base, std::uint64_t bytes) noexcept override {
-    api_.cuCtxSetCurrent(ctx_);
+    context_scope cs(api_, ctx_);
     if (CUresult r = api_.cuMemAddressFree(base, bytes); r != CUDA_SUCCESS)
       log::error("cuda", "{}: cuMemAddressFree failed: {}", id(), describe(r));
   }
   void do_map(std::uintptr_t va, std::uint64_t bytes, std::uint64_t handle, location) override {
-    make_current();
+    auto cs = make_current();
     check(api_.cuMemMap(va, bytes, 0, handle, 0), "device.map", fmt::format("{} va={}", id(), describe_range(va, bytes)));
   }
   void do_unmap(std::uintptr_t va, std::uint64_t bytes) noexcept override {
-    api_.cuCtxSetCurrent(ctx_);
+    context_scope cs(api_, ctx_);
     if (CUresult r = api_.cuMemUnmap(va, bytes); r != CUDA_SUCCESS)
       log::error("cuda", "{}: cuMemUnmap({}) failed: {}", id(), describe_range(va, bytes), describe(r));
   }
   bool do_unmap_run(std::uintptr_t va, std::uint64_t bytes) noexcept override {
     if (!unmap_runs_) return false;
-    api_.cuCtxSetCurrent(ctx_);
+    context_scope cs(api_, ctx_);
     if (CUresult r = api_.cuMemUnmap(va, bytes); r != CUDA_SUCCESS) {
       // Not every driver takes a range of several allocations: one at a time from now on.
       log::warn("cuda", "{}: cuMemUnmap of a run of mappings ({}) failed: {}; unmapping one chunk per call", id(),
@@ -231,7 +237,7 @@ class cuda_device final : public device {
   }
   void do_set_access(std::uintptr_t va, std::uint64_t bytes, const mapping& m,
                      std::span<const access_desc> grants) override {
-    make_current();
+    auto cs = make_current();
     std::vector<CUmemAccessDesc> d;
     for (auto& g : grants) {
       CUmemAccessDesc a{};
@@ -250,6 +256,7 @@ class cuda_device final : public device {
           fmt::format("{} va={}", id(), describe_range(va, bytes)));
   }
   std::unique_ptr<stream> do_create_stream() override;
+  std::unique_ptr<stream> do_wrap_stream(native_stream n) override;
   void do_enable_peer_access(device& peer) override {
     auto* p = dynamic_cast<cuda_device*>(&peer);
     std::lock_guard l(numa_mu_);
@@ -258,7 +265,7 @@ class cuda_device final : public device {
     check(api_.cuDeviceCanAccessPeer(&can, dev_, p->dev_), "device.enable_peer_access", id() + " -> " + peer.id());
     if (!can)
       fail(errc::not_supported, "device.enable_peer_access", id() + " -> " + peer.id(), "the GPUs have no peer access");
-    make_current();
+    auto cs = make_current();
     CUresult r = api_.cuCtxEnablePeerAccess(p->ctx_, 0);
     if (r != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) check(r, "device.enable_peer_access", id() + " -> " + peer.id());
     peers_enabled_.insert(p);
@@ -286,32 +293,67 @@ class cuda_stream final : public stream {
  public:
   explicit cuda_stream(cuda_device& d)
       : stream(d), dev_(d), api_(d.api()), name_(fmt::format("{} stream#{}", d.id(), d.next_stream_serial())) {
-    d.make_current();
+    auto cs = d.make_current();
     check(api_.cuStreamCreate(&s_, CU_STREAM_NON_BLOCKING), "stream.create", name_);
   }
+  // A view of a stream ferry did not make: checked to be this device's, in its primary context.
+  cuda_stream(cuda_device& d, native_stream n)
+      : stream(d, true), dev_(d), api_(d.api()), name_(view_name(d, n)), s_(reinterpret_cast<CUstream>(n.handle)) {
+    if (n.handle <= native_stream::per_thread().handle) return;  // the default streams: of whichever context is current
+    auto cs = d.make_current();
+    CUcontext c = nullptr;
+    CUgreenCtx green = nullptr;
+    check(api_.cuStreamGetCtx(s_, &c, &green), "stream.wrap", name_);
+    if (c != d.context()) {
+      CUdevice other = -1;
+      std::string whose = api_.cuStreamGetDevice(s_, &other) == CUDA_SUCCESS && other != d.cu_device()
+                              ? fmt::format("it belongs to cuda:{}", other)
+                              : "it belongs to another context than the device's primary one (the runtime API's)";
+      fail(errc::invalid_argument, "stream.wrap", name_, whose);
+    }
+  }
   ~cuda_stream() override {
+    if (is_view()) return;  // the user's stream: theirs to synchronize and destroy
     try {
       do_synchronize(deadline_after(dev_.default_timeout()));
     } catch (const error& e) {
       log::warn("cuda", "{} destroyed with failed or unfinished work: {}", name_, e.what());
     }
-    api_.cuCtxSetCurrent(dev_.context());
+    context_scope cs(api_, dev_.context());
     if (scratch_) api_.cuMemFree(scratch_);
     api_.cuStreamDestroy(s_);
   }
 
  private:
+  static std::string view_name(cuda_device& d, native_stream n) {
+    if (n.handle == 0 || n == native_stream::legacy()) return d.id() + " legacy default stream";
+    if (n == native_stream::per_thread()) return d.id() + " per-thread default stream";
+    return fmt::format("{} user stream {:#x}", d.id(), n.handle);
+  }
+  native_stream do_native_handle() const noexcept override { return {reinterpret_cast<std::uintptr_t>(s_)}; }
+  void do_write_value(std::uint32_t* addr, std::uint32_t value) override {
+    auto cs = dev_.make_current();
+    // The default flags: a fence first, so whoever sees the value sees the writes before it.
+    check(api_.cuStreamWriteValue32(s_, reinterpret_cast<CUdeviceptr>(addr), value, CU_STREAM_WRITE_VALUE_DEFAULT),
+          "stream.write_value", fmt::format("{} at {}", name_, describe_range(addr, 4)));
+  }
+  void do_wait_value(const std::uint32_t* addr, std::uint32_t value) override {
+    auto cs = dev_.make_current();
+    check(api_.cuStreamWaitValue32(s_, reinterpret_cast<CUdeviceptr>(addr), value, CU_STREAM_WAIT_VALUE_GEQ),
+          "stream.wait_value", fmt::format("{} at {}", name_, describe_range(addr, 4)));
+  }
+
   void do_copy(void* dst, const void* src, std::size_t bytes) override {
     dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.copy", "dst");
     dev_.check_access(src, bytes, false, dev_.info().ordinal, "stream.copy", "src");
-    dev_.make_current();
+    auto cs = dev_.make_current();
     check(api_.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes, s_),
           "stream.copy", fmt::format("{} dst={} src={}", name_, describe_range(dst, bytes), describe_range(src, bytes)));
   }
   void do_copy_sm(void* dst, const void* src, std::size_t bytes) override {
     dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.copy", "dst");
     dev_.check_access(src, bytes, false, dev_.info().ordinal, "stream.copy", "src");
-    dev_.make_current();
+    auto cs = dev_.make_current();
     unsigned long long b = bytes;
     void* args[] = {&dst, const_cast<void**>(&src), &b};
     launch("ferry_copy", args, bytes, 16);
@@ -324,14 +366,14 @@ class cuda_stream final : public stream {
   }
   void do_fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) override {
     dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.fill_pattern", "dst");
-    dev_.make_current();
+    auto cs = dev_.make_current();
     unsigned long long b = bytes, sd = seed;
     void* args[] = {&dst, &b, &sd};
     launch("ferry_fill_pattern", args, bytes);
   }
   void do_checksum(const void* src, std::size_t bytes, std::uint64_t* result) override {
     dev_.check_access(src, bytes, false, dev_.info().ordinal, "stream.checksum", "src");
-    dev_.make_current();
+    auto cs = dev_.make_current();
     if (!scratch_) check(api_.cuMemAlloc(&scratch_, 8), "stream.checksum", name_ + " scratch");
     check(api_.cuMemsetD8Async(scratch_, 0, 8, s_), "stream.checksum", name_);
     unsigned long long b = bytes;
@@ -340,7 +382,7 @@ class cuda_stream final : public stream {
     check(api_.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(result), scratch_, 8, s_), "stream.checksum", name_);
   }
   std::unique_ptr<event> do_record() override {
-    dev_.make_current();
+    auto cs = dev_.make_current();
     CUevent e = nullptr;
     check(api_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "stream.record", name_);
     if (CUresult r = api_.cuEventRecord(e, s_); r != CUDA_SUCCESS) {
@@ -352,11 +394,11 @@ class cuda_stream final : public stream {
   void do_wait(event& e) override {
     auto* ce = dynamic_cast<cuda_event*>(&e);
     if (!ce) fail(errc::invalid_argument, "stream.wait", name_, "event belongs to another backend");
-    dev_.make_current();
+    auto cs = dev_.make_current();
     check(api_.cuStreamWaitEvent(s_, ce->handle(), 0), "stream.wait", name_);
   }
   bool do_idle() override {
-    dev_.make_current();
+    auto cs = dev_.make_current();
     CUresult r = api_.cuStreamQuery(s_);
     if (r == CUDA_ERROR_NOT_READY) return false;
     check(r, "stream.query", name_);
@@ -375,6 +417,7 @@ class cuda_stream final : public stream {
 };
 
 std::unique_ptr<stream> cuda_device::do_create_stream() { return std::make_unique<cuda_stream>(*this); }
+std::unique_ptr<stream> cuda_device::do_wrap_stream(native_stream n) { return std::make_unique<cuda_stream>(*this, n); }
 
 }  // namespace
 

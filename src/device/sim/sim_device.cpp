@@ -142,6 +142,8 @@ class sim_event;
 struct op {
   std::function<void()> run;              // may throw ferry::error
   std::shared_ptr<sim_event> gate;        // wait-for-event marker when set
+  const std::uint32_t* wait_addr = nullptr;  // wait_value marker when set: until *wait_addr >= wait_for
+  std::uint32_t wait_for = 0;
 };
 
 struct stream_state {
@@ -174,6 +176,11 @@ class engine_pool {
     }
     cv_.notify_one();
   }
+  // A stream whose front op waits for a value: looked at again when an engine is idle (every 20 us).
+  void park(std::shared_ptr<stream_state> s) {
+    std::lock_guard l(mu_);
+    parked_.push_back(std::move(s));
+  }
   // Sleeps as long as a throttled copy engine would take for `bytes` beyond the time already spent.
   void throttle(std::size_t bytes, std::chrono::steady_clock::time_point start) const {
     if (gbps_ <= 0) return;
@@ -188,6 +195,7 @@ class engine_pool {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<stream_state>> ready_;
+  std::vector<std::shared_ptr<stream_state>> parked_;
   bool stop_ = false;
   std::vector<std::thread> threads_;
 };
@@ -241,7 +249,15 @@ void engine_pool::work() {
     std::shared_ptr<stream_state> s;
     {
       std::unique_lock l(mu_);
-      cv_.wait(l, [&] { return stop_ || !ready_.empty(); });
+      while (!stop_ && ready_.empty()) {
+        if (parked_.empty()) {
+          cv_.wait(l);
+        } else {
+          cv_.wait_for(l, std::chrono::microseconds(20));
+          for (auto& p : parked_) ready_.push_back(std::move(p));
+          parked_.clear();
+        }
+      }
       if (ready_.empty()) return;  // stop_ and nothing left
       s = std::move(ready_.front());
       ready_.pop_front();
@@ -251,6 +267,21 @@ void engine_pool::work() {
       std::lock_guard l(s->mu);
       if (s->ops.empty()) {
         s->scheduled = false;
+        continue;
+      }
+      if (const std::uint32_t* a = s->ops.front().wait_addr) {
+        // A value wait: the stream stays parked until the word reaches the value (re-checked after
+        // a short sleep, so that a parked stream costs no engine its time).
+        auto v = std::atomic_ref<std::uint32_t>(*const_cast<std::uint32_t*>(a)).load(std::memory_order_acquire);
+        if (static_cast<std::int32_t>(v - s->ops.front().wait_for) < 0) {
+          park(s);
+          continue;
+        }
+        s->ops.pop_front();
+        s->completed++;
+        s->cv.notify_all();
+        if (s->ops.empty()) s->scheduled = false;
+        else schedule(s);
         continue;
       }
       if (auto& g = s->ops.front().gate) {
@@ -317,6 +348,37 @@ class sim_device final : public device {
   std::vector<segment> resolve(const void* p, std::size_t bytes, bool write, int engine_ordinal,
                                std::string_view op, std::string_view side);
   engine_pool& pool() { return pool_; }
+  // The device's live streams by handle, for wrap_stream (a user's stream in tests), and its default one.
+  class stream_registry {
+   public:
+    void add(const std::shared_ptr<stream_state>& s) {
+      std::lock_guard l(mu_);
+      live_[reinterpret_cast<std::uintptr_t>(s.get())] = s;
+    }
+    void remove(stream_state* s) {
+      std::lock_guard l(mu_);
+      live_.erase(reinterpret_cast<std::uintptr_t>(s));
+    }
+    std::shared_ptr<stream_state> find(std::uintptr_t h) {
+      std::lock_guard l(mu_);
+      auto it = live_.find(h);
+      return it == live_.end() ? nullptr : it->second.lock();
+    }
+    std::shared_ptr<stream_state> default_stream(const std::string& name) {
+      std::lock_guard l(mu_);
+      if (!default_) {
+        default_ = std::make_shared<stream_state>();
+        default_->name = name;
+      }
+      return default_;
+    }
+
+   private:
+    std::mutex mu_;
+    std::map<std::uintptr_t, std::weak_ptr<stream_state>> live_;
+    std::shared_ptr<stream_state> default_;
+  };
+  stream_registry& streams() { return live_streams_; }
   std::uint64_t stream_serial() { return ++streams_; }
 
   // This device's memory, taken and given back by chunks that live in it: its own and those a peer
@@ -460,6 +522,7 @@ class sim_device final : public device {
     }
   }
   std::unique_ptr<stream> do_create_stream() override;
+  std::unique_ptr<stream> do_wrap_stream(native_stream n) override;
   void do_enable_peer_access(device& peer) override {
     if (!peer_access_)
       fail(errc::not_supported, "device.enable_peer_access", id() + " -> " + peer.id(),
@@ -478,6 +541,7 @@ class sim_device final : public device {
   std::map<std::uint64_t, std::unique_ptr<chunk_rec>> chunks_;
   std::vector<std::unique_ptr<chunk_rec>> graveyard_;
   std::atomic<std::uint64_t> streams_{0};
+  stream_registry live_streams_;
   engine_pool pool_;  // last: its threads stop before the memory they use goes away
 };
 
@@ -516,8 +580,12 @@ class sim_stream final : public stream {
  public:
   explicit sim_stream(sim_device& d) : stream(d), dev_(d), state_(std::make_shared<stream_state>()) {
     state_->name = fmt::format("{} stream#{}", d.id(), d.stream_serial());
+    d.streams().add(state_);
   }
+  sim_stream(sim_device& d, std::shared_ptr<stream_state> st) : stream(d, true), dev_(d), state_(std::move(st)) {}
   ~sim_stream() override {
+    if (is_view()) return;
+    dev_.streams().remove(state_.get());
     try {
       do_synchronize(deadline_after(dev_.default_timeout()));
     } catch (const error& e) {
@@ -658,6 +726,22 @@ class sim_stream final : public stream {
     });
   }
 
+  native_stream do_native_handle() const noexcept override { return {reinterpret_cast<std::uintptr_t>(state_.get())}; }
+  // Stream memory operations on host memory (a sim device's own memory has no CPU address to poll).
+  void check_word(const void* addr, const char* op) {
+    if (dev_.owns(addr, 4))
+      fail(errc::not_supported, op, fmt::format("{} at {}", state_->name, describe_range(addr, 4)),
+           "the sim backend's stream memory operations take host memory only");
+  }
+  void do_write_value(std::uint32_t* addr, std::uint32_t value) override {
+    check_word(addr, "stream.write_value");
+    enqueue({[addr, value] { std::atomic_ref<std::uint32_t>(*addr).store(value, std::memory_order_release); }, nullptr});
+  }
+  void do_wait_value(const std::uint32_t* addr, std::uint32_t value) override {
+    check_word(addr, "stream.wait_value");
+    enqueue({nullptr, nullptr, addr, value});
+  }
+
   std::unique_ptr<event> do_record() override {
     auto e = std::make_shared<sim_event>(state_->name);
     enqueue({[e] { e->complete(); }, nullptr});
@@ -690,6 +774,13 @@ class sim_stream final : public stream {
 };
 
 std::unique_ptr<stream> sim_device::do_create_stream() { return std::make_unique<sim_stream>(*this); }
+std::unique_ptr<stream> sim_device::do_wrap_stream(native_stream n) {
+  if (n.handle == 0 || n == native_stream::legacy() || n == native_stream::per_thread())
+    return std::make_unique<sim_stream>(*this, live_streams_.default_stream(fmt::format("{} default stream", id())));
+  auto st = live_streams_.find(n.handle);
+  if (!st) fail(errc::invalid_argument, "stream.wrap", fmt::format("{} stream {:#x}", id(), n.handle), "not a live stream of this device");
+  return std::make_unique<sim_stream>(*this, std::move(st));
+}
 
 // Peer-memory client for sim device ranges: no pinning needed; a range's serial is its buffer id.
 class sim_client final : public peer_memory_client {

@@ -51,6 +51,9 @@ void load_once(const std::string& library) {
 #define FERRY_CUDA_RESOLVE(name) resolve(#name, reinterpret_cast<void**>(&g_api.name));
   FERRY_CUDA_DRIVER_FUNCTIONS(FERRY_CUDA_RESOLVE)
 #undef FERRY_CUDA_RESOLVE
+#define FERRY_CUDA_RESOLVE_V(name, abi) resolve(#name, reinterpret_cast<void**>(&g_api.name));
+  FERRY_CUDA_DRIVER_FUNCTIONS_VERSIONED(FERRY_CUDA_RESOLVE_V)
+#undef FERRY_CUDA_RESOLVE_V
   if (!missing.empty()) {
     g_status.reason = fmt::format("driver {} (CUDA {}.{}) lacks: {}", library, drv / 1000, drv % 1000 / 10, missing);
     return;

@@ -17,18 +17,28 @@ namespace ferry::cuda {
   X(cuInit) X(cuDriverGetVersion) X(cuGetErrorName) X(cuGetErrorString) X(cuDeviceGetCount) X(cuDeviceGet) \
   X(cuDeviceGetName) X(cuDeviceGetUuid) X(cuDeviceTotalMem) X(cuDeviceGetAttribute) X(cuDeviceGetPCIBusId) \
   X(cuDeviceCanAccessPeer) X(cuDeviceGetP2PAttribute) X(cuDevicePrimaryCtxRetain)                          \
-  X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuCtxSynchronize) X(cuMemGetInfo)                      \
+  X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuCtxGetCurrent) X(cuCtxSynchronize) X(cuMemGetInfo)                      \
   X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease) X(cuMemAddressReserve) X(cuMemAddressFree) \
   X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemAlloc) X(cuMemFree) X(cuMemsetD8Async)                 \
   X(cuMemcpyAsync) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamQuery) X(cuStreamWaitEvent)              \
   X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventQuery) X(cuModuleLoadData)                  \
   X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel) X(cuPointerGetAttributes) X(cuMemHostRegister)      \
-  X(cuMemHostUnregister) X(cuCtxEnablePeerAccess) X(cuMemGetHandleForAddressRange)
+  X(cuMemHostUnregister) X(cuCtxEnablePeerAccess) X(cuMemGetHandleForAddressRange)                                 \
+  X(cuStreamGetDevice) X(cuStreamWriteValue32) X(cuStreamWaitValue32) X(cuEventSynchronize) X(cuStreamSynchronize) \
+  X(cuCtxCreate) X(cuCtxDestroy)
+
+// Entry points whose newest ABI is declared in cuda.h under a _vN name that no macro maps the plain
+// name to: cuGetProcAddress of the plain name at CUDA_VERSION gives the newest ABI, so the pointer
+// must have its type. (Calling the plain declaration's type would pass too few arguments.)
+#define FERRY_CUDA_DRIVER_FUNCTIONS_VERSIONED(X) X(cuStreamGetCtx, cuStreamGetCtx_v2)
 
 struct driver_api {
 #define FERRY_CUDA_DECLARE(name) decltype(&::name) name = nullptr;
+#define FERRY_CUDA_DECLARE_V(name, abi) decltype(&::abi) name = nullptr;
   FERRY_CUDA_DRIVER_FUNCTIONS(FERRY_CUDA_DECLARE)
+  FERRY_CUDA_DRIVER_FUNCTIONS_VERSIONED(FERRY_CUDA_DECLARE_V)
 #undef FERRY_CUDA_DECLARE
+#undef FERRY_CUDA_DECLARE_V
 };
 
 struct driver_status {
@@ -49,5 +59,35 @@ std::string describe(CUresult r);
 // (out of memory -> out_of_memory, invalid value -> invalid_argument, ...), the cause is describe(r).
 void check(CUresult r, std::string_view op, std::string_view resource,
            std::source_location where = std::source_location::current());
+
+// Makes a context current on this thread for the scope's lifetime, then puts back the one that was
+// current before (the caller's own, or none). ferry's calls run on its users' threads too: it must
+// never leave them in a different context than the one they had.
+class context_scope {
+ public:
+  context_scope(const driver_api& api, CUcontext ctx) noexcept : api_(&api) {
+    if (api.cuCtxGetCurrent(&prev_) != CUDA_SUCCESS) prev_ = nullptr;
+    if (prev_ != ctx) {
+      status_ = api.cuCtxSetCurrent(ctx);
+      switched_ = status_ == CUDA_SUCCESS;
+    }
+  }
+  context_scope(context_scope&& o) noexcept : api_(o.api_), prev_(o.prev_), switched_(o.switched_), status_(o.status_) {
+    o.switched_ = false;
+  }
+  context_scope(const context_scope&) = delete;
+  context_scope& operator=(const context_scope&) = delete;
+  context_scope& operator=(context_scope&&) = delete;
+  ~context_scope() {
+    if (switched_) api_->cuCtxSetCurrent(prev_);
+  }
+  CUresult status() const noexcept { return status_; }  // of making the context current
+
+ private:
+  const driver_api* api_;
+  CUcontext prev_ = nullptr;
+  bool switched_ = false;
+  CUresult status_ = CUDA_SUCCESS;
+};
 
 }  // namespace ferry::cuda
