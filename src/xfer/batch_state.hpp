@@ -23,6 +23,11 @@ struct transfer_batch::state {
   deadline until;
   void* engine = nullptr;  // transfer_engine::impl, for wait() to run its own queued work
   transfer_engine::completion on_done;  // set: called once when the last request is final (no handle waits)
+  // Set for a stream-ordered batch: called once when no work item is left (queued or running), so
+  // nothing touches the buffers any more -- the point at which the user's stream may go on.
+  std::function<void()> on_quiet;
+  enum class ordering { none, waiting_for_stream, stream_reached };
+  std::atomic<ordering> order{ordering::none};
 
   // Calls on_done, once, outside the lock (it may submit more work or take its owner's locks).
   void completed(std::unique_lock<std::mutex>& l) {
@@ -66,9 +71,16 @@ struct transfer_batch::state {
     segs_left[i] = 0;
     if (--unfinished == 0) completed(l);
   }
-  void item_done() {
-    std::lock_guard l(mu);
-    if (--items_inflight == 0) cv.notify_all();
+  void item_done(int n = 1) {
+    std::function<void()> quiet;
+    {
+      std::lock_guard l(mu);
+      if ((items_inflight -= n) != 0) return;
+      cv.notify_all();
+      quiet = std::move(on_quiet);
+      on_quiet = nullptr;
+    }
+    if (quiet) quiet();
   }
 };
 

@@ -54,6 +54,13 @@ struct request_result {
 
 struct transfer_options {
   std::optional<deadline> until;  // default: now + FERRY_DEADLINE
+  // Stream order (a user's stream: device::wrap_stream): the batch starts once the work enqueued on
+  // `on` before submit completed, and work enqueued on `on` after submit returns waits for the
+  // batch -- on the GPU, through stream memory operations; no CPU thread synchronizes the stream.
+  // The stream is released when the batch ends however it ends (done, failed, cancelled, deadline):
+  // later work then runs, and the batch's results say whether the data is there. The stream must
+  // stay alive until then. docs/design/stream-ordering.md.
+  stream* on = nullptr;
 };
 
 class transfer_engine;
