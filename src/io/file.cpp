@@ -80,6 +80,20 @@ std::uint64_t file::read_here(void* dst, std::uint64_t bytes, std::uint64_t offs
   return got;
 }
 
+void file::write_here(const void* src, std::uint64_t bytes, std::uint64_t offset) const {
+  if (source_) fail(errc::not_supported, "file.write", path_, "a remote file is written through the file engine");
+  if (!writable_) fail(errc::permission_denied, "file.write", path_, "opened read-only");
+  auto* p = static_cast<const std::byte*>(src);
+  std::uint64_t put = 0;
+  while (put < bytes) {
+    ssize_t r = ::pwrite(fd_, p + put, bytes - put, static_cast<off_t>(offset + put));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) fail_errno(errno, "file.write", fmt::format("{} offset {}", path_, offset + put));
+    if (r == 0) fail(errc::io_error, "file.write", fmt::format("{} offset {}", path_, offset + put), "pwrite wrote nothing");
+    put += static_cast<std::uint64_t>(r);
+  }
+}
+
 file::~file() {
   if (dfd_ >= 0) ::close(dfd_);
   if (fd_ >= 0) ::close(fd_);

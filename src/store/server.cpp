@@ -925,6 +925,14 @@ struct server::impl {
     if (sn.lent.empty()) fail(errc::protocol_error, op, c.peer(), "direct request without a mapped region (lend first)");
     auto* at = sn.lent_at(addr, length);
     if (!at) fail(errc::out_of_range, op, c.peer(), fmt::format("[{:#x}, +{}) is outside every region the client lent", addr, length));
+    if (write && length <= o.inline_max) {  // as a small read below: on this thread
+      auto t = txn(handle, path);
+      t->file()->f->write_here((*at)->base + (addr - (*at)->addr), length, offset);
+      t->written += length;
+      bytes_received += length;
+      direct_writes++;
+      return c.send_frame({rid, 0, complete{0, length}});
+    }
     if (!write && length <= o.inline_max) {
       std::uint64_t* record = nullptr;
       if (notify) {
@@ -1181,6 +1189,19 @@ struct server::impl {
       return;
     }
     bytes_received += n;
+    if (n <= o.inline_max) {
+      // A small piece is written on this thread, as a small read is read here: the hand-off to the
+      // file engine and back would cost more than the write.
+      std::optional<error> err;
+      try {
+        ws->f->f->write_here(buf.get(), n, ws->offset + off);
+        ws->txn->written += n;
+      } catch (const error& e) {
+        err = e;
+      }
+      write_buffered -= n;
+      return piece_written(c, *s, ws, rid, n, err);
+    }
     auto self = c.shared_from_this();
     file_io(ws->f->f, true, ws->offset + off, buf.get(), n, [this, self, s, ws, rid, n, buf](const request_result& r) {
       std::optional<error> err;
@@ -1188,20 +1209,24 @@ struct server::impl {
       else err = error_of(r);
       write_buffered -= n;
       // Completion bookkeeping belongs to the connection's progress thread (it owns the write table).
-      self->worker().post([this, self, s, ws, rid, n, err] {
-        auto it = s->writes.find(rid);
-        if (it == s->writes.end() || it->second != ws) return;
-        if (err) return fail_write(*self, *s, rid, *err);
-        ws->written += n;
-        if (ws->written < ws->length) return;
-        s->writes.erase(it);
-        s->outstanding--;  // before the answer (see credit)
-        try {
-          self->send_frame({rid, 0, complete{0, ws->written}});
-        } catch (...) {
-        }
-      });
+      self->worker().post([this, self, s, ws, rid, n, err] { piece_written(*self, *s, ws, rid, n, err); });
     });
+  }
+  // A piece of write `rid` is in the file (or failed): the request is answered once all are. On the
+  // connection's progress thread.
+  void piece_written(connection& c, session& s, const std::shared_ptr<write_state>& ws, std::uint64_t rid, std::uint64_t n,
+                     const std::optional<error>& err) {
+    auto it = s.writes.find(rid);
+    if (it == s.writes.end() || it->second != ws) return;
+    if (err) return fail_write(c, s, rid, *err);
+    ws->written += n;
+    if (ws->written < ws->length) return;
+    s.writes.erase(it);
+    s.outstanding--;  // before the answer (see credit)
+    try {
+      c.send_frame({rid, 0, complete{0, ws->written}});
+    } catch (...) {
+    }
   }
 
   // ---- requests that are not small reads: on the progress thread, file data by the file engine ----

@@ -49,6 +49,8 @@ class FERRY_API file {
   // Reads on this thread, for ranges too small to be worth a hand-off to the engine's threads;
   // returns the bytes read (short at the end of the file). Errors name the path and offset.
   std::uint64_t read_here(void* dst, std::uint64_t bytes, std::uint64_t offset) const;
+  // Writes on this thread, likewise (through the page cache); all of it or throws.
+  void write_here(const void* src, std::uint64_t bytes, std::uint64_t offset) const;
   bool writable() const noexcept { return writable_; }
   int fd() const noexcept { return fd_; }
   // The remote side of a file opened through a scheme, else null.
