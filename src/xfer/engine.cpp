@@ -5,6 +5,7 @@
 
 #include "core/logging.hpp"
 #include "xfer/batch_state.hpp"
+#include "xfer/stream_gates.hpp"
 
 #include <fmt/format.h>
 
@@ -92,35 +93,7 @@ struct transfer_engine::impl {
   std::mutex seen_mu;
   std::list<std::pair<std::uintptr_t, std::uint64_t>> seen;
 
-  // Stream order (transfer_options::on). Each user stream that carries stream-ordered batches has
-  // a gate: two words in pinned host memory. A batch takes the gate's next sequence number k and
-  // enqueues on the stream "write started = k" then "wait until finished >= k". The gate thread sees
-  // `started` reach k (the work before it finished) and queues the batch's items for the workers as
-  // any batch's; when the last item ended, `finished` advances to k and the stream goes on. Batches
-  // of one stream end in order, as the stream itself serializes them; one that ends early (deadline,
-  // cancel) releases its number only when those before it did.
-  struct gate {
-    std::uint32_t* started = nullptr;   // written by the stream
-    std::uint32_t* finished = nullptr;  // written here; the stream waits on it
-    std::uint32_t next = 0;             // last number handed out
-    std::uint32_t released = 0;         // last number `finished` says
-    std::set<std::uint32_t> ended;      // numbers ended after one before them still runs
-  };
-  struct gated {
-    std::shared_ptr<transfer_batch::state> b;
-    std::vector<work_item> items;
-    gate* g;
-    std::uint32_t seq;
-  };
-  static constexpr std::size_t gate_bytes = 64, gate_count = 256;  // a cache line each; 16 KiB locked
-  std::mutex gate_mu;
-  std::condition_variable gate_cv;
-  std::unique_ptr<std::byte, void (*)(std::byte*)> gate_words{nullptr, [](std::byte* p) { std::free(p); }};
-  std::optional<registration> gate_pin;
-  std::map<std::pair<device*, std::uintptr_t>, gate> gates;
-  std::vector<gated> waiting;  // batches whose stream has not reached them
-  std::thread gate_thread;
-  bool gate_stop = false;
+  stream_gates gates{cache};  // stream order (transfer_options::on)
 
   counter* path_count[7] = {};
   impl(device_registry& d, registration_cache& c, const settings& s) : devices(d), cache(c), cfg(s) {
@@ -131,12 +104,6 @@ struct transfer_engine::impl {
   }
   ~impl() {
     {
-      std::lock_guard l(gate_mu);
-      gate_stop = true;
-    }
-    gate_cv.notify_all();
-    if (gate_thread.joinable()) gate_thread.join();
-    {
       std::lock_guard l(mu);
       stop = true;
     }
@@ -144,123 +111,48 @@ struct transfer_engine::impl {
     for (auto& t : threads) t.join();
   }
 
-  // The gate of stream `s`, made on first use (gate_mu held). Gates of streams with nothing in flight
-  // are given to new streams when all are taken: their numbers only grow, so a late write of an old
-  // stream never opens a newer batch.
-  gate& gate_for(stream& s) {
-    auto key = std::make_pair(&s.owner(), s.native_handle().handle);
-    if (auto it = gates.find(key); it != gates.end()) return it->second;
-    if (!gate_words) {
-      gate_words.reset(static_cast<std::byte*>(std::aligned_alloc(4096, gate_bytes * gate_count)));
-      if (!gate_words) fail(errc::out_of_memory, "xfer.stream_order", "gates", "no memory for the stream gates");
-      std::memset(gate_words.get(), 0, gate_bytes * gate_count);
-      gate_pin.emplace(cache.acquire(gate_words.get(), gate_bytes * gate_count));  // the device polls them
-    }
-    gate g;
-    if (gates.size() < gate_count) {
-      auto* w = gate_words.get() + gates.size() * gate_bytes;
-      g.started = reinterpret_cast<std::uint32_t*>(w);
-      g.finished = reinterpret_cast<std::uint32_t*>(w + sizeof(std::uint32_t));
-    } else {
-      auto idle = std::find_if(gates.begin(), gates.end(), [](auto& kv) { return kv.second.released == kv.second.next; });
-      if (idle == gates.end())
-        fail(errc::busy, "xfer.stream_order", describe_stream(s),
-             fmt::format("{} streams already have stream-ordered batches in flight", gate_count));
-      g = idle->second;
-      gates.erase(idle);
-    }
-    return gates.emplace(key, g).first->second;
-  }
-  static std::string describe_stream(stream& s) { return fmt::format("{} stream {:#x}", s.owner().id(), s.native_handle().handle); }
-
-  // Batch `seq` of gate g ended: `finished` advances over every number ended in order.
-  void release(gate& g, std::uint32_t seq) {
-    std::lock_guard l(gate_mu);
-    g.ended.insert(seq);
-    while (g.ended.count(g.released + 1)) g.ended.erase(++g.released);
-    std::atomic_ref<std::uint32_t>(*g.finished).store(g.released, std::memory_order_release);
-  }
-
-  // Queues a stream-ordered batch behind its gate (the items are not run before the stream reaches it).
+  // A stream-ordered batch: "started = k" then "wait finished >= k" on the stream; its items go to
+  // the workers when the stream reached k, and k is released when the last item ended.
   void gate_batch(stream& s, std::shared_ptr<transfer_batch::state> b, std::vector<work_item> items) {
-    std::unique_lock l(gate_mu);
-    gate& g = gate_for(s);
-    std::uint32_t seq = g.next + 1;
-    // Both ops under the lock: batches submitted together on one stream from several threads get
-    // their numbers in the stream's order.
-    s.write_value(g.started, seq);
+    auto o = gates.lock(s);
+    std::uint32_t seq = o.take();
+    stream_gates::gate& g = o.the_gate();
+    s.write_value(o.started(), seq);
     try {
-      s.wait_value(g.finished, seq);
+      s.wait_value(o.finished(), seq);
     } catch (...) {
       // The stream will write `started` but wait for nothing: the number is spent, ended at once.
-      g.next = seq;
-      l.unlock();
-      release(g, seq);
+      { auto drop_lock = std::move(o); }
+      gates.release(g, seq);
       throw;
     }
-    g.next = seq;
     b->order = transfer_batch::state::ordering::waiting_for_stream;
     {
       std::lock_guard bl(b->mu);
-      b->on_quiet = [this, gp = &g, seq] { release(*gp, seq); };
+      b->on_quiet = [this, &g, seq] { gates.release(g, seq); };
     }
-    waiting.push_back({std::move(b), std::move(items), &g, seq});
-    if (!gate_thread.joinable()) gate_thread = std::thread([this] { watch_gates(); });
-    l.unlock();
-    gate_cv.notify_one();
+    auto held = std::make_shared<std::vector<work_item>>(std::move(items));
+    auto gated = [this, b, held, seq](bool reached) {
+      if (!reached) return drop(*b, *held, seq);
+      b->order = transfer_batch::state::ordering::stream_reached;
+      if (held->empty()) return b->item_done(0);
+      enqueue(*held);
+    };
+    { auto unlock = std::move(o); }
+    gates.watch(g, seq, b->until, [b] { return b->cancelled.load(); }, std::move(gated));
   }
-
-  // The gate thread: batches go to the workers when their stream reaches them; those whose stream
-  // does not by their deadline (or that are cancelled first) end without running, and release the
-  // stream all the same.
-  void watch_gates() {
-    ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-    std::unique_lock l(gate_mu);
-    for (;;) {
-      if (gate_stop) return;
-      if (waiting.empty()) {
-        gate_cv.wait(l);
-        continue;
-      }
-      auto now = std::chrono::steady_clock::now();
-      std::vector<gated> open, dropped;
-      for (auto it = waiting.begin(); it != waiting.end();) {
-        auto v = std::atomic_ref<std::uint32_t>(*it->g->started).load(std::memory_order_acquire);
-        if (static_cast<std::int32_t>(v - it->seq) >= 0) open.push_back(std::move(*it));
-        else if (now >= it->b->until || it->b->cancelled) dropped.push_back(std::move(*it));
-        else {
-          ++it;
-          continue;
-        }
-        it = waiting.erase(it);
-      }
-      if (open.empty() && dropped.empty()) {
-        // The stream's own work decides when: look again soon (a short sleep, well below a copy's time).
-        gate_cv.wait_for(l, std::chrono::microseconds(10));
-        continue;
-      }
-      l.unlock();
-      for (auto& o : open) {
-        o.b->order = transfer_batch::state::ordering::stream_reached;
-        int n = static_cast<int>(o.items.size());
-        if (n) enqueue(o.items);
-        else o.b->item_done(0);
-      }
-      for (auto& d : dropped) drop(d);
-      l.lock();
-    }
-  }
-  void drop(gated& d) {
-    auto& b = *d.b;
+  // A batch whose stream did not reach it by its deadline, or that was cancelled first: it ends
+  // without running (its number is released when its items are counted off).
+  void drop(transfer_batch::state& b, std::vector<work_item>& items, std::uint32_t seq) {
     bool cancelled = b.cancelled && std::chrono::steady_clock::now() < b.until;
-    error e = cancelled ? error(errc::cancelled, "xfer.stream_order", describe_items(d), "batch cancelled before its stream reached it")
-                        : error(errc::timeout, "xfer.stream_order", describe_items(d),
+    std::string what = fmt::format("stream-ordered batch #{}", seq);
+    error e = cancelled ? error(errc::cancelled, "xfer.stream_order", what, "batch cancelled before its stream reached it")
+                        : error(errc::timeout, "xfer.stream_order", what,
                                 "deadline passed before the stream's earlier work finished (the batch did not run; the stream was released)");
-    for (auto& w : d.items)
+    for (auto& w : items)
       for (auto& sg : w.segs) b.finish(sg.req, sg.len, &e);
-    b.item_done(static_cast<int>(d.items.size()));
+    b.item_done(static_cast<int>(items.size()));
   }
-  static std::string describe_items(const gated& d) { return fmt::format("stream-ordered batch #{}", d.seq); }
 
   pinned_pool& pool(int numa) {
     std::lock_guard l(pools_mu);
@@ -583,6 +475,7 @@ pinned_pool& transfer_engine::staging_for(const memory_region& m) {
   return impl_->pool(impl_->devices.get(m.device, m.ordinal).info().numa_node);
 }
 int transfer_engine::workers() const noexcept { return impl_->nworkers; }
+stream_gates& transfer_engine::gates() noexcept { return impl_->gates; }
 
 namespace {
 bool is_host(memory_type t) { return t == memory_type::host_pageable || t == memory_type::host_pinned; }

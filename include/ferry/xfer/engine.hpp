@@ -29,6 +29,7 @@
 namespace ferry {
 
 class pinned_pool;
+class stream_gates;
 
 struct transfer_request {
   void* dst = nullptr;
@@ -124,6 +125,9 @@ class FERRY_API transfer_engine {
 
   ferry::stats& counters() noexcept;
   int workers() const noexcept;
+  // Internal (src/xfer/stream_gates.hpp): the gates that order work on streams, shared with the
+  // file engine.
+  stream_gates& gates() noexcept;
 
  private:
   static transfer_batch submit_to(impl& I, std::span<const transfer_request> requests, transfer_options o, bool here,
