@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <atomic>
 #include <random>
 
 using namespace ferry;
@@ -106,6 +107,42 @@ TEST(RemoteFiles, BatchReadsIntoHostAndSimMemory) {
   std::vector<unsigned char> small(4096);
   EXPECT_EQ(rt.files().read(*f, 12345, small.data(), small.size()), small.size());
   EXPECT_EQ(0, std::memcmp(small.data(), data.data() + 12345, small.size()));
+}
+
+// A ferry:// file read in a stream's order: the stream is held while the read is submitted, and its
+// next op (a checksum of the destination) sees the server's bytes. Then the server goes away under a
+// second stream-ordered read: the read fails and the stream is released.
+TEST(RemoteFiles, StreamOrderedReadsOfAFerryFile) {
+  auto fx = std::make_unique<fixture>(false);
+  auto data = random_bytes((3 << 20) + 4100, 43);
+  spill(fx->root / "d" / "data.bin", data);
+  runtime rt(fx->cfg());
+  device& d = rt.devices().get("sim:0");
+  auto f = file::open(fx->uri("d/data.bin"), open_mode::read);
+  mapped_memory sim = allocate_mapped(d, 4 << 20);
+  auto users = d.create_stream();
+  alignas(4) std::uint32_t hold = 0, after = 0;
+  users->wait_value(&hold, 1);
+  users->fill_pattern(sim.data(), 4 << 20, 3);  // the user's kernel writes the buffer first
+  transfer_options o;
+  o.on = users.get();
+  file_request q{f, 0, sim.data(), data.size(), false};
+  transfer_batch t = rt.files().submit({&q, 1}, o);
+  std::uint64_t sum = 0;
+  users->checksum(sim.data(), data.size(), &sum);
+  std::atomic_ref<std::uint32_t>(hold).store(1);
+  users->synchronize();
+  ASSERT_TRUE(t.wait()) << (t.results()[0].err ? t.results()[0].err->what() : "");
+  EXPECT_EQ(sum, checksum64(data.data(), data.size())) << "the stream's next op saw the server's bytes";
+
+  fx.reset();  // the server is gone
+  file_request again{f, 0, sim.data(), data.size(), false};
+  transfer_batch gone = rt.files().submit({&again, 1}, o);
+  users->write_value(&after, 1);
+  EXPECT_FALSE(gone.wait());
+  EXPECT_NE(gone.results()[0].state, request_state::done);
+  users->synchronize(deadline_after(std::chrono::seconds(15)));
+  EXPECT_EQ(std::atomic_ref<std::uint32_t>(after).load(), 1u) << "the stream went on past the failed read";
 }
 
 TEST(RemoteFiles, WritesThroughTheFileEngineLandOnTheServer) {

@@ -12,6 +12,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 
 namespace ferry::detail {
@@ -115,6 +117,85 @@ void produce_transfer_consume(runtime& rt, user_program& u, CUstream s, const ch
   std::memcpy(&mismatches, result.data(), 8);
   EXPECT_EQ(mismatches, 0u) << "the consumers saw stale bytes";
   EXPECT_EQ(t.results()[0].path, transfer_path::direct);
+}
+
+// A file of value_at(i, seed) words.
+std::filesystem::path words_file(std::size_t bytes, unsigned seed) {
+  auto p = std::filesystem::path("/tmp") / ("ferry-gpu-stream-" + std::to_string(::getpid()) + "-" + std::to_string(seed));
+  std::vector<unsigned> w(bytes / 4);
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = value_at(i, seed);
+  std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(w.data()), static_cast<std::streamsize>(bytes));
+  return p;
+}
+
+// The streams issue's scenario: producer kernel -> consumer kernel -> ferry reads a file into the
+// buffer the consumer just read -> consumer kernel on the file's data, all on one stream of the
+// user's, nothing synchronized in between.
+void produce_consume_read_consume(runtime& rt, user_program& u, CUstream s, const char* which) {
+  SCOPED_TRACE(which);
+  const std::size_t n = 64ull << 20;
+  auto path = words_file(n, 21);
+  auto f = file::open(path.string(), open_mode::read);
+  cu_buffer a(n), bad(16);
+  registered_host result(16);
+  auto* badp = reinterpret_cast<unsigned long long*>(bad.p);
+  CU(cuMemsetD8Async(bad.p, 0, 16, s));
+  u.launch_produce(s, a.data(), n, 7, 50'000'000);  // 50 ms, then a = value_at(i, 7)
+  u.launch_consume(s, a.data(), n, 7, badp);        // reads what the producer wrote
+  auto view = rt.devices().get("cuda:0").wrap_stream(native_stream{reinterpret_cast<std::uintptr_t>(s)});
+  transfer_options o;
+  o.on = view.get();
+  file_request q{f, 0, a.data(), n, false};
+  transfer_batch t = rt.files().submit({&q, 1}, o);  // overwrites it: only after the consumer
+  u.launch_consume(s, a.data(), n, 21, badp + 1);     // reads the file's words
+  CU(cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(result.data()), bad.p, 16, s));
+  CU(cuStreamSynchronize(s));
+  ASSERT_TRUE(t.wait()) << (t.results()[0].err ? t.results()[0].err->what() : "");
+  std::uint64_t mism[2] = {};
+  std::memcpy(mism, result.data(), 16);
+  EXPECT_EQ(mism[0], 0u) << "the first consumer saw the file's bytes: the read overtook it";
+  EXPECT_EQ(mism[1], 0u) << "the second consumer saw stale bytes: it overtook the read";
+  std::filesystem::remove(path);
+}
+
+TEST(GpuStreams, ProducerConsumerFileReadConsumerOnTheUsersStreams) {
+  runtime rt(g_settings);
+  user_program u;
+  CUstream s = nullptr;
+  CU(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  produce_consume_read_consume(rt, u, s, "user stream");
+  g_api->cuStreamDestroy(s);
+  produce_consume_read_consume(rt, u, reinterpret_cast<CUstream>(native_stream::per_thread().handle), "per-thread default stream");
+}
+
+// A file cut short while the stream-ordered read waits behind the user's kernel: the read fails,
+// says so, and the stream is released well within the deadline.
+TEST(GpuStreams, AFileTruncatedUnderAStreamOrderedReadReleasesTheStream) {
+  runtime rt(g_settings);
+  user_program u;
+  CUstream s = nullptr;
+  CU(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  const std::size_t n = 128ull << 20;
+  auto path = words_file(n, 3);
+  auto f = file::open(path.string(), open_mode::read);
+  cu_buffer a(n), bad(8);
+  u.launch_produce(s, a.data(), n, 1, 300'000'000);  // the user's kernel: 300 ms
+  auto view = rt.devices().get("cuda:0").wrap_stream(native_stream{reinterpret_cast<std::uintptr_t>(s)});
+  transfer_options o;
+  o.on = view.get();
+  o.until = deadline_after(10s);
+  file_request q{f, 0, a.data(), n, false};
+  transfer_batch t = rt.files().submit({&q, 1}, o);
+  std::filesystem::resize_file(path, 40ull << 20);  // cut under the read
+  CU(cuMemsetD8Async(bad.p, 0, 8, s));              // the user's next step
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(t.wait());
+  ASSERT_TRUE(t.results()[0].err);
+  EXPECT_THAT(t.results()[0].err->what(), HasSubstr(path.string()));
+  CU(cuStreamSynchronize(s));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "the stream was held past the failure";
+  g_api->cuStreamDestroy(s);
+  std::filesystem::remove(path);
 }
 
 TEST(GpuStreams, ProducerBatchConsumerOnTheUsersOwnStream) {

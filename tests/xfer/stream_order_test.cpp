@@ -4,10 +4,14 @@
 #include <ferry/core/checksum.hpp>
 #include <ferry/runtime.hpp>
 
+#include "support/data.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
+#include <filesystem>
 #include <thread>
 
 using namespace ferry;
@@ -23,7 +27,7 @@ settings sim_settings() {
   s.sim_capacity = 64ull << 20;
   s.sim_granularity = 1ull << 20;
   s.staging_bytes = 1ull << 20;
-  s.staging_buffers = 4;
+  s.staging_buffers = 16;  // the file tests run two stream-ordered requests of 4 buffers each at once
   s.xfer_threads = 2;
   s.deadline = std::chrono::seconds(20);
   return s;
@@ -223,6 +227,141 @@ TEST(StreamOrder, MoreStreamsThanGatesReuseIdleOnes) {
     ASSERT_TRUE(t.wait()) << "stream " << i;
     s->synchronize();
   }
+}
+
+}  // namespace
+
+// ---- stream-ordered file I/O (file_engine::submit with transfer_options::on) ----------------------
+
+namespace {
+
+struct temp_file {
+  std::filesystem::path p;
+  explicit temp_file(std::uint64_t bytes, std::uint64_t seed) {
+    p = std::filesystem::path(::testing::TempDir()) / ("ferry-stream-" + std::to_string(::getpid()) + "-" + std::to_string(seed));
+    std::vector<std::byte> d(bytes);
+    fill_pattern(d.data(), bytes, seed);
+    ferry::test::write_file(p, d.data(), bytes);
+  }
+  ~temp_file() { std::filesystem::remove(p); }
+};
+
+// Reads a file of pattern `seed` into sim memory and host memory in the stream's order: the stream
+// is held (a user's long kernel) while the read is submitted, and the checks that follow on the
+// stream must see the file's bytes. Many chunks (1 MiB staging buffers, 4 slots): a pipeline.
+void file_read_lands_in_stream_order(int slots) {
+  settings cfg = sim_settings();
+  cfg.stream_slots = slots;
+  runtime rt(cfg);
+  device& d = rt.devices().get("sim:0");
+  const std::uint64_t n = (9ull << 20) + 4096;
+  temp_file tf(n, 31);
+  auto f = file::open(tf.p.string(), open_mode::read);
+  region dst(d, 16ull << 20);
+  std::vector<std::byte> host(n);
+  auto users = d.create_stream();
+  alignas(4) std::uint32_t hold = 0;
+  users->wait_value(&hold, 1);
+  users->fill_pattern(dst.p(), n, 99);  // the user's kernel writes the buffer the read then fills
+  transfer_options o;
+  o.on = users.get();
+  std::vector<file_request> reqs = {{f, 0, dst.p(), n, false}, {f, 0, host.data(), n, false}};
+  transfer_batch t = rt.files().submit(reqs, o);
+  std::uint64_t sum = 0;
+  users->checksum(dst.p(), n, &sum);
+  std::this_thread::sleep_for(50ms);
+  EXPECT_FALSE(t.poll()) << "the read was in the destination before the stream got there";
+  set_word(hold, 1);
+  users->synchronize();
+  EXPECT_EQ(sum, pattern_checksum(n, 31)) << "the stream's next op saw the file's bytes";
+  ASSERT_TRUE(t.wait()) << (t.results()[0].err ? t.results()[0].err->what() : "");
+  EXPECT_EQ(checksum64(host.data(), n), pattern_checksum(n, 31));
+  EXPECT_EQ(t.bytes_done(), 2 * n);
+}
+
+TEST(StreamOrder, AFileReadLandsInStreamOrder) { file_read_lands_in_stream_order(4); }
+// One buffer: each chunk is read only after the stream copied the one before out of it, so a
+// stream that did not wait for each chunk would copy the previous chunk's bytes again.
+TEST(StreamOrder, AFileReadThroughOneBufferWaitsForEveryChunk) { file_read_lands_in_stream_order(1); }
+
+// A write takes the source as the stream has it at that point: the user's kernel overwrites the
+// source right after, on the stream, without waiting on the CPU.
+TEST(StreamOrder, AFileWriteTakesTheSourceInStreamOrder) {
+  runtime rt(sim_settings());
+  device& d = rt.devices().get("sim:0");
+  const std::uint64_t n = (5ull << 20) + 8;
+  auto path = std::filesystem::path(::testing::TempDir()) / ("ferry-stream-w-" + std::to_string(::getpid()));
+  auto f = file::open(path.string(), open_mode::create);
+  region src(d, 8ull << 20);
+  auto users = d.create_stream();
+  alignas(4) std::uint32_t hold = 0;
+  users->wait_value(&hold, 1);
+  users->fill_pattern(src.p(), n, 5);  // the producer
+  transfer_options o;
+  o.on = users.get();
+  file_request w{f, 0, src.p(), n, true};
+  transfer_batch t = rt.files().submit({&w, 1}, o);
+  users->fill_pattern(src.p(), n, 6);  // the next step reuses the buffer
+  set_word(hold, 1);
+  users->synchronize();
+  ASSERT_TRUE(t.wait()) << (t.results()[0].err ? t.results()[0].err->what() : "");
+  std::vector<std::byte> back(n);
+  ASSERT_EQ(rt.files().read(*f, 0, back.data(), n), n);
+  EXPECT_EQ(checksum64(back.data(), n), pattern_checksum(n, 5)) << "the file has the source as the stream had it";
+  std::filesystem::remove(path);
+}
+
+// A read that runs into the end of the file fails, names the file, and releases the stream; the
+// destination never receives another file's bytes.
+TEST(StreamOrder, AFailedFileReadReleasesTheStreamAndSaysWhy) {
+  runtime rt(sim_settings());
+  device& d = rt.devices().get("sim:0");
+  temp_file tf(3ull << 20, 8);
+  auto f = file::open(tf.p.string(), open_mode::read);
+  const std::uint64_t n = 6ull << 20;  // three chunks past the end
+  std::vector<std::byte> host(n, std::byte{0x5a});
+  auto users = d.create_stream();
+  alignas(4) std::uint32_t after = 0;
+  transfer_options o;
+  o.on = users.get();
+  file_request q{f, 0, host.data(), n, false};
+  transfer_batch t = rt.files().submit({&q, 1}, o);
+  users->write_value(&after, 1);
+  EXPECT_FALSE(t.wait());
+  auto r = t.results()[0];
+  EXPECT_EQ(r.state, request_state::failed);
+  ASSERT_TRUE(r.err);
+  EXPECT_THAT(r.err->what(), HasSubstr(tf.p.string()));
+  EXPECT_THAT(r.err->what(), HasSubstr("ends"));
+  users->synchronize(deadline_after(5s));
+  EXPECT_EQ(word(after), 1u) << "the stream went on past the failed read";
+  std::vector<std::byte> want(3ull << 20);
+  fill_pattern(want.data(), want.size(), 8);
+  EXPECT_EQ(std::memcmp(host.data(), want.data(), want.size()), 0) << "the chunks that exist were delivered";
+  EXPECT_LE(r.bytes_done, want.size()) << "bytes past the end are never counted as read";
+}
+
+TEST(StreamOrder, AFileReadWhoseStreamIsHeldTimesOutAndReleasesIt) {
+  runtime rt(sim_settings());
+  device& d = rt.devices().get("sim:0");
+  const std::uint64_t n = 2ull << 20;
+  temp_file tf(n, 12);
+  auto f = file::open(tf.p.string(), open_mode::read);
+  region dst(d, n);
+  auto users = d.create_stream();
+  alignas(4) std::uint32_t hold = 0, after = 0;
+  users->wait_value(&hold, 1);
+  transfer_options o;
+  o.on = users.get();
+  o.until = deadline_after(200ms);
+  file_request q{f, 0, dst.p(), n, false};
+  transfer_batch t = rt.files().submit({&q, 1}, o);
+  users->write_value(&after, 1);
+  EXPECT_FALSE(t.wait());
+  EXPECT_EQ(t.results()[0].state, request_state::timed_out);
+  set_word(hold, 1);
+  users->synchronize(deadline_after(5s));
+  EXPECT_EQ(word(after), 1u);
 }
 
 }  // namespace

@@ -92,6 +92,15 @@ class FERRY_API file_engine {
 
   // Reads past the end of a file complete with the bytes that exist (request_result::bytes_done);
   // a file that shrinks while it is read fails the request.
+  // With transfer_options::on (a user's stream), each request is a pipeline on that stream: the
+  // file side reads into FERRY_STREAM_SLOTS pinned staging buffers on ferry's threads, ahead of the
+  // stream, and the stream waits for each buffer, copies it into `mem` and hands it back -- so `mem`
+  // is written in the stream's order (work enqueued after submit sees it) and no CPU waits for the
+  // stream. Writes likewise: the stream copies `mem` into a buffer once its earlier work is done,
+  // ferry's threads write it to the file. Local files and ferry:// alike; device, pinned, pageable
+  // and unified memory. A read must lie within the file (a file that ends first fails the request);
+  // on any failure or deadline the stream is released (the bytes it then copies are not the
+  // file's) and the result says so. docs/design/stream-ordering.md.
   transfer_batch submit(std::span<const file_request> requests, transfer_options o = {});
   // A batch no thread waits for: `done` is called once with every request's result when all are
   // final, on the thread that finished the last one (an engine thread, or this one before submit
@@ -110,6 +119,7 @@ class FERRY_API file_engine {
 
  private:
   void start(const std::shared_ptr<transfer_batch::state>& b, std::span<const file_request> requests);
+  void start_on(const std::shared_ptr<transfer_batch::state>& b, std::span<const file_request> requests, stream& s);
   std::unique_ptr<impl> impl_;
 };
 
