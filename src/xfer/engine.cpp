@@ -96,6 +96,9 @@ struct transfer_engine::impl {
   stream_gates gates{cache};  // stream order (transfer_options::on)
 
   counter* path_count[7] = {};
+  counter& c_requests = st.get("requests");  // per request: not looked up by name each time
+  counter& c_bytes = st.get("bytes");
+  counter& c_on_caller = st.get("copies_on_caller");
   impl(device_registry& d, registration_cache& c, const settings& s) : devices(d), cache(c), cfg(s) {
     for (int p = 0; p <= static_cast<int>(transfer_path::host); ++p)
       path_count[p] = &st.get(fmt::format("path.{}", to_string(static_cast<transfer_path>(p))));
@@ -584,8 +587,9 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       if (dst.type == memory_type::unified) w.unified.push_back(std::make_shared<registration>(I.cache.acquire(r.dst, r.bytes)));
       b.results[i].path = w.path;
       I.path_count[static_cast<int>(w.path)]->add();
-      log::debug("xfer", "{}: {} -> {} via {}", res_of(), is_host(src.type) ? std::string(to_string(src.type)) : src.device_id(),
-                 is_host(dst.type) ? std::string(to_string(dst.type)) : dst.device_id(), to_string(w.path));
+      if (log_enabled(log_level::debug))  // its arguments cost more than a small copy's own overhead
+        log::debug("xfer", "{}: {} -> {} via {}", res_of(), is_host(src.type) ? std::string(to_string(src.type)) : src.device_id(),
+                   is_host(dst.type) ? std::string(to_string(dst.type)) : dst.device_id(), to_string(w.path));
 
       auto* dp = static_cast<std::byte*>(r.dst);
       auto* sp = static_cast<const std::byte*>(r.src);
@@ -629,8 +633,8 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       I.st.get("requests_refused").add();
     }
   }
-  I.st.get("requests").add(reqs.size());
-  I.st.get("bytes").add(b.bytes_total);
+  I.c_requests.add(reqs.size());
+  I.c_bytes.add(b.bytes_total);
   {
     std::lock_guard l(b.mu);
     b.items_inflight = static_cast<int>(items.size());
@@ -648,7 +652,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
     return tb;
   }
   if (here && items.size() == 1 && I.may_run_here(items.front())) {
-    I.st.get("copies_on_caller").add();
+    I.c_on_caller.add();
     I.run_here(items.front());
     return tb;
   }

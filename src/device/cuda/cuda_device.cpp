@@ -313,7 +313,7 @@ class cuda_stream final : public stream {
     }
   }
   ~cuda_stream() override {
-    if (is_view()) return;  // the user's stream: theirs to synchronize and destroy
+    if (is_view()) return;  // the user's stream: theirs to synchronize and destroy (perhaps already)
     try {
       do_synchronize(deadline_after(dev_.default_timeout()));
     } catch (const error& e) {
@@ -321,6 +321,7 @@ class cuda_stream final : public stream {
     }
     context_scope cs(api_, dev_.context());
     if (scratch_) api_.cuMemFree(scratch_);
+    if (sync_word_) api_.cuMemFreeHost(sync_word_);
     api_.cuStreamDestroy(s_);
   }
 
@@ -404,9 +405,42 @@ class cuda_stream final : public stream {
     check(r, "stream.query", name_);
     return true;
   }
+  // The stream writes a sequence number into a pinned word of its own after the work enqueued so
+  // far, and this thread watches the word: a load per look, where cuStreamQuery is a driver call
+  // whose cost, per look, delays noticing the end of a small copy by microseconds. A failed stream
+  // never writes the word: cuStreamQuery, now and then, reports its error. A view polls
+  // cuStreamQuery only: the word would outlive the view until the user's stream wrote it, and the
+  // view cannot know when that is (the user may destroy the stream before the view).
   void do_synchronize(deadline until) override {
-    if (!detail::poll_until(until, [&] { return do_idle(); }))
-      fail(errc::timeout, "stream.synchronize", name_, "deadline expired before the stream's work completed");
+    if (is_view()) {
+      if (!detail::poll_until(until, [&] { return do_idle(); }))
+        fail(errc::timeout, "stream.synchronize", name_, "deadline expired before the stream's work completed");
+      return;
+    }
+    auto cs = dev_.make_current();
+    if (!sync_word_) {
+      void* p = nullptr;
+      check(api_.cuMemHostAlloc(&p, 64, CU_MEMHOSTALLOC_PORTABLE), "stream.synchronize", name_ + " completion word");
+      sync_word_ = static_cast<std::uint32_t*>(p);
+      *sync_word_ = 0;
+    }
+    std::uint32_t seq = ++sync_seq_;
+    check(api_.cuStreamWriteValue32(s_, reinterpret_cast<CUdeviceptr>(sync_word_), seq, CU_STREAM_WRITE_VALUE_DEFAULT),
+          "stream.synchronize", name_);
+    auto reached = [&] {
+      return static_cast<std::int32_t>(std::atomic_ref<std::uint32_t>(*sync_word_).load(std::memory_order_acquire) - seq) >= 0;
+    };
+    auto start = std::chrono::steady_clock::now();
+    for (unsigned i = 1;; ++i) {
+      if (reached()) return;
+      if (i % 256 == 0) {
+        auto now = std::chrono::steady_clock::now();
+        if (do_idle() || reached()) return;  // throws the stream's error, if it failed
+        if (now >= until) fail(errc::timeout, "stream.synchronize", name_, "deadline expired before the stream's work completed");
+        if (now - start > std::chrono::milliseconds(2)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+        else std::this_thread::yield();
+      }
+    }
   }
 
   cuda_device& dev_;
@@ -414,6 +448,8 @@ class cuda_stream final : public stream {
   std::string name_;
   CUstream s_ = nullptr;
   CUdeviceptr scratch_ = 0;
+  std::uint32_t* sync_word_ = nullptr;  // pinned; written by the stream at each synchronize
+  std::atomic<std::uint32_t> sync_seq_{0};
 };
 
 std::unique_ptr<stream> cuda_device::do_create_stream() { return std::make_unique<cuda_stream>(*this); }

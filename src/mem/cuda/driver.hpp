@@ -25,7 +25,7 @@ namespace ferry::cuda {
   X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel) X(cuPointerGetAttributes) X(cuMemHostRegister)      \
   X(cuMemHostUnregister) X(cuCtxEnablePeerAccess) X(cuMemGetHandleForAddressRange)                                 \
   X(cuStreamGetDevice) X(cuStreamWriteValue32) X(cuStreamWaitValue32) X(cuEventSynchronize) X(cuStreamSynchronize) \
-  X(cuCtxCreate) X(cuCtxDestroy)
+  X(cuCtxCreate) X(cuCtxDestroy) X(cuMemHostAlloc) X(cuMemFreeHost)
 
 // Entry points whose newest ABI is declared in cuda.h under a _vN name that no macro maps the plain
 // name to: cuGetProcAddress of the plain name at CUDA_VERSION gives the newest ABI, so the pointer
