@@ -37,6 +37,7 @@ cudart::cudart() {
   sym(error_string, "cudaGetErrorString");
   sym(runtime_version, "cudaRuntimeGetVersion");
   malloc_managed = reinterpret_cast<decltype(malloc_managed)>(::dlsym(handle, "cudaMallocManaged"));
+  memcpy_batch_async = reinterpret_cast<decltype(memcpy_batch_async)>(::dlsym(handle, "cudaMemcpyBatchAsync"));
   prefetch = reinterpret_cast<decltype(prefetch)>(::dlsym(handle, "cudaMemPrefetchAsync"));
   if (!why.empty()) {
     why = "libcudart lacks " + why;

@@ -34,6 +34,15 @@ struct cudart {
     int type;  // cudaMemLocationTypeDevice = 1, cudaMemLocationTypeHost = 2
     int id;
   };
+  // cudaMemcpyBatchAsync (CUDA 12.8+; the signature of CUDA 13), the baseline of the scattered-block
+  // rows of `ferry-bench local`; null when this runtime lacks it.
+  struct memcpy_attributes {
+    int src_access_order;  // cudaMemcpySrcAccessOrderStream = 1
+    mem_location src_hint, dst_hint;
+    unsigned flags;
+  };
+  int (*memcpy_batch_async)(void* const*, const void* const*, const std::size_t*, std::size_t, memcpy_attributes*,
+                            std::size_t*, std::size_t, void*) = nullptr;
   int (*malloc_managed)(void**, std::size_t, unsigned) = nullptr;
   int (*prefetch)(const void*, std::size_t, mem_location, unsigned, void*) = nullptr;
   bool uvm_ok() const;

@@ -68,6 +68,9 @@ void event::wait(deadline until) {
 
 stream::~stream() = default;
 
+stream::stream(device& owner, bool view)
+    : owner_(&owner), view_(view), c_copies_(&owner.counters().get("copies")), c_copy_bytes_(&owner.counters().get("copy_bytes")) {}
+
 void stream::copy(void* dst, const void* src, std::size_t bytes, copy_engine by) {
   if (bytes == 0) return;
   if (!dst || !src)
@@ -77,8 +80,8 @@ void stream::copy(void* dst, const void* src, std::size_t bytes, copy_engine by)
       reinterpret_cast<std::uintptr_t>(src) + bytes < reinterpret_cast<std::uintptr_t>(src))
     fail(errc::out_of_range, "stream.copy", fmt::format("{} bytes={}", owner_->id(), bytes),
          "length overflows the address space");
-  owner_->counters().get("copies").add();
-  owner_->counters().get("copy_bytes").add(bytes);
+  c_copies_->add();
+  c_copy_bytes_->add(bytes);
   if (by == copy_engine::sm) owner_->counters().get("sm_copies").add();
   // One DMA per mapped chunk on either side (a plain device allocation is one mapping: one copy).
   auto* d = static_cast<std::byte*>(dst);
@@ -292,15 +295,15 @@ void device::check_access(const void* p, std::size_t bytes, bool write, int engi
     for (std::uintptr_t cur = lo; cur < hi;) {
       std::uintptr_t base = 0;
       const mapping* m = find_mapping(cur, &base);
-      std::string res = fmt::format("{} {}={}", id(), side, describe_range(p, bytes));
+      auto res = [&] { return fmt::format("{} {}={}", id(), side, describe_range(p, bytes)); };  // on failure only
       if (!m)
-        fail(errc::bad_address, std::string(op), res, fmt::format("{:#x} is reserved on {} but not mapped", cur, id()));
+        fail(errc::bad_address, std::string(op), res(), fmt::format("{:#x} is reserved on {} but not mapped", cur, id()));
       bool self = engine_ordinal == info_.ordinal;
       auto bit = engine_ordinal >= 0 && engine_ordinal < 64 ? std::uint64_t{1} << engine_ordinal : 0;
       bool ok = self ? (write ? m->device_access == access::read_write : m->device_access != access::none)
                      : (write ? (m->peer_write & bit) != 0 : (m->peer_read & bit) != 0);
       if (!ok)
-        fail(errc::bad_address, std::string(op), res,
+        fail(errc::bad_address, std::string(op), res(),
              fmt::format("{:#x} is mapped on {} without {} access for {}:{}", cur, id(), write ? "write" : "read",
                          to_string(info_.backend), engine_ordinal));
       cur = base + m->size;

@@ -779,9 +779,10 @@ struct stream_op {
   std::vector<pinned_pool::buffer> slots;
   std::shared_ptr<registration> hold;  // pageable memory pinned for the stream's copies, or unified memory kept in place
   std::mutex mu;
-  std::optional<error> err;  // the first failure: later chunks are not read or written
-  std::size_t next = 0;      // a read: the next chunk to read; a write: the next number to release
-  std::size_t settled = 0;   // chunks the batch has a result for
+  std::optional<error> err;     // the first failure: later chunks are not read or written
+  std::vector<bool> released;   // chunk k's number was released
+  std::vector<bool> started_io; // a read: chunk k's read was started
+  std::size_t settled = 0;      // chunks the batch has a result for
 
   std::uint64_t len(std::size_t k) const { return std::min(chunk, r.bytes - k * chunk); }
   std::uint64_t off(std::size_t k) const { return r.offset + k * chunk; }
@@ -805,18 +806,31 @@ void settle(const op_ptr& op, std::size_t k, const error* e) {
   if (last) op->b->item_done();
 }
 
+// Releases chunk k's number once.
+void release_chunk(const op_ptr& op, std::size_t k) {
+  {
+    std::lock_guard l(op->mu);
+    if (op->released[k]) return;
+    op->released[k] = true;
+  }
+  op->gates->release(*op->g, op->seq(k));
+}
+
 // The request failed: the stream is let past every chunk not yet released (what it then copies is
-// not the file's; the result says so).
+// not the file's; the result says so). Reads in flight release their own chunks when they end.
 void fail_op(const op_ptr& op, const error& e) {
-  std::size_t from = 0;
+  std::vector<std::size_t> rest;
   {
     std::lock_guard l(op->mu);
     if (op->err) return;
     op->err = e;
-    from = op->next;
-    op->next = op->n;
+    for (std::size_t k = 0; k < op->n; ++k)
+      if (!op->released[k] && (op->r.write || !op->started_io[k])) {
+        op->started_io[k] = true;  // a read never starts now
+        rest.push_back(k);
+      }
   }
-  for (std::size_t k = from; k < op->n; ++k) op->gates->release(*op->g, op->seq(k));
+  for (std::size_t k : rest) release_chunk(op, k);
 }
 
 error io_error(const stream_op& op, std::size_t k, const request_result& res) {
@@ -825,7 +839,13 @@ error io_error(const stream_op& op, std::size_t k, const request_result& res) {
                fmt::format("the file ends within the range (read {} of {} bytes of the chunk)", res.bytes_done, op.len(k)));
 }
 
+// Starts the read of chunk k into its buffer, unless the request failed.
 void read_chunk(const op_ptr& op, std::size_t k) {
+  {
+    std::lock_guard l(op->mu);
+    if (op->err || op->started_io[k]) return;
+    op->started_io[k] = true;
+  }
   file_request q{op->r.f, op->off(k), op->slot(k), op->len(k), false};
   transfer_options o;
   o.until = op->b->until;
@@ -833,11 +853,11 @@ void read_chunk(const op_ptr& op, std::size_t k) {
     if (res[0].state != request_state::done || res[0].bytes_done != op->len(k)) {
       std::memset(op->slot(k), 0, op->len(k));  // never another file's bytes in the destination
       error e = io_error(*op, k, res[0]);
-      op->gates->release(*op->g, op->seq(k));
+      release_chunk(op, k);
       fail_op(op, e);
       return;
     }
-    op->gates->release(*op->g, op->seq(k));
+    release_chunk(op, k);
   });
 }
 
@@ -852,12 +872,8 @@ void write_chunk(const op_ptr& op, std::size_t k) {
       return fail_op(op, e);
     }
     settle(op, k, nullptr);
-    std::size_t release = op->n;
-    {
-      std::lock_guard l(op->mu);
-      if (!op->err && op->next < op->n) release = op->next++;
-    }
-    if (release < op->n) op->gates->release(*op->g, op->seq(release));  // the buffer is free again
+    // Chunk k's buffer is free again: the chunk that uses it next may be copied into it.
+    if (k + op->slots.size() < op->n) release_chunk(op, k + op->slots.size());
   });
 }
 
@@ -876,12 +892,7 @@ void reached(const op_ptr& op, std::size_t k, bool yes) {
   }
   if (!op->r.write) {  // chunk k is in the destination: its buffer takes chunk k + slots
     settle(op, k, failed ? &*failed : nullptr);
-    std::size_t more = op->n;
-    {
-      std::lock_guard l(op->mu);
-      if (!op->err && op->next < op->n) more = op->next++;
-    }
-    if (more < op->n) read_chunk(op, more);
+    if (k + op->slots.size() < op->n) read_chunk(op, k + op->slots.size());
     return;
   }
   if (failed) return settle(op, k, &*failed);
@@ -920,6 +931,8 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
       op->gates = &gates;
       op->chunk = pool.buffer_bytes();
       op->n = static_cast<std::size_t>((r.bytes + op->chunk - 1) / op->chunk);
+      op->released.assign(op->n, false);
+      op->started_io.assign(op->n, false);
       // The stream's copy engine reads / writes `mem` directly: pageable memory is pinned for it,
       // unified memory stays where it is.
       if ((m.type == memory_type::host_pageable && dev.info().backend == device_kind::cuda) || m.type == memory_type::unified)
@@ -973,10 +986,9 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
       {
         std::lock_guard l(op->mu);
         op->err = refused;
-        op->next = op->n;
       }
       for (std::size_t k = 0; k < op->n; ++k) {
-        gates.release(*op->g, op->seq(k));
+        release_chunk(op, k);
         if (k >= enqueued) settle(op, k, &*refused);
       }
       if (enqueued) gates.watch(*op->g, op->seq(enqueued - 1), deadline::max(), {}, [op](bool) {});
@@ -985,23 +997,16 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
       // stream may still copy into or out of them until then).
       gates.watch(*op->g, op->seq(op->n - 1), deadline::max(), {}, [op](bool) {});
     }
+    // The first chunks start before any chunk is watched: a read started when the stream passed
+    // chunk k (chunk k + slots) must come after every chunk before it was started, so that a
+    // failure of one lets the stream past the chunks after it only.
+    if (!refused)
+      for (std::size_t k = 0; k < std::min(enqueued, op->slots.size()); ++k) {
+        if (op->r.write) release_chunk(op, k);  // every buffer is free
+        else read_chunk(op, k);
+      }
     for (std::size_t k = 0; k < enqueued; ++k)
       gates.watch(*op->g, op->seq(k), b->until, {}, [op, k](bool yes) { reached(op, k, yes); });
-    if (refused || !enqueued) continue;
-    std::size_t first = op->slots.size();
-    if (op->r.write) {
-      {
-        std::lock_guard l(op->mu);
-        op->next = first;
-      }
-      for (std::size_t k = 0; k < first; ++k) gates.release(*op->g, op->seq(k));  // every buffer is free
-    } else {
-      {
-        std::lock_guard l(op->mu);
-        op->next = first;
-      }
-      for (std::size_t k = 0; k < first; ++k) read_chunk(op, k);
-    }
   }
   I.st.get("requests.stream_ordered").add(static_cast<std::uint64_t>(items));
 }

@@ -509,6 +509,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
   std::map<std::pair<device*, transfer_path>, std::size_t> open_group;
   std::map<std::size_t, std::uint64_t> group_bytes;
   std::uint64_t chunk_cap = std::max<std::uint64_t>(I.cfg.xfer_chunk, 64 * KiB);
+  std::optional<memory_region> last_src, last_dst;
 
   for (std::size_t i = 0; i < reqs.size(); ++i) {
     const transfer_request& r = reqs[i];
@@ -526,8 +527,16 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       auto known = [](const memory_region* k, std::uintptr_t p, std::uint64_t n) {
         return k && k->type != memory_type::unknown && k->contains(p, n);
       };
-      memory_region src = known(r.src_region, s, r.bytes) ? *r.src_region : I.cache.classify(r.src, r.bytes);
-      memory_region dst = known(r.dst_region, d, r.bytes) ? *r.dst_region : I.cache.classify(r.dst, r.bytes);
+      // A batch of blocks in one pool (a KV cache's) classifies the pool once: a request inside the
+      // region the previous one found takes that region.
+      auto classify = [&](const memory_region* given, std::optional<memory_region>& last, const void* p, std::uintptr_t a) {
+        if (known(given, a, r.bytes)) return *given;
+        if (known(last ? &*last : nullptr, a, r.bytes)) return *last;
+        last = I.cache.classify(p, r.bytes);
+        return *last;
+      };
+      memory_region src = classify(r.src_region, last_src, r.src, s);
+      memory_region dst = classify(r.dst_region, last_dst, r.dst, d);
       if (src.type == memory_type::unknown)
         fail(errc::bad_address, "xfer.submit", res_of(), "source is not mapped memory ferry knows (freed or invalid?)");
       if (dst.type == memory_type::unknown)

@@ -337,7 +337,13 @@ TEST(StreamOrder, AFailedFileReadReleasesTheStreamAndSaysWhy) {
   EXPECT_EQ(word(after), 1u) << "the stream went on past the failed read";
   std::vector<std::byte> want(3ull << 20);
   fill_pattern(want.data(), want.size(), 8);
-  EXPECT_EQ(std::memcmp(host.data(), want.data(), want.size()), 0) << "the chunks that exist were delivered";
+  std::size_t first_bad = want.size();
+  for (std::size_t i = 0; i < want.size(); ++i)
+    if (host[i] != want[i]) {
+      first_bad = i;
+      break;
+    }
+  EXPECT_EQ(first_bad, want.size()) << "the chunks that exist were delivered; first wrong byte at offset " << first_bad;
   EXPECT_LE(r.bytes_done, want.size()) << "bytes past the end are never counted as read";
 }
 

@@ -205,7 +205,7 @@ class FERRY_API stream {
   void synchronize();  // with the device's default deadline (FERRY_DEADLINE)
 
  protected:
-  explicit stream(device& owner, bool view = false) : owner_(&owner), view_(view) {}
+  explicit stream(device& owner, bool view = false);
 
  private:
   virtual void do_copy(void* dst, const void* src, std::size_t bytes) = 0;
@@ -222,6 +222,8 @@ class FERRY_API stream {
 
   device* owner_;
   bool view_;
+  counter* c_copies_;  // the device's, looked up once: copy() runs per request
+  counter* c_copy_bytes_;
 };
 
 class FERRY_API device {

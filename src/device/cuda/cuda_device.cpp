@@ -335,21 +335,25 @@ class cuda_stream final : public stream {
   void do_write_value(std::uint32_t* addr, std::uint32_t value) override {
     auto cs = dev_.make_current();
     // The default flags: a fence first, so whoever sees the value sees the writes before it.
-    check(api_.cuStreamWriteValue32(s_, reinterpret_cast<CUdeviceptr>(addr), value, CU_STREAM_WRITE_VALUE_DEFAULT),
-          "stream.write_value", fmt::format("{} at {}", name_, describe_range(addr, 4)));
+    if (CUresult r = api_.cuStreamWriteValue32(s_, reinterpret_cast<CUdeviceptr>(addr), value, CU_STREAM_WRITE_VALUE_DEFAULT);
+        r != CUDA_SUCCESS)
+      check(r, "stream.write_value", fmt::format("{} at {}", name_, describe_range(addr, 4)));
   }
   void do_wait_value(const std::uint32_t* addr, std::uint32_t value) override {
     auto cs = dev_.make_current();
-    check(api_.cuStreamWaitValue32(s_, reinterpret_cast<CUdeviceptr>(addr), value, CU_STREAM_WAIT_VALUE_GEQ),
-          "stream.wait_value", fmt::format("{} at {}", name_, describe_range(addr, 4)));
+    if (CUresult r = api_.cuStreamWaitValue32(s_, reinterpret_cast<CUdeviceptr>(addr), value, CU_STREAM_WAIT_VALUE_GEQ);
+        r != CUDA_SUCCESS)
+      check(r, "stream.wait_value", fmt::format("{} at {}", name_, describe_range(addr, 4)));
   }
 
   void do_copy(void* dst, const void* src, std::size_t bytes) override {
     dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.copy", "dst");
     dev_.check_access(src, bytes, false, dev_.info().ordinal, "stream.copy", "src");
     auto cs = dev_.make_current();
-    check(api_.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes, s_),
-          "stream.copy", fmt::format("{} dst={} src={}", name_, describe_range(dst, bytes), describe_range(src, bytes)));
+    // The resource text only on failure: formatting it costs more than enqueueing a small copy.
+    if (CUresult r = api_.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes, s_);
+        r != CUDA_SUCCESS)
+      check(r, "stream.copy", fmt::format("{} dst={} src={}", name_, describe_range(dst, bytes), describe_range(src, bytes)));
   }
   void do_copy_sm(void* dst, const void* src, std::size_t bytes) override {
     dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.copy", "dst");
