@@ -651,6 +651,19 @@ void file_engine::submit(std::span<const file_request> reqs, transfer_options o,
   else start(b, reqs);
 }
 
+namespace {
+// Refuses a request that cannot run, naming it; returns its description for later errors.
+std::string check_request(const file_request& r, std::size_t i) {
+  if (!r.f) fail(errc::invalid_argument, "file.submit", fmt::format("request {}", i), "no file");
+  std::string res = fmt::format("request {} {} offset {} bytes {}", i, r.f->path(), r.offset, r.bytes);
+  if (!r.mem) fail(errc::invalid_argument, "file.submit", res, "null memory pointer");
+  if (r.bytes == 0) fail(errc::invalid_argument, "file.submit", res, "zero length");
+  if (r.offset + r.bytes < r.offset) fail(errc::out_of_range, "file.submit", res, "offset + length overflows");
+  if (r.write && !r.f->writable()) fail(errc::permission_denied, "file.submit", res, "file opened read-only");
+  return res;
+}
+}  // namespace
+
 void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::span<const file_request> reqs) {
   impl& I = *impl_;
   std::vector<job> jobs;
@@ -660,12 +673,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     b->sizes[i] = r.bytes;
     b->bytes_total += r.bytes;
     try {
-      if (!r.f) fail(errc::invalid_argument, "file.submit", fmt::format("request {}", i), "no file");
-      std::string res = fmt::format("request {} {} offset {} bytes {}", i, r.f->path(), r.offset, r.bytes);
-      if (!r.mem) fail(errc::invalid_argument, "file.submit", res, "null memory pointer");
-      if (r.bytes == 0) fail(errc::invalid_argument, "file.submit", res, "zero length");
-      if (r.offset + r.bytes < r.offset) fail(errc::out_of_range, "file.submit", res, "offset + length overflows");
-      if (r.write && !r.f->writable()) fail(errc::permission_denied, "file.submit", res, "file opened read-only");
+      std::string res = check_request(r, i);
       if (r.f->source()) {  // a remote file: its source moves the data (and classifies the memory)
         b->segs_left[i] = 1;
         b->results[i].path = transfer_path::none;
@@ -914,12 +922,7 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
     b->sizes[i] = r.bytes;
     b->bytes_total += r.bytes;
     try {
-      if (!r.f) fail(errc::invalid_argument, "file.submit", fmt::format("request {}", i), "no file");
-      std::string res = fmt::format("request {} {} offset {} bytes {}", i, r.f->path(), r.offset, r.bytes);
-      if (!r.mem) fail(errc::invalid_argument, "file.submit", res, "null memory pointer");
-      if (r.bytes == 0) fail(errc::invalid_argument, "file.submit", res, "zero length");
-      if (r.offset + r.bytes < r.offset) fail(errc::out_of_range, "file.submit", res, "offset + length overflows");
-      if (r.write && !r.f->writable()) fail(errc::permission_denied, "file.submit", res, "file opened read-only");
+      std::string res = check_request(r, i);
       memory_region m = I.cache.classify(r.mem, r.bytes);
       if (m.type == memory_type::unknown)
         fail(errc::bad_address, "file.submit", res, "memory is not mapped memory ferry knows (freed or invalid?)");

@@ -269,25 +269,21 @@ void engine_pool::work() {
         s->scheduled = false;
         continue;
       }
-      if (const std::uint32_t* a = s->ops.front().wait_addr) {
-        // A value wait: the stream stays parked until the word reaches the value (re-checked after
-        // a short sleep, so that a parked stream costs no engine its time).
-        auto v = std::atomic_ref<std::uint32_t>(*const_cast<std::uint32_t*>(a)).load(std::memory_order_acquire);
-        if (static_cast<std::int32_t>(v - s->ops.front().wait_for) < 0) {
-          park(s);
-          continue;
+      const op& front = s->ops.front();
+      if (front.wait_addr || front.gate) {
+        if (const std::uint32_t* a = front.wait_addr) {
+          // A value wait: the stream stays parked until the word reaches the value (looked at
+          // again when an engine is idle, so that a parked stream costs no engine its time).
+          auto v = std::atomic_ref<std::uint32_t>(*const_cast<std::uint32_t*>(a)).load(std::memory_order_acquire);
+          if (static_cast<std::int32_t>(v - front.wait_for) < 0) {
+            park(s);
+            continue;
+          }
+        } else {
+          // An event wait: the stream is parked until the event completes; its callback puts it back.
+          auto gate = front.gate;
+          if (!gate->on_complete([this, s] { schedule(s); })) continue;
         }
-        s->ops.pop_front();
-        s->completed++;
-        s->cv.notify_all();
-        if (s->ops.empty()) s->scheduled = false;
-        else schedule(s);
-        continue;
-      }
-      if (auto& g = s->ops.front().gate) {
-        // Park the stream until the event completes; its callback puts the stream back.
-        auto gate = g;
-        if (!gate->on_complete([this, s] { schedule(s); })) continue;
         s->ops.pop_front();
         s->completed++;
         s->cv.notify_all();
