@@ -104,6 +104,37 @@ void stream::copy(void* dst, const void* src, std::size_t bytes, copy_engine by)
   }
 }
 
+void stream::copy_batch(std::span<const copy_desc> copies) {
+  std::vector<copy_desc> pieces;
+  pieces.reserve(copies.size());
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < copies.size(); ++i) {
+    auto [dst, src, bytes] = copies[i];
+    if (bytes == 0) continue;
+    if (!dst || !src)
+      fail(errc::invalid_argument, "stream.copy_batch", fmt::format("{} copy {} dst={} src={}", owner_->id(), i, dst, src), "null pointer");
+    if (reinterpret_cast<std::uintptr_t>(dst) + bytes < reinterpret_cast<std::uintptr_t>(dst) ||
+        reinterpret_cast<std::uintptr_t>(src) + bytes < reinterpret_cast<std::uintptr_t>(src))
+      fail(errc::out_of_range, "stream.copy_batch", fmt::format("{} copy {} bytes={}", owner_->id(), i, bytes),
+           "length overflows the address space");
+    // One DMA per mapped chunk on either side, as copy().
+    auto* d = static_cast<std::byte*>(dst);
+    auto* s = static_cast<const std::byte*>(src);
+    for (std::size_t done = 0; done < bytes;) {
+      std::size_t n = bytes - done;
+      if (std::uint64_t rd = owner_->mapping_rest(d + done)) n = static_cast<std::size_t>(std::min<std::uint64_t>(n, rd));
+      if (std::uint64_t rs = owner_->mapping_rest(s + done)) n = static_cast<std::size_t>(std::min<std::uint64_t>(n, rs));
+      pieces.push_back({d + done, s + done, n});
+      done += n;
+    }
+    total += bytes;
+  }
+  if (pieces.empty()) return;
+  do_copy_batch(pieces);
+  c_copies_->add(copies.size());
+  c_copy_bytes_->add(total);
+}
+
 void stream::fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) {
   if (bytes == 0) return;
   if (!dst || reinterpret_cast<std::uintptr_t>(dst) % 8)

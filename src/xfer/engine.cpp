@@ -314,6 +314,20 @@ struct transfer_engine::impl {
       stream& s = stream_of(w.dev);
       std::vector<const segment*> enqueued;
       auto pieces = w.hold ? w.hold->pieces() : std::vector<std::pair<std::uintptr_t, std::uint64_t>>{};
+      if (live.size() > 1 && pieces.size() <= 1) {
+        // Many blocks (a KV cache's): enqueued in one call. If that is refused, one by one below,
+        // so that only the request at fault fails.
+        std::vector<stream::copy_desc> all;
+        all.reserve(live.size());
+        for (const segment* sg : live) all.push_back({sg->dst, sg->src, sg->len});
+        try {
+          s.copy_batch(all);
+          enqueued = live;
+          live.clear();
+        } catch (const std::exception& ex) {
+          log::debug("xfer", "a batch of {} copies was refused ({}); enqueueing them one by one", all.size(), ex.what());
+        }
+      }
       for (const segment* sg : live) {
         try {
           if (pieces.size() <= 1) {

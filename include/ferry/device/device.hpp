@@ -174,6 +174,15 @@ class FERRY_API stream {
   // Copies bytes between any two addresses this device can reach: its mapped ranges, host memory,
   // and peers' ranges that granted it access.
   void copy(void* dst, const void* src, std::size_t bytes, copy_engine by = copy_engine::dma);
+  // Many copies at once (a batch of scattered blocks): as copy() of each, in order, enqueued in one
+  // call where the backend has one (CUDA: cuMemcpyBatchAsync, driver 12.8+). On an error the
+  // copies before the refused one may be enqueued (not by CUDA's batch call, which takes all or none).
+  struct copy_desc {
+    void* dst;
+    const void* src;
+    std::size_t bytes;
+  };
+  void copy_batch(std::span<const copy_desc> copies);
   // Writes ferry's data pattern (core/checksum.hpp) with `seed` to dst (8-byte aligned), on the device.
   void fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed);
   // Computes checksum64 of src (8-byte aligned) on the device; *result (host memory) is valid
@@ -210,6 +219,10 @@ class FERRY_API stream {
  private:
   virtual void do_copy(void* dst, const void* src, std::size_t bytes) = 0;
   virtual void do_copy_sm(void* dst, const void* src, std::size_t bytes) { do_copy(dst, src, bytes); }
+  // Copies already split at mappings; by default one do_copy each.
+  virtual void do_copy_batch(std::span<const copy_desc> copies) {
+    for (auto& c : copies) do_copy(c.dst, c.src, c.bytes);
+  }
   virtual void do_fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) = 0;
   virtual void do_checksum(const void* src, std::size_t bytes, std::uint64_t* result) = 0;
   virtual std::unique_ptr<event> do_record() = 0;

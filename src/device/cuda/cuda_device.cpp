@@ -355,6 +355,31 @@ class cuda_stream final : public stream {
         r != CUDA_SUCCESS)
       check(r, "stream.copy", fmt::format("{} dst={} src={}", name_, describe_range(dst, bytes), describe_range(src, bytes)));
   }
+  void do_copy_batch(std::span<const copy_desc> copies) override {
+    if (!api_.cuMemcpyBatchAsync || copies.size() == 1) {  // a driver before 12.8, or nothing to batch
+      for (auto& c : copies) do_copy(c.dst, c.src, c.bytes);
+      return;
+    }
+    std::vector<CUdeviceptr> dsts(copies.size()), srcs(copies.size());
+    std::vector<size_t> sizes(copies.size());
+    for (std::size_t i = 0; i < copies.size(); ++i) {
+      auto& c = copies[i];
+      dev_.check_access(c.dst, c.bytes, true, dev_.info().ordinal, "stream.copy_batch", "dst");
+      dev_.check_access(c.src, c.bytes, false, dev_.info().ordinal, "stream.copy_batch", "src");
+      dsts[i] = reinterpret_cast<CUdeviceptr>(c.dst);
+      srcs[i] = reinterpret_cast<CUdeviceptr>(c.src);
+      sizes[i] = c.bytes;
+    }
+    CUmemcpyAttributes attr{};
+    attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;  // as cuMemcpyAsync: after the stream's earlier work
+    size_t first = 0;
+    auto cs = dev_.make_current();
+    if (CUresult r = api_.cuMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), copies.size(), &attr, &first, 1, s_);
+        r != CUDA_SUCCESS)
+      check(r, "stream.copy_batch", fmt::format("{} {} copies, the first dst={} src={}", name_, copies.size(),
+                                                describe_range(copies[0].dst, copies[0].bytes),
+                                                describe_range(copies[0].src, copies[0].bytes)));
+  }
   void do_copy_sm(void* dst, const void* src, std::size_t bytes) override {
     dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.copy", "dst");
     dev_.check_access(src, bytes, false, dev_.info().ordinal, "stream.copy", "src");

@@ -54,6 +54,13 @@ void load_once(const std::string& library) {
 #define FERRY_CUDA_RESOLVE_V(name, abi) resolve(#name, reinterpret_cast<void**>(&g_api.name));
   FERRY_CUDA_DRIVER_FUNCTIONS_VERSIONED(FERRY_CUDA_RESOLVE_V)
 #undef FERRY_CUDA_RESOLVE_V
+  {
+    std::string required = missing;
+#define FERRY_CUDA_RESOLVE_OPTIONAL(name) resolve(#name, reinterpret_cast<void**>(&g_api.name));
+    FERRY_CUDA_DRIVER_FUNCTIONS_OPTIONAL(FERRY_CUDA_RESOLVE_OPTIONAL)
+#undef FERRY_CUDA_RESOLVE_OPTIONAL
+    missing = required;
+  }
   if (!missing.empty()) {
     g_status.reason = fmt::format("driver {} (CUDA {}.{}) lacks: {}", library, drv / 1000, drv % 1000 / 10, missing);
     return;

@@ -31,12 +31,15 @@ namespace ferry::cuda {
 // name to: cuGetProcAddress of the plain name at CUDA_VERSION gives the newest ABI, so the pointer
 // must have its type. (Calling the plain declaration's type would pass too few arguments.)
 #define FERRY_CUDA_DRIVER_FUNCTIONS_VERSIONED(X) X(cuStreamGetCtx, cuStreamGetCtx_v2)
+// Entry points a driver may lack (newer than ferry's minimum): null then, and ferry does without.
+#define FERRY_CUDA_DRIVER_FUNCTIONS_OPTIONAL(X) X(cuMemcpyBatchAsync)
 
 struct driver_api {
 #define FERRY_CUDA_DECLARE(name) decltype(&::name) name = nullptr;
 #define FERRY_CUDA_DECLARE_V(name, abi) decltype(&::abi) name = nullptr;
   FERRY_CUDA_DRIVER_FUNCTIONS(FERRY_CUDA_DECLARE)
   FERRY_CUDA_DRIVER_FUNCTIONS_VERSIONED(FERRY_CUDA_DECLARE_V)
+  FERRY_CUDA_DRIVER_FUNCTIONS_OPTIONAL(FERRY_CUDA_DECLARE)
 #undef FERRY_CUDA_DECLARE
 #undef FERRY_CUDA_DECLARE_V
 };
