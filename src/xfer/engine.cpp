@@ -125,7 +125,7 @@ struct transfer_engine::impl {
       s.wait_value(o.finished(), seq);
     } catch (...) {
       // The stream will write `started` but wait for nothing: the number is spent, ended at once.
-      { auto drop_lock = std::move(o); }
+      o.unlock();
       gates.release(g, seq);
       throw;
     }
@@ -141,7 +141,7 @@ struct transfer_engine::impl {
       if (held->empty()) return b->item_done(0);
       enqueue(*held);
     };
-    { auto unlock = std::move(o); }
+    o.unlock();
     gates.watch(g, seq, b->until, [b] { return b->cancelled.load(); }, std::move(gated));
   }
   // A batch whose stream did not reach it by its deadline, or that was cancelled first: it ends

@@ -48,6 +48,7 @@ class stream_gates {
     std::uint32_t* started() const { return g_.started; }
     const std::uint32_t* finished() const { return g_.finished; }
     gate& the_gate() const { return g_; }
+    void unlock() { l_.unlock(); }  // the gate stays valid while numbers of it are unreleased
 
    private:
     friend class stream_gates;

@@ -40,12 +40,12 @@ void load_once(const std::string& library) {
   if (get_version) get_version(&drv);
   int want = drv > 0 && drv < CUDA_VERSION ? drv : CUDA_VERSION;
   std::string missing;
-  auto resolve = [&](const char* name, void** fn) {
+  auto resolve = [&](const char* name, void** fn, bool required = true) {
     CUresult r = gp2 ? gp2(name, fn, want, CU_GET_PROC_ADDRESS_DEFAULT, nullptr)
                      : gp1(name, fn, want, CU_GET_PROC_ADDRESS_DEFAULT);
     if (r != CUDA_SUCCESS || !*fn) {
       *fn = nullptr;
-      missing += (missing.empty() ? "" : ", ") + std::string(name);
+      if (required) missing += (missing.empty() ? "" : ", ") + std::string(name);
     }
   };
 #define FERRY_CUDA_RESOLVE(name) resolve(#name, reinterpret_cast<void**>(&g_api.name));
@@ -54,13 +54,9 @@ void load_once(const std::string& library) {
 #define FERRY_CUDA_RESOLVE_V(name, abi) resolve(#name, reinterpret_cast<void**>(&g_api.name));
   FERRY_CUDA_DRIVER_FUNCTIONS_VERSIONED(FERRY_CUDA_RESOLVE_V)
 #undef FERRY_CUDA_RESOLVE_V
-  {
-    std::string required = missing;
-#define FERRY_CUDA_RESOLVE_OPTIONAL(name) resolve(#name, reinterpret_cast<void**>(&g_api.name));
-    FERRY_CUDA_DRIVER_FUNCTIONS_OPTIONAL(FERRY_CUDA_RESOLVE_OPTIONAL)
+#define FERRY_CUDA_RESOLVE_OPTIONAL(name) resolve(#name, reinterpret_cast<void**>(&g_api.name), false);
+  FERRY_CUDA_DRIVER_FUNCTIONS_OPTIONAL(FERRY_CUDA_RESOLVE_OPTIONAL)
 #undef FERRY_CUDA_RESOLVE_OPTIONAL
-    missing = required;
-  }
   if (!missing.empty()) {
     g_status.reason = fmt::format("driver {} (CUDA {}.{}) lacks: {}", library, drv / 1000, drv % 1000 / 10, missing);
     return;
