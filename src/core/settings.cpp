@@ -183,7 +183,7 @@ const setting_def table[] = {
   {"FERRY_XFER_CHUNK", "Piece size of staged, bounce and host-to-host copies spread over the workers; also the size up to which small requests are grouped into one work item.",
    [](settings& s, std::string_view v) { s.xfer_chunk = parse_size_in(v, 64 * KiB, 4 * GiB); },
    [](const settings& s) { return format_size(s.xfer_chunk); }},
-  {"FERRY_XFER_BATCH_SMALL", "Requests up to this size are grouped into one work item (one synchronization).",
+  {"FERRY_XFER_BATCH_SMALL", "Requests up to this size, of one device and direction, are grouped into work items of up to FERRY_XFER_CHUNK (one synchronization each).",
    [](settings& s, std::string_view v) { s.xfer_batch_small = parse_size_in(v, 0, 1 * GiB); },
    [](const settings& s) { return format_size(s.xfer_batch_small); }},
   {"FERRY_XFER_PAGEABLE", "Pageable host memory: auto (bounce the first time, register a range copied again) | register | bounce.",

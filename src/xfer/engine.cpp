@@ -519,9 +519,16 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
   b.unfinished = reqs.size();
 
   std::vector<work_item> items;
-  // Small direct requests of one device are grouped into one item (one synchronization).
-  std::map<std::pair<device*, transfer_path>, std::size_t> open_group;
-  std::map<std::size_t, std::uint64_t> group_bytes;
+  // Small direct requests of one device and direction are grouped into one item (one
+  // synchronization); the two directions stay apart, so that both copy engines work.
+  struct group {
+    device* dev;
+    transfer_path path;
+    bool to_device;
+    std::size_t item;
+    std::uint64_t bytes;
+  };
+  std::vector<group> open_groups;  // a handful at most: a linear search
   std::uint64_t chunk_cap = std::max<std::uint64_t>(I.cfg.xfer_chunk, 64 * KiB);
   std::optional<memory_region> last_src, last_dst;
 
@@ -618,15 +625,17 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       auto* sp = static_cast<const std::byte*>(r.src);
       bool groupable = w.path == transfer_path::direct || w.path == transfer_path::peer || w.path == transfer_path::host;
       if (groupable && r.bytes <= I.cfg.xfer_batch_small) {
-        auto key = std::make_pair(w.dev, w.path);
-        auto g = open_group.find(key);
-        if (g == open_group.end() || group_bytes[g->second] + r.bytes > chunk_cap) {
+        auto g = std::find_if(open_groups.begin(), open_groups.end(), [&](const group& x) {
+          return x.dev == w.dev && x.path == w.path && x.to_device == w.to_device;
+        });
+        if (g == open_groups.end() || g->bytes + r.bytes > chunk_cap) {
+          if (g == open_groups.end()) g = open_groups.insert(open_groups.end(), {w.dev, w.path, w.to_device, 0, 0});
           items.push_back(std::move(w));
-          g = open_group.insert_or_assign(key, items.size() - 1).first;
-          group_bytes[g->second] = 0;
+          g->item = items.size() - 1;
+          g->bytes = 0;
         }
-        items[g->second].segs.push_back({i, dp, sp, r.bytes});
-        group_bytes[g->second] += r.bytes;
+        items[g->item].segs.push_back({i, dp, sp, r.bytes});
+        g->bytes += r.bytes;
         b.segs_left[i] = 1;
         continue;
       }

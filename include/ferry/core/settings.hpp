@@ -67,7 +67,7 @@ struct FERRY_API settings {
   int xfer_threads = 0;  // 0: default_xfer_threads()
   std::uint64_t xfer_chunk = 16ull << 20;
   std::uint64_t xfer_split = 0;
-  std::uint64_t xfer_batch_small = 1ull << 20;
+  std::uint64_t xfer_batch_small = 4ull << 20;
   pageable_policy xfer_pageable = pageable_policy::automatic;
   bool xfer_peer = true;
   // io
