@@ -643,6 +643,20 @@ transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_
   return make_batch(std::move(b));
 }
 
+transfer_batch file_engine::read_async(std::shared_ptr<file> f, std::uint64_t offset, void* dst, std::uint64_t bytes,
+                                       stream& s, transfer_options o) {
+  o.on = &s;
+  file_request q{std::move(f), offset, dst, bytes, false};
+  return submit({&q, 1}, o);
+}
+
+transfer_batch file_engine::write_async(std::shared_ptr<file> f, std::uint64_t offset, const void* src, std::uint64_t bytes,
+                                        stream& s, transfer_options o) {
+  o.on = &s;
+  file_request q{std::move(f), offset, const_cast<void*>(src), bytes, true};
+  return submit({&q, 1}, o);
+}
+
 void file_engine::submit(std::span<const file_request> reqs, transfer_options o, completion done) {
   auto b = make_batch_state(reqs.size(), o.until.value_or(deadline_after(impl_->cfg.deadline)));
   if (reqs.empty()) return done({});

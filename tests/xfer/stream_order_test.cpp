@@ -297,10 +297,7 @@ TEST(StreamOrder, AFileWriteTakesTheSourceInStreamOrder) {
   alignas(4) std::uint32_t hold = 0;
   users->wait_value(&hold, 1);
   users->fill_pattern(src.p(), n, 5);  // the producer
-  transfer_options o;
-  o.on = users.get();
-  file_request w{f, 0, src.p(), n, true};
-  transfer_batch t = rt.files().submit({&w, 1}, o);
+  transfer_batch t = rt.files().write_async(f, 0, src.p(), n, *users);
   users->fill_pattern(src.p(), n, 6);  // the next step reuses the buffer
   set_word(hold, 1);
   users->synchronize();
@@ -322,10 +319,7 @@ TEST(StreamOrder, AFailedFileReadReleasesTheStreamAndSaysWhy) {
   std::vector<std::byte> host(n, std::byte{0x5a});
   auto users = d.create_stream();
   alignas(4) std::uint32_t after = 0;
-  transfer_options o;
-  o.on = users.get();
-  file_request q{f, 0, host.data(), n, false};
-  transfer_batch t = rt.files().submit({&q, 1}, o);
+  transfer_batch t = rt.files().read_async(f, 0, host.data(), n, *users);
   users->write_value(&after, 1);
   EXPECT_FALSE(t.wait());
   auto r = t.results()[0];

@@ -107,6 +107,13 @@ class FERRY_API file_engine {
   // returns). It must not block. The batch runs until it is done or its deadline passes.
   using completion = transfer_engine::completion;
   void submit(std::span<const file_request> requests, transfer_options o, completion done);
+  // One stream-ordered request (submit with transfer_options::on = &s): `dst` gets the file's bytes
+  // in s's order; write_async takes `src` in s's order. The handle reports the result; destroying it
+  // before the stream reached the request cancels it (the stream is still released).
+  transfer_batch read_async(std::shared_ptr<file> f, std::uint64_t offset, void* dst, std::uint64_t bytes, stream& s,
+                            transfer_options o = {});
+  transfer_batch write_async(std::shared_ptr<file> f, std::uint64_t offset, const void* src, std::uint64_t bytes,
+                             stream& s, transfer_options o = {});
   // Synchronous helpers; read returns the bytes read (short at EOF).
   std::uint64_t read(file& f, std::uint64_t offset, void* dst, std::uint64_t bytes, transfer_options o = {});
   void write(file& f, std::uint64_t offset, const void* src, std::uint64_t bytes, bool fsync = false,
