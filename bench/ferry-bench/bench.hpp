@@ -53,6 +53,20 @@ struct bench_vm_options {
 };
 int run_bench_vm(runtime& rt, const bench_vm_options& o);
 
+struct bench_pipeline_options {
+  std::string path;            // a directory (the test file is created there) or a file path
+  std::string size = "4GiB";
+  std::string chunk = "64MiB";  // one read_async and one kernel each
+  int buffers = 4;             // device buffers the chunks take in turn
+  double kernel_ratio = 1.0;   // the kernels' total time / the reads' total time
+  std::string device;          // default: the default device
+  int rounds = 3;              // the median round is reported
+  std::string json_out;
+  bool keep = false;
+};
+// Needs a CUDA GPU (a user's kernel runs on every chunk); a build without CUDA says so.
+int run_bench_pipeline(runtime& rt, const bench_pipeline_options& o);
+
 // "ferry settings not at their defaults: FERRY_X=v ..." (or "ferry settings: all defaults"), so a
 // benchmark's output records the configuration it measured.
 std::string changed_settings(const settings& s);

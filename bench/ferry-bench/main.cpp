@@ -66,6 +66,19 @@ int main(int argc, char** argv) {
   bench_vm->add_option("--rounds", bvm.rounds, "Rounds per test (the median is reported)")->capture_default_str();
   bench_vm->add_option("--json-out", bvm.json_out, "Write the results as JSON here");
 
+  ferry::cli::bench_pipeline_options bpipe;
+  auto* bench_pipe = app.add_subcommand("pipeline", "Read chunk i of a file, then a kernel on it, on the user's streams: "
+                                                    "stream-ordered ferry vs serialized and KvikIO-style, next to the ideal");
+  bench_pipe->add_option("--path", bpipe.path, "Directory (or file path) for the test file")->required();
+  bench_pipe->add_option("--size", bpipe.size, "Test file size")->capture_default_str();
+  bench_pipe->add_option("--chunk", bpipe.chunk, "Bytes per read and per kernel")->capture_default_str();
+  bench_pipe->add_option("--buffers", bpipe.buffers, "Device buffers the chunks take in turn")->capture_default_str();
+  bench_pipe->add_option("--kernel-ratio", bpipe.kernel_ratio, "All kernels' time / all reads' time")->capture_default_str();
+  bench_pipe->add_option("--device", bpipe.device, "Device (default: FERRY_BACKEND's choice)");
+  bench_pipe->add_option("--rounds", bpipe.rounds, "Rounds per row (the median is reported)")->capture_default_str();
+  bench_pipe->add_option("--json-out", bpipe.json_out, "Write the results as JSON here");
+  bench_pipe->add_flag("--keep", bpipe.keep, "Keep the test file");
+
   // The server `remote` measures, started as a child process of this program (not for users: hidden).
   ferry::cli::serve_options serve;
   auto* serve_cmd = app.add_subcommand("serve", "The server of `remote` (same code as `ferry serve`)")->group("");
@@ -85,6 +98,7 @@ int main(int argc, char** argv) {
     if (*bench_file) return ferry::cli::run_bench_file(rt, bfile);
     if (*bench_remote) return ferry::cli::run_bench_remote(rt, bremote);
     if (*bench_vm) return ferry::cli::run_bench_vm(rt, bvm);
+    if (*bench_pipe) return ferry::cli::run_bench_pipeline(rt, bpipe);
     if (*serve_cmd) return ferry::cli::run_serve(rt, serve);
   } catch (const ferry::error& e) {
     std::fprintf(stderr, "ferry-bench: error: %s\n", e.what());
