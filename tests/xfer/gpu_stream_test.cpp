@@ -13,6 +13,11 @@
 
 #include <cstring>
 #include <filesystem>
+#include <spawn.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <fstream>
 #include <thread>
 
@@ -198,6 +203,87 @@ TEST(GpuStreams, AFileTruncatedUnderAStreamOrderedReadReleasesTheStream) {
   std::filesystem::remove(path);
 }
 
+// `ferry serve` in a process of its own, which the test can kill (the ferry binary comes from ctest:
+// --ferry-binary PATH).
+std::string g_ferry_binary;
+struct served_process {
+  pid_t pid = -1;
+  int out = -1;
+  std::uint16_t port = 0;
+  served_process(const std::string& ferry, const std::filesystem::path& root) {
+    int p[2];
+    if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+    std::string r = root.string();
+    std::vector<std::string> args = {ferry, "serve", "--root", r, "--listen", "127.0.0.1:0"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    int rc = ::posix_spawn(&pid, ferry.c_str(), &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(p[1]);
+    out = p[0];
+    if (rc != 0) throw std::runtime_error(ferry + ": posix_spawn: " + std::strerror(rc));
+    // "ferry serve: ROOT on 127.0.0.1:PORT (...)": the port, once it listens.
+    std::string line;
+    pollfd pf{out, POLLIN, 0};
+    char c = 0;
+    while (line.find('\n') == std::string::npos && ::poll(&pf, 1, 20000) == 1 && ::read(out, &c, 1) == 1) line += c;
+    auto at = line.find("127.0.0.1:");
+    if (at == std::string::npos) throw std::runtime_error("ferry serve did not report its port: " + line);
+    port = static_cast<std::uint16_t>(std::stoi(line.substr(at + 10)));
+  }
+  void kill() {
+    if (pid <= 0) return;
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    pid = -1;
+  }
+  ~served_process() {
+    kill();
+    ::close(out);
+  }
+};
+
+// The server is killed while a stream-ordered read of one of its files waits behind the user's
+// kernel: the read fails, names the server, and the user's stream goes on well within the deadline.
+TEST(GpuStreams, AServerKilledUnderAStreamOrderedReadReleasesTheStream) {
+  if (g_ferry_binary.empty()) GTEST_SKIP() << "needs --ferry-binary PATH (ctest passes it)";
+  auto root = std::filesystem::path("/tmp") / ("ferry-gpu-serve-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(root);
+  const std::size_t n = 256ull << 20;
+  std::filesystem::rename(words_file(n, 5), root / "data.bin");
+  served_process srv(g_ferry_binary, root);
+  runtime rt(g_settings);
+  user_program u;
+  CUstream s = nullptr;
+  CU(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  auto f = file::open("ferry://127.0.0.1:" + std::to_string(srv.port) + "/data.bin", open_mode::read);
+  cu_buffer a(n), bad(8);
+  u.launch_produce(s, a.data(), n, 1, 300'000'000);  // the user's kernel: 300 ms
+  auto view = rt.devices().get("cuda:0").wrap_stream(native_stream{reinterpret_cast<std::uintptr_t>(s)});
+  transfer_options o;
+  o.until = deadline_after(20s);
+  transfer_batch t = rt.files().read_async(f, 0, a.data(), n, *view, o);
+  srv.kill();                            // the server dies under the read
+  CU(cuMemsetD8Async(bad.p, 0, 8, s));  // the user's next step
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(t.wait());
+  auto r = t.results()[0];
+  EXPECT_EQ(r.state, request_state::failed) << "the failure was noticed, not waited out to the deadline";
+  ASSERT_TRUE(r.err);
+  EXPECT_THAT(r.err->what(), HasSubstr("127.0.0.1:" + std::to_string(srv.port)));
+  CU(cuStreamSynchronize(s));
+  auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took, 10s) << "the stream was held past the failure";
+  std::printf("server killed: the read failed and the stream went on after %.0f ms: %s\n",
+              std::chrono::duration<double, std::milli>(took).count(), r.err->what());
+  g_api->cuStreamDestroy(s);
+  std::filesystem::remove_all(root);
+}
+
 TEST(GpuStreams, ProducerBatchConsumerOnTheUsersOwnStream) {
   runtime rt(g_settings);
   user_program u;
@@ -353,5 +439,7 @@ int main(int argc, char** argv) {
     return 77;
   }
   g_api = st.api;
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string_view(argv[i]) == "--ferry-binary") g_ferry_binary = argv[i + 1];
   return RUN_ALL_TESTS();
 }
