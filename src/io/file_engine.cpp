@@ -710,9 +710,32 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       j.where = m;
       // Unified memory stays where it is while the request uses it (its pages may move otherwise).
       if (m.type == memory_type::unified) j.hold = std::make_shared<registration>(I.cache.acquire(r.mem, r.bytes));
-      b->segs_left[i] = 1;
       b->results[i].path = transfer_path::staged;
-      jobs.push_back(std::move(j));
+      // A request of several I/O chunks is cut into pieces for several workers (at 4 KiB-aligned
+      // file offsets): one ring's io-wq runs a request's I/Os nearly one after another, several
+      // rings run in parallel. Each piece is a segment of the request.
+      std::size_t pieces = std::min<std::uint64_t>(I.workers.size(), r.bytes / std::max<std::uint64_t>(I.cfg.io_chunk, 4096));
+      if (pieces < 2) {
+        b->segs_left[i] = 1;
+        jobs.push_back(std::move(j));
+        continue;
+      }
+      std::uint64_t step = (r.bytes + pieces - 1) / pieces, end = r.offset + r.bytes;
+      std::vector<std::uint64_t> cuts = {r.offset};
+      for (std::size_t k = 1; k < pieces; ++k) {
+        std::uint64_t c = align_up(r.offset + k * step, 4096);
+        if (c > cuts.back() && c < end) cuts.push_back(c);
+      }
+      cuts.push_back(end);
+      b->segs_left[i] = static_cast<int>(cuts.size() - 1);
+      I.st.get("requests.pieces").add(cuts.size() - 1);
+      for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+        job p = j;
+        p.r.offset = cuts[k];
+        p.r.bytes = cuts[k + 1] - cuts[k];
+        p.r.mem = static_cast<std::byte*>(r.mem) + (cuts[k] - r.offset);
+        jobs.push_back(std::move(p));
+      }
     } catch (const error& e) {
       b->fail_now(i, e);
     }

@@ -288,6 +288,7 @@ TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
   settings s = io_settings();
   s.io_threads = 4;
   s.io_direct = direct_io::never;
+  s.io_chunk = 1 << 20;  // one I/O each: not cut into pieces
   runtime rt(s);
   std::string p = temp_path("spread");
   auto data = random_bytes(4 << 20, 17);
@@ -301,6 +302,45 @@ TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
   b.check();
   EXPECT_EQ(got, data);
   EXPECT_EQ(rt.files().counters().get("requests.beside_others").value(), 0u);
+}
+
+// A request of many I/O chunks is cut into pieces for several workers; the pieces are one request:
+// its bytes, its short read at the end of the file, its failure.
+TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
+  settings s = io_settings(direct_io::never);
+  s.io_threads = 4;
+  runtime rt(s);
+  std::string p = temp_path("pieces");
+  auto data = random_bytes((3 << 20) + 1234, 23);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  std::vector<unsigned char> got(4 << 20, 0xee);
+  // From an unaligned offset to past the end of the file, into host and sim memory.
+  EXPECT_EQ(rt.files().read(*f, 777, got.data(), 4 << 20), data.size() - 777);
+  EXPECT_TRUE(std::equal(data.begin() + 777, data.end(), got.begin()));
+  EXPECT_EQ(got[data.size() - 777], 0xee) << "nothing written past the bytes that exist";
+  EXPECT_EQ(rt.files().counters().get("requests.pieces").value(), 4u);
+  mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), 4 << 20);
+  EXPECT_EQ(rt.files().read(*f, 0, sim.data(), data.size()), data.size());
+  std::vector<unsigned char> back(data.size());
+  auto st = rt.devices().get("sim:0").create_stream();
+  st->copy(back.data(), sim.data(), back.size());
+  st->synchronize();
+  EXPECT_EQ(back, data);
+  // A write in pieces lands whole.
+  std::string q = temp_path("pieces-w");
+  auto w = file::open(q, open_mode::create);
+  rt.files().write(*w, 0, data.data(), data.size(), true);
+  std::vector<unsigned char> written(data.size());
+  std::ifstream(q, std::ios::binary).read(reinterpret_cast<char*>(written.data()), static_cast<std::streamsize>(written.size()));
+  EXPECT_EQ(written, data);
+  // Cut short before the read: the pieces past the end are empty, the request is the short read.
+  ::truncate(p.c_str(), 1 << 20);
+  transfer_batch b = rt.files().submit(std::vector<file_request>{{f, 0, got.data(), 3 << 20, false}});
+  ASSERT_TRUE(b.wait());
+  EXPECT_EQ(b.results()[0].bytes_done, 1u << 20);
+  ::unlink(p.c_str());
+  ::unlink(q.c_str());
 }
 
 // A batch without a handle: the completion comes once, with every result, bad requests included.
