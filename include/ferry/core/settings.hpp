@@ -62,7 +62,7 @@ struct FERRY_API settings {
   std::uint64_t pin_limit = 8ull << 30;
   std::uint64_t staging_bytes = 8ull << 20;
   int staging_buffers = 48;
-  int stream_slots = 4;  // staging buffers of one stream-ordered file request (its pipeline depth)
+  int stream_slots = 8;  // staging buffers of one stream-ordered file request (its pipeline depth)
   // xfer
   int xfer_threads = 0;  // 0: default_xfer_threads()
   std::uint64_t xfer_chunk = 16ull << 20;
