@@ -952,18 +952,27 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
   device& dev = s.owner();
   memory_region near{memory_type::device, dev.info().backend, dev.info().ordinal, 0, 0, 0, nullptr};
   pinned_pool& pool = I.xfer.staging_for(near);
+  for (std::size_t i = 0; i < reqs.size(); ++i) {
+    b->sizes[i] = reqs[i].bytes;
+    b->bytes_total += reqs[i].bytes;
+  }
+  {
+    std::lock_guard l(b->mu);
+    b->items_inflight = 1;  // held until every request is on the stream: none completes the batch early
+  }
+  // Each request takes its buffers and goes onto the stream before the next takes any: a request
+  // that waits for buffers waits for those of requests already on the stream (which the stream
+  // frees as it passes them), never for those of a request still waiting to be enqueued.
   int items = 0;
-  std::vector<op_ptr> ops;
   for (std::size_t i = 0; i < reqs.size(); ++i) {
     const file_request& r = reqs[i];
-    b->sizes[i] = r.bytes;
-    b->bytes_total += r.bytes;
+    op_ptr op;
     try {
       std::string res = check_request(r, i);
       memory_region m = I.cache.classify(r.mem, r.bytes);
       if (m.type == memory_type::unknown)
         fail(errc::bad_address, "file.submit", res, "memory is not mapped memory ferry knows (freed or invalid?)");
-      auto op = std::make_shared<stream_op>();
+      op = std::make_shared<stream_op>();
       op->b = b;
       op->idx = i;
       op->r = r;
@@ -988,18 +997,15 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
       }
       b->segs_left[i] = static_cast<int>(op->n);
       b->results[i].path = transfer_path::staged;
-      ops.push_back(std::move(op));
-      ++items;
     } catch (const error& e) {
       b->fail_now(i, e);
+      continue;
     }
-  }
-  {
-    std::lock_guard l(b->mu);
-    b->items_inflight = items;
-  }
-  if (!items) return b->item_done(0);
-  for (auto& op : ops) {
+    {
+      std::lock_guard l(b->mu);
+      ++b->items_inflight;
+    }
+    ++items;
     std::size_t enqueued = 0;  // chunks whose ops are all on the stream
     std::optional<error> refused;
     {
@@ -1049,6 +1055,7 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
       gates.watch(*op->g, op->seq(k), b->until, {}, [op, k](bool yes) { reached(op, k, yes); });
   }
   I.st.get("requests.stream_ordered").add(static_cast<std::uint64_t>(items));
+  b->item_done();  // the hold taken above
 }
 
 file_backend_choice file_engine::backend_for(const std::string& path) {

@@ -284,6 +284,34 @@ TEST(StreamOrder, AFileReadLandsInStreamOrder) { file_read_lands_in_stream_order
 // stream that did not wait for each chunk would copy the previous chunk's bytes again.
 TEST(StreamOrder, AFileReadThroughOneBufferWaitsForEveryChunk) { file_read_lands_in_stream_order(1); }
 
+// One batch of more stream-ordered reads than the staging pool has buffers: each request goes onto
+// the stream before the next waits for buffers, so the later ones get those the stream frees.
+TEST(StreamOrder, ABatchOfMoreReadsThanStagingBuffersCompletes) {
+  settings cfg = sim_settings();
+  cfg.staging_buffers = 4;
+  cfg.stream_slots = 2;
+  cfg.deadline = std::chrono::seconds(10);
+  runtime rt(cfg);
+  device& d = rt.devices().get("sim:0");
+  const std::uint64_t each = 2ull << 20;
+  temp_file tf(12 * each, 41);
+  auto f = file::open(tf.p.string(), open_mode::read);
+  region dst(d, 12 * each);
+  auto users = d.create_stream();
+  std::vector<file_request> reqs;
+  for (std::uint64_t i = 0; i < 12; ++i) reqs.push_back({f, i * each, static_cast<std::byte*>(dst.p()) + i * each, each, false});
+  transfer_options o;
+  o.on = users.get();
+  auto start = std::chrono::steady_clock::now();
+  transfer_batch t = rt.files().submit(reqs, o);
+  std::uint64_t sum = 0;
+  users->checksum(dst.p(), 12 * each, &sum);
+  users->synchronize();
+  ASSERT_TRUE(t.wait()) << (t.results()[4].err ? t.results()[4].err->what() : "");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "a request waited for buffers that only a later one could free";
+  EXPECT_EQ(sum, pattern_checksum(12 * each, 41));
+}
+
 // A write takes the source as the stream has it at that point: the user's kernel overwrites the
 // source right after, on the stream, without waiting on the CPU.
 TEST(StreamOrder, AFileWriteTakesTheSourceInStreamOrder) {
