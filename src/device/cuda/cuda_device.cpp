@@ -459,15 +459,22 @@ class cuda_stream final : public stream {
     auto reached = [&] {
       return static_cast<std::int32_t>(std::atomic_ref<std::uint32_t>(*sync_word_).load(std::memory_order_acquire) - seq) >= 0;
     };
-    auto start = std::chrono::steady_clock::now();
+    // Looks at the word in a tight loop; a driver call (cuStreamQuery, for the stream's error) and
+    // giving up the CPU only now and then, by time: each takes the driver's locks or a system call,
+    // and calling them every few hundred looks cost a small copy more than the look itself saves.
+    using namespace std::chrono_literals;
+    auto start = std::chrono::steady_clock::now(), queried = start;
     for (unsigned i = 1;; ++i) {
       if (reached()) return;
-      if (i % 256 == 0) {
+      if (i % 64 == 0) {
         auto now = std::chrono::steady_clock::now();
-        if (do_idle() || reached()) return;  // throws the stream's error, if it failed
+        if (now - queried >= 20us) {
+          queried = now;
+          if (do_idle() || reached()) return;  // throws the stream's error, if it failed
+        }
         if (now >= until) fail(errc::timeout, "stream.synchronize", name_, "deadline expired before the stream's work completed");
-        if (now - start > std::chrono::milliseconds(2)) std::this_thread::sleep_for(std::chrono::microseconds(20));
-        else std::this_thread::yield();
+        if (now - start > 2ms) std::this_thread::sleep_for(20us);
+        else if (now - start > 100us) std::this_thread::yield();
       }
     }
   }
