@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <span>
+#include <array>
 #include <atomic>
 #include <list>
 #include <map>
@@ -327,11 +329,21 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
       }
     }
   }
-  std::vector<peer_memory_client*> clients;
+  // The clients as they are now, asked outside the lock (an ask may call the driver); a handful, so
+  // no allocation per classification.
+  std::array<peer_memory_client*, 8> few{};
+  std::vector<peer_memory_client*> many;
+  std::span<peer_memory_client* const> clients;
   std::uint64_t gen;
   {
     cache_lock l(impl_->mu);
-    clients = impl_->clients;
+    if (impl_->clients.size() <= few.size()) {
+      std::copy(impl_->clients.begin(), impl_->clients.end(), few.begin());
+      clients = {few.data(), impl_->clients.size()};
+    } else {
+      many = impl_->clients;
+      clients = many;
+    }
     gen = impl_->generation;
   }
   for (auto* c : clients)

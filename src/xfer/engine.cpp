@@ -429,7 +429,13 @@ bool transfer_batch::poll() const {
 }
 
 bool transfer_batch::wait() {
-  if (s_->engine) static_cast<transfer_engine::impl*>(s_->engine)->help(s_.get());
+  bool over = false;
+  {
+    std::lock_guard l(s_->mu);
+    over = s_->unfinished == 0;
+  }
+  // Queued items of this batch run here (none left to look for once every request is final).
+  if (!over && s_->engine) static_cast<transfer_engine::impl*>(s_->engine)->help(s_.get());
   std::unique_lock l(s_->mu);
   if (!s_->cv.wait_until(l, s_->until, [&] { return s_->unfinished == 0; })) {
     s_->cancelled = true;  // queued work is skipped; running chunks stop at their own deadline
