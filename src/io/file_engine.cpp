@@ -711,10 +711,15 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       // Unified memory stays where it is while the request uses it (its pages may move otherwise).
       if (m.type == memory_type::unified) j.hold = std::make_shared<registration>(I.cache.acquire(r.mem, r.bytes));
       b->results[i].path = transfer_path::staged;
-      // A request of several I/O chunks is cut into pieces for several workers (at 4 KiB-aligned
-      // file offsets): one ring's io-wq runs a request's I/Os nearly one after another, several
-      // rings run in parallel. Each piece is a segment of the request.
+      // A read from the page cache of several I/O chunks is cut into pieces for several workers (at
+      // 4 KiB-aligned file offsets): one ring's io-wq runs a request's buffered copies nearly one
+      // after another, several rings run in parallel. O_DIRECT I/O is asynchronous on one ring
+      // already (and a disk read from many places at once is slower). Each piece is a segment of
+      // the request.
       std::size_t pieces = std::min<std::uint64_t>(I.workers.size(), r.bytes / std::max<std::uint64_t>(I.cfg.io_chunk, 4096));
+      if (pieces >= 2 && (r.write || (I.cfg.io_direct != direct_io::never && r.f->direct_fd() >= 0 &&
+                                      (I.cfg.io_direct == direct_io::always || cached_fraction(r.f->fd(), r.offset, r.bytes) < 0.9))))
+        pieces = 1;
       if (pieces < 2) {
         b->segs_left[i] = 1;
         jobs.push_back(std::move(j));

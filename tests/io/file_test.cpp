@@ -304,8 +304,8 @@ TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
   EXPECT_EQ(rt.files().counters().get("requests.beside_others").value(), 0u);
 }
 
-// A request of many I/O chunks is cut into pieces for several workers; the pieces are one request:
-// its bytes, its short read at the end of the file, its failure.
+// A read of many I/O chunks from the page cache is cut into pieces for several workers; the pieces
+// are one request: its bytes, its short read at the end of the file. Writes are not cut.
 TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
   settings s = io_settings(direct_io::never);
   s.io_threads = 4;
@@ -327,13 +327,14 @@ TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
   st->copy(back.data(), sim.data(), back.size());
   st->synchronize();
   EXPECT_EQ(back, data);
-  // A write in pieces lands whole.
+  // A large write (not cut) lands whole.
   std::string q = temp_path("pieces-w");
   auto w = file::open(q, open_mode::create);
   rt.files().write(*w, 0, data.data(), data.size(), true);
   std::vector<unsigned char> written(data.size());
   std::ifstream(q, std::ios::binary).read(reinterpret_cast<char*>(written.data()), static_cast<std::streamsize>(written.size()));
   EXPECT_EQ(written, data);
+  EXPECT_EQ(rt.files().counters().get("requests.pieces").value(), 8u) << "the two reads were cut, the write was not";
   // Cut short before the read: the pieces past the end are empty, the request is the short read.
   ::truncate(p.c_str(), 1 << 20);
   transfer_batch b = rt.files().submit(std::vector<file_request>{{f, 0, got.data(), 3 << 20, false}});
