@@ -714,8 +714,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       // A read from the page cache of several I/O chunks is cut into pieces for several workers (at
       // 4 KiB-aligned file offsets): one ring's io-wq runs a request's buffered copies nearly one
       // after another, several rings run in parallel. O_DIRECT I/O is asynchronous on one ring
-      // already (and a disk read from many places at once is slower). Each piece is a segment of
-      // the request.
+      // already (no io-wq). Each piece is a segment of the request.
       std::size_t pieces = std::min<std::uint64_t>(I.workers.size(), r.bytes / std::max<std::uint64_t>(I.cfg.io_chunk, 4096));
       if (pieces >= 2 && (r.write || (I.cfg.io_direct != direct_io::never && r.f->direct_fd() >= 0 &&
                                       (I.cfg.io_direct == direct_io::always || cached_fraction(r.f->fd(), r.offset, r.bytes) < 0.9))))
