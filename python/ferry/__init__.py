@@ -1,0 +1,205 @@
+"""ferry: move data between files, ferry:// servers, host memory and GPU memory.
+
+    import ferry, torch
+    with ferry.open("/data/shard-0.bin") as f:                  # or "ferry://host:7070/shard-0.bin"
+        t = torch.empty(f.size, dtype=torch.uint8, device="cuda:0")
+        f.read_into(t)                                         # straight into GPU memory
+    state = ferry.safetensors.load("model.safetensors", device="cuda:0")
+
+Buffers are torch tensors, objects with ``__cuda_array_interface__`` or the buffer protocol (numpy
+arrays, bytearray), contiguous. Errors are ``ferry.Error`` with ferry's message and its ``code``.
+Every call has a deadline (``timeout=`` seconds, else ``FERRY_DEADLINE``). Settings come from the
+``FERRY_*`` environment variables; ``ferry.settings()`` shows them.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, Sequence
+
+from . import _ferry
+from ._buffers import Span, span_of, stream_handle
+from ._ferry import DeviceBuffer, Error
+
+__all__ = ["Error", "File", "Batch", "DeviceBuffer", "open", "read_batch", "copy", "empty", "settings", "runtime",
+           "version", "safetensors"]
+__version__ = _ferry.version()
+
+_lock = threading.Lock()
+_runtime: _ferry.Runtime | None = None
+
+
+def runtime(**overrides: str) -> _ferry.Runtime:
+    """The process's runtime, made on first use from the FERRY_* environment; ``overrides`` (FERRY_NAME="value")
+    apply only to that first call."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            _runtime = _ferry.Runtime({k: str(v) for k, v in overrides.items()} if overrides else None)
+        elif overrides:
+            raise RuntimeError("ferry.runtime(): the runtime exists already; settings apply when it is made")
+        return _runtime
+
+
+def version() -> str:
+    return _ferry.version()
+
+
+def settings() -> dict[str, str]:
+    """Every FERRY_* setting with the value this process uses."""
+    return {name: value for name, value, _default, _doc in runtime().settings()}
+
+
+class Batch:
+    """Requests running in the background. ``wait()`` returns True when all succeeded; ``check()`` raises the
+    first failure as ferry.Error; ``results()`` has every request's state, bytes and error. The buffers are
+    kept alive until the batch is closed (``close()``, ``with``, or garbage collection, which waits for it)."""
+
+    def __init__(self, impl: _ferry.Batch, keep: list[Any]):
+        self._impl = impl
+        self._keep = keep
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._impl.wait(timeout)
+
+    def done(self) -> bool:
+        return self._impl.poll()
+
+    def check(self) -> None:
+        self._impl.wait(None)
+        self._impl.check()
+
+    def results(self) -> list[dict]:
+        return self._impl.results()
+
+    def cancel(self) -> None:
+        self._impl.cancel()
+
+    @property
+    def bytes_done(self) -> int:
+        return self._impl.bytes_done
+
+    @property
+    def bytes_total(self) -> int:
+        return self._impl.bytes_total
+
+    def close(self) -> None:
+        self._impl.close()
+        self._keep = []
+
+    def __enter__(self) -> "Batch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _device_of(spans: Sequence[Span]) -> str:
+    for s in spans:
+        if s.device.startswith("cuda"):
+            return s.device
+    return "cuda:0"
+
+
+class File:
+    """A file opened with ``ferry.open``: a local path or ``ferry://host:port/path``."""
+
+    def __init__(self, impl: _ferry.File):
+        self._impl = impl
+
+    @property
+    def path(self) -> str:
+        return self._impl.path
+
+    @property
+    def size(self) -> int:
+        return self._impl.size
+
+    def read_into(self, buf: Any, offset: int = 0, *, nbytes: int | None = None, timeout: float | None = None) -> int:
+        """Reads from ``offset`` into ``buf`` (its whole size, or ``nbytes``); returns the bytes read (short at the end
+        of the file)."""
+        s = span_of(buf, writable=True, what="read_into")
+        n = _length(s, nbytes)
+        return runtime().read(self._impl, offset, s.ptr, n, timeout)
+
+    def write_from(self, buf: Any, offset: int = 0, *, nbytes: int | None = None, sync: bool = False,
+                   timeout: float | None = None) -> None:
+        """Writes ``buf`` (or its first ``nbytes``) at ``offset``; ``sync`` makes it durable before returning."""
+        s = span_of(buf, writable=False, what="write_from")
+        runtime().write(self._impl, offset, s.ptr, _length(s, nbytes), sync, timeout)
+
+    def read_async(self, buf: Any, offset: int = 0, *, nbytes: int | None = None, stream: Any = None,
+                   timeout: float | None = None) -> Batch:
+        """A read in the background; with ``stream`` (torch/CuPy stream), in that stream's order: work queued on the
+        stream before starts after nothing, work queued after sees the data, and no CPU waits for the stream."""
+        return read_batch([(self, offset, buf, nbytes)], stream=stream, timeout=timeout)
+
+    def write_async(self, buf: Any, offset: int = 0, *, nbytes: int | None = None, stream: Any = None,
+                    timeout: float | None = None) -> Batch:
+        s = span_of(buf, writable=False, what="write_async")
+        return _submit([_ferry.Request(self._impl, offset, s.ptr, _length(s, nbytes), True)], [s], stream, timeout)
+
+    def sync(self) -> None:
+        """Makes what was written durable; a ferry:// file's writes become visible (atomically) here."""
+        self._impl.sync()
+
+    def close(self) -> None:
+        self._impl = None
+
+    def __enter__(self) -> "File":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ferry.File({self.path!r})" if self._impl else "ferry.File(closed)"
+
+
+def _length(s: Span, nbytes: int | None) -> int:
+    if nbytes is None:
+        return s.nbytes
+    if nbytes < 0 or nbytes > s.nbytes:
+        raise ValueError(f"nbytes={nbytes} is outside the buffer's {s.nbytes} bytes")
+    return nbytes
+
+
+def open(path: str, mode: str = "r") -> File:  # noqa: A001 - the package's open, like io.open
+    """Opens a local file or ``ferry://host:port/path``; mode 'r', 'r+' or 'w' (create or truncate)."""
+    return File(runtime().open(path, mode))
+
+
+def _submit(reqs, spans, stream, timeout) -> Batch:
+    handle = stream_handle(stream)
+    impl = runtime().submit(reqs, handle, _device_of(spans) if handle is not None else "", timeout)
+    return Batch(impl, list(spans))
+
+
+def read_batch(requests: Iterable[tuple], *, stream: Any = None, timeout: float | None = None) -> Batch:
+    """Many reads in one batch: an iterable of ``(file, offset, buf)`` or ``(file, offset, buf, nbytes)``."""
+    reqs, spans = [], []
+    for r in requests:
+        f, offset, buf = r[0], r[1], r[2]
+        nbytes = r[3] if len(r) > 3 else None
+        if not isinstance(f, File):
+            raise TypeError(f"read_batch: {type(f).__name__} is not a ferry.File")
+        s = span_of(buf, writable=True, what=f"read_batch request {len(reqs)}")
+        reqs.append(_ferry.Request(f._impl, offset, s.ptr, _length(s, nbytes), False))
+        spans.append(s)
+    return _submit(reqs, spans, stream, timeout)
+
+
+def copy(dst: Any, src: Any, *, timeout: float | None = None) -> None:
+    """Copies ``src`` into ``dst`` (same size) between any two of host, pinned, GPU and ferry device memory."""
+    d = span_of(dst, writable=True, what="copy dst")
+    s = span_of(src, writable=False, what="copy src")
+    if d.nbytes != s.nbytes:
+        raise ValueError(f"copy: dst has {d.nbytes} bytes, src {s.nbytes}")
+    runtime().copy(d.ptr, s.ptr, s.nbytes, timeout)
+
+
+def empty(nbytes: int, device: str) -> DeviceBuffer:
+    """``nbytes`` of memory ferry maps on ``device`` ("sim:0", "cuda:0"), freed with the object."""
+    return runtime().alloc(device, nbytes)
+
+
+from . import safetensors  # noqa: E402  (uses the names above)

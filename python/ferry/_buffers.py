@@ -1,0 +1,93 @@
+"""What ferry needs of a caller's buffer: its address, its size and where it lives.
+
+Accepted: torch tensors (CPU or CUDA), objects with ``__cuda_array_interface__`` (CuPy, Numba, torch),
+objects with the buffer protocol (numpy arrays, bytearray, memoryview, bytes for sources), and ferry's
+own ``DeviceBuffer``. Every buffer must be contiguous. The caller's object is kept in the returned
+``Span`` so that its memory outlives what ferry does with it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import _ferry
+
+
+@dataclass(frozen=True)
+class Span:
+    ptr: int
+    nbytes: int
+    device: str  # "cpu", "cuda:N", or a ferry device id ("sim:0")
+    owner: Any  # the object whose memory this is (kept alive)
+
+
+def _itemsize(typestr: str) -> int:
+    # '<f4', '|u1', '<c8': the size in bytes is the trailing number.
+    digits = "".join(ch for ch in typestr if ch.isdigit())
+    if not digits:
+        raise ValueError(f"cannot tell the element size of typestr {typestr!r}")
+    return int(digits)
+
+
+def _c_contiguous(shape, strides, itemsize) -> bool:
+    if strides is None:
+        return True
+    expected = itemsize
+    for dim, stride in zip(reversed(shape), reversed(strides)):
+        if dim != 1 and stride != expected:
+            return False
+        expected *= dim
+    return True
+
+
+def span_of(obj: Any, *, writable: bool, what: str = "buffer") -> Span:
+    """The memory of ``obj``; ``writable`` when ferry writes into it. Raises TypeError/ValueError naming the problem."""
+    if isinstance(obj, Span):
+        return obj
+    if isinstance(obj, _ferry.DeviceBuffer):
+        return Span(obj.ptr, obj.nbytes, obj.device, obj)
+    # torch (duck-typed: no import of torch needed to use ferry)
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size") and hasattr(obj, "is_contiguous"):
+        if not obj.is_contiguous():
+            raise ValueError(f"{what}: the tensor is not contiguous (call .contiguous() first)")
+        if writable and getattr(obj, "requires_grad", False) and obj.is_leaf:
+            raise ValueError(f"{what}: the tensor requires grad; ferry would write under autograd (use .detach())")
+        dev = obj.device
+        where = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index if dev.index is not None else 0}"
+        return Span(obj.data_ptr(), obj.numel() * obj.element_size(), where, obj)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        ptr, readonly = cai["data"]
+        if writable and readonly:
+            raise ValueError(f"{what}: the CUDA array is read-only")
+        size = _itemsize(cai["typestr"])
+        if not _c_contiguous(cai["shape"], cai.get("strides"), size):
+            raise ValueError(f"{what}: the CUDA array is not C-contiguous")
+        for dim in cai["shape"]:
+            size *= dim
+        device = getattr(obj, "device", None)
+        ordinal = getattr(device, "id", 0) if device is not None else 0
+        return Span(int(ptr), size, f"cuda:{ordinal}", obj)
+    try:
+        ptr, nbytes = _ferry.buffer_address(obj, writable)
+    except BufferError as e:
+        raise ValueError(f"{what}: {e} (ferry needs a C-contiguous{' writable' if writable else ''} buffer)") from None
+    except TypeError:
+        raise TypeError(
+            f"{what}: {type(obj).__name__} is not a buffer ferry can use: give a torch tensor, an object with "
+            "__cuda_array_interface__ or the buffer protocol (numpy array, bytearray, memoryview), or a ferry.DeviceBuffer"
+        ) from None
+    return Span(ptr, nbytes, "cpu", obj)
+
+
+def stream_handle(stream: Any) -> int | None:
+    """The CUstream of a torch/CuPy stream, or an int handle; None for no stream."""
+    if stream is None:
+        return None
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr", "handle"):  # torch.cuda.Stream, cupy.cuda.Stream, others
+        h = getattr(stream, attr, None)
+        if isinstance(h, int):
+            return h
+    raise TypeError(f"stream: {type(stream).__name__} has no CUDA stream handle (give a torch or CuPy stream, or an int)")

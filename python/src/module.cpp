@@ -1,0 +1,266 @@
+// ferry._ferry: the C++ side of the Python package. It takes raw pointers and sizes; the Python
+// layer (python/ferry/) turns tensors, arrays and buffers into them and keeps those objects alive
+// while ferry uses their memory. Blocking calls release the GIL.
+#include <ferry/core/checksum.hpp>
+#include <ferry/core/error.hpp>
+#include <ferry/device/mapped_memory.hpp>
+#include <ferry/runtime.hpp>
+#include <ferry/store/files.hpp>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <thread>
+
+namespace py = pybind11;
+using namespace ferry;
+
+namespace {
+
+PyObject* g_error = nullptr;  // ferry.Error
+
+// A ferry error as the pending Python exception ferry.Error: the message as ferry wrote it, and
+// its parts as attributes.
+void set_error(const error& e) {
+  py::object exc = py::reinterpret_borrow<py::object>(g_error)(e.what());
+  exc.attr("code") = std::string(to_string(e.code()));
+  exc.attr("op") = e.info().op;
+  exc.attr("resource") = e.info().resource;
+  exc.attr("errno") = e.sys_errno();
+  exc.attr("backend_code") = e.backend_code();
+  PyErr_SetObject(g_error, exc.ptr());
+}
+
+std::optional<deadline> until_of(std::optional<double> timeout) {
+  if (!timeout) return std::nullopt;
+  if (*timeout < 0) fail(errc::invalid_argument, "python", "timeout", "must be >= 0 seconds");
+  return deadline_after(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(*timeout)));
+}
+
+void* as_ptr(std::uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+struct py_runtime;
+
+// A file open through a runtime (local path or ferry://).
+struct py_file {
+  std::shared_ptr<file> f;
+  std::string path() const { return f->path(); }
+  std::uint64_t size() const { return f->size(); }
+  void sync() {
+    py::gil_scoped_release nogil;
+    f->sync();
+  }
+};
+
+// One request of a batch, as the Python layer hands it over.
+struct py_request {
+  std::shared_ptr<py_file> f;
+  std::uint64_t offset;
+  std::uintptr_t ptr;
+  std::uint64_t bytes;
+  bool write;
+};
+
+struct py_batch {
+  transfer_batch b;
+  std::unique_ptr<stream> view;  // the user's stream, for a stream-ordered batch
+  bool wait(std::optional<double> timeout) {
+    py::gil_scoped_release nogil;
+    if (!timeout) return b.wait();
+    // A bounded look: wait() itself waits until the batch's deadline.
+    auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(*timeout);
+    while (!b.poll()) {
+      if (std::chrono::steady_clock::now() >= until) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return b.wait();
+  }
+  py::list results() const {
+    py::list out;
+    for (auto& r : b.results()) {
+      py::dict d;
+      d["state"] = std::string(to_string(r.state));
+      d["bytes_done"] = r.bytes_done;
+      d["error"] = r.err ? py::object(py::str(r.err->what())) : py::object(py::none());
+      d["code"] = r.err ? py::object(py::str(std::string(to_string(r.err->code())))) : py::object(py::none());
+      out.append(d);
+    }
+    return out;
+  }
+};
+
+// Memory ferry maps on a device (sim or CUDA) for the caller: its address and size; freed with it.
+struct py_device_buffer {
+  mapped_memory m;
+  std::uintptr_t ptr() const { return reinterpret_cast<std::uintptr_t>(m.data()); }
+  std::uint64_t nbytes() const { return m.size(); }
+  std::string device() const { return m.owner() ? m.owner()->id() : ""; }
+};
+
+// The address and size of an object with the buffer protocol (bytes, bytearray, memoryview, numpy
+// arrays), which must be C-contiguous (and writable when ferry writes into it). Valid while the
+// object lives and is not resized.
+py::tuple buffer_address(py::object obj, bool writable) {
+  Py_buffer view;
+  int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw py::error_already_set();
+  auto out = py::make_tuple(reinterpret_cast<std::uintptr_t>(view.buf), static_cast<std::uint64_t>(view.len));
+  PyBuffer_Release(&view);
+  return out;
+}
+
+struct py_runtime {
+  std::unique_ptr<runtime> rt;
+  explicit py_runtime(const std::optional<std::map<std::string, std::string>>& overrides) {
+    settings s = settings::from_env();
+    if (overrides)
+      for (auto& [k, v] : *overrides) s.set(k, v, "ferry.Runtime(settings=...)");
+    rt = std::make_unique<runtime>(s);
+  }
+  std::shared_ptr<py_file> open(const std::string& path, const std::string& mode) {
+    open_mode m = mode == "r"   ? open_mode::read
+                  : mode == "r+" ? open_mode::read_write
+                  : mode == "w"  ? open_mode::create
+                                 : (fail(errc::invalid_argument, "ferry.open", path,
+                                         "mode must be 'r' (read), 'r+' (read and write) or 'w' (create or truncate), not '" + mode + "'"),
+                                    open_mode::read);
+    py::gil_scoped_release nogil;
+    return std::make_shared<py_file>(py_file{file::open(path, m)});
+  }
+  std::unique_ptr<py_batch> submit(const std::vector<py_request>& reqs, std::optional<std::uintptr_t> stream_handle,
+                                   const std::string& device, std::optional<double> timeout) {
+    std::vector<file_request> fr;
+    fr.reserve(reqs.size());
+    for (auto& r : reqs) {
+      if (!r.f) fail(errc::invalid_argument, "ferry.submit", "request", "no file");
+      fr.push_back({r.f->f, r.offset, as_ptr(r.ptr), r.bytes, r.write});
+    }
+    auto out = std::make_unique<py_batch>();
+    transfer_options o;
+    o.until = until_of(timeout);
+    if (stream_handle) {
+      out->view = rt->devices().get(device).wrap_stream(native_stream{*stream_handle});
+      o.on = out->view.get();
+    }
+    py::gil_scoped_release nogil;
+    out->b = rt->files().submit(fr, o);
+    return out;
+  }
+  std::uint64_t read(py_file& f, std::uint64_t offset, std::uintptr_t ptr, std::uint64_t bytes, std::optional<double> timeout) {
+    transfer_options o;
+    o.until = until_of(timeout);
+    py::gil_scoped_release nogil;
+    return rt->files().read(*f.f, offset, as_ptr(ptr), bytes, o);
+  }
+  void write(py_file& f, std::uint64_t offset, std::uintptr_t ptr, std::uint64_t bytes, bool sync, std::optional<double> timeout) {
+    transfer_options o;
+    o.until = until_of(timeout);
+    py::gil_scoped_release nogil;
+    rt->files().write(*f.f, offset, as_ptr(ptr), bytes, sync, o);
+  }
+  void copy(std::uintptr_t dst, std::uintptr_t src, std::uint64_t bytes, std::optional<double> timeout) {
+    transfer_options o;
+    o.until = until_of(timeout);
+    py::gil_scoped_release nogil;
+    rt->engine().copy(as_ptr(dst), as_ptr(src), bytes, o);
+  }
+  py::list settings_rows() const {
+    py::list out;
+    for (auto& r : rt->config().describe()) out.append(py::make_tuple(r.name, r.value, r.default_value, r.doc));
+    return out;
+  }
+  std::vector<std::string> devices() {
+    std::vector<std::string> ids;
+    for (device* d : rt->devices().all()) ids.push_back(d->id());
+    return ids;
+  }
+  std::unique_ptr<py_device_buffer> alloc(const std::string& dev, std::uint64_t bytes) {
+    device& d = rt->devices().get(dev);
+    py::gil_scoped_release nogil;
+    return std::make_unique<py_device_buffer>(py_device_buffer{allocate_mapped(d, bytes)});
+  }
+  // ferry's checksum of memory anywhere: on the CPU for host memory, by a kernel on the device.
+  std::uint64_t checksum(std::uintptr_t ptr, std::uint64_t bytes) {
+    memory_region m = rt->registrations().classify(as_ptr(ptr), bytes);
+    if (m.type == memory_type::unknown)
+      fail(errc::bad_address, "ferry.checksum", describe_range(as_ptr(ptr), bytes), "not memory ferry knows");
+    py::gil_scoped_release nogil;
+    if (m.device == device_kind::none) return checksum64(as_ptr(ptr), bytes);
+    auto s = rt->devices().get(m.device, m.ordinal).create_stream();
+    std::uint64_t out = 0;
+    s->checksum(as_ptr(ptr), bytes, &out);
+    s->synchronize();
+    return out;
+  }
+  std::string classify(std::uintptr_t ptr, std::uint64_t bytes) {
+    memory_region m = rt->registrations().classify(as_ptr(ptr), bytes);
+    if (m.type == memory_type::unknown) return "unknown";
+    if (m.device == device_kind::none) return std::string(to_string(m.type));
+    return m.device_id();
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_ferry, m) {
+  m.doc() = "ferry's C++ runtime (use the `ferry` package, not this module)";
+  static py::exception<error> exc(m, "Error");
+  g_error = exc.ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const error& e) {
+      set_error(e);
+    }
+  });
+  m.def("version", [] { return std::string(ferry::version()); });
+  m.def("built_with_cuda", &ferry::built_with_cuda);
+
+  m.def("buffer_address", &buffer_address, py::arg("obj"), py::arg("writable"));
+  py::class_<py_device_buffer>(m, "DeviceBuffer")
+      .def_property_readonly("ptr", &py_device_buffer::ptr)
+      .def_property_readonly("nbytes", &py_device_buffer::nbytes)
+      .def_property_readonly("device", &py_device_buffer::device);
+
+  py::class_<py_file, std::shared_ptr<py_file>>(m, "File")
+      .def_property_readonly("path", &py_file::path)
+      .def_property_readonly("size", &py_file::size)
+      .def("sync", &py_file::sync);
+
+  py::class_<py_request>(m, "Request")
+      .def(py::init<std::shared_ptr<py_file>, std::uint64_t, std::uintptr_t, std::uint64_t, bool>(), py::arg("file"),
+           py::arg("offset"), py::arg("ptr"), py::arg("nbytes"), py::arg("write") = false);
+
+  py::class_<py_batch>(m, "Batch")
+      .def("wait", &py_batch::wait, py::arg("timeout") = py::none())
+      .def("poll", [](py_batch& b) { return b.b.poll(); })
+      .def("cancel", [](py_batch& b) { b.b.cancel(); })
+      .def("check", [](py_batch& b) { b.b.check(); })
+      .def("results", &py_batch::results)
+      .def_property_readonly("bytes_done", [](py_batch& b) { return b.b.bytes_done(); })
+      .def_property_readonly("bytes_total", [](py_batch& b) { return b.b.bytes_total(); })
+      .def("close", [](py_batch& b) {  // waits for what runs (the handle's destructor would)
+        py::gil_scoped_release nogil;
+        b.b = transfer_batch{};
+        b.view.reset();
+      });
+
+  py::class_<py_runtime>(m, "Runtime")
+      .def(py::init<const std::optional<std::map<std::string, std::string>>&>(), py::arg("settings") = py::none())
+      .def("open", &py_runtime::open, py::arg("path"), py::arg("mode") = "r")
+      .def("submit", &py_runtime::submit, py::arg("requests"), py::arg("stream") = py::none(), py::arg("device") = "",
+           py::arg("timeout") = py::none())
+      .def("read", &py_runtime::read, py::arg("file"), py::arg("offset"), py::arg("ptr"), py::arg("nbytes"),
+           py::arg("timeout") = py::none())
+      .def("write", &py_runtime::write, py::arg("file"), py::arg("offset"), py::arg("ptr"), py::arg("nbytes"),
+           py::arg("sync") = false, py::arg("timeout") = py::none())
+      .def("copy", &py_runtime::copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("timeout") = py::none())
+      .def("settings", &py_runtime::settings_rows)
+      .def("devices", &py_runtime::devices)
+      .def("alloc", &py_runtime::alloc, py::arg("device"), py::arg("nbytes"))
+      .def("checksum", &py_runtime::checksum, py::arg("ptr"), py::arg("nbytes"))
+      .def("classify", &py_runtime::classify, py::arg("ptr"), py::arg("nbytes"));
+}

@@ -1,0 +1,253 @@
+"""The Python package as a user calls it: numpy arrays, torch tensors (CPU here; CUDA where a GPU is),
+files changing underneath, ferry:// served by a `ferry serve` process, and bad input."""
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import ferry
+from ferry.safetensors import Shard
+
+rng = np.random.default_rng(7)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def random_file(path, nbytes):
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    data.tofile(path)
+    return data
+
+
+def test_version_and_settings():
+    assert re.match(r"\d+\.\d+\.\d+", ferry.__version__)
+    s = ferry.settings()
+    assert "FERRY_DEADLINE" in s and "FERRY_IO_CHUNK" in s
+
+
+def test_numpy_and_torch_round_trips(tmp_path):
+    p = str(tmp_path / "data.bin")
+    want = random_file(p, (3 << 20) + 4321)
+    with ferry.open(p) as f:
+        assert f.size == want.size
+        got = np.empty_like(want)
+        assert f.read_into(got) == want.size
+        np.testing.assert_array_equal(got, want)
+        t = torch.empty(1000, dtype=torch.float32)  # 4000 bytes from an unaligned offset
+        assert f.read_into(t, 777) == 4000
+        assert t.numpy().tobytes() == want[777:4777].tobytes()
+        tail = bytearray(100)
+        assert f.read_into(tail, want.size - 10) == 10, "a read past the end is short"
+    q = str(tmp_path / "out.bin")
+    src = torch.from_numpy(rng.standard_normal(1 << 18).astype(np.float32))
+    with ferry.open(q, "w") as f:
+        f.write_from(src, 0)
+        f.write_from(b"tail", src.numel() * 4, sync=True)
+    back = np.fromfile(q, dtype=np.uint8)
+    assert back[: src.numel() * 4].tobytes() == src.numpy().tobytes()
+    assert back[-4:].tobytes() == b"tail"
+
+
+def test_sim_device_memory(tmp_path):
+    p = str(tmp_path / "sim.bin")
+    want = random_file(p, 5 << 20)
+    dev = ferry.empty(want.size, "sim:0")
+    with ferry.open(p) as f:
+        assert f.read_into(dev) == want.size  # file -> sim device memory
+    back = np.zeros_like(want)
+    ferry.copy(back, dev)
+    np.testing.assert_array_equal(back, want)
+    host = rng.integers(0, 256, want.size, dtype=np.uint8)
+    ferry.copy(dev, host)
+    assert ferry.safetensors.checksum(torch.from_numpy(host)) == ferry.runtime().checksum(dev.ptr, dev.nbytes)
+
+
+def test_a_batch_of_reads_and_its_results(tmp_path):
+    p = str(tmp_path / "batch.bin")
+    want = random_file(p, 8 << 20)
+    f = ferry.open(p)
+    offsets = rng.integers(0, want.size - 65536, 64)
+    bufs = [np.empty(65536, dtype=np.uint8) for _ in offsets]
+    with ferry.read_batch([(f, int(o), b) for o, b in zip(offsets, bufs)]) as batch:
+        assert batch.wait()
+        assert batch.bytes_done == batch.bytes_total == 64 * 65536
+        assert all(r["state"] == "done" for r in batch.results())
+    for o, b in zip(offsets, bufs):
+        np.testing.assert_array_equal(b, want[o:o + 65536])
+    # A request into a buffer that is too small for nbytes is refused before anything runs.
+    with pytest.raises(ValueError, match="outside the buffer"):
+        ferry.read_batch([(f, 0, bufs[0], 1 << 20)])
+
+
+def test_bad_input_is_an_exception_with_ferrys_message(tmp_path):
+    missing = str(tmp_path / "nope.bin")
+    with pytest.raises(ferry.Error) as e:
+        ferry.open(missing)
+    assert e.value.code == "not_found" and missing in str(e.value)
+    with pytest.raises(ferry.Error) as e:
+        ferry.open(missing, "x")
+    assert e.value.code == "invalid_argument" and "mode" in str(e.value)
+    p = str(tmp_path / "small.bin")
+    random_file(p, 4096)
+    f = ferry.open(p)
+    with pytest.raises(ValueError, match="writable"):
+        f.read_into(b"read-only bytes")
+    with pytest.raises(ValueError, match="not contiguous"):
+        f.read_into(torch.empty(64, 64)[:, ::2])
+    with pytest.raises(TypeError, match="not a buffer ferry can use"):
+        f.read_into(object())
+    with pytest.raises(ferry.Error) as e:
+        f.write_from(b"x")
+    assert e.value.code == "permission_denied"
+    with pytest.raises(ferry.Error) as e:
+        ferry.empty(1 << 20, "sim:7")
+    assert "sim:7" in str(e.value)
+
+
+def test_a_file_cut_short_under_a_read_says_so(tmp_path):
+    p = str(tmp_path / "shrinks.bin")
+    random_file(p, 64 << 20)
+    f = ferry.open(p)
+    os.truncate(p, 1 << 20)
+    buf = np.empty(64 << 20, dtype=np.uint8)
+    assert f.read_into(buf) == 1 << 20, "the bytes that exist, no more"
+
+
+def write_safetensors_with_numpy(path, arrays):
+    """A safetensors file made by hand from numpy arrays (the format's own layout)."""
+    names = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("int64"): "I64", np.dtype("uint8"): "U8",
+             np.dtype("int32"): "I32", np.dtype("bool"): "BOOL", np.dtype("float64"): "F64"}
+    header, offset, blobs = {}, 0, []
+    for k, a in arrays.items():
+        b = np.ascontiguousarray(a).tobytes()
+        header[k] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    header["__metadata__"] = {"made": "numpy"}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def checkpoint():
+    return {
+        "embed": rng.standard_normal((512, 96)).astype(np.float32),
+        "norm": rng.standard_normal(96).astype(np.float16),
+        "ids": rng.integers(-9, 9, (7, 3)).astype(np.int64),
+        "mask": rng.integers(0, 2, 33).astype(bool),
+        "scalar": np.array(3.5, dtype=np.float64),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+        "w": rng.standard_normal((64, 48)).astype(np.float32),
+    }
+
+
+def test_a_safetensors_file_made_with_numpy_loads_exactly(tmp_path):
+    p = str(tmp_path / "np.safetensors")
+    arrays = checkpoint()
+    write_safetensors_with_numpy(p, arrays)
+    got = ferry.safetensors.load(p, progress=False)
+    assert set(got) == set(arrays)
+    for k, a in arrays.items():
+        assert tuple(got[k].shape) == a.shape
+        np.testing.assert_array_equal(got[k].numpy(), a)
+    some = ferry.safetensors.load(p, names=["w", "norm"], progress=False)
+    assert set(some) == {"w", "norm"}
+    with pytest.raises(KeyError, match="nothere"):
+        ferry.safetensors.load(p, names=["nothere"], progress=False)
+
+
+def test_save_load_verify_and_shards(tmp_path):
+    p = str(tmp_path / "torch.safetensors")
+    tensors = {k: torch.from_numpy(v) for k, v in checkpoint().items()}
+    tensors["bf16"] = torch.randn(16, 8).to(torch.bfloat16)
+    ferry.safetensors.save(tensors, p, {"note": "ferry"})
+    got = ferry.safetensors.load(p, verify=True, progress=False)
+    for k, t in tensors.items():
+        assert torch.equal(got[k], t), k
+    # Two ranks, each its half of "embed" along dim 0 and of "w" along dim 1; the rest whole.
+    dims = {"embed": 0, "w": 1}
+    for rank in range(2):
+        part = ferry.safetensors.load(p, names=["embed", "w", "norm"], shard=Shard(rank, 2, lambda n: dims.get(n)),
+                                      progress=False)
+        assert torch.equal(part["embed"], tensors["embed"][rank * 256:(rank + 1) * 256])
+        assert torch.equal(part["w"], tensors["w"][:, rank * 24:(rank + 1) * 24])
+        assert torch.equal(part["norm"], tensors["norm"])
+    with pytest.raises(ValueError, match="does not split"):
+        ferry.safetensors.load(p, names=["ids"], shard=Shard(0, 2, 1), progress=False)
+    # A corrupted byte is caught by verify.
+    with open(p, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(ValueError, match="checksum"):
+        ferry.safetensors.load(p, verify=True, progress=False)
+
+
+@pytest.fixture
+def served(tmp_path):
+    """`ferry serve` over tmp_path/root as a process of its own; yields its ferry:// prefix."""
+    binary = os.environ.get("FERRY_BINARY")
+    if not binary:
+        pytest.skip("FERRY_BINARY (the ferry program) not given")
+    root = tmp_path / "root"
+    root.mkdir()
+    proc = subprocess.Popen([binary, "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--writable", "--insecure"],
+                            stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"127\.0\.0\.1:(\d+)", line)
+        assert m, f"ferry serve said: {line!r}"
+        yield root, f"ferry://127.0.0.1:{m.group(1)}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_ferry_uri_read_write_and_checkpoint(served):
+    root, uri = served
+    want = random_file(root / "blob.bin", (2 << 20) + 99)
+    with ferry.open(f"{uri}/blob.bin") as f:
+        got = np.empty_like(want)
+        assert f.read_into(got) == want.size
+    np.testing.assert_array_equal(got, want)
+    tensors = {k: torch.from_numpy(v) for k, v in checkpoint().items()}
+    ferry.safetensors.save(tensors, f"{uri}/ckpt.safetensors")
+    assert (root / "ckpt.safetensors").exists(), "committed on the server when save returned"
+    got = ferry.safetensors.load(f"{uri}/ckpt.safetensors", verify=True, progress=False)
+    for k, t in tensors.items():
+        assert torch.equal(got[k], t), k
+
+
+@cuda
+def test_cuda_tensors_and_a_users_stream(tmp_path):
+    p = str(tmp_path / "gpu.bin")
+    want = random_file(p, 64 << 20)
+    f = ferry.open(p)
+    t = torch.empty(want.size, dtype=torch.uint8, device="cuda:0")
+    assert f.read_into(t) == want.size
+    np.testing.assert_array_equal(t.cpu().numpy(), want)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        t.fill_(0)  # the user's work before the read, on their stream
+        with f.read_async(t, stream=s) as batch:
+            total = t.to(torch.int64).sum()  # after it, on the same stream: sees the file's bytes
+            s.synchronize()
+            batch.check()
+    assert int(total) == int(want.astype(np.int64).sum())
+
+
+@cuda
+def test_a_checkpoint_into_cuda(tmp_path):
+    p = str(tmp_path / "cuda.safetensors")
+    tensors = {k: torch.from_numpy(v) for k, v in checkpoint().items()}
+    ferry.safetensors.save(tensors, p)
+    got = ferry.safetensors.load(p, device="cuda:0", verify=True, progress=False)
+    for k, t in tensors.items():
+        assert got[k].device.type == "cuda" and torch.equal(got[k].cpu(), t), k
