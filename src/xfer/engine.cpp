@@ -409,7 +409,10 @@ struct transfer_engine::impl {
 
 transfer_batch& transfer_batch::operator=(transfer_batch&& o) noexcept {
   if (this != &o) {
-    this->~transfer_batch();
+    {
+      transfer_batch old;  // the batch assigned over ends as a destroyed one does (cancelled, waited for)
+      old.s_ = std::move(s_);
+    }
     s_ = std::move(o.s_);
   }
   return *this;

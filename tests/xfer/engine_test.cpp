@@ -184,6 +184,27 @@ TEST(Engine, StagedThroughHostWithoutPeerAccess) {
   EXPECT_EQ(device_checksum(d1, va1.base(), n), pattern_checksum(n, 5));
 }
 
+// A handle assigned over (a finished batch, a running one, an empty one) ends that batch as its
+// destructor would, once; the new one is the handle's.
+TEST(Engine, AssigningOverABatchHandleEndsTheOldBatchOnce) {
+  runtime rt(sim_settings());
+  region a(rt.devices().get("sim:0"), 8 << 20);
+  auto src = random_bytes(4 << 20, 5);
+  std::vector<transfer_request> r1 = {{a.p(), src.data(), src.size()}}, r2 = {{a.p(4 << 20), src.data(), src.size()}};
+  transfer_batch b = rt.engine().submit(r1);
+  ASSERT_TRUE(b.wait());
+  for (int i = 0; i < 20; ++i) {
+    b = rt.engine().submit(i % 2 ? r1 : r2);  // over a finished batch, then over a running one
+    b = rt.engine().submit(i % 2 ? r2 : r1);
+  }
+  ASSERT_TRUE(b.wait());
+  b = transfer_batch{};
+  b = transfer_batch{};
+  std::vector<unsigned char> back(src.size());
+  rt.engine().copy(back.data(), a.p(4 << 20), back.size());
+  EXPECT_EQ(back, src);
+}
+
 TEST(Engine, OneBadRequestIsReportedWhileTheOthersComplete) {
   runtime rt(sim_settings());
   device& d0 = rt.devices().get("sim:0");
