@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""A checkpoint into GPU memory: ferry.safetensors.load next to safetensors, same file, same run.
+
+A synthetic checkpoint shaped like an LLM's (transformer layers of bf16 weights, f32 norms, an f16 and an
+int64 tensor per layer; --size bytes, >= 200 tensors) is written once. Then, cold (page cache dropped) and
+warm, in turns: ferry.safetensors.load(path, device), safetensors.torch.load_file(path, device=...), and
+safe_open(path, framework="pt", device=...) with get_tensor per tensor; the disk's ceiling (O_DIRECT reads
+of the file by 16 threads, 8 MiB blocks); and the same file through `ferry serve` on loopback (ferry://).
+Every tensor of every ferry load is compared with safetensors' on the GPU. Prints the rows and the issue's
+targets (warm >= 3x safetensors, cold >= 0.95x the ceiling and >= 1.2x safetensors, ferry:// >= 0.8x local warm).
+"""
+import argparse
+import json
+import mmap
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+import ferry
+
+GiB = 1 << 30
+
+
+def parse_size(s: str) -> int:
+    m = re.fullmatch(r"(\d+)\s*([KMG]i?B)?", s.strip())
+    if not m:
+        raise SystemExit(f"bad size {s!r}")
+    return int(m.group(1)) * {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[m.group(2)]
+
+
+def make_checkpoint(path: str, size: int, device: str) -> dict:
+    """Layers of (q, k, v, o: h x h bf16; gate, up: f x h bf16; down: h x f bf16; 2 norms f32 [h]; rope f16
+    [512, 64]; positions int64 [4096]) until `size`, plus embed and lm_head."""
+    h, f = 2048, 5632
+    layer = 4 * h * h * 2 + 3 * f * h * 2 + 2 * h * 4 + 512 * 64 * 2 + 4096 * 8
+    vocab = 32000
+    layers = max(20, (size - 2 * vocab * h * 2) // layer)
+    g = torch.Generator(device=device).manual_seed(1)
+    t = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g, device=device).to(torch.bfloat16)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            t[p + f"self_attn.{n}.weight"] = torch.randn(h, h, generator=g, device=device).to(torch.bfloat16)
+        t[p + "mlp.gate_proj.weight"] = torch.randn(f, h, generator=g, device=device).to(torch.bfloat16)
+        t[p + "mlp.up_proj.weight"] = torch.randn(f, h, generator=g, device=device).to(torch.bfloat16)
+        t[p + "mlp.down_proj.weight"] = torch.randn(h, f, generator=g, device=device).to(torch.bfloat16)
+        t[p + "input_layernorm.weight"] = torch.rand(h, generator=g, device=device)
+        t[p + "post_attention_layernorm.weight"] = torch.rand(h, generator=g, device=device)
+        t[p + "rotary.cache"] = torch.randn(512, 64, generator=g, device=device).to(torch.float16)
+        t[p + "positions"] = torch.arange(4096, device=device, dtype=torch.int64) * (i + 1)
+    t["lm_head.weight"] = torch.randn(vocab, h, generator=g, device=device).to(torch.bfloat16)
+    ferry.safetensors.save(t, path)
+    return {"tensors": len(t), "bytes": os.path.getsize(path), "layers": layers}
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if os.geteuid() == 0:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+
+
+def ceiling(path: str, threads: int = 16, block: int = 8 << 20) -> float:
+    """GB/s of O_DIRECT reads of the whole file, `threads` threads taking the next block in turn."""
+    size = os.path.getsize(path)
+    nxt = [0]
+    lock = threading.Lock()
+
+    def work():
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        buf = mmap.mmap(-1, block)
+        try:
+            while True:
+                with lock:
+                    off = nxt[0]
+                    nxt[0] += block
+                if off >= size:
+                    return
+                os.preadv(fd, [buf], off)
+        finally:
+            os.close(fd)
+            buf.close()
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=work) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return size / (time.perf_counter() - t0) / 1e9
+
+
+def timed(fn):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--size", default="4GiB")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ferry-binary", default=os.environ.get("FERRY_BINARY", ""), help="ferry, for the ferry:// row")
+    ap.add_argument("--json-out", default="")
+    a = ap.parse_args()
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = os.path.join(a.dir, "ferry-bench-checkpoint.safetensors")
+    t0 = time.perf_counter()
+    info = make_checkpoint(path, parse_size(a.size), a.device)
+    size = info["bytes"]
+    print(f"checkpoint {path}: {size / GiB:.2f} GiB, {info['tensors']} tensors ({info['layers']} layers), "
+          f"written in {time.perf_counter() - t0:.1f} s; device {a.device} ({torch.cuda.get_device_name(a.device)}); "
+          f"torch {torch.__version__}, ferry {ferry.__version__}", flush=True)
+
+    ref = load_file(path, device=a.device)  # the reference every ferry load is compared with
+
+    def same(got) -> bool:
+        return set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+
+    def st_safe_open():
+        out = {}
+        with safe_open(path, framework="pt", device=a.device) as f:
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+        return out
+
+    ways = {
+        "ferry.safetensors.load": lambda: ferry.safetensors.load(path, device=a.device, progress=False),
+        "safetensors load_file": lambda: load_file(path, device=a.device),
+        "safetensors safe_open+get_tensor": st_safe_open,
+    }
+    rows = []
+    best = {}
+
+    def row(what, kind, seconds, note=""):
+        gbps = size / seconds / 1e9
+        rows.append({"what": what, "kind": kind, "seconds": seconds, "gbps": gbps, "note": note})
+        best[(what, kind)] = max(best.get((what, kind), 0), gbps)
+        print(f"  {what:<40} {kind:<5} {seconds:7.2f} s {gbps:7.2f} GB/s  {note}", flush=True)
+
+    all_ok = True
+    for r in range(a.rounds):
+        drop_cache(path)
+        row("disk ceiling: O_DIRECT, 16 threads, 8 MiB", "cold", size / ceiling(path) / 1e9)
+        for name, fn in ways.items():
+            drop_cache(path)
+            got, s = timed(fn)
+            ok = same(got) if name.startswith("ferry") else True
+            all_ok &= ok
+            row(name, "cold", s, ("every tensor equal" if ok else "TENSORS DIFFER") if name.startswith("ferry") else "")
+            del got
+    for r in range(a.rounds):
+        for name, fn in ways.items():
+            got, s = timed(fn)
+            ok = same(got) if name.startswith("ferry") else True
+            all_ok &= ok
+            row(name, "warm", s, ("every tensor equal" if ok else "TENSORS DIFFER") if name.startswith("ferry") else "")
+            del got
+    remote = 0.0
+    if a.ferry_binary:
+        srv = subprocess.Popen([a.ferry_binary, "serve", "--root", a.dir, "--listen", "127.0.0.1:0"],
+                               stdout=subprocess.PIPE, text=True)
+        try:
+            port = re.search(r"127\.0\.0\.1:(\d+)", srv.stdout.readline()).group(1)
+            uri = f"ferry://127.0.0.1:{port}/{os.path.basename(path)}"
+            for r in range(a.rounds):
+                got, s = timed(lambda: ferry.safetensors.load(uri, device=a.device, progress=False))
+                ok = same(got)
+                all_ok &= ok
+                row("ferry.safetensors.load over ferry://", "warm", s, "every tensor equal" if ok else "TENSORS DIFFER")
+                del got
+        finally:
+            srv.kill()
+            srv.wait()
+        remote = best[("ferry.safetensors.load over ferry://", "warm")]
+
+    def b(what, kind):
+        return best.get((what, kind), 0)
+
+    st_cold = max(b("safetensors load_file", "cold"), b("safetensors safe_open+get_tensor", "cold"))
+    st_warm = max(b("safetensors load_file", "warm"), b("safetensors safe_open+get_tensor", "warm"))
+    fc, fw = b("ferry.safetensors.load", "cold"), b("ferry.safetensors.load", "warm")
+    targets = [
+        ("warm ferry vs the faster safetensors way", fw / st_warm, 3.0),
+        ("cold ferry vs the disk's ceiling (best of each)", fc / b("disk ceiling: O_DIRECT, 16 threads, 8 MiB", "cold"), 0.95),
+        ("cold ferry vs the faster safetensors way", fc / st_cold, 1.2),
+    ]
+    if remote:
+        targets.append(("ferry:// warm vs local warm", remote / fw, 0.8))
+    print()
+    for name, ratio, want in targets:
+        print(f"target {name:<50} {ratio:5.2f}x (want >= {want:.2f}x): {'PASS' if ratio >= want else 'FAIL'}")
+    print("every tensor of every ferry load equal to safetensors':", "yes" if all_ok else "NO")
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({"checkpoint": info, "rows": rows, "targets": [dict(zip(("target", "ratio", "want"), t)) for t in targets],
+                       "all_equal": all_ok}, f, indent=2)
+    os.unlink(path)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
