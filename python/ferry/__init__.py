@@ -20,8 +20,8 @@ from . import _ferry
 from ._buffers import Span, span_of, stream_handle
 from ._ferry import DeviceBuffer, Error
 
-__all__ = ["Error", "File", "Batch", "DeviceBuffer", "open", "read_batch", "copy", "empty", "settings", "runtime",
-           "version", "safetensors"]
+__all__ = ["Error", "File", "Batch", "DeviceBuffer", "open", "read_batch", "write_batch", "cp", "copy", "empty",
+           "settings", "runtime", "version", "safetensors"]
 __version__ = _ferry.version()
 
 _lock = threading.Lock()
@@ -186,6 +186,50 @@ def read_batch(requests: Iterable[tuple], *, stream: Any = None, timeout: float 
         reqs.append(_ferry.Request(f._impl, offset, s.ptr, _length(s, nbytes), False))
         spans.append(s)
     return _submit(reqs, spans, stream, timeout)
+
+
+def write_batch(requests: Iterable[tuple], *, stream: Any = None, timeout: float | None = None) -> Batch:
+    """Many writes in one batch: an iterable of ``(file, offset, buf)`` or ``(file, offset, buf, nbytes)``. A file
+    written this way is durable (and, for ferry://, visible) after ``file.sync()``."""
+    reqs, spans = [], []
+    for r in requests:
+        f, offset, buf = r[0], r[1], r[2]
+        nbytes = r[3] if len(r) > 3 else None
+        if not isinstance(f, File):
+            raise TypeError(f"write_batch: {type(f).__name__} is not a ferry.File")
+        s = span_of(buf, writable=False, what=f"write_batch request {len(reqs)}")
+        reqs.append(_ferry.Request(f._impl, offset, s.ptr, _length(s, nbytes), True))
+        spans.append(s)
+    return _submit(reqs, spans, stream, timeout)
+
+
+def cp(src: str, dst: str, *, chunk: int = 64 << 20, timeout: float | None = None) -> int:
+    """Copies the file ``src`` to ``dst`` (local paths or ferry:// URIs, any mix); returns the bytes copied.
+    ``dst`` is created or replaced (a ferry:// destination appears whole when the copy is done)."""
+    import numpy as np
+
+    with open(src) as s, open(dst, "w") as d:
+        size = s.size
+        bufs = [np.empty(min(chunk, max(size, 1)), dtype=np.uint8) for _ in range(2)]
+        off, i, pending = 0, 0, None
+        while off < size:
+            buf = bufs[i % 2]
+            n = s.read_into(buf, off, nbytes=min(len(buf), size - off), timeout=timeout)
+            if n == 0:
+                e = Error(f"ferry.cp {src}: the file ended at {off} of {size} bytes (it shrank during the copy)")
+                e.code = "io_error"
+                raise e
+            if pending is not None:
+                pending.check()  # the write of the other buffer
+                pending.close()
+            pending = d.write_async(buf, off, nbytes=n, timeout=timeout)
+            off += n
+            i += 1
+        if pending is not None:
+            pending.check()
+            pending.close()
+        d.sync()
+        return off
 
 
 def copy(dst: Any, src: Any, *, timeout: float | None = None) -> None:

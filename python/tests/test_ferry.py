@@ -217,6 +217,11 @@ def test_ferry_uri_read_write_and_checkpoint(served):
         got = np.empty_like(want)
         assert f.read_into(got) == want.size
     np.testing.assert_array_equal(got, want)
+    # ferry.cp: server -> local -> server
+    local = root.parent / "local.bin"
+    assert ferry.cp(f"{uri}/blob.bin", str(local), chunk=1 << 20) == want.size
+    assert ferry.cp(str(local), f"{uri}/blob2.bin") == want.size
+    np.testing.assert_array_equal(np.fromfile(root / "blob2.bin", dtype=np.uint8), want)
     tensors = {k: torch.from_numpy(v) for k, v in checkpoint().items()}
     ferry.safetensors.save(tensors, f"{uri}/ckpt.safetensors")
     assert (root / "ckpt.safetensors").exists(), "committed on the server when save returned"

@@ -1,0 +1,37 @@
+"""The examples in examples/python run as documented (on the CPU here; on a GPU where there is one)."""
+import os
+import subprocess
+import sys
+
+import torch
+
+import ferry
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python")
+
+
+def run(*args):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, args[0]), *args[1:]], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_kv_cache_offload_and_restore(tmp_path):
+    assert "verified" in run("kv_cache_offload.py", str(tmp_path / "kv.bin"), "--blocks", "64", "--block-kib", "64")
+
+
+def test_load_checkpoint_whole_and_sharded(tmp_path):
+    p = str(tmp_path / "m.safetensors")
+    ferry.safetensors.save({"w": torch.randn(64, 16), "b": torch.randn(16), "e": torch.randn(32, 8)}, p)
+    assert run("load_checkpoint.py", p, "--verify").startswith("3 tensors")
+    assert run("load_checkpoint.py", p, "--rank", "1", "--world", "2").startswith("3 tensors")
+
+
+def test_cp_between_paths(tmp_path):
+    src = tmp_path / "a.bin"
+    src.write_bytes(os.urandom((5 << 20) + 3))
+    assert ferry.cp(str(src), str(tmp_path / "b.bin"), chunk=1 << 20) == (5 << 20) + 3
+    assert (tmp_path / "b.bin").read_bytes() == src.read_bytes()
