@@ -135,8 +135,7 @@ class File:
 
     def write_async(self, buf: Any, offset: int = 0, *, nbytes: int | None = None, stream: Any = None,
                     timeout: float | None = None) -> Batch:
-        s = span_of(buf, writable=False, what="write_async")
-        return _submit([_ferry.Request(self._impl, offset, s.ptr, _length(s, nbytes), True)], [s], stream, timeout)
+        return write_batch([(self, offset, buf, nbytes)], stream=stream, timeout=timeout)
 
     def sync(self) -> None:
         """Makes what was written durable; a ferry:// file's writes become visible (atomically) here."""
@@ -174,33 +173,29 @@ def _submit(reqs, spans, stream, timeout) -> Batch:
     return Batch(impl, list(spans))
 
 
-def read_batch(requests: Iterable[tuple], *, stream: Any = None, timeout: float | None = None) -> Batch:
-    """Many reads in one batch: an iterable of ``(file, offset, buf)`` or ``(file, offset, buf, nbytes)``."""
+def _batch(requests: Iterable[tuple], write: bool, stream: Any, timeout: float | None) -> Batch:
+    what = "write_batch" if write else "read_batch"
     reqs, spans = [], []
     for r in requests:
         f, offset, buf = r[0], r[1], r[2]
         nbytes = r[3] if len(r) > 3 else None
         if not isinstance(f, File):
-            raise TypeError(f"read_batch: {type(f).__name__} is not a ferry.File")
-        s = span_of(buf, writable=True, what=f"read_batch request {len(reqs)}")
-        reqs.append(_ferry.Request(f._impl, offset, s.ptr, _length(s, nbytes), False))
+            raise TypeError(f"{what}: {type(f).__name__} is not a ferry.File")
+        s = span_of(buf, writable=not write, what=f"{what} request {len(reqs)}")
+        reqs.append(_ferry.Request(f._impl, offset, s.ptr, _length(s, nbytes), write))
         spans.append(s)
     return _submit(reqs, spans, stream, timeout)
+
+
+def read_batch(requests: Iterable[tuple], *, stream: Any = None, timeout: float | None = None) -> Batch:
+    """Many reads in one batch: an iterable of ``(file, offset, buf)`` or ``(file, offset, buf, nbytes)``."""
+    return _batch(requests, False, stream, timeout)
 
 
 def write_batch(requests: Iterable[tuple], *, stream: Any = None, timeout: float | None = None) -> Batch:
     """Many writes in one batch: an iterable of ``(file, offset, buf)`` or ``(file, offset, buf, nbytes)``. A file
     written this way is durable (and, for ferry://, visible) after ``file.sync()``."""
-    reqs, spans = [], []
-    for r in requests:
-        f, offset, buf = r[0], r[1], r[2]
-        nbytes = r[3] if len(r) > 3 else None
-        if not isinstance(f, File):
-            raise TypeError(f"write_batch: {type(f).__name__} is not a ferry.File")
-        s = span_of(buf, writable=False, what=f"write_batch request {len(reqs)}")
-        reqs.append(_ferry.Request(f._impl, offset, s.ptr, _length(s, nbytes), True))
-        spans.append(s)
-    return _submit(reqs, spans, stream, timeout)
+    return _batch(requests, True, stream, timeout)
 
 
 def cp(src: str, dst: str, *, chunk: int = 64 << 20, timeout: float | None = None) -> int:
