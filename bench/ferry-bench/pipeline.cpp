@@ -143,8 +143,9 @@ int run_bench_pipeline(runtime& rt, const bench_pipeline_options& o) {
   const std::uint64_t chunk = parse_size(o.chunk, "--chunk");
   if (chunk == 0 || chunk % 4 || bytes % chunk)
     fail(errc::invalid_argument, "bench pipeline", "--chunk", fmt::format("{} must be a multiple of 4 bytes that divides --size {}", o.chunk, o.size));
-  if (o.buffers < 2 || o.rounds < 1 || o.kernel_ratio < 0)
-    fail(errc::invalid_argument, "bench pipeline", "options", "--buffers >= 2, --rounds >= 1, --kernel-ratio >= 0");
+  // Chunk i takes buffer i % buffers on stream i % 2: an even count keeps each buffer on one stream.
+  if (o.buffers < 2 || o.buffers % 2 || o.rounds < 1 || o.kernel_ratio < 0)
+    fail(errc::invalid_argument, "bench pipeline", "options", "--buffers even and >= 2, --rounds >= 1, --kernel-ratio >= 0");
   device& dev = o.device.empty() ? rt.devices().default_device() : rt.devices().get(o.device);
   if (dev.info().backend != device_kind::cuda)
     fail(errc::unavailable, "bench pipeline", dev.id(),
@@ -228,7 +229,9 @@ int run_bench_pipeline(runtime& rt, const bench_pipeline_options& o) {
   row("reads alone: read_async of every chunk, 2 streams", read2, "");
   double blocking = median([&] {
     auto t = clk::now();
-    for (std::size_t i = 0; i < nchunks; ++i) rt.files().read(*f, i * chunk, ptr(buf_of(i)), chunk);
+    for (std::size_t i = 0; i < nchunks; ++i)
+      if (rt.files().read(*f, i * chunk, ptr(buf_of(i)), chunk) != chunk)
+        fail(errc::io_error, "bench pipeline", path, fmt::format("short read at {}", i * chunk));
     return secs_since(t);
   }, false, unused);
   row("reads alone: blocking read of every chunk", blocking, "(not in the ideal: the pipelines' reads are read_async)");

@@ -13,11 +13,12 @@ Every call has a deadline (``timeout=`` seconds, else ``FERRY_DEADLINE``). Setti
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Iterable, Sequence
 
 from . import _ferry
-from ._buffers import Span, span_of, stream_handle
+from ._buffers import Span, span_of, stream_device, stream_handle, sync_torch
 from ._ferry import DeviceBuffer, Error
 
 __all__ = ["Error", "File", "Batch", "DeviceBuffer", "open", "read_batch", "write_batch", "cp", "copy", "empty",
@@ -119,12 +120,14 @@ class File:
         of the file)."""
         s = span_of(buf, writable=True, what="read_into")
         n = _length(s, nbytes)
+        sync_torch([s])
         return runtime().read(self._impl, offset, s.ptr, n, timeout)
 
     def write_from(self, buf: Any, offset: int = 0, *, nbytes: int | None = None, sync: bool = False,
                    timeout: float | None = None) -> None:
         """Writes ``buf`` (or its first ``nbytes``) at ``offset``; ``sync`` makes it durable before returning."""
         s = span_of(buf, writable=False, what="write_from")
+        sync_torch([s])
         runtime().write(self._impl, offset, s.ptr, _length(s, nbytes), sync, timeout)
 
     def read_async(self, buf: Any, offset: int = 0, *, nbytes: int | None = None, stream: Any = None,
@@ -169,7 +172,10 @@ def open(path: str, mode: str = "r") -> File:  # noqa: A001 - the package's open
 
 def _submit(reqs, spans, stream, timeout) -> Batch:
     handle = stream_handle(stream)
-    impl = runtime().submit(reqs, handle, _device_of(spans) if handle is not None else "", timeout)
+    if handle is None:
+        sync_torch(spans)  # without a stream, after what torch already queued
+    device = (stream_device(stream) or _device_of(spans)) if handle is not None else ""
+    impl = runtime().submit(reqs, handle, device, timeout)
     return Batch(impl, list(spans))
 
 
@@ -203,6 +209,8 @@ def cp(src: str, dst: str, *, chunk: int = 64 << 20, timeout: float | None = Non
     ``dst`` is created or replaced (a ferry:// destination appears whole when the copy is done)."""
     import numpy as np
 
+    if os.path.realpath(src) == os.path.realpath(dst) if "://" not in src + dst else src == dst:
+        raise ValueError(f"ferry.cp: {src} is both the source and the destination")
     with open(src) as s, open(dst, "w") as d:
         size = s.size
         bufs = [np.empty(min(chunk, max(size, 1)), dtype=np.uint8) for _ in range(2)]
@@ -233,6 +241,7 @@ def copy(dst: Any, src: Any, *, timeout: float | None = None) -> None:
     s = span_of(src, writable=False, what="copy src")
     if d.nbytes != s.nbytes:
         raise ValueError(f"copy: dst has {d.nbytes} bytes, src {s.nbytes}")
+    sync_torch([d, s])
     runtime().copy(d.ptr, s.ptr, s.nbytes, timeout)
 
 

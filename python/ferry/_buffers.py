@@ -69,7 +69,9 @@ def span_of(obj: Any, *, writable: bool, what: str = "buffer") -> Span:
         ordinal = getattr(device, "id", 0) if device is not None else 0
         return Span(int(ptr), size, f"cuda:{ordinal}", obj)
     try:
-        ptr, nbytes = _ferry.buffer_address(obj, writable)
+        # A memoryview held with the span keeps the object from being resized (bytearray) while ferry uses it.
+        view = memoryview(obj)
+        ptr, nbytes = _ferry.buffer_address(view, writable)
     except BufferError as e:
         raise ValueError(f"{what}: {e} (ferry needs a C-contiguous{' writable' if writable else ''} buffer)") from None
     except TypeError:
@@ -77,7 +79,34 @@ def span_of(obj: Any, *, writable: bool, what: str = "buffer") -> Span:
             f"{what}: {type(obj).__name__} is not a buffer ferry can use: give a torch tensor, an object with "
             "__cuda_array_interface__ or the buffer protocol (numpy array, bytearray, memoryview), or a ferry.DeviceBuffer"
         ) from None
-    return Span(ptr, nbytes, "cpu", obj)
+    return Span(ptr, nbytes, "cpu", (obj, view))
+
+
+def sync_torch(spans) -> None:
+    """Waits for the work torch queued on its current stream of each CUDA device the torch tensors among
+    ``spans`` live on: ferry's own copies are not ordered after it (a fresh tensor's memory may still be in
+    use by kernels queued before it was freed; a tensor just computed may not be written yet)."""
+    done = set()
+    for s in spans:
+        o = s.owner
+        dev = getattr(o, "device", None)
+        if getattr(dev, "type", None) == "cuda" and dev.index not in done and hasattr(o, "data_ptr"):
+            import torch
+
+            torch.cuda.current_stream(dev).synchronize()
+            done.add(dev.index)
+
+
+def stream_device(stream: Any) -> str | None:
+    """The device of a torch/CuPy stream ("cuda:N"), if it says."""
+    dev = getattr(stream, "device", None)
+    if getattr(dev, "type", None) == "cuda":
+        return f"cuda:{dev.index if dev.index is not None else 0}"
+    for attr in ("device_id",):  # cupy
+        d = getattr(stream, attr, None)
+        if isinstance(d, int):
+            return f"cuda:{d}"
+    return None
 
 
 def stream_handle(stream: Any) -> int | None:

@@ -127,6 +127,9 @@ def load(path: str, device: Any = "cpu", names: Iterable[str] | None = None, *, 
                 count *= d
             if end - begin != count * size:
                 raise ValueError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} of {info['dtype']}")
+            if begin < 0 or data_start + end > f.size:
+                raise ValueError(f"{path}: tensor {name!r} lies at [{data_start + begin}, {data_start + end}), past the end "
+                                 f"of the file ({f.size} bytes): the file is cut short")
             dim = shard.dim_of(name) if shard else None
             if dim is None or not shape:
                 t = torch.empty(shape, dtype=dt, device=dev)
@@ -150,20 +153,26 @@ def load(path: str, device: Any = "cpu", names: Iterable[str] | None = None, *, 
             block = part * inner  # bytes of this rank's slice per outer index: contiguous in the file
             if block == 0:
                 continue
-            flat = t.view(-1).view(torch.uint8) if t.dtype != torch.bool else t.view(-1).view(torch.uint8)
+            flat = t.view(-1).view(torch.uint8)
             for i in range(outer):
                 src = data_start + begin + i * shape[dim] * inner + shard.rank * block
                 requests.append((f, src, flat[i * block:(i + 1) * block]))
         total = sum(r[2].numel() * r[2].element_size() for r in requests)
+        if timeout is None:
+            # One deadline for the whole load: FERRY_DEADLINE, plus the time to move it at 100 MB/s.
+            timeout = _seconds(ferry.settings().get("FERRY_DEADLINE", "30s")) + total / 100e6
         bar = _Progress(total, f"ferry load {path}", progress)
         try:
             with ferry.read_batch(requests, timeout=timeout) as batch:
-                while not batch.wait(0.1):
+                while not batch.done():
+                    batch.wait(0.1)
                     bar.update(batch.bytes_done)
-                    if all(r["state"] != "pending" for r in batch.results()):
-                        break
                 bar.update(batch.bytes_done)
                 batch.check()
+                for (_, off, buf), res in zip(requests, batch.results()):
+                    want = buf.numel() * buf.element_size()
+                    if res["bytes_done"] != want:  # the file was cut short after its size was read
+                        raise ValueError(f"{path}: read {res['bytes_done']} of {want} bytes at offset {off}: the file is cut short")
         finally:
             bar.close()
         if verify:
@@ -171,21 +180,33 @@ def load(path: str, device: Any = "cpu", names: Iterable[str] | None = None, *, 
             if not sums:
                 raise ValueError(f"{path}: verify=True but the file has no {_CHECKSUMS} metadata (save it with ferry.safetensors.save)")
             for name in wanted:
-                if name in sums and not (shard and shard.dim_of(name) is not None):
-                    got = checksum(out[name])
-                    if f"{got:016x}" != sums[name]:
-                        raise ValueError(f"{path}: tensor {name!r} checksum {got:016x} != {sums[name]} in the file")
+                if shard and shard.dim_of(name) is not None:
+                    continue  # a slice: the file's checksum is of the whole tensor
+                if name not in sums:
+                    raise ValueError(f"{path}: verify=True but tensor {name!r} has no checksum in {_CHECKSUMS}")
+                got = checksum(out[name])
+                if f"{got:016x}" != sums[name]:
+                    raise ValueError(f"{path}: tensor {name!r} checksum {got:016x} != {sums[name]} in the file")
         return out
+
+
+def _seconds(text: str) -> float:
+    units = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+    for u in sorted(units, key=len, reverse=True):
+        if text.endswith(u):
+            return float(text[: -len(u)]) * units[u]
+    return float(text)
 
 
 def checksum(t) -> int:
     """ferry's 64-bit checksum of a contiguous tensor's bytes, computed where the tensor is."""
     import ferry
-    from ._buffers import span_of
+    from ._buffers import span_of, sync_torch
 
     s = span_of(t, writable=False, what="checksum")
     if s.nbytes == 0:
         return 0
+    sync_torch([s])  # a tensor just computed on torch's stream
     return ferry.runtime().checksum(s.ptr, s.nbytes)
 
 

@@ -67,7 +67,18 @@ struct py_request {
 struct py_batch {
   transfer_batch b;
   std::unique_ptr<stream> view;  // the user's stream, for a stream-ordered batch
+  bool closed = false;
+  // The handle's end waits for work still running: not with the GIL held.
+  ~py_batch() {
+    py::gil_scoped_release nogil;
+    b = transfer_batch{};
+    view.reset();
+  }
+  void open_or_fail() const {
+    if (closed) fail(errc::invalid_argument, "ferry.Batch", "batch", "closed: its results went with it");
+  }
   bool wait(std::optional<double> timeout) {
+    open_or_fail();
     py::gil_scoped_release nogil;
     if (!timeout) return b.wait();
     // A bounded look: wait() itself waits until the batch's deadline.
@@ -79,6 +90,7 @@ struct py_batch {
     return b.wait();
   }
   py::list results() const {
+    open_or_fail();
     py::list out;
     for (auto& r : b.results()) {
       py::dict d;
@@ -236,13 +248,15 @@ PYBIND11_MODULE(_ferry, m) {
 
   py::class_<py_batch>(m, "Batch")
       .def("wait", &py_batch::wait, py::arg("timeout") = py::none())
-      .def("poll", [](py_batch& b) { return b.b.poll(); })
-      .def("cancel", [](py_batch& b) { b.b.cancel(); })
-      .def("check", [](py_batch& b) { b.b.check(); })
+      .def("poll", [](py_batch& b) { return b.open_or_fail(), b.b.poll(); })
+      .def("cancel", [](py_batch& b) { b.open_or_fail(), b.b.cancel(); })
+      .def("check", [](py_batch& b) { b.open_or_fail(), b.b.check(); })
       .def("results", &py_batch::results)
-      .def_property_readonly("bytes_done", [](py_batch& b) { return b.b.bytes_done(); })
-      .def_property_readonly("bytes_total", [](py_batch& b) { return b.b.bytes_total(); })
+      .def_property_readonly("bytes_done", [](py_batch& b) { return b.open_or_fail(), b.b.bytes_done(); })
+      .def_property_readonly("bytes_total", [](py_batch& b) { return b.open_or_fail(), b.b.bytes_total(); })
       .def("close", [](py_batch& b) {  // waits for what runs (the handle's destructor would)
+        if (b.closed) return;
+        b.closed = true;
         py::gil_scoped_release nogil;
         b.b = transfer_batch{};
         b.view.reset();

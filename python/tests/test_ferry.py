@@ -109,6 +109,32 @@ def test_bad_input_is_an_exception_with_ferrys_message(tmp_path):
     assert "sim:7" in str(e.value)
 
 
+def test_a_closed_batch_refuses_use_and_cp_refuses_one_file(tmp_path):
+    p = str(tmp_path / "c.bin")
+    random_file(p, 1 << 20)
+    f = ferry.open(p)
+    buf = np.empty(1 << 20, dtype=np.uint8)
+    with f.read_async(buf) as b:
+        b.check()
+    with pytest.raises(ferry.Error, match="closed"):
+        b.results()
+    with pytest.raises(ValueError, match="both the source and the destination"):
+        ferry.cp(p, p)
+    grow = bytearray(4096)
+    with ferry.read_batch([(f, 0, grow)]) as b:
+        with pytest.raises(BufferError):
+            grow.extend(b"x")  # ferry is using it: not resized under the read
+        b.check()
+
+
+def test_a_cut_short_checkpoint_is_an_error(tmp_path):
+    p = str(tmp_path / "cut.safetensors")
+    ferry.safetensors.save({"a": torch.randn(1000), "b": torch.randn(1000)}, p)
+    os.truncate(p, os.path.getsize(p) - 100)
+    with pytest.raises(ValueError, match="cut short"):
+        ferry.safetensors.load(p, progress=False)
+
+
 def test_a_file_cut_short_under_a_read_says_so(tmp_path):
     p = str(tmp_path / "shrinks.bin")
     random_file(p, 64 << 20)

@@ -58,6 +58,7 @@ struct job {
   device* dev = nullptr;  // null: host memory
   memory_region where;    // the memory, as classified at submit (its device picks the staging pool)
   std::shared_ptr<registration> hold;  // unified memory: pinned in place until the job is done
+  std::optional<std::uint64_t> size;   // a piece of a read: the file's size when the request was cut
 };
 
 // A request a worker is running: the file ranges still to issue, its progress, its first error.
@@ -466,7 +467,9 @@ void file_engine::impl::worker::start(job j) {
     r.lo = r.j.r.offset;
     r.hi = r.j.r.offset + r.j.r.bytes;
     if (!r.j.r.write) {
-      r.size0 = f.size();
+      // The pieces of one request share the size it was cut at, so that a file cut short under them
+      // fails the request instead of leaving a hole in what reads as a short read.
+      r.size0 = r.j.size ? *r.j.size : f.size();
       r.hi = std::min(r.hi, r.size0);
       if (r.lo >= r.hi) return;  // entirely past the end: a short (empty) read
       bool direct = false;
@@ -733,6 +736,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       cuts.push_back(end);
       b->segs_left[i] = static_cast<int>(cuts.size() - 1);
       I.st.get("requests.pieces").add(cuts.size() - 1);
+      j.size = r.f->size();
       for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
         job p = j;
         p.r.offset = cuts[k];

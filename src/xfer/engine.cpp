@@ -644,6 +644,8 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
           g->bytes = 0;
         }
         items[g->item].segs.push_back({i, dp, sp, r.bytes});
+        // A request that joins a group brings its unified-memory holds along (the first one's moved in).
+        for (auto& u : w.unified) items[g->item].unified.push_back(std::move(u));
         g->bytes += r.bytes;
         b.segs_left[i] = 1;
         continue;
@@ -665,6 +667,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
         c.to_device = w.to_device;
         c.pool = w.pool;
         c.hold = w.hold;
+        c.unified = w.unified;  // every piece holds the pages in place until it is done
         c.segs.push_back({i, dp + off, sp + off, std::min(piece, r.bytes - off)});
         items.push_back(std::move(c));
         b.segs_left[i]++;

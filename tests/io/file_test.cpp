@@ -340,6 +340,23 @@ TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
   transfer_batch b = rt.files().submit(std::vector<file_request>{{f, 0, got.data(), 3 << 20, false}});
   ASSERT_TRUE(b.wait());
   EXPECT_EQ(b.results()[0].bytes_done, 1u << 20);
+  // Cut short while its pieces run: all of it read, or failed as truncated; never done with a hole.
+  for (int round = 0; round < 20; ++round) {
+    write_file(p, data);
+    auto g = file::open(p, open_mode::read);
+    std::fill(got.begin(), got.end(), 0xee);
+    transfer_batch c = rt.files().submit(std::vector<file_request>{{g, 0, got.data(), data.size(), false}});
+    ::truncate(p.c_str(), 1 << 20);
+    c.wait();
+    auto res = c.results()[0];
+    if (res.state == request_state::done) {
+      EXPECT_EQ(res.bytes_done, data.size()) << "round " << round << ": done, but short of what the file had";
+      EXPECT_TRUE(std::equal(data.begin(), data.end(), got.begin())) << "round " << round;
+    } else {
+      ASSERT_TRUE(res.err) << "round " << round;
+      EXPECT_THAT(res.err->what(), HasSubstr("truncated")) << "round " << round;
+    }
+  }
   ::unlink(p.c_str());
   ::unlink(q.c_str());
 }
