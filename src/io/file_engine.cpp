@@ -933,8 +933,11 @@ void write_chunk(const op_ptr& op, std::size_t k) {
 // The stream reached chunk k's `started` (or the deadline came first).
 void reached(const op_ptr& op, std::size_t k, bool yes) {
   if (!yes) {
-    error e(errc::timeout, "file.stream_order", op->where(k),
-            "deadline passed before the stream got there (its earlier work had not finished; the stream is released)");
+    error e = op->b->cancelled
+                  ? error(errc::cancelled, "file.stream_order", op->where(k),
+                          "cancelled before the stream got there (its handle was destroyed or cancel() called; the stream is released)")
+                  : error(errc::timeout, "file.stream_order", op->where(k),
+                          "deadline passed before the stream got there (its earlier work had not finished; the stream is released)");
     settle(op, k, &e);
     return fail_op(op, e);
   }
@@ -1060,7 +1063,7 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
         else read_chunk(op, k);
       }
     for (std::size_t k = 0; k < enqueued; ++k)
-      gates.watch(*op->g, op->seq(k), b->until, {}, [op, k](bool yes) { reached(op, k, yes); });
+      gates.watch(*op->g, op->seq(k), b->until, [b] { return b->cancelled.load(); }, [op, k](bool yes) { reached(op, k, yes); });
   }
   I.st.get("requests.stream_ordered").add(static_cast<std::uint64_t>(items));
   b->item_done();  // the hold taken above

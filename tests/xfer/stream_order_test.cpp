@@ -284,6 +284,33 @@ TEST(StreamOrder, AFileReadLandsInStreamOrder) { file_read_lands_in_stream_order
 // stream that did not wait for each chunk would copy the previous chunk's bytes again.
 TEST(StreamOrder, AFileReadThroughOneBufferWaitsForEveryChunk) { file_read_lands_in_stream_order(1); }
 
+// A stream-ordered read whose handle goes away before the stream gets there is cancelled at once
+// (not waited out to its deadline), says so, and the stream still goes on.
+TEST(StreamOrder, DestroyingAReadsHandleBeforeTheStreamGetsThereCancelsIt) {
+  runtime rt(sim_settings());
+  device& d = rt.devices().get("sim:0");
+  temp_file tf(4ull << 20, 12);
+  auto f = file::open(tf.p.string(), open_mode::read);
+  std::vector<std::byte> host(4ull << 20);
+  auto users = d.create_stream();
+  alignas(4) std::uint32_t hold = 0, after = 0;
+  users->wait_value(&hold, 1);  // the user's long kernel
+  auto start = std::chrono::steady_clock::now();
+  {
+    transfer_batch t = rt.files().read_async(f, 0, host.data(), host.size(), *users);
+    t.cancel();
+    EXPECT_FALSE(t.wait());
+    ASSERT_TRUE(t.results()[0].err);
+    EXPECT_EQ(t.results()[0].err->code(), errc::cancelled) << t.results()[0].err->what();
+    transfer_batch u = rt.files().read_async(f, 0, host.data(), host.size(), *users);
+  }  // u's handle ends here, the stream still held
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "a cancelled read waited for its deadline";
+  users->write_value(&after, 1);
+  set_word(hold, 1);
+  users->synchronize(deadline_after(5s));
+  EXPECT_EQ(word(after), 1u) << "the stream went on past the cancelled reads";
+}
+
 // One batch of more stream-ordered reads than the staging pool has buffers: each request goes onto
 // the stream before the next waits for buffers, so the later ones get those the stream frees.
 TEST(StreamOrder, ABatchOfMoreReadsThanStagingBuffersCompletes) {
