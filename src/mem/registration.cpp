@@ -309,6 +309,12 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
   check_range(p, n, "mem.classify");
   apply_pending();
   auto a = reinterpret_cast<std::uintptr_t>(p);
+  // The clients as they are now, taken under the same lock as the look-ups and asked outside it (an
+  // ask may call the driver); a handful, so no allocation per classification.
+  std::array<peer_memory_client*, 8> few{};
+  std::vector<peer_memory_client*> many;
+  std::span<peer_memory_client* const> clients;
+  std::uint64_t gen;
   {
     cache_lock l(impl_->mu);
     impl_->st.classifications++;
@@ -328,15 +334,6 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
         return r;
       }
     }
-  }
-  // The clients as they are now, asked outside the lock (an ask may call the driver); a handful, so
-  // no allocation per classification.
-  std::array<peer_memory_client*, 8> few{};
-  std::vector<peer_memory_client*> many;
-  std::span<peer_memory_client* const> clients;
-  std::uint64_t gen;
-  {
-    cache_lock l(impl_->mu);
     if (impl_->clients.size() <= few.size()) {
       std::copy(impl_->clients.begin(), impl_->clients.end(), few.begin());
       clients = {few.data(), impl_->clients.size()};
