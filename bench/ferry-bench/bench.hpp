@@ -13,7 +13,7 @@ struct bench_options {
   // Sizes the device cannot hold (two buffers each, in its free memory) are skipped with a note.
   std::string sizes = "4KiB,64KiB,1MiB,16MiB,64MiB,256MiB,1GiB";
   std::string budget = "1GiB";  // bytes moved per trial (iterations = budget / size, 2..2000)
-  int trials = 3;
+  int trials = 5;
   bool json = false;
   std::string json_out;  // also write the JSON here
 };

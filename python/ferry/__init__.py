@@ -22,7 +22,7 @@ from ._buffers import Span, span_of, stream_device, stream_handle, sync_torch
 from ._ferry import DeviceBuffer, Error
 
 __all__ = ["Error", "File", "Batch", "DeviceBuffer", "open", "read_batch", "write_batch", "cp", "copy", "empty",
-           "settings", "runtime", "version", "safetensors"]
+           "as_tensor", "settings", "runtime", "version", "safetensors"]
 __version__ = _ferry.version()
 
 _lock = threading.Lock()
@@ -245,9 +245,31 @@ def copy(dst: Any, src: Any, *, timeout: float | None = None) -> None:
     runtime().copy(d.ptr, s.ptr, s.nbytes, timeout)
 
 
-def empty(nbytes: int, device: str) -> DeviceBuffer:
-    """``nbytes`` of memory ferry maps on ``device`` ("sim:0", "cuda:0"), freed with the object."""
+def empty(nbytes: int, device: str = "pinned"):
+    """``nbytes`` of memory ferry makes, freed with the object: ``"pinned"`` host memory (page-locked; copies to and
+    from GPUs go straight from it) or device memory ferry maps (``"cuda:0"``, ``"sim:0"``). Pinned and CUDA memory
+    become tensors without a copy: ``ferry.as_tensor(buf)``."""
+    if device in ("pinned", "cpu"):
+        return runtime().alloc_pinned(nbytes)
     return runtime().alloc(device, nbytes)
+
+
+def as_tensor(buf, dtype=None, shape=None):
+    """A torch tensor over ferry's pinned or CUDA memory (no copy; it keeps ``buf`` alive): bytes, or ``dtype``
+    elements in ``shape``."""
+    import torch
+
+    if hasattr(buf, "__array_interface__"):
+        import numpy as np
+
+        t = torch.from_numpy(np.asarray(buf))
+    elif getattr(buf, "device", "").startswith("cuda"):
+        t = torch.as_tensor(buf, device=buf.device)
+    else:
+        raise TypeError(f"as_tensor: {getattr(buf, 'device', type(buf).__name__)} memory cannot be a torch tensor")
+    if dtype is not None:
+        t = t.view(dtype)
+    return t.reshape(shape) if shape is not None else t
 
 
 from . import safetensors  # noqa: E402  (uses the names above)

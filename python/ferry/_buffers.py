@@ -44,7 +44,7 @@ def span_of(obj: Any, *, writable: bool, what: str = "buffer") -> Span:
     """The memory of ``obj``; ``writable`` when ferry writes into it. Raises TypeError/ValueError naming the problem."""
     if isinstance(obj, Span):
         return obj
-    if isinstance(obj, _ferry.DeviceBuffer):
+    if isinstance(obj, (_ferry.DeviceBuffer, _ferry.PinnedBuffer)):
         return Span(obj.ptr, obj.nbytes, obj.device, obj)
     # torch (duck-typed: no import of torch needed to use ferry)
     if hasattr(obj, "data_ptr") and hasattr(obj, "element_size") and hasattr(obj, "is_contiguous"):

@@ -10,6 +10,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sys/mman.h>
+
+#include <cerrno>
 #include <chrono>
 #include <map>
 #include <optional>
@@ -112,6 +115,30 @@ struct py_device_buffer {
   std::string device() const { return m.owner() ? m.owner()->id() : ""; }
 };
 
+// Host memory ferry pins (page-locked, registered with CUDA when there is a driver): copies to and
+// from GPUs go straight from it. Freed with the object.
+struct py_host_buffer {
+  void* p = nullptr;
+  std::uint64_t n = 0;
+  std::optional<registration> pin;
+  py_host_buffer(runtime& rt, std::uint64_t bytes) : n(bytes) {
+    if (bytes == 0) fail(errc::invalid_argument, "ferry.empty", "pinned", "zero bytes");
+    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) fail_errno(errno, "ferry.empty", "pinned", "mmap of " + std::to_string(bytes) + " bytes");
+    try {
+      pin.emplace(rt.registrations().acquire(p, bytes));
+    } catch (...) {
+      ::munmap(p, bytes);
+      throw;
+    }
+  }
+  ~py_host_buffer() {
+    pin.reset();
+    ::munmap(p, n);
+  }
+  std::uintptr_t ptr() const { return reinterpret_cast<std::uintptr_t>(p); }
+};
+
 // The address and size of an object with the buffer protocol (bytes, bytearray, memoryview, numpy
 // arrays), which must be C-contiguous (and writable when ferry writes into it). Valid while the
 // object lives and is not resized.
@@ -189,6 +216,10 @@ struct py_runtime {
     for (device* d : rt->devices().all()) ids.push_back(d->id());
     return ids;
   }
+  std::unique_ptr<py_host_buffer> alloc_pinned(std::uint64_t bytes) {
+    py::gil_scoped_release nogil;
+    return std::make_unique<py_host_buffer>(*rt, bytes);
+  }
   std::unique_ptr<py_device_buffer> alloc(const std::string& dev, std::uint64_t bytes) {
     device& d = rt->devices().get(dev);
     py::gil_scoped_release nogil;
@@ -232,10 +263,36 @@ PYBIND11_MODULE(_ferry, m) {
   m.def("built_with_cuda", &ferry::built_with_cuda);
 
   m.def("buffer_address", &buffer_address, py::arg("obj"), py::arg("writable"));
+  // Exported as bytes the way CUDA arrays and host arrays are (torch.as_tensor, cupy.asarray,
+  // numpy.asarray take them without a copy); sim memory is not addressable by the CPU and is not exported.
   py::class_<py_device_buffer>(m, "DeviceBuffer")
       .def_property_readonly("ptr", &py_device_buffer::ptr)
       .def_property_readonly("nbytes", &py_device_buffer::nbytes)
-      .def_property_readonly("device", &py_device_buffer::device);
+      .def_property_readonly("device", &py_device_buffer::device)
+      .def_property_readonly("__cuda_array_interface__", [](py_device_buffer& b) {
+        if (!b.device().starts_with("cuda"))
+          throw py::attribute_error(b.device() + " memory is not CUDA memory: it has no __cuda_array_interface__");
+        py::dict d;
+        d["shape"] = py::make_tuple(b.nbytes());
+        d["typestr"] = "|u1";
+        d["data"] = py::make_tuple(b.ptr(), false);
+        d["strides"] = py::none();
+        d["version"] = 3;
+        return d;
+      });
+  py::class_<py_host_buffer>(m, "PinnedBuffer")
+      .def_property_readonly("ptr", &py_host_buffer::ptr)
+      .def_property_readonly("nbytes", [](py_host_buffer& b) { return b.n; })
+      .def_property_readonly("device", [](py_host_buffer&) { return std::string("cpu"); })
+      .def_property_readonly("__array_interface__", [](py_host_buffer& b) {
+        py::dict d;
+        d["shape"] = py::make_tuple(b.n);
+        d["typestr"] = "|u1";
+        d["data"] = py::make_tuple(b.ptr(), false);
+        d["strides"] = py::none();
+        d["version"] = 3;
+        return d;
+      });
 
   py::class_<py_file, std::shared_ptr<py_file>>(m, "File")
       .def_property_readonly("path", &py_file::path)
@@ -275,6 +332,7 @@ PYBIND11_MODULE(_ferry, m) {
       .def("settings", &py_runtime::settings_rows)
       .def("devices", &py_runtime::devices)
       .def("alloc", &py_runtime::alloc, py::arg("device"), py::arg("nbytes"))
+      .def("alloc_pinned", &py_runtime::alloc_pinned, py::arg("nbytes"))
       .def("checksum", &py_runtime::checksum, py::arg("ptr"), py::arg("nbytes"))
       .def("classify", &py_runtime::classify, py::arg("ptr"), py::arg("nbytes"));
 }

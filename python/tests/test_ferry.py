@@ -67,6 +67,21 @@ def test_sim_device_memory(tmp_path):
     assert ferry.safetensors.checksum(torch.from_numpy(host)) == ferry.runtime().checksum(dev.ptr, dev.nbytes)
 
 
+def test_pinned_memory_is_a_tensor_without_a_copy(tmp_path):
+    p = str(tmp_path / "pinned.bin")
+    want = random_file(p, 3 << 20)
+    buf = ferry.empty(want.size)  # pinned host memory
+    with ferry.open(p) as f:
+        assert f.read_into(buf) == want.size
+    t = ferry.as_tensor(buf)
+    assert t.data_ptr() == buf.ptr and t.numel() == want.size
+    np.testing.assert_array_equal(t.numpy(), want)
+    floats = ferry.as_tensor(buf, torch.float32, (-1, 1024))
+    assert floats.shape == (768, 1024) and floats.data_ptr() == buf.ptr
+    with pytest.raises(TypeError, match="sim:0"):
+        ferry.as_tensor(ferry.empty(4096, "sim:0"))
+
+
 def test_a_batch_of_reads_and_its_results(tmp_path):
     p = str(tmp_path / "batch.bin")
     want = random_file(p, 8 << 20)
@@ -272,6 +287,18 @@ def test_cuda_tensors_and_a_users_stream(tmp_path):
             s.synchronize()
             batch.check()
     assert int(total) == int(want.astype(np.int64).sum())
+
+
+@cuda
+def test_ferry_cuda_memory_is_a_tensor_without_a_copy(tmp_path):
+    p = str(tmp_path / "dev.bin")
+    want = random_file(p, 2 << 20)
+    buf = ferry.empty(want.size, "cuda:0")
+    with ferry.open(p) as f:
+        assert f.read_into(buf) == want.size
+    t = ferry.as_tensor(buf)
+    assert t.device.type == "cuda" and t.data_ptr() == buf.ptr
+    np.testing.assert_array_equal(t.cpu().numpy(), want)
 
 
 @cuda
