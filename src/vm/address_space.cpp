@@ -15,6 +15,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
+#include <pthread.h>
+#include <sys/mman.h>
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -35,12 +38,25 @@ struct fault_record {
   std::atomic<int> state;  // 0 waiting, 1 resolved, -1 failed
 };
 
+// What goes down the pipe, by value: the service thread checks who sent it and where before it
+// touches the record (a process forked from the owner inherits the pipe).
+struct fault_message {
+  std::uint64_t magic;
+  long pid;
+  std::uintptr_t addr;
+  fault_record* record;
+};
+constexpr std::uint64_t fault_magic = 0x66657272792d7666ull;  // "ferry-vf"
+static_assert(sizeof(fault_message) <= PIPE_BUF, "one atomic write");
+
 // Live spaces, for the handler: fixed slots, no allocation, no locks.
 constexpr int max_spaces = 32;
 struct space_slot {
   std::atomic<std::uintptr_t> base{0}, size{0};
   std::atomic<int> fd{-1};  // the space's fault pipe (write end)
   std::atomic<long> service_tid{0};
+  std::atomic<long> pid{0};             // the process that made the space (its service thread's)
+  std::atomic<long long> wait_ns{0};    // how long a fault may wait for its service thread
 };
 space_slot g_spaces[max_spaces];
 struct sigaction g_old_segv{};
@@ -54,6 +70,17 @@ void write_str(const char* s) {
   [[maybe_unused]] auto r = ::write(2, s, std::strlen(s));
 }
 
+// "0x" and the hex digits of v into buf (async-signal-safe).
+const char* hex(std::uintptr_t v, char (&buf)[20]) {
+  char* p = buf + sizeof buf - 1;
+  *p = 0;
+  do *--p = "0123456789abcdef"[v & 15];
+  while (v >>= 4);
+  *--p = 'x';
+  *--p = '0';
+  return p;
+}
+
 // Async-signal-safe: table lookup, write(2) to a pipe, futex wait.
 void on_segv(int sig, siginfo_t* si, void* uc) {
   auto a = reinterpret_cast<std::uintptr_t>(si->si_addr);
@@ -61,6 +88,17 @@ void on_segv(int sig, siginfo_t* si, void* uc) {
     std::uintptr_t b = s.base.load(std::memory_order_acquire), n = s.size.load(std::memory_order_acquire);
     int fd = s.fd.load(std::memory_order_acquire);
     if (fd < 0 || a < b || a - b >= n) continue;
+    char h[20];
+    long me = ::syscall(SYS_getpid);
+    if (me != s.pid.load()) {
+      // A process forked from the space's owner: the pages and their service thread stay with the
+      // parent. The access ends here, the way a stray access does (SIGSEGV), and says why.
+      write_str("ferry: unified memory at ");
+      write_str(hex(a, h));
+      write_str(" belongs to the process that made it, not to this one forked from it; SIGSEGV\n");
+      ::signal(SIGSEGV, SIG_DFL);
+      return;  // re-faults with the default action
+    }
     if (::syscall(SYS_gettid) == s.service_tid.load()) {  // it would wait for itself
       write_str("ferry: the unified-memory service thread touched a non-resident page (a bug); aborting\n");
       ::abort();
@@ -70,12 +108,25 @@ void on_segv(int sig, siginfo_t* si, void* uc) {
     write = (static_cast<ucontext_t*>(uc)->uc_mcontext.gregs[REG_ERR] & 2) != 0;
 #endif
     fault_record r{a, write, {0}};
-    fault_record* rp = &r;
-    if (::write(fd, &rp, sizeof rp) != static_cast<ssize_t>(sizeof rp)) {
+    fault_message m{fault_magic, me, a, &r};
+    if (::write(fd, &m, sizeof m) != static_cast<ssize_t>(sizeof m)) {
       write_str("ferry: unified-memory fault could not reach its service thread\n");
       ::abort();
     }
-    while (r.state.load(std::memory_order_acquire) == 0) futex(&r.state, FUTEX_WAIT_PRIVATE, 0, nullptr);
+    // Waits in slices up to the space's deadline: a service thread that cannot serve the fault
+    // ends the process with a message instead of leaving this thread waiting forever.
+    long long left = s.wait_ns.load();
+    while (r.state.load(std::memory_order_acquire) == 0) {
+      if (left <= 0) {
+        write_str("ferry: a unified-memory fault at ");
+        write_str(hex(a, h));
+        write_str(" was not served within the space's deadline (its service thread is stuck); aborting\n");
+        ::abort();
+      }
+      timespec ts{0, 100'000'000};
+      futex(&r.state, FUTEX_WAIT_PRIVATE, 0, &ts);
+      left -= 100'000'000;
+    }
     if (r.state.load() < 0) {
       write_str("ferry: unified-memory fault could not be resolved (see the log); aborting\n");
       ::abort();
@@ -91,8 +142,18 @@ void on_segv(int sig, siginfo_t* si, void* uc) {
   ::signal(SIGSEGV, SIG_DFL);  // re-faults and dumps as usual
 }
 
+// In a child of fork(): every live space's pages become inaccessible, so that the child's first
+// access faults (and ends, see on_segv) instead of reading or writing the parent's shared pages.
+void after_fork_in_child() {
+  for (auto& s : g_spaces) {
+    std::uintptr_t b = s.base.load(), n = s.size.load();
+    if (n && s.fd.load() >= 0) ::mprotect(reinterpret_cast<void*>(b), n, PROT_NONE);
+  }
+}
+
 void install_handler() {
   std::call_once(g_handler_once, [] {
+    ::pthread_atfork(nullptr, nullptr, after_fork_in_child);
     struct sigaction sa{};
     sa.sa_sigaction = on_segv;
     sa.sa_flags = SA_SIGINFO | SA_RESTART;
@@ -248,6 +309,9 @@ struct address_space::impl final : page_mover {
     }
     if (slot < 0) fail(errc::busy, "vm.space", dev.id(), fmt::format("more than {} address spaces at once", max_spaces));
     service = std::thread([this] { serve(); });
+    g_spaces[slot].pid.store(::getpid());
+    // A fault waits for the service thread's own deadline (o.deadline per batch) and then some.
+    g_spaces[slot].wait_ns.store(std::chrono::duration_cast<std::chrono::nanoseconds>(o.deadline).count() * 2 + 1'000'000'000);
     g_spaces[slot].base.store(shared.address(), std::memory_order_release);
     g_spaces[slot].size.store(shared.size(), std::memory_order_release);
     g_spaces[slot].fd.store(pipe_wr, std::memory_order_release);
@@ -569,8 +633,15 @@ struct address_space::impl final : page_mover {
       pollfd pf{pipe_rd, POLLIN, 0};
       int n = ::poll(&pf, 1, 50);
       if (n <= 0) continue;
-      fault_record* r = nullptr;
-      if (::read(pipe_rd, &r, sizeof r) != static_cast<ssize_t>(sizeof r) || !r) continue;
+      fault_message m{};
+      if (::read(pipe_rd, &m, sizeof m) != static_cast<ssize_t>(sizeof m)) continue;
+      // Only a fault of this process, in this space, is served: anything else is not touched.
+      if (m.magic != fault_magic || m.pid != ::getpid() || !m.record || m.addr < shared.address() ||
+          m.addr - shared.address() >= shared.size()) {
+        log::error("vm", "{}: ignoring a malformed fault message (pid {}, address {:#x})", dev.id(), m.pid, m.addr);
+        continue;
+      }
+      fault_record* r = m.record;
       int result = 1;
       std::uint64_t pg = (r->addr - shared.address()) / page;
       try {
