@@ -7,6 +7,7 @@
 
 #include "support/data.hpp"
 #include "support/errors.hpp"
+#include "support/fork_touch.hpp"
 #include "support/prefetch_mover.hpp"
 
 #include <gmock/gmock.h>
@@ -92,33 +93,10 @@ TEST(VmSpace, AForkedChildTouchingUnifiedMemoryEndsAndTheParentGoesOn) {
   as.advise(p + 2 * pg, 2 * pg, vm::advice::prefetch, memory_kind::device);  // pages 2, 3 on the device
   for (std::size_t page : {std::size_t{0}, std::size_t{3}}) {
     SCOPED_TRACE(page == 0 ? "host-resident page" : "device-resident page");
-    int err[2];
-    ASSERT_EQ(::pipe(err), 0);
-    pid_t child = ::fork();
-    if (child == 0) {
-      ::dup2(err[1], 2);
-      volatile std::byte b = p[page * pg + 7];  // the child's first touch
-      (void)b;
-      p[page * pg] = std::byte{0x5a};
-      ::_exit(0);  // not reached: the access ends the child
-    }
-    ::close(err[1]);
-    int status = 0;
-    pid_t got = 0;
-    for (int i = 0; i < 200 && got == 0; ++i) {
-      got = ::waitpid(child, &status, WNOHANG);
-      if (got == 0) std::this_thread::sleep_for(std::chrono::milliseconds(25));
-    }
-    if (got == 0) {
-      ::kill(child, SIGKILL);
-      ::waitpid(child, &status, 0);
-      ADD_FAILURE() << "the child hung for 5 s";
-    }
-    std::string said(4096, '\0');
-    said.resize(static_cast<std::size_t>(std::max<ssize_t>(0, ::read(err[0], said.data(), said.size()))));
-    ::close(err[0]);
-    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV) << "status " << status;
-    EXPECT_THAT(said, HasSubstr("belongs to the process that made it"));
+    auto end = ferry::test::fork_touch(p + page * pg);
+    ASSERT_NE(end.status, -1) << "the child hung";
+    EXPECT_TRUE(WIFSIGNALED(end.status) && WTERMSIG(end.status) == SIGSEGV) << "status " << end.status;
+    EXPECT_THAT(end.said, HasSubstr("belongs to the process that made it"));
   }
   for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(sum(p + i * pg, pg), want[i]) << "the parent's page " << i;
   fill(p, pg, 77);  // the parent still faults and writes as before

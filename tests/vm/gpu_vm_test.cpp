@@ -8,6 +8,7 @@
 
 #include "mem/cuda/driver.hpp"
 #include "support/data.hpp"
+#include "support/fork_touch.hpp"
 #include "support/prefetch_mover.hpp"
 
 #include <gtest/gtest.h>
@@ -63,6 +64,29 @@ TEST(GpuVm, CpuWritesAndKernelsReadHostResidentThenDeviceResidentPages) {
   as.advise(p, n, vm::advice::prefetch, memory_kind::device);
   EXPECT_EQ(as.stats().migrations_h2d, 6u);
   EXPECT_EQ(gpu_sum(*s, p, n), want) << "and the same data once it lives on the device";
+}
+
+// A user's fork(): the child touching a host-resident or a device-resident page ends with SIGSEGV
+// and ferry's message; the parent's data and kernels are unaffected.
+TEST(GpuVm, AForkedChildTouchingUnifiedMemoryEndsAndTheParentGoesOn) {
+  runtime rt(g_settings);
+  device& dev = rt.devices().get("cuda:0");
+  vm::address_space as(dev, 16 * dev.granularity());
+  const std::size_t pg = as.page_bytes(), n = 4 * pg;
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  fill_random(p, n, 9);
+  auto want = checksum64(p, n);
+  as.advise(p + 2 * pg, 2 * pg, vm::advice::prefetch, memory_kind::device);
+  for (std::size_t page : {std::size_t{0}, std::size_t{3}}) {
+    SCOPED_TRACE(page == 0 ? "host-resident page" : "device-resident page");
+    auto end = ferry::test::fork_touch(p + page * pg);
+    ASSERT_NE(end.status, -1) << "the child hung";
+    EXPECT_TRUE(WIFSIGNALED(end.status) && WTERMSIG(end.status) == SIGSEGV) << "status " << end.status << ": " << end.said;
+    EXPECT_NE(end.said.find("belongs to the process that made it"), std::string::npos) << end.said;
+  }
+  auto s = dev.create_stream();
+  EXPECT_EQ(gpu_sum(*s, p, n), want) << "the parent's pages, read by a kernel";
+  EXPECT_EQ(checksum64(p, n), want) << "and by the CPU";
 }
 
 TEST(GpuVm, OversubscriptionAtTwiceASmallCapKeepsTheData) {
