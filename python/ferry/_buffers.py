@@ -1,12 +1,13 @@
 """What ferry needs of a caller's buffer: its address, its size and where it lives.
 
 Accepted: torch tensors (CPU or CUDA), objects with ``__cuda_array_interface__`` (CuPy, Numba, torch),
-objects with the buffer protocol (numpy arrays, bytearray, memoryview, bytes for sources), and ferry's
-own ``DeviceBuffer``. Every buffer must be contiguous. The caller's object is kept in the returned
+objects with ``__dlpack__`` (JAX and others), objects with the buffer protocol (numpy arrays, bytearray,
+memoryview, bytes for sources), and ferry's own buffers. Every buffer must be contiguous. The caller's object is kept in the returned
 ``Span`` so that its memory outlives what ferry does with it.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,47 @@ def _c_contiguous(shape, strides, itemsize) -> bool:
     return True
 
 
+# DLPack (https://dmlc.github.io/dlpack): the ABI of a DLManagedTensor, read from the capsule an object's
+# __dlpack__() returns. The capsule is kept with the span and not renamed, so that the producer's deleter runs
+# when ferry is done with the memory (the capsule's own destructor calls it).
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+_kDLCPU, _kDLCUDA, _kDLCUDAHost = 1, 2, 3
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _dlpack_span(obj: Any, what: str) -> Span:
+    capsule = obj.__dlpack__()
+    t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))  # DLManagedTensor starts with its DLTensor
+    kind = t.device.device_type
+    if kind not in (_kDLCPU, _kDLCUDA, _kDLCUDAHost):
+        raise TypeError(f"{what}: DLPack device type {kind} is not memory ferry can use (CPU, CUDA, CUDA host)")
+    itemsize = (t.dtype.bits * t.dtype.lanes + 7) // 8
+    shape = [t.shape[i] for i in range(t.ndim)]
+    strides = [t.strides[i] * itemsize for i in range(t.ndim)] if t.strides else None
+    if not _c_contiguous(shape, strides, itemsize):
+        raise ValueError(f"{what}: the DLPack tensor is not C-contiguous")
+    nbytes = itemsize
+    for d in shape:
+        nbytes *= d
+    device = f"cuda:{t.device.device_id}" if kind == _kDLCUDA else "cpu"
+    return Span((t.data or 0) + t.byte_offset, nbytes, device, (obj, capsule))
+
+
 def span_of(obj: Any, *, writable: bool, what: str = "buffer") -> Span:
     """The memory of ``obj``; ``writable`` when ferry writes into it. Raises TypeError/ValueError naming the problem."""
     if isinstance(obj, Span):
@@ -68,6 +110,8 @@ def span_of(obj: Any, *, writable: bool, what: str = "buffer") -> Span:
         device = getattr(obj, "device", None)
         ordinal = getattr(device, "id", 0) if device is not None else 0
         return Span(int(ptr), size, f"cuda:{ordinal}", obj)
+    if hasattr(obj, "__dlpack__") and not hasattr(obj, "__array_interface__"):  # JAX and others (numpy takes the buffer path)
+        return _dlpack_span(obj, what)
     try:
         # A memoryview held with the span keeps the object from being resized (bytearray) while ferry uses it.
         view = memoryview(obj)

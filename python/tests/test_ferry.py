@@ -82,6 +82,31 @@ def test_pinned_memory_is_a_tensor_without_a_copy(tmp_path):
         ferry.as_tensor(ferry.empty(4096, "sim:0"))
 
 
+class OnlyDLPack:
+    """An array known to ferry only through DLPack (as a JAX array is)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, stream=None):
+        return self.t.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+def test_dlpack_arrays_are_buffers(tmp_path):
+    p = str(tmp_path / "dl.bin")
+    want = random_file(p, 1 << 20)
+    t = torch.zeros(want.size // 4, dtype=torch.int32)
+    with ferry.open(p) as f:
+        assert f.read_into(OnlyDLPack(t)) == want.size
+        assert f.read_into(OnlyDLPack(t[10:20]), 40) == 40, "a slice: its own offset and size"
+    assert t.numpy().tobytes() == want.tobytes()
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        ferry.copy(OnlyDLPack(torch.zeros(8, 8).t()), np.zeros(256, dtype=np.uint8))
+
+
 def test_a_batch_of_reads_and_its_results(tmp_path):
     p = str(tmp_path / "batch.bin")
     want = random_file(p, 8 << 20)
