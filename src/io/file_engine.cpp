@@ -51,6 +51,13 @@ double cached_fraction(int fd, std::uint64_t off, std::uint64_t len) {
   return pages ? static_cast<double>(cs.cache) / static_cast<double>(pages) : 1.0;
 }
 
+// Whether a read of [off, off + len) goes around the page cache: FERRY_IO_DIRECT, and in automatic
+// mode whether the range is cached (bypassing a warm page cache is slower than copying from it).
+bool reads_direct(const settings& cfg, file& f, std::uint64_t off, std::uint64_t len) {
+  if (cfg.io_direct == direct_io::never || f.direct_fd() < 0) return false;
+  return cfg.io_direct == direct_io::always || cached_fraction(f.fd(), off, len) < 0.9;
+}
+
 struct job {
   std::shared_ptr<transfer_batch::state> b;
   std::size_t idx = 0;
@@ -472,14 +479,9 @@ void file_engine::impl::worker::start(job j) {
       r.size0 = r.j.size ? *r.j.size : f.size();
       r.hi = std::min(r.hi, r.size0);
       if (r.lo >= r.hi) return;  // entirely past the end: a short (empty) read
-      bool direct = false;
-      if (e.cfg.io_direct == direct_io::always) {
-        if (f.direct_fd() < 0) fail(errc::not_supported, op, path, "O_DIRECT refused here (FERRY_IO_DIRECT=always)");
-        direct = true;
-      } else if (e.cfg.io_direct == direct_io::automatic && f.direct_fd() >= 0) {
-        // Bypassing a warm page cache is slower than copying from it.
-        direct = cached_fraction(f.fd(), r.lo, r.hi - r.lo) < 0.9;
-      }
+      if (e.cfg.io_direct == direct_io::always && f.direct_fd() < 0)
+        fail(errc::not_supported, op, path, "O_DIRECT refused here (FERRY_IO_DIRECT=always)");
+      const bool direct = reads_direct(e.cfg, f, r.lo, r.hi - r.lo);
       // Buffered into host memory: the kernel copies from the page cache straight into the
       // destination (no staging, no second copy); exactly the asked range, nothing past it.
       const bool in_place = !r.j.dev && !direct;
@@ -719,9 +721,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       // after another, several rings run in parallel. O_DIRECT I/O is asynchronous on one ring
       // already (no io-wq). Each piece is a segment of the request.
       std::size_t pieces = std::min<std::uint64_t>(I.workers.size(), r.bytes / std::max<std::uint64_t>(I.cfg.io_chunk, 4096));
-      if (pieces >= 2 && (r.write || (I.cfg.io_direct != direct_io::never && r.f->direct_fd() >= 0 &&
-                                      (I.cfg.io_direct == direct_io::always || cached_fraction(r.f->fd(), r.offset, r.bytes) < 0.9))))
-        pieces = 1;
+      if (pieces >= 2 && (r.write || reads_direct(I.cfg, *r.f, r.offset, r.bytes))) pieces = 1;
       if (pieces < 2) {
         b->segs_left[i] = 1;
         jobs.push_back(std::move(j));
