@@ -72,7 +72,8 @@ struct py_batch {
   std::unique_ptr<stream> view;  // the user's stream, for a stream-ordered batch
   bool closed = false;
   // The handle's end waits for work still running: not with the GIL held.
-  ~py_batch() {
+  ~py_batch() { end(); }
+  void end() {
     py::gil_scoped_release nogil;
     b = transfer_batch{};
     view.reset();
@@ -314,9 +315,7 @@ PYBIND11_MODULE(_ferry, m) {
       .def("close", [](py_batch& b) {  // waits for what runs (the handle's destructor would)
         if (b.closed) return;
         b.closed = true;
-        py::gil_scoped_release nogil;
-        b.b = transfer_batch{};
-        b.view.reset();
+        b.end();
       });
 
   py::class_<py_runtime>(m, "Runtime")
