@@ -53,6 +53,10 @@ struct bench_vm_options {
 };
 int run_bench_vm(runtime& rt, const bench_vm_options& o);
 
+// Reads [0, bytes) of the file at `p` with buffered 16 MiB preads (into the page cache too); bytes
+// per second.
+double read_buffered(const std::string& p, std::uint64_t bytes);
+
 struct bench_pipeline_options {
   std::string path;            // a directory (the test file is created there) or a file path
   std::string size = "4GiB";

@@ -125,20 +125,6 @@ double raw_uring(const std::string& p, std::uint64_t bytes, unsigned qd, std::ui
   return static_cast<double>(bytes) / s;
 }
 
-double buffered_seq(const std::string& p, std::uint64_t bytes) {
-  int fd = open_or_fail(p, O_RDONLY);
-  std::vector<std::byte> buf(16ull << 20);
-  auto t0 = clk::now();
-  std::uint64_t done = 0;
-  while (done < bytes) {
-    ssize_t n = ::pread(fd, buf.data(), buf.size(), static_cast<off_t>(done));
-    if (n <= 0) break;
-    done += static_cast<std::uint64_t>(n);
-  }
-  double s = secs_since(t0);
-  ::close(fd);
-  return static_cast<double>(done) / s;
-}
 
 // The file: safetensors header for one U8 tensor, then the data pattern; returns its checksum.
 std::uint64_t make_file(runtime& rt, const std::string& p, std::uint64_t bytes) {
@@ -177,6 +163,21 @@ std::uint64_t make_file(runtime& rt, const std::string& p, std::uint64_t bytes) 
 }
 
 }  // namespace
+
+double read_buffered(const std::string& p, std::uint64_t bytes) {
+  int fd = open_or_fail(p, O_RDONLY);
+  std::vector<std::byte> buf(16ull << 20);
+  auto t0 = clk::now();
+  std::uint64_t done = 0;
+  while (done < bytes) {
+    ssize_t n = ::pread(fd, buf.data(), buf.size(), static_cast<off_t>(done));
+    if (n <= 0) break;
+    done += static_cast<std::uint64_t>(n);
+  }
+  double s = secs_since(t0);
+  ::close(fd);
+  return static_cast<double>(done) / s;
+}
 
 int run_bench_file(runtime& rt, const bench_file_options& o) {
   std::uint64_t bytes = parse_size(o.size, "--size");
@@ -227,7 +228,7 @@ int run_bench_file(runtime& rt, const bench_file_options& o) {
         row(fmt::format("raw O_DIRECT read, QD {}, {} blocks (pass {})", qd, format_size(block), pass), "cold", r);
       }
     double cached = drop_cache(path);
-    double bseq = buffered_seq(path, bytes);
+    double bseq = read_buffered(path, bytes);
     ceiling = std::max(ceiling, bseq);
     row(fmt::format("raw buffered sequential pread 16 MiB (pass {})", pass), "cold", bseq,
         fmt::format("cached before: {:.1f}%", cached * 100));
@@ -354,7 +355,7 @@ int run_bench_file(runtime& rt, const bench_file_options& o) {
   out["paired_ratio_median"] = paired;
   say(fmt::format("  cold: ferry / best raw configuration, paired runs: {:.3f} {:.3f} {:.3f} (median {:.3f})", ratios[0],
                   ratios[1], ratios[2], paired));
-  buffered_seq(path, bytes);  // warm the page cache
+  read_buffered(path, bytes);  // warm the page cache
   double naive_warm = naive();
   row("naive pread 16 MiB + cudaMemcpy", "warm", naive_warm);
   double pipeline_warm = 0;

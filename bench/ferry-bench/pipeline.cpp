@@ -125,15 +125,7 @@ void make_file(runtime& rt, const std::string& p, std::uint64_t bytes) {
     for (std::uint64_t i = 0; i < n / 4; ++i) w[i] = word_at(off / 4 + i, seed);
     rt.files().write(*f, off, w.data(), n);
   }
-  int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail_errno(errno, "bench pipeline", p, "open");
-  std::vector<std::byte> buf(16ull << 20);
-  for (std::uint64_t off = 0; off < bytes;) {
-    ssize_t n = ::pread(fd, buf.data(), buf.size(), static_cast<off_t>(off));
-    if (n <= 0) break;
-    off += static_cast<std::uint64_t>(n);
-  }
-  ::close(fd);
+  read_buffered(p, bytes);
 }
 
 }  // namespace
