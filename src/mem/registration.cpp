@@ -99,10 +99,13 @@ struct registration_cache::impl {
   std::atomic<std::uintptr_t> pending_lo{~std::uintptr_t{0}};
   std::atomic<std::uintptr_t> pending_hi{0};
   std::atomic<bool> has_pending{false};
-  // Ranges recently classified as pageable host memory, by base -> end: classifying asks every
-  // client (a CUDA driver call, msync, probes), several microseconds that a 4 KiB remote read
-  // cannot afford on every request. Dropped with the memory (munmap hooks -> invalidate), bounded.
-  std::map<std::uintptr_t, std::pair<std::uintptr_t, memory_region>> seen_host;
+  // Ranges recently classified, by base -> end: classifying asks every client (a CUDA driver call
+  // with six attributes, msync, probes), microseconds that a 4 KiB remote read or a 64 KiB copy
+  // cannot afford on every request. Pageable ranges are dropped with the memory (munmap hooks ->
+  // invalidate); a CUDA allocation's entry is checked on every hit with its client's still_valid
+  // (one attribute: the buffer id, which a free and a new allocation at the same address change).
+  // Bounded.
+  std::map<std::uintptr_t, std::pair<std::uintptr_t, memory_region>> seen;
   std::uint64_t generation = 0;  // bumped by every invalidation: a probe that raced one is not remembered
 
   void drop_locked(const std::shared_ptr<registration::entry>& e) {
@@ -144,8 +147,8 @@ struct registration_cache::impl {
   std::vector<std::function<void()>> invalidate_locked(std::uintptr_t b, std::uint64_t n, bool hooked = false) {
     std::vector<std::function<void()>> cbs;
     generation++;
-    for (auto h = seen_host.begin(); h != seen_host.end();)
-      h = h->first < b + n && h->second.first > b ? seen_host.erase(h) : std::next(h);
+    for (auto h = seen.begin(); h != seen.end();)
+      h = h->first < b + n && h->second.first > b ? seen.erase(h) : std::next(h);
     auto it = index.upper_bound(b);
     if (it != index.begin()) --it;
     while (it != index.end() && it->first < b + n) {
@@ -324,14 +327,18 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
       if (a >= e->base && a + n <= e->base + e->size && e->region.client && e->region.client->still_valid(e->region))
         return e->region;
     }
-    auto h = impl_->seen_host.upper_bound(a);
-    if (h != impl_->seen_host.begin()) {
+    auto h = impl_->seen.upper_bound(a);
+    if (h != impl_->seen.begin()) {
       --h;
       if (a >= h->first && a + n <= h->second.first) {
         memory_region r = h->second.second;
-        r.base = a;
-        r.size = n;
-        return r;
+        if (r.type == memory_type::host_pageable) {
+          r.base = a;
+          r.size = n;
+          return r;
+        }
+        if (r.client && r.client->still_valid(r)) return r;
+        impl_->seen.erase(h);  // freed, perhaps re-allocated: asked afresh below
       }
     }
     if (impl_->clients.size() <= few.size()) {
@@ -345,11 +352,14 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
   }
   for (auto* c : clients)
     if (auto r = c->acquire(p, n)) {
-      if (r->type == memory_type::host_pageable) {
+      // Remembered: pageable ranges as asked, CUDA allocations whole (their bounds are the driver's).
+      bool whole = r->type == memory_type::device || r->type == memory_type::host_pinned || r->type == memory_type::managed;
+      if ((r->type == memory_type::host_pageable || (whole && r->buffer_id != 0)) && r->contains(a, n)) {
         cache_lock l(impl_->mu);
         if (impl_->generation == gen && !impl_->has_pending) {
-          if (impl_->seen_host.size() >= 256) impl_->seen_host.clear();
-          impl_->seen_host[a] = {a + n, *r};
+          if (impl_->seen.size() >= 256) impl_->seen.clear();
+          if (whole) impl_->seen[r->base] = {r->base + r->size, *r};
+          else impl_->seen[a] = {a + n, *r};
         }
       }
       return *r;

@@ -244,6 +244,35 @@ TEST(RegistrationCache, RememberedHostClassificationGoesWithTheMemory) {
   EXPECT_EQ(cache.classify(p, n).type, memory_type::unknown) << "a remembered classification outlived the memory";
 }
 
+// A device allocation's classification is remembered whole (its bounds are the allocation's) and
+// checked on every hit: freed and re-allocated at the same address, it is asked afresh.
+TEST(RegistrationCache, RememberedDeviceClassificationIsCheckedOnEveryHit) {
+  struct device_client final : peer_memory_client {
+    std::uint64_t id = 1;
+    int asked = 0;
+    std::string_view name() const noexcept override { return "fake-device"; }
+    std::optional<memory_region> acquire(const void* p, std::uint64_t n) override {
+      auto a = reinterpret_cast<std::uintptr_t>(p);
+      if (a < kBase || a + n > kBase + (1 << 20)) return std::nullopt;
+      asked++;
+      return memory_region{memory_type::device, device_kind::sim, 0, kBase, 1 << 20, id, this};
+    }
+    std::uint64_t pin(const memory_region&, std::uintptr_t, std::uint64_t) override { return 0; }
+    void unpin(std::uint64_t, std::uintptr_t, std::uint64_t) noexcept override {}
+    bool still_valid(const memory_region& r) override { return r.buffer_id == id; }
+  } c;
+  registration_cache cache({&c}, 1 << 20);
+  EXPECT_EQ(cache.classify(at(4096), 4096).buffer_id, 1u);
+  auto again = cache.classify(at(65536), 8192);  // another range of the same allocation
+  EXPECT_EQ(c.asked, 1) << "the allocation was asked about twice";
+  EXPECT_EQ(again.base, kBase);
+  EXPECT_EQ(again.size, 1u << 20);
+  c.id = 2;  // freed, and a new allocation at the same address
+  EXPECT_EQ(cache.classify(at(4096), 4096).buffer_id, 2u);
+  EXPECT_EQ(c.asked, 2);
+  EXPECT_EQ(cache.classify(at(1 << 20), 16).type, memory_type::unknown) << "past the allocation";
+}
+
 // The staging pool pins what is used: one segment when made, another only while every buffer is
 // out, never past its size; then a waiter gets a timeout naming the pool, and a buffer given back
 // is handed out again, with the region it was registered in.
