@@ -454,6 +454,52 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   }
   rows = {pre_gpu, pre_host, host_touch, touch_back, gpu_stream};
 
+  // ---- first touch of fresh memory, no hints: by the CPU (it writes everything), and by a kernel
+  // (it writes everything, then the CPU reads it all). Allocation included: ferry maps and zeroes
+  // every page in alloc, UVM on each first touch. ----
+  row cpu_first{"alloc + CPU first touch (writes)", "UVM cudaMallocManaged", {}, {}, 1.0};
+  row gpu_first{"alloc + kernel first touch + CPU reads all", "UVM cudaMallocManaged", {}, {}, 1.0};
+  const std::uint64_t gpu_first_sum = pattern_checksum(n, 5);
+  if (uvm) {
+    for (int r = 0; r < o.rounds; ++r) {
+      void* f = nullptr;
+      cpu_first.base.push_back(gbps(n, timed([&] {
+        cr.check(cr.malloc_managed(&f, n, 1), "cudaMallocManaged");
+        fill(static_cast<std::byte*>(f), n, 2);
+      })));
+      cr.check(cr.free_(f), "cudaFree(managed)");
+      std::uint64_t got = 0;
+      gpu_first.base.push_back(gbps(n, timed([&] {
+        cr.check(cr.malloc_managed(&f, n, 1), "cudaMallocManaged");
+        st->fill_pattern(f, n, 5);
+        st->synchronize();
+        got = checksum64(f, n);
+      })));
+      check_sum("UVM kernel first touch", got, gpu_first_sum);
+      cr.check(cr.free_(f), "cudaFree(managed)");
+    }
+  }
+  for (int r = 0; r < o.rounds; ++r) {
+    auto so = vm::space_options::from(rt.config());
+    for (bool by_gpu : {false, true}) {
+      vm::address_space as(dev, n, so);
+      as.attach_stream(*st);
+      std::uint64_t got = 0;
+      double t = timed([&] {
+        auto* f = static_cast<std::byte*>(as.alloc(n));
+        if (!by_gpu) return (void)fill(f, n, 2);
+        st->fill_pattern(f, n, 5);
+        st->synchronize();
+        got = checksum64(f, n);
+      });
+      (by_gpu ? gpu_first : cpu_first).ferry.push_back(gbps(n, t));
+      if (by_gpu) check_sum("ferry kernel first touch", got, gpu_first_sum);
+      as.detach_stream(*st);
+    }
+  }
+  rows.push_back(cpu_first);
+  rows.push_back(gpu_first);
+
   // ---- two devices: pages moved GPU to GPU (a space over both) vs UVM's prefetch between them ----
   device* peer = nullptr;
   try {

@@ -732,7 +732,7 @@ address_space::~address_space() = default;
 void* address_space::alloc(std::uint64_t bytes) {
   auto& I = *impl_;
   std::uint64_t need = std::max<std::uint64_t>(1, (bytes + I.page - 1) / I.page);
-  std::lock_guard l(I.alloc_mu);
+  std::unique_lock l(I.alloc_mu);
   std::uint64_t at = 0;
   for (auto& [first, n] : I.used_ranges) {
     if (first - at >= need) break;
@@ -741,6 +741,15 @@ void* address_space::alloc(std::uint64_t bytes) {
   if (at + need > I.npages)
     fail(errc::out_of_memory, "vm.alloc", fmt::format("{} bytes", bytes), fmt::format("the address space has no {} free pages in a row", need));
   I.used_ranges[at] = need;
+  l.unlock();  // the range is taken: other allocations go on while this one's pages are made
+  // Every page mapped and zeroed before the pointer is handed out: a kernel may touch it first.
+  try {
+    for (std::uint64_t pg = at; pg < at + need; ++pg) I.table->populate_fresh(pg, loc_of(0), deadline_after(I.o.deadline));
+  } catch (const error& e) {
+    l.lock();
+    I.used_ranges.erase(at);
+    throw e.with_context(fmt::format("alloc of {} bytes", bytes));
+  }
   return I.shared.at(at * I.page);
 }
 

@@ -616,6 +616,34 @@ void page_table::fault_range(std::uint64_t page, std::uint64_t end, location at,
   });
 }
 
+location page_table::populate_fresh(std::uint64_t page, location prefer, deadline until) {
+  auto& I = *impl_;
+  I.check(page, prefer, "vm.alloc");
+  auto& g = I.pg[page];
+  std::unique_lock l(g.mu);
+  I.wait_unpinned(page, l, until);
+  g.preferred = -1;
+  g.read_mostly = false;
+  g.evicted = g.held_until = 0;
+  location at = prefer != host && ((g.valid & bit(prefer)) || I.take_room(prefer, 1) == 1) ? prefer : host;
+  bool had = g.valid & bit(at);
+  try {
+    I.mv.populate(page, at);
+  } catch (...) {
+    if (at != host && !had) I.used[at]--;
+    throw;
+  }
+  g.valid |= bit(at);
+  if (at != host && !had) I.order_insert(at, page);
+  // The zeroed copy is the only one: the others (an earlier allocation's) go, the mapping moved
+  // off them first.
+  for (location d = 0; d < static_cast<location>(I.cap.size()); ++d)
+    if (d != at && (g.valid & bit(d))) I.drop_copy_remapped(page, g, d);
+  I.point_at(page, g, at);
+  I.st.populated++;
+  return at;
+}
+
 void page_table::dontneed(std::uint64_t page, location at, deadline until) {
   impl_->check(page, at, "vm.dontneed");
   if (at == host) fail(errc::invalid_argument, "vm.dontneed", fmt::format("page {}", page), "DONTNEED names a device, not the host");

@@ -30,3 +30,10 @@ extern "C" __global__ void user_consume(const unsigned* src, unsigned long long 
     mine += src[i] != value_at(i, seed);
   if (mine) atomicAdd(bad, mine);
 }
+
+// A random gather, as a UVM program's kernel: out[i] = src[h(i, seed) % words] + i.
+extern "C" __global__ void user_gather(const unsigned* src, unsigned long long words, unsigned* out, unsigned long long n,
+                                       unsigned seed) {
+  for (unsigned long long i = blockIdx.x * 1ull * blockDim.x + threadIdx.x; i < n; i += 1ull * gridDim.x * blockDim.x)
+    out[i] = src[value_at(i, seed) % words] + static_cast<unsigned>(i);
+}

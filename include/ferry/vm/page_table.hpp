@@ -152,6 +152,10 @@ class FERRY_API page_table {
   // `use` runs like access()'s, with the faulting page locked and valid at `at`.
   void fault_range(std::uint64_t page, std::uint64_t end, location at, bool write, std::uint64_t batch,
                    std::chrono::nanoseconds per_batch, const std::function<void()>& use = {});
+  // A page handed out by alloc: zero-filled and mapped before anyone can touch it (a GPU cannot
+  // fault), on device `prefer` when it has room there without evicting, else in host memory. Copies
+  // and hints left from an earlier allocation of the page are dropped. Returns where it went.
+  location populate_fresh(std::uint64_t page, location prefer, deadline until);
   // DONTNEED on device `at`: its copy is dropped, after copying it to host memory if it was the only one.
   void dontneed(std::uint64_t page, location at, deadline until);
   void set_read_mostly(std::uint64_t page, bool on);
