@@ -20,6 +20,10 @@ if(FERRY_WITH_CUDA)
     execute_process(COMMAND "${CMAKE_CUDA_COMPILER}" --version OUTPUT_VARIABLE _nvcc_out ERROR_QUIET)
     string(REGEX MATCH "release ([0-9]+\\.[0-9]+)" _m "${_nvcc_out}")
     set(FERRY_CUDA_VERSION "${CMAKE_MATCH_1}")
+    # The static CUDA runtime, for the test that plays a program written for the runtime API
+    # (tests/vm/gpu_managed_test.cpp); ferry itself never links it.
+    find_library(FERRY_CUDART_STATIC cudart_static
+      HINTS "${_nvcc_dir}/../lib64" "${_nvcc_dir}/../targets/x86_64-linux/lib" NO_DEFAULT_PATH)
   endif()
   if(CMAKE_CUDA_COMPILER AND FERRY_CUDA_INCLUDE_DIR)
     set(FERRY_HAVE_CUDA ON)

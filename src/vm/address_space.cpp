@@ -804,6 +804,7 @@ void address_space::advise(void* p, std::uint64_t bytes, advice a, ferry::locati
       case advice::read_mostly: I.table->set_read_mostly(pg, true); break;
       case advice::no_read_mostly: I.table->set_read_mostly(pg, false); break;
       case advice::preferred_location: I.table->set_preferred(pg, at); break;
+      case advice::no_preferred_location: I.table->set_preferred(pg, -1); break;
     }
   }
 }

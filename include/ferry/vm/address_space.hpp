@@ -41,7 +41,7 @@
 
 namespace ferry::vm {
 
-enum class advice { prefetch, dontneed, read_mostly, no_read_mostly, preferred_location };
+enum class advice { prefetch, dontneed, read_mostly, no_read_mostly, preferred_location, no_preferred_location };
 
 struct FERRY_API space_options {
   // Bytes of device memory the space's pages may use (0: what the device has free when the space is
@@ -93,7 +93,7 @@ class FERRY_API address_space {
   void free(void* p);
   // Hints for [p, p+bytes): prefetch to `where` (host or one of the space's devices, by ordinal; id -1:
   // the first), drop the device copy (dontneed: that device's, or with id -1 every device's), read
-  // duplication on/off, preferred location. A device not in the space is invalid_argument.
+  // duplication on/off, preferred location (set, or none). A device not in the space is invalid_argument.
   void advise(void* p, std::uint64_t bytes, advice a, ferry::location where);
   void advise(void* p, std::uint64_t bytes, advice a, memory_kind where = memory_kind::device);
 
