@@ -273,3 +273,4 @@ def as_tensor(buf, dtype=None, shape=None):
 
 
 from . import safetensors  # noqa: E402  (uses the names above)
+from . import torch  # noqa: E402  (ferry.torch: unified memory as torch's allocator; imports torch only when used)

@@ -6,6 +6,7 @@
 #include <ferry/device/mapped_memory.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/store/files.hpp>
+#include <ferry/vm/address_space.hpp>
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -15,8 +16,12 @@
 #include <cerrno>
 #include <chrono>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
+#include <unistd.h>
+#include <vector>
 
 namespace py = pybind11;
 using namespace ferry;
@@ -247,7 +252,68 @@ struct py_runtime {
   }
 };
 
+// ---- torch's CUDA allocator on a unified address space (ferry.torch.use_unified_memory) ----
+// One space per process on one device, as large as its memory plus the host's; tensors past the
+// cap live in host memory and kernels reach them there. Made once and never destroyed: torch frees
+// tensors until the very end of the process, after any static destructor of ours would have run.
+struct unified_heap {
+  device& dev;
+  vm::address_space space;
+  std::mutex mu;
+  std::vector<std::pair<std::uintptr_t, std::unique_ptr<stream>>> attached;  // streams torch allocated on
+  std::string last_error;
+  static std::uint64_t size_for(device& d) {
+    std::uint64_t host = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    std::uint64_t g = d.granularity();
+    return (d.memory().total + host + g - 1) / g * g;
+  }
+  static vm::space_options options(runtime& rt, std::uint64_t capacity) {
+    auto o = vm::space_options::from(rt.config());
+    if (capacity) o.device_capacity = capacity;
+    o.cache = &rt.registrations();
+    return o;
+  }
+  unified_heap(runtime& rt, device& d, std::uint64_t capacity) : dev(d), space(d, size_for(d), options(rt, capacity)) {}
+  // A stream torch allocates on may run kernels on the memory: page moves wait for its work.
+  void attach(std::uintptr_t handle) {
+    std::lock_guard l(mu);
+    for (auto& [h, v] : attached)
+      if (h == handle) return;
+    auto v = dev.wrap_stream(native_stream{handle ? handle : native_stream::legacy().handle});
+    space.attach_stream(*v);
+    attached.emplace_back(handle, std::move(v));
+  }
+};
+std::atomic<unified_heap*> g_unified{nullptr};
+std::mutex g_unified_mu;
+
 }  // namespace
+
+// The functions torch's CUDAPluggableAllocator loads from this module's file (their names are the
+// ones ferry/torch.py gives it). A failure returns null (torch raises its out-of-memory error) and
+// keeps ferry's message for ferry.torch to report.
+extern "C" __attribute__((visibility("default"))) void* ferry_torch_malloc(ssize_t size, int, void* stream) {
+  unified_heap* h = g_unified.load();
+  if (!h || size <= 0) return nullptr;
+  try {
+    h->attach(reinterpret_cast<std::uintptr_t>(stream));
+    return h->space.alloc(static_cast<std::uint64_t>(size));
+  } catch (const std::exception& e) {
+    std::lock_guard l(h->mu);
+    h->last_error = e.what();
+    return nullptr;
+  }
+}
+extern "C" __attribute__((visibility("default"))) void ferry_torch_free(void* p, ssize_t, int, void*) {
+  unified_heap* h = g_unified.load();
+  if (!h || !p) return;
+  try {
+    h->space.free(p);
+  } catch (const std::exception& e) {
+    std::lock_guard l(h->mu);
+    h->last_error = e.what();
+  }
+}
 
 PYBIND11_MODULE(_ferry, m) {
   m.doc() = "ferry's C++ runtime (use the `ferry` package, not this module)";
@@ -333,5 +399,32 @@ PYBIND11_MODULE(_ferry, m) {
       .def("alloc", &py_runtime::alloc, py::arg("device"), py::arg("nbytes"))
       .def("alloc_pinned", &py_runtime::alloc_pinned, py::arg("nbytes"))
       .def("checksum", &py_runtime::checksum, py::arg("ptr"), py::arg("nbytes"))
-      .def("classify", &py_runtime::classify, py::arg("ptr"), py::arg("nbytes"));
+      .def("classify", &py_runtime::classify, py::arg("ptr"), py::arg("nbytes"))
+      .def("unified_setup", [](py_runtime& r, const std::string& dev, std::uint64_t capacity) {
+        std::lock_guard l(g_unified_mu);
+        if (g_unified.load()) fail(errc::busy, "ferry.torch", dev, "unified memory is set up already (once per process)");
+        device& d = r.rt->devices().get(dev);
+        g_unified.store(new unified_heap(*r.rt, d, capacity));
+      }, py::arg("device"), py::arg("capacity"));
+  m.def("unified_prefetch", [](std::uintptr_t ptr, std::uint64_t bytes, bool to_device) {
+    unified_heap* h = g_unified.load();
+    if (!h) fail(errc::invalid_argument, "ferry.torch.prefetch", describe_range(as_ptr(ptr), bytes), "use_unified_memory was not called");
+    py::gil_scoped_release nogil;
+    h->space.advise(as_ptr(ptr), bytes, vm::advice::prefetch, to_device ? memory_kind::device : memory_kind::host);
+  }, py::arg("ptr"), py::arg("nbytes"), py::arg("to_device"));
+  m.def("unified_info", []() {
+        unified_heap* h = g_unified.load();
+        py::dict out;
+        if (!h) return out;
+        auto st = h->space.stats();
+        out["device"] = h->dev.id();
+        out["capacity"] = h->space.device_capacity();
+        out["resident_bytes"] = h->space.resident(h->dev) * h->space.page_bytes();
+        out["migrations_h2d"] = st.migrations_h2d;
+        out["migrations_d2h"] = st.migrations_d2h;
+        out["evictions"] = st.evictions;
+        std::lock_guard l(h->mu);
+        out["last_error"] = h->last_error;
+        return out;
+  });
 }

@@ -35,3 +35,21 @@ def test_cp_between_paths(tmp_path):
     src.write_bytes(os.urandom((5 << 20) + 3))
     assert ferry.cp(str(src), str(tmp_path / "b.bin"), chunk=1 << 20) == (5 << 20) + 3
     assert (tmp_path / "b.bin").read_bytes() == src.read_bytes()
+
+
+needs_cuda = __import__("pytest").mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+def test_unified_memory_runs_a_workload_twice_its_cap(tmp_path):
+    import json
+
+    ref = json.loads(run("unified_memory.py", "--no-ferry", "--live", "512MiB", "--out", str(tmp_path / "ref.pt")))
+    over = json.loads(run("unified_memory.py", "--cap", "256MiB", "--live", "512MiB", "--out", str(tmp_path / "over.pt")))
+    under = json.loads(run("unified_memory.py", "--cap", "1GiB", "--live", "512MiB"))
+    assert over["space"]["capacity"] == 256 << 20
+    assert over["space"]["resident_bytes"] <= 256 << 20, over
+    assert torch.equal(torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "over.pt")), (ref, over)
+    assert over["digest"] == ref["digest"] == under["digest"]
+    print(f"\nlive tensors 512 MiB: torch's allocator {ref['seconds']} s, ferry at 2x the cap {over['seconds']} s, "
+          f"at 0.5x the cap {under['seconds']} s")

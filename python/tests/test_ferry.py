@@ -334,3 +334,11 @@ def test_a_checkpoint_into_cuda(tmp_path):
     got = ferry.safetensors.load(p, device="cuda:0", verify=True, progress=False)
     for k, t in tensors.items():
         assert got[k].device.type == "cuda" and torch.equal(got[k].cpu(), t), k
+
+
+def test_unified_memory_without_a_gpu_says_what_it_needs():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: test_examples runs the real thing")
+    with pytest.raises(RuntimeError, match="needs torch with CUDA"):
+        ferry.torch.use_unified_memory(device_capacity="64MiB")
+    assert ferry.torch.info() == {}
