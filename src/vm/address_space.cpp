@@ -505,6 +505,9 @@ struct address_space::impl final : page_mover {
     copy_sync(from, to, mirror(to, p), mirror(from, p));
   }
   void populate(std::uint64_t p, location at) override {
+    // A page allocated again may still be read by work queued before its free (torch frees a tensor
+    // as soon as its last kernel is queued): its mapped copy is zeroed only after that work.
+    if (shared_mapped[p] && shared_at[p] == at) quiesce();
     ensure_chunk(at, p);
     copy_sync(host, at, mirror(at, p), host_mirror.at(npages * page));
   }

@@ -138,6 +138,39 @@ TEST(VmSpace, ADeviceMayTouchFreshMemoryFirst) {
   as.detach_stream(*st);
 }
 
+// An allocator's free comes as soon as the last work on the memory is queued, not done (torch frees a
+// tensor that way): memory allocated again is zeroed only after the attached streams' earlier work,
+// which still reads the old bytes.
+TEST(VmSpace, MemoryAllocatedAgainIsZeroedAfterTheWorkQueuedBeforeItsFree) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o;
+  o.device_capacity = 64 << 10;  // one page, taken by `first`: the test's pages live in host memory, where
+  vm::address_space as(dev, 16 * (64 << 10), o);  // zeroing reuses the very chunk the old work reads
+  const std::size_t pg = as.page_bytes(), n = 2 * pg;
+  void* first = as.alloc(pg);
+  auto st = dev.create_stream();
+  as.attach_stream(*st);
+  std::vector<std::byte> big_src(48 << 20), big_dst(48 << 20);
+  for (int round = 0; round < 5; ++round) {
+    auto* a = static_cast<std::byte*>(as.alloc(n));
+    ASSERT_EQ(as.pages().snapshot(1).mapped, vm::host);
+    fill(a, n, 60 + static_cast<std::uint64_t>(round));
+    const std::uint64_t want = sum(a, n);
+    st->copy(big_dst.data(), big_src.data(), big_src.size());  // keeps the stream busy for a while
+    std::uint64_t got = 0;
+    st->checksum(a, n, &got);  // queued: reads a after the copy
+    as.free(a);                // the program is done with a (its last use is queued)
+    auto* b = static_cast<std::byte*>(as.alloc(n));  // the same pages, zeroed
+    ASSERT_EQ(b, a);
+    st->synchronize();
+    EXPECT_EQ(got, want) << "round " << round << ": the queued read saw the next allocation's zeros";
+    as.free(b);
+  }
+  as.free(first);
+  as.detach_stream(*st);
+}
+
 TEST(VmSpace, EvictionUnderASmallCapKeepsRandomData) {
   runtime rt(sim_cfg());
   device& dev = rt.devices().get("sim:0");
