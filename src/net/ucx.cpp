@@ -346,6 +346,11 @@ ucx_context::ucx_context(const std::string& net_device) {
   // when the user set UCX_MAX_RNDV_RAILS or an RDMA device exists (its rendezvous is zero-copy).
   if (!std::getenv("UCX_MAX_RNDV_RAILS") && shm_connections_enabled() && !rdma_device_present())
     ucp_config_modify(cfg, "MAX_RNDV_RAILS", "0");
+  // A peer that dies while this side only waits for its replies (a server killed under a read whose
+  // requests are all sent) is noticed by UCX's keepalive, every 20 s by default: requests would sit
+  // until their deadlines. A probe per endpoint each second costs a few bytes and reports the death
+  // in one or two seconds. Unless the user set UCX_KEEPALIVE_INTERVAL.
+  if (!std::getenv("UCX_KEEPALIVE_INTERVAL")) ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", "1s");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP | UCP_FEATURE_RMA;
