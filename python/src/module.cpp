@@ -257,6 +257,7 @@ struct py_runtime {
 // cap live in host memory and kernels reach them there. Made once and never destroyed: torch frees
 // tensors until the very end of the process, after any static destructor of ours would have run.
 struct unified_heap {
+  runtime rt;  // its own, never destroyed: torch's last frees come after Python's teardown of ferry.runtime()
   device& dev;
   vm::address_space space;
   std::mutex mu;
@@ -273,7 +274,8 @@ struct unified_heap {
     o.cache = &rt.registrations();
     return o;
   }
-  unified_heap(runtime& rt, device& d, std::uint64_t capacity) : dev(d), space(d, size_for(d), options(rt, capacity)) {}
+  unified_heap(const settings& s, const std::string& d, std::uint64_t capacity)
+      : rt(s), dev(rt.devices().get(d)), space(dev, size_for(dev), options(rt, capacity)) {}
   // A stream torch allocates on may run kernels on the memory: page moves wait for its work.
   void attach(std::uintptr_t handle) {
     std::lock_guard l(mu);
@@ -403,8 +405,8 @@ PYBIND11_MODULE(_ferry, m) {
       .def("unified_setup", [](py_runtime& r, const std::string& dev, std::uint64_t capacity) {
         std::lock_guard l(g_unified_mu);
         if (g_unified.load()) fail(errc::busy, "ferry.torch", dev, "unified memory is set up already (once per process)");
-        device& d = r.rt->devices().get(dev);
-        g_unified.store(new unified_heap(*r.rt, d, capacity));
+        py::gil_scoped_release nogil;
+        g_unified.store(new unified_heap(r.rt->config(), dev, capacity));
       }, py::arg("device"), py::arg("capacity"));
   m.def("unified_prefetch", [](std::uintptr_t ptr, std::uint64_t bytes, bool to_device) {
     unified_heap* h = g_unified.load();

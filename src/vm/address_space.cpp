@@ -528,6 +528,12 @@ struct address_space::impl final : page_mover {
     grant_shared({p});
   }
 
+  void unmap(std::uint64_t p) override {
+    if (!shared_mapped[p]) return;
+    quiesce();  // work queued before the free may still use the page
+    unmap_shared({p});
+  }
+
   std::uint64_t start(const std::vector<step>& steps) override {
     quiesce();
     flight f;
@@ -768,9 +774,9 @@ void address_space::free(void* p) {
     n = it->second;
     I.used_ranges.erase(it);
   }
-  // Give the device memory back: drop device copies (kept on host until the page is reused).
-  for (std::uint64_t pg = first; pg < first + n; ++pg)
-    for (std::size_t k = 0; k < I.devs.size(); ++k) I.table->dontneed(pg, loc_of(k), deadline_after(I.o.deadline));
+  // The bytes are dead: copies go without a write-back (device memory back to the pool), mappings
+  // after the attached streams' earlier work; alloc makes the pages anew.
+  for (std::uint64_t pg = first; pg < first + n; ++pg) I.table->discard(pg, deadline_after(I.o.deadline));
   I.trim();
 }
 

@@ -644,6 +644,23 @@ location page_table::populate_fresh(std::uint64_t page, location prefer, deadlin
   return at;
 }
 
+void page_table::discard(std::uint64_t page, deadline until) {
+  auto& I = *impl_;
+  I.check(page, host, "vm.free");
+  auto& g = I.pg[page];
+  std::unique_lock l(g.mu);
+  I.wait_unpinned(page, l, until);
+  if (g.mapped >= 0) {
+    I.mv.unmap(page);
+    g.mapped = -1;
+    g.writable = false;
+  }
+  for (location d = 0; d < static_cast<location>(I.cap.size()); ++d)
+    if (g.valid & bit(d)) I.drop_copy(page, g, d);
+  g.preferred = -1;
+  g.read_mostly = false;
+}
+
 void page_table::dontneed(std::uint64_t page, location at, deadline until) {
   impl_->check(page, at, "vm.dontneed");
   if (at == host) fail(errc::invalid_argument, "vm.dontneed", fmt::format("page {}", page), "DONTNEED names a device, not the host");

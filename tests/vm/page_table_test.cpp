@@ -52,6 +52,7 @@ struct fake_mover final : page_mover {
     val[at(l, p)] = 0;
     grow(l);
   }
+  void unmap(std::uint64_t p) override { mapped[p] = -1; }
   void drop(std::uint64_t p, location l) noexcept override {
     if (!present[at(l, p)]) violation("drop of a missing copy");
     if (mapped[p] == l) violation("drop of the mapped copy of page " + std::to_string(p));

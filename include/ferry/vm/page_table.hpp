@@ -61,6 +61,8 @@ class FERRY_API page_mover {
   // is false while other locations hold copies too (READ_MOSTLY): a CPU write must then fault, so the
   // other copies are invalidated first.
   virtual void map(std::uint64_t page, location at, bool writable) = 0;
+  // Removes the shared mapping of the page (it has no valid copy any more: freed memory).
+  virtual void unmap(std::uint64_t page) = 0;
 
   // Batched migrations. A step copies the page's bytes `from` -> `to` (when `copy`; `to` holds no
   // valid copy yet) and then points its shared mapping at `to` (when `map`). start() begins every step
@@ -156,6 +158,9 @@ class FERRY_API page_table {
   // fault), on device `prefer` when it has room there without evicting, else in host memory. Copies
   // and hints left from an earlier allocation of the page are dropped. Returns where it went.
   location populate_fresh(std::uint64_t page, location prefer, deadline until);
+  // free(): the page's bytes are dead. Every copy is dropped without a write-back and the mapping
+  // removed; the next populate_fresh makes it anew. Waits for a pin (a transfer) until `until`.
+  void discard(std::uint64_t page, deadline until);
   // DONTNEED on device `at`: its copy is dropped, after copying it to host memory if it was the only one.
   void dontneed(std::uint64_t page, location at, deadline until);
   void set_read_mostly(std::uint64_t page, bool on);
