@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include <thread>
 
 namespace ferry {
@@ -288,6 +290,38 @@ std::optional<device::range_info> device::range_containing(const void* p) const 
   --it;
   if (a >= it->first + it->second.size) return std::nullopt;
   return range_info{it->first, it->second.size, it->second.serial};
+}
+
+launch_observer::~launch_observer() = default;
+
+namespace {
+// Launches under way on this thread: a launch made inside an observer's call, or a driver launch
+// inside a runtime one, counts once.
+thread_local int t_launch_depth = 0;
+}  // namespace
+
+bool device::watch_launches(launch_observer& o, std::string& why) {
+  if (!do_watch_launches(why)) return false;
+  std::unique_lock l(launch_mu_);
+  if (std::find(launch_obs_.begin(), launch_obs_.end(), &o) == launch_obs_.end()) launch_obs_.push_back(&o);
+  return true;
+}
+
+void device::unwatch_launches(launch_observer& o) noexcept {
+  std::unique_lock l(launch_mu_);
+  std::erase(launch_obs_, &o);
+}
+
+void device::launching() noexcept {
+  if (t_launch_depth++ > 0) return;
+  launch_mu_.lock_shared();
+  for (auto* o : launch_obs_) o->before_launch();
+}
+
+void device::launched() noexcept {
+  if (t_launch_depth == 0 || --t_launch_depth > 0) return;
+  for (auto* o : launch_obs_) o->after_launch();
+  launch_mu_.unlock_shared();
 }
 
 void device::enable_peer_access(device& peer) {

@@ -72,6 +72,7 @@ struct FERRY_API settings {
   bool xfer_peer = true;
   // io
   std::string cufile_library = "libcufile.so.0";
+  std::string cupti_library = "libcupti.so.13";
   file_backend_kind file_backend = file_backend_kind::automatic;
   direct_io io_direct = direct_io::automatic;
   int io_threads = 0;  // 0: default_xfer_threads()
@@ -103,6 +104,10 @@ struct FERRY_API settings {
   int vm_fault_ahead = 8;                     // pages a CPU fault moves to host (the faulting one and the next)
   std::chrono::nanoseconds vm_thrash_lapse = std::chrono::seconds(1);  // evicted, prefetched back within: thrashing (0: off)
   std::chrono::nanoseconds vm_thrash_hold = std::chrono::seconds(1);   // a thrashing page stays on the host this long
+  // Pages the CPU took from a device go back: before kernel launches, and after this quiet time (0: only at launches).
+  bool vm_return_at_launch = true;
+  std::chrono::nanoseconds vm_return_quiet = std::chrono::milliseconds(200);
+  std::chrono::nanoseconds vm_return_hold = std::chrono::seconds(1);  // a page the CPU takes back this soon stays (doubling)
 
   // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
   using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;

@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -239,6 +240,16 @@ class FERRY_API stream {
   counter* c_copy_bytes_;
 };
 
+// Told of kernel launches on a device -- the user's own included (CUDA: CUPTI callbacks on the
+// launch calls of the driver and runtime APIs). before_launch runs on the launching thread before the
+// launch is queued, after_launch once the call returns; neither may launch kernels itself.
+class FERRY_API launch_observer {
+ public:
+  virtual ~launch_observer();
+  virtual void before_launch() noexcept = 0;
+  virtual void after_launch() noexcept = 0;
+};
+
 class FERRY_API device {
  public:
   virtual ~device();
@@ -307,6 +318,12 @@ class FERRY_API device {
 
   ferry::stats& counters() noexcept { return stats_; }
 
+  // Tells `o` of every kernel launch on this device until unwatch_launches(o). False, with the reason
+  // in `why`, when the backend cannot see launches here (CUDA without CUPTI, or another CUPTI
+  // subscriber such as a profiler). unwatch waits for the observer's calls under way.
+  bool watch_launches(launch_observer& o, std::string& why);
+  void unwatch_launches(launch_observer& o) noexcept;
+
   // Backend-level: used by physical_chunk / va_range destructors.
   void release_chunk(physical_chunk& c) noexcept;
   void release_range(va_range& r) noexcept;
@@ -327,6 +344,10 @@ class FERRY_API device {
   // Looks up the mapping containing p (nullptr if none). Caller holds map_mu().
   const mapping* find_mapping(std::uintptr_t p, std::uintptr_t* base = nullptr) const;
   std::mutex& map_mu() const { return mu_; }
+  // Backends call these around every kernel launch they see (on the launching thread; nested calls
+  // count once).
+  void launching() noexcept;
+  void launched() noexcept;
 
  private:
   virtual memory_usage do_memory() = 0;
@@ -344,6 +365,11 @@ class FERRY_API device {
   virtual std::unique_ptr<stream> do_create_stream() = 0;
   virtual std::unique_ptr<stream> do_wrap_stream(native_stream s) = 0;
   virtual void do_enable_peer_access(device& peer) = 0;
+  // Starts seeing launches (idempotent); false with the reason when it cannot.
+  virtual bool do_watch_launches(std::string& why) {
+    why = "this backend does not report kernel launches";
+    return false;
+  }
 
   struct chunk_state {
     std::uint64_t size;
@@ -364,6 +390,9 @@ class FERRY_API device {
   std::map<std::uintptr_t, mapping> mappings_;      // va -> mapping
   std::map<std::uint64_t, chunk_state> chunks_;     // handle -> state
   ferry::stats stats_;
+  // Held shared from launching() to launched() (observers are called under it); exclusive to change.
+  std::shared_mutex launch_mu_;
+  std::vector<launch_observer*> launch_obs_;
   counter& c_alloc_;
   counter& c_alloc_bytes_;
   counter& c_free_;

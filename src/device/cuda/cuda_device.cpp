@@ -2,6 +2,7 @@
 
 #include "core/logging.hpp"
 #include "mem/cuda/driver.hpp"
+#include "device/cuda/cupti.hpp"
 #include "device/cuda/nvml.hpp"
 #include "device/poll.hpp"
 
@@ -61,9 +62,10 @@ class cuda_event final : public event {
   std::string name_;
 };
 
-class cuda_device final : public device {
+class cuda_device final : public device, public cupti::launch_sink {
  public:
-  cuda_device(int ordinal, const settings& s) : device(make_info(ordinal, s), s.deadline), api_(api_or_throw(s, "cuda.open")) {
+  cuda_device(int ordinal, const settings& s)
+      : device(make_info(ordinal, s), s.deadline), api_(api_or_throw(s, "cuda.open")), cupti_library_(s.cupti_library) {
     check(api_.cuDeviceGet(&dev_, ordinal), "cuda.open", id());
     check(api_.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuda.open", id());
     CUmemAllocationProp prop = device_prop(location::on_device());
@@ -72,6 +74,7 @@ class cuda_device final : public device {
     info_.granularity = g;
   }
   ~cuda_device() override {
+    cupti::unwatch(*this);
     if (module_) {
       context_scope cs(api_, ctx_);
       api_.cuModuleUnload(module_);
@@ -257,6 +260,11 @@ class cuda_device final : public device {
   }
   std::unique_ptr<stream> do_create_stream() override;
   std::unique_ptr<stream> do_wrap_stream(native_stream n) override;
+  bool do_watch_launches(std::string& why) override { return cupti::watch(cupti_library_, ctx_, *this, why); }
+  void on_launch(bool enter) noexcept override {
+    if (enter) launching();
+    else launched();
+  }
   void do_enable_peer_access(device& peer) override {
     auto* p = dynamic_cast<cuda_device*>(&peer);
     std::lock_guard l(numa_mu_);
@@ -273,6 +281,7 @@ class cuda_device final : public device {
 
   std::set<cuda_device*> peers_enabled_;
   const driver_api& api_;
+  std::string cupti_library_;
   CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;
   int sm_count_ = [this] {

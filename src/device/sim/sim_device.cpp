@@ -338,6 +338,9 @@ class sim_device final : public device {
     std::lock_guard l(g_devices_mu);
     std::erase(g_devices, this);
   }
+  // The sim's kernels are its device-side stream ops (fill_pattern, checksum): their launches are seen.
+  void kernel_launching() noexcept { launching(); }
+  void kernel_launched() noexcept { launched(); }
 
   // Resolves [p, p+bytes) for an engine of device `engine_ordinal` into segments, or throws.
   // Addresses in no sim range are host memory.
@@ -524,6 +527,7 @@ class sim_device final : public device {
       fail(errc::not_supported, "device.enable_peer_access", id() + " -> " + peer.id(),
            "peer access between sim devices is off (FERRY_SIM_PEER=0)");
   }
+  bool do_watch_launches(std::string&) override { return true; }
 
   bool peer_access_;
   std::uint64_t capacity_, granularity_;
@@ -658,7 +662,13 @@ class sim_stream final : public stream {
   }
 
   // Device-side ops work on device-accessible memory (own ranges or host memory), like a kernel.
+  struct launch_scope {
+    sim_device& d;
+    explicit launch_scope(sim_device& dev) : d(dev) { d.kernel_launching(); }
+    ~launch_scope() { d.kernel_launched(); }
+  };
   void do_fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) override {
+    launch_scope launch(dev_);
     auto d = resolve_any(dev_, dst, bytes, true, "stream.fill_pattern", "dst");
     std::string name = state_->name;
     enqueue_io([d = std::move(d), seed, name, dst, bytes] {
@@ -682,6 +692,7 @@ class sim_stream final : public stream {
   }
 
   void do_checksum(const void* src, std::size_t bytes, std::uint64_t* result) override {
+    launch_scope launch(dev_);
     auto s = resolve_any(dev_, src, bytes, false, "stream.checksum", "src");
     std::string name = state_->name;
     enqueue_io([s = std::move(s), result, bytes, name, src] {
