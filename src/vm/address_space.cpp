@@ -22,6 +22,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 
 namespace ferry::vm {
@@ -180,7 +181,7 @@ class unified_client final : public peer_memory_client {
   address_space::impl& s_;
 };
 
-struct address_space::impl final : page_mover {
+struct address_space::impl final : page_mover, launch_observer {
   // The space's devices; the first ("home") reserves the ranges and makes every chunk, the others'
   // memory included (device::allocate on a peer), so one range holds them all.
   std::vector<device*> devs;
@@ -221,6 +222,10 @@ struct address_space::impl final : page_mover {
   int pipe_rd = -1, pipe_wr = -1, slot = -1;
   std::atomic<bool> stop{false};
   std::atomic<std::uint64_t> cpu_faults{0};
+  // Return of taken pages: launches hold `gate` shared from before to after their call; a background
+  // return holds it exclusive, so no kernel is launched while it switches mappings.
+  bool watching = false;
+  std::shared_timed_mutex gate;
   std::thread service;
   std::unique_ptr<unified_client> client;
   struct {
@@ -297,7 +302,8 @@ struct address_space::impl final : page_mover {
               fmt::format("device capacity {} bytes is below one page of {} (device free memory minus the reserve?)", bytes_cap, page));
       cap.push_back(bytes_cap / page);
     }
-    table = std::make_unique<page_table>(npages, page, cap, o.policy, *this, thrash_policy{o.thrash_lapse, o.thrash_hold});
+    table = std::make_unique<page_table>(npages, page, cap, o.policy, *this, thrash_policy{o.thrash_lapse, o.thrash_hold},
+                                         o.return_hold);
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) fail_errno(errno, "vm.space", "fault pipe");
     pipe_rd = fds[0];
@@ -319,8 +325,18 @@ struct address_space::impl final : page_mover {
       client = std::make_unique<unified_client>(*this);
       o.cache->add_client(client.get(), true);
     }
+    if (o.return_at_launch || o.return_quiet.count() > 0) {
+      std::string why;
+      watching = true;
+      for (auto* d : devs) watching = watching && d->watch_launches(*this, why);
+      if (!watching) {
+        for (auto* d : devs) d->unwatch_launches(*this);
+        log::info("vm", "{}: pages the CPU takes from the device stay on the host until a hint moves them: {}", dev.id(), why);
+      }
+    }
   }
   ~impl() override {
+    for (auto* d : devs) d->unwatch_launches(*this);  // waits for launches under way
     if (client) o.cache->remove_client(client.get());  // holders are told; nothing calls it afterwards
     g_spaces[slot].fd.store(-2);
     g_spaces[slot].base.store(0);
@@ -635,13 +651,78 @@ struct address_space::impl final : page_mover {
     }
   }
 
+  // ---- return of taken pages ----
+  // Launches on this thread that went ahead without the gate (a background return overran its deadline).
+  static inline thread_local std::vector<const impl*> ungated;
+  void before_launch() noexcept override {
+    if (!gate.try_lock_shared_for(o.deadline)) {
+      log::error("vm", "{}: a launch waited {} ms for a background return of pages; it goes ahead", dev.id(),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline).count());
+      ungated.push_back(this);
+      return;
+    }
+    if (!o.return_at_launch || table->cpu_taken() == 0) return;
+    try {
+      table->return_taken(std::chrono::nanoseconds::zero(), npages, o.batch);
+    } catch (const std::exception& e) {
+      // The kernel still runs correctly: the pages stay on the host, mapped for the device.
+      log::warn("vm", "{}: returning pages to the device before a launch failed: {}", dev.id(), e.what());
+    }
+  }
+  void after_launch() noexcept override {
+    if (auto it = std::find(ungated.begin(), ungated.end(), this); it != ungated.end()) {
+      ungated.erase(it);
+      return;
+    }
+    gate.unlock_shared();
+  }
+  // One background step (service thread): a batch of pages quiet for return_quiet, when no launch
+  // is under way and the attached streams are idle. True when more may be waiting.
+  bool return_in_background() {
+    if (!watching || o.return_quiet.count() <= 0 || table->cpu_taken() == 0) return false;
+    std::unique_lock g(gate, std::try_to_lock);
+    if (!g) return false;
+    {
+      std::lock_guard l(streams_mu);
+      for (auto* s : streams)
+        if (!s->idle()) return false;
+    }
+    try {
+      return table->return_taken(o.return_quiet, o.batch, o.batch) > 0;
+    } catch (const std::exception& e) {
+      log::warn("vm", "{}: returning quiet pages to the device failed: {}", dev.id(), e.what());
+      return false;
+    }
+  }
+
   // ---- CPU faults ----
   void serve() {
     g_spaces[slot].service_tid.store(::syscall(SYS_gettid));
+    bool more = false;
+    // Fault-ahead still to do: the pages after the last fault, moved a batch at a time while no
+    // other fault waits (the faulting thread already runs on).
+    std::uint64_t ahead = 0, ahead_end = 0;
+    // The window grows while the faults come in sequence (each one inside the last window): a
+    // sequential reader or writer then faults once per window, the window doubling up to 8 times
+    // fault_ahead; a fault elsewhere starts over.
+    std::uint64_t window = o.fault_ahead, last = ~0ull;
     while (!stop) {
       pollfd pf{pipe_rd, POLLIN, 0};
-      int n = ::poll(&pf, 1, 50);
-      if (n <= 0) continue;
+      int n = ::poll(&pf, 1, more || ahead < ahead_end ? 0 : 50);
+      if (n <= 0) {
+        if (ahead < ahead_end) {
+          std::uint64_t e = std::min(ahead_end, ahead + o.batch);
+          try {
+            table->move_ahead(ahead, e, host, o.batch);
+          } catch (const std::exception& ex) {
+            log::warn("vm", "{}: moving pages {}..{} ahead of a CPU fault failed: {}", dev.id(), ahead, e - 1, ex.what());
+          }
+          ahead = e;
+          continue;
+        }
+        more = return_in_background();
+        continue;
+      }
       fault_message m{};
       if (::read(pipe_rd, &m, sizeof m) != static_cast<ssize_t>(sizeof m)) continue;
       // Only a fault of this process, in this space, is served: anything else is not touched.
@@ -654,8 +735,13 @@ struct address_space::impl final : page_mover {
       int result = 1;
       std::uint64_t pg = (r->addr - shared.address()) / page;
       try {
-        table->fault_range(pg, allocation_end(pg, o.fault_ahead), host, r->write, o.batch, o.deadline, [&] { grant_cpu(pg); });
+        table->fault_range(pg, pg + 1, host, r->write, o.batch, o.deadline, [&] { grant_cpu(pg); });
         cpu_faults++;
+        bool in_sequence = last != ~0ull && pg > last && pg <= ahead_end;
+        window = in_sequence ? std::min(window * 2, o.fault_ahead * 8) : o.fault_ahead;
+        last = pg;
+        ahead = pg + 1;
+        ahead_end = allocation_end(pg, window);
       } catch (const std::exception& e) {
         log::error("vm", "{}: CPU fault at {:#x} (page {}, {}) failed: {}", dev.id(), r->addr, pg, r->write ? "write" : "read", e.what());
         result = -1;
@@ -834,6 +920,7 @@ void address_space::detach_stream(stream& s) {
 page_table& address_space::pages() noexcept { return *impl_->table; }
 vm_stats address_space::stats() const { return impl_->table->stats(); }
 std::uint64_t address_space::cpu_faults() const noexcept { return impl_->cpu_faults.load(); }
+bool address_space::returns_pages() const noexcept { return impl_->watching; }
 space_timings address_space::timings() const noexcept {
   auto& t = impl_->t;
   return {t.quiesce.load(), t.allocate.load(), t.unmap.load(), t.map.load(), t.access.load(), t.copy_wait.load()};
@@ -862,6 +949,9 @@ space_options space_options::from(const settings& s) {
   o.fault_ahead = static_cast<std::uint64_t>(s.vm_fault_ahead);
   o.thrash_lapse = s.vm_thrash_lapse;
   o.thrash_hold = s.vm_thrash_hold;
+  o.return_at_launch = s.vm_return_at_launch;
+  o.return_quiet = s.vm_return_quiet;
+  o.return_hold = s.vm_return_hold;
   return o;
 }
 

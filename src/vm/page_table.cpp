@@ -10,6 +10,7 @@
 #include <bit>
 #include <chrono>
 #include <list>
+#include <set>
 #include <mutex>
 #include <thread>
 
@@ -68,6 +69,11 @@ struct page_table::impl {
     std::atomic<std::uint32_t> pins{0};  // changed under mu (pin) or without it (unpin)
     std::int64_t evicted = 0;     // mu: when it was last evicted from a device (steady ns; 0: not since its last hold)
     std::int64_t held_until = 0;  // mu: thrashing -- PREFETCH leaves it where it is until then
+    // Return (page_table.hpp): the device a CPU fault took it from (-1: not taken), when; when it
+    // last went back; how long the CPU keeps it (held until, and the doubling).
+    location came_from = -1;           // mu
+    std::int64_t taken_at = 0, returned_at = 0, cpu_hold_until = 0;  // mu
+    int hold_shift = 0;                // mu
   };
   // Replacement order of one device's resident pages: front = keep, back = evict first.
   struct order {
@@ -82,18 +88,22 @@ struct page_table::impl {
   replacement pol;
   page_mover& mv;
   thrash_policy thrash;
+  std::chrono::nanoseconds return_hold;
   std::unique_ptr<page[]> pg;
+  std::mutex taken_mu;
+  std::set<std::uint64_t> taken;  // taken_mu: pages with came_from >= 0
+  std::atomic<std::uint64_t> ntaken{0};
   std::vector<std::unique_ptr<order>> ord;          // per location (host's unused)
   std::unique_ptr<std::atomic<std::uint64_t>[]> used;  // pages holding a valid copy, per location
   struct counters {
     std::atomic<std::uint64_t> faults{0}, populated{0}, h2d{0}, d2h{0}, d2d{0}, duplicates{0}, invalidations{0}, evictions{0},
         writebacks{0}, clean_drops{0}, prefetches{0}, dontneeds{0}, fault_ahead{0}, batches{0}, thrash_holds{0},
-        held_prefetches{0};
+        held_prefetches{0}, returns{0}, return_holds{0};
   } st;
 
   impl(std::uint64_t pages, std::uint64_t page_bytes, std::vector<std::uint64_t> capacity, replacement p, page_mover& m,
-       thrash_policy t)
-      : n(pages), bytes(page_bytes), cap(std::move(capacity)), pol(p), mv(m), thrash(t), pg(new page[pages]) {
+       thrash_policy t, std::chrono::nanoseconds hold)
+      : n(pages), bytes(page_bytes), cap(std::move(capacity)), pol(p), mv(m), thrash(t), return_hold(hold), pg(new page[pages]) {
     expects(!cap.empty() && cap.size() <= static_cast<std::size_t>(max_locations), "vm.page_table", "locations",
             fmt::format("{} locations (host + devices) must be between 1 and {}", cap.size(), max_locations));
     used.reset(new std::atomic<std::uint64_t>[cap.size()]);
@@ -112,6 +122,44 @@ struct page_table::impl {
     if (p >= n) fail(errc::out_of_range, op, fmt::format("page {}", p), fmt::format("the table has {} pages", n));
     if (at < 0 || static_cast<std::size_t>(at) >= cap.size())
       fail(errc::invalid_argument, op, fmt::format("location {}", at), fmt::format("locations are 0 (host) .. {}", cap.size() - 1));
+  }
+
+  // ---- return (page locked) ----
+  // A CPU fault moved the page from device `from` to the host; `touched`: the CPU's access was to
+  // this page (not one moved ahead with it), the only kind that shows the CPU keeps using it.
+  void take(std::uint64_t p, page& g, location from, bool touched) {
+    if (from == host) return;
+    std::int64_t t = now_ns();
+    if (touched && g.returned_at != 0 && t - g.returned_at < return_hold.count()) {
+      // Taken back soon after its return: the CPU keeps using it. Held, longer each time.
+      g.hold_shift = std::min(g.hold_shift + 1, 7);
+      g.cpu_hold_until = t + (return_hold.count() << (g.hold_shift - 1));
+      st.return_holds++;
+    } else if (touched && g.returned_at != 0) {
+      g.hold_shift = 0;
+    }
+    g.taken_at = t;
+    if (g.came_from < 0) {
+      std::lock_guard l(taken_mu);
+      taken.insert(p);
+      ntaken++;
+    }
+    g.came_from = from;
+  }
+  // The page is no longer the CPU's (it moved to a device, was freed, or a hint says so).
+  void untake(std::uint64_t p, page& g) {
+    if (g.came_from < 0) return;
+    g.came_from = -1;
+    std::lock_guard l(taken_mu);
+    taken.erase(p);
+    ntaken--;
+  }
+  // Where a taken page goes back to, or -1 when it stays (not taken, held, too recent, pinned,
+  // PREFERRED_LOCATION host).
+  location return_target(const page& g, std::int64_t t, std::chrono::nanoseconds quiet) const {
+    if (g.came_from < 0 || g.valid != bit(host) || g.pins.load() != 0 || g.preferred == host) return -1;
+    if (t < g.cpu_hold_until || t - g.taken_at < quiet.count()) return -1;
+    return g.preferred > 0 ? g.preferred : g.came_from;
   }
 
   // ---- replacement order (device locations) ----
@@ -300,6 +348,8 @@ struct page_table::impl {
         throw;
       }
       count_move(from, at);
+      if (at != host) untake(p, g);
+      else if (fault && !g.read_mostly) take(p, g, from, true);
       g.valid |= bit(at);
       if (at != host) order_insert(at, p);
       point_at(p, g, at);  // map the new copy before any old one goes: no access finds nothing mapped
@@ -323,11 +373,12 @@ struct page_table::impl {
     return true;
   }
   // ---- batched migrations ----
-  enum class range_mode { prefetch, fault };
+  enum class range_mode { prefetch, fault, give_back };
   struct batch {
     std::vector<std::uint64_t> held;       // pages this batch has locked (ascending)
     std::vector<page_mover::step> steps;   // pages moving to `at`
     location at = host;
+    std::uint64_t fault_page = ~0ull;       // fault mode: the page the CPU touched
     std::uint64_t ticket = 0;
     bool open = false;                      // started, not finished
   };
@@ -417,13 +468,19 @@ struct page_table::impl {
   void prepare(batch& b, std::uint64_t a, std::uint64_t e, location at, range_mode mode, std::uint64_t fault_page,
                std::vector<std::uint64_t>& slow, batch& prev) {
     b.at = at;
+    b.fault_page = fault_page;
     for (std::uint64_t p = a; p < e; ++p) {
       page& g = pg[p];
       if (!g.mu.try_lock()) {
-        if (prev.open) complete(prev);
+        if (prev.open) complete(prev, mode);
         g.mu.lock();
       }
       b.held.push_back(p);
+      if (mode == range_mode::give_back) {
+        if (return_target(g, now_ns(), std::chrono::nanoseconds::zero()) == at)
+          b.steps.push_back({p, host, at, true, true, true, g.mapped, g.writable});
+        continue;
+      }
       bool odd = mode == range_mode::prefetch || p == fault_page;
       if (g.valid & bit(at)) {
         if ((g.valid == bit(at) || g.read_mostly) && g.mapped == at) {
@@ -446,7 +503,7 @@ struct page_table::impl {
     if (at == host || b.steps.empty()) return;
     std::uint64_t need = b.steps.size();
     std::uint64_t got = take_room(at, need);
-    while (got < need) {
+    while (got < need && mode != range_mode::give_back) {  // pages go back into free room only
       std::uint64_t freed = evict_batch(at, need - got, &b, prev.open ? &prev : nullptr);
       if (freed == 0) break;
       got += freed;
@@ -454,12 +511,13 @@ struct page_table::impl {
     }
     // No room for the rest now (everything else is pinned or busy): they wait singly, later.
     while (b.steps.size() > got) {
-      if (mode == range_mode::prefetch || b.steps.back().page == fault_page) slow.push_back(b.steps.back().page);
+      if (mode == range_mode::prefetch || (mode == range_mode::fault && b.steps.back().page == fault_page))
+        slow.push_back(b.steps.back().page);
       b.steps.pop_back();
     }
   }
 
-  void complete(batch& b) {
+  void complete(batch& b, range_mode mode) {
     try {
       mv.finish(b.ticket);
     } catch (...) {
@@ -475,6 +533,15 @@ struct page_table::impl {
       if (s.to != host) order_insert(s.to, s.page);
       g.mapped = s.to;
       g.writable = s.writable;
+      if (s.to != host) {
+        untake(s.page, g);
+        if (mode == range_mode::give_back) {
+          g.returned_at = now_ns();
+          st.returns++;
+        }
+      } else if (s.cpu && !g.read_mostly) {
+        take(s.page, g, s.from, s.page == b.fault_page);
+      }
       if (g.read_mostly) {
         st.duplicates++;
       } else {
@@ -507,20 +574,20 @@ struct page_table::impl {
           cur.open = true;
           moved += cur.steps.size();
         }
-        if (prev.open) complete(prev);
+        if (prev.open) complete(prev, mode);
         if (cur.open) {
           std::swap(prev, cur);
         } else {
           unlock_all(cur);
         }
       }
-      if (prev.open) complete(prev);
+      if (prev.open) complete(prev, mode);
     } catch (...) {
       // A started batch is finished (or rolled back by its failure) before its pages are let go.
       for (batch* b : {&prev, &cur}) {
         if (!b->open) continue;
         try {
-          complete(*b);
+          complete(*b, mode);
         } catch (const std::exception& e) {
           log::error("vm", "a batched migration failed while another was being unwound: {}", e.what());
         }
@@ -543,8 +610,8 @@ struct page_table::impl {
 };
 
 page_table::page_table(std::uint64_t pages, std::uint64_t page_bytes, std::vector<std::uint64_t> capacity, replacement policy,
-                       page_mover& mover, thrash_policy thrash)
-    : impl_(std::make_unique<impl>(pages, page_bytes, std::move(capacity), policy, mover, thrash)) {}
+                       page_mover& mover, thrash_policy thrash, std::chrono::nanoseconds return_hold)
+    : impl_(std::make_unique<impl>(pages, page_bytes, std::move(capacity), policy, mover, thrash, return_hold)) {}
 page_table::~page_table() = default;
 std::uint64_t page_table::pages() const noexcept { return impl_->n; }
 std::uint64_t page_table::page_bytes() const noexcept { return impl_->bytes; }
@@ -598,7 +665,7 @@ void page_table::fault_range(std::uint64_t page, std::uint64_t end, location at,
   auto& I = *impl_;
   I.check(page, at, "vm.access");
   end = std::min(end, I.n);
-  if (end > page + 1) {
+  if (end > page) {  // the batched path even for one page: a host target is granted to the CPU in the same call
     std::vector<std::uint64_t> slow;
     bool moved_it = false;
     {
@@ -616,6 +683,17 @@ void page_table::fault_range(std::uint64_t page, std::uint64_t end, location at,
   });
 }
 
+std::uint64_t page_table::move_ahead(std::uint64_t first, std::uint64_t end, location at, std::uint64_t batch) {
+  auto& I = *impl_;
+  I.check(0, at, "vm.access");
+  end = std::min(end, I.n);
+  if (first >= end) return 0;
+  std::vector<std::uint64_t> slow;  // stays empty: no page is the faulting one
+  std::uint64_t moved = I.range(first, end, at, impl::range_mode::fault, I.n, batch_pages(batch, I.cap, at, end - first), slow);
+  I.st.fault_ahead += moved;
+  return moved;
+}
+
 location page_table::populate_fresh(std::uint64_t page, location prefer, deadline until) {
   auto& I = *impl_;
   I.check(page, prefer, "vm.alloc");
@@ -625,6 +703,9 @@ location page_table::populate_fresh(std::uint64_t page, location prefer, deadlin
   g.preferred = -1;
   g.read_mostly = false;
   g.evicted = g.held_until = 0;
+  I.untake(page, g);
+  g.returned_at = g.cpu_hold_until = 0;
+  g.hold_shift = 0;
   location at = prefer != host && ((g.valid & bit(prefer)) || I.take_room(prefer, 1) == 1) ? prefer : host;
   bool had = g.valid & bit(at);
   try {
@@ -659,6 +740,7 @@ void page_table::discard(std::uint64_t page, deadline until) {
     if (g.valid & bit(d)) I.drop_copy(page, g, d);
   g.preferred = -1;
   g.read_mostly = false;
+  I.untake(page, g);
 }
 
 void page_table::dontneed(std::uint64_t page, location at, deadline until) {
@@ -683,6 +765,7 @@ void page_table::set_read_mostly(std::uint64_t page, bool on) {
   auto& g = impl_->pg[page];
   std::lock_guard l(g.mu);
   g.read_mostly = on;
+  if (on) impl_->untake(page, g);  // duplicated by PREFETCHes from now on: placed by the program
   // Duplicates end with the hint: keep the mapped copy (or any one). A pinned page keeps them (they
   // are equal copies; the next write invalidates them): pinned memory never goes away under a transfer.
   if (on || std::popcount(g.valid) <= 1 || g.pins.load() != 0) return;
@@ -695,6 +778,47 @@ void page_table::set_preferred(std::uint64_t page, location at) {
   impl_->check(page, at == -1 ? host : at, "vm.advise");  // -1: no preference
   std::lock_guard l(impl_->pg[page].mu);
   impl_->pg[page].preferred = at;
+  if (at == host) impl_->untake(page, impl_->pg[page]);
+}
+
+std::uint64_t page_table::cpu_taken() const noexcept { return impl_->ntaken.load(); }
+
+std::uint64_t page_table::return_taken(std::chrono::nanoseconds quiet, std::uint64_t max_pages, std::uint64_t batch) {
+  auto& I = *impl_;
+  if (I.ntaken.load() == 0) return 0;
+  bool room = false;
+  for (location d = 1; d < static_cast<location>(I.cap.size()); ++d) room = room || I.used[d].load() < I.cap[d];
+  if (!room) return 0;
+  std::vector<std::uint64_t> cand;
+  {
+    std::lock_guard l(I.taken_mu);
+    cand.assign(I.taken.begin(), I.taken.end());
+  }
+  // Eligible pages and their devices, then one batched range walk per run of consecutive pages
+  // bound for one device (prepare() checks each page again under its lock).
+  std::vector<std::pair<std::uint64_t, location>> go;
+  std::int64_t t = now_ns();
+  for (auto p : cand) {
+    if (go.size() >= max_pages) break;
+    auto& g = I.pg[p];
+    std::unique_lock l(g.mu, std::try_to_lock);  // a page being changed is not waited for
+    if (!l) continue;
+    location to = I.return_target(g, t, quiet);
+    if (to > 0) go.emplace_back(p, to);
+  }
+  std::uint64_t moved = 0;
+  for (std::size_t i = 0; i < go.size();) {
+    std::size_t j = i + 1;
+    while (j < go.size() && go[j].first == go[j - 1].first + 1 && go[j].second == go[i].second) ++j;
+    location to = go[i].second;
+    if (I.used[to].load() < I.cap[to]) {
+      std::vector<std::uint64_t> slow;
+      std::uint64_t first = go[i].first, end = go[j - 1].first + 1;
+      moved += I.range(first, end, to, impl::range_mode::give_back, I.n, batch_pages(batch, I.cap, to, end - first), slow);
+    }
+    i = j;
+  }
+  return moved;
 }
 
 bool page_table::evict_one(location at) {
@@ -761,6 +885,8 @@ vm_stats page_table::stats() const {
   v.batches = s.batches;
   v.thrash_holds = s.thrash_holds;
   v.held_prefetches = s.held_prefetches;
+  v.returns = s.returns;
+  v.return_holds = s.return_holds;
   return v;
 }
 

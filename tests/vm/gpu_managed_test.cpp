@@ -52,7 +52,20 @@ TEST(GpuManaged, AManagedMemoryProgramRunsWithOneIncludeAndOneCallChanged) {
   std::size_t bad = 0;
   for (std::size_t i = 0; i < n; ++i) bad += out[i] != value_at(value_at(i, seed) % words, 3) + static_cast<unsigned>(i);
   EXPECT_EQ(bad, 0u) << "words of the kernel's result the CPU found wrong";
-  EXPECT_NE(ferry::managed::space(), nullptr);
+  ASSERT_NE(ferry::managed::space(), nullptr);
+  // The CPU's reads took `out` to the host; the next launch (the runtime API's, seen through CUPTI)
+  // takes it back to the device before the kernel runs.
+  auto* space = ferry::managed::space();
+  ASSERT_TRUE(space->returns_pages()) << "no launch callbacks (CUPTI) here";
+  const auto taken = space->pages().cpu_taken(), returned = space->stats().returns;
+  EXPECT_GT(taken, 0u);
+  CUDA_OK(cudaLaunchKernel(reinterpret_cast<const void*>(gather), dim3(264), dim3(256), args, 0, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  EXPECT_EQ(space->pages().cpu_taken(), 0u);
+  EXPECT_EQ(space->stats().returns - returned, taken);
+  bad = 0;
+  for (std::size_t i = 0; i < n; ++i) bad += out[i] != value_at(value_at(i, seed) % words, 3) + static_cast<unsigned>(i);
+  EXPECT_EQ(bad, 0u) << "after the return";
 
   // A CUDA pointer still goes to CUDA; ferry's come back to ferry.
   void* d = nullptr;

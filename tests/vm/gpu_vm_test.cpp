@@ -156,8 +156,14 @@ TEST(GpuVm, AManagedMemoryProgramWithoutHintsGivesTheResultsOfCuMemAlloc) {
   auto* src = static_cast<unsigned*>(as.alloc(src_bytes));
   auto* out = static_cast<unsigned*>(as.alloc(out_bytes));
   std::memcpy(src, init.data(), src_bytes);  // the CPU initializes
+  ASSERT_TRUE(as.returns_pages()) << "no launch callbacks (CUPTI) here";
+  const std::size_t pg = as.page_bytes(), src_pages = (src_bytes + pg - 1) / pg, out_pages = (out_bytes + pg - 1) / pg;
+  EXPECT_EQ(as.pages().cpu_taken(), src_pages) << "the CPU's writes took src to the host";
   for (int k = 0; k < 3; ++k) u.launch_gather(src, src_bytes, out, out_bytes, 7);
   u.sync();
+  // The user's first cuLaunchKernel took src back to the device before it ran (launch callbacks).
+  EXPECT_EQ(as.stats().returns, src_pages);
+  EXPECT_EQ(as.resident(dev), src_pages + out_pages);
   EXPECT_EQ(std::memcmp(out, want.data(), out_bytes), 0) << "the result differs from cuMemAlloc's";
   as.detach_stream(*view);
 }
@@ -165,10 +171,13 @@ TEST(GpuVm, AManagedMemoryProgramWithoutHintsGivesTheResultsOfCuMemAlloc) {
 TEST(GpuVm, CpuWritesAndKernelsReadHostResidentThenDeviceResidentPages) {
   runtime rt(g_settings);
   device& dev = rt.devices().get("cuda:0");
-  vm::address_space as(dev, 16 * dev.granularity());
+  vm::space_options o;
+  o.return_at_launch = false;  // the pages the CPU wrote stay on the host until the PREFETCH below
+  o.return_quiet = {};
+  vm::address_space as(dev, 16 * dev.granularity(), o);
   const std::size_t pg = as.page_bytes(), n = 6 * pg;
   auto* p = static_cast<std::byte*>(as.alloc(n));
-  fill_random(p, n, 5);  // first touch on the CPU: host chunks
+  fill_random(p, n, 5);  // the CPU's writes bring the pages to host chunks
   auto want = checksum64(p, n);
   auto s = dev.create_stream();
   EXPECT_EQ(gpu_sum(*s, p, n), want) << "a kernel reads host-resident pages over the bus (no illegal address)";
@@ -250,6 +259,8 @@ TEST(GpuVm, TwoGpusShareOnePointer) {
   vm::space_options o;
   o.device_capacity = 8 * d0.granularity();
   o.thrash_lapse = {};
+  o.return_at_launch = false;  // host-resident until the prefetches below
+  o.return_quiet = {};
   vm::address_space as(both, 32 * d0.granularity(), o);
   const std::size_t pg = as.page_bytes(), n = 6 * pg;
   auto* p = static_cast<std::byte*>(as.alloc(n));

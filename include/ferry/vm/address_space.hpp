@@ -19,7 +19,12 @@
 //  - Ranges move in batches: the shared mappings of a batch are unmapped in runs, device targets
 //    mapped before their copies, host targets after, access set per run, and the next batch's copies
 //    are queued before this one's host mappings are made.
-//  - Policy (coherence, capacity, eviction, hints) is the page_table's.
+//  - Policy (coherence, capacity, eviction, hints, return) is the page_table's.
+//  - Return: pages a CPU fault took from a device go back to it before the next kernel launch on
+//    that device and, after `return_quiet`, in the background when the attached streams are idle
+//    (page_table.hpp). Launches are seen through the device's launch callbacks (CUPTI with CUDA);
+//    while a page goes back in the background, launches on the space's devices wait (a kernel never
+//    runs into a mapping being switched). Without launch callbacks pages stay where the CPU took them.
 // Several devices per space (all of one backend, with peer access between them): every page is
 // mapped for all of them, a device-resident page lives in one device's memory (or, READ_MOSTLY, in
 // several) and the others read it over NVLink / PCIe peer-to-peer; PREFETCH names the device. The
@@ -54,11 +59,18 @@ struct FERRY_API space_options {
   replacement policy = replacement::lru;
   std::chrono::nanoseconds deadline = std::chrono::seconds(30);  // per fault / advice batch
   std::uint64_t batch = 16;        // pages per batched migration (PREFETCH, eviction, fault-ahead)
-  std::uint64_t fault_ahead = 8;   // pages a CPU fault moves to host: the faulting one and those after it
+  // Pages a CPU fault moves to host: the faulting one, then (after the faulting thread runs on)
+  // those after it in its allocation; doubling while faults come in sequence, up to 8 times.
+  std::uint64_t fault_ahead = 8;
   // A page evicted and prefetched back within `thrash_lapse` stays on the host for `thrash_hold`
   // (the device reads it in place); lapse 0: every PREFETCH migrates. See page_table.hpp.
   std::chrono::nanoseconds thrash_lapse = std::chrono::seconds(1);
   std::chrono::nanoseconds thrash_hold = std::chrono::seconds(1);
+  // Return of pages the CPU took from a device (page_table.hpp): before launches, after a quiet time
+  // (0: only at launches), and how long a page the CPU takes back soon stays on the host.
+  bool return_at_launch = true;
+  std::chrono::nanoseconds return_quiet = std::chrono::milliseconds(200);
+  std::chrono::nanoseconds return_hold = std::chrono::seconds(1);
   // FERRY_VM_* and FERRY_DEADLINE (docs/settings.md).
   static space_options from(const settings& s);
   // When set, the space becomes a peer-memory client of this cache (until it is destroyed): file,
@@ -108,6 +120,8 @@ class FERRY_API address_space {
   page_table& pages() noexcept;
   vm_stats stats() const;
   std::uint64_t cpu_faults() const noexcept;  // faults resolved for the CPU by the service thread
+  // Whether pages the CPU took go back to the devices (launch callbacks seen on every device).
+  bool returns_pages() const noexcept;
   space_timings timings() const noexcept;
   std::uint64_t device_capacity() const noexcept;  // bytes, of the first device
   std::uint64_t device_capacity(const device& d) const;  // bytes, of one of the space's devices

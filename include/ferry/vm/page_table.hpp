@@ -20,6 +20,13 @@
 //    Such a page is held where it is for `thrash_policy::hold`: PREFETCH leaves it (its host copy
 //    stays mapped and the device reads it in place over PCIe) instead of evicting another page
 //    that will be wanted back just as soon. UVM does the same ("thrashing mitigation").
+//  - return: a page a CPU fault took from a device (the CPU wrote or read it there) is "taken";
+//    return_taken() moves taken pages back -- to their PREFERRED_LOCATION if that is a device, else
+//    to the device they came from -- into free room only (never evicting). The address space calls
+//    it before kernel launches and in the background after a quiet time. A page the CPU takes again
+//    within `return_hold` of its return is one the CPU keeps using: it stays on the host for the
+//    hold, doubled at each further time (at most 64 times). A PREFERRED_LOCATION of host, a pin or
+//    an explicit PREFETCH ends the page's taken state.
 // Concurrency: one mutex per page serializes its changes; different pages change in parallel. A page
 // that must be made room for takes victims with try_lock only, so two faults never wait on each
 // other's page. Pinned pages (a DMA registration uses them) are never moved; a change that would
@@ -115,6 +122,8 @@ struct vm_stats {
   std::uint64_t batches = 0;           // batched migrations (start/finish pairs), evictions included
   std::uint64_t thrash_holds = 0;      // pages found thrashing and held where they were
   std::uint64_t held_prefetches = 0;   // page prefetches that left a held page where it was
+  std::uint64_t returns = 0;           // taken pages moved back to their device
+  std::uint64_t return_holds = 0;      // pages the CPU took back soon after a return (held on the host)
 };
 
 class FERRY_API page_table {
@@ -122,7 +131,7 @@ class FERRY_API page_table {
   // `pages` logical pages of `page_bytes` each; `capacity[d]` pages may live on device slot d
   // (index 0, the host, is unbounded and ignored).
   page_table(std::uint64_t pages, std::uint64_t page_bytes, std::vector<std::uint64_t> capacity, replacement policy,
-             page_mover& mover, thrash_policy thrash = {});
+             page_mover& mover, thrash_policy thrash = {}, std::chrono::nanoseconds return_hold = {});
   ~page_table();
   page_table(const page_table&) = delete;
   page_table& operator=(const page_table&) = delete;
@@ -154,6 +163,9 @@ class FERRY_API page_table {
   // `use` runs like access()'s, with the faulting page locked and valid at `at`.
   void fault_range(std::uint64_t page, std::uint64_t end, location at, bool write, std::uint64_t batch,
                    std::chrono::nanoseconds per_batch, const std::function<void()>& use = {});
+  // Fault-ahead after the faulting thread was let go: pages [first, end) that hold a valid copy
+  // elsewhere only move to `at`, as fault_range's others do. Returns the pages moved.
+  std::uint64_t move_ahead(std::uint64_t first, std::uint64_t end, location at, std::uint64_t batch);
   // A page handed out by alloc: zero-filled and mapped before anyone can touch it (a GPU cannot
   // fault), on device `prefer` when it has room there without evicting, else in host memory. Copies
   // and hints left from an earlier allocation of the page are dropped. Returns where it went.
@@ -165,6 +177,11 @@ class FERRY_API page_table {
   void dontneed(std::uint64_t page, location at, deadline until);
   void set_read_mostly(std::uint64_t page, bool on);
   void set_preferred(std::uint64_t page, location at);
+  // Pages the CPU took from a device that are still on the host (see "return" above).
+  std::uint64_t cpu_taken() const noexcept;
+  // Moves up to `max_pages` taken pages that the CPU took at least `quiet` ago, and that are not
+  // held, back to their device, in batches, into free room only. Returns the pages moved.
+  std::uint64_t return_taken(std::chrono::nanoseconds quiet, std::uint64_t max_pages, std::uint64_t batch);
   // Evicts one page of device `at` by the replacement policy; false when none can be evicted now.
   bool evict_one(location at);
 
