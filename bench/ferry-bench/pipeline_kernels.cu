@@ -1,4 +1,4 @@
-// The kernel of `ferry-bench pipeline`, playing a user's: compiled by nvcc into a fatbin that the
+// The kernels of `ferry-bench pipeline` and `ferry-bench vm`, playing a user's: compiled by nvcc into a fatbin that the
 // benchmark loads itself and launches on its own streams (never through ferry's device layer).
 #include <cstdint>
 
@@ -23,4 +23,12 @@ extern "C" __global__ void bench_consume(const unsigned* src, unsigned long long
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   while (now - start < busy_ns);
+}
+
+// `ferry-bench vm`'s user kernel: a random gather, as a program written for managed memory runs
+// it: out[i] = src[h(i, seed) % words] + i.
+extern "C" __global__ void bench_gather(const unsigned* src, unsigned long long words, unsigned* out, unsigned long long n,
+                                        unsigned seed) {
+  for (unsigned long long i = blockIdx.x * 1ull * blockDim.x + threadIdx.x; i < n; i += 1ull * gridDim.x * blockDim.x)
+    out[i] = src[word_at(i, seed) % words] + static_cast<unsigned>(i);
 }

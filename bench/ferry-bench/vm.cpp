@@ -21,6 +21,9 @@
 // UVM memory is never more than the GPU has free (more can hang the GPU).
 #include "bench.hpp"
 #include "cudart.hpp"
+#ifdef FERRY_HAVE_CUDA
+#include "mem/cuda/driver.hpp"
+#endif
 
 #include <ferry/core/checksum.hpp>
 #include <ferry/core/units.hpp>
@@ -36,6 +39,12 @@
 #include <fstream>
 #include <functional>
 #include <thread>
+
+#ifdef FERRY_HAVE_CUDA
+namespace ferry::detail {
+extern const unsigned char ferry_bench_kernels[];
+}
+#endif
 
 namespace ferry::cli {
 namespace {
@@ -310,6 +319,61 @@ void vmm_probe(device& dev, json& out) {
   }
 }
 
+// A program's CPU init of its data: word i = i ^ seed, at memory speed (what differs between the
+// allocators is then their faults and migrations, not the init's arithmetic).
+void init_words(void* p, std::uint64_t bytes, unsigned seed) {
+  auto* w = static_cast<unsigned*>(p);
+  for (std::uint64_t i = 0; i < bytes / 4; ++i) w[i] = static_cast<unsigned>(i) ^ seed;
+}
+// The CPU reading all of the data: a plain sum of 8-byte words.
+std::uint64_t sum_words(const void* p, std::uint64_t bytes) {
+  auto* w = static_cast<const std::uint64_t*>(p);
+  std::uint64_t s = 0;
+  for (std::uint64_t i = 0; i < bytes / 8; ++i) s += w[i];
+  return s;
+}
+unsigned word_at(std::uint64_t i, unsigned seed) {
+  std::uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
+  return static_cast<unsigned>(z ^ (z >> 29));
+}
+
+#ifdef FERRY_HAVE_CUDA
+// The user's side of the gather test: the primary context (the runtime API's), the user's own stream
+// and kernel (pipeline_kernels.cu), launched with cuLaunchKernel -- never through ferry.
+struct user_gather {
+  const cuda::driver_api& api;
+  CUdevice dev = 0;
+  CUcontext ctx = nullptr;
+  CUmodule mod = nullptr;
+  CUfunction gather = nullptr;
+  CUstream s = nullptr;
+  unsigned blocks = 0;
+  void check(CUresult r, const char* what) const { cuda::check(r, "bench vm", what); }
+  user_gather(const cuda::driver_api& a, int ordinal) : api(a) {
+    check(api.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
+    check(api.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+    check(api.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+    check(api.cuModuleLoadData(&mod, ferry::detail::ferry_bench_kernels), "cuModuleLoadData");
+    check(api.cuModuleGetFunction(&gather, mod, "bench_gather"), "cuModuleGetFunction");
+    check(api.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    int sms = 0;
+    check(api.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
+    blocks = static_cast<unsigned>(sms * 8);
+  }
+  ~user_gather() {
+    if (s) api.cuStreamSynchronize(s), api.cuStreamDestroy(s);
+    if (mod) api.cuModuleUnload(mod);
+    api.cuDevicePrimaryCtxRelease(dev);
+  }
+  void run(const void* src, std::uint64_t src_bytes, void* out, std::uint64_t out_bytes, unsigned seed) {
+    unsigned long long words = src_bytes / 4, n = out_bytes / 4;
+    void* args[] = {const_cast<void**>(&src), &words, &out, &n, &seed};
+    check(api.cuLaunchKernel(gather, blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr), "cuLaunchKernel");
+    check(api.cuStreamSynchronize(s), "cuStreamSynchronize");
+  }
+};
+#endif
+
 // Where one test's time went in the address space (deltas since `last`, which is advanced).
 void print_phase(const char* what, vm::space_timings& last, const vm::space_timings& now) {
   auto ms = [](std::uint64_t a, std::uint64_t b) { return static_cast<double>(b - a) / 1e6; };
@@ -499,6 +563,143 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   }
   rows.push_back(cpu_first);
   rows.push_back(gpu_first);
+
+  // ---- the CPU fills, then PREFETCH to the GPU (returns off: the PREFETCH moves every page); the
+  // CPU reads all of host-resident data it has touched before, next to the same read of malloc
+  // memory. ----
+  row fill_prefetch{"prefetch to GPU after a CPU fill", "UVM cudaMemPrefetchAsync", {}, {}, 1.05};
+  row cpu_read{"CPU reads all of touched host-resident data", "malloc memory", {}, {}, 0.9};
+  if (uvm) {
+    void* u = nullptr;
+    cr.check(cr.malloc_managed(&u, n, 1), "cudaMallocManaged");
+    for (int r = 0; r < o.rounds; ++r) {
+      init_words(u, n, 9 + static_cast<unsigned>(r));
+      fill_prefetch.base.push_back(gbps(n, timed([&] {
+        cr.check(cr.prefetch(u, n, {1, ordinal}, 0, nullptr), "cudaMemPrefetchAsync");
+        cr.check(cr.sync(), "cudaDeviceSynchronize");
+      })));
+    }
+    cr.check(cr.free_(u), "cudaFree(managed)");
+  }
+  {
+    std::vector<std::uint64_t> m(n / 8);
+    init_words(m.data(), n, 3);
+    const std::uint64_t want = sum_words(m.data(), n);
+    for (int r = 0; r < o.rounds; ++r) {
+      std::uint64_t got = 0;
+      cpu_read.base.push_back(gbps(n, timed([&] { got = sum_words(m.data(), n); })));
+      check_sum("malloc read", got, want);
+    }
+  }
+  {
+    auto so = vm::space_options::from(rt.config());
+    so.return_at_launch = false;
+    so.return_quiet = {};
+    vm::address_space as(dev, n, so);
+    as.attach_stream(*st);
+    auto* b = as.alloc(n);
+    for (int r = 0; r < o.rounds; ++r) {
+      init_words(b, n, 9 + static_cast<unsigned>(r));
+      fill_prefetch.ferry.push_back(gbps(n, timed([&] { as.advise(b, n, vm::advice::prefetch, memory_kind::device); })));
+    }
+    init_words(b, n, 3);
+    const std::uint64_t want = sum_words(b, n);  // the first touch: the CPU has its mappings now
+    for (int r = 0; r < o.rounds; ++r) {
+      std::uint64_t got = 0;
+      cpu_read.ferry.push_back(gbps(n, timed([&] { got = sum_words(b, n); })));
+      check_sum("ferry host-resident read", got, want);
+    }
+    as.detach_stream(*st);
+  }
+  rows.push_back(fill_prefetch);
+  rows.push_back(cpu_read);
+
+#ifdef FERRY_HAVE_CUDA
+  // ---- a program written for managed memory, no hints: the CPU initializes its data, then the
+  // user's random-gather kernel runs on the user's stream (cuLaunchKernel). End to end (init + the
+  // first kernel) against UVM; later runs of the kernel against the same program on cudaMalloc
+  // memory (an explicit copy in). ferry with its default policy: the CPU's faults take the pages to
+  // the host, the launch takes them back (launch callbacks). ----
+  if (cuda) {
+    const cuda::driver_status& drv = cuda::load(rt.config().cuda_driver);
+    user_gather ug(*drv.api, ordinal);
+    const std::uint64_t out_bytes = std::min<std::uint64_t>(256ull << 20, n / 4);
+    const unsigned gseed = 17, iseed = 5;
+    std::uint64_t want = 0;
+    for (std::uint64_t i = 0; i < out_bytes / 4; ++i)
+      want += static_cast<unsigned>((static_cast<unsigned>(word_at(i, gseed) % (n / 4)) ^ iseed) + static_cast<unsigned>(i));
+    auto out_sum = [&](const void* res) {
+      auto* w = static_cast<const unsigned*>(res);
+      std::uint64_t s = 0;
+      for (std::uint64_t i = 0; i < out_bytes / 4; ++i) s += w[i];
+      return s;
+    };
+    row e2e{"CPU init + first random gather, no hints", "UVM cudaMallocManaged", {}, {}, 1.0};
+    row later{"random gather, later runs, no hints", "cudaMalloc", {}, {}, 1.0 / 1.1};
+    row later_uvm{"random gather, later runs, no hints", "UVM cudaMallocManaged", {}, {}, 0};
+    if (uvm) {
+      for (int r = 0; r < o.rounds; ++r) {
+        void *src = nullptr, *res = nullptr;
+        cr.check(cr.malloc_managed(&src, n, 1), "cudaMallocManaged");
+        cr.check(cr.malloc_managed(&res, out_bytes, 1), "cudaMallocManaged");
+        e2e.base.push_back(gbps(n, timed([&] {
+          init_words(src, n, iseed);
+          ug.run(src, n, res, out_bytes, gseed);
+        })));
+        later_uvm.base.push_back(gbps(out_bytes, timed([&] { ug.run(src, n, res, out_bytes, gseed); })));
+        check_sum("UVM gather", out_sum(res), want);
+        cr.check(cr.free_(src), "cudaFree(managed)");
+        cr.check(cr.free_(res), "cudaFree(managed)");
+      }
+    }
+    if (cr.ok()) {
+      void *src = nullptr, *res = nullptr;
+      cr.check(cr.set_device(ordinal), "cudaSetDevice");
+      cr.check(cr.malloc_(&src, n), "cudaMalloc");
+      cr.check(cr.malloc_(&res, out_bytes), "cudaMalloc");
+      {
+        std::vector<std::uint64_t> h(n / 8);
+        init_words(h.data(), n, iseed);
+        cr.check(cr.memcpy_(src, h.data(), n, cudart::default_kind), "cudaMemcpy");
+      }
+      for (int r = 0; r < o.rounds; ++r) later.base.push_back(gbps(out_bytes, timed([&] { ug.run(src, n, res, out_bytes, gseed); })));
+      std::vector<unsigned> back(out_bytes / 4);
+      cr.check(cr.memcpy_(back.data(), res, out_bytes, cudart::default_kind), "cudaMemcpy");
+      check_sum("cudaMalloc gather", out_sum(back.data()), want);
+      cr.check(cr.free_(src), "cudaFree");
+      cr.check(cr.free_(res), "cudaFree");
+    }
+    {
+      auto so = vm::space_options::from(rt.config());
+      vm::address_space as(dev, n + out_bytes, so);
+      auto view = dev.wrap_stream(native_stream{reinterpret_cast<std::uintptr_t>(ug.s)});
+      as.attach_stream(*view);
+      if (!as.returns_pages()) fmt::print("ferry: no launch callbacks here: pages the CPU wrote stay on the host\n");
+      vm::vm_stats before = as.stats();
+      for (int r = 0; r < o.rounds; ++r) {
+        void* src = as.alloc(n);
+        void* res = as.alloc(out_bytes);
+        e2e.ferry.push_back(gbps(n, timed([&] {
+          init_words(src, n, iseed);
+          ug.run(src, n, res, out_bytes, gseed);
+        })));
+        double t = timed([&] { ug.run(src, n, res, out_bytes, gseed); });
+        later_uvm.ferry.push_back(gbps(out_bytes, t));
+        later.ferry.push_back(gbps(out_bytes, t));
+        check_sum("ferry gather", out_sum(res), want);
+        as.free(src);
+        as.free(res);
+      }
+      vm::vm_stats after = as.stats();
+      fmt::print("ferry gather: {} pages returned to the device before launches, {} held on the host, {} CPU faults\n",
+                 after.returns - before.returns, after.return_holds - before.return_holds, as.cpu_faults());
+      as.detach_stream(*view);
+    }
+    rows.push_back(e2e);
+    rows.push_back(later);
+    rows.push_back(later_uvm);
+  }
+#endif
 
   // ---- two devices: pages moved GPU to GPU (a space over both) vs UVM's prefetch between them ----
   device* peer = nullptr;
