@@ -226,6 +226,10 @@ struct address_space::impl final : page_mover, launch_observer {
   // return holds it exclusive, so no kernel is launched while it switches mappings.
   bool watching = false;
   std::shared_timed_mutex gate;
+  // Fault-ahead stops at a launch: the CPU is done for now, and pages moved ahead after it would
+  // leave the device just when a kernel wants them. A launch waits for the batch under way (ahead_mu).
+  std::atomic<std::uint64_t> launches{0};
+  std::timed_mutex ahead_mu;
   std::thread service;
   std::unique_ptr<unified_client> client;
   struct {
@@ -661,6 +665,8 @@ struct address_space::impl final : page_mover, launch_observer {
       ungated.push_back(this);
       return;
     }
+    launches++;
+    if (ahead_mu.try_lock_for(o.deadline)) ahead_mu.unlock();
     if (!o.return_at_launch || table->cpu_taken() == 0) return;
     try {
       table->return_taken(std::chrono::nanoseconds::zero(), npages, o.batch);
@@ -705,12 +711,17 @@ struct address_space::impl final : page_mover, launch_observer {
     // The window grows while the faults come in sequence (each one inside the last window): a
     // sequential reader or writer then faults once per window, the window doubling up to 8 times
     // fault_ahead; a fault elsewhere starts over.
-    std::uint64_t window = o.fault_ahead, last = ~0ull;
+    std::uint64_t window = o.fault_ahead, last = ~0ull, epoch = 0;
     while (!stop) {
       pollfd pf{pipe_rd, POLLIN, 0};
       int n = ::poll(&pf, 1, more || ahead < ahead_end ? 0 : 50);
       if (n <= 0) {
         if (ahead < ahead_end) {
+          std::unique_lock l(ahead_mu);
+          if (launches.load() != epoch) {  // a kernel was launched since the fault: no more moves to the host
+            ahead = ahead_end;
+            continue;
+          }
           std::uint64_t e = std::min(ahead_end, ahead + o.batch);
           try {
             table->move_ahead(ahead, e, host, o.batch);
@@ -740,6 +751,7 @@ struct address_space::impl final : page_mover, launch_observer {
         bool in_sequence = last != ~0ull && pg > last && pg <= ahead_end;
         window = in_sequence ? std::min(window * 2, o.fault_ahead * 8) : o.fault_ahead;
         last = pg;
+        epoch = launches.load();
         ahead = pg + 1;
         ahead_end = allocation_end(pg, window);
       } catch (const std::exception& e) {
