@@ -250,7 +250,7 @@ const setting_def table[] = {
   {"FERRY_SERVE_MAX_UNAUTHENTICATED", "Connections of `ferry serve` still in their handshake at once; past it the oldest is closed, so connections that never speak cannot lock out a client that does.",
    [](settings& s, std::string_view v) { s.serve_max_unauthenticated = static_cast<int>(parse_int(v, 1, 1 << 20)); },
    [](const settings& s) { return std::to_string(s.serve_max_unauthenticated); }},
-  {"FERRY_SERVE_HANDSHAKE_TIMEOUT", "A connection to `ferry serve` that has not completed its handshake (hello, and the secret when one is required) within this time is closed; a client waits at most this long for the answer to its hello.",
+  {"FERRY_SERVE_HANDSHAKE_TIMEOUT", "A connection to `ferry serve` that has not completed its handshake (hello, and the secret when one is required) within this time is closed.",
    [](settings& s, std::string_view v) { s.serve_handshake_timeout = parse_duration_in(v, std::chrono::milliseconds(10), std::chrono::hours(1)); },
    [](const settings& s) { return format_duration(s.serve_handshake_timeout); }},
   {"FERRY_SERVE_IDLE_TIMEOUT", "A connection to `ferry serve` with no request in flight and none received for this long is closed (clients reconnect on their next request).",

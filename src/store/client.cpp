@@ -550,7 +550,6 @@ std::string read_secret_file(const std::string& path) {
 client_options client_options_from(const settings& s, registration_cache* cache, transfer_engine* engine) {
   client_options o;
   o.timeout = s.deadline;
-  o.handshake = s.serve_handshake_timeout;
   if (!s.secret_file.empty()) o.secret = read_secret_file(s.secret_file);
   o.cache = cache;
   o.engine = engine;

@@ -217,10 +217,7 @@ void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until)
       ln.c = cn;
     }
     try {
-      // A connection that is never answered (a server that died while it was being reached) ends at
-      // the handshake bound, not at the request's deadline.
-      r = request({0, 0, hello{1, 1, 64, nonce, static_cast<std::uint16_t>(lanes.size())}},
-                  std::min(until, clk::now() + std::chrono::duration_cast<clk::duration>(o.handshake)), false, &ln);
+      r = request({0, 0, hello{1, 1, 64, nonce, static_cast<std::uint16_t>(lanes.size())}}, until, false, &ln);
       break;
     } catch (const error& e) {
       auto pause = std::chrono::milliseconds(10 << attempt);

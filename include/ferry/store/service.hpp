@@ -108,9 +108,6 @@ FERRY_API std::string read_secret_file(const std::string& path);
 struct client_options {
   std::chrono::nanoseconds timeout = std::chrono::seconds(30);  // connection + handshake
   std::string secret;  // the shared secret, when the server requires one
-  // The most a connection waits for the server's answer to its hello (FERRY_SERVE_HANDSHAKE_TIMEOUT:
-  // a server closes a connection that has not completed its handshake by then anyway).
-  std::chrono::nanoseconds handshake = settings::defaults().serve_handshake_timeout;
   // For GPU/sim memory: how to tell memory kinds apart and move staged pieces on. Without them every
   // pointer is taken for host memory.
   registration_cache* cache = nullptr;
