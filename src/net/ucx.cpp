@@ -853,8 +853,9 @@ std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
                                  std::function<void(std::shared_ptr<connection>)> accepted,
                                  std::function<bool(const std::string&)> admit) {
   sockaddr_storage ss = make_addr(host, port);
+  // The work owns what it uses: it may run after call() gave up waiting for it.
   return call(
-      [&]() -> std::uint16_t {
+      [this, ss, host, port, accepted = std::move(accepted), admit = std::move(admit)]() mutable -> std::uint16_t {
         accepted_ = std::move(accepted);
         admit_ = std::move(admit);
         ucp_listener_params_t lp{};
@@ -877,22 +878,31 @@ std::shared_ptr<connection> ucx_worker::connect(const std::string& host, std::ui
                                                 std::chrono::steady_clock::time_point until) {
   sockaddr_storage ss = make_addr(host, port);
   auto c = std::make_shared<connection>(*this, fmt::format("{}:{}", host, port));
-  return call(
-      [&]() -> std::shared_ptr<connection> {
-        ucp_ep_params_t p{};
-        p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
-                       UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-        p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-        p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-        p.sockaddr.addrlen = ss.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
-        p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-        p.err_handler.cb = ep_error_cb;
-        p.err_handler.arg = c.get();
-        ucp_ep_h ep = nullptr;
-        check(ucp_ep_create(worker_, &p, &ep), "net.connect", c->peer());
-        return adopt(ep, c);
-      },
-      until);
+  // The work owns what it uses: it may run after call() gave up waiting for it (the caller's
+  // deadline passed while the progress thread was busy); then it makes no endpoint.
+  auto gave_up = std::make_shared<std::atomic<bool>>(false);
+  try {
+    return call(
+        [this, ss, c, gave_up]() -> std::shared_ptr<connection> {
+          if (gave_up->load()) fail(errc::timeout, "net.connect", c->peer(), "the caller stopped waiting");
+          ucp_ep_params_t p{};
+          p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                         UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+          p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+          p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+          p.sockaddr.addrlen = ss.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+          p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+          p.err_handler.cb = ep_error_cb;
+          p.err_handler.arg = c.get();
+          ucp_ep_h ep = nullptr;
+          check(ucp_ep_create(worker_, &p, &ep), "net.connect", c->peer());
+          return adopt(ep, c);
+        },
+        until);
+  } catch (...) {
+    gave_up->store(true);
+    throw;
+  }
 }
 
 ucs_status_t ucx_worker::am_frame_cb(void* arg, const void*, size_t, void* data, size_t length, const ucp_am_recv_param_t* param) {

@@ -401,3 +401,21 @@ TEST(StoreHardening, FailedAuthenticationsCloseTheConnectionThenRefuseTheAddress
 }
 
 }  // namespace
+
+// A connect whose deadline passes before the progress thread gets to it ends with a timeout; the
+// work it posted runs later without touching the caller's (gone) stack and makes no endpoint.
+TEST(StoreHardening, AConnectThatTimesOutLeavesNothingBehind) {
+  served s(store::server_options{});
+  ucx_worker w("late");
+  for (int i = 0; i < 50; ++i) {
+    try {
+      w.connect("127.0.0.1", s.srv->port(), clk::now() - std::chrono::seconds(1));
+    } catch (const error& e) {
+      EXPECT_EQ(e.code(), errc::timeout) << e.what();
+    }
+    std::vector<char> scribble(4096, static_cast<char>(i));  // reuses the stack the posted work once pointed into
+    EXPECT_EQ(scribble[100], static_cast<char>(i));
+  }
+  auto c = w.connect("127.0.0.1", s.srv->port(), clk::now() + std::chrono::seconds(10));
+  EXPECT_TRUE(c != nullptr);
+}
