@@ -83,6 +83,33 @@ TEST(VmSpace, CpuFaultsFromEightThreadsMoveTheirPagesBothWays) {
   EXPECT_EQ(s.populated, 16u);  // by alloc, on the device
 }
 
+// CPU first touch of fresh memory from 8 threads at once, each writing its own stretch, with the
+// default fault-ahead: faults of other threads arrive while pages move ahead behind one thread.
+// Every page ends on the host with the bytes its thread wrote, readable without another fault.
+TEST(VmSpace, EightThreadsFirstTouchFreshMemoryWhilePagesMoveAhead) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as(dev, 80 * (64 << 10), placed());
+  const std::size_t pg = as.page_bytes(), per = 8 * pg;
+  auto* p = static_cast<std::byte*>(as.alloc(8 * per));
+  ASSERT_EQ(as.resident(dev), 64u) << "fresh pages start on the device";
+  std::vector<std::uint64_t> want(8);
+  std::vector<std::thread> th;
+  for (int t = 0; t < 8; ++t)
+    th.emplace_back([&, t] {
+      fill(p + static_cast<std::size_t>(t) * per, per, 500 + static_cast<std::uint64_t>(t));
+      want[static_cast<std::size_t>(t)] = sum(p + static_cast<std::size_t>(t) * per, per);
+    });
+  for (auto& x : th) x.join();
+  auto settled = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (as.resident(dev) != 0 && std::chrono::steady_clock::now() < settled) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(as.resident(dev), 0u);
+  const std::uint64_t faults = as.cpu_faults();
+  for (std::size_t t = 0; t < 8; ++t) EXPECT_EQ(sum(p + t * per, per), want[t]) << "thread " << t << "'s stretch";
+  EXPECT_EQ(as.cpu_faults(), faults) << "every page is the CPU's";
+  EXPECT_EQ(as.stats().migrations_d2h, 64u) << "each page moved once";
+}
+
 // A forked child that touches unified memory (a host-resident page, a device-resident one) ends at
 // once with SIGSEGV and a message naming why; it never reaches the parent's service thread, and the
 // parent's pages and faults are unaffected.
@@ -185,6 +212,26 @@ TEST(VmSpace, QuietPagesGoBackInTheBackgroundAndAPageKeptInUseStays) {
   as.detach_stream(*st);
   EXPECT_EQ(sum(p + pg, n - pg), sum(p + pg, n - pg));
   EXPECT_EQ(sum(p, n), want) << "the CPU's view after the moves";
+}
+
+// A CPU fault that cannot be served within the space's deadline (its page is pinned by a transfer
+// that never ends, so it cannot move to the host) ends the process with a message naming the
+// address and why -- never a silent hang.
+TEST(VmSpaceDeathTest, AFaultThatCannotBeServedInTimeEndsWithAMessage) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        runtime rt(sim_cfg());
+        device& dev = rt.devices().get("sim:0");
+        vm::space_options o = placed();
+        o.deadline = std::chrono::milliseconds(300);
+        vm::address_space as(dev, 4 * (64 << 10), o);
+        auto* p = static_cast<volatile std::byte*>(as.alloc(64 << 10));  // on the device
+        as.pages().pin(0);                                                // a transfer holds it there
+        [[maybe_unused]] std::byte b = p[0];                              // the CPU's read must move it
+      },
+      "CPU fault at 0x[0-9a-f]+ \\(page 0, read\\) failed: .*pinned by a transfer past the deadline(.|\n)*"
+      "fault could not be resolved");
 }
 
 // A device writes memory fresh from alloc before the CPU or a PREFETCH touched it (a kernel's first
