@@ -1,0 +1,139 @@
+// The request ring of the gpu layer (include/ferry/gpu/ring.hpp) on the CPU: host threads stand in
+// for warps, one thread for the proxy. The same header is compiled into kernels.
+#include <ferry/gpu/ring.hpp>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+using namespace ferry;
+
+namespace {
+
+struct ring {
+  std::vector<gpu::slot> slots;
+  std::uint64_t tail = 0;
+  explicit ring(std::uint32_t capacity) : slots(capacity) { gpu::init(slots.data(), capacity); }
+  gpu::ring_view view() { return {slots.data(), &tail, static_cast<std::uint32_t>(slots.size())}; }
+};
+
+// A request that carries its own check: every field derived from (thread, i).
+gpu::request make(std::uint32_t thread, std::uint64_t i, std::uint32_t* done) {
+  gpu::request r;
+  r.offset = (static_cast<std::uint64_t>(thread) << 40) | i;
+  r.bytes = i * 7 + thread;
+  r.addr = ~r.offset;
+  r.done = reinterpret_cast<std::uint64_t>(done);
+  r.source = thread;
+  r.kind = i % 2 ? gpu::op::write : gpu::op::read;
+  return r;
+}
+bool intact(const gpu::request& r) {
+  std::uint32_t thread = r.source;
+  std::uint64_t i = r.offset & ((1ull << 40) - 1);
+  return (r.offset >> 40) == thread && r.bytes == i * 7 + thread && r.addr == ~r.offset &&
+         r.kind == (i % 2 ? gpu::op::write : gpu::op::read);
+}
+
+constexpr std::uint64_t second = 1'000'000'000;
+
+}  // namespace
+
+// 8 requesters, 20,000 requests each, through a ring of 64 slots (full most of the time): the proxy
+// takes every request once, intact, in ticket order, and every requester gets its own answers.
+TEST(GpuRing, EightRequestersAndAProxyLoseAndMixNothing) {
+  ring q(64);
+  auto v = q.view();
+  constexpr int threads = 8;
+  constexpr std::uint64_t each = 20000;
+  std::atomic<bool> stop{false};
+  std::vector<std::uint64_t> seen(threads, 0);
+  std::uint64_t bad = 0, taken = 0;
+  std::thread proxy([&] {
+    std::uint64_t head = 0;
+    gpu::request r;
+    while (taken < threads * each && !stop) {
+      if (!gpu::take(v, head, r)) {
+        std::this_thread::yield();
+        continue;
+      }
+      ++taken;
+      if (!intact(r)) {
+        ++bad;
+        continue;
+      }
+      seen[r.source]++;
+      std::atomic_ref<std::uint32_t>(*reinterpret_cast<std::uint32_t*>(r.done))
+          .store(gpu::answer(head - 1, gpu::status::ok), std::memory_order_release);
+    }
+  });
+  std::vector<std::thread> ts;
+  std::atomic<std::uint64_t> unanswered{0}, refused{0};
+  for (std::uint32_t t = 0; t < threads; ++t)
+    ts.emplace_back([&, t] {
+      std::uint32_t done = 0;  // one word per requester, reused by every request
+      for (std::uint64_t i = 0; i < each; ++i) {
+        std::uint64_t ticket = gpu::submit(v, make(t, i, &done), 10 * second);
+        if (ticket == gpu::no_ticket) {
+          refused++;
+          continue;
+        }
+        if (gpu::wait(&done, ticket, 10 * second) != gpu::status::ok) unanswered++;
+      }
+    });
+  for (auto& x : ts) x.join();
+  stop = true;
+  proxy.join();
+  EXPECT_EQ(refused.load(), 0u);
+  EXPECT_EQ(unanswered.load(), 0u);
+  EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(taken, threads * each);
+  for (int t = 0; t < threads; ++t) EXPECT_EQ(seen[static_cast<std::size_t>(t)], each) << "requester " << t;
+  EXPECT_EQ(q.tail, threads * each);
+}
+
+// A full ring and no proxy: submit gives up after its wait and takes nothing; once the proxy drains
+// the ring, submits go through again with the next tickets.
+TEST(GpuRing, AFullRingRefusesWithinTheWaitAndTakesNothing) {
+  ring q(4);
+  auto v = q.view();
+  std::uint32_t done = 0;
+  for (std::uint64_t i = 0; i < 4; ++i) EXPECT_EQ(gpu::submit(v, make(1, i, &done), second), i);
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(gpu::submit(v, make(1, 4, &done), 50'000'000), gpu::no_ticket);
+  auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, std::chrono::milliseconds(50));
+  EXPECT_LT(took, std::chrono::seconds(5));
+  EXPECT_EQ(q.tail, 4u) << "the refused request holds no ticket";
+  std::uint64_t head = 0;
+  gpu::request r;
+  for (std::uint64_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(gpu::take(v, head, r));
+    EXPECT_TRUE(intact(r));
+    EXPECT_EQ(r.offset & 0xffff, i) << "in ticket order";
+  }
+  EXPECT_FALSE(gpu::take(v, head, r)) << "nothing else was put in";
+  EXPECT_EQ(gpu::submit(v, make(1, 5, &done), second), 4u);
+  ASSERT_TRUE(gpu::take(v, head, r));
+  EXPECT_EQ(r.offset & 0xffff, 5u);
+}
+
+// A request nobody answers: the requester's wait ends at its deadline. The late answer, arriving
+// after the word was reused for the next request, is not taken for that request's.
+TEST(GpuRing, AnUnansweredRequestTimesOutAndALateAnswerIsNotTakenForTheNext) {
+  ring q(8);
+  auto v = q.view();
+  std::uint32_t done = 0;
+  std::uint64_t first = gpu::submit(v, make(2, 0, &done), second);
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(gpu::wait(&done, first, 30'000'000), gpu::status::timed_out);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(30));
+  std::uint64_t second_ticket = gpu::submit(v, make(2, 1, &done), second);
+  std::atomic_ref<std::uint32_t>(done).store(gpu::answer(first, gpu::status::failed));  // the late answer
+  EXPECT_EQ(gpu::wait(&done, second_ticket, 30'000'000), gpu::status::timed_out);
+  std::atomic_ref<std::uint32_t>(done).store(gpu::answer(second_ticket, gpu::status::out_of_range));
+  EXPECT_EQ(gpu::wait(&done, second_ticket, second), gpu::status::out_of_range) << "the error reaches the requester";
+}
