@@ -53,8 +53,8 @@ function(ferry_embed_fatbin out_cpp cu_file symbol)
   endif()
   add_custom_command(
     OUTPUT ${fatbin}
-    COMMAND ${launcher} ${CMAKE_CUDA_COMPILER} --fatbin -O3 -std=c++17 ${gencode} -o ${fatbin} ${cu_file}
-    DEPENDS ${cu_file}
+    COMMAND ${launcher} ${CMAKE_CUDA_COMPILER} --fatbin -O3 -std=c++17 -I${PROJECT_SOURCE_DIR}/include ${gencode} -o ${fatbin} ${cu_file}
+    DEPENDS ${cu_file} ${PROJECT_SOURCE_DIR}/include/ferry/gpu/ring.hpp
     COMMENT "nvcc --fatbin ${cu_file}")
   add_custom_command(
     OUTPUT ${cpp}

@@ -332,12 +332,13 @@ std::uint64_t sum_words(const void* p, std::uint64_t bytes) {
   for (std::uint64_t i = 0; i < bytes / 8; ++i) s += w[i];
   return s;
 }
+
+#ifdef FERRY_HAVE_CUDA
+// The index the gather kernel computes for element i (pipeline_kernels.cu), to check its sum.
 unsigned word_at(std::uint64_t i, unsigned seed) {
   std::uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
   return static_cast<unsigned>(z ^ (z >> 29));
 }
-
-#ifdef FERRY_HAVE_CUDA
 // The user's side of the gather test: the primary context (the runtime API's), the user's own stream
 // and kernel (pipeline_kernels.cu), launched with cuLaunchKernel -- never through ferry.
 struct user_gather {

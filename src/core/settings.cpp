@@ -295,6 +295,13 @@ const setting_def table[] = {
   {"FERRY_VM_THRASH_HOLD", "How long a thrashing unified-memory page (FERRY_VM_THRASH_LAPSE) stays on the host before PREFETCH migrates it again.",
    [](settings& s, std::string_view v) { s.vm_thrash_hold = parse_duration_in(v, std::chrono::nanoseconds::zero(), std::chrono::hours(1)); },
    [](const settings& s) { return format_duration(s.vm_thrash_hold); }},
+  {"FERRY_GPU_RING_SLOTS", "Request slots of a GPU request ring (kernels' requests to ferry's host proxy): a power of two. A full ring makes requesters wait (up to their deadline) until the proxy has taken requests out.",
+   [](settings& s, std::string_view v) {
+     auto n = parse_int(v, 2, 1 << 20);
+     if (n & (n - 1)) throw bad_value{"not a power of two"};
+     s.gpu_ring_slots = static_cast<std::uint32_t>(n);
+   },
+   [](const settings& s) { return std::to_string(s.gpu_ring_slots); }},
   {"FERRY_VM_RETURN_AT_LAUNCH", "Pages of a unified address space that CPU faults took from a device go back to it (their PREFERRED_LOCATION, else the device they came from) before the next kernel launch on that device, so that kernels read them from device memory (needs launch callbacks: CUPTI with CUDA). Only with room on the device (never by eviction); pages the CPU keeps taking back stay on the host (FERRY_VM_RETURN_HOLD). 0 = off.",
    [](settings& s, std::string_view v) { s.vm_return_at_launch = parse_bool(v); },
    [](const settings& s) { return std::string(s.vm_return_at_launch ? "1" : "0"); }},

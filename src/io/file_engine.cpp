@@ -138,14 +138,14 @@ struct file_engine::impl {
     return *cufile_;
   }
   // cuFile for this job? (CUDA memory, backend not io_uring, and cuFile can serve the file)
-  bool use_cufile(const job& j) {
-    if (cfg.file_backend == file_backend_kind::io_uring || !j.dev || j.dev->info().backend != device_kind::cuda) return false;
+  bool use_cufile(const job& j) { return use_cufile(*j.r.f, j.dev, j.r.write ? "file.write" : "file.read"); }
+  bool use_cufile(file& f, const device* dev, const char* op) {
+    if (cfg.file_backend == file_backend_kind::io_uring || !dev || dev->info().backend != device_kind::cuda) return false;
     std::string why;
-    if (cufile().usable(*j.r.f, why)) return true;
-    if (cfg.file_backend == file_backend_kind::cufile)
-      fail(errc::not_supported, j.r.write ? "file.write" : "file.read", j.r.f->path(), "FERRY_FILE_BACKEND=cufile: " + why);
+    if (cufile().usable(f, why)) return true;
+    if (cfg.file_backend == file_backend_kind::cufile) fail(errc::not_supported, op, f.path(), "FERRY_FILE_BACKEND=cufile: " + why);
     std::lock_guard l(told_mu);
-    if (told.insert(j.r.f->path()).second) log::info("io", "{}: cuFile not used ({}); io_uring instead", j.r.f->path(), why);
+    if (told.insert(f.path()).second) log::info("io", "{}: cuFile not used ({}); io_uring instead", f.path(), why);
     return false;
   }
 
@@ -1068,6 +1068,8 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
   I.st.get("requests.stream_ordered").add(static_cast<std::uint64_t>(items));
   b->item_done();  // the hold taken above
 }
+
+void file_engine::prepare(file& f, const device& dev) { impl_->use_cufile(f, &dev, "file.prepare"); }
 
 file_backend_choice file_engine::backend_for(const std::string& path) {
   file_backend_choice c;

@@ -104,6 +104,8 @@ struct FERRY_API settings {
   int vm_fault_ahead = 8;                     // pages a CPU fault moves to host (the faulting one and the next)
   std::chrono::nanoseconds vm_thrash_lapse = std::chrono::seconds(1);  // evicted, prefetched back within: thrashing (0: off)
   std::chrono::nanoseconds vm_thrash_hold = std::chrono::seconds(1);   // a thrashing page stays on the host this long
+  // gpu
+  std::uint32_t gpu_ring_slots = 1024;  // request slots per GPU request ring (a power of two)
   // Pages the CPU took from a device go back: before kernel launches, and after this quiet time (0: only at launches).
   bool vm_return_at_launch = true;
   std::chrono::nanoseconds vm_return_quiet = std::chrono::milliseconds(200);

@@ -119,6 +119,10 @@ class FERRY_API file_engine {
   void write(file& f, std::uint64_t offset, const void* src, std::uint64_t bytes, bool fsync = false,
              transfer_options o = {});
 
+  // Settles now how requests for `f` into `dev`'s memory will be served (opens cuFile and registers
+  // the file when cuFile may serve it). Those first calls may wait for the device's running kernels: whoever
+  // serves requests while the device runs kernels that wait for them (gpu::proxy) prepares first.
+  void prepare(file& f, const device& dev);
   file_backend_choice backend_for(const std::string& path);
   ferry::stats& counters() noexcept;
 

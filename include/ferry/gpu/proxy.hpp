@@ -1,0 +1,69 @@
+#pragma once
+// The host side of GPU-initiated access: a proxy that drains a request ring (ring.hpp) on its own
+// thread and serves each request from its source -- a local file or a ferry:// file -- through the
+// file engine, straight into (or from) the requester's memory, then answers in the requester's word
+// (by a write-value on the proxy's stream when the requesters are kernels, after the data). Sources
+// fail as statuses in the kernel (the message stays here: errors()); every request has a deadline.
+// docs/design/gpu-access.md.
+#include <ferry/core/export.hpp>
+#include <ferry/core/settings.hpp>
+#include <ferry/device/device.hpp>
+#include <ferry/gpu/ring.hpp>
+#include <ferry/io/file.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ferry {
+class runtime;
+}
+
+namespace ferry::gpu {
+
+// Who fills the ring: kernels on the proxy's device (`tail` and the answers in device memory) or
+// host threads (in host memory: CPU requesters, and the tests).
+enum class requesters { device, host };
+
+struct FERRY_API proxy_options {
+  std::uint32_t slots = settings::defaults().gpu_ring_slots;  // a power of two
+  requesters by = requesters::device;
+  std::chrono::nanoseconds deadline = settings::defaults().deadline;  // per request
+  static proxy_options from(const settings& s);
+};
+
+struct proxy_stats {
+  std::uint64_t requests = 0;  // taken from the ring
+  std::uint64_t bytes = 0;     // moved by requests that succeeded
+  std::uint64_t failed = 0;    // answered with an error status
+};
+
+class FERRY_API proxy {
+ public:
+  // Starts serving at once. The device is where the requesters' kernels run (or, for host
+  // requesters, the device whose host memory holds the ring); both must outlive the proxy.
+  proxy(runtime& rt, device& dev, proxy_options o = {});
+  // Stops taking requests and waits (up to the deadline) for those under way; requests still in
+  // the ring get no answer (their waits end at their own deadlines).
+  ~proxy();
+  proxy(const proxy&) = delete;
+  proxy& operator=(const proxy&) = delete;
+
+  // A source requests name by the returned index; it stays open while the proxy lives. Add sources
+  // before launching the kernels that use them: settling how a source is served may wait for the
+  // device's running kernels (file_engine::prepare).
+  std::uint32_t add(std::shared_ptr<file> f);
+  // What requesters pass around (to a kernel by value): the ring's slots and tail.
+  ring_view view() const noexcept;
+  proxy_stats stats() const;
+  // Why failed requests failed (the requester sees only a status), the latest 64, oldest first.
+  std::vector<std::string> errors() const;
+
+  struct impl;
+
+ private:
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace ferry::gpu
