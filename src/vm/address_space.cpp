@@ -224,7 +224,7 @@ struct address_space::impl final : page_mover, launch_observer {
   std::atomic<std::uint64_t> cpu_faults{0};
   // Return of taken pages: launches hold `gate` shared from before to after their call; a background
   // return holds it exclusive, so no kernel is launched while it switches mappings.
-  bool watching = false;
+  std::atomic<bool> watching{false};  // read by the service thread, which starts before it is settled
   std::shared_timed_mutex gate;
   // Fault-ahead stops at a launch: the CPU is done for now, and pages moved ahead after it would
   // leave the device just when a kernel wants them. A launch waits for the batch under way (ahead_mu).
@@ -331,9 +331,10 @@ struct address_space::impl final : page_mover, launch_observer {
     }
     if (o.return_at_launch || o.return_quiet.count() > 0) {
       std::string why;
-      watching = true;
-      for (auto* d : devs) watching = watching && d->watch_launches(*this, why);
-      if (!watching) {
+      bool all = true;
+      for (auto* d : devs) all = all && d->watch_launches(*this, why);
+      watching = all;
+      if (!all) {
         for (auto* d : devs) d->unwatch_launches(*this);
         log::info("vm", "{}: pages the CPU takes from the device stay on the host until a hint moves them: {}", dev.id(), why);
       }
@@ -746,12 +747,14 @@ struct address_space::impl final : page_mover, launch_observer {
       int result = 1;
       std::uint64_t pg = (r->addr - shared.address()) / page;
       try {
+        // Read before the fault is served: a launch while it is served stops the moves ahead too.
+        const std::uint64_t launches_before = launches.load();
         table->fault_range(pg, pg + 1, host, r->write, o.batch, o.deadline, [&] { grant_cpu(pg); });
         cpu_faults++;
         bool in_sequence = last != ~0ull && pg > last && pg <= ahead_end;
         window = in_sequence ? std::min(window * 2, o.fault_ahead * 8) : o.fault_ahead;
         last = pg;
-        epoch = launches.load();
+        epoch = launches_before;
         ahead = pg + 1;
         ahead_end = allocation_end(pg, window);
       } catch (const std::exception& e) {

@@ -183,6 +183,7 @@ TEST(VmSpace, QuietPagesGoBackInTheBackgroundAndAPageKeptInUseStays) {
   o.return_at_launch = false;
   o.return_quiet = std::chrono::milliseconds(50);
   o.return_hold = std::chrono::seconds(30);
+  o.fault_ahead = 1;  // page 0's faults must not pull its quiet neighbours back to the host
   vm::address_space as(dev, 16 * (64 << 10), o);
   const std::size_t pg = as.page_bytes(), n = 8 * pg;
   auto* p = static_cast<std::byte*>(as.alloc(n));
@@ -210,7 +211,6 @@ TEST(VmSpace, QuietPagesGoBackInTheBackgroundAndAPageKeptInUseStays) {
   st->synchronize();
   EXPECT_EQ(got, want);
   as.detach_stream(*st);
-  EXPECT_EQ(sum(p + pg, n - pg), sum(p + pg, n - pg));
   EXPECT_EQ(sum(p, n), want) << "the CPU's view after the moves";
 }
 
