@@ -900,7 +900,10 @@ std::shared_ptr<connection> ucx_worker::connect(const std::string& host, std::ui
         },
         until);
   } catch (...) {
+    // The work may be running now and make an endpoint no one holds: a close posted after it (the
+    // progress thread runs posted work in order) ends whatever it made.
     gave_up->store(true);
+    c->close();
     throw;
   }
 }

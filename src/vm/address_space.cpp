@@ -230,6 +230,9 @@ struct address_space::impl final : page_mover, launch_observer {
   // leave the device just when a kernel wants them. A launch waits for the batch under way (ahead_mu).
   std::atomic<std::uint64_t> launches{0};
   std::timed_mutex ahead_mu;
+  // Launches return pages one at a time: a launch that met a page another launch is moving would
+  // skip it and go ahead while that page's mapping is being switched.
+  std::timed_mutex return_mu;
   std::thread service;
   std::unique_ptr<unified_client> client;
   struct {
@@ -668,7 +671,14 @@ struct address_space::impl final : page_mover, launch_observer {
     }
     launches++;
     if (ahead_mu.try_lock_for(o.deadline)) ahead_mu.unlock();
-    if (!o.return_at_launch || table->cpu_taken() == 0) return;
+    if (!o.return_at_launch) return;
+    std::unique_lock r(return_mu, std::defer_lock);
+    if (!r.try_lock_for(o.deadline)) {
+      log::error("vm", "{}: a launch waited {} ms for another launch's return of pages; it goes ahead", dev.id(),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline).count());
+      return;
+    }
+    if (table->cpu_taken() == 0) return;
     try {
       table->return_taken(std::chrono::nanoseconds::zero(), npages, o.batch);
     } catch (const std::exception& e) {
