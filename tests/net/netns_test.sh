@@ -9,7 +9,7 @@
 #   link in the same run, checksums verified. The ratio is a benchmark figure, printed; it fails
 #   the step only when NETNS_MIN_RATIO is set (e.g. 0.8: `NETNS_MIN_RATIO=0.8 tests/net/netns_test.sh
 #   build/tools/ferry/ferry`), never in CI, where the machine's load decides it.
-# Exit 77 (skipped) without root or iproute2.
+# Exit 77 (skipped) without root or iproute2, or where namespaces cannot be made or entered.
 set -u
 FERRY=${1:?usage: netns_test.sh path/to/ferry}
 if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
@@ -26,6 +26,8 @@ cleanup() {
 }
 trap cleanup EXIT
 ip netns add "$S" && ip netns add "$C" || { echo "SKIPPED: cannot create network namespaces here"; exit 77; }
+# `ip netns exec` needs / to be a mount point (not so in a plain chroot).
+if ! why=$(ip netns exec "$S" true 2>&1); then echo "SKIPPED: cannot run in a network namespace here: $why"; exit 77; fi
 ip link add "vs$n" type veth peer name "vc$n"
 ip link set "vs$n" netns "$S"; ip link set "vc$n" netns "$C"
 ip -n "$S" addr add "$SRV/24" dev "vs$n"; ip -n "$C" addr add "10.250.$n.2/24" dev "vc$n"
