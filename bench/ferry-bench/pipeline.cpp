@@ -13,7 +13,7 @@
 // of the word's index), then computes for a set time, chosen so that all kernels together take as long
 // as the reads (--kernel-ratio): the case where overlap matters most.
 #include "bench.hpp"
-
+#include "kernels.hpp"
 #include "mem/cuda/driver.hpp"
 
 #include <ferry/core/units.hpp>
@@ -29,9 +29,6 @@
 #include <cstdio>
 #include <fstream>
 
-namespace ferry::detail {
-extern const unsigned char ferry_bench_kernels[];
-}
 
 namespace ferry::cli {
 namespace {
@@ -41,11 +38,6 @@ using clk = std::chrono::steady_clock;
 constexpr unsigned seed = 0x5eed;
 
 double secs_since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
-
-unsigned word_at(std::uint64_t i, unsigned s) {
-  std::uint64_t z = (i + s) * 0x9E3779B97F4A7C15ull;
-  return static_cast<unsigned>(z ^ (z >> 29));
-}
 
 // The user's side: the device's primary context (as the runtime API, torch and CuPy use), their
 // kernel, two streams of theirs and a few chunk buffers they reuse round-robin.

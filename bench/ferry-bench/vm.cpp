@@ -22,6 +22,7 @@
 #include "bench.hpp"
 #include "cudart.hpp"
 #ifdef FERRY_HAVE_CUDA
+#include "kernels.hpp"
 #include "mem/cuda/driver.hpp"
 #endif
 
@@ -40,11 +41,6 @@
 #include <functional>
 #include <thread>
 
-#ifdef FERRY_HAVE_CUDA
-namespace ferry::detail {
-extern const unsigned char ferry_bench_kernels[];
-}
-#endif
 
 namespace ferry::cli {
 namespace {
@@ -334,11 +330,6 @@ std::uint64_t sum_words(const void* p, std::uint64_t bytes) {
 }
 
 #ifdef FERRY_HAVE_CUDA
-// The index the gather kernel computes for element i (pipeline_kernels.cu), to check its sum.
-unsigned word_at(std::uint64_t i, unsigned seed) {
-  std::uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
-  return static_cast<unsigned>(z ^ (z >> 29));
-}
 // The user's side of the gather test: the primary context (the runtime API's), the user's own stream
 // and kernel (pipeline_kernels.cu), launched with cuLaunchKernel -- never through ferry.
 struct user_gather {
