@@ -54,7 +54,8 @@ function(ferry_embed_fatbin out_cpp cu_file symbol)
   add_custom_command(
     OUTPUT ${fatbin}
     COMMAND ${launcher} ${CMAKE_CUDA_COMPILER} --fatbin -O3 -std=c++17 -I${PROJECT_SOURCE_DIR}/include ${gencode} -o ${fatbin} ${cu_file}
-    DEPENDS ${cu_file} ${PROJECT_SOURCE_DIR}/include/ferry/gpu/ring.hpp
+    DEPENDS ${cu_file} ${PROJECT_SOURCE_DIR}/include/ferry/gpu/ring.hpp ${PROJECT_SOURCE_DIR}/include/ferry/gpu/page_cache.hpp
+            ${PROJECT_SOURCE_DIR}/include/ferry/gpu/array.hpp
     COMMENT "nvcc --fatbin ${cu_file}")
   add_custom_command(
     OUTPUT ${cpp}

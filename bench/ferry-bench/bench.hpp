@@ -71,6 +71,21 @@ struct bench_pipeline_options {
 // Needs a CUDA GPU (a user's kernel runs on every chunk); a build without CUDA says so.
 int run_bench_pipeline(runtime& rt, const bench_pipeline_options& o);
 
+struct bench_gather_options {
+  std::string path;            // a directory (the test file is created there) or a file path
+  std::string size = "4GiB";   // the dataset (a power of two)
+  std::string cache;           // ferry's GPU page cache (default: size / 4)
+  std::string page = "4KiB";   // its page, and the staged baseline's
+  std::uint64_t accesses = 1 << 20;  // elements each kernel gathers
+  std::uint64_t step = 1 << 16;      // accesses per step of the host-orchestrated baseline
+  std::string device;          // default: the default device
+  int rounds = 3;              // the median round is reported
+  std::string json_out;
+  bool keep = false;
+};
+// Needs a CUDA GPU; a build without CUDA says so.
+int run_bench_gather(runtime& rt, const bench_gather_options& o);
+
 // "ferry settings not at their defaults: FERRY_X=v ..." (or "ferry settings: all defaults"), so a
 // benchmark's output records the configuration it measured.
 std::string changed_settings(const settings& s);

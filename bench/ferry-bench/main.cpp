@@ -79,6 +79,20 @@ int main(int argc, char** argv) {
   bench_pipe->add_option("--json-out", bpipe.json_out, "Write the results as JSON here");
   bench_pipe->add_flag("--keep", bpipe.keep, "Keep the test file");
 
+  ferry::cli::bench_gather_options bgather;
+  auto* bench_gather = app.add_subcommand("gather", "A user's kernel gathers random elements of a dataset 4x its GPU cache: "
+                                                        "ferry's GPU page cache vs zero-copy host memory and host-orchestrated staging");
+  bench_gather->add_option("--path", bgather.path, "Directory (or file path) for the dataset file")->required();
+  bench_gather->add_option("--size", bgather.size, "Dataset size (a power of two)")->capture_default_str();
+  bench_gather->add_option("--cache", bgather.cache, "ferry's GPU page cache (default: size / 4)");
+  bench_gather->add_option("--page", bgather.page, "Page of the cache and of the staged baseline")->capture_default_str();
+  bench_gather->add_option("--accesses", bgather.accesses, "Elements each kernel gathers")->capture_default_str();
+  bench_gather->add_option("--step", bgather.step, "Accesses per step of the staged baseline")->capture_default_str();
+  bench_gather->add_option("--device", bgather.device, "Device (default: FERRY_BACKEND's choice)");
+  bench_gather->add_option("--rounds", bgather.rounds, "Rounds per row (the median is reported)")->capture_default_str();
+  bench_gather->add_option("--json-out", bgather.json_out, "Write the results as JSON here");
+  bench_gather->add_flag("--keep", bgather.keep, "Keep the dataset file");
+
   // The server `remote` measures, started as a child process of this program (not for users: hidden).
   ferry::cli::serve_options serve;
   auto* serve_cmd = app.add_subcommand("serve", "The server of `remote` (same code as `ferry serve`)")->group("");
@@ -99,6 +113,7 @@ int main(int argc, char** argv) {
     if (*bench_remote) return ferry::cli::run_bench_remote(rt, bremote);
     if (*bench_vm) return ferry::cli::run_bench_vm(rt, bvm);
     if (*bench_pipe) return ferry::cli::run_bench_pipeline(rt, bpipe);
+    if (*bench_gather) return ferry::cli::run_bench_gather(rt, bgather);
     if (*serve_cmd) return ferry::cli::run_serve(rt, serve);
   } catch (const ferry::error& e) {
     std::fprintf(stderr, "ferry-bench: error: %s\n", e.what());

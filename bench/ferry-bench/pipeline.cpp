@@ -107,20 +107,20 @@ struct user_side {
   }
 };
 
+}  // namespace
+
 // The file: words word_at(j, seed), written through ferry; then read once so the page cache holds it.
-void make_file(runtime& rt, const std::string& p, std::uint64_t bytes) {
+void write_word_file(runtime& rt, const std::string& p, std::uint64_t bytes, unsigned word_seed) {
   auto f = file::open(p, open_mode::create);
   const std::uint64_t piece = 64ull << 20;
   std::vector<unsigned> w(piece / 4);
   for (std::uint64_t off = 0; off < bytes; off += piece) {
     std::uint64_t n = std::min(piece, bytes - off);
-    for (std::uint64_t i = 0; i < n / 4; ++i) w[i] = word_at(off / 4 + i, seed);
+    for (std::uint64_t i = 0; i < n / 4; ++i) w[i] = word_at(off / 4 + i, word_seed);
     rt.files().write(*f, off, w.data(), n);
   }
   read_buffered(p, bytes);
 }
-
-}  // namespace
 
 int run_bench_pipeline(runtime& rt, const bench_pipeline_options& o) {
   const std::uint64_t bytes = parse_size(o.size, "--size");
@@ -148,7 +148,7 @@ int run_bench_pipeline(runtime& rt, const bench_pipeline_options& o) {
   say(fmt::format("ferry-bench pipeline: {} ({}) in {} chunks of {} -> {} ({}), {} buffers, {} round(s) per row", path,
                   format_size(bytes), nchunks, format_size(chunk), dev.id(), dev.info().name, o.buffers, o.rounds));
   auto t0 = clk::now();
-  make_file(rt, path, bytes);
+  write_word_file(rt, path, bytes, seed);
   say(fmt::format("  wrote the file and read it once into the page cache in {:.1f} s", secs_since(t0)));
   auto f = file::open(path, open_mode::read);
 

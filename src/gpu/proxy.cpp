@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <bit>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -18,6 +20,7 @@ namespace ferry::gpu {
 proxy_options proxy_options::from(const settings& s) {
   proxy_options o;
   o.slots = s.gpu_ring_slots;
+  o.batch = s.gpu_proxy_batch;
   o.deadline = s.deadline;
   return o;
 }
@@ -39,6 +42,9 @@ struct proxy::impl {
   std::deque<std::string> errs;                // mu
   proxy_stats s;                               // mu
   std::uint64_t in_flight = 0;                 // mu
+  std::uint64_t latency[64] = {};              // mu: requests by log2 of their latency in ns
+  std::atomic<std::uint64_t> busy_ns{0};
+  const std::chrono::steady_clock::time_point born = std::chrono::steady_clock::now();
   std::condition_variable idle;
   std::atomic<bool> stop{false};
   std::thread th;
@@ -46,8 +52,9 @@ struct proxy::impl {
   impl(runtime& r, device& d, proxy_options opt) : rt(r), dev(d), o(opt) {
     expects(o.slots >= 2 && (o.slots & (o.slots - 1)) == 0, "gpu.proxy", fmt::format("{} slots", o.slots),
             "a ring's slots must be a power of two, at least 2");
+    expects(o.batch >= 1, "gpu.proxy", "batch=0", "a batch takes at least one request");
     const std::uint64_t g = dev.granularity();
-    const std::uint64_t need = o.slots * sizeof(slot) + sizeof(std::uint64_t);
+    const std::uint64_t need = o.slots * sizeof(slot) + 2 * sizeof(std::uint64_t);
     const std::uint64_t bytes = (need + g - 1) / g * g;
     host_va = dev.reserve(bytes);
     host_chunk = dev.allocate(bytes, ferry::location::on_host());
@@ -62,7 +69,9 @@ struct proxy::impl {
     st = dev.create_stream();
     if (o.by == requesters::host) {
       v.tail = host_va.at<std::uint64_t>(o.slots * sizeof(slot));
+      v.credits = host_va.at<std::uint32_t>(o.slots * sizeof(slot) + sizeof(std::uint64_t));
       *v.tail = 0;
+      *v.credits = o.slots;
     } else {
       dev_va = dev.reserve(g);
       dev_chunk = dev.allocate(g, ferry::location::on_device());
@@ -70,8 +79,9 @@ struct proxy::impl {
       std::vector<access_desc> gpu{{ferry::location::on_device(dev.info().ordinal), access::read_write}};
       dev.set_access(dev_va.base(), g, gpu);
       v.tail = dev_va.at<std::uint64_t>(0);
-      static const std::uint64_t zero = 0;
-      st->copy(v.tail, &zero, sizeof zero);
+      v.credits = dev_va.at<std::uint32_t>(sizeof(std::uint64_t));
+      const std::uint64_t init[2] = {0, o.slots};  // tail, then the credits (the low half of the second word)
+      st->copy(v.tail, init, sizeof init);
       st->synchronize(deadline_after(o.deadline));
     }
     th = std::thread([this] { serve(); });
@@ -80,8 +90,10 @@ struct proxy::impl {
   ~impl() {
     stop = true;
     th.join();
+    // Batches end by their deadline; a piece running then stops at its own: twice the deadline
+    // (at least a second) covers both.
     std::unique_lock l(mu);
-    if (!idle.wait_for(l, o.deadline, [&] { return in_flight == 0; }))
+    if (!idle.wait_for(l, 2 * std::max<std::chrono::nanoseconds>(o.deadline, std::chrono::seconds(1)), [&] { return in_flight == 0; }))
       log::error("gpu", "{}: {} requests still under way when the proxy went", dev.id(), in_flight);
     l.unlock();
     try {
@@ -102,6 +114,17 @@ struct proxy::impl {
     st->write_value(word, a);  // in the stream's order: after nothing but earlier answers (the data is in place)
   }
 
+  // The answers of a batch: for kernels, one batch of write-values on the stream.
+  void answer_all(std::span<const stream::value_write> as) {
+    if (as.empty()) return;
+    if (o.by == requesters::host) {
+      for (auto& a : as) std::atomic_ref<std::uint32_t>(*a.addr).store(a.value, std::memory_order_release);
+      return;
+    }
+    std::lock_guard l(st_mu);
+    st->write_values(as);
+  }
+
   void failed(const request& r, std::uint64_t ticket, status sta, const std::string& why) {
     {
       std::lock_guard l(mu);
@@ -116,66 +139,111 @@ struct proxy::impl {
     }
   }
 
-  void serve_one(const request& r, std::uint64_t ticket) {
-    std::shared_ptr<file> f;
-    {
-      std::lock_guard l(mu);
-      s.requests++;
-      if (r.source < sources.size()) f = sources[r.source];
+  // Serves the requests taken together as one file-engine batch: one submission and one
+  // completion for all of them (the engine reads them concurrently); each gets its own answer.
+  void serve_batch(const std::vector<request>& rs, const std::vector<std::uint64_t>& tickets,
+                   std::chrono::steady_clock::time_point taken_at = std::chrono::steady_clock::now()) {
+    std::vector<file_request> frs;
+    auto taken = std::make_shared<std::vector<std::pair<request, std::uint64_t>>>();
+    frs.reserve(rs.size());
+    taken->reserve(rs.size());
+    for (std::size_t i = 0; i < rs.size(); ++i) {
+      const request& r = rs[i];
+      std::shared_ptr<file> f;
+      {
+        std::lock_guard l(mu);
+        if (r.source < sources.size()) f = sources[r.source];
+      }
+      if (!f) {
+        failed(r, tickets[i], status::failed, fmt::format("no source {}", r.source));
+        continue;
+      }
+      if (r.kind != op::read && r.kind != op::write) {
+        failed(r, tickets[i], status::failed, fmt::format("unknown operation {}", static_cast<unsigned>(r.kind)));
+        continue;
+      }
+      frs.push_back({f, r.offset, reinterpret_cast<void*>(r.addr), r.bytes, r.kind == op::write});
+      taken->emplace_back(r, tickets[i]);
     }
-    if (!f) return failed(r, ticket, status::failed, fmt::format("no source {}", r.source));
-    if (r.kind != op::read && r.kind != op::write)
-      return failed(r, ticket, status::failed, fmt::format("unknown operation {}", static_cast<unsigned>(r.kind)));
-    file_request fr{f, r.offset, reinterpret_cast<void*>(r.addr), r.bytes, r.kind == op::write};
+    if (frs.empty()) return;
     transfer_options to;
     to.until = deadline_after(o.deadline);
     {
       std::lock_guard l(mu);
       in_flight++;
     }
-    try {
-      rt.files().submit(std::span<const file_request>(&fr, 1), to, [this, r, ticket](std::span<const request_result> res) {
-        const request_result& x = res[0];
+    auto finished = [this, taken, taken_at](std::span<const request_result> res) {
+      std::vector<stream::value_write> oks;
+      std::uint64_t ok_bytes = 0;
+      oks.reserve(res.size());
+      for (std::size_t i = 0; i < res.size(); ++i) {
+        const auto& [r, ticket] = (*taken)[i];
+        const request_result& x = res[i];
         if (x.state == request_state::done && x.bytes_done == r.bytes) {
-          {
-            std::lock_guard l(mu);
-            s.bytes += r.bytes;
-          }
-          try {
-            answer_to(r, ticket, status::ok);
-          } catch (const std::exception& e) {
-            log::error("gpu", "{}: answering request {} failed: {}", dev.id(), ticket, e.what());
-          }
+          oks.push_back({reinterpret_cast<std::uint32_t*>(r.done), answer(ticket, status::ok)});
+          ok_bytes += r.bytes;
         } else if (x.state == request_state::done) {
           failed(r, ticket, status::out_of_range, fmt::format("only {} bytes exist there", x.bytes_done));
         } else {
           failed(r, ticket, x.state == request_state::timed_out ? status::timed_out : status::failed,
                  x.err ? x.err->what() : std::string("failed"));
         }
-        std::lock_guard l(mu);
-        in_flight--;
-        idle.notify_all();
-      });
-    } catch (const std::exception& e) {  // refused before it started (bad memory, closed source)
+      }
+      try {
+        answer_all(oks);
+      } catch (const std::exception& e) {
+        log::error("gpu", "{}: answering {} requests failed: {}", dev.id(), oks.size(), e.what());
+      }
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - taken_at).count();
+      std::lock_guard l(mu);
+      latency[std::bit_width(static_cast<std::uint64_t>(std::max<std::int64_t>(ns, 1))) - 1] += res.size();
+      s.bytes += ok_bytes;
+      in_flight--;
+      idle.notify_all();
+    };
+    try {
+      rt.files().submit(frs, to, finished);
+    } catch (const std::exception& e) {
+      // Refused before anything started (bad memory, a closed source): the batch again one by one,
+      // so that only the requests at fault fail.
       {
         std::lock_guard l(mu);
         in_flight--;
         idle.notify_all();
       }
-      failed(r, ticket, status::failed, e.what());
+      if (taken->size() == 1) {
+        const auto& [r, ticket] = (*taken)[0];
+        return failed(r, ticket, status::failed, e.what());
+      }
+      for (const auto& [r, ticket] : *taken) serve_batch({r}, {ticket}, taken_at);
     }
   }
 
-  // Takes requests while there are any; when there are none, yields for a while and then sleeps
-  // in short naps (a request waits at most one nap).
+  // Takes the requests there are (at most a batch), serves them together; when there are none,
+  // yields for a while and then sleeps in short naps (a request waits at most one nap).
   void serve() {
     std::uint64_t head = 0;
     auto last = std::chrono::steady_clock::now();
+    std::vector<request> rs;
+    std::vector<std::uint64_t> tickets;
     request r;
     while (!stop.load(std::memory_order_relaxed)) {
-      if (take(v, head, r)) {
-        serve_one(r, head - 1);
+      rs.clear();
+      tickets.clear();
+      while (rs.size() < o.batch && take(v, head, r)) {
+        rs.push_back(r);
+        tickets.push_back(head - 1);
+      }
+      if (!rs.empty()) {
+        const auto t0 = std::chrono::steady_clock::now();
+        {
+          std::lock_guard l(mu);
+          s.requests += rs.size();
+          s.batches++;
+        }
+        serve_batch(rs, tickets, t0);
         last = std::chrono::steady_clock::now();
+        busy_ns += static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(last - t0).count());
         continue;
       }
       if (std::chrono::steady_clock::now() - last < std::chrono::milliseconds(1)) std::this_thread::yield();
@@ -199,7 +267,24 @@ ring_view proxy::view() const noexcept { return impl_->v; }
 
 proxy_stats proxy::stats() const {
   std::lock_guard l(impl_->mu);
-  return impl_->s;
+  proxy_stats r = impl_->s;
+  std::uint64_t total = 0;
+  for (auto n : impl_->latency) total += n;
+  // The upper end of the bucket holding the given share of the requests.
+  auto at = [&](double share) -> std::uint64_t {
+    std::uint64_t seen = 0;
+    for (int b = 0; b < 64; ++b) {
+      seen += impl_->latency[b];
+      if (total && static_cast<double>(seen) >= share * static_cast<double>(total)) return b >= 63 ? ~0ull : (2ull << b);
+    }
+    return 0;
+  };
+  r.latency_p50_ns = at(0.5);
+  r.latency_p99_ns = at(0.99);
+  r.busy_ns = impl_->busy_ns.load();
+  r.alive_ns = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - impl_->born).count());
+  return r;
 }
 
 std::vector<std::string> proxy::errors() const {

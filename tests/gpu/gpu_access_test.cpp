@@ -2,6 +2,7 @@
 // requests into a ferry::gpu::proxy's ring and wait for the answers; the proxy serves them from a
 // file into device memory. The kernel (tests/gpu/access_kernels.cu) is loaded and launched by the
 // test itself, on its own stream.
+#include <ferry/gpu/cache.hpp>
 #include <ferry/gpu/proxy.hpp>
 #include <ferry/runtime.hpp>
 
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 #include <fstream>
 #include <unistd.h>
 
@@ -69,15 +71,8 @@ struct user_program {
   }
 };
 
-struct data_file {
-  std::filesystem::path path;
-  std::vector<std::byte> bytes;
-  data_file(std::size_t n, std::uint64_t seed) : bytes(n) {
-    path = std::filesystem::path(::testing::TempDir()) / ("ferry-gpu-access-" + std::to_string(::getpid()));
-    test::fill_random(bytes.data(), n, seed);
-    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(n));
-  }
-  ~data_file() { std::filesystem::remove(path); }
+struct data_file : test::random_file {
+  data_file(std::size_t n, std::uint64_t seed) : random_file(::testing::TempDir(), "ferry-gpu-access", n, seed) {}
 };
 
 struct run_result {
@@ -192,6 +187,214 @@ TEST(GpuAccess, ReadsPastTheEndAreStatusesInTheKernel) {
   auto e = px->errors();
   ASSERT_FALSE(e.empty());
   EXPECT_THAT(e.back(), HasSubstr("only 2048 bytes exist there"));
+}
+
+// The page cache: the user's kernels take gpu::array<T> by value; every thread is a requester.
+namespace {
+
+template <std::size_t N>
+struct bytes_of {
+  unsigned char b[N];
+};
+
+void to_host(void* dst, CUdeviceptr src, std::size_t bytes) {
+  CU(cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, nullptr));
+  CU(cuStreamSynchronize(nullptr));
+}
+
+gpu::cache_options small_cache(std::uint64_t bytes, std::uint32_t page) {
+  gpu::cache_options o = gpu::cache_options::from(g_settings);
+  o.bytes = bytes;
+  o.page_bytes = page;
+  return o;
+}
+
+// 16384 threads each read one random element of an array that starts 13 bytes into the file.
+template <typename T>
+void gather_matches_the_file(user_program& u, gpu::cache& c, const data_file& d, const char* kernel) {
+  const std::uint64_t base = 13;
+  CUfunction fn = nullptr;
+  CU(cuModuleGetFunction(&fn, u.mod, kernel));
+  auto a = gpu::array<T>(c.view(), c.map_bytes(file::open(d.path.string(), open_mode::read), base, d.bytes.size() - base));
+  unsigned long long n = 16384;
+  unsigned seed = sizeof(T);
+  device_buffer out(n * sizeof(T)), st(n * 4);
+  T* outp = out.as<T>();
+  unsigned* stp = st.as<unsigned>();
+  void* args[] = {&a, &outp, &n, &seed, &stp};
+  CU(cuLaunchKernel(fn, static_cast<unsigned>(n / 256), 1, 1, 256, 1, 1, 0, u.s, args, nullptr));
+  CU(cuStreamSynchronize(u.s));
+  std::vector<T> got(n);
+  std::vector<unsigned> sts(n);
+  to_host(got.data(), out.p, n * sizeof(T));
+  to_host(sts.data(), st.p, n * 4);
+  std::size_t not_ok = 0, wrong = 0;
+  for (std::uint64_t i = 0; i < n; ++i) {
+    not_ok += sts[i] != static_cast<unsigned>(gpu::status::ok);
+    const std::uint64_t idx = mix(i, seed) % a.size();
+    wrong += std::memcmp(&got[i], d.bytes.data() + base + idx * sizeof(T), sizeof(T)) != 0;
+  }
+  EXPECT_EQ(not_ok, 0u) << sizeof(T) << "-byte elements";
+  EXPECT_EQ(wrong, 0u) << sizeof(T) << "-byte elements";
+}
+
+std::uint32_t written_value(std::uint64_t i) { return static_cast<std::uint32_t>(i * 2654435761u + 7); }
+
+// The kernel cache_write_4: threads write value(first + i) to elements first .. first + n - 1.
+void write_elements(user_program& u, const gpu::array<std::uint32_t>& a, unsigned long long first, unsigned long long n) {
+  CUfunction fn = nullptr;
+  CU(cuModuleGetFunction(&fn, u.mod, "cache_write_4"));
+  device_buffer st(n * 4);
+  unsigned* stp = st.as<unsigned>();
+  gpu::array<std::uint32_t> arg = a;
+  void* args[] = {&arg, &first, &n, &stp};
+  CU(cuLaunchKernel(fn, static_cast<unsigned>((n + 255) / 256), 1, 1, 256, 1, 1, 0, u.s, args, nullptr));
+  CU(cuStreamSynchronize(u.s));
+  std::vector<unsigned> sts(n);
+  to_host(sts.data(), st.p, n * 4);
+  std::size_t not_ok = 0;
+  for (auto x : sts) not_ok += x != static_cast<unsigned>(gpu::status::ok);
+  EXPECT_EQ(not_ok, 0u);
+}
+
+}  // namespace
+
+// Random reads by the user's kernel of elements of 1 to 24 bytes from an array at an odd offset
+// of a 16 MiB file, through a 4 MiB cache of 4 KiB pages: every value is the file's.
+TEST(GpuCache, RandomReadsOfEveryElementSizeMatchTheFile) {
+  runtime rt(g_settings);
+  user_program u;
+  data_file d(16ull << 20, 30);
+  gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
+  gather_matches_the_file<std::uint8_t>(u, c, d, "cache_gather_1");
+  gather_matches_the_file<std::uint16_t>(u, c, d, "cache_gather_2");
+  gather_matches_the_file<std::uint32_t>(u, c, d, "cache_gather_4");
+  gather_matches_the_file<std::uint64_t>(u, c, d, "cache_gather_8");
+  gather_matches_the_file<bytes_of<12>>(u, c, d, "cache_gather_12");
+  gather_matches_the_file<bytes_of<16>>(u, c, d, "cache_gather_16");
+  gather_matches_the_file<bytes_of<24>>(u, c, d, "cache_gather_24");
+  auto s = c.stats();
+  std::printf("cache: %llu hits, %llu misses, %llu evictions, %llu failures; proxy %llu requests\n",
+              static_cast<unsigned long long>(s.counted.hits), static_cast<unsigned long long>(s.counted.misses),
+              static_cast<unsigned long long>(s.counted.evictions), static_cast<unsigned long long>(s.counted.failures),
+              static_cast<unsigned long long>(s.requests.requests));
+  EXPECT_GT(s.counted.evictions, 0u);
+  EXPECT_EQ(s.counted.failures, 0u);
+  EXPECT_NO_THROW(c.check());
+}
+
+// 16384 threads of the user's kernel write distinct elements of one 64 KiB page; flush puts the
+// page on disk: the file holds every value, and nothing else changed.
+TEST(GpuCache, ConcurrentWritersToOnePageThenFlushLandOnDisk) {
+  runtime rt(g_settings);
+  user_program u;
+  data_file d(1ull << 20, 31);
+  gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 64 << 10));
+  auto a = c.map<std::uint32_t>(file::open(d.path.string(), open_mode::read_write), 0, d.bytes.size() / 4);
+  write_elements(u, a, 0, 16384);
+  EXPECT_EQ(c.stats().counted.misses, 1u) << "one page, filled once";
+  EXPECT_EQ(c.flush(), 1u);
+  auto disk = d.on_disk();
+  std::size_t wrong = 0;
+  for (std::uint64_t i = 0; i < 16384; ++i) {
+    std::uint32_t v;
+    std::memcpy(&v, disk.data() + 4 * i, 4);
+    wrong += v != written_value(i);
+  }
+  EXPECT_EQ(wrong, 0u);
+  EXPECT_EQ(std::memcmp(disk.data() + (64 << 10), d.bytes.data() + (64 << 10), d.bytes.size() - (64 << 10)), 0);
+  EXPECT_NO_THROW(c.check());
+}
+
+// Writes over a file 4x the cache: dirty pages are written back as they are evicted, the rest by
+// flush; the file then holds every value.
+TEST(GpuCache, WritesOverAFileFourTimesTheCacheAreWrittenBackOnEviction) {
+  runtime rt(g_settings);
+  user_program u;
+  data_file d(16ull << 20, 32);
+  gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
+  auto a = c.map<std::uint32_t>(file::open(d.path.string(), open_mode::read_write), 0, d.bytes.size() / 4);
+  write_elements(u, a, 0, a.size());
+  auto s = c.stats();
+  EXPECT_GT(s.counted.writebacks, 0u);
+  const std::uint64_t flushed = c.flush();
+  std::printf("cache: %llu misses, %llu write-backs on eviction, %llu by flush\n", static_cast<unsigned long long>(s.counted.misses),
+              static_cast<unsigned long long>(s.counted.writebacks), static_cast<unsigned long long>(flushed));
+  EXPECT_EQ(s.counted.writebacks + flushed, d.bytes.size() / 4096) << "every page written once";
+  auto disk = d.on_disk();
+  std::size_t wrong = 0;
+  for (std::uint64_t i = 0; i < a.size(); ++i) {
+    std::uint32_t v;
+    std::memcpy(&v, disk.data() + 4 * i, 4);
+    wrong += v != written_value(i);
+  }
+  EXPECT_EQ(wrong, 0u);
+  EXPECT_NO_THROW(c.check());
+}
+
+// The file is cut short while the user's kernel reads it page by page: the pages past the new end
+// come back to the kernel as out_of_range, the kernel ends, and the host's check throws.
+TEST(GpuCache, AFileCutShortMidKernelIsAStatusInTheKernelAndAnExceptionOnTheHost) {
+  runtime rt(g_settings);
+  user_program u;
+  data_file d(64ull << 20, 33);
+  gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
+  auto a = c.map<std::uint64_t>(file::open(d.path.string(), open_mode::read), 0, d.bytes.size() / 8);
+  CUfunction fn = nullptr;
+  CU(cuModuleGetFunction(&fn, u.mod, "cache_sweep_8"));
+  unsigned long long per_page = 4096 / 8, pages = d.bytes.size() / 4096;
+  device_buffer out(pages * 8), st(pages * 4);
+  auto* outp = out.as<unsigned long long>();
+  unsigned* stp = st.as<unsigned>();
+  void* args[] = {&a, &per_page, &pages, &outp, &stp};
+  CU(cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, u.s, args, nullptr));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::filesystem::resize_file(d.path, 8 << 20);
+  // The kernel must end by itself: wait for it at most a minute, and say where it stands if not.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (g_api->cuStreamQuery(u.s) == CUDA_ERROR_NOT_READY && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (g_api->cuStreamQuery(u.s) == CUDA_ERROR_NOT_READY) {
+    auto s = c.stats();
+    std::printf("the kernel still runs after a minute: %llu misses, %llu failures, %llu retired; proxy %llu requests, %llu failed, "
+                "%llu batches\n",
+                static_cast<unsigned long long>(s.counted.misses), static_cast<unsigned long long>(s.counted.failures),
+                static_cast<unsigned long long>(s.counted.retired), static_cast<unsigned long long>(s.requests.requests),
+                static_cast<unsigned long long>(s.requests.failed), static_cast<unsigned long long>(s.requests.batches));
+    for (auto& e : c.requests().errors()) std::printf("proxy error: %s\n", e.c_str());
+    std::fflush(stdout);
+    FAIL() << "the kernel did not end";
+  }
+  CU(cuStreamSynchronize(u.s));
+  std::vector<std::uint64_t> got(pages);
+  std::vector<unsigned> sts(pages);
+  to_host(got.data(), out.p, pages * 8);
+  to_host(sts.data(), st.p, pages * 4);
+  std::size_t ok = 0, past = 0, other = 0, wrong = 0;
+  for (std::uint64_t p = 0; p < pages; ++p) {
+    if (sts[p] == static_cast<unsigned>(gpu::status::ok)) {
+      ok++;
+      wrong += std::memcmp(&got[p], d.bytes.data() + p * 4096, 8) != 0;
+    } else if (sts[p] == static_cast<unsigned>(gpu::status::out_of_range)) {
+      past++;
+      EXPECT_GE(p, 2048u) << "a page before the new end";
+    } else {
+      other++;
+    }
+  }
+  std::printf("pages read before the cut or before the new end: %zu; past it: %zu\n", ok, past);
+  EXPECT_GE(ok, 2048u);
+  EXPECT_GT(past, 0u);
+  EXPECT_EQ(sts[pages - 1], static_cast<unsigned>(gpu::status::out_of_range));
+  EXPECT_EQ(other, 0u);
+  EXPECT_EQ(wrong, 0u);
+  try {
+    c.check();
+    ADD_FAILURE() << "check did not throw";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::out_of_range);
+    EXPECT_THAT(e.what(), HasSubstr("exist there"));
+  }
 }
 
 int main(int argc, char** argv) {

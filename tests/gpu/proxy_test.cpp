@@ -29,15 +29,8 @@ settings sim_cfg() {
   return c;
 }
 
-struct data_file {
-  std::filesystem::path path;
-  std::vector<std::byte> bytes;
-  data_file(const char* name, std::size_t n, std::uint64_t seed) : bytes(n) {
-    path = std::filesystem::path(::testing::TempDir()) / (std::string(name) + "-" + std::to_string(::getpid()));
-    test::fill_random(bytes.data(), n, seed);
-    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(n));
-  }
-  ~data_file() { std::filesystem::remove(path); }
+struct data_file : test::random_file {
+  data_file(const char* name, std::size_t n, std::uint64_t seed) : random_file(::testing::TempDir(), name, n, seed) {}
 };
 
 gpu::request read_of(std::uint32_t source, std::uint64_t offset, std::uint64_t bytes, void* dst, std::uint32_t* done) {
@@ -79,7 +72,7 @@ TEST(GpuProxy, EightRequestersReadRandomRangesOfAFile) {
         std::uint64_t n = 1 + rng() % buf.size();
         std::uint64_t off = rng() % (d.bytes.size() - n + 1);
         std::uint64_t ticket = gpu::submit(v, read_of(src, off, n, buf.data(), &done), 10 * second);
-        if (ticket == gpu::no_ticket || gpu::wait(&done, ticket, 30 * second) != gpu::status::ok) {
+        if (ticket == gpu::no_ticket || gpu::wait(v, &done, ticket, 30 * second) != gpu::status::ok) {
           unanswered++;
           continue;
         }
@@ -109,7 +102,7 @@ TEST(GpuProxy, WritesLandAndFailuresAreStatusesWithTheirReasons) {
   gpu::request w = read_of(src, 12345, mine.size(), mine.data(), &done);
   w.kind = gpu::op::write;
   std::uint64_t t = gpu::submit(v, w, second);
-  ASSERT_EQ(gpu::wait(&done, t, 30 * second), gpu::status::ok);
+  ASSERT_EQ(gpu::wait(v, &done, t, 30 * second), gpu::status::ok);
   {
     std::vector<std::byte> disk(mine.size());
     std::ifstream in(d.path, std::ios::binary);
@@ -119,13 +112,13 @@ TEST(GpuProxy, WritesLandAndFailuresAreStatusesWithTheirReasons) {
   }
   std::vector<std::byte> buf(8192);
   t = gpu::submit(v, read_of(src, (1 << 20) - 100, 4096, buf.data(), &done), second);
-  EXPECT_EQ(gpu::wait(&done, t, 30 * second), gpu::status::out_of_range) << "a read past the end";
+  EXPECT_EQ(gpu::wait(v, &done, t, 30 * second), gpu::status::out_of_range) << "a read past the end";
   t = gpu::submit(v, read_of(7, 0, 16, buf.data(), &done), second);
-  EXPECT_EQ(gpu::wait(&done, t, 30 * second), gpu::status::failed) << "no source 7";
+  EXPECT_EQ(gpu::wait(v, &done, t, 30 * second), gpu::status::failed) << "no source 7";
   t = gpu::submit(v, read_of(src, 0, 4096, reinterpret_cast<void*>(std::uintptr_t{16}), &done), second);
-  EXPECT_EQ(gpu::wait(&done, t, 30 * second), gpu::status::failed) << "memory nobody can write";
+  EXPECT_EQ(gpu::wait(v, &done, t, 30 * second), gpu::status::failed) << "memory nobody can write";
   t = gpu::submit(v, read_of(src, 0, 4096, buf.data(), &done), second);
-  EXPECT_EQ(gpu::wait(&done, t, 30 * second), gpu::status::ok) << "and the next request is served";
+  EXPECT_EQ(gpu::wait(v, &done, t, 30 * second), gpu::status::ok) << "and the next request is served";
   EXPECT_EQ(std::memcmp(buf.data(), d.bytes.data(), 4096), 0);
   auto e = px.errors();
   ASSERT_EQ(e.size(), 3u);

@@ -81,7 +81,7 @@ TEST(GpuRing, EightRequestersAndAProxyLoseAndMixNothing) {
           refused++;
           continue;
         }
-        if (gpu::wait(&done, ticket, 10 * second) != gpu::status::ok) unanswered++;
+        if (gpu::wait(v, &done, ticket, 10 * second) != gpu::status::ok) unanswered++;
       }
     });
   for (auto& x : ts) x.join();
@@ -129,11 +129,11 @@ TEST(GpuRing, AnUnansweredRequestTimesOutAndALateAnswerIsNotTakenForTheNext) {
   std::uint32_t done = 0;
   std::uint64_t first = gpu::submit(v, make(2, 0, &done), second);
   auto t0 = std::chrono::steady_clock::now();
-  EXPECT_EQ(gpu::wait(&done, first, 30'000'000), gpu::status::timed_out);
+  EXPECT_EQ(gpu::wait(v, &done, first, 30'000'000), gpu::status::timed_out);
   EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(30));
   std::uint64_t second_ticket = gpu::submit(v, make(2, 1, &done), second);
   std::atomic_ref<std::uint32_t>(done).store(gpu::answer(first, gpu::status::failed));  // the late answer
-  EXPECT_EQ(gpu::wait(&done, second_ticket, 30'000'000), gpu::status::timed_out);
+  EXPECT_EQ(gpu::wait(v, &done, second_ticket, 30'000'000), gpu::status::timed_out);
   std::atomic_ref<std::uint32_t>(done).store(gpu::answer(second_ticket, gpu::status::out_of_range));
-  EXPECT_EQ(gpu::wait(&done, second_ticket, second), gpu::status::out_of_range) << "the error reaches the requester";
+  EXPECT_EQ(gpu::wait(v, &done, second_ticket, second), gpu::status::out_of_range) << "the error reaches the requester";
 }

@@ -7,6 +7,8 @@
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <string>
+#include <unistd.h>
 #include <vector>
 
 namespace ferry::test {
@@ -36,5 +38,25 @@ inline std::vector<unsigned char> slurp(const std::filesystem::path& p) {
   std::ifstream f(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
 }
+
+// A file of n reproducible random bytes in the test's temporary directory (its name made unique
+// by the process id), removed when it goes; `bytes` is what it was written with.
+struct random_file {
+  std::filesystem::path path;
+  std::vector<std::byte> bytes;
+  random_file(const std::filesystem::path& dir, const std::string& name, std::size_t n, std::uint64_t seed) : bytes(n) {
+    path = dir / (name + "-" + std::to_string(::getpid()));
+    fill_random(bytes.data(), n, seed);
+    write_file(path, bytes.data(), n);
+  }
+  ~random_file() { std::filesystem::remove(path); }
+  random_file(const random_file&) = delete;
+  random_file& operator=(const random_file&) = delete;
+  std::vector<std::byte> on_disk() const {
+    std::vector<std::byte> b(std::filesystem::file_size(path));
+    std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(b.data()), static_cast<std::streamsize>(b.size()));
+    return b;
+  }
+};
 
 }  // namespace ferry::test

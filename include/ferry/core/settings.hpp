@@ -106,6 +106,10 @@ struct FERRY_API settings {
   std::chrono::nanoseconds vm_thrash_hold = std::chrono::seconds(1);   // a thrashing page stays on the host this long
   // gpu
   std::uint32_t gpu_ring_slots = 1024;  // request slots per GPU request ring (a power of two)
+  std::uint32_t gpu_proxy_batch = 256;  // requests a GPU proxy takes from its ring and serves as one batch
+  std::uint64_t gpu_cache_bytes = 1ull << 30;  // a GPU page cache's frames
+  std::uint32_t gpu_cache_page = 64 << 10;     // a GPU page cache's page (a power of two, 4 KiB to 2 MiB)
+  std::uint64_t gpu_cache_landing = 64ull << 20;  // pinned host memory a GPU page cache's pages pass through
   // Pages the CPU took from a device go back: before kernel launches, and after this quiet time (0: only at launches).
   bool vm_return_at_launch = true;
   std::chrono::nanoseconds vm_return_quiet = std::chrono::milliseconds(200);

@@ -28,6 +28,7 @@ enum class requesters { device, host };
 
 struct FERRY_API proxy_options {
   std::uint32_t slots = settings::defaults().gpu_ring_slots;  // a power of two
+  std::uint32_t batch = settings::defaults().gpu_proxy_batch;  // requests taken and served together, at most
   requesters by = requesters::device;
   std::chrono::nanoseconds deadline = settings::defaults().deadline;  // per request
   static proxy_options from(const settings& s);
@@ -37,6 +38,13 @@ struct proxy_stats {
   std::uint64_t requests = 0;  // taken from the ring
   std::uint64_t bytes = 0;     // moved by requests that succeeded
   std::uint64_t failed = 0;    // answered with an error status
+  std::uint64_t batches = 0;   // requests / batches: how many the proxy took at a time
+  // From when the proxy took a request to when its answer was on its way (the requester's own wait
+  // adds the ring and the answer's trip): percentiles over every request so far, each within a
+  // factor of two (log2 buckets), in nanoseconds.
+  std::uint64_t latency_p50_ns = 0, latency_p99_ns = 0;
+  // The proxy thread's time taking requests and handing them on, out of its time alive.
+  std::uint64_t busy_ns = 0, alive_ns = 0;
 };
 
 class FERRY_API proxy {

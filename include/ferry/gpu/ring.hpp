@@ -65,6 +65,10 @@ struct ring_view {
   slot* slots = nullptr;
   std::uint64_t* tail = nullptr;
   std::uint32_t capacity = 0;  // a power of two
+  // Where the requesters are, like `tail`: requests submitted and not yet waited for take a credit
+  // each, capacity in all, so a requester that holds one finds its slot free -- instead of many
+  // polling a full ring's slots across PCIe. Null: no credits (the ring's own back-pressure only).
+  std::uint32_t* credits = nullptr;
 };
 
 namespace detail {
@@ -83,10 +87,11 @@ FERRY_GPU_HD inline std::uint64_t now_ns() {
                                         .count());
 #endif
 }
-FERRY_GPU_HD inline void pause() {
+FERRY_GPU_HD inline void pause(unsigned ns = 200) {
 #if defined(__CUDA_ARCH__)
-  __nanosleep(200);
+  __nanosleep(ns);
 #else
+  (void)ns;
   std::this_thread::yield();
 #endif
 }
@@ -98,7 +103,7 @@ inline std::uint64_t now_ns() {
   return static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
 }
-inline void pause() { std::this_thread::yield(); }
+inline void pause(unsigned = 200) { std::this_thread::yield(); }
 #endif
 }  // namespace detail
 
@@ -109,6 +114,15 @@ constexpr std::uint64_t no_ticket = ~0ull;
 FERRY_GPU_HD inline std::uint64_t submit(const ring_view& v, const request& r, std::uint64_t wait_ns) {
   detail::ref<std::uint64_t> tail(*v.tail);
   const std::uint64_t start = detail::now_ns();
+  if (v.credits) {
+    detail::ref<std::uint32_t> credits(*v.credits);
+    for (;;) {
+      std::uint32_t c = credits.load(detail::mo::memory_order_relaxed);
+      if (c > 0 && credits.compare_exchange_weak(c, c - 1, detail::mo::memory_order_acquire, detail::mo::memory_order_relaxed)) break;
+      if (detail::now_ns() - start > wait_ns) return no_ticket;
+      if (c == 0) detail::pause();
+    }
+  }
   for (;;) {
     std::uint64_t t = tail.load(detail::mo::memory_order_relaxed);
     slot& s = v.slots[t & (v.capacity - 1)];
@@ -123,22 +137,34 @@ FERRY_GPU_HD inline std::uint64_t submit(const ring_view& v, const request& r, s
     }
     // seq < t: the proxy has not freed this slot from the previous lap (the ring is full);
     // seq > t: another requester took t meanwhile (tail moved on). Either way, look again.
-    if (seq < t && detail::now_ns() - start > wait_ns) return no_ticket;
+    if (seq < t && detail::now_ns() - start > wait_ns) {
+      if (v.credits) detail::ref<std::uint32_t>(*v.credits).fetch_add(1, detail::mo::memory_order_release);
+      return no_ticket;
+    }
     detail::pause();
   }
 }
 
 // Waits for the answer to ticket `t` in the word at `done`, at most `wait_ns`; status::timed_out when
-// it did not come.
-FERRY_GPU_HD inline status wait(const std::uint32_t* done, std::uint64_t t, std::uint64_t wait_ns) {
+// it did not come. Every ticket is waited for once: that gives its credit back (its answer or its
+// timeout, whichever comes first).
+FERRY_GPU_HD inline status wait(const ring_view& v, const std::uint32_t* done, std::uint64_t t, std::uint64_t wait_ns) {
   detail::ref<std::uint32_t> w(*const_cast<std::uint32_t*>(done));
   const std::uint64_t start = detail::now_ns();
+  status s = status::timed_out;
+  unsigned nap = 200;
   for (;;) {
     std::uint32_t a = w.load(detail::mo::memory_order_acquire);
-    if ((a >> 8) == (t & 0xffffff) && static_cast<status>(a & 0xff) != status::pending) return static_cast<status>(a & 0xff);
-    if (detail::now_ns() - start > wait_ns) return status::timed_out;
-    detail::pause();
+    if ((a >> 8) == (t & 0xffffff) && static_cast<status>(a & 0xff) != status::pending) {
+      s = static_cast<status>(a & 0xff);
+      break;
+    }
+    if (detail::now_ns() - start > wait_ns) break;
+    detail::pause(nap);  // backing off: the word may be across PCIe, and polled by many
+    nap = nap < 3200 ? 2 * nap : nap;
   }
+  if (v.credits) detail::ref<std::uint32_t>(*v.credits).fetch_add(1, detail::mo::memory_order_release);
+  return s;
 }
 
 // The proxy's side (one consumer per ring): takes the request at `head` if it is there, frees its

@@ -1,0 +1,352 @@
+// `ferry-bench gather --path DIR`: a user's kernel gathers random elements of a dataset larger than
+// the GPU cache given to it, read
+//   ferry       through ferry's GPU page cache (gpu::cache, gpu::array): the kernel's misses go
+//               to ferry's proxy, which reads the pages from the file; cold (a new cache) and warm
+//               (the same indices again)
+//   zero-copy   from pinned host memory holding the whole dataset, read by the kernel over PCIe
+//               (the data loaded beforehand, not timed)
+//   staged      host-orchestrated: per step of --step accesses the CPU collects the pages they touch,
+//               reads them from the file (pread, on as many threads as cores), copies them to the
+//               GPU and launches the kernel on them
+// all in the same run, on the same indices: uniform, and Zipf-like (exponent 0.99, ranks scattered
+// over the dataset). Elements of 8 and 64 bytes. Every output is checked against the file's words.
+// Reports elements/s, effective GB/s (elements x element size / s) and, for ferry, the proxy's
+// requests/s (4 KiB pages by default) and hit rate.
+#include "bench.hpp"
+#include "kernels.hpp"
+#include "mem/cuda/driver.hpp"
+
+#include <ferry/core/units.hpp>
+#include <ferry/gpu/cache.hpp>
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <thread>
+
+namespace ferry::cli {
+namespace {
+
+using json = nlohmann::ordered_json;
+using clk = std::chrono::steady_clock;
+constexpr unsigned seed = 0x6a7;
+
+// An element of W 4-byte words, as the kernels (pipeline_kernels.cu) see it.
+template <unsigned W>
+struct words {
+  unsigned w[W];
+};
+
+double secs_since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
+
+// Element indices: uniform, or Zipf-like by the continuous inverse CDF (rank r has weight ~ 1/r^s),
+// the ranks scattered over the dataset by an odd multiplier (a bijection for a power-of-two count).
+std::vector<std::uint64_t> make_indices(std::uint64_t n, std::uint64_t elements, bool zipf) {
+  std::vector<std::uint64_t> idx(n);
+  std::uint64_t x = 0x243F6A8885A308D3ull;
+  auto next = [&] {  // splitmix64
+    x += 0x9E3779B97F4A7C15ull;
+    std::uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  const double s = 0.99, top = std::pow(static_cast<double>(elements) + 1, 1 - s) - 1;
+  for (auto& v : idx) {
+    if (!zipf) {
+      v = next() % elements;
+      continue;
+    }
+    const double u = static_cast<double>(next() >> 11) * 0x1.0p-53;
+    auto r = static_cast<std::uint64_t>(std::pow(1 + u * top, 1 / (1 - s))) - 1;
+    v = (std::min(r, elements - 1) * 0x9E3779B97F4A7C15ull) % elements;
+  }
+  return idx;
+}
+
+struct user_side {
+  const cuda::driver_api& api;
+  CUdevice dev = 0;
+  CUcontext ctx = nullptr;
+  CUmodule mod = nullptr;
+  CUstream s = nullptr;
+  unsigned blocks = 0;
+  void check(CUresult r, const char* what) const { cuda::check(r, "bench gather", what); }
+  user_side(const cuda::driver_api& a, int ordinal) : api(a) {
+    check(api.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
+    check(api.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+    check(api.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+    check(api.cuModuleLoadData(&mod, ferry::detail::ferry_bench_kernels), "cuModuleLoadData");
+    check(api.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    int sms = 0, threads = 0;
+    check(api.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
+    check(api.cuDeviceGetAttribute(&threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev), "cuDeviceGetAttribute");
+    blocks = static_cast<unsigned>(sms * std::max(1, threads / 256));
+  }
+  ~user_side() {
+    if (s) api.cuStreamSynchronize(s), api.cuStreamDestroy(s);
+    if (mod) api.cuModuleUnload(mod);
+    api.cuDevicePrimaryCtxRelease(dev);
+  }
+  CUfunction fn(const std::string& name) const {
+    CUfunction f = nullptr;
+    check(api.cuModuleGetFunction(&f, mod, name.c_str()), "cuModuleGetFunction");
+    return f;
+  }
+  void launch(CUfunction f, void** args, unsigned grid = 0) {
+    check(api.cuLaunchKernel(f, grid ? grid : blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr), "cuLaunchKernel");
+  }
+  void sync() { check(api.cuStreamSynchronize(s), "cuStreamSynchronize"); }
+  void to_host(void* dst, CUdeviceptr src, std::uint64_t bytes) {
+    check(api.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, s), "cuMemcpyAsync");
+    sync();
+  }
+  void to_device(CUdeviceptr dst, const void* src, std::uint64_t bytes) {
+    check(api.cuMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), bytes, s), "cuMemcpyAsync");
+    sync();
+  }
+  CUdeviceptr alloc(std::uint64_t bytes) {
+    CUdeviceptr p = 0;
+    check(api.cuMemAlloc(&p, bytes), "cuMemAlloc");
+    return p;
+  }
+};
+
+}  // namespace
+
+int run_bench_gather(runtime& rt, const bench_gather_options& o) {
+  const std::uint64_t bytes = parse_size(o.size, "--size");
+  const std::uint64_t cache_bytes = o.cache.empty() ? bytes / 4 : parse_size(o.cache, "--cache");
+  const std::uint64_t page = parse_size(o.page, "--page");
+  const std::uint64_t n = o.accesses, step = o.step;
+  if (bytes == 0 || (bytes & (bytes - 1)) || page > bytes || n == 0 || step == 0 || o.rounds < 1)
+    fail(errc::invalid_argument, "bench gather", "options", "--size a power of two >= --page; --accesses, --step, --rounds >= 1");
+  device& dev = o.device.empty() ? rt.devices().default_device() : rt.devices().get(o.device);
+  if (dev.info().backend != device_kind::cuda)
+    fail(errc::unavailable, "bench gather", dev.id(), "needs a CUDA GPU: it runs a user's kernel (no kernels on a simulated device)");
+  const cuda::driver_status& drv = cuda::load(rt.config().cuda_driver);
+  if (!drv.api) fail(errc::unavailable, "bench gather", "CUDA driver", drv.reason);
+  const auto& api = *drv.api;
+
+  std::string path = o.path;
+  struct stat st{};
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) path += fmt::format("/ferry-bench-gather-{}.bin", bytes);
+  auto say = [](const std::string& s) {
+    fmt::print("{}\n", s);
+    std::fflush(stdout);
+  };
+  say(fmt::format("ferry-bench gather: {} ({}) -> {} ({}); ferry cache {} in {} pages; {} accesses per kernel; staged steps of {}; "
+                  "median of {} round(s)",
+                  path, format_size(bytes), dev.id(), dev.info().name, format_size(cache_bytes), format_size(page), n, step, o.rounds));
+  say("  " + changed_settings(rt.config()));
+  auto t0 = clk::now();
+  write_word_file(rt, path, bytes, seed);
+  say(fmt::format("  wrote the file and read it once into the page cache in {:.1f} s", secs_since(t0)));
+  auto f = file::open(path, open_mode::read);
+
+  user_side u(api, dev.info().ordinal);
+  // The zero-copy baseline's copy of the dataset, in pinned host memory mapped for the GPU.
+  void* host = nullptr;
+  u.check(api.cuMemHostAlloc(&host, bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
+  {
+    int fd = ::open(path.c_str(), O_RDONLY);
+    for (std::uint64_t at = 0; at < bytes;) {
+      ssize_t got = ::pread(fd, static_cast<char*>(host) + at, std::min<std::uint64_t>(bytes - at, 1 << 30), static_cast<off_t>(at));
+      if (got <= 0) fail_errno(errno, "bench gather", path, "pread");
+      at += static_cast<std::uint64_t>(got);
+    }
+    ::close(fd);
+  }
+  CUdeviceptr host_dev = reinterpret_cast<CUdeviceptr>(host);  // one address for both (unified addressing)
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned page_shift = static_cast<unsigned>(__builtin_ctzll(page));
+
+  // Staging for the host-orchestrated baseline: one step's pages at most.
+  const std::uint64_t step_pages = std::min(step, bytes / page);
+  void* staging = nullptr;
+  u.check(api.cuMemHostAlloc(&staging, step_pages * page, 0), "cuMemHostAlloc");
+  CUdeviceptr slots = u.alloc(step_pages * page), slot_of = u.alloc(step * 4);
+  CUdeviceptr idx_dev = u.alloc(n * 8), out_dev = u.alloc(n * 4), failed_dev = u.alloc(4);
+  std::vector<unsigned> out(n);
+  int fd = ::open(path.c_str(), O_RDONLY);
+
+  json rows = json::array();
+  bool all_ok = true;
+  for (unsigned nwords : {2u, 16u}) {
+    const std::uint64_t esize = nwords * 4ull, elements = bytes / esize;
+    for (bool zipf : {false, true}) {
+      const std::string dist = zipf ? "zipf" : "uniform";
+      auto idx = make_indices(n, elements, zipf);
+      u.to_device(idx_dev, idx.data(), n * 8);
+      auto verify = [&](const char* what) {
+        u.to_host(out.data(), out_dev, n * 4);
+        std::uint64_t bad = 0;
+        for (std::uint64_t i = 0; i < n; ++i) {
+          unsigned s = 0;
+          for (unsigned k = 0; k < nwords; ++k) s += word_at(idx[i] * nwords + k, seed);
+          bad += out[i] != s;
+        }
+        if (bad) {
+          all_ok = false;
+          say(fmt::format("  VERIFICATION FAILED: {} {}-byte {}: {} of {} elements are not the file's", what, esize, dist, bad, n));
+        }
+      };
+      auto row = [&](const std::string& method, double secs, json extra = json::object()) {
+        const double eps = static_cast<double>(n) / secs;
+        json r{{"method", method}, {"element_bytes", esize}, {"distribution", dist}, {"seconds", secs},
+               {"elements_per_s", eps}, {"effective_gbps", eps * static_cast<double>(esize) / 1e9}};
+        r.update(extra);
+        say(fmt::format("  {:>2} B {:<7} {:<11} {:>10.3f} ms  {:>12.0f} elements/s  {:>7.3f} GB/s{}", esize, dist, method, secs * 1e3, eps,
+                        eps * static_cast<double>(esize) / 1e9, extra.empty() ? "" : "  " + extra.dump()));
+        rows.push_back(r);
+        return eps;
+      };
+      const std::string w = std::to_string(nwords);
+
+      // ferry: a new cache per round; cold = its first kernel, warm = the same indices again.
+      CUfunction kc = u.fn("bench_cache_gather_" + w);
+      std::vector<double> cold, warm, reqs;
+      json proxy_note;
+      double hit_warm = 0;
+      for (int round = 0; round < o.rounds; ++round) {
+        gpu::cache_options co = gpu::cache_options::from(rt.config());
+        co.bytes = cache_bytes;
+        co.page_bytes = static_cast<std::uint32_t>(page);
+        gpu::cache c(rt, dev, co);
+        auto a = c.map_bytes(f, 0, bytes);
+        gpu::array<words<2>> a2(c.view(), a);
+        gpu::array<words<16>> a16(c.view(), a);
+        void* arg = nwords == 2 ? static_cast<void*>(&a2) : static_cast<void*>(&a16);
+        unsigned long long nn = n;
+        void* args[] = {arg, &idx_dev, &nn, &out_dev, &failed_dev};
+        for (int pass = 0; pass < 2; ++pass) {
+          u.check(api.cuMemsetD8Async(failed_dev, 0, 4, u.s), "cuMemsetD8Async");
+          auto before = c.stats();
+          auto t = clk::now();
+          u.launch(kc, args);
+          u.sync();
+          double secs = secs_since(t);
+          auto after = c.stats();
+          unsigned failed = 0;
+          u.to_host(&failed, failed_dev, 4);
+          if (failed) {
+            all_ok = false;
+            std::string why = "?";
+            try {
+              c.check();
+            } catch (const std::exception& e) {
+              why = e.what();
+            }
+            say(fmt::format("  FAILED: {} accesses through ferry failed: {}", failed, why));
+          }
+          verify(pass ? "ferry warm" : "ferry cold");
+          const double miss = static_cast<double>(after.counted.misses - before.counted.misses);
+          const double hit = static_cast<double>(after.counted.hits - before.counted.hits);
+          (pass ? warm : cold).push_back(secs);
+          if (!pass) {
+            reqs.push_back(miss / secs);
+            const auto& q = after.requests;
+            const auto& q0 = before.requests;
+            proxy_note = {{"requests_per_batch", static_cast<double>(q.requests - q0.requests) / std::max<double>(1, static_cast<double>(q.batches - q0.batches))},
+                          {"latency_p50_us", static_cast<double>(q.latency_p50_ns) / 1e3},
+                          {"latency_p99_us", static_cast<double>(q.latency_p99_ns) / 1e3},
+                          {"proxy_busy", static_cast<double>(q.busy_ns - q0.busy_ns) / (secs * 1e9)}};
+          }
+          else hit_warm = hit / std::max(1.0, hit + miss);
+        }
+      }
+      std::sort(cold.begin(), cold.end());
+      std::sort(warm.begin(), warm.end());
+      std::sort(reqs.begin(), reqs.end());
+      const double med_cold = cold[cold.size() / 2], med_warm = warm[warm.size() / 2];
+      json cold_extra = proxy_note;
+      cold_extra["proxy_requests_per_s"] = reqs[reqs.size() / 2];
+      row("ferry cold", med_cold, cold_extra);
+      const double e_ferry = row("ferry warm", med_warm, {{"hit_rate", hit_warm}});
+
+      // zero-copy from pinned host memory.
+      CUfunction kh = u.fn("bench_host_gather_" + w);
+      std::vector<double> zc;
+      for (int round = 0; round < o.rounds; ++round) {
+        unsigned long long nn = n;
+        void* args[] = {&host_dev, &idx_dev, &nn, &out_dev};
+        auto t = clk::now();
+        u.launch(kh, args);
+        u.sync();
+        zc.push_back(secs_since(t));
+      }
+      verify("zero-copy");
+      std::sort(zc.begin(), zc.end());
+      const double e_zc = row("zero-copy", zc[zc.size() / 2]);
+
+      // host-orchestrated: per step, the CPU finds the pages, reads them, copies them, launches.
+      CUfunction ks = u.fn("bench_staged_gather_" + w);
+      std::vector<double> stg;
+      std::vector<std::uint64_t> pages;
+      std::vector<unsigned> slot(step);
+      for (int round = 0; round < o.rounds; ++round) {
+        auto t = clk::now();
+        for (std::uint64_t first = 0; first < n; first += step) {
+          const std::uint64_t k = std::min(step, n - first);
+          pages.clear();
+          for (std::uint64_t i = 0; i < k; ++i) pages.push_back((idx[first + i] * esize) >> page_shift);
+          std::sort(pages.begin(), pages.end());
+          pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+          for (std::uint64_t i = 0; i < k; ++i)
+            slot[i] = static_cast<unsigned>(std::lower_bound(pages.begin(), pages.end(), (idx[first + i] * esize) >> page_shift) - pages.begin());
+          std::vector<std::thread> ts;
+          for (unsigned tix = 0; tix < threads; ++tix)
+            ts.emplace_back([&, tix] {
+              for (std::size_t j = tix; j < pages.size(); j += threads)
+                if (::pread(fd, static_cast<char*>(staging) + j * page, page, static_cast<off_t>(pages[j] * page)) != static_cast<ssize_t>(page))
+                  std::abort();  // the file is ours and whole: a short read is a broken machine
+            });
+          for (auto& x : ts) x.join();
+          u.check(api.cuMemcpyAsync(slots, reinterpret_cast<CUdeviceptr>(staging), pages.size() * page, u.s), "cuMemcpyAsync");
+          u.check(api.cuMemcpyAsync(slot_of, reinterpret_cast<CUdeviceptr>(slot.data()), k * 4, u.s), "cuMemcpyAsync");
+          CUdeviceptr idx_at = idx_dev + first * 8, out_at = out_dev + first * 4;
+          unsigned long long kk = k;
+          unsigned shift = page_shift;
+          void* args[] = {&slots, &slot_of, &idx_at, &kk, &shift, &out_at};
+          u.launch(ks, args);
+          u.sync();  // the staging buffer and slot map are reused by the next step
+        }
+        stg.push_back(secs_since(t));
+      }
+      verify("staged");
+      std::sort(stg.begin(), stg.end());
+      const double e_stg = row("staged", stg[stg.size() / 2]);
+      say(fmt::format("  {:>2} B {:<7} ferry warm / zero-copy {:.2f}x, / staged {:.2f}x", esize, dist, e_ferry / e_zc, e_ferry / e_stg));
+    }
+  }
+  std::string counters;
+  for (auto& [k, v] : rt.files().counters().snapshot())
+    if (k.starts_with("reads.") || k.starts_with("requests")) counters += fmt::format(" {}={}", k, v);
+  say("  file engine:" + counters);
+  ::close(fd);
+  api.cuMemFree(slots);
+  api.cuMemFree(slot_of);
+  api.cuMemFree(idx_dev);
+  api.cuMemFree(out_dev);
+  api.cuMemFree(failed_dev);
+  api.cuMemFreeHost(staging);
+  api.cuMemFreeHost(host);
+  if (!all_ok) say("VERIFICATION FAILED");
+  if (!o.json_out.empty()) {
+    json out_j{{"file", path}, {"bytes", bytes}, {"cache_bytes", cache_bytes}, {"page", page}, {"accesses", n}, {"step", step},
+               {"device", dev.id()}, {"name", dev.info().name}, {"rows", rows}, {"all_verified", all_ok}};
+    std::ofstream(o.json_out) << out_j.dump(2) << "\n";
+  }
+  f.reset();
+  if (!o.keep) ::unlink(path.c_str());
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace ferry::cli
