@@ -11,7 +11,8 @@
 // all in the same run, on the same indices: uniform, and Zipf-like (exponent 0.99, ranks scattered
 // over the dataset). Elements of 8 and 64 bytes. Every output is checked against the file's words.
 // Reports elements/s, effective GB/s (elements x element size / s) and, for ferry, the proxy's
-// requests/s (4 KiB pages by default) and hit rate.
+// requests/s (4 KiB pages by default) and hit rate, next to the file engine alone reading the same pages
+// into pinned host memory (the proxy's ceiling from the page cache on these cores).
 #include "bench.hpp"
 #include "kernels.hpp"
 #include "mem/cuda/driver.hpp"
@@ -26,6 +27,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -254,7 +256,12 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
             reqs.push_back(miss / secs);
             const auto& q = after.requests;
             const auto& q0 = before.requests;
-            proxy_note = {{"requests_per_batch", static_cast<double>(q.requests - q0.requests) / std::max<double>(1, static_cast<double>(q.batches - q0.batches))},
+            const double reqs_n = std::max(1.0, static_cast<double>((after.counted.misses + after.counted.writebacks) -
+                                                                    (before.counted.misses + before.counted.writebacks)));
+            proxy_note = {{"requester_submit_us", static_cast<double>(after.counted.submit_ns - before.counted.submit_ns) / reqs_n / 1e3},
+                          {"requester_answer_us", static_cast<double>(after.counted.answer_ns - before.counted.answer_ns) / reqs_n / 1e3},
+                          {"requester_copy_us", static_cast<double>(after.counted.copy_ns - before.counted.copy_ns) / reqs_n / 1e3},
+                          {"requests_per_batch", static_cast<double>(q.requests - q0.requests) / std::max<double>(1, static_cast<double>(q.batches - q0.batches))},
                           {"latency_p50_us", static_cast<double>(q.latency_p50_ns) / 1e3},
                           {"latency_p99_us", static_cast<double>(q.latency_p99_ns) / 1e3},
                           {"proxy_busy", static_cast<double>(q.busy_ns - q0.busy_ns) / (secs * 1e9)}};
@@ -270,6 +277,49 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
       cold_extra["proxy_requests_per_s"] = reqs[reqs.size() / 2];
       row("ferry cold", med_cold, cold_extra);
       const double e_ferry = row("ferry warm", med_warm, {{"hit_rate", hit_warm}});
+
+      // The file engine alone on the same pages (each distinct page the accesses touch, once), into
+      // pinned host memory, in batches of the proxy's size with as many requests under way as the
+      // ring has credits: what the proxy's misses could reach from this machine's page cache.
+      {
+        std::vector<std::uint64_t> distinct;
+        distinct.reserve(n);
+        for (auto i : idx) distinct.push_back((i * esize) >> page_shift);
+        std::sort(distinct.begin(), distinct.end());
+        distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+        const std::uint64_t batch = std::max<std::uint32_t>(1, rt.config().gpu_proxy_batch), most = rt.config().gpu_ring_slots;
+        std::vector<double> eng;
+        for (int round = 0; round < o.rounds; ++round) {
+          std::atomic<std::uint64_t> under_way{0}, failed_reads{0};
+          auto t = clk::now();
+          for (std::uint64_t at = 0; at < distinct.size(); at += batch) {
+            const std::uint64_t k = std::min<std::uint64_t>(batch, distinct.size() - at);
+            while (under_way.load() + k > most) std::this_thread::yield();
+            std::vector<file_request> rs;
+            for (std::uint64_t j = 0; j < k; ++j)
+              rs.push_back({f, distinct[at + j] * page, static_cast<char*>(staging) + ((at + j) % step_pages) * page, page, false});
+            under_way += k;
+            rt.files().submit(rs, {}, [&under_way, &failed_reads, k](std::span<const request_result> res) {
+              for (auto& x : res) failed_reads += x.state != request_state::done;
+              under_way -= k;
+            });
+          }
+          while (under_way.load()) std::this_thread::yield();
+          eng.push_back(secs_since(t));
+          if (failed_reads) {
+            all_ok = false;
+            say(fmt::format("  FAILED: {} reads of the file engine alone failed", failed_reads.load()));
+          }
+        }
+        std::sort(eng.begin(), eng.end());
+        const double rate = static_cast<double>(distinct.size()) / eng[eng.size() / 2];
+        const double proxy_rate = reqs[reqs.size() / 2];
+        say(fmt::format("  {:>2} B {:<7} file engine alone: {:.0f} reads/s of {} pages ({} distinct); ferry's proxy (cold) {:.2f}x that",
+                        esize, dist, rate, format_size(page), distinct.size(), proxy_rate / rate));
+        rows.push_back(json{{"method", "file engine alone"}, {"element_bytes", esize}, {"distribution", dist},
+                            {"pages", distinct.size()}, {"seconds", eng[eng.size() / 2]}, {"reads_per_s", rate},
+                            {"proxy_vs_engine", proxy_rate / rate}});
+      }
 
       // zero-copy from pinned host memory.
       CUfunction kh = u.fn("bench_host_gather_" + w);

@@ -44,6 +44,11 @@ struct cache_counters {
   std::uint64_t writebacks = 0;
   std::uint64_t failures = 0;
   std::uint64_t retired = 0;  // landing slots whose request went unanswered: the proxy may still use them
+  // Where a request's time goes, summed over requests (GPU clock, ns): getting a landing slot, a
+  // credit and a ticket (submit); then the answer; the copies between landing slot and frame.
+  std::uint64_t submit_ns = 0;
+  std::uint64_t answer_ns = 0;
+  std::uint64_t copy_ns = 0;
 };
 
 struct cache_view {
@@ -124,7 +129,7 @@ FERRY_GPU_HD inline void copy_page(unsigned char* dst, const unsigned char* src,
 // its landing slot stays locked for good (retired), so a late answer can only land there.
 FERRY_GPU_HD inline status exchange(const cache_view& c, op kind, const array_desc& a, std::uint64_t page, std::uint64_t f,
                                     std::uint64_t start) {
-  const std::uint64_t ls = f % c.landing_count;
+  const std::uint64_t ls = f % c.landing_count, te = now_ns();
   ref<std::uint32_t> lock(c.landing_lock[ls]);
   for (std::uint32_t free_ = 0; !lock.compare_exchange_weak(free_, 1u, mo::memory_order_acquire, mo::memory_order_relaxed); free_ = 0) {
     if (now_ns() - start > c.wait_ns) return status::timed_out;
@@ -139,14 +144,21 @@ FERRY_GPU_HD inline status exchange(const cache_view& c, op kind, const array_de
   r.addr = reinterpret_cast<std::uint64_t>(land);
   r.done = reinterpret_cast<std::uint64_t>(c.done + f);
   r.kind = kind;
+  const std::uint64_t t0 = now_ns();
   if (kind == op::write) copy_page(land, frame, r.bytes);  // published to the proxy by submit's release
+  const std::uint64_t t1 = now_ns();
   std::uint64_t t = submit(c.ring, r, c.wait_ns);
+  const std::uint64_t t2 = now_ns();
   status s = t == no_ticket ? status::timed_out : wait(c.ring, c.done + f, t, c.wait_ns);
+  const std::uint64_t t3 = now_ns();
+  count(c.counters->submit_ns, (t2 - t1) + (t0 - te));
+  count(c.counters->answer_ns, t3 - t2);
   if (t != no_ticket && s == status::timed_out) {
     count(c.counters->retired);
     return s;
   }
   if (s == status::ok && kind == op::read) copy_page(frame, land, r.bytes);
+  count(c.counters->copy_ns, now_ns() - t3 + (t1 - t0));
   lock.store(0, mo::memory_order_release);
   return s;
 }
@@ -235,6 +247,7 @@ FERRY_GPU_HD inline status acquire(const cache_view& c, const array_desc& a, std
   using namespace page_entry;
   detail::ref<std::uint64_t> e(a.entries[page]);
   const std::uint64_t start = detail::now_ns();
+  unsigned nap = 200;
   for (;;) {
     std::uint64_t x = e.load(detail::mo::memory_order_acquire);
     const std::uint64_t st = x & state_mask;
@@ -253,7 +266,8 @@ FERRY_GPU_HD inline status acquire(const cache_view& c, const array_desc& a, std
       continue;
     }
     if (detail::now_ns() - start > c.wait_ns) return detail::note_failure(c, status::timed_out);
-    detail::pause();  // busy: being filled or written back by another requester
+    detail::pause(nap);  // busy: being filled or written back by another requester, which takes a round trip
+    nap = nap < 3200 ? 2 * nap : nap;
   }
 }
 
