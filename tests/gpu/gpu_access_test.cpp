@@ -202,6 +202,30 @@ void to_host(void* dst, CUdeviceptr src, std::size_t bytes) {
   CU(cuStreamSynchronize(nullptr));
 }
 
+// The user's kernel must end by itself: waits for it at most a minute; if it has not ended, says
+// where the cache and its proxy stand and fails (the kernel is left running: the binary's other
+// tests may then fail too, but nothing waits for ever).
+bool kernel_ended(user_program& u, gpu::cache& c) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (g_api->cuStreamQuery(u.s) == CUDA_ERROR_NOT_READY && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (g_api->cuStreamQuery(u.s) != CUDA_ERROR_NOT_READY) {
+    CU(cuStreamSynchronize(u.s));
+    return true;
+  }
+  auto s = c.stats();
+  std::printf("the kernel still runs after a minute: %llu hits, %llu misses, %llu write-backs, %llu failures, %llu retired; proxy "
+              "%llu requests, %llu failed, %llu batches\n",
+              static_cast<unsigned long long>(s.counted.hits), static_cast<unsigned long long>(s.counted.misses),
+              static_cast<unsigned long long>(s.counted.writebacks), static_cast<unsigned long long>(s.counted.failures),
+              static_cast<unsigned long long>(s.counted.retired), static_cast<unsigned long long>(s.requests.requests),
+              static_cast<unsigned long long>(s.requests.failed), static_cast<unsigned long long>(s.requests.batches));
+  for (auto& e : c.requests().errors()) std::printf("proxy error: %s\n", e.c_str());
+  std::fflush(stdout);
+  ADD_FAILURE() << "the kernel did not end within a minute";
+  return false;
+}
+
 gpu::cache_options small_cache(std::uint64_t bytes, std::uint32_t page) {
   gpu::cache_options o = gpu::cache_options::from(g_settings);
   o.bytes = bytes;
@@ -223,7 +247,7 @@ void gather_matches_the_file(user_program& u, gpu::cache& c, const data_file& d,
   unsigned* stp = st.as<unsigned>();
   void* args[] = {&a, &outp, &n, &seed, &stp};
   CU(cuLaunchKernel(fn, static_cast<unsigned>(n / 256), 1, 1, 256, 1, 1, 0, u.s, args, nullptr));
-  CU(cuStreamSynchronize(u.s));
+  if (!kernel_ended(u, c)) return;
   std::vector<T> got(n);
   std::vector<unsigned> sts(n);
   to_host(got.data(), out.p, n * sizeof(T));
@@ -241,7 +265,8 @@ void gather_matches_the_file(user_program& u, gpu::cache& c, const data_file& d,
 std::uint32_t written_value(std::uint64_t i) { return static_cast<std::uint32_t>(i * 2654435761u + 7); }
 
 // The kernel cache_write_4: threads write value(first + i) to elements first .. first + n - 1.
-void write_elements(user_program& u, const gpu::array<std::uint32_t>& a, unsigned long long first, unsigned long long n) {
+void write_elements(user_program& u, gpu::cache& c, const gpu::array<std::uint32_t>& a, unsigned long long first,
+                    unsigned long long n) {
   CUfunction fn = nullptr;
   CU(cuModuleGetFunction(&fn, u.mod, "cache_write_4"));
   device_buffer st(n * 4);
@@ -249,7 +274,7 @@ void write_elements(user_program& u, const gpu::array<std::uint32_t>& a, unsigne
   gpu::array<std::uint32_t> arg = a;
   void* args[] = {&arg, &first, &n, &stp};
   CU(cuLaunchKernel(fn, static_cast<unsigned>((n + 255) / 256), 1, 1, 256, 1, 1, 0, u.s, args, nullptr));
-  CU(cuStreamSynchronize(u.s));
+  if (!kernel_ended(u, c)) return;
   std::vector<unsigned> sts(n);
   to_host(sts.data(), st.p, n * 4);
   std::size_t not_ok = 0;
@@ -291,7 +316,7 @@ TEST(GpuCache, ConcurrentWritersToOnePageThenFlushLandOnDisk) {
   data_file d(1ull << 20, 31);
   gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 64 << 10));
   auto a = c.map<std::uint32_t>(file::open(d.path.string(), open_mode::read_write), 0, d.bytes.size() / 4);
-  write_elements(u, a, 0, 16384);
+  write_elements(u, c, a, 0, 16384);
   EXPECT_EQ(c.stats().counted.misses, 1u) << "one page, filled once";
   EXPECT_EQ(c.flush(), 1u);
   auto disk = d.on_disk();
@@ -314,7 +339,7 @@ TEST(GpuCache, WritesOverAFileFourTimesTheCacheAreWrittenBackOnEviction) {
   data_file d(16ull << 20, 32);
   gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
   auto a = c.map<std::uint32_t>(file::open(d.path.string(), open_mode::read_write), 0, d.bytes.size() / 4);
-  write_elements(u, a, 0, a.size());
+  write_elements(u, c, a, 0, a.size());
   auto s = c.stats();
   EXPECT_GT(s.counted.writebacks, 0u);
   const std::uint64_t flushed = c.flush();
@@ -350,21 +375,7 @@ TEST(GpuCache, AFileCutShortMidKernelIsAStatusInTheKernelAndAnExceptionOnTheHost
   CU(cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, u.s, args, nullptr));
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::filesystem::resize_file(d.path, 8 << 20);
-  // The kernel must end by itself: wait for it at most a minute, and say where it stands if not.
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (g_api->cuStreamQuery(u.s) == CUDA_ERROR_NOT_READY && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  if (g_api->cuStreamQuery(u.s) == CUDA_ERROR_NOT_READY) {
-    auto s = c.stats();
-    std::printf("the kernel still runs after a minute: %llu misses, %llu failures, %llu retired; proxy %llu requests, %llu failed, "
-                "%llu batches\n",
-                static_cast<unsigned long long>(s.counted.misses), static_cast<unsigned long long>(s.counted.failures),
-                static_cast<unsigned long long>(s.counted.retired), static_cast<unsigned long long>(s.requests.requests),
-                static_cast<unsigned long long>(s.requests.failed), static_cast<unsigned long long>(s.requests.batches));
-    for (auto& e : c.requests().errors()) std::printf("proxy error: %s\n", e.c_str());
-    std::fflush(stdout);
-    FAIL() << "the kernel did not end";
-  }
+  if (!kernel_ended(u, c)) return;
   CU(cuStreamSynchronize(u.s));
   std::vector<std::uint64_t> got(pages);
   std::vector<unsigned> sts(pages);
