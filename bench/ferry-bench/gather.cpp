@@ -15,7 +15,6 @@
 // into pinned host memory (the proxy's ceiling from the page cache on these cores).
 #include "bench.hpp"
 #include "kernels.hpp"
-#include "mem/cuda/driver.hpp"
 
 #include <ferry/core/units.hpp>
 #include <ferry/gpu/cache.hpp>
@@ -73,39 +72,8 @@ std::vector<std::uint64_t> make_indices(std::uint64_t n, std::uint64_t elements,
   return idx;
 }
 
-struct user_side {
-  const cuda::driver_api& api;
-  CUdevice dev = 0;
-  CUcontext ctx = nullptr;
-  CUmodule mod = nullptr;
-  CUstream s = nullptr;
-  unsigned blocks = 0;
-  void check(CUresult r, const char* what) const { cuda::check(r, "bench gather", what); }
-  user_side(const cuda::driver_api& a, int ordinal) : api(a) {
-    check(api.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
-    check(api.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-    check(api.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-    check(api.cuModuleLoadData(&mod, ferry::detail::ferry_bench_kernels), "cuModuleLoadData");
-    check(api.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    int sms = 0, threads = 0;
-    check(api.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
-    check(api.cuDeviceGetAttribute(&threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev), "cuDeviceGetAttribute");
-    blocks = static_cast<unsigned>(sms * std::max(1, threads / 256));
-  }
-  ~user_side() {
-    if (s) api.cuStreamSynchronize(s), api.cuStreamDestroy(s);
-    if (mod) api.cuModuleUnload(mod);
-    api.cuDevicePrimaryCtxRelease(dev);
-  }
-  CUfunction fn(const std::string& name) const {
-    CUfunction f = nullptr;
-    check(api.cuModuleGetFunction(&f, mod, name.c_str()), "cuModuleGetFunction");
-    return f;
-  }
-  void launch(CUfunction f, void** args, unsigned grid = 0) {
-    check(api.cuLaunchKernel(f, grid ? grid : blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr), "cuLaunchKernel");
-  }
-  void sync() { check(api.cuStreamSynchronize(s), "cuStreamSynchronize"); }
+struct user_side : bench_user {
+  user_side(const cuda::driver_api& a, int ordinal) : bench_user(a, ordinal, "bench gather") {}
   void to_host(void* dst, CUdeviceptr src, std::uint64_t bytes) {
     check(api.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, s), "cuMemcpyAsync");
     sync();
@@ -213,7 +181,7 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
       const std::string w = std::to_string(nwords);
 
       // ferry: a new cache per round; cold = its first kernel, warm = the same indices again.
-      CUfunction kc = u.fn("bench_cache_gather_" + w);
+      CUfunction kc = u.fn(("bench_cache_gather_" + w).c_str());
       std::vector<double> cold, warm, reqs;
       json proxy_note;
       double hit_warm = 0;
@@ -322,7 +290,7 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
       }
 
       // zero-copy from pinned host memory.
-      CUfunction kh = u.fn("bench_host_gather_" + w);
+      CUfunction kh = u.fn(("bench_host_gather_" + w).c_str());
       std::vector<double> zc;
       for (int round = 0; round < o.rounds; ++round) {
         unsigned long long nn = n;
@@ -337,7 +305,7 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
       const double e_zc = row("zero-copy", zc[zc.size() / 2]);
 
       // host-orchestrated: per step, the CPU finds the pages, reads them, copies them, launches.
-      CUfunction ks = u.fn("bench_staged_gather_" + w);
+      CUfunction ks = u.fn(("bench_staged_gather_" + w).c_str());
       std::vector<double> stg;
       std::vector<std::uint64_t> pages;
       std::vector<unsigned> slot(step);

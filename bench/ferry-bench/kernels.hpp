@@ -1,7 +1,12 @@
 #pragma once
 // The host side of the benchmarks' kernels (pipeline_kernels.cu, embedded as a fatbin): the module
-// image and the word function the kernels use, to write their inputs and check their results.
+// image, the user's side that launches them, and the word function the kernels use, to write their
+// inputs and check their results. CUDA builds only.
 #include <ferry/runtime.hpp>
+
+#include "mem/cuda/driver.hpp"
+
+#include <algorithm>
 
 #include <cstdint>
 #include <string>
@@ -16,6 +21,48 @@ inline unsigned word_at(std::uint64_t i, unsigned seed) {
   std::uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
   return static_cast<unsigned>(z ^ (z >> 29));
 }
+
+// The user's side of a benchmark: the device's primary context (the one the runtime API, torch and
+// CuPy use), the benchmark kernels' module and a stream of the user's own; kernels are launched with
+// cuLaunchKernel, never through ferry.
+struct bench_user {
+  const cuda::driver_api& api;
+  const char* what;  // names the benchmark in errors
+  CUdevice dev = 0;
+  CUcontext ctx = nullptr;
+  CUmodule mod = nullptr;
+  CUstream s = nullptr;
+  unsigned blocks = 0;  // blocks of 256 threads that fill every SM
+
+  bench_user(const cuda::driver_api& a, int ordinal, const char* who) : api(a), what(who) {
+    check(api.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
+    check(api.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+    check(api.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+    check(api.cuModuleLoadData(&mod, ferry::detail::ferry_bench_kernels), "cuModuleLoadData");
+    check(api.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    int sms = 0, threads = 0;
+    check(api.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
+    check(api.cuDeviceGetAttribute(&threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev), "cuDeviceGetAttribute");
+    blocks = static_cast<unsigned>(sms * std::max(1, threads / 256));
+  }
+  ~bench_user() {
+    if (s) api.cuStreamSynchronize(s), api.cuStreamDestroy(s);
+    if (mod) api.cuModuleUnload(mod);
+    api.cuDevicePrimaryCtxRelease(dev);
+  }
+  bench_user(const bench_user&) = delete;
+  bench_user& operator=(const bench_user&) = delete;
+  void check(CUresult r, const char* call) const { cuda::check(r, what, call); }
+  CUfunction fn(const char* name) const {
+    CUfunction f = nullptr;
+    check(api.cuModuleGetFunction(&f, mod, name), "cuModuleGetFunction");
+    return f;
+  }
+  void launch(CUfunction f, void** args, unsigned grid = 0) {
+    check(api.cuLaunchKernel(f, grid ? grid : blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr), "cuLaunchKernel");
+  }
+  void sync() { check(api.cuStreamSynchronize(s), "cuStreamSynchronize"); }
+};
 
 // Writes a file of `bytes` (a multiple of 4) holding word_at(j, seed) at word j, through ferry, then
 // reads it once so that the page cache holds it.

@@ -332,31 +332,9 @@ std::uint64_t sum_words(const void* p, std::uint64_t bytes) {
 #ifdef FERRY_HAVE_CUDA
 // The user's side of the gather test: the primary context (the runtime API's), the user's own stream
 // and kernel (pipeline_kernels.cu), launched with cuLaunchKernel -- never through ferry.
-struct user_gather {
-  const cuda::driver_api& api;
-  CUdevice dev = 0;
-  CUcontext ctx = nullptr;
-  CUmodule mod = nullptr;
+struct user_gather : bench_user {
   CUfunction gather = nullptr;
-  CUstream s = nullptr;
-  unsigned blocks = 0;
-  void check(CUresult r, const char* what) const { cuda::check(r, "bench vm", what); }
-  user_gather(const cuda::driver_api& a, int ordinal) : api(a) {
-    check(api.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
-    check(api.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-    check(api.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-    check(api.cuModuleLoadData(&mod, ferry::detail::ferry_bench_kernels), "cuModuleLoadData");
-    check(api.cuModuleGetFunction(&gather, mod, "bench_gather"), "cuModuleGetFunction");
-    check(api.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    int sms = 0;
-    check(api.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
-    blocks = static_cast<unsigned>(sms * 8);
-  }
-  ~user_gather() {
-    if (s) api.cuStreamSynchronize(s), api.cuStreamDestroy(s);
-    if (mod) api.cuModuleUnload(mod);
-    api.cuDevicePrimaryCtxRelease(dev);
-  }
+  user_gather(const cuda::driver_api& a, int ordinal) : bench_user(a, ordinal, "bench vm"), gather(fn("bench_gather")) {}
   void run(const void* src, std::uint64_t src_bytes, void* out, std::uint64_t out_bytes, unsigned seed) {
     unsigned long long words = src_bytes / 4, n = out_bytes / 4;
     void* args[] = {const_cast<void**>(&src), &words, &out, &n, &seed};
