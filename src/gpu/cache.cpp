@@ -20,7 +20,7 @@ cache_options cache_options::from(const settings& s) {
   o.bytes = s.gpu_cache_bytes;
   o.page_bytes = s.gpu_cache_page;
   o.landing_bytes = s.gpu_cache_landing;
-  o.wait = s.deadline;
+  o.wait = 2 * s.deadline;
   o.requests = proxy_options::from(s);
   return o;
 }
@@ -137,12 +137,14 @@ struct cache::impl {
   }
 
   ~impl() {
+    // The proxy first: it waits for what it still serves (a late write-back must not land after
+    // the flush), then the flush writes what is dirty through the file engine.
+    px.reset();
     try {
       flush();
     } catch (const std::exception& e) {
       log::error("gpu", "{}: the page cache's dirty pages could not all be written back: {}", dev.id(), e.what());
     }
-    px.reset();
     try {
       st->synchronize(deadline_after(o.requests.deadline));
     } catch (const std::exception& e) {

@@ -242,3 +242,33 @@ TEST(GpuCache, BadOptionsAreRefused) {
     EXPECT_THAT(e.what(), HasSubstr("offset=10 bytes=0"));
   }
 }
+
+// Pages written into a cache over a file opened read-only cannot be written back: the requesters
+// that meet them while looking for a frame pass them over (the failure kept for the host), so reads
+// of other pages go on being served from the clean frames.
+TEST(GpuCache, DirtyPagesThatCannotBeWrittenBackDoNotFailOtherReads) {
+  runtime rt(sim_cfg());
+  data_file d("gpu-cache-readonly", 1 << 20, 8);
+  gpu::cache_options o = host_cache(64 << 10, 4096);  // 16 frames
+  o.wait = std::chrono::seconds(5);
+  gpu::cache c(rt, rt.devices().get("sim:0"), o);
+  auto a = c.map<std::uint32_t>(file::open(d.path.string(), open_mode::read), 0, d.bytes.size() / 4);
+  for (std::uint64_t p = 0; p < 8; ++p) ASSERT_EQ(a.set(p * 1024, 7u), gpu::status::ok) << "page " << p;
+  std::mt19937_64 rng(3);
+  int not_ok = 0, wrong = 0;
+  for (int k = 0; k < 200; ++k) {
+    const std::uint64_t i = 8 * 1024 + rng() % (a.size() - 8 * 1024);
+    std::uint32_t v = 0;
+    if (a.get(i, v) != gpu::status::ok) not_ok++;
+    else wrong += std::memcmp(&v, d.bytes.data() + 4 * i, 4) != 0;
+  }
+  EXPECT_EQ(not_ok, 0);
+  EXPECT_EQ(wrong, 0);
+  EXPECT_GT(c.stats().counted.failures, 0u) << "the write-backs were tried and failed";
+  try {
+    c.check();
+    FAIL() << "check did not throw";
+  } catch (const error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("read-only"));
+  }
+}

@@ -75,7 +75,9 @@ class array {
     asm("mov.u32 %0, %%laneid;" : "=r"(lane));
     const bool lead = lane == static_cast<unsigned>(leader);
     status s = status::ok;
-    if (lead) s = acquire(c_, a_, page, __popc(peers), write, frame);
+    // Peers may mix reads and writes (the same call, grouped by the scheduler): any write makes it one.
+    const bool any_write = __any_sync(peers, write);
+    if (lead) s = acquire(c_, a_, page, __popc(peers), any_write, frame);
     s = static_cast<status>(__shfl_sync(peers, static_cast<unsigned>(s), leader));
     frame = __shfl_sync(peers, frame, leader);
     __syncwarp(peers);  // orders the leader's acquire before its peers' accesses

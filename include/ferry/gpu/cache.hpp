@@ -29,8 +29,10 @@ struct FERRY_API cache_options {
   std::uint32_t page_bytes = settings::defaults().gpu_cache_page;  // a power of two, 4 KiB to 2 MiB
   std::uint64_t landing_bytes = settings::defaults().gpu_cache_landing;  // pinned host memory pages pass through
   std::uint32_t arrays = 256;                                      // how many ranges may be mapped
-  // The longest a requester waits for a slot, an answer, a frame or a page another is filling.
-  std::chrono::nanoseconds wait = settings::defaults().deadline;
+  // The longest a requester waits for each step: a slot, an answer, a frame. Longer than the proxy's
+  // deadline per request (requests.deadline), so that a request the proxy gives up on is answered
+  // (timed_out) before its requester stops waiting, and its landing slot is not retired.
+  std::chrono::nanoseconds wait = 2 * settings::defaults().deadline;
   proxy_options requests;  // the ring, the proxy's deadline per request; by == host: host threads request
   static cache_options from(const settings& s);
 };

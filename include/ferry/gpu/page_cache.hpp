@@ -126,15 +126,22 @@ FERRY_GPU_HD inline void copy_page(unsigned char* dst, const unsigned char* src,
 
 // One request to the proxy for frame f (fill: read; write back: write), through f's landing slot,
 // and its answer. A request the proxy took but did not answer in time may still be served later:
-// its landing slot stays locked for good (retired), so a late answer can only land there.
+// its landing slot stays locked for good (retired), so a late answer can only land there. The slot
+// is the first free one from f % landing_count on: a retired slot is passed over, not waited for.
 FERRY_GPU_HD inline status exchange(const cache_view& c, op kind, const array_desc& a, std::uint64_t page, std::uint64_t f,
                                     std::uint64_t start) {
-  const std::uint64_t ls = f % c.landing_count, te = now_ns();
-  ref<std::uint32_t> lock(c.landing_lock[ls]);
-  for (std::uint32_t free_ = 0; !lock.compare_exchange_weak(free_, 1u, mo::memory_order_acquire, mo::memory_order_relaxed); free_ = 0) {
-    if (now_ns() - start > c.wait_ns) return status::timed_out;
-    pause();
+  const std::uint64_t te = now_ns();
+  std::uint64_t ls = f % c.landing_count;
+  for (std::uint64_t tries = 1;; ++tries, ls = (ls + 1) % c.landing_count) {
+    std::uint32_t free_ = 0;
+    if (ref<std::uint32_t>(c.landing_lock[ls]).compare_exchange_strong(free_, 1u, mo::memory_order_acquire, mo::memory_order_relaxed))
+      break;
+    if (tries % c.landing_count == 0) {  // a whole lap: every slot busy or retired
+      if (now_ns() - start > c.wait_ns) return status::timed_out;
+      pause();
+    }
   }
+  ref<std::uint32_t> lock(c.landing_lock[ls]);
   unsigned char* land = c.landing + (ls << c.page_shift);
   unsigned char* frame = c.frames + (f << c.page_shift);
   request r;
@@ -189,9 +196,13 @@ FERRY_GPU_HD inline status claim(const cache_view& c, std::uint64_t start, std::
           if (e.compare_exchange_strong(x, busy | (f << frame_shift), mo::memory_order_acq_rel, mo::memory_order_relaxed)) {
             status s = exchange(c, op::write, a, page, f, start);
             if (s != status::ok) {
-              e.store(x, mo::memory_order_release);  // still valid and dirty: written back later, or by a flush
+              // Still valid and dirty: written back later, or by a flush; the failure is the host's
+              // to see (cache::check), and this requester looks on for another frame.
+              e.store(x, mo::memory_order_release);
               o.store(k, mo::memory_order_release);
-              return s;
+              note_failure(c, s);
+              if (now_ns() - start > c.wait_ns) return status::timed_out;
+              continue;
             }
             e.store(invalid, mo::memory_order_release);
             count(c.counters->writebacks);
@@ -240,8 +251,8 @@ FERRY_GPU_HD inline status fill(const cache_view& c, const array_desc& a, std::u
 }  // namespace detail
 
 // Takes `holders` holds on page `page` of `a` for reading (or writing: the page becomes dirty),
-// filling it on a miss; `frame` is where its bytes are. Waits at most c.wait_ns for a page another
-// requester is filling and as long again for each request. Every hold is given back by release().
+// filling it on a miss; `frame` is where its bytes are. Waits at most 6 c.wait_ns for a page another
+// requester is filling, and c.wait_ns for each of its own steps. Every hold is given back by release().
 FERRY_GPU_HD inline status acquire(const cache_view& c, const array_desc& a, std::uint64_t page, std::uint32_t holders, bool write,
                                    std::uint64_t& frame) {
   using namespace page_entry;
@@ -265,8 +276,10 @@ FERRY_GPU_HD inline status acquire(const cache_view& c, const array_desc& a, std
         return detail::fill(c, a, page, holders, write, start, frame);
       continue;
     }
-    if (detail::now_ns() - start > c.wait_ns) return detail::note_failure(c, status::timed_out);
-    detail::pause(nap);  // busy: being filled or written back by another requester, which takes a round trip
+    // Busy: being filled or written back by another requester, whose own steps (a frame, a landing
+    // slot, a write-back, a read) each have the wait: this one waits as long as they all may.
+    if (detail::now_ns() - start > 6 * c.wait_ns) return detail::note_failure(c, status::timed_out);
+    detail::pause(nap);
     nap = nap < 3200 ? 2 * nap : nap;
   }
 }
