@@ -4,6 +4,7 @@
 #include <ferry/runtime.hpp>
 
 #include "core/logging.hpp"
+#include "gpu/region.hpp"
 
 #include <fmt/format.h>
 
@@ -37,25 +38,6 @@ std::string_view name(status s) {
   }
   return "unknown";
 }
-
-// Memory where the requesters run: device memory for kernels; for host requesters, host memory
-// mapped for the device and the CPU at one address.
-struct region {
-  physical_chunk chunk;
-  va_range va;
-  std::uint64_t bytes = 0;
-  region() = default;
-  region(device& dev, std::uint64_t want, requesters by) {
-    const std::uint64_t g = dev.granularity();
-    bytes = (want + g - 1) / g * g;
-    va = dev.reserve(bytes);
-    chunk = dev.allocate(bytes, by == requesters::device ? location::on_device() : location::on_host());
-    dev.map(va.base(), chunk);
-    std::vector<access_desc> who{{location::on_device(dev.info().ordinal), access::read_write}};
-    if (by == requesters::host) who.push_back({location::on_host(), access::read_write});
-    dev.set_access(va.base(), bytes, who);
-  }
-};
 
 constexpr std::uint64_t align64(std::uint64_t n) { return (n + 63) / 64 * 64; }
 
@@ -121,8 +103,7 @@ struct cache::impl {
     meta = region(dev, total, by);
     std::vector<std::byte> init(total);
     for (std::uint32_t f = 0; f < v.frame_count; ++f) std::memcpy(init.data() + at_owner + 8ull * f, &owner_word::free, 8);
-    st->copy(meta.va.base(), init.data(), total);
-    st->synchronize(deadline_after(o.requests.deadline));
+    copy_words(meta.va.base(), init.data(), total);
 
     v.frames = frames.va.at<unsigned char>(0);
     v.owner = meta.va.at<std::uint64_t>(at_owner);
@@ -152,12 +133,9 @@ struct cache::impl {
     }
   }
 
-  template <typename T>
-  void read_words(T* dst, const void* src, std::size_t bytes) {
-    st->copy(dst, src, bytes);
-    st->synchronize(deadline_after(o.requests.deadline));
-  }
-  void write_words(void* dst, const void* src, std::size_t bytes) {
+  // The host's reads and writes of the cache's words (in device memory for kernels): a copy on the
+  // cache's stream, waited for.
+  void copy_words(void* dst, const void* src, std::size_t bytes) {
     st->copy(dst, src, bytes);
     st->synchronize(deadline_after(o.requests.deadline));
   }
@@ -182,8 +160,7 @@ struct cache::impl {
     m.d.id = static_cast<std::uint32_t>(arrays.size());
     m.d.source = px->add(f);
     m.f = std::move(f);
-    st->copy(const_cast<array_desc*>(v.arrays) + m.d.id, &m.d, sizeof m.d);
-    st->synchronize(deadline_after(o.requests.deadline));
+    copy_words(const_cast<array_desc*>(v.arrays) + m.d.id, &m.d, sizeof m.d);
     arrays.push_back(std::move(m));
     return arrays.back().d;
   }
@@ -195,7 +172,7 @@ struct cache::impl {
     for (auto& m : arrays) {
       const std::uint64_t pages = (m.d.bytes + o.page_bytes - 1) / o.page_bytes;
       std::vector<std::uint64_t> e(pages);
-      read_words(e.data(), m.d.entries, pages * 8);
+      copy_words(e.data(), m.d.entries, pages * 8);
       std::vector<file_request> reqs;
       std::vector<std::uint64_t> which;
       for (std::uint64_t p = 0; p < pages; ++p) {
@@ -212,7 +189,7 @@ struct cache::impl {
       b.wait();
       b.check();
       for (std::uint64_t p : which) e[p] &= ~dirty;
-      write_words(m.d.entries, e.data(), pages * 8);
+      copy_words(m.d.entries, e.data(), pages * 8);
       written += reqs.size();
     }
     return written;
@@ -221,10 +198,10 @@ struct cache::impl {
   void check() {
     std::lock_guard l(mu);
     std::uint32_t err = 0;
-    read_words(&err, v.error, 4);
+    copy_words(&err, v.error, 4);
     if (!err) return;
     static const std::uint32_t none = 0;
-    write_words(v.error, &none, 4);
+    copy_words(v.error, &none, 4);
     const status s = static_cast<status>(err);
     std::string why;
     for (auto& e : px->errors()) why += "; " + e;
@@ -250,7 +227,7 @@ proxy& cache::requests() noexcept { return *impl_->px; }
 cache_stats cache::stats() const {
   cache_stats s;
   std::lock_guard l(impl_->mu);
-  impl_->read_words(&s.counted, impl_->v.counters, sizeof s.counted);
+  impl_->copy_words(&s.counted, impl_->v.counters, sizeof s.counted);
   s.requests = impl_->px->stats();
   s.frames = impl_->v.frame_count;
   s.page_bytes = impl_->o.page_bytes;

@@ -4,6 +4,7 @@
 #include <ferry/runtime.hpp>
 
 #include "core/logging.hpp"
+#include "gpu/region.hpp"
 
 #include <fmt/format.h>
 
@@ -11,6 +12,7 @@
 #include <bit>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -29,10 +31,9 @@ struct proxy::impl {
   runtime& rt;
   device& dev;
   proxy_options o;
-  // The ring's memory: slots (and, for host requesters, the tail) in a host chunk mapped for the
-  // CPU and the device at one address; for kernels, the tail in a device chunk.
-  va_range host_va, dev_va;
-  physical_chunk host_chunk, dev_chunk;
+  // The ring's memory: slots (and, for host requesters, the tail and credits) in host memory mapped
+  // for the CPU and the device at one address; for kernels, the tail and credits in device memory.
+  region host, tail;
   ring_view v;
   std::unique_ptr<stream> st;  // the answers to kernels: write-values after the data
   std::mutex st_mu;
@@ -53,37 +54,24 @@ struct proxy::impl {
     expects(o.slots >= 2 && (o.slots & (o.slots - 1)) == 0, "gpu.proxy", fmt::format("{} slots", o.slots),
             "a ring's slots must be a power of two, at least 2");
     expects(o.batch >= 1, "gpu.proxy", "batch=0", "a batch takes at least one request");
-    const std::uint64_t g = dev.granularity();
-    const std::uint64_t need = o.slots * sizeof(slot) + 2 * sizeof(std::uint64_t);
-    const std::uint64_t bytes = (need + g - 1) / g * g;
-    host_va = dev.reserve(bytes);
-    host_chunk = dev.allocate(bytes, ferry::location::on_host());
-    dev.map(host_va.base(), host_chunk);
-    std::vector<access_desc> both{{ferry::location::on_device(dev.info().ordinal), access::read_write},
-                                  {ferry::location::on_host(), access::read_write}};
-    dev.set_access(host_va.base(), bytes, both);
-    auto* slots = host_va.at<slot>(0);
+    const std::uint64_t words = 2 * sizeof(std::uint64_t);  // the tail, then the credits (the low half of the second word)
+    host = region(dev, o.slots * sizeof(slot) + words, requesters::host);
+    auto* slots = host.va.at<slot>(0);
     init(slots, o.slots);
     v.slots = slots;
     v.capacity = o.slots;
     st = dev.create_stream();
+    const std::uint64_t init_words[2] = {0, o.slots};
     if (o.by == requesters::host) {
-      v.tail = host_va.at<std::uint64_t>(o.slots * sizeof(slot));
-      v.credits = host_va.at<std::uint32_t>(o.slots * sizeof(slot) + sizeof(std::uint64_t));
-      *v.tail = 0;
-      *v.credits = o.slots;
+      std::memcpy(host.va.at<std::byte>(o.slots * sizeof(slot)), init_words, words);
+      v.tail = host.va.at<std::uint64_t>(o.slots * sizeof(slot));
     } else {
-      dev_va = dev.reserve(g);
-      dev_chunk = dev.allocate(g, ferry::location::on_device());
-      dev.map(dev_va.base(), dev_chunk);
-      std::vector<access_desc> gpu{{ferry::location::on_device(dev.info().ordinal), access::read_write}};
-      dev.set_access(dev_va.base(), g, gpu);
-      v.tail = dev_va.at<std::uint64_t>(0);
-      v.credits = dev_va.at<std::uint32_t>(sizeof(std::uint64_t));
-      const std::uint64_t init[2] = {0, o.slots};  // tail, then the credits (the low half of the second word)
-      st->copy(v.tail, init, sizeof init);
+      tail = region(dev, words, requesters::device);
+      v.tail = tail.va.at<std::uint64_t>(0);
+      st->copy(v.tail, init_words, words);
       st->synchronize(deadline_after(o.deadline));
     }
+    v.credits = reinterpret_cast<std::uint32_t*>(v.tail + 1);
     th = std::thread([this] { serve(); });
   }
 
@@ -103,18 +91,8 @@ struct proxy::impl {
     }
   }
 
-  void answer_to(const request& r, std::uint64_t ticket, status sta) {
-    std::uint32_t a = answer(ticket, sta);
-    auto* word = reinterpret_cast<std::uint32_t*>(r.done);
-    if (o.by == requesters::host) {
-      std::atomic_ref<std::uint32_t>(*word).store(a, std::memory_order_release);
-      return;
-    }
-    std::lock_guard l(st_mu);
-    st->write_value(word, a);  // in the stream's order: after nothing but earlier answers (the data is in place)
-  }
-
-  // The answers of a batch: for kernels, one batch of write-values on the stream.
+  // Answers into the requesters' words: host requesters' stored here; kernels' as one batch of
+  // write-values on the stream (in its order: after earlier answers only; the data is in place).
   void answer_all(std::span<const stream::value_write> as) {
     if (as.empty()) return;
     if (o.by == requesters::host) {
@@ -133,7 +111,8 @@ struct proxy::impl {
       if (errs.size() > 64) errs.pop_front();
     }
     try {
-      answer_to(r, ticket, sta);
+      const stream::value_write a{reinterpret_cast<std::uint32_t*>(r.done), answer(ticket, sta)};
+      answer_all({&a, 1});
     } catch (const std::exception& e) {
       log::error("gpu", "{}: answering request {} failed: {}", dev.id(), ticket, e.what());
     }
@@ -147,13 +126,15 @@ struct proxy::impl {
     auto taken = std::make_shared<std::vector<std::pair<request, std::uint64_t>>>();
     frs.reserve(rs.size());
     taken->reserve(rs.size());
+    std::vector<std::shared_ptr<file>> fs(rs.size());  // each request's source, looked up under one lock
+    {
+      std::lock_guard l(mu);
+      for (std::size_t i = 0; i < rs.size(); ++i)
+        if (rs[i].source < sources.size()) fs[i] = sources[rs[i].source];
+    }
     for (std::size_t i = 0; i < rs.size(); ++i) {
       const request& r = rs[i];
-      std::shared_ptr<file> f;
-      {
-        std::lock_guard l(mu);
-        if (r.source < sources.size()) f = sources[r.source];
-      }
+      std::shared_ptr<file>& f = fs[i];
       if (!f) {
         failed(r, tickets[i], status::failed, fmt::format("no source {}", r.source));
         continue;
@@ -162,7 +143,7 @@ struct proxy::impl {
         failed(r, tickets[i], status::failed, fmt::format("unknown operation {}", static_cast<unsigned>(r.kind)));
         continue;
       }
-      frs.push_back({f, r.offset, reinterpret_cast<void*>(r.addr), r.bytes, r.kind == op::write});
+      frs.push_back({std::move(f), r.offset, reinterpret_cast<void*>(r.addr), r.bytes, r.kind == op::write});
       taken->emplace_back(r, tickets[i]);
     }
     if (frs.empty()) return;

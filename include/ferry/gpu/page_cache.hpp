@@ -60,7 +60,8 @@ struct cache_view {
   cache_counters* counters = nullptr;
   std::uint32_t* error = nullptr;  // the first failure's status, until the host takes it (cache::check)
   // Pinned host memory the proxy reads pages into and writes them from, one page per slot; frame f
-  // passes through slot f % landing_count, held by its lock word (in the requesters' memory).
+  // passes through the first free slot from f % landing_count on, held by its lock word (in the
+  // requesters' memory).
   unsigned char* landing = nullptr;
   std::uint32_t* landing_lock = nullptr;
   std::uint32_t landing_count = 0;
@@ -171,7 +172,8 @@ FERRY_GPU_HD inline status exchange(const cache_view& c, op kind, const array_de
 }
 
 // Locks a frame for a page to be filled into: a free one, or one whose page can go (written back
-// first when dirty). Returns ok with `frame` locked, or the failure of a write-back, or timed_out.
+// first when dirty; a write-back that fails is noted and the frame passed over). Returns ok with
+// `frame` locked, or timed_out.
 FERRY_GPU_HD inline status claim(const cache_view& c, std::uint64_t start, std::uint64_t& frame) {
   using namespace page_entry;
   ref<std::uint64_t> hand(*c.hand);
