@@ -39,69 +39,54 @@ constexpr unsigned seed = 0x5eed;
 
 double secs_since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
 
-// The user's side: the device's primary context (as the runtime API, torch and CuPy use), their
-// kernel, two streams of theirs and a few chunk buffers they reuse round-robin.
-struct user_side {
-  const cuda::driver_api& api;
-  CUdevice dev = 0;
-  CUcontext ctx = nullptr;
-  CUmodule mod = nullptr;
+// The user's side (bench_user: their primary context, the kernels, a stream) with their kernel, a
+// second stream of theirs and a few chunk buffers they reuse round-robin. The kernel fills the GPU
+// (every SM at full occupancy), as a real one would: kernels of two streams then take turns instead
+// of sharing the GPU.
+struct user_side : bench_user {
   CUfunction consume = nullptr;
-  CUstream s[2] = {};
+  CUstream s1 = nullptr;
   std::vector<CUdeviceptr> bufs;
   CUdeviceptr bad = 0;
-  unsigned blocks = 0;
 
-  void check(CUresult r, const char* what) const { cuda::check(r, "bench pipeline", what); }
-  user_side(const cuda::driver_api& a, int ordinal, int nbufs, std::uint64_t chunk) : api(a) {
-    check(api.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
-    check(api.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-    check(api.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-    check(api.cuModuleLoadData(&mod, ferry::detail::ferry_bench_kernels), "cuModuleLoadData");
-    check(api.cuModuleGetFunction(&consume, mod, "bench_consume"), "cuModuleGetFunction");
-    for (auto& x : s) check(api.cuStreamCreate(&x, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  user_side(const cuda::driver_api& a, int ordinal, int nbufs, std::uint64_t chunk)
+      : bench_user(a, ordinal, "bench pipeline"), consume(fn("bench_consume")) {
+    check(api.cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     for (int i = 0; i < nbufs; ++i) {
       CUdeviceptr p = 0;
       check(api.cuMemAlloc(&p, chunk), "cuMemAlloc");
       bufs.push_back(p);
     }
     check(api.cuMemAlloc(&bad, 8), "cuMemAlloc");
-    // A kernel that fills the GPU (every SM at full occupancy), as a real one would: kernels of two
-    // streams then take turns instead of sharing the GPU.
-    int sms = 0, threads = 0;
-    check(api.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
-    check(api.cuDeviceGetAttribute(&threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev), "cuDeviceGetAttribute");
-    blocks = static_cast<unsigned>(sms * std::max(1, threads / 256));
   }
   ~user_side() {
-    for (auto x : s)
-      if (x) api.cuStreamSynchronize(x), api.cuStreamDestroy(x);
+    if (s1) api.cuStreamSynchronize(s1), api.cuStreamDestroy(s1);
+    api.cuStreamSynchronize(s);  // the buffers go before the base class lets go of the stream
     for (auto p : bufs) api.cuMemFree(p);
     if (bad) api.cuMemFree(bad);
-    if (mod) api.cuModuleUnload(mod);
-    api.cuDevicePrimaryCtxRelease(dev);
   }
+  CUstream stream(int si) const { return si ? s1 : s; }
   void launch(int si, CUdeviceptr buf, std::uint64_t bytes, std::uint64_t first_word, std::uint64_t busy_ns) {
     CUdeviceptr src = buf;
     unsigned long long words = bytes / 4, first = first_word, busy = busy_ns;
     unsigned sd = seed;
     CUdeviceptr badp = bad;
     void* args[] = {&src, &words, &first, &sd, &busy, &badp};
-    check(api.cuLaunchKernel(consume, blocks, 1, 1, 256, 1, 1, 0, s[si], args, nullptr), "cuLaunchKernel");
+    check(api.cuLaunchKernel(consume, blocks, 1, 1, 256, 1, 1, 0, stream(si), args, nullptr), "cuLaunchKernel");
   }
-  void sync(int si) { check(api.cuStreamSynchronize(s[si]), "cuStreamSynchronize"); }
+  void sync(int si) { check(api.cuStreamSynchronize(stream(si)), "cuStreamSynchronize"); }
   void sync_all() {
     sync(0);
     sync(1);
   }
   void reset_bad() {
-    check(api.cuMemsetD8Async(bad, 0, 8, s[0]), "cuMemsetD8Async");
+    check(api.cuMemsetD8Async(bad, 0, 8, s), "cuMemsetD8Async");
     sync(0);
   }
   std::uint64_t bad_words() {
     sync_all();
     std::uint64_t v = 0;
-    check(api.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(&v), bad, 8, s[0]), "cuMemcpyAsync");
+    check(api.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(&v), bad, 8, s), "cuMemcpyAsync");
     sync(0);
     return v;
   }
@@ -154,7 +139,7 @@ int run_bench_pipeline(runtime& rt, const bench_pipeline_options& o) {
 
   user_side u(*drv.api, dev.info().ordinal, o.buffers, chunk);
   std::unique_ptr<stream> views[2];
-  for (int i = 0; i < 2; ++i) views[i] = dev.wrap_stream(native_stream{reinterpret_cast<std::uintptr_t>(u.s[i])});
+  for (int i = 0; i < 2; ++i) views[i] = dev.wrap_stream(native_stream{reinterpret_cast<std::uintptr_t>(u.stream(i))});
   auto buf_of = [&](std::size_t i) { return u.bufs[i % u.bufs.size()]; };
   auto ptr = [](CUdeviceptr p) { return reinterpret_cast<void*>(p); };
 
