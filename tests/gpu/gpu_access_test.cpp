@@ -7,6 +7,7 @@
 #include <ferry/runtime.hpp>
 
 #include "mem/cuda/driver.hpp"
+#include "support/cuda_user.hpp"
 #include "support/data.hpp"
 
 #include <gmock/gmock.h>
@@ -49,26 +50,10 @@ struct device_buffer {
   T* as() const { return reinterpret_cast<T*>(p); }
 };
 
-// The user's side: primary context, the kernel, a stream.
-struct user_program {
-  CUdevice dev = 0;
-  CUcontext ctx = nullptr;
-  CUmodule mod = nullptr;
+// The user's side: primary context, the kernels, a stream.
+struct user_program : test::cuda_user {
   CUfunction read = nullptr;
-  CUstream s = nullptr;
-  user_program() {
-    CU(cuDeviceGet(&dev, 0));
-    CU(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CU(cuCtxSetCurrent(ctx));
-    CU(cuModuleLoadData(&mod, ferry::detail::ferry_access_kernels));
-    CU(cuModuleGetFunction(&read, mod, "gpu_access_read"));
-    CU(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
-  }
-  ~user_program() {
-    g_api->cuStreamDestroy(s);
-    g_api->cuModuleUnload(mod);
-    g_api->cuDevicePrimaryCtxRelease(dev);
-  }
+  user_program() : cuda_user(*g_api, ferry::detail::ferry_access_kernels), read(fn("gpu_access_read")) {}
 };
 
 struct data_file : test::random_file {
@@ -237,8 +222,7 @@ gpu::cache_options small_cache(std::uint64_t bytes, std::uint32_t page) {
 template <typename T>
 void gather_matches_the_file(user_program& u, gpu::cache& c, const data_file& d, const char* kernel) {
   const std::uint64_t base = 13;
-  CUfunction fn = nullptr;
-  CU(cuModuleGetFunction(&fn, u.mod, kernel));
+  CUfunction fn = u.fn(kernel);
   auto a = gpu::array<T>(c.view(), c.map_bytes(file::open(d.path.string(), open_mode::read), base, d.bytes.size() - base));
   unsigned long long n = 16384;
   unsigned seed = sizeof(T);
@@ -267,8 +251,7 @@ std::uint32_t written_value(std::uint64_t i) { return static_cast<std::uint32_t>
 // The kernel cache_write_4: threads write value(first + i) to elements first .. first + n - 1.
 void write_elements(user_program& u, gpu::cache& c, const gpu::array<std::uint32_t>& a, unsigned long long first,
                     unsigned long long n) {
-  CUfunction fn = nullptr;
-  CU(cuModuleGetFunction(&fn, u.mod, "cache_write_4"));
+  CUfunction fn = u.fn("cache_write_4");
   device_buffer st(n * 4);
   unsigned* stp = st.as<unsigned>();
   gpu::array<std::uint32_t> arg = a;
@@ -365,8 +348,7 @@ TEST(GpuCache, AFileCutShortMidKernelIsAStatusInTheKernelAndAnExceptionOnTheHost
   data_file d(64ull << 20, 33);
   gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
   auto a = c.map<std::uint64_t>(file::open(d.path.string(), open_mode::read), 0, d.bytes.size() / 8);
-  CUfunction fn = nullptr;
-  CU(cuModuleGetFunction(&fn, u.mod, "cache_sweep_8"));
+  CUfunction fn = u.fn("cache_sweep_8");
   unsigned long long per_page = 4096 / 8, pages = d.bytes.size() / 4096;
   device_buffer out(pages * 8), st(pages * 4);
   auto* outp = out.as<unsigned long long>();

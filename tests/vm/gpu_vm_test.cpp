@@ -7,6 +7,7 @@
 #include <ferry/vm/address_space.hpp>
 
 #include "mem/cuda/driver.hpp"
+#include "support/cuda_user.hpp"
 #include "support/data.hpp"
 #include "support/fork_touch.hpp"
 #include "support/prefetch_mover.hpp"
@@ -38,26 +39,10 @@ unsigned value_at(std::uint64_t i, unsigned seed) {
 
 // The user's program: the primary context of cuda:0, their kernels (tests/support/user_kernels.cu),
 // their stream -- nothing of ferry's device layer.
-struct user_program {
-  CUdevice dev = 0;
-  CUcontext ctx = nullptr;
-  CUmodule mod = nullptr;
+struct user_program : test::cuda_user {
   CUfunction produce = nullptr, gather = nullptr;
-  CUstream s = nullptr;
-  user_program() {
-    CU(cuDeviceGet(&dev, 0));
-    CU(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CU(cuCtxSetCurrent(ctx));
-    CU(cuModuleLoadData(&mod, ferry::detail::ferry_user_kernels));
-    CU(cuModuleGetFunction(&produce, mod, "user_produce"));
-    CU(cuModuleGetFunction(&gather, mod, "user_gather"));
-    CU(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
-  }
-  ~user_program() {
-    g_api->cuStreamDestroy(s);
-    g_api->cuModuleUnload(mod);
-    g_api->cuDevicePrimaryCtxRelease(dev);
-  }
+  user_program()
+      : cuda_user(*g_api, ferry::detail::ferry_user_kernels), produce(fn("user_produce")), gather(fn("user_gather")) {}
   void launch_produce(void* dst, std::uint64_t bytes, unsigned seed) {
     unsigned long long words = bytes / 4, spin = 0;
     void* args[] = {&dst, &words, &seed, &spin};
