@@ -159,12 +159,6 @@ void stream::write_value(std::uint32_t* addr, std::uint32_t value) {
     fail(errc::invalid_argument, "stream.write_value", describe_range(addr, 4), "needs a 4-byte aligned word");
   do_write_value(addr, value);
 }
-void stream::write_values(std::span<const value_write> writes) {
-  for (auto& w : writes)
-    if (!w.addr || reinterpret_cast<std::uintptr_t>(w.addr) % alignof(std::uint32_t))
-      fail(errc::invalid_argument, "stream.write_values", describe_range(w.addr, 4), "needs a 4-byte aligned word");
-  if (!writes.empty()) do_write_values(writes);
-}
 void stream::wait_value(const std::uint32_t* addr, std::uint32_t value) {
   if (!addr || reinterpret_cast<std::uintptr_t>(addr) % alignof(std::uint32_t))
     fail(errc::invalid_argument, "stream.wait_value", describe_range(addr, 4), "needs a 4-byte aligned word");

@@ -91,10 +91,9 @@ struct cache::impl {
     landing_reg = rt.registrations().acquire(landing.get(), landing_bytes);
     v.landing = landing.get();
 
-    // The words: owner[frames], done[frames], arrays[o.arrays], hand, counters, error, landing locks.
+    // The words: owner[frames], arrays[o.arrays], hand, counters, error, landing locks.
     const std::uint64_t at_owner = 0;
-    const std::uint64_t at_done = align64(at_owner + 8ull * v.frame_count);
-    const std::uint64_t at_arrays = align64(at_done + 4ull * v.frame_count);
+    const std::uint64_t at_arrays = align64(at_owner + 8ull * v.frame_count);
     const std::uint64_t at_hand = align64(at_arrays + sizeof(array_desc) * o.arrays);
     const std::uint64_t at_counters = align64(at_hand + 8);
     const std::uint64_t at_error = align64(at_counters + sizeof(cache_counters));
@@ -107,7 +106,6 @@ struct cache::impl {
 
     v.frames = frames.va.at<unsigned char>(0);
     v.owner = meta.va.at<std::uint64_t>(at_owner);
-    v.done = meta.va.at<std::uint32_t>(at_done);
     v.arrays = meta.va.at<array_desc>(at_arrays);
     v.hand = meta.va.at<std::uint64_t>(at_hand);
     v.counters = meta.va.at<cache_counters>(at_counters);
@@ -115,6 +113,7 @@ struct cache::impl {
     v.landing_lock = meta.va.at<std::uint32_t>(at_locks);
     px = std::make_unique<proxy>(rt, dev, o.requests);
     v.ring = px->view();
+    v.landing_done = px->answer_words(v.landing_count).data();
   }
 
   ~impl() {

@@ -35,11 +35,10 @@ struct proxy::impl {
   // for the CPU and the device at one address; for kernels, the tail and credits in device memory.
   region host, tail;
   ring_view v;
-  std::unique_ptr<stream> st;  // the answers to kernels: write-values after the data
-  std::mutex st_mu;
 
   mutable std::mutex mu;
   std::vector<std::shared_ptr<file>> sources;  // mu
+  std::vector<region> words;                   // mu: the answer words handed out
   std::deque<std::string> errs;                // mu
   proxy_stats s;                               // mu
   std::uint64_t in_flight = 0;                 // mu
@@ -51,27 +50,27 @@ struct proxy::impl {
   std::thread th;
 
   impl(runtime& r, device& d, proxy_options opt) : rt(r), dev(d), o(opt) {
-    expects(o.slots >= 2 && (o.slots & (o.slots - 1)) == 0, "gpu.proxy", fmt::format("{} slots", o.slots),
-            "a ring's slots must be a power of two, at least 2");
+    expects(o.slots >= 2 && o.slots <= (1u << 24) && (o.slots & (o.slots - 1)) == 0, "gpu.proxy",
+            fmt::format("{} slots", o.slots), "a ring's slots must be a power of two from 2 to 2^24");
     expects(o.batch >= 1, "gpu.proxy", "batch=0", "a batch takes at least one request");
-    const std::uint64_t words = 2 * sizeof(std::uint64_t);  // the tail, then the credits (the low half of the second word)
-    host = region(dev, o.slots * sizeof(slot) + words, requesters::host);
-    auto* slots = host.va.at<slot>(0);
-    init(slots, o.slots);
-    v.slots = slots;
+    const std::uint64_t tail_words = 2 * sizeof(std::uint64_t);  // the tail, then the credits (the low half of the second word)
+    const std::uint64_t words_at = o.slots * sizeof(slot);
+    host = region(dev, words_at + tail_words, requesters::host);
+    v.slots = host.va.at<slot>(0);
     v.capacity = o.slots;
-    st = dev.create_stream();
+    init(v.slots, o.slots);
     const std::uint64_t init_words[2] = {0, o.slots};
     if (o.by == requesters::host) {
-      std::memcpy(host.va.at<std::byte>(o.slots * sizeof(slot)), init_words, words);
-      v.tail = host.va.at<std::uint64_t>(o.slots * sizeof(slot));
+      std::memcpy(host.va.at<std::byte>(words_at), init_words, tail_words);
+      v.tail = host.va.at<std::uint64_t>(words_at);
     } else {
-      tail = region(dev, words, requesters::device);
+      tail = region(dev, tail_words, requesters::device);
       v.tail = tail.va.at<std::uint64_t>(0);
-      st->copy(v.tail, init_words, words);
+      auto st = dev.create_stream();
+      st->copy(v.tail, init_words, tail_words);
       st->synchronize(deadline_after(o.deadline));
     }
-    v.credits = reinterpret_cast<std::uint32_t*>(v.tail + 1);
+    v.credits = reinterpret_cast<std::int32_t*>(v.tail + 1);
     th = std::thread([this] { serve(); });
   }
 
@@ -83,39 +82,31 @@ struct proxy::impl {
     std::unique_lock l(mu);
     if (!idle.wait_for(l, 2 * std::max<std::chrono::nanoseconds>(o.deadline, std::chrono::seconds(1)), [&] { return in_flight == 0; }))
       log::error("gpu", "{}: {} requests still under way when the proxy went", dev.id(), in_flight);
-    l.unlock();
-    try {
-      st->synchronize(deadline_after(o.deadline));
-    } catch (const std::exception& e) {
-      log::error("gpu", "{}: the proxy's answers: {}", dev.id(), e.what());
-    }
   }
 
-  // Answers into the requesters' words: host requesters' stored here; kernels' as one batch of
-  // write-values on the stream (in its order: after earlier answers only; the data is in place).
-  void answer_all(std::span<const stream::value_write> as) {
-    if (as.empty()) return;
-    if (o.by == requesters::host) {
-      for (auto& a : as) std::atomic_ref<std::uint32_t>(*a.addr).store(a.value, std::memory_order_release);
-      return;
+  // Under mu: whether r's answer word is one this proxy handed out.
+  bool answerable(const request& r) const {
+    if (r.done % alignof(std::uint32_t)) return false;
+    for (const region& w : words) {
+      const auto base = reinterpret_cast<std::uint64_t>(w.va.base());
+      if (r.done >= base && r.done - base <= w.bytes - sizeof(std::uint32_t)) return true;
     }
-    std::lock_guard l(st_mu);
-    st->write_values(as);
+    return false;
+  }
+
+  // Under mu.
+  void note(const request& r, std::uint64_t ticket, const std::string& why) {
+    s.failed++;
+    errs.push_back(fmt::format("request {} (source {}, offset {}, {} bytes): {}", ticket, r.source, r.offset, r.bytes, why));
+    if (errs.size() > 64) errs.pop_front();
   }
 
   void failed(const request& r, std::uint64_t ticket, status sta, const std::string& why) {
     {
       std::lock_guard l(mu);
-      s.failed++;
-      errs.push_back(fmt::format("request {} (source {}, offset {}, {} bytes): {}", ticket, r.source, r.offset, r.bytes, why));
-      if (errs.size() > 64) errs.pop_front();
+      note(r, ticket, why);
     }
-    try {
-      const stream::value_write a{reinterpret_cast<std::uint32_t*>(r.done), answer(ticket, sta)};
-      answer_all({&a, 1});
-    } catch (const std::exception& e) {
-      log::error("gpu", "{}: answering request {} failed: {}", dev.id(), ticket, e.what());
-    }
+    give(r, ticket, sta);
   }
 
   // Serves the requests taken together as one file-engine batch: one submission and one
@@ -126,15 +117,21 @@ struct proxy::impl {
     auto taken = std::make_shared<std::vector<std::pair<request, std::uint64_t>>>();
     frs.reserve(rs.size());
     taken->reserve(rs.size());
-    std::vector<std::shared_ptr<file>> fs(rs.size());  // each request's source, looked up under one lock
+    // Each request's source, and whether it can be answered at all, under one lock.
+    std::vector<std::shared_ptr<file>> fs(rs.size());
+    std::vector<char> answerable_(rs.size());
     {
       std::lock_guard l(mu);
-      for (std::size_t i = 0; i < rs.size(); ++i)
-        if (rs[i].source < sources.size()) fs[i] = sources[rs[i].source];
+      for (std::size_t i = 0; i < rs.size(); ++i) {
+        answerable_[i] = answerable(rs[i]);
+        if (!answerable_[i]) note(rs[i], tickets[i], fmt::format("answer word {:#x} is not one of the proxy's (answer_words): not served", rs[i].done));
+        else if (rs[i].source < sources.size()) fs[i] = sources[rs[i].source];
+      }
     }
     for (std::size_t i = 0; i < rs.size(); ++i) {
       const request& r = rs[i];
       std::shared_ptr<file>& f = fs[i];
+      if (!answerable_[i]) continue;
       if (!f) {
         failed(r, tickets[i], status::failed, fmt::format("no source {}", r.source));
         continue;
@@ -154,14 +151,12 @@ struct proxy::impl {
       in_flight++;
     }
     auto finished = [this, taken, taken_at](std::span<const request_result> res) {
-      std::vector<stream::value_write> oks;
       std::uint64_t ok_bytes = 0;
-      oks.reserve(res.size());
       for (std::size_t i = 0; i < res.size(); ++i) {
         const auto& [r, ticket] = (*taken)[i];
         const request_result& x = res[i];
         if (x.state == request_state::done && x.bytes_done == r.bytes) {
-          oks.push_back({reinterpret_cast<std::uint32_t*>(r.done), answer(ticket, status::ok)});
+          give(r, ticket, status::ok);
           ok_bytes += r.bytes;
         } else if (x.state == request_state::done) {
           failed(r, ticket, status::out_of_range, fmt::format("only {} bytes exist there", x.bytes_done));
@@ -169,11 +164,6 @@ struct proxy::impl {
           failed(r, ticket, x.state == request_state::timed_out ? status::timed_out : status::failed,
                  x.err ? x.err->what() : std::string("failed"));
         }
-      }
-      try {
-        answer_all(oks);
-      } catch (const std::exception& e) {
-        log::error("gpu", "{}: answering {} requests failed: {}", dev.id(), oks.size(), e.what());
       }
       const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - taken_at).count();
       std::lock_guard l(mu);
@@ -245,6 +235,16 @@ std::uint32_t proxy::add(std::shared_ptr<file> f) {
 }
 
 ring_view proxy::view() const noexcept { return impl_->v; }
+
+std::span<std::uint32_t> proxy::answer_words(std::size_t n) {
+  expects(n >= 1, "gpu.proxy", "answer_words(0)", "at least one word");
+  region w(impl_->dev, n * sizeof(std::uint32_t), requesters::host);
+  auto* p = w.va.at<std::uint32_t>(0);
+  std::memset(p, 0, w.bytes);
+  std::lock_guard l(impl_->mu);
+  impl_->words.push_back(std::move(w));
+  return {p, n};
+}
 
 proxy_stats proxy::stats() const {
   std::lock_guard l(impl_->mu);

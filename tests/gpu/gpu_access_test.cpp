@@ -71,9 +71,9 @@ run_result run(user_program& u, std::unique_ptr<gpu::proxy>& pxp, std::uint64_t 
                unsigned per_warp, unsigned seed, bool past_end) {
   gpu::proxy& px = *pxp;
   const std::uint64_t chunks = static_cast<std::uint64_t>(warps) * per_warp;
-  device_buffer dst(chunks * chunk), done(warps * 4), st(chunks * 4);
+  device_buffer dst(chunks * chunk), st(chunks * 4);
   gpu::ring_view v = px.view();
-  unsigned* donep = done.as<unsigned>();
+  unsigned* donep = px.answer_words(warps).data();
   unsigned char* dstp = dst.as<unsigned char>();
   unsigned long long fb = file_bytes, ch = chunk;
   unsigned pe = past_end ? 1 : 0;

@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -61,18 +62,19 @@ TEST(GpuProxy, EightRequestersReadRandomRangesOfAFile) {
   gpu::proxy px(rt, rt.devices().get("sim:0"), host_requesters(16));
   const std::uint32_t src = px.add(file::open(d.path.string(), open_mode::read));
   auto v = px.view();
+  std::span<std::uint32_t> words = px.answer_words(8);
   std::atomic<int> bad{0}, unanswered{0};
   std::vector<std::thread> ts;
   for (int t = 0; t < 8; ++t)
     ts.emplace_back([&, t] {
       std::mt19937_64 rng(static_cast<std::uint64_t>(t));
       std::vector<std::byte> buf(64 << 10);
-      std::uint32_t done = 0;
       for (int i = 0; i < 300; ++i) {
         std::uint64_t n = 1 + rng() % buf.size();
         std::uint64_t off = rng() % (d.bytes.size() - n + 1);
-        std::uint64_t ticket = gpu::submit(v, read_of(src, off, n, buf.data(), &done), 10 * second);
-        if (ticket == gpu::no_ticket || gpu::wait(v, &done, ticket, 30 * second) != gpu::status::ok) {
+        std::uint32_t* done = &words[static_cast<std::size_t>(t)];
+        std::uint64_t ticket = gpu::submit(v, read_of(src, off, n, buf.data(), done), 10 * second);
+        if (ticket == gpu::no_ticket || gpu::wait(v, done, ticket, 30 * second) != gpu::status::ok) {
           unanswered++;
           continue;
         }
@@ -96,13 +98,13 @@ TEST(GpuProxy, WritesLandAndFailuresAreStatusesWithTheirReasons) {
   gpu::proxy px(rt, rt.devices().get("sim:0"), host_requesters());
   const std::uint32_t src = px.add(file::open(d.path.string(), open_mode::read_write));
   auto v = px.view();
-  std::uint32_t done = 0;
+  std::uint32_t* done = px.answer_words(1).data();
   std::vector<std::byte> mine(4096);
   test::fill_random(mine.data(), mine.size(), 11);
-  gpu::request w = read_of(src, 12345, mine.size(), mine.data(), &done);
+  gpu::request w = read_of(src, 12345, mine.size(), mine.data(), done);
   w.kind = gpu::op::write;
   std::uint64_t t = gpu::submit(v, w, second);
-  ASSERT_EQ(gpu::wait(v, &done, t, 30 * second), gpu::status::ok);
+  ASSERT_EQ(gpu::wait(v, done, t, 30 * second), gpu::status::ok);
   {
     std::vector<std::byte> disk(mine.size());
     std::ifstream in(d.path, std::ios::binary);
@@ -111,21 +113,31 @@ TEST(GpuProxy, WritesLandAndFailuresAreStatusesWithTheirReasons) {
     EXPECT_EQ(std::memcmp(disk.data(), mine.data(), mine.size()), 0) << "the file holds the requester's bytes";
   }
   std::vector<std::byte> buf(8192);
-  t = gpu::submit(v, read_of(src, (1 << 20) - 100, 4096, buf.data(), &done), second);
-  EXPECT_EQ(gpu::wait(v, &done, t, 30 * second), gpu::status::out_of_range) << "a read past the end";
-  t = gpu::submit(v, read_of(7, 0, 16, buf.data(), &done), second);
-  EXPECT_EQ(gpu::wait(v, &done, t, 30 * second), gpu::status::failed) << "no source 7";
-  t = gpu::submit(v, read_of(src, 0, 4096, reinterpret_cast<void*>(std::uintptr_t{16}), &done), second);
-  EXPECT_EQ(gpu::wait(v, &done, t, 30 * second), gpu::status::failed) << "memory nobody can write";
-  t = gpu::submit(v, read_of(src, 0, 4096, buf.data(), &done), second);
-  EXPECT_EQ(gpu::wait(v, &done, t, 30 * second), gpu::status::ok) << "and the next request is served";
+  t = gpu::submit(v, read_of(src, (1 << 20) - 100, 4096, buf.data(), done), second);
+  EXPECT_EQ(gpu::wait(v, done, t, 30 * second), gpu::status::out_of_range) << "a read past the end";
+  t = gpu::submit(v, read_of(7, 0, 16, buf.data(), done), second);
+  EXPECT_EQ(gpu::wait(v, done, t, 30 * second), gpu::status::failed) << "no source 7";
+  t = gpu::submit(v, read_of(src, 0, 4096, reinterpret_cast<void*>(std::uintptr_t{16}), done), second);
+  EXPECT_EQ(gpu::wait(v, done, t, 30 * second), gpu::status::failed) << "memory nobody can write";
+  t = gpu::submit(v, read_of(src, 0, 4096, buf.data(), done), second);
+  EXPECT_EQ(gpu::wait(v, done, t, 30 * second), gpu::status::ok) << "and the next request is served";
   EXPECT_EQ(std::memcmp(buf.data(), d.bytes.data(), 4096), 0);
+  // An answer word the proxy did not hand out (here the requester's own memory): not served, not
+  // answered, the requester's wait ends at its deadline.
+  std::uint32_t mine_word = 0;
+  std::fill(buf.begin(), buf.end(), std::byte{0});
+  t = gpu::submit(v, read_of(src, 0, 4096, buf.data(), &mine_word), second);
+  EXPECT_EQ(gpu::wait(v, &mine_word, t, 200'000'000), gpu::status::timed_out);
+  EXPECT_EQ(mine_word, 0u) << "nothing was stored into a word the proxy does not own";
+  EXPECT_TRUE(std::all_of(buf.begin(), buf.begin() + 4096, [](std::byte b) { return b == std::byte{0}; }))
+      << "and the request was not served";
   auto e = px.errors();
-  ASSERT_EQ(e.size(), 3u);
+  ASSERT_EQ(e.size(), 4u);
   EXPECT_THAT(e[0], HasSubstr("only 100 bytes exist there"));
   EXPECT_THAT(e[1], HasSubstr("no source 7"));
   EXPECT_THAT(e[2], HasSubstr("offset 0, 4096 bytes"));
-  EXPECT_EQ(px.stats().failed, 3u);
+  EXPECT_THAT(e[3], HasSubstr("is not one of the proxy's (answer_words)"));
+  EXPECT_EQ(px.stats().failed, 4u);
 }
 
 // Bad options are refused, naming what was wrong.

@@ -16,8 +16,11 @@ namespace {
 struct ring {
   std::vector<gpu::slot> slots;
   std::uint64_t tail = 0;
-  explicit ring(std::uint32_t capacity) : slots(capacity) { gpu::init(slots.data(), capacity); }
-  gpu::ring_view view() { return {slots.data(), &tail, static_cast<std::uint32_t>(slots.size())}; }
+  std::int32_t credits;
+  explicit ring(std::uint32_t capacity) : slots(capacity), credits(static_cast<std::int32_t>(capacity)) {
+    gpu::init(slots.data(), capacity);
+  }
+  gpu::ring_view view() { return {slots.data(), &tail, &credits, static_cast<std::uint32_t>(slots.size())}; }
 };
 
 // A request that carries its own check: every field derived from (thread, i).
@@ -66,8 +69,7 @@ TEST(GpuRing, EightRequestersAndAProxyLoseAndMixNothing) {
         continue;
       }
       seen[r.source]++;
-      std::atomic_ref<std::uint32_t>(*reinterpret_cast<std::uint32_t*>(r.done))
-          .store(gpu::answer(head - 1, gpu::status::ok), std::memory_order_release);
+      gpu::give(r, head - 1, gpu::status::ok);
     }
   });
   std::vector<std::thread> ts;
@@ -93,36 +95,44 @@ TEST(GpuRing, EightRequestersAndAProxyLoseAndMixNothing) {
   EXPECT_EQ(taken, threads * each);
   for (int t = 0; t < threads; ++t) EXPECT_EQ(seen[static_cast<std::size_t>(t)], each) << "requester " << t;
   EXPECT_EQ(q.tail, threads * each);
+  EXPECT_EQ(q.credits, 64) << "every credit came back";
 }
 
-// A full ring and no proxy: submit gives up after its wait and takes nothing; once the proxy drains
-// the ring, submits go through again with the next tickets.
+// Requests nobody has waited for hold every credit: the next submit gives up after its wait and
+// takes nothing (no ticket, no slot). Once the proxy takes and answers them and their requesters'
+// waits end, submits go through again with the next tickets.
 TEST(GpuRing, AFullRingRefusesWithinTheWaitAndTakesNothing) {
   ring q(4);
   auto v = q.view();
-  std::uint32_t done = 0;
-  for (std::uint64_t i = 0; i < 4; ++i) EXPECT_EQ(gpu::submit(v, make(1, i, &done), second), i);
+  std::uint32_t done[5] = {};
+  for (std::uint64_t i = 0; i < 4; ++i) EXPECT_EQ(gpu::submit(v, make(1, i, &done[i]), second), i);
   auto t0 = std::chrono::steady_clock::now();
-  EXPECT_EQ(gpu::submit(v, make(1, 4, &done), 50'000'000), gpu::no_ticket);
+  EXPECT_EQ(gpu::submit(v, make(1, 4, &done[4]), 50'000'000), gpu::no_ticket);
   auto took = std::chrono::steady_clock::now() - t0;
   EXPECT_GE(took, std::chrono::milliseconds(50));
   EXPECT_LT(took, std::chrono::seconds(5));
   EXPECT_EQ(q.tail, 4u) << "the refused request holds no ticket";
+  EXPECT_EQ(q.credits, 0);
   std::uint64_t head = 0;
   gpu::request r;
   for (std::uint64_t i = 0; i < 4; ++i) {
     ASSERT_TRUE(gpu::take(v, head, r));
     EXPECT_TRUE(intact(r));
     EXPECT_EQ(r.offset & 0xffff, i) << "in ticket order";
+    gpu::give(r, i, gpu::status::ok);
   }
   EXPECT_FALSE(gpu::take(v, head, r)) << "nothing else was put in";
-  EXPECT_EQ(gpu::submit(v, make(1, 5, &done), second), 4u);
+  EXPECT_EQ(gpu::submit(v, make(1, 4, &done[4]), 20'000'000), gpu::no_ticket) << "answered is not waited for: the credits are still held";
+  for (std::uint64_t i = 0; i < 4; ++i) EXPECT_EQ(gpu::wait(v, &done[i], i, second), gpu::status::ok);
+  EXPECT_EQ(q.credits, 4);
+  EXPECT_EQ(gpu::submit(v, make(1, 5, &done[4]), second), 4u);
   ASSERT_TRUE(gpu::take(v, head, r));
   EXPECT_EQ(r.offset & 0xffff, 5u);
 }
 
-// A request nobody answers: the requester's wait ends at its deadline. The late answer, arriving
-// after the word was reused for the next request, is not taken for that request's.
+// A request nobody answers: the requester's wait ends at its deadline (and gives its credit back).
+// The late answer, arriving after the word was reused for the next request, is not taken for that
+// request's.
 TEST(GpuRing, AnUnansweredRequestTimesOutAndALateAnswerIsNotTakenForTheNext) {
   ring q(8);
   auto v = q.view();
@@ -131,9 +141,17 @@ TEST(GpuRing, AnUnansweredRequestTimesOutAndALateAnswerIsNotTakenForTheNext) {
   auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(gpu::wait(v, &done, first, 30'000'000), gpu::status::timed_out);
   EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(30));
+  EXPECT_EQ(q.credits, 8) << "the timed-out wait gave its credit back";
   std::uint64_t second_ticket = gpu::submit(v, make(2, 1, &done), second);
-  std::atomic_ref<std::uint32_t>(done).store(gpu::answer(first, gpu::status::failed));  // the late answer
+  std::uint64_t head = 0;
+  gpu::request r;
+  ASSERT_TRUE(gpu::take(v, head, r));
+  gpu::give(r, first, gpu::status::failed);  // the late answer
   EXPECT_EQ(gpu::wait(v, &done, second_ticket, 30'000'000), gpu::status::timed_out);
-  std::atomic_ref<std::uint32_t>(done).store(gpu::answer(second_ticket, gpu::status::out_of_range));
-  EXPECT_EQ(gpu::wait(v, &done, second_ticket, second), gpu::status::out_of_range) << "the error reaches the requester";
+  std::uint64_t third = gpu::submit(v, make(2, 2, &done), second);
+  ASSERT_TRUE(gpu::take(v, head, r));
+  ASSERT_TRUE(gpu::take(v, head, r));
+  gpu::give(r, third, gpu::status::out_of_range);
+  EXPECT_EQ(gpu::wait(v, &done, third, second), gpu::status::out_of_range) << "the error reaches the requester";
+  EXPECT_EQ(q.credits, 8);
 }

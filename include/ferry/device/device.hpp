@@ -198,13 +198,6 @@ class FERRY_API stream {
   // with a user's kernels (docs/design/stream-ordering.md).
   void write_value(std::uint32_t* addr, std::uint32_t value);
   void wait_value(const std::uint32_t* addr, std::uint32_t value);
-  // Many write_values, in order, enqueued together (CUDA: cuStreamBatchMemOp, one call per 255):
-  // for whoever answers many waiters at once.
-  struct value_write {
-    std::uint32_t* addr;
-    std::uint32_t value;
-  };
-  void write_values(std::span<const value_write> writes);
 
   // The backend's handle of this stream, for the user's own calls (a cudaStream_t).
   native_stream native_handle() const noexcept { return do_native_handle(); }
@@ -238,9 +231,6 @@ class FERRY_API stream {
   virtual bool do_idle() = 0;
   virtual void do_synchronize(deadline until) = 0;
   virtual void do_write_value(std::uint32_t* addr, std::uint32_t value) = 0;
-  virtual void do_write_values(std::span<const value_write> writes) {
-    for (auto& w : writes) do_write_value(w.addr, w.value);
-  }
   virtual void do_wait_value(const std::uint32_t* addr, std::uint32_t value) = 0;
   virtual native_stream do_native_handle() const noexcept = 0;
 

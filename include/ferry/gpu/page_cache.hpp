@@ -54,7 +54,6 @@ struct cache_counters {
 struct cache_view {
   unsigned char* frames = nullptr;     // frame_count pages of 1 << page_shift bytes
   std::uint64_t* owner = nullptr;      // per frame
-  std::uint32_t* done = nullptr;       // per frame: the answers to the requests that fill it or write it back
   const array_desc* arrays = nullptr;  // by id, for eviction
   std::uint64_t* hand = nullptr;       // the clock
   cache_counters* counters = nullptr;
@@ -64,6 +63,7 @@ struct cache_view {
   // requesters' memory).
   unsigned char* landing = nullptr;
   std::uint32_t* landing_lock = nullptr;
+  std::uint32_t* landing_done = nullptr;  // per slot: the answer word of its request (the proxy's, host memory)
   std::uint32_t landing_count = 0;
   ring_view ring;
   std::uint32_t frame_count = 0;
@@ -150,14 +150,14 @@ FERRY_GPU_HD inline status exchange(const cache_view& c, op kind, const array_de
   r.offset = a.base + (page << c.page_shift);
   r.bytes = page_bytes(c, a, page);
   r.addr = reinterpret_cast<std::uint64_t>(land);
-  r.done = reinterpret_cast<std::uint64_t>(c.done + f);
+  r.done = reinterpret_cast<std::uint64_t>(c.landing_done + ls);
   r.kind = kind;
   const std::uint64_t t0 = now_ns();
   if (kind == op::write) copy_page(land, frame, r.bytes);  // published to the proxy by submit's release
   const std::uint64_t t1 = now_ns();
   std::uint64_t t = submit(c.ring, r, c.wait_ns);
   const std::uint64_t t2 = now_ns();
-  status s = t == no_ticket ? status::timed_out : wait(c.ring, c.done + f, t, c.wait_ns);
+  status s = t == no_ticket ? status::timed_out : wait(c.ring, c.landing_done + ls, t, c.wait_ns);
   const std::uint64_t t3 = now_ns();
   count(c.counters->submit_ns, (t2 - t1) + (t0 - te));
   count(c.counters->answer_ns, t3 - t2);

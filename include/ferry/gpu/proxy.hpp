@@ -1,8 +1,8 @@
 #pragma once
 // The host side of GPU-initiated access: a proxy that drains a request ring (ring.hpp) on its own
 // thread and serves each request from its source -- a local file or a ferry:// file -- through the
-// file engine, straight into (or from) the requester's memory, then answers in the requester's word
-// (by a write-value on the proxy's stream when the requesters are kernels, after the data). Sources
+// file engine, straight into (or from) the requester's memory, then answers in the ticket's answer
+// word (host memory the requester polls, stored after the data is in place). Sources
 // fail as statuses in the kernel (the message stays here: errors()); every request has a deadline.
 // docs/design/gpu-access.md.
 #include <ferry/core/export.hpp>
@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -22,7 +23,7 @@ class runtime;
 
 namespace ferry::gpu {
 
-// Who fills the ring: kernels on the proxy's device (`tail` and the answers in device memory) or
+// Who fills the ring: kernels on the proxy's device (`tail` and the credits in device memory) or
 // host threads (in host memory: CPU requesters, and the tests).
 enum class requesters { device, host };
 
@@ -62,8 +63,13 @@ class FERRY_API proxy {
   // before launching the kernels that use them: settling how a source is served may wait for the
   // device's running kernels (file_engine::prepare).
   std::uint32_t add(std::shared_ptr<file> f);
-  // What requesters pass around (to a kernel by value): the ring's slots and tail.
+  // What requesters pass around (to a kernel by value): the ring's slots, tail and credits.
   ring_view view() const noexcept;
+  // `n` answer words for requesters (request::done), zeroed: host memory mapped for the device and
+  // the CPU at one address, stored into by the proxy with plain CPU stores. The proxy answers only
+  // into words it handed out: a request naming any other address is not served and gets no answer
+  // (its requester's wait ends at its deadline; errors() says why). They live as long as the proxy.
+  std::span<std::uint32_t> answer_words(std::size_t n);
   proxy_stats stats() const;
   // Why failed requests failed (the requester sees only a status), the latest 64, oldest first.
   std::vector<std::string> errors() const;

@@ -1,26 +1,31 @@
 #pragma once
 // GPU-initiated requests, the wire between kernels and ferry's host proxy (docs/design/gpu-access.md):
-// a bounded ring of request slots that GPU threads fill and a host thread drains, and a completion
-// word per requester that the proxy sets once the data is in place. One header for both sides: it
-// compiles as CUDA device code (in the user's kernels) and as host C++ (the proxy, and the CPU tests
-// in which host threads stand in for warps).
+// a bounded ring of request slots that GPU threads fill and a host thread drains, and an answer word
+// per requester that the proxy sets once the data is in place. One header for both sides: it compiles as
+// CUDA device code (in the user's kernels) and as host C++ (the proxy, and the CPU tests in which host
+// threads stand in for warps).
 //
 // Protocol (a bounded multi-producer queue with a sequence number per slot, single consumer):
-//  - slot i starts with seq == i. Ticket t may fill slot t % capacity when its seq == t: the
-//    requester claims t by a compare-and-swap of `tail` from t to t + 1 -- only then, so a requester
-//    that gives up on a full ring holds nothing --, writes the request, and publishes it by storing
-//    seq = t + 1 (release).
+//  - credits: a requester takes one before its ticket and gives it back when its wait ends (the
+//    answer, or its deadline), so at most `capacity` requests are under way and a requester that
+//    holds a credit finds its slot free (or about to be).
+//  - ticket t comes from one fetch-and-add on `tail` (never a compare-and-swap loop: thousands of
+//    requesters share that word). Slot t % capacity is free for t when its seq == t; the requester
+//    writes the request there and publishes it by storing seq = t + 1 (release).
 //  - the proxy, at head h, takes slot h % capacity once its seq == h + 1 (acquire), copies the
 //    request out and frees the slot for ticket h + capacity (seq = h + capacity, release).
-//  - the proxy answers by storing the ticket's low 24 bits and a status byte into the request's
-//    32-bit completion word, after the data is in place (a stream's write-value after its copy, on a
-//    GPU). A requester waits for its own ticket's answer: a late answer to an earlier request that
-//    used the same word never matches (unless 2^24 requests lie between them).
-// Memory: slots in host memory pinned and mapped for the device (the proxy polls them without a
-// PCIe round trip; the GPU writes them with posted writes); `tail` where the requesters are (device
-// memory on a GPU: its compare-and-swap never crosses PCIe, and x86 hosts lack PCIe atomics); the
-// completion word where the requester polls it (device memory on a GPU, written by the proxy's
-// stream after the data). Every wait has a deadline.
+//  - the proxy answers, after the data is in place, by storing the ticket's low 24 bits and a status
+//    byte into the request's 32-bit answer word (`done`, release): a plain CPU store, so the word is
+//    in host memory (pinned and mapped for the device, for kernels). The requester owns its word
+//    while the request is under way and waits for its own ticket's answer: a late answer to an
+//    earlier request that used the same word never matches (unless 2^24 requests lie between them).
+// Memory: slots in host memory pinned and mapped for the device: the proxy polls them without a PCIe
+// round trip, the GPU writes requests with posted writes, and each requester reads only its own
+// slot's seq and its own answer word across PCIe -- never a word thousands of requesters poll at
+// once (reads of one host address from many warps queue behind each other for milliseconds), and no
+// stream operation per answer (a GPU's front end runs those one at a time). `tail` and the credits
+// where the requesters are (device memory on a GPU: their atomics never cross PCIe, and x86 hosts
+// lack PCIe atomics). Every wait has a deadline.
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -41,7 +46,7 @@ namespace ferry::gpu {
 enum class op : std::uint32_t { read = 1, write = 2 };
 
 // What a requester asks of the proxy: bytes [offset, offset + bytes) of source `source` into (read)
-// or from (write) `addr`, then its answer into the 32-bit word at `done`.
+// or from (write) `addr`, then its answer into the 32-bit word at `done` (host memory).
 struct request {
   std::uint64_t offset = 0;
   std::uint64_t bytes = 0;
@@ -64,11 +69,8 @@ enum class status : std::uint8_t { pending = 0, ok = 1, failed = 2, out_of_range
 struct ring_view {
   slot* slots = nullptr;
   std::uint64_t* tail = nullptr;
-  std::uint32_t capacity = 0;  // a power of two
-  // Where the requesters are, like `tail`: requests submitted and not yet waited for take a credit
-  // each, capacity in all, so a requester that holds one finds its slot free -- instead of many
-  // polling a full ring's slots across PCIe. Null: no credits (the ring's own back-pressure only).
-  std::uint32_t* credits = nullptr;
+  std::int32_t* credits = nullptr;  // starts at capacity
+  std::uint32_t capacity = 0;       // a power of two, at most 2^24
 };
 
 namespace detail {
@@ -109,46 +111,39 @@ inline void pause(unsigned = 200) { std::this_thread::yield(); }
 
 constexpr std::uint64_t no_ticket = ~0ull;
 
-// Puts `r` into the ring, waiting while it is full, at most `wait_ns`. Returns the request's ticket,
-// or no_ticket when the ring stayed full (nothing was taken: the ring is as it was).
+// Puts `r` into the ring, waiting for a credit at most `wait_ns`. Returns the request's ticket, or
+// no_ticket when no credit came (nothing was taken: the ring is as it was) or -- only when the proxy
+// took nothing for a whole wait while requests timed out in the ring -- the ticket's slot stayed
+// taken (that ticket is lost, and the ring stops at it: docs/design/gpu-access.md, limits).
 FERRY_GPU_HD inline std::uint64_t submit(const ring_view& v, const request& r, std::uint64_t wait_ns) {
-  detail::ref<std::uint64_t> tail(*v.tail);
   const std::uint64_t start = detail::now_ns();
-  if (v.credits) {
-    // Many may wait for a credit at once, all on this one word: each backs off (up to 6.4 us
-    // between looks) so that the word stays free for those giving credits back.
-    detail::ref<std::uint32_t> credits(*v.credits);
-    unsigned nap = 200;
-    for (;;) {
-      std::uint32_t c = credits.load(detail::mo::memory_order_relaxed);
-      if (c > 0 && credits.compare_exchange_weak(c, c - 1, detail::mo::memory_order_acquire, detail::mo::memory_order_relaxed)) break;
-      if (detail::now_ns() - start > wait_ns) return no_ticket;
-      if (c == 0) {
-        detail::pause(nap);
-        nap = nap < 6400 ? 2 * nap : nap;
-      }
+  detail::ref<std::int32_t> credits(*v.credits);
+  // Many may wait for a credit at once, all on this one word: each looks (a load) before it takes
+  // (one fetch-and-subtract, undone if it came too late), and backs off up to 6.4 us between looks
+  // so that the word stays free for those giving credits back.
+  for (unsigned nap = 200;;) {
+    if (credits.load(detail::mo::memory_order_relaxed) > 0) {
+      if (credits.fetch_sub(1, detail::mo::memory_order_acquire) > 0) break;
+      credits.fetch_add(1, detail::mo::memory_order_relaxed);
     }
+    if (detail::now_ns() - start > wait_ns) return no_ticket;
+    detail::pause(nap);
+    nap = nap < 6400 ? 2 * nap : nap;
   }
-  for (;;) {
-    std::uint64_t t = tail.load(detail::mo::memory_order_relaxed);
-    slot& s = v.slots[t & (v.capacity - 1)];
-    std::uint64_t seq = detail::ref<std::uint64_t>(s.seq).load(detail::mo::memory_order_acquire);
-    if (seq == t) {
-      if (tail.compare_exchange_weak(t, t + 1, detail::mo::memory_order_relaxed)) {
-        s.r = r;
-        detail::ref<std::uint64_t>(s.seq).store(t + 1, detail::mo::memory_order_release);
-        return t;
-      }
-      continue;  // another requester took t: try the next ticket at once
-    }
-    // seq < t: the proxy has not freed this slot from the previous lap (the ring is full);
-    // seq > t: another requester took t meanwhile (tail moved on). Either way, look again.
-    if (seq < t && detail::now_ns() - start > wait_ns) {
-      if (v.credits) detail::ref<std::uint32_t>(*v.credits).fetch_add(1, detail::mo::memory_order_release);
+  const std::uint64_t t = detail::ref<std::uint64_t>(*v.tail).fetch_add(1, detail::mo::memory_order_relaxed);
+  slot& s = v.slots[t & (v.capacity - 1)];
+  detail::ref<std::uint64_t> seq(s.seq);
+  for (unsigned nap = 200; seq.load(detail::mo::memory_order_acquire) != t;) {
+    if (detail::now_ns() - start > wait_ns) {
+      credits.fetch_add(1, detail::mo::memory_order_release);
       return no_ticket;
     }
-    detail::pause();
+    detail::pause(nap);
+    nap = nap < 3200 ? 2 * nap : nap;
   }
+  s.r = r;
+  seq.store(t + 1, detail::mo::memory_order_release);
+  return t;
 }
 
 // Waits for the answer to ticket `t` in the word at `done`, at most `wait_ns`; status::timed_out when
@@ -158,7 +153,7 @@ FERRY_GPU_HD inline status wait(const ring_view& v, const std::uint32_t* done, s
   detail::ref<std::uint32_t> w(*const_cast<std::uint32_t*>(done));
   const std::uint64_t start = detail::now_ns();
   status s = status::timed_out;
-  unsigned nap = 200;
+  unsigned nap = 400;
   for (;;) {
     std::uint32_t a = w.load(detail::mo::memory_order_acquire);
     if ((a >> 8) == (t & 0xffffff) && static_cast<status>(a & 0xff) != status::pending) {
@@ -166,10 +161,10 @@ FERRY_GPU_HD inline status wait(const ring_view& v, const std::uint32_t* done, s
       break;
     }
     if (detail::now_ns() - start > wait_ns) break;
-    detail::pause(nap);  // backing off: the word may be across PCIe, and polled by many
-    nap = nap < 3200 ? 2 * nap : nap;
+    detail::pause(nap);  // backing off: the word is across PCIe, and a request takes tens of microseconds
+    nap = nap < 6400 ? 2 * nap : nap;
   }
-  if (v.credits) detail::ref<std::uint32_t>(*v.credits).fetch_add(1, detail::mo::memory_order_release);
+  detail::ref<std::int32_t>(*v.credits).fetch_add(1, detail::mo::memory_order_release);
   return s;
 }
 
@@ -188,6 +183,11 @@ FERRY_GPU_HD inline bool take(const ring_view& v, std::uint64_t& head, request& 
 // The answer to ticket t, as the proxy writes it into the requester's word.
 FERRY_GPU_HD constexpr std::uint32_t answer(std::uint64_t t, status st) {
   return static_cast<std::uint32_t>((t & 0xffffff) << 8) | static_cast<std::uint8_t>(st);
+}
+
+// The proxy's answer to request `r`, ticket t (after the data is in place).
+inline void give(const request& r, std::uint64_t t, status st) {
+  detail::ref<std::uint32_t>(*reinterpret_cast<std::uint32_t*>(r.done)).store(answer(t, st), detail::mo::memory_order_release);
 }
 
 // Slots start with seq == their index.

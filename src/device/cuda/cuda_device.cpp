@@ -350,26 +350,6 @@ class cuda_stream final : public stream {
         r != CUDA_SUCCESS)
       check(r, "stream.write_value", fmt::format("{} at {}", name_, describe_range(addr, 4)));
   }
-  void do_write_values(std::span<const value_write> writes) override {
-    if (!api_.cuStreamBatchMemOp) {
-      for (auto& w : writes) do_write_value(w.addr, w.value);
-      return;
-    }
-    auto cs = dev_.make_current();
-    CUstreamBatchMemOpParams ops[255];
-    for (std::size_t at = 0; at < writes.size(); at += 255) {
-      const std::size_t n = std::min<std::size_t>(255, writes.size() - at);
-      for (std::size_t i = 0; i < n; ++i) {
-        std::memset(&ops[i], 0, sizeof ops[i]);
-        ops[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
-        ops[i].writeValue.address = reinterpret_cast<CUdeviceptr>(writes[at + i].addr);
-        ops[i].writeValue.value = writes[at + i].value;
-        ops[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;  // each after the writes before it
-      }
-      if (CUresult r = api_.cuStreamBatchMemOp(s_, static_cast<unsigned>(n), ops, 0); r != CUDA_SUCCESS)
-        check(r, "stream.write_values", fmt::format("{}: {} writes from {}", name_, n, describe_range(writes[at].addr, 4)));
-    }
-  }
   void do_wait_value(const std::uint32_t* addr, std::uint32_t value) override {
     auto cs = dev_.make_current();
     if (CUresult r = api_.cuStreamWaitValue32(s_, reinterpret_cast<CUdeviceptr>(addr), value, CU_STREAM_WAIT_VALUE_GEQ);

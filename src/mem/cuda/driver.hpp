@@ -32,7 +32,7 @@ namespace ferry::cuda {
 // must have its type. (Calling the plain declaration's type would pass too few arguments.)
 #define FERRY_CUDA_DRIVER_FUNCTIONS_VERSIONED(X) X(cuStreamGetCtx, cuStreamGetCtx_v2)
 // Entry points a driver may lack (newer than ferry's minimum): null then, and ferry does without.
-#define FERRY_CUDA_DRIVER_FUNCTIONS_OPTIONAL(X) X(cuMemcpyBatchAsync) X(cuStreamBatchMemOp)
+#define FERRY_CUDA_DRIVER_FUNCTIONS_OPTIONAL(X) X(cuMemcpyBatchAsync)
 
 struct driver_api {
 #define FERRY_CUDA_DECLARE(name) decltype(&::name) name = nullptr;
