@@ -12,7 +12,9 @@
 // over the dataset). Elements of 8 and 64 bytes. Every output is checked against the file's words.
 // Reports elements/s, effective GB/s (elements x element size / s) and, for ferry, the proxy's
 // requests/s (4 KiB pages by default) and hit rate, next to the file engine alone reading the same pages
-// into pinned host memory (the proxy's ceiling from the page cache on these cores).
+// into pinned host memory (the proxy's ceiling from the page cache through ferry) and io_uring alone
+// (as many threads as the file engine has, each its own ring, FERRY_IO_DEPTH reads under way each:
+// what the same cores reach with nothing of ferry's between the pages and the memory).
 #include "bench.hpp"
 #include "kernels.hpp"
 
@@ -21,6 +23,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <liburing.h>
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -232,7 +235,8 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
                           {"requests_per_batch", static_cast<double>(q.requests - q0.requests) / std::max<double>(1, static_cast<double>(q.batches - q0.batches))},
                           {"latency_p50_us", static_cast<double>(q.latency_p50_ns) / 1e3},
                           {"latency_p99_us", static_cast<double>(q.latency_p99_ns) / 1e3},
-                          {"proxy_busy", static_cast<double>(q.busy_ns - q0.busy_ns) / (secs * 1e9)}};
+                          {"proxy_busy", static_cast<double>(q.busy_ns - q0.busy_ns) / (secs * 1e9 * std::max(1u, q.threads))},
+                          {"proxy_threads", q.threads}};
           }
           else hit_warm = hit / std::max(1.0, hit + miss);
         }
@@ -287,6 +291,64 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
         rows.push_back(json{{"method", "file engine alone"}, {"element_bytes", esize}, {"distribution", dist},
                             {"pages", distinct.size()}, {"seconds", eng[eng.size() / 2]}, {"reads_per_s", rate},
                             {"proxy_vs_engine", proxy_rate / rate}});
+
+        // io_uring alone: the same pages, threads as many as the file engine's, each its own ring.
+        const int raw_threads = rt.config().io_threads > 0 ? rt.config().io_threads : default_xfer_threads();
+        const unsigned depth = static_cast<unsigned>(std::max(1, rt.config().io_depth));
+        std::vector<double> raw;
+        for (int round = 0; round < o.rounds; ++round) {
+          std::atomic<std::uint64_t> failed_reads{0};
+          std::vector<std::thread> ts;
+          auto t = clk::now();
+          for (int th = 0; th < raw_threads; ++th)
+            ts.emplace_back([&, th] {
+              io_uring ring{};
+              const int rfd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+              if (rfd < 0 || io_uring_queue_init(2 * depth, &ring, 0) < 0) {
+                failed_reads += 1;
+                if (rfd >= 0) ::close(rfd);
+                return;
+              }
+              const std::uint64_t lo = distinct.size() * static_cast<std::uint64_t>(th) / static_cast<std::uint64_t>(raw_threads);
+              const std::uint64_t hi = distinct.size() * static_cast<std::uint64_t>(th + 1) / static_cast<std::uint64_t>(raw_threads);
+              std::uint64_t next = lo, under = 0;
+              while (next < hi || under) {
+                while (next < hi && under < depth) {
+                  io_uring_sqe* q = io_uring_get_sqe(&ring);
+                  io_uring_prep_read(q, rfd, static_cast<char*>(staging) + (next % step_pages) * page, static_cast<unsigned>(page),
+                                     distinct[next] * page);
+                  ++next, ++under;
+                }
+                if (io_uring_submit_and_wait(&ring, 1) < 0) {
+                  failed_reads += 1;
+                  break;
+                }
+                io_uring_cqe* c;
+                unsigned head, seen = 0;
+                io_uring_for_each_cqe(&ring, head, c) {
+                  failed_reads += c->res != static_cast<int>(page);
+                  ++seen;
+                }
+                io_uring_cq_advance(&ring, seen);
+                under -= seen;
+              }
+              io_uring_queue_exit(&ring);
+              ::close(rfd);
+            });
+          for (auto& x : ts) x.join();
+          raw.push_back(secs_since(t));
+          if (failed_reads) {
+            all_ok = false;
+            say(fmt::format("  FAILED: {} reads of io_uring alone failed", failed_reads.load()));
+          }
+        }
+        std::sort(raw.begin(), raw.end());
+        const double raw_rate = static_cast<double>(distinct.size()) / raw[raw.size() / 2];
+        say(fmt::format("  {:>2} B {:<7} io_uring alone ({} threads, {} each under way): {:.0f} reads/s; ferry's proxy (cold) {:.2f}x that",
+                        esize, dist, raw_threads, depth, raw_rate, proxy_rate / raw_rate));
+        rows.push_back(json{{"method", "io_uring alone"}, {"element_bytes", esize}, {"distribution", dist}, {"threads", raw_threads},
+                            {"depth", depth}, {"pages", distinct.size()}, {"seconds", raw[raw.size() / 2]},
+                            {"reads_per_s", raw_rate}, {"proxy_vs_io_uring", proxy_rate / raw_rate}});
       }
 
       // zero-copy from pinned host memory.

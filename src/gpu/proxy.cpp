@@ -22,6 +22,7 @@ namespace ferry::gpu {
 proxy_options proxy_options::from(const settings& s) {
   proxy_options o;
   o.slots = s.gpu_ring_slots;
+  o.rings = s.gpu_proxy_rings;
   o.batch = s.gpu_proxy_batch;
   o.deadline = s.deadline;
   return o;
@@ -31,8 +32,9 @@ struct proxy::impl {
   runtime& rt;
   device& dev;
   proxy_options o;
-  // The ring's memory: slots (and, for host requesters, the tail and credits) in host memory mapped
-  // for the CPU and the device at one address; for kernels, the tail and credits in device memory.
+  // The rings' memory: slots (and, for host requesters, each ring's tail and credits) in host memory
+  // mapped for the CPU and the device at one address; for kernels, the tails and credits in device
+  // memory.
   region host, tail;
   ring_view v;
 
@@ -47,36 +49,37 @@ struct proxy::impl {
   const std::chrono::steady_clock::time_point born = std::chrono::steady_clock::now();
   std::condition_variable idle;
   std::atomic<bool> stop{false};
-  std::thread th;
+  std::vector<std::thread> th;  // one per ring
 
   impl(runtime& r, device& d, proxy_options opt) : rt(r), dev(d), o(opt) {
     expects(o.slots >= 2 && o.slots <= (1u << 24) && (o.slots & (o.slots - 1)) == 0, "gpu.proxy",
             fmt::format("{} slots", o.slots), "a ring's slots must be a power of two from 2 to 2^24");
     expects(o.batch >= 1, "gpu.proxy", "batch=0", "a batch takes at least one request");
-    const std::uint64_t tail_words = 2 * sizeof(std::uint64_t);  // the tail, then the credits (the low half of the second word)
-    const std::uint64_t words_at = o.slots * sizeof(slot);
-    host = region(dev, words_at + tail_words, requesters::host);
+    expects(o.rings >= 1 && o.rings <= 256, "gpu.proxy", fmt::format("{} rings", o.rings), "from 1 to 256 rings");
+    const std::uint64_t words_at = std::uint64_t{o.slots} * o.rings * sizeof(slot), words_bytes = o.rings * sizeof(ring_words);
+    host = region(dev, words_at + words_bytes, requesters::host);
     v.slots = host.va.at<slot>(0);
     v.capacity = o.slots;
-    init(v.slots, o.slots);
-    const std::uint64_t init_words[2] = {0, o.slots};
+    v.rings = o.rings;
+    init(v.slots, o.slots, o.rings);
+    std::vector<ring_words> w(o.rings);
+    init(w.data(), o.slots, o.rings);
     if (o.by == requesters::host) {
-      std::memcpy(host.va.at<std::byte>(words_at), init_words, tail_words);
-      v.tail = host.va.at<std::uint64_t>(words_at);
+      v.words = host.va.at<ring_words>(words_at);
+      std::memcpy(static_cast<void*>(v.words), w.data(), words_bytes);
     } else {
-      tail = region(dev, tail_words, requesters::device);
-      v.tail = tail.va.at<std::uint64_t>(0);
+      tail = region(dev, words_bytes, requesters::device);
+      v.words = tail.va.at<ring_words>(0);
       auto st = dev.create_stream();
-      st->copy(v.tail, init_words, tail_words);
+      st->copy(v.words, w.data(), words_bytes);
       st->synchronize(deadline_after(o.deadline));
     }
-    v.credits = reinterpret_cast<std::int32_t*>(v.tail + 1);
-    th = std::thread([this] { serve(); });
+    for (std::uint32_t k = 0; k < o.rings; ++k) th.emplace_back([this, k] { serve(k); });
   }
 
   ~impl() {
     stop = true;
-    th.join();
+    for (auto& t : th) t.join();
     // Batches end by their deadline; a piece running then stops at its own: twice the deadline
     // (at least a second) covers both.
     std::unique_lock l(mu);
@@ -97,7 +100,8 @@ struct proxy::impl {
   // Under mu.
   void note(const request& r, std::uint64_t ticket, const std::string& why) {
     s.failed++;
-    errs.push_back(fmt::format("request {} (source {}, offset {}, {} bytes): {}", ticket, r.source, r.offset, r.bytes, why));
+    errs.push_back(fmt::format("request {} of ring {} (source {}, offset {}, {} bytes): {}", ticket & ((1ull << ring_shift) - 1),
+                               ring_of(ticket), r.source, r.offset, r.bytes, why));
     if (errs.size() > 64) errs.pop_front();
   }
 
@@ -106,7 +110,7 @@ struct proxy::impl {
       std::lock_guard l(mu);
       note(r, ticket, why);
     }
-    give(r, ticket, sta);
+    give(r, ticket, sta, o.rings);
   }
 
   // Serves the requests taken together as one file-engine batch: one submission and one
@@ -156,7 +160,7 @@ struct proxy::impl {
         const auto& [r, ticket] = (*taken)[i];
         const request_result& x = res[i];
         if (x.state == request_state::done && x.bytes_done == r.bytes) {
-          give(r, ticket, status::ok);
+          give(r, ticket, status::ok, o.rings);
           ok_bytes += r.bytes;
         } else if (x.state == request_state::done) {
           failed(r, ticket, status::out_of_range, fmt::format("only {} bytes exist there", x.bytes_done));
@@ -190,9 +194,12 @@ struct proxy::impl {
     }
   }
 
-  // Takes the requests there are (at most a batch), serves them together; when there are none,
-  // yields for a while and then sleeps in short naps (a request waits at most one nap).
-  void serve() {
+  // Ring k's thread: takes the requests there are (at most a batch), serves them together; when
+  // there are none, yields for a while, then sleeps in short naps, and after a longer quiet in longer
+  // ones (a request waits at most one nap; only the first after a quiet meets a long one).
+  void serve(std::uint32_t k) {
+    const ring_view mine = v.ring(k);
+    const std::uint64_t ring_bits = std::uint64_t{k} << ring_shift;
     std::uint64_t head = 0;
     auto last = std::chrono::steady_clock::now();
     std::vector<request> rs;
@@ -201,9 +208,9 @@ struct proxy::impl {
     while (!stop.load(std::memory_order_relaxed)) {
       rs.clear();
       tickets.clear();
-      while (rs.size() < o.batch && take(v, head, r)) {
+      while (rs.size() < o.batch && take(mine, head, r)) {
         rs.push_back(r);
-        tickets.push_back(head - 1);
+        tickets.push_back(ring_bits | (head - 1));
       }
       if (!rs.empty()) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -217,8 +224,10 @@ struct proxy::impl {
         busy_ns += static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(last - t0).count());
         continue;
       }
-      if (std::chrono::steady_clock::now() - last < std::chrono::milliseconds(1)) std::this_thread::yield();
-      else std::this_thread::sleep_for(std::chrono::microseconds(50));
+      const auto quiet = std::chrono::steady_clock::now() - last;
+      if (quiet < std::chrono::milliseconds(1)) std::this_thread::yield();
+      else if (quiet < std::chrono::milliseconds(100)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
 };
@@ -263,6 +272,7 @@ proxy_stats proxy::stats() const {
   r.latency_p50_ns = at(0.5);
   r.latency_p99_ns = at(0.99);
   r.busy_ns = impl_->busy_ns.load();
+  r.threads = impl_->o.rings;
   r.alive_ns = static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - impl_->born).count());
   return r;

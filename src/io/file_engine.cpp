@@ -122,6 +122,10 @@ struct file_engine::impl {
   registration_cache& cache;
   settings cfg;
   ferry::stats st;
+  // The counters every request touches, looked up once (a lookup takes the set's lock).
+  counter &beside_others = st.get("requests.beside_others"), &reads_direct_n = st.get("reads.direct"),
+          &reads_in_place = st.get("reads.in_place"), &reads_buffered = st.get("reads.buffered"),
+          &bytes_read = st.get("bytes_read"), &bytes_written = st.get("bytes_written");
   struct worker;
   std::mutex mu;  // the workers' queues, `stop`
   bool stop = false;
@@ -344,7 +348,7 @@ bool file_engine::impl::worker::admit() {
   }
   for (auto& j : took) {
     // Counted: a request that starts beside others on this worker (not behind them).
-    if (!runs.empty()) e.st.get("requests.beside_others").add();
+    if (!runs.empty()) e.beside_others.add();
     start(std::move(j));
   }
   return true;
@@ -487,7 +491,7 @@ void file_engine::impl::worker::start(job j) {
       const bool in_place = !r.j.dev && !direct;
       const std::uint64_t a = direct ? f.dio_align() : in_place ? 1 : 4096;
       r.parts.push_back({align_down(r.lo, a), align_up(r.hi, a), direct});
-      e.st.get(direct ? "reads.direct" : in_place ? "reads.in_place" : "reads.buffered").add();
+      (direct ? e.reads_direct_n : in_place ? e.reads_in_place : e.reads_buffered).add();
       log::debug("io", "read {} [{}, {}) {} into {}", path, r.lo, r.hi, direct ? "O_DIRECT" : "buffered",
                  r.j.dev ? r.j.dev->id() : "host");
     } else {
@@ -630,7 +634,7 @@ void file_engine::impl::worker::abort(running& r, error x) {
 }
 
 void file_engine::impl::worker::end(running& r) {
-  if (!r.err) e.st.get(r.j.r.write ? "bytes_written" : "bytes_read").add(r.delivered);
+  if (!r.err) (r.j.r.write ? e.bytes_written : e.bytes_read).add(r.delivered);
   e.finish_job(r.j, r.err ? &*r.err : nullptr);
 }
 
@@ -671,15 +675,18 @@ void file_engine::submit(std::span<const file_request> reqs, transfer_options o,
 }
 
 namespace {
-// Refuses a request that cannot run, naming it; returns its description for later errors.
-std::string check_request(const file_request& r, std::size_t i) {
+// A request as errors name it.
+std::string describe(const file_request& r, std::size_t i) {
+  return fmt::format("request {} {} offset {} bytes {}", i, r.f->path(), r.offset, r.bytes);
+}
+
+// Refuses a request that cannot run, naming it.
+void check_request(const file_request& r, std::size_t i) {
   if (!r.f) fail(errc::invalid_argument, "file.submit", fmt::format("request {}", i), "no file");
-  std::string res = fmt::format("request {} {} offset {} bytes {}", i, r.f->path(), r.offset, r.bytes);
-  if (!r.mem) fail(errc::invalid_argument, "file.submit", res, "null memory pointer");
-  if (r.bytes == 0) fail(errc::invalid_argument, "file.submit", res, "zero length");
-  if (r.offset + r.bytes < r.offset) fail(errc::out_of_range, "file.submit", res, "offset + length overflows");
-  if (r.write && !r.f->writable()) fail(errc::permission_denied, "file.submit", res, "file opened read-only");
-  return res;
+  if (!r.mem) fail(errc::invalid_argument, "file.submit", describe(r, i), "null memory pointer");
+  if (r.bytes == 0) fail(errc::invalid_argument, "file.submit", describe(r, i), "zero length");
+  if (r.offset + r.bytes < r.offset) fail(errc::out_of_range, "file.submit", describe(r, i), "offset + length overflows");
+  if (r.write && !r.f->writable()) fail(errc::permission_denied, "file.submit", describe(r, i), "file opened read-only");
 }
 }  // namespace
 
@@ -687,24 +694,33 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   impl& I = *impl_;
   std::vector<job> jobs;
   std::vector<std::size_t> remote;
+  memory_region last_mem;
+  // A read is cut at the file's size as of its submission (one look per file of the batch, not one
+  // per request): a file cut short under it then fails the read instead of reading short.
+  file* sized = nullptr;
+  std::uint64_t size = 0;
   for (std::size_t i = 0; i < reqs.size(); ++i) {
     const file_request& r = reqs[i];
     b->sizes[i] = r.bytes;
     b->bytes_total += r.bytes;
     try {
-      std::string res = check_request(r, i);
+      check_request(r, i);
       if (r.f->source()) {  // a remote file: its source moves the data (and classifies the memory)
         b->segs_left[i] = 1;
         b->results[i].path = transfer_path::none;
         remote.push_back(i);
         continue;
       }
-      memory_region m = I.cache.classify(r.mem, r.bytes);
+      // Requests of a batch often land in one allocation (a landing area, a buffer cut in pieces):
+      // what the last one's memory was classified as answers for the next within it.
+      if (!(last_mem.size && last_mem.type != memory_type::unknown && last_mem.contains(reinterpret_cast<std::uintptr_t>(r.mem), r.bytes)))
+        last_mem = I.cache.classify(r.mem, r.bytes);
+      const memory_region& m = last_mem;
       if (m.type == memory_type::unknown)
-        fail(errc::bad_address, "file.submit", res, "memory is not mapped memory ferry knows (freed or invalid?)");
+        fail(errc::bad_address, "file.submit", describe(r, i), "memory is not mapped memory ferry knows (freed or invalid?)");
       if ((m.type == memory_type::device || m.type == memory_type::managed || m.type == memory_type::unified) && m.size &&
           !m.contains(reinterpret_cast<std::uintptr_t>(r.mem), r.bytes))
-        fail(errc::out_of_range, "file.submit", res, fmt::format("memory extends past its allocation on {}", m.device_id()));
+        fail(errc::out_of_range, "file.submit", describe(r, i), fmt::format("memory extends past its allocation on {}", m.device_id()));
       job j;
       j.b = b;
       j.idx = i;
@@ -716,6 +732,10 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       // Unified memory stays where it is while the request uses it (its pages may move otherwise).
       if (m.type == memory_type::unified) j.hold = std::make_shared<registration>(I.cache.acquire(r.mem, r.bytes));
       b->results[i].path = transfer_path::staged;
+      if (!r.write) {
+        if (sized != r.f.get()) sized = r.f.get(), size = r.f->size();
+        j.size = size;
+      }
       // A read from the page cache of several I/O chunks is cut into pieces for several workers (at
       // 4 KiB-aligned file offsets): one ring's io-wq runs a request's buffered copies nearly one
       // after another, several rings run in parallel. O_DIRECT I/O is asynchronous on one ring
@@ -736,7 +756,8 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       cuts.push_back(end);
       b->segs_left[i] = static_cast<int>(cuts.size() - 1);
       I.st.get("requests.pieces").add(cuts.size() - 1);
-      j.size = r.f->size();
+      if (sized != r.f.get()) sized = r.f.get(), size = r.f->size();
+      j.size = size;
       for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
         job p = j;
         p.r.offset = cuts[k];
@@ -979,10 +1000,10 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
     const file_request& r = reqs[i];
     op_ptr op;
     try {
-      std::string res = check_request(r, i);
+      check_request(r, i);
       memory_region m = I.cache.classify(r.mem, r.bytes);
       if (m.type == memory_type::unknown)
-        fail(errc::bad_address, "file.submit", res, "memory is not mapped memory ferry knows (freed or invalid?)");
+        fail(errc::bad_address, "file.submit", describe(r, i), "memory is not mapped memory ferry knows (freed or invalid?)");
       op = std::make_shared<stream_op>();
       op->b = b;
       op->idx = i;

@@ -28,7 +28,7 @@ extern "C" __global__ void gpu_access_read(ferry::gpu::ring_view v, unsigned* do
     r.addr = reinterpret_cast<unsigned long long>(dst + k * chunk);
     r.done = reinterpret_cast<unsigned long long>(done + warp);
     r.source = 0;
-    unsigned long long t = ferry::gpu::submit(v, r, wait_ns);
+    unsigned long long t = ferry::gpu::submit(v, r, wait_ns, static_cast<unsigned>(warp));
     statuses[k] = t == ferry::gpu::no_ticket ? 100u : static_cast<unsigned>(ferry::gpu::wait(v, done + warp, t, wait_ns));
   }
 }

@@ -155,7 +155,7 @@ FERRY_GPU_HD inline status exchange(const cache_view& c, op kind, const array_de
   const std::uint64_t t0 = now_ns();
   if (kind == op::write) copy_page(land, frame, r.bytes);  // published to the proxy by submit's release
   const std::uint64_t t1 = now_ns();
-  std::uint64_t t = submit(c.ring, r, c.wait_ns);
+  std::uint64_t t = submit(c.ring, r, c.wait_ns, static_cast<std::uint32_t>(ls));  // landing slots spread over the rings
   const std::uint64_t t2 = now_ns();
   status s = t == no_ticket ? status::timed_out : wait(c.ring, c.landing_done + ls, t, c.wait_ns);
   const std::uint64_t t3 = now_ns();

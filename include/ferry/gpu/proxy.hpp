@@ -1,6 +1,6 @@
 #pragma once
-// The host side of GPU-initiated access: a proxy that drains a request ring (ring.hpp) on its own
-// thread and serves each request from its source -- a local file or a ferry:// file -- through the
+// The host side of GPU-initiated access: a proxy that drains request rings (ring.hpp), each on a thread
+// of its own, and serves each request from its source -- a local file or a ferry:// file -- through the
 // file engine, straight into (or from) the requester's memory, then answers in the ticket's answer
 // word (host memory the requester polls, stored after the data is in place). Sources
 // fail as statuses in the kernel (the message stays here: errors()); every request has a deadline.
@@ -28,7 +28,8 @@ namespace ferry::gpu {
 enum class requesters { device, host };
 
 struct FERRY_API proxy_options {
-  std::uint32_t slots = settings::defaults().gpu_ring_slots;  // a power of two
+  std::uint32_t slots = settings::defaults().gpu_ring_slots;  // per ring, a power of two
+  std::uint32_t rings = settings::defaults().gpu_proxy_rings;  // each with its own proxy thread
   std::uint32_t batch = settings::defaults().gpu_proxy_batch;  // requests taken and served together, at most
   requesters by = requesters::device;
   std::chrono::nanoseconds deadline = settings::defaults().deadline;  // per request
@@ -44,8 +45,10 @@ struct proxy_stats {
   // adds the ring and the answer's trip): percentiles over every request so far, each within a
   // factor of two (log2 buckets), in nanoseconds.
   std::uint64_t latency_p50_ns = 0, latency_p99_ns = 0;
-  // The proxy thread's time taking requests and handing them on, out of its time alive.
+  // The proxy threads' time taking requests and handing them on (summed over its threads), and the
+  // proxy's time alive: busy_ns / (threads x alive_ns) is the share of their time they worked.
   std::uint64_t busy_ns = 0, alive_ns = 0;
+  std::uint32_t threads = 0;
 };
 
 class FERRY_API proxy {
@@ -63,7 +66,7 @@ class FERRY_API proxy {
   // before launching the kernels that use them: settling how a source is served may wait for the
   // device's running kernels (file_engine::prepare).
   std::uint32_t add(std::shared_ptr<file> f);
-  // What requesters pass around (to a kernel by value): the ring's slots, tail and credits.
+  // What requesters pass around (to a kernel by value): the rings' slots, tails and credits.
   ring_view view() const noexcept;
   // `n` answer words for requesters (request::done), zeroed: host memory mapped for the device and
   // the CPU at one address, stored into by the proxy with plain CPU stores. The proxy answers only

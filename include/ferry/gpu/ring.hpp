@@ -5,7 +5,10 @@
 // CUDA device code (in the user's kernels) and as host C++ (the proxy, and the CPU tests in which host
 // threads stand in for warps).
 //
-// Protocol (a bounded multi-producer queue with a sequence number per slot, single consumer):
+// A ring_view may hold several rings side by side, each drained by its own proxy thread: a requester
+// names one by a hint (its warp, its landing slot), and its ticket carries the ring it went to.
+//
+// Protocol, per ring (a bounded multi-producer queue with a sequence number per slot, one consumer):
 //  - credits: a requester takes one before its ticket and gives it back when its wait ends (the
 //    answer, or its deadline), so at most `capacity` requests are under way and a requester that
 //    holds a credit finds its slot free (or about to be).
@@ -14,10 +17,10 @@
 //    writes the request there and publishes it by storing seq = t + 1 (release).
 //  - the proxy, at head h, takes slot h % capacity once its seq == h + 1 (acquire), copies the
 //    request out and frees the slot for ticket h + capacity (seq = h + capacity, release).
-//  - the proxy answers, after the data is in place, by storing the ticket's low 24 bits and a status
-//    byte into the request's 32-bit answer word (`done`, release): a plain CPU store, so the word is
-//    in host memory (pinned and mapped for the device, for kernels). The requester owns its word
-//    while the request is under way and waits for its own ticket's answer: a late answer to an
+//  - the proxy answers, after the data is in place, by storing the ticket's tag (24 bits, below) and
+//    a status byte into the request's 32-bit answer word (`done`, release): a plain CPU store, so the
+//    word is in host memory (pinned and mapped for the device, for kernels). The requester owns its
+//    word while the request is under way and waits for its own ticket's answer: a late answer to an
 //    earlier request that used the same word never matches (unless 2^24 requests lie between them).
 // Memory: slots in host memory pinned and mapped for the device: the proxy polls them without a PCIe
 // round trip, the GPU writes requests with posted writes, and each requester reads only its own
@@ -65,12 +68,20 @@ struct alignas(64) slot {
 // The answer's low byte. Beyond `ok`, the proxy's error: the host side keeps the full message.
 enum class status : std::uint8_t { pending = 0, ok = 1, failed = 2, out_of_range = 3, timed_out = 4 };
 
+// Each ring's own words, on a line of their own: the tail and the credits (starting at capacity).
+struct alignas(64) ring_words {
+  std::uint64_t tail = 0;
+  std::int32_t credits = 0;
+};
+
 // What a requester holds; plain pointers, valid where it runs.
 struct ring_view {
-  slot* slots = nullptr;
-  std::uint64_t* tail = nullptr;
-  std::int32_t* credits = nullptr;  // starts at capacity
-  std::uint32_t capacity = 0;       // a power of two, at most 2^24
+  slot* slots = nullptr;          // rings x capacity: ring k's slots from k * capacity on
+  ring_words* words = nullptr;    // one per ring
+  std::uint32_t capacity = 0;     // slots per ring: a power of two, at most 2^24
+  std::uint32_t rings = 1;        // at most 256
+  // Ring k alone.
+  FERRY_GPU_HD ring_view ring(std::uint32_t k) const { return {slots + std::uint64_t{k} * capacity, words + k, capacity, 1}; }
 };
 
 namespace detail {
@@ -110,14 +121,25 @@ inline void pause(unsigned = 200) { std::this_thread::yield(); }
 }  // namespace detail
 
 constexpr std::uint64_t no_ticket = ~0ull;
+// A ticket: the ring's own count in the low 48 bits, the ring above them.
+constexpr int ring_shift = 48;
+FERRY_GPU_HD constexpr std::uint32_t ring_of(std::uint64_t ticket) { return static_cast<std::uint32_t>(ticket >> ring_shift); }
+// What an answer carries of its ticket: the ticket's place among all the rings' tickets (its ring's
+// count x rings + ring), low 24 bits -- distinct for the tickets of different rings, so a word one
+// requester uses for requests to several rings never takes one ring's answer for another's.
+FERRY_GPU_HD constexpr std::uint32_t tag(std::uint64_t ticket, std::uint32_t rings) {
+  return static_cast<std::uint32_t>(((ticket & ((1ull << ring_shift) - 1)) * rings + ring_of(ticket)) & 0xffffff);
+}
 
-// Puts `r` into the ring, waiting for a credit at most `wait_ns`. Returns the request's ticket, or
-// no_ticket when no credit came (nothing was taken: the ring is as it was) or -- only when the proxy
-// took nothing for a whole wait while requests timed out in the ring -- the ticket's slot stayed
-// taken (that ticket is lost, and the ring stops at it: docs/design/gpu-access.md, limits).
-FERRY_GPU_HD inline std::uint64_t submit(const ring_view& v, const request& r, std::uint64_t wait_ns) {
+// Puts `r` into ring `hint % v.rings`, waiting for a credit at most `wait_ns`. Returns the request's
+// ticket, or no_ticket when no credit came (nothing was taken: the ring is as it was) or -- only when
+// the proxy took nothing for a whole wait while requests timed out in the ring -- the ticket's slot
+// stayed taken (that ticket is lost, and the ring stops at it: docs/design/gpu-access.md, limits).
+FERRY_GPU_HD inline std::uint64_t submit(const ring_view& all, const request& r, std::uint64_t wait_ns, std::uint32_t hint = 0) {
+  const std::uint32_t k = hint % all.rings;
+  const ring_view v = all.ring(k);
   const std::uint64_t start = detail::now_ns();
-  detail::ref<std::int32_t> credits(*v.credits);
+  detail::ref<std::int32_t> credits(v.words->credits);
   // Many may wait for a credit at once, all on this one word: each looks (a load) before it takes
   // (one fetch-and-subtract, undone if it came too late), and backs off up to 6.4 us between looks
   // so that the word stays free for those giving credits back.
@@ -130,7 +152,7 @@ FERRY_GPU_HD inline std::uint64_t submit(const ring_view& v, const request& r, s
     detail::pause(nap);
     nap = nap < 6400 ? 2 * nap : nap;
   }
-  const std::uint64_t t = detail::ref<std::uint64_t>(*v.tail).fetch_add(1, detail::mo::memory_order_relaxed);
+  const std::uint64_t t = detail::ref<std::uint64_t>(v.words->tail).fetch_add(1, detail::mo::memory_order_relaxed);
   slot& s = v.slots[t & (v.capacity - 1)];
   detail::ref<std::uint64_t> seq(s.seq);
   for (unsigned nap = 200; seq.load(detail::mo::memory_order_acquire) != t;) {
@@ -143,20 +165,21 @@ FERRY_GPU_HD inline std::uint64_t submit(const ring_view& v, const request& r, s
   }
   s.r = r;
   seq.store(t + 1, detail::mo::memory_order_release);
-  return t;
+  return (std::uint64_t{k} << ring_shift) | (t & ((1ull << ring_shift) - 1));
 }
 
 // Waits for the answer to ticket `t` in the word at `done`, at most `wait_ns`; status::timed_out when
 // it did not come. Every ticket is waited for once: that gives its credit back (its answer or its
 // timeout, whichever comes first).
-FERRY_GPU_HD inline status wait(const ring_view& v, const std::uint32_t* done, std::uint64_t t, std::uint64_t wait_ns) {
+FERRY_GPU_HD inline status wait(const ring_view& v, const std::uint32_t* done, std::uint64_t ticket, std::uint64_t wait_ns) {
+  const std::uint32_t want = tag(ticket, v.rings);
   detail::ref<std::uint32_t> w(*const_cast<std::uint32_t*>(done));
   const std::uint64_t start = detail::now_ns();
   status s = status::timed_out;
   unsigned nap = 400;
   for (;;) {
     std::uint32_t a = w.load(detail::mo::memory_order_acquire);
-    if ((a >> 8) == (t & 0xffffff) && static_cast<status>(a & 0xff) != status::pending) {
+    if ((a >> 8) == want && static_cast<status>(a & 0xff) != status::pending) {
       s = static_cast<status>(a & 0xff);
       break;
     }
@@ -164,12 +187,12 @@ FERRY_GPU_HD inline status wait(const ring_view& v, const std::uint32_t* done, s
     detail::pause(nap);  // backing off: the word is across PCIe, and a request takes tens of microseconds
     nap = nap < 6400 ? 2 * nap : nap;
   }
-  detail::ref<std::int32_t>(*v.credits).fetch_add(1, detail::mo::memory_order_release);
+  detail::ref<std::int32_t>(v.words[ring_of(ticket) % v.rings].credits).fetch_add(1, detail::mo::memory_order_release);
   return s;
 }
 
-// The proxy's side (one consumer per ring): takes the request at `head` if it is there, frees its
-// slot and advances head.
+// The proxy's side (one consumer per ring; `v` one ring, v.ring(k)): takes the request at `head` if it
+// is there, frees its slot and advances head.
 FERRY_GPU_HD inline bool take(const ring_view& v, std::uint64_t& head, request& out) {
   slot& s = v.slots[head & (v.capacity - 1)];
   detail::ref<std::uint64_t> seq(s.seq);
@@ -180,19 +203,25 @@ FERRY_GPU_HD inline bool take(const ring_view& v, std::uint64_t& head, request& 
   return true;
 }
 
-// The answer to ticket t, as the proxy writes it into the requester's word.
-FERRY_GPU_HD constexpr std::uint32_t answer(std::uint64_t t, status st) {
-  return static_cast<std::uint32_t>((t & 0xffffff) << 8) | static_cast<std::uint8_t>(st);
+// The answer to `ticket` of a view of `rings` rings, as the proxy writes it into the requester's word.
+FERRY_GPU_HD constexpr std::uint32_t answer(std::uint64_t ticket, status st, std::uint32_t rings = 1) {
+  return tag(ticket, rings) << 8 | static_cast<std::uint8_t>(st);
 }
 
-// The proxy's answer to request `r`, ticket t (after the data is in place).
-inline void give(const request& r, std::uint64_t t, status st) {
-  detail::ref<std::uint32_t>(*reinterpret_cast<std::uint32_t*>(r.done)).store(answer(t, st), detail::mo::memory_order_release);
+// The proxy's answer to request `r` (after the data is in place).
+inline void give(const request& r, std::uint64_t ticket, status st, std::uint32_t rings = 1) {
+  detail::ref<std::uint32_t>(*reinterpret_cast<std::uint32_t*>(r.done)).store(answer(ticket, st, rings), detail::mo::memory_order_release);
 }
 
-// Slots start with seq == their index.
-FERRY_GPU_HD inline void init(slot* slots, std::uint32_t capacity) {
-  for (std::uint32_t i = 0; i < capacity; ++i) slots[i].seq = i;
+// Slots start with seq == their index in their ring; each ring's tail at 0 and credits at capacity.
+FERRY_GPU_HD inline void init(slot* slots, std::uint32_t capacity, std::uint32_t rings = 1) {
+  for (std::uint64_t i = 0; i < std::uint64_t{capacity} * rings; ++i) slots[i].seq = i % capacity;
+}
+FERRY_GPU_HD inline void init(ring_words* words, std::uint32_t capacity, std::uint32_t rings = 1) {
+  for (std::uint32_t k = 0; k < rings; ++k) {
+    words[k].tail = 0;
+    words[k].credits = static_cast<std::int32_t>(capacity);
+  }
 }
 
 }  // namespace ferry::gpu
