@@ -93,12 +93,50 @@ struct registration_cache::impl {
   std::list<std::shared_ptr<registration::entry>> lru;                   // unused, most recent first
   std::uint64_t bytes_pinned = 0;
   registration_stats st;
-  // munmap seen while this thread was inside the cache (cuMemHostUnregister, or malloc creating an
-  // arena under our lock): recorded without locking or allocating, as one covering interval, and
-  // applied before the next lookup so a stale entry is never served. Over-invalidating is harmless.
-  std::atomic<std::uintptr_t> pending_lo{~std::uintptr_t{0}};
-  std::atomic<std::uintptr_t> pending_hi{0};
-  std::atomic<bool> has_pending{false};
+  // Ranges unmapped under a memory hook (or while this thread was inside the cache): recorded without
+  // allocating or blocking and applied before the cache's next lookup, so a stale entry is never
+  // served. A hook runs inside the allocator -- free() trimming the heap (sbrk) or returning a large
+  // chunk (munmap) -- which holds its own lock: anything that allocates there, the driver's
+  // cuMemHostUnregister included, deadlocks that thread for good. A few distinct ranges are kept
+  // apart (the heap's top and the mmap area lie far apart: one covering interval would drop every
+  // registration in between); past that they are merged. Over-invalidating is harmless.
+  struct pending_ranges {
+    std::atomic_flag busy;  // held for a few instructions, by hooks and by take()
+    std::atomic<bool> any{false};
+    std::array<std::pair<std::uintptr_t, std::uintptr_t>, 32> r{};
+    std::size_t n = 0;
+    void lock() noexcept {
+      while (busy.test_and_set(std::memory_order_acquire)) {
+      }
+    }
+    void unlock() noexcept { busy.clear(std::memory_order_release); }
+    void add(std::uintptr_t lo, std::uintptr_t hi) noexcept {
+      lock();
+      std::size_t i = 0;
+      while (i < n && (lo > r[i].second || hi < r[i].first)) ++i;  // the first it overlaps or touches
+      if (i < n) {
+        r[i].first = std::min(r[i].first, lo);
+        r[i].second = std::max(r[i].second, hi);
+      } else if (n < r.size()) {
+        r[n++] = {lo, hi};
+      } else {
+        r[n - 1].first = std::min(r[n - 1].first, lo);
+        r[n - 1].second = std::max(r[n - 1].second, hi);
+      }
+      any.store(true, std::memory_order_release);
+      unlock();
+    }
+    // Moves the recorded ranges into `out`; how many.
+    std::size_t take(std::array<std::pair<std::uintptr_t, std::uintptr_t>, 32>& out) noexcept {
+      if (!any.exchange(false, std::memory_order_acq_rel)) return 0;
+      lock();
+      const std::size_t k = n;
+      std::copy(r.begin(), r.begin() + static_cast<std::ptrdiff_t>(k), out.begin());
+      n = 0;
+      unlock();
+      return k;
+    }
+  } pending;
   // Ranges recently classified, by base -> end: classifying asks every client (a CUDA driver call
   // with six attributes, msync, probes), microseconds that a 4 KiB remote read or a 64 KiB copy
   // cannot afford on every request. Pageable ranges are dropped with the memory (munmap hooks ->
@@ -134,14 +172,7 @@ struct registration_cache::impl {
   }
   // Collects the callbacks of every entry overlapping [b, b+n) and drops the entries.
   // Records a hook's range for the next classify/acquire (no lock, no allocation); ranges merge.
-  void defer(std::uintptr_t base, std::uint64_t size) noexcept {
-    std::uintptr_t lo = pending_lo.load(), hi = pending_hi.load();
-    while (base < lo && !pending_lo.compare_exchange_weak(lo, base)) {
-    }
-    while (base + size > hi && !pending_hi.compare_exchange_weak(hi, base + size)) {
-    }
-    has_pending = true;
-  }
+  void defer(std::uintptr_t base, std::uint64_t size) noexcept { pending.add(base, base + size); }
   // From memory hooks (`hooked`), entries of clients whose memory is remapped in place as it moves
   // (unified memory) are left alone: such an unmap is a page moving, not the memory going away.
   std::vector<std::function<void()>> invalidate_locked(std::uintptr_t b, std::uint64_t n, bool hooked = false) {
@@ -295,15 +326,18 @@ void check_range(const void* p, std::uint64_t n, std::string_view op) {
 }  // namespace
 
 void registration_cache::apply_pending() {
-  if (!impl_->has_pending.exchange(false)) return;
-  std::uintptr_t lo = impl_->pending_lo.exchange(~std::uintptr_t{0});
-  std::uintptr_t hi = impl_->pending_hi.exchange(0);
-  if (lo >= hi) return;
+  std::array<std::pair<std::uintptr_t, std::uintptr_t>, 32> got;
+  const std::size_t k = impl_->pending.take(got);
+  if (k == 0) return;
   // Pending ranges come from memory hooks.
   std::vector<std::function<void()>> cbs;
   {
     cache_lock l(impl_->mu);
-    cbs = impl_->invalidate_locked(lo, hi - lo, true);
+    for (std::size_t i = 0; i < k; ++i) {
+      if (got[i].first >= got[i].second) continue;
+      auto more = impl_->invalidate_locked(got[i].first, got[i].second - got[i].first, true);
+      cbs.insert(cbs.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+    }
   }
   for (auto& cb : cbs) cb();
 }
@@ -356,7 +390,7 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
       bool whole = r->type == memory_type::device || r->type == memory_type::host_pinned || r->type == memory_type::managed;
       if ((r->type == memory_type::host_pageable || (whole && r->buffer_id != 0)) && r->contains(a, n)) {
         cache_lock l(impl_->mu);
-        if (impl_->generation == gen && !impl_->has_pending) {
+        if (impl_->generation == gen && !impl_->pending.any.load(std::memory_order_acquire)) {
           if (impl_->seen.size() >= 256) impl_->seen.clear();
           if (whole) impl_->seen[r->base] = {r->base + r->size, *r};
           else impl_->seen[a] = {a + n, *r};
@@ -498,20 +532,10 @@ void registration_cache::release(registration& r) noexcept {
 }
 
 void registration_cache::invalidate_soon(std::uintptr_t base, std::uint64_t size) noexcept {
-  // A memory hook may fire on a thread that another cache user is waiting for (e.g. a unified-memory
-  // remap while an acquire holds the lock and waits for that page): never block here.
-  std::unique_lock l(impl_->mu, std::try_to_lock);
-  if (t_inside_cache || !l.owns_lock()) {
-    impl_->defer(base, size);
-    return;
-  }
-  std::vector<std::function<void()>> cbs;
-  {
-    inside_guard g;
-    cbs = impl_->invalidate_locked(base, size, true);
-  }
-  l.unlock();
-  for (auto& cb : cbs) cb();
+  // Only recorded: a memory hook runs inside the allocator (see pending_ranges), or on a thread that
+  // another cache user waits for (a unified-memory remap while an acquire holds the lock and waits
+  // for that page). The cache's next classify, cached or acquire applies it.
+  impl_->defer(base, size);
 }
 
 void registration_cache::invalidate(std::uintptr_t base, std::uint64_t size) {

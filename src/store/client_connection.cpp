@@ -163,6 +163,12 @@ void client::impl::ensure_connected(clk::time_point until) {
   // lane (this runs per request).
   std::uint64_t seen = lane_events.load(std::memory_order_acquire);
   if (seen == lanes_checked.load(std::memory_order_relaxed)) return;
+  {
+    // A server just found unreachable is not tried again by every request (an attempt on a dead
+    // server may take seconds): they fail at once, with its error, until the retry time.
+    std::lock_guard l(mu);
+    if (down_err && clk::now() < down_until) throw *down_err;
+  }
   for (auto& ln : lanes) {
     std::shared_ptr<connection> cn;
     {
@@ -171,7 +177,18 @@ void client::impl::ensure_connected(clk::time_point until) {
     }
     if (cn && cn->alive()) continue;
     if (connected_once) n_reconnects++;
-    connect(*ln, until);
+    try {
+      connect(*ln, until);
+    } catch (const error& e) {
+      std::lock_guard l(mu);
+      down_err = e;
+      down_until = clk::now() + o.retry_after;
+      throw;
+    }
+  }
+  {
+    std::lock_guard l(mu);
+    down_err.reset();
   }
   connected_once = true;
   lanes_checked.store(seen, std::memory_order_release);  // a failure since `seen` is looked at next time

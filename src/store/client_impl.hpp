@@ -156,6 +156,9 @@ struct client::impl {
   ticket next_ticket = 1;
   welcome hello_reply;
   bool connected_once = false;
+  // The server could not be reached: requests until `down_until` fail at once with `down_err` (mu).
+  std::optional<error> down_err;
+  clk::time_point down_until{};
   // Counted under mu, where each request already is (an atomic add each would cost more than the
   // lock on some machines); staged bytes and reconnects by the threads that make them.
   std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0, n_noticed = 0;

@@ -9,6 +9,7 @@
 #include "mem/cuda/driver.hpp"
 #include "support/cuda_user.hpp"
 #include "support/data.hpp"
+#include "support/served_process.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -16,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <string_view>
 #include <thread>
 #include <fstream>
 #include <unistd.h>
@@ -30,6 +32,7 @@ using ::testing::HasSubstr;
 namespace {
 
 settings g_settings;
+std::string g_ferry_binary;  // `ferry`, for a server the test can kill (ctest passes --ferry-binary PATH)
 const cuda::driver_api* g_api = nullptr;
 
 #define CU(call) cuda::check(g_api->call, "test", #call)
@@ -390,8 +393,71 @@ TEST(GpuCache, AFileCutShortMidKernelIsAStatusInTheKernelAndAnExceptionOnTheHost
   }
 }
 
+// The ferry:// server is killed while the user's kernel reads one of its files page by page: the
+// pages after the kill come back to the kernel as error statuses, the kernel ends, and the host's
+// check throws, naming the server.
+TEST(GpuCache, AFerryServerKilledMidKernelIsAStatusInTheKernelAndAnExceptionOnTheHost) {
+  if (g_ferry_binary.empty()) GTEST_SKIP() << "needs --ferry-binary PATH (ctest passes it)";
+  const auto root = std::filesystem::path("/tmp") / ("ferry-gpu-access-serve-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(root);
+  struct gone {
+    std::filesystem::path p;
+    ~gone() { std::filesystem::remove_all(p); }
+  } cleanup{root};
+  test::random_file d(root, "data.bin", 16ull << 20, 34);
+  test::served_process srv(g_ferry_binary, root);
+  const std::string server = "127.0.0.1:" + std::to_string(srv.port);
+  runtime rt(g_settings);
+  user_program u;
+  gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(1 << 20, 4096));
+  auto a = c.map<std::uint64_t>(file::open("ferry://" + server + "/" + d.path.filename().string(), open_mode::read), 0,
+                                d.bytes.size() / 8);
+  CUfunction fn = u.fn("cache_sweep_8");
+  unsigned long long per_page = 4096 / 8, pages = d.bytes.size() / 4096;
+  device_buffer out(pages * 8), st(pages * 4);
+  auto* outp = out.as<unsigned long long>();
+  unsigned* stp = st.as<unsigned>();
+  void* args[] = {&a, &per_page, &pages, &outp, &stp};
+  CU(cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, u.s, args, nullptr));
+  // Kill the server once the kernel is under way (some pages read), at most a few seconds in.
+  for (int i = 0; i < 300 && c.stats().counted.misses < 64; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const auto killed_at = std::chrono::steady_clock::now();
+  srv.kill();
+  if (!kernel_ended(u, c)) return;
+  const double after_kill = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  std::vector<std::uint64_t> got(pages);
+  std::vector<unsigned> sts(pages);
+  to_host(got.data(), out.p, pages * 8);
+  to_host(sts.data(), st.p, pages * 4);
+  std::size_t ok = 0, failed = 0, wrong = 0;
+  std::uint64_t first_failed = pages;
+  for (std::uint64_t p = 0; p < pages; ++p) {
+    if (sts[p] == static_cast<unsigned>(gpu::status::ok)) {
+      ok++;
+      wrong += std::memcmp(&got[p], d.bytes.data() + p * 4096, 8) != 0;
+      EXPECT_LT(p, first_failed) << "a page read after a failed one: the server came back?";
+    } else {
+      failed++;
+      first_failed = std::min(first_failed, p);
+    }
+  }
+  std::printf("server killed: %zu pages read before, %zu failed after; the kernel ended %.1f s after the kill\n", ok, failed, after_kill);
+  EXPECT_GE(ok, 64u);
+  EXPECT_GT(failed, 0u);
+  EXPECT_EQ(wrong, 0u);
+  try {
+    c.check();
+    ADD_FAILURE() << "check did not throw";
+  } catch (const error& e) {
+    std::printf("cache::check: %s\n", e.what());
+    EXPECT_THAT(e.what(), HasSubstr(server)) << "the error names the server";
+  }
+}
+
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string_view(argv[i]) == "--ferry-binary") g_ferry_binary = argv[i + 1];
   g_settings = settings::from_env();
   const cuda::driver_status& st = cuda::load(g_settings.cuda_driver);
   g_api = st.api;

@@ -8,9 +8,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <malloc.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <map>
 #include <random>
 #include <set>
@@ -219,11 +221,56 @@ TEST(RegistrationCache, HostMunmapInvalidatesThroughMemoryHooks) {
   bool told = false;
   r.on_invalidate([&] { told = true; });
   ::munmap(p, n);
+  // The hook only records the range (it may run inside the allocator, under its lock): the cache's
+  // next call applies it, before it answers.
+  EXPECT_FALSE(cache.cached(p, n));
   EXPECT_TRUE(told) << "libucm's VM_UNMAPPED hook did not reach the cache";
   EXPECT_FALSE(r.valid());
-  EXPECT_FALSE(cache.cached(p, n));
   EXPECT_EQ(cache.classify(p, n).type, memory_type::unknown);
   EXPECT_THROW(cache.acquire(p, n), error);
+}
+
+// A registration of heap memory, then free() gives the heap's top back (sbrk, inside the allocator,
+// under its lock): the hook only records the range -- unpinning there (the CUDA driver's unregister
+// frees memory) would wait on the allocator's lock its own thread holds, for ever -- and the
+// cache's next call applies it: the registration is gone before that call answers.
+TEST(RegistrationCache, FreeTrimmingTheHeapUnderARegistrationIsAppliedAtTheNextCall) {
+  auto host = make_host_client("/nonexistent/libcuda.so.1");
+  registration_cache cache({host.get()}, 64 << 20);
+  // From the heap (below the mmap threshold), and trimmed as soon as the heap's top is free.
+  constexpr std::size_t n = 96 << 10;
+  ::mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  ::mallopt(M_TRIM_THRESHOLD, 4096);
+  ::mallopt(M_TOP_PAD, 0);
+  struct restore {
+    ~restore() {
+      ::mallopt(M_TRIM_THRESHOLD, 128 << 10);
+      ::mallopt(M_TOP_PAD, 128 << 10);
+    }
+  } r0;
+  bool tested = false;
+  for (int i = 0; i < 16 && !tested; ++i) {
+    auto* p = static_cast<char*>(std::malloc(n));
+    ASSERT_NE(p, nullptr);
+    registration r;
+    try {
+      r = cache.acquire(p, n);
+    } catch (const error& e) {
+      std::free(p);
+      if (e.code() == errc::permission_denied || e.code() == errc::out_of_memory) GTEST_SKIP() << e.what();
+      throw;
+    }
+    bool told = false;
+    r.on_invalidate([&] { told = true; });
+    volatile std::uintptr_t where = reinterpret_cast<std::uintptr_t>(p);  // only its address is used after the free
+    std::free(p);  // may trim the heap: sbrk -> libucm's hook -> the cache, inside free()
+    const bool still = cache.cached(reinterpret_cast<const void*>(where), n);  // applies what the hook recorded
+    if (told) {
+      EXPECT_FALSE(still) << "round " << i;
+      tested = true;  // the heap was trimmed over the registration this round
+    }
+  }
+  if (!tested) GTEST_SKIP() << "free() never trimmed the heap over the registration here";
 }
 
 // Classification of unregistered host memory is remembered (it costs a driver call and syscalls

@@ -7,6 +7,7 @@
 #include <ferry/vm/address_space.hpp>
 
 #include "mem/cuda/driver.hpp"
+#include "support/served_process.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -203,49 +204,9 @@ TEST(GpuStreams, AFileTruncatedUnderAStreamOrderedReadReleasesTheStream) {
   std::filesystem::remove(path);
 }
 
-// `ferry serve` in a process of its own, which the test can kill (the ferry binary comes from ctest:
-// --ferry-binary PATH).
+// `ferry serve` in a process of its own (tests/support/served_process.hpp); the ferry binary comes
+// from ctest: --ferry-binary PATH.
 std::string g_ferry_binary;
-struct served_process {
-  pid_t pid = -1;
-  int out = -1;
-  std::uint16_t port = 0;
-  served_process(const std::string& ferry, const std::filesystem::path& root) {
-    int p[2];
-    if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, p[1], 1);
-    std::string r = root.string();
-    std::vector<std::string> args = {ferry, "serve", "--root", r, "--listen", "127.0.0.1:0"};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    int rc = ::posix_spawn(&pid, ferry.c_str(), &fa, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    ::close(p[1]);
-    out = p[0];
-    if (rc != 0) throw std::runtime_error(ferry + ": posix_spawn: " + std::strerror(rc));
-    // "ferry serve: ROOT on 127.0.0.1:PORT (...)": the port, once it listens.
-    std::string line;
-    pollfd pf{out, POLLIN, 0};
-    char c = 0;
-    while (line.find('\n') == std::string::npos && ::poll(&pf, 1, 20000) == 1 && ::read(out, &c, 1) == 1) line += c;
-    auto at = line.find("127.0.0.1:");
-    if (at == std::string::npos) throw std::runtime_error("ferry serve did not report its port: " + line);
-    port = static_cast<std::uint16_t>(std::stoi(line.substr(at + 10)));
-  }
-  void kill() {
-    if (pid <= 0) return;
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, nullptr, 0);
-    pid = -1;
-  }
-  ~served_process() {
-    kill();
-    ::close(out);
-  }
-};
 
 // The server is killed while a stream-ordered read of one of its files waits behind the user's
 // kernel: the read fails, names the server, and the user's stream goes on well within the deadline.
@@ -255,7 +216,7 @@ TEST(GpuStreams, AServerKilledUnderAStreamOrderedReadReleasesTheStream) {
   std::filesystem::create_directories(root);
   const std::size_t n = 256ull << 20;
   std::filesystem::rename(words_file(n, 5), root / "data.bin");
-  served_process srv(g_ferry_binary, root);
+  test::served_process srv(g_ferry_binary, root);
   runtime rt(g_settings);
   user_program u;
   CUstream s = nullptr;

@@ -115,6 +115,9 @@ struct client_options {
   std::uint64_t piece = 4ull << 20;       // bytes per wire request (FERRY_NET_PIECE)
   std::uint64_t landing = 256ull << 20;   // the landing region lent to a same-host server (FERRY_NET_LANDING)
   std::chrono::nanoseconds spin = std::chrono::microseconds(200);
+  // After the server could not be reached, requests fail at once with that error this long
+  // (FERRY_NET_RETRY_AFTER).
+  std::chrono::nanoseconds retry_after = settings::defaults().net_retry_after;
   // Connections (lanes) to the server, each with its own UCX worker and progress thread; pieces are
   // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
   int lanes = 4;

@@ -1,0 +1,68 @@
+#pragma once
+// `ferry serve --root ROOT --listen 127.0.0.1:0` in a process of its own, which a test can kill
+// (SIGKILL: the server dies as a crashed one does, its connections reset). Its port is read from
+// the line it prints once it listens.
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char** environ;
+
+namespace ferry::test {
+
+struct served_process {
+  pid_t pid = -1;
+  int out = -1;
+  std::uint16_t port = 0;
+  served_process(const std::string& ferry, const std::filesystem::path& root) {
+    int p[2];
+    if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+    std::string r = root.string();
+    std::vector<std::string> args = {ferry, "serve", "--root", r, "--listen", "127.0.0.1:0"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    int rc = ::posix_spawn(&pid, ferry.c_str(), &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(p[1]);
+    out = p[0];
+    if (rc != 0) throw std::runtime_error(ferry + ": posix_spawn: " + std::strerror(rc));
+    // "ferry serve: ROOT on 127.0.0.1:PORT (...)": the port, once it listens.
+    std::string line;
+    pollfd pf{out, POLLIN, 0};
+    char c = 0;
+    while (line.find('\n') == std::string::npos && ::poll(&pf, 1, 20000) == 1 && ::read(out, &c, 1) == 1) line += c;
+    auto at = line.find("127.0.0.1:");
+    if (at == std::string::npos) {
+      kill();
+      throw std::runtime_error("ferry serve did not report its port: " + line);
+    }
+    port = static_cast<std::uint16_t>(std::stoi(line.substr(at + 10)));
+  }
+  void kill() {
+    if (pid <= 0) return;
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    pid = -1;
+  }
+  ~served_process() {
+    kill();
+    ::close(out);
+  }
+  served_process(const served_process&) = delete;
+  served_process& operator=(const served_process&) = delete;
+};
+
+}  // namespace ferry::test
