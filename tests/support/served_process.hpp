@@ -2,6 +2,7 @@
 // `ferry serve --root ROOT --listen 127.0.0.1:0` in a process of its own, which a test can kill
 // (SIGKILL: the server dies as a crashed one does, its connections reset). Its port is read from
 // the line it prints once it listens.
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
@@ -38,15 +39,20 @@ struct served_process {
     posix_spawn_file_actions_destroy(&fa);
     ::close(p[1]);
     out = p[0];
-    if (rc != 0) throw std::runtime_error(ferry + ": posix_spawn: " + std::strerror(rc));
+    if (rc != 0) {
+      pid = -1;
+      ::close(out);
+      throw std::runtime_error(ferry + ": posix_spawn: " + std::strerror(rc));
+    }
     // "ferry serve: ROOT on 127.0.0.1:PORT (...)": the port, once it listens.
     std::string line;
     pollfd pf{out, POLLIN, 0};
     char c = 0;
     while (line.find('\n') == std::string::npos && ::poll(&pf, 1, 20000) == 1 && ::read(out, &c, 1) == 1) line += c;
     auto at = line.find("127.0.0.1:");
-    if (at == std::string::npos) {
+    if (at == std::string::npos || at + 10 >= line.size() || line[at + 10] < '0' || line[at + 10] > '9') {
       kill();
+      ::close(out);
       throw std::runtime_error("ferry serve did not report its port: " + line);
     }
     port = static_cast<std::uint16_t>(std::stoi(line.substr(at + 10)));

@@ -79,7 +79,7 @@ struct ring_view {
   slot* slots = nullptr;          // rings x capacity: ring k's slots from k * capacity on
   ring_words* words = nullptr;    // one per ring
   std::uint32_t capacity = 0;     // slots per ring: a power of two, at most 2^24
-  std::uint32_t rings = 1;        // at most 256
+  std::uint32_t rings = 1;        // a power of two, at most 256 (answer tags stay distinct across rings)
   // Ring k alone.
   FERRY_GPU_HD ring_view ring(std::uint32_t k) const { return {slots + std::uint64_t{k} * capacity, words + k, capacity, 1}; }
 };
@@ -155,8 +155,10 @@ FERRY_GPU_HD inline std::uint64_t submit(const ring_view& all, const request& r,
   const std::uint64_t t = detail::ref<std::uint64_t>(v.words->tail).fetch_add(1, detail::mo::memory_order_relaxed);
   slot& s = v.slots[t & (v.capacity - 1)];
   detail::ref<std::uint64_t> seq(s.seq);
+  // The slot has a wait of its own: a credit won late must not leave its ticket no time.
+  const std::uint64_t ticketed = detail::now_ns();
   for (unsigned nap = 200; seq.load(detail::mo::memory_order_acquire) != t;) {
-    if (detail::now_ns() - start > wait_ns) {
+    if (detail::now_ns() - ticketed > wait_ns) {
       credits.fetch_add(1, detail::mo::memory_order_release);
       return no_ticket;
     }
@@ -169,8 +171,10 @@ FERRY_GPU_HD inline std::uint64_t submit(const ring_view& all, const request& r,
 }
 
 // Waits for the answer to ticket `t` in the word at `done`, at most `wait_ns`; status::timed_out when
-// it did not come. Every ticket is waited for once: that gives its credit back (its answer or its
-// timeout, whichever comes first).
+// it did not come. Every ticket is waited for once: that gives its credit back -- on a timeout only
+// if the proxy has taken the request out of its slot. A request still in its slot keeps its credit
+// (the ring has one request fewer under way from then on): given back, a later ticket could find
+// that slot still taken, give up, and leave a hole the proxy would wait at for ever.
 FERRY_GPU_HD inline status wait(const ring_view& v, const std::uint32_t* done, std::uint64_t ticket, std::uint64_t wait_ns) {
   const std::uint32_t want = tag(ticket, v.rings);
   detail::ref<std::uint32_t> w(*const_cast<std::uint32_t*>(done));
@@ -187,7 +191,11 @@ FERRY_GPU_HD inline status wait(const ring_view& v, const std::uint32_t* done, s
     detail::pause(nap);  // backing off: the word is across PCIe, and a request takes tens of microseconds
     nap = nap < 6400 ? 2 * nap : nap;
   }
-  detail::ref<std::int32_t>(v.words[ring_of(ticket) % v.rings].credits).fetch_add(1, detail::mo::memory_order_release);
+  const ring_view mine = v.ring(ring_of(ticket) % v.rings);
+  const std::uint64_t t = ticket & ((1ull << ring_shift) - 1);
+  if (s != status::timed_out ||
+      detail::ref<std::uint64_t>(mine.slots[t & (mine.capacity - 1)].seq).load(detail::mo::memory_order_acquire) != t + 1)
+    detail::ref<std::int32_t>(mine.words->credits).fetch_add(1, detail::mo::memory_order_release);
   return s;
 }
 
