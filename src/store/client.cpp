@@ -557,6 +557,7 @@ client_options client_options_from(const settings& s, registration_cache* cache,
   o.landing = s.net_landing;
   o.spin = s.net_spin;
   o.retry_after = s.net_retry_after;
+  o.connect_timeout = s.net_connect_timeout;
   o.lanes = s.net_lanes;
   o.map = s.net_map;
   o.rma = s.net_rma;

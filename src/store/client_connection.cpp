@@ -5,6 +5,8 @@
 #include "core/logging.hpp"
 #include "store/auth.hpp"
 
+#include <ferry/core/units.hpp>
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -235,7 +237,10 @@ void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until)
   // make room (FERRY_SERVE_MAX_UNAUTHENTICATED): a connection lost before the hello is answered
   // is tried again, a few times, within the deadline.
   for (int attempt = 0;; ++attempt) {
-    cn = ln.w->connect(host, to, until);
+    // A server that died may leave an attempt without any error: it waits for the welcome at most
+    // FERRY_NET_CONNECT_TIMEOUT, then the server counts as unreachable.
+    const clk::time_point attempt_until = std::min(until, clk::now() + o.connect_timeout);
+    cn = ln.w->connect(host, to, attempt_until);
     raw = cn.get();
     cn->on_failure = [this, raw](const std::string& why) { conn_failed(raw, why); };
     {
@@ -243,9 +248,16 @@ void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until)
       ln.c = cn;
     }
     try {
-      r = request({0, 0, hello{1, 1, 64, nonce, static_cast<std::uint16_t>(lanes.size())}}, until, false, &ln);
+      r = request({0, 0, hello{1, 1, 64, nonce, static_cast<std::uint16_t>(lanes.size())}}, attempt_until, false, &ln);
       break;
     } catch (const error& e) {
+      if (e.code() == errc::timeout && attempt_until < until) {
+        cn->close();
+        throw error(error_info{errc::network_error, "store.connect", peer, "cannot connect to the storage server",
+                               fmt::format("no answer to the handshake within {} (FERRY_NET_CONNECT_TIMEOUT): {}",
+                                           format_duration(o.connect_timeout), e.what()),
+                               0, 0});
+      }
       auto pause = std::chrono::milliseconds(10 << attempt);
       if (e.code() != errc::network_error || attempt >= 4 || clk::now() + 2 * pause >= until)
         throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});

@@ -86,6 +86,7 @@ struct FERRY_API settings {
   std::uint64_t net_landing = 256ull << 20; // the landing region a client lends a same-host server
   std::chrono::nanoseconds net_spin = std::chrono::microseconds(200);  // progress back-off before sleeping
   std::chrono::nanoseconds net_retry_after = std::chrono::seconds(1);  // a server that could not be reached: not tried again before
+  std::chrono::nanoseconds net_connect_timeout = std::chrono::seconds(5);  // one connection attempt's wait for the server's welcome
   int serve_workers = 1;                // UCX workers (progress threads) of `ferry serve`
   int serve_max_connections = 1024;     // connections a server keeps at once
   int serve_max_unauthenticated = 64;   // of those, connections that have not completed the handshake

@@ -118,6 +118,8 @@ struct client_options {
   // After the server could not be reached, requests fail at once with that error this long
   // (FERRY_NET_RETRY_AFTER).
   std::chrono::nanoseconds retry_after = settings::defaults().net_retry_after;
+  // One connection attempt's wait for the server's welcome (FERRY_NET_CONNECT_TIMEOUT).
+  std::chrono::nanoseconds connect_timeout = settings::defaults().net_connect_timeout;
   // Connections (lanes) to the server, each with its own UCX worker and progress thread; pieces are
   // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
   int lanes = 4;
