@@ -6,6 +6,7 @@
 #include <ferry/runtime.hpp>
 
 #include "support/data.hpp"
+#include "support/sim.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -22,13 +23,7 @@ using ::testing::HasSubstr;
 
 namespace {
 
-settings sim_cfg() {
-  settings c = settings::defaults();
-  c.backend = backend_choice::sim;
-  c.sim_capacity = 256ull << 20;
-  c.sim_granularity = 64 << 10;
-  return c;
-}
+settings sim_cfg() { return test::sim_settings(256ull << 20); }
 
 struct data_file : test::random_file {
   data_file(const char* name, std::size_t n, std::uint64_t seed) : random_file(::testing::TempDir(), name, n, seed) {}

@@ -251,6 +251,17 @@ void gather_matches_the_file(user_program& u, gpu::cache& c, const data_file& d,
 
 std::uint32_t written_value(std::uint64_t i) { return static_cast<std::uint32_t>(i * 2654435761u + 7); }
 
+// How many of the first n 4-byte elements of `disk` are not written_value(i).
+std::size_t not_written(const std::vector<std::byte>& disk, std::uint64_t n) {
+  std::size_t wrong = 0;
+  for (std::uint64_t i = 0; i < n; ++i) {
+    std::uint32_t v;
+    std::memcpy(&v, disk.data() + 4 * i, 4);
+    wrong += v != written_value(i);
+  }
+  return wrong;
+}
+
 // The kernel cache_write_4: threads write value(first + i) to elements first .. first + n - 1.
 void write_elements(user_program& u, gpu::cache& c, const gpu::array<std::uint32_t>& a, unsigned long long first,
                     unsigned long long n) {
@@ -326,13 +337,7 @@ TEST(GpuCache, ConcurrentWritersToOnePageThenFlushLandOnDisk) {
   EXPECT_EQ(c.stats().counted.misses, 1u) << "one page, filled once";
   EXPECT_EQ(c.flush(), 1u);
   auto disk = d.on_disk();
-  std::size_t wrong = 0;
-  for (std::uint64_t i = 0; i < 16384; ++i) {
-    std::uint32_t v;
-    std::memcpy(&v, disk.data() + 4 * i, 4);
-    wrong += v != written_value(i);
-  }
-  EXPECT_EQ(wrong, 0u);
+  EXPECT_EQ(not_written(disk, 16384), 0u);
   EXPECT_EQ(std::memcmp(disk.data() + (64 << 10), d.bytes.data() + (64 << 10), d.bytes.size() - (64 << 10)), 0);
   EXPECT_NO_THROW(c.check());
 }
@@ -353,13 +358,7 @@ TEST(GpuCache, WritesOverAFileFourTimesTheCacheAreWrittenBackOnEviction) {
               static_cast<unsigned long long>(s.counted.writebacks), static_cast<unsigned long long>(flushed));
   EXPECT_EQ(s.counted.writebacks + flushed, d.bytes.size() / 4096) << "every page written once";
   auto disk = d.on_disk();
-  std::size_t wrong = 0;
-  for (std::uint64_t i = 0; i < a.size(); ++i) {
-    std::uint32_t v;
-    std::memcpy(&v, disk.data() + 4 * i, 4);
-    wrong += v != written_value(i);
-  }
-  EXPECT_EQ(wrong, 0u);
+  EXPECT_EQ(not_written(disk, a.size()), 0u);
   EXPECT_NO_THROW(c.check());
 }
 

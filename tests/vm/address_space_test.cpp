@@ -6,6 +6,7 @@
 #include <ferry/vm/address_space.hpp>
 
 #include "support/data.hpp"
+#include "support/sim.hpp"
 #include "support/errors.hpp"
 #include "support/fork_touch.hpp"
 #include "support/prefetch_mover.hpp"
@@ -24,13 +25,7 @@ using ::testing::HasSubstr;
 
 namespace {
 
-settings sim_cfg() {
-  settings c = settings::defaults();
-  c.backend = backend_choice::sim;
-  c.sim_capacity = 64ull << 20;
-  c.sim_granularity = 64 << 10;  // small pages keep the tests quick; the policy is size-blind
-  return c;
-}
+settings sim_cfg() { return test::sim_settings(64ull << 20); }
 
 void fill(std::byte* p, std::size_t n, std::uint64_t seed) { ferry::test::fill_random(p, n, seed); }
 std::uint64_t sum(const std::byte* p, std::size_t n) { return checksum64(p, n); }
