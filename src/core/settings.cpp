@@ -201,7 +201,7 @@ const setting_def table[] = {
   {"FERRY_FILE_BACKEND", "File backend: auto (cuFile where handle registration and a probe read work, else io_uring) | io_uring | cufile.",
    [](settings& s, std::string_view v) { s.file_backend = parse_enum(v, file_backends); },
    [](const settings& s) { return std::string(to_string(s.file_backend)); }},
-  {"FERRY_IO_DIRECT", "O_DIRECT for file reads: auto (unless the range is in the page cache) | always | never.",
+  {"FERRY_IO_DIRECT", "O_DIRECT for file reads: auto (unless the range is in the page cache; a small read asks the page cache first) | always | never.",
    [](settings& s, std::string_view v) { s.io_direct = parse_enum(v, direct_ios); },
    [](const settings& s) { return std::string(to_string(s.io_direct)); }},
   {"FERRY_IO_THREADS", "File engine threads, each with its own io_uring, 0..64; 0 = half the hardware threads, 2..16. A request goes to the thread with the least work, so requests that come together (a server's clients, the pieces of a ferry:// read) run in parallel.",

@@ -122,20 +122,22 @@ struct proxy::impl {
     auto taken = std::make_shared<std::vector<std::pair<request, std::uint64_t>>>();
     frs.reserve(rs.size());
     taken->reserve(rs.size());
-    // Each request's source, and whether it can be answered at all, under one lock.
-    std::vector<std::shared_ptr<file>> fs(rs.size());
+    // Each request's source, and whether it can be answered at all, under one lock. The sources
+    // by pointer (not owning): the proxy holds them while it lives and its batches end before it
+    // goes, so no reference count is touched per request.
+    std::vector<file*> fs(rs.size(), nullptr);
     std::vector<char> answerable_(rs.size());
     {
       std::lock_guard l(mu);
       for (std::size_t i = 0; i < rs.size(); ++i) {
         answerable_[i] = answerable(rs[i]);
         if (!answerable_[i]) note(rs[i], tickets[i], fmt::format("answer word {:#x} is not one of the proxy's (answer_words): not served", rs[i].done));
-        else if (rs[i].source < sources.size()) fs[i] = sources[rs[i].source];
+        else if (rs[i].source < sources.size()) fs[i] = sources[rs[i].source].get();
       }
     }
     for (std::size_t i = 0; i < rs.size(); ++i) {
       const request& r = rs[i];
-      std::shared_ptr<file>& f = fs[i];
+      file* f = fs[i];
       if (!answerable_[i]) continue;
       if (!f) {
         failed(r, tickets[i], status::failed, fmt::format("no source {}", r.source));
@@ -145,7 +147,7 @@ struct proxy::impl {
         failed(r, tickets[i], status::failed, fmt::format("unknown operation {}", static_cast<unsigned>(r.kind)));
         continue;
       }
-      frs.push_back({std::move(f), r.offset, reinterpret_cast<void*>(r.addr), r.bytes, r.kind == op::write});
+      frs.push_back({std::shared_ptr<file>(std::shared_ptr<file>{}, f), r.offset, reinterpret_cast<void*>(r.addr), r.bytes, r.kind == op::write});
       taken->emplace_back(r, tickets[i]);
     }
     if (frs.empty()) return;

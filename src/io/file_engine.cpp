@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -58,10 +59,19 @@ bool reads_direct(const settings& cfg, file& f, std::uint64_t off, std::uint64_t
   return cfg.io_direct == direct_io::always || cached_fraction(f.fd(), off, len) < 0.9;
 }
 
+// A request as a worker runs it: the file by pointer (its batch holds it; see file_engine::start).
+struct job_request {
+  file* f = nullptr;
+  std::uint64_t offset = 0;
+  void* mem = nullptr;
+  std::uint64_t bytes = 0;
+  bool write = false;
+};
+
 struct job {
   std::shared_ptr<transfer_batch::state> b;
   std::size_t idx = 0;
-  file_request r;
+  job_request r;
   device* dev = nullptr;  // null: host memory
   memory_region where;    // the memory, as classified at submit (its device picks the staging pool)
   std::shared_ptr<registration> hold;  // unified memory: pinned in place until the job is done
@@ -74,8 +84,11 @@ struct running {
   struct part {
     std::uint64_t pos, end;  // file range still to issue
     bool direct;
+    bool nowait = false;     // buffered, only what the page cache has (see worker::start)
   };
-  std::vector<part> parts;  // a read: one; a write: buffered head, O_DIRECT middle, buffered tail
+  // A read: one; a write: buffered head, O_DIRECT middle, buffered tail (no allocation per request).
+  std::array<part, 3> part_of{};
+  std::size_t parts = 0;
   std::size_t next = 0;     // the part being issued
   std::uint64_t lo = 0, hi = 0;  // the asked range (a read's clipped to the size seen at the start)
   std::uint64_t size0 = 0;       // a read: the file's size at the start
@@ -83,8 +96,18 @@ struct running {
   pinned_pool* pool = nullptr;   // staging buffers, for requests that need them
   int busy = 0;                  // slots working for it
   std::uint64_t delivered = 0;
+  std::uint64_t reported = 0;    // of `delivered`, what the batch was told as progress
+  bool one_io = false;           // all in one I/O: no progress before its end
   std::optional<error> err;      // first failure: nothing more is issued, it ends when busy is 0
-  bool issued() const { return next >= parts.size(); }
+  bool issued() const { return next >= parts; }
+  void add_part(std::uint64_t pos, std::uint64_t end, bool direct, bool nowait = false) { part_of[parts++] = {pos, end, direct, nowait}; }
+  // Delivered bytes; a request of several I/Os tells its batch as they come (progress).
+  void deliver(std::uint64_t n) {
+    delivered += n;
+    if (one_io) return;
+    j.b->progress(j.idx, n);
+    reported += n;
+  }
 };
 
 // One I/O of a worker: a file range, the buffer it moves through, and where it is.
@@ -96,6 +119,7 @@ struct slot {
   std::uint64_t off = 0, len = 0, got = 0;  // file range of the I/O
   std::uint64_t deliver = 0;                // a read's bytes its device copy delivers
   bool direct = false;
+  bool nowait = false;  // a buffered read that must not wait for the disk (RWF_NOWAIT)
   int retries = 0;
 };
 
@@ -125,7 +149,8 @@ struct file_engine::impl {
   // The counters every request touches, looked up once (a lookup takes the set's lock).
   counter &beside_others = st.get("requests.beside_others"), &reads_direct_n = st.get("reads.direct"),
           &reads_in_place = st.get("reads.in_place"), &reads_buffered = st.get("reads.buffered"),
-          &bytes_read = st.get("bytes_read"), &bytes_written = st.get("bytes_written");
+          &bytes_read = st.get("bytes_read"), &bytes_written = st.get("bytes_written"),
+          &reads_missed_cache = st.get("reads.missed_cache");
   struct worker;
   std::mutex mu;  // the workers' queues, `stop`
   bool stop = false;
@@ -246,6 +271,7 @@ struct file_engine::impl {
       auto off = static_cast<__u64>(s.off + s.got);
       if (r.j.r.write) io_uring_prep_write(q, fd, p, n, off);
       else io_uring_prep_read(q, fd, p, n, off);
+      if (s.nowait) q->rw_flags = RWF_NOWAIT;
       // Buffered I/O that hits the page cache completes inline: the kernel copies during submit, on
       // this thread, one copy at a time. For a small copy that is cheaper than the hand-off to an
       // io-wq kernel thread and back; larger ones go to io-wq (IOSQE_ASYNC) so that the copies of
@@ -295,6 +321,25 @@ struct file_engine::impl {
       }
     }
 
+    // Work items this round ended, told to their batches at its end (report).
+    struct ended {
+      std::shared_ptr<transfer_batch::state> b;
+      std::size_t idx;
+      std::uint64_t len;
+      std::optional<error> err;
+    };
+    std::vector<ended> ends;
+    std::vector<transfer_batch::state::item_end> together;
+    std::list<running> spare;  // nodes of ended requests, reused
+    std::vector<job> took;     // admit()'s, kept for its capacity
+    std::vector<std::pair<std::uint64_t, int>> completed;  // a round's completions (tag, result)
+    // Counted this round, added to the engine's counters at its end.
+    struct {
+      std::uint64_t beside = 0, direct = 0, in_place = 0, buffered = 0, read = 0, written = 0, missed_cache = 0;
+    } t;
+    void done(job& j, std::uint64_t len, const error* x) { ends.push_back({std::move(j.b), j.idx, len, x ? std::optional<error>(*x) : std::nullopt}); }
+    void report();
+
     void loop();
     bool admit();
     void start(job j);
@@ -302,13 +347,10 @@ struct file_engine::impl {
     void on_io(slot& s, int res);
     void on_copied(slot& s, const std::optional<error>& err);
     void abort(running& r, error x);
+    void go_direct(slot& s);
     void end(running& r);
   };
 
-  void finish_job(job& j, const error* x) {
-    j.b->finish(j.idx, 0, x);
-    j.b->item_done();
-  }
 };
 
 file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cache& c, const settings& s)
@@ -335,7 +377,7 @@ file_engine::impl::~impl() {
 // the next wait return at once).
 bool file_engine::impl::worker::admit() {
   asleep = true;
-  std::vector<job> took;
+  took.clear();
   {
     std::unique_lock l(e.mu);
     if (runs.empty()) cv.wait(l, [&] { return e.stop || !queue.empty(); });
@@ -348,7 +390,7 @@ bool file_engine::impl::worker::admit() {
   }
   for (auto& j : took) {
     // Counted: a request that starts beside others on this worker (not behind them).
-    if (!runs.empty()) e.beside_others.add();
+    if (!runs.empty()) ++t.beside;
     start(std::move(j));
   }
   return true;
@@ -375,10 +417,10 @@ void file_engine::impl::worker::loop() {
     asleep = false;
     unsigned head;
     io_uring_cqe* cqe;
-    std::vector<std::pair<std::uint64_t, int>> done;
-    io_uring_for_each_cqe(&ring, head, cqe) done.emplace_back(io_uring_cqe_get_data64(cqe), cqe->res);
-    io_uring_cq_advance(&ring, static_cast<unsigned>(done.size()));
-    for (auto [tag, res] : done) {
+    completed.clear();
+    io_uring_for_each_cqe(&ring, head, cqe) completed.emplace_back(io_uring_cqe_get_data64(cqe), cqe->res);
+    io_uring_cq_advance(&ring, static_cast<unsigned>(completed.size()));
+    for (auto [tag, res] : completed) {
       if (tag == wake_tag) {
         arm_wake();
         continue;
@@ -414,12 +456,14 @@ void file_engine::impl::worker::loop() {
     for (auto it = runs.begin(); it != runs.end();) {
       if (!it->busy && (it->err || it->issued())) {
         end(*it);
-        it = runs.erase(it);
+        *it = running{};  // lets go of its file, memory and batch now
+        spare.splice(spare.begin(), runs, it++);
       } else {
         ++it;
       }
     }
     running_now = runs.size();
+    report();
   }
 }
 
@@ -427,7 +471,7 @@ void file_engine::impl::worker::start(job j) {
   const char* op = j.r.write ? "file.write" : "file.read";
   if (j.b->cancelled) {
     error c(errc::cancelled, "io.request", fmt::format("request {} {}", j.idx, j.r.f->path()), "batch cancelled before it ran");
-    return e.finish_job(j, &c);
+    return done(j, 0, &c);
   }
   // cuFile's calls block: a worker runs them one at a time, beside nothing else.
   if (auto x = catching([&] {
@@ -466,7 +510,7 @@ void file_engine::impl::worker::start(job j) {
         b.item_done();
         j.b = nullptr;  // done
       })) {
-    return e.finish_job(j, &*x);
+    return done(j, 0, &*x);
   }
   if (!j.b) return;
 
@@ -485,13 +529,19 @@ void file_engine::impl::worker::start(job j) {
       if (r.lo >= r.hi) return;  // entirely past the end: a short (empty) read
       if (e.cfg.io_direct == direct_io::always && f.direct_fd() < 0)
         fail(errc::not_supported, op, path, "O_DIRECT refused here (FERRY_IO_DIRECT=always)");
-      const bool direct = reads_direct(e.cfg, f, r.lo, r.hi - r.lo);
+      // A small read in automatic mode first asks the page cache only (RWF_NOWAIT: no waiting for
+      // the disk); what it does not find there is then read with O_DIRECT (on_io). That costs
+      // nothing when the page cache has the range, where asking cachestat first would cost a system
+      // call per read. A larger read asks cachestat once and is planned accordingly.
+      const bool nowait = e.cfg.io_direct == direct_io::automatic && f.direct_fd() >= 0 &&
+                          r.hi - r.lo <= std::min(e.cfg.io_inline, e.cfg.io_chunk);
+      const bool direct = !nowait && reads_direct(e.cfg, f, r.lo, r.hi - r.lo);
       // Buffered into host memory: the kernel copies from the page cache straight into the
       // destination (no staging, no second copy); exactly the asked range, nothing past it.
       const bool in_place = !r.j.dev && !direct;
       const std::uint64_t a = direct ? f.dio_align() : in_place ? 1 : 4096;
-      r.parts.push_back({align_down(r.lo, a), align_up(r.hi, a), direct});
-      (direct ? e.reads_direct_n : in_place ? e.reads_in_place : e.reads_buffered).add();
+      r.add_part(align_down(r.lo, a), align_up(r.hi, a), direct, nowait);
+      ++(direct ? t.direct : in_place ? t.in_place : t.buffered);
       log::debug("io", "read {} [{}, {}) {} into {}", path, r.lo, r.hi, direct ? "O_DIRECT" : "buffered",
                  r.j.dev ? r.j.dev->id() : "host");
     } else {
@@ -501,29 +551,36 @@ void file_engine::impl::worker::start(job j) {
       const std::uint64_t a = direct ? f.dio_align() : 1;
       std::uint64_t mid_lo = direct ? align_up(r.lo, a) : r.lo, mid_hi = direct ? align_down(r.hi, a) : r.hi;
       if (mid_lo >= mid_hi) mid_lo = mid_hi = r.hi;  // too small for O_DIRECT: all buffered
-      if (r.lo < mid_lo) r.parts.push_back({r.lo, mid_lo, false});
-      if (mid_lo < mid_hi) r.parts.push_back({mid_lo, mid_hi, direct});
-      if (mid_hi < r.hi) r.parts.push_back({std::max(mid_hi, r.lo), r.hi, false});
+      if (r.lo < mid_lo) r.add_part(r.lo, mid_lo, false);
+      if (mid_lo < mid_hi) r.add_part(mid_lo, mid_hi, direct);
+      if (mid_hi < r.hi) r.add_part(std::max(mid_hi, r.lo), r.hi, false);
     }
     bool staged = r.j.dev != nullptr;
-    for (auto& p : r.parts) staged = staged || p.direct;
+    for (std::size_t k = 0; k < r.parts; ++k) staged = staged || r.part_of[k].direct;
     r.pool = staged ? &e.xfer.staging_for(r.j.where) : nullptr;
     std::uint64_t most = r.pool ? std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes()) : e.cfg.io_chunk;
     r.chunk = std::max<std::uint64_t>(4096, align_down(most, 4096));
+    r.one_io = r.parts == 1 && r.part_of[0].end - r.part_of[0].pos <= r.chunk;
   });
-  if (x) return e.finish_job(r.j, &*x);
-  if (r.parts.empty()) return e.finish_job(r.j, nullptr);
-  runs.push_back(std::move(r));
+  if (x) return done(r.j, 0, &*x);
+  if (!r.parts) return done(r.j, 0, nullptr);
+  // A node from the spare list: no allocation per request once the worker has run as many at once.
+  if (spare.empty()) {
+    runs.push_back(std::move(r));
+  } else {
+    runs.splice(runs.end(), spare, spare.begin());
+    runs.back() = std::move(r);
+  }
 }
 
 // Issues the next I/O of `r` into a free slot; false when it has none to issue or no slot is free.
 bool file_engine::impl::worker::issue(running& r) {
   if (r.err) return false;
-  while (!r.issued() && r.parts[r.next].pos >= r.parts[r.next].end) ++r.next;
+  while (!r.issued() && r.part_of[r.next].pos >= r.part_of[r.next].end) ++r.next;
   if (r.issued() || r.busy >= static_cast<int>(slots.size())) return false;
   slot* s = free_slot();
   if (!s) return false;
-  auto& p = r.parts[r.next];
+  auto& p = r.part_of[r.next];
   const bool write = r.j.r.write;
   // Staging: device memory, or an O_DIRECT range (aligned buffers). Buffered I/O on host memory
   // goes to/from the request's memory itself.
@@ -541,6 +598,7 @@ bool file_engine::impl::worker::issue(running& r) {
   s->len = std::min<std::uint64_t>(r.chunk, p.end - p.pos);
   s->got = 0;
   s->direct = p.direct;
+  s->nowait = p.nowait;
   s->retries = 0;
   p.pos += s->len;
   auto* mem = static_cast<std::byte*>(r.j.r.mem);
@@ -572,6 +630,13 @@ void file_engine::impl::worker::on_io(slot& s, int res) {
   res = inject(res);
   s.state = slot::free;  // its completion is consumed; a resubmission or a copy sets it again
   if (r.err) return;     // cancelled: nothing more for this request
+  if (res == -EAGAIN && s.nowait) {
+    // The page cache lacks (the rest of) the range. Nothing delivered yet: the request is read
+    // with O_DIRECT instead, planned afresh. Part of it delivered: the rest is read buffered.
+    if (s.got == 0 && r.delivered == 0) return go_direct(s);
+    s.nowait = false;
+    return submit_io(s);
+  }
   if (res == -EINTR || res == -EAGAIN) {
     if (++s.retries > 100) fail_errno(-res, op, fmt::format("{} offset {}", path, s.off + s.got), "retried 100 times");
     e.st.get("io.retries").add();
@@ -585,8 +650,7 @@ void file_engine::impl::worker::on_io(slot& s, int res) {
     return submit_io(s);
   }
   if (write) {
-    r.j.b->progress(r.j.idx, s.len);
-    r.delivered += s.len;
+    r.deliver(s.len);
     return release(s);
   }
   // The slot holds [s.off, s.off + s.got). A file that ends before the size seen at the start was
@@ -604,8 +668,23 @@ void file_engine::impl::worker::on_io(slot& s, int res) {
     return copy(s, dst, s.buf + (lo - s.off), hi - lo, &r.j.where, &s.held.region());
   }
   if (s.held) std::memcpy(dst, s.buf + (lo - s.off), hi - lo);
-  r.j.b->progress(r.j.idx, hi - lo);
-  r.delivered += hi - lo;
+  r.deliver(hi - lo);
+  release(s);
+}
+
+// A small read the page cache did not have: its slot freed, the request planned again as one
+// O_DIRECT read through a staging buffer (issue() takes it up in the next round).
+void file_engine::impl::worker::go_direct(slot& s) {
+  running& r = *s.r;
+  file& f = *r.j.r.f;
+  const std::uint64_t a = f.dio_align();
+  r.parts = 0;
+  r.next = 0;
+  r.add_part(align_down(r.lo, a), align_up(r.hi, a), true);
+  r.pool = &e.xfer.staging_for(r.j.where);
+  r.chunk = std::max<std::uint64_t>(4096, align_down(std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes()), 4096));
+  r.one_io = r.part_of[0].end - r.part_of[0].pos <= r.chunk;
+  ++t.missed_cache;
   release(s);
 }
 
@@ -616,8 +695,7 @@ void file_engine::impl::worker::on_copied(slot& s, const std::optional<error>& e
   if (r.err) return;
   if (err) throw *err;
   if (to_file) return submit_io(s);
-  r.j.b->progress(r.j.idx, s.deliver);
-  r.delivered += s.deliver;
+  r.deliver(s.deliver);
   release(s);
 }
 
@@ -634,8 +712,33 @@ void file_engine::impl::worker::abort(running& r, error x) {
 }
 
 void file_engine::impl::worker::end(running& r) {
-  if (!r.err) (r.j.r.write ? e.bytes_written : e.bytes_read).add(r.delivered);
-  e.finish_job(r.j, r.err ? &*r.err : nullptr);
+  if (!r.err) (r.j.r.write ? t.written : t.read) += r.delivered;
+  done(r.j, r.delivered - r.reported, r.err ? &*r.err : nullptr);
+}
+
+// Tells the batches what this round ended, one lock per batch (the requests of a batch that end
+// together are reported together), and the counters what it counted.
+void file_engine::impl::worker::report() {
+  auto flush = [](counter& c, std::uint64_t& n) {
+    if (n) c.add(n);
+    n = 0;
+  };
+  flush(e.beside_others, t.beside);
+  flush(e.reads_direct_n, t.direct);
+  flush(e.reads_in_place, t.in_place);
+  flush(e.reads_buffered, t.buffered);
+  flush(e.bytes_read, t.read);
+  flush(e.bytes_written, t.written);
+  flush(e.reads_missed_cache, t.missed_cache);
+  for (std::size_t a = 0; a < ends.size();) {
+    std::size_t z = a;
+    together.clear();
+    for (; z < ends.size() && ends[z].b == ends[a].b; ++z)
+      together.push_back({ends[z].idx, ends[z].len, ends[z].err ? &*ends[z].err : nullptr});
+    ends[a].b->end_items(together);
+    a = z;
+  }
+  ends.clear();
 }
 
 // ---- public ---------------------------------------------------------------------------------
@@ -724,7 +827,10 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       job j;
       j.b = b;
       j.idx = i;
-      j.r = r;
+      // The batch holds each file its requests name (one reference per file, not one per request:
+      // the workers then never touch a reference count the submitting thread also touches).
+      if (b->keep.empty() || b->keep.back().get() != r.f.get()) b->keep.push_back(r.f);
+      j.r = {r.f.get(), r.offset, r.mem, r.bytes, r.write};
       j.dev = (m.type == memory_type::device || m.type == memory_type::managed || m.type == memory_type::unified)
                   ? &I.devices.get(m.device, m.ordinal)
                   : nullptr;
@@ -779,13 +885,11 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     // that come together spread over the workers, one after another they stay on the first few
     // (awake, their rings' kernel threads warm).
     std::lock_guard l(I.mu);
+    std::vector<std::size_t> load(I.workers.size());
+    for (std::size_t k = 0; k < I.workers.size(); ++k) load[k] = I.workers[k]->queue.size() + I.workers[k]->running_now.load();
     for (auto& j : jobs) {
-      std::size_t best = 0, least = SIZE_MAX;
-      for (std::size_t k = 0; k < I.workers.size(); ++k) {
-        auto& w = *I.workers[k];
-        std::size_t load = w.queue.size() + w.running_now.load();
-        if (load < least) least = load, best = k;
-      }
+      const std::size_t best = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      ++load[best];
       I.workers[best]->queue.push_back(std::move(j));
       if (std::find(got.begin(), got.end(), I.workers[best].get()) == got.end()) got.push_back(I.workers[best].get());
     }

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <span>
 
 namespace ferry {
 
@@ -20,6 +21,7 @@ struct transfer_batch::state {
   std::atomic<std::uint64_t> bytes_done{0};
   std::uint64_t bytes_total = 0;
   std::atomic<bool> cancelled{false};
+  std::vector<std::shared_ptr<void>> keep;  // what the work items use by pointer (the files of a file batch)
   deadline until;
   void* engine = nullptr;  // transfer_engine::impl, for wait() to run its own queued work
   transfer_engine::completion on_done;  // set: called once when the last request is final (no handle waits)
@@ -28,6 +30,23 @@ struct transfer_batch::state {
   std::function<void()> on_quiet;
   enum class ordering { none, waiting_for_stream, stream_reached };
   std::atomic<ordering> order{ordering::none};
+
+  // Under mu: records the end of one segment of request i; true when that made every request final.
+  bool finish_locked(std::size_t i, std::uint64_t len, const error* e, request_state fail_state) {
+    request_result& r = results[i];
+    if (r.state != request_state::pending) return false;  // already timed out / cancelled
+    if (e && !r.err) r.err = *e;
+    if (!e) {
+      r.bytes_done += len;
+      bytes_done += len;
+    }
+    if (--segs_left[i] > 0) return false;
+    r.state = r.err ? (r.err->code() == errc::cancelled ? request_state::cancelled
+                                                        : r.err->code() == errc::timeout ? request_state::timed_out
+                                                                                          : fail_state)
+                    : request_state::done;
+    return --unfinished == 0;
+  }
 
   // Calls on_done, once, outside the lock (it may submit more work or take its owner's locks).
   void completed(std::unique_lock<std::mutex>& l) {
@@ -42,19 +61,30 @@ struct transfer_batch::state {
   // Records the end of one segment of request i.
   void finish(std::size_t i, std::uint64_t len, const error* e, request_state fail_state = request_state::failed) {
     std::unique_lock l(mu);
-    request_result& r = results[i];
-    if (r.state != request_state::pending) return;  // already timed out / cancelled
-    if (e && !r.err) r.err = *e;
-    if (!e) {
-      r.bytes_done += len;
-      bytes_done += len;
+    if (finish_locked(i, len, e, fail_state)) completed(l);
+  }
+  // The end of one work item: segment `i` of its request ended (`len` bytes, or the error `e`).
+  struct item_end {
+    std::size_t i;
+    std::uint64_t len;
+    const error* e;
+  };
+  // The ends of several work items under one lock (a worker reports what a round finished together):
+  // finish() and item_done() for each, in that order of effects.
+  void end_items(std::span<const item_end> xs) {
+    std::function<void()> quiet;
+    std::unique_lock l(mu);
+    bool final_now = false;
+    for (const item_end& x : xs) final_now = finish_locked(x.i, x.len, x.e, request_state::failed) || final_now;
+    items_inflight -= static_cast<int>(xs.size());
+    if (items_inflight == 0) {
+      quiet = std::move(on_quiet);
+      on_quiet = nullptr;
     }
-    if (--segs_left[i] > 0) return;
-    r.state = r.err ? (r.err->code() == errc::cancelled ? request_state::cancelled
-                                                        : r.err->code() == errc::timeout ? request_state::timed_out
-                                                                                          : fail_state)
-                    : request_state::done;
-    if (--unfinished == 0) completed(l);
+    if (final_now) completed(l);
+    else if (items_inflight == 0) cv.notify_all();
+    if (l.owns_lock()) l.unlock();
+    if (quiet) quiet();
   }
   // Progress of request i before it finishes (bytes delivered so far).
   void progress(std::size_t i, std::uint64_t n) {

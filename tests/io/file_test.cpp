@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -106,6 +107,68 @@ TEST(File, InPlaceReadAtEndOfFileWritesNothingPastIt) {
 
 INSTANTIATE_TEST_SUITE_P(DirectModes, FileRead, ::testing::Values(direct_io::automatic, direct_io::always, direct_io::never),
                          [](const auto& i) { return std::string(to_string(i.param)); });
+
+// Whether page `k` of the file at `p` is in the page cache (mincore on a mapping of it).
+bool page_cached(const std::string& p, std::uint64_t k) {
+  int fd = ::open(p.c_str(), O_RDONLY);
+  void* m = ::mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(k * 4096));
+  unsigned char in = 0;
+  ::mincore(m, 4096, &in);
+  ::munmap(m, 4096);
+  ::close(fd);
+  return in & 1;
+}
+
+// In automatic mode a small read asks the page cache only; what is not there it reads with O_DIRECT,
+// and a range partly there it finishes through the page cache. Either way the bytes are the file's,
+// at every alignment, into host memory and a device.
+TEST(File, SmallReadsTheCacheLacksAreReadDirectlyOrFinishedBuffered) {
+  runtime rt(io_settings(direct_io::automatic));
+  std::string p = temp_path("cold");
+  auto data = random_bytes(1 << 20, 21);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  if (f->direct_fd() < 0) GTEST_SKIP() << "no O_DIRECT on " << p << ": automatic mode reads through the page cache only";
+  auto evict = [&] {
+    ::fdatasync(f->fd());
+    ::posix_fadvise(f->fd(), 0, 0, POSIX_FADV_DONTNEED);
+  };
+  evict();
+  if (page_cached(p, 3)) GTEST_SKIP() << p << ": the page cache keeps the file after POSIX_FADV_DONTNEED (tmpfs?)";
+  mapped_memory dev = allocate_mapped(rt.devices().get("sim:0"), 1 << 20);
+  std::vector<unsigned char> host(64 << 10);
+  for (std::uint64_t off : {1ul, 4096ul, 12345ul, 200000ul}) {
+    for (std::uint64_t len : {1ul, 4096ul, 9000ul, 40000ul}) {
+      evict();
+      std::memset(host.data(), 0xEE, host.size());
+      ASSERT_EQ(rt.files().read(*f, off, host.data() + 3, len), len);
+      ASSERT_EQ(std::memcmp(host.data() + 3, data.data() + off, len), 0) << off << " " << len;
+      ASSERT_EQ(host[2], 0xEE);
+      ASSERT_EQ(host[3 + len], 0xEE) << "nothing past the range is written";
+      evict();
+      ASSERT_EQ(rt.files().read(*f, off, dev.data() + 5, len), len);
+      std::vector<unsigned char> back(len);
+      rt.engine().copy(back.data(), dev.data() + 5, len);
+      ASSERT_EQ(std::memcmp(back.data(), data.data() + off, len), 0) << "sim " << off << " " << len;
+    }
+  }
+  EXPECT_GT(rt.files().counters().get("reads.missed_cache").value(), 0u) << "the reads the cache lacked went direct";
+  // The first page of the range cached, the rest not: a short answer from the cache, the rest buffered.
+  evict();
+  {
+    int fd = ::open(p.c_str(), O_RDONLY);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);  // no readahead: that one page only
+    unsigned char one[4096];
+    ASSERT_EQ(::pread(fd, one, sizeof one, 5 * 4096), 4096);
+    ::close(fd);
+  }
+  if (!page_cached(p, 5) || page_cached(p, 6)) GTEST_SKIP() << "could not cache exactly one page of " << p;
+  const std::uint64_t before = rt.files().counters().get("reads.missed_cache").value();
+  ASSERT_EQ(rt.files().read(*f, 5 * 4096 + 100, host.data(), 3 * 4096), 3u * 4096);
+  EXPECT_EQ(std::memcmp(host.data(), data.data() + 5 * 4096 + 100, 3 * 4096), 0);
+  EXPECT_EQ(rt.files().counters().get("reads.missed_cache").value(), before) << "part came from the cache: the rest is read buffered";
+  EXPECT_TRUE(page_cached(p, 7)) << "the rest went through the page cache";
+}
 
 TEST(File, ShortReadAtEndOfFileNeverGarbage) {
   runtime rt(io_settings(direct_io::always));
