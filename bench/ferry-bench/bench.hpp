@@ -86,6 +86,20 @@ struct bench_gather_options {
 // Needs a CUDA GPU; a build without CUDA says so.
 int run_bench_gather(runtime& rt, const bench_gather_options& o);
 
+struct bench_bfs_options {
+  std::string path;                   // a directory (the graph file is created there) or a file path
+  std::uint64_t vertices = 1u << 22;  // a power of two
+  std::uint64_t degree = 32;          // edges per vertex, on average
+  std::string cache;                  // ferry's GPU page cache (default: the CSR's size / 4)
+  std::string page = "4KiB";          // its page, and the staged baseline's
+  std::string device;
+  int rounds = 3;
+  std::string json_out;
+  bool keep = false;
+};
+// Needs a CUDA GPU; a build without CUDA says so.
+int run_bench_bfs(runtime& rt, const bench_bfs_options& o);
+
 // "ferry settings not at their defaults: FERRY_X=v ..." (or "ferry settings: all defaults"), so a
 // benchmark's output records the configuration it measured.
 std::string changed_settings(const settings& s);

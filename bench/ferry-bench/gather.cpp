@@ -3,6 +3,10 @@
 //   ferry       through ferry's GPU page cache (gpu::cache, gpu::array): the kernel's misses go
 //               to ferry's proxy, which reads the pages from the file; cold (a new cache) and warm
 //               (the same indices again)
+//   ferry://    the same, the file served by a `ferry serve` child process on this host (loopback)
+//   unified     ferry unified memory, oversubscribed: the dataset in a unified address space whose
+//               device cap is the ferry cache's size (the rest stays in host memory, read in place);
+//               the CPU filled it, the kernel reads it by pointer (first launch and later ones)
 //   zero-copy   from pinned host memory holding the whole dataset, read by the kernel over PCIe
 //               (the data loaded beforehand, not timed)
 //   staged      host-orchestrated: per step of --step accesses the CPU collects the pages they touch,
@@ -16,10 +20,12 @@
 // (as many threads as the file engine has, each its own ring, FERRY_IO_DEPTH reads under way each:
 // what the same cores reach with nothing of ferry's between the pages and the memory).
 #include "bench.hpp"
+#include "child.hpp"
 #include "kernels.hpp"
 
 #include <ferry/core/units.hpp>
 #include <ferry/gpu/cache.hpp>
+#include <ferry/vm/address_space.hpp>
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -32,7 +38,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 namespace ferry::cli {
@@ -150,8 +158,45 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
   std::vector<unsigned> out(n);
   int fd = ::open(path.c_str(), O_RDONLY);
 
+  // The same file from a `ferry serve` child process (this program's hidden `serve`, the same code)
+  // on loopback. A server that does not start is reported and its rows are missing.
+  std::optional<child> server;
+  std::shared_ptr<file> remote;
+  {
+    const std::filesystem::path fp(path);
+    const std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
+    try {
+      server.emplace(std::vector<std::string>{exe, "serve", "--root", fp.parent_path().string(), "--listen", "127.0.0.1:0", "--insecure"},
+                     std::map<std::string, std::string>{});
+      const std::string line = server->read_line(clk::now() + std::chrono::seconds(20));
+      const auto at = line.rfind("127.0.0.1:");
+      if (at == std::string::npos) fail(errc::internal, "bench gather", "ferry serve", "did not start: " + line);
+      const std::string url = "ferry://127.0.0.1:" + std::to_string(std::stoi(line.substr(at + 10))) + "/" + fp.filename().string();
+      remote = file::open(url, open_mode::read);
+      say(fmt::format("  ferry:// source: {} (server pid {})", url, server->pid));
+    } catch (const std::exception& e) {
+      say(fmt::format("  FAILED: no ferry:// source: {}", e.what()));
+      remote.reset();
+    }
+  }
+  // ferry unified memory over the whole dataset, its device cap the cache's size; the CPU fills it.
+  std::optional<vm::address_space> space;
+  std::unique_ptr<stream> user_stream;
+  void* unified = nullptr;
+  {
+    auto so = vm::space_options::from(rt.config());
+    so.device_capacity = cache_bytes;
+    space.emplace(dev, bytes, so);
+    user_stream = dev.wrap_stream(native_stream{reinterpret_cast<std::uintptr_t>(u.s)});
+    space->attach_stream(*user_stream);
+    unified = space->alloc(bytes);
+    std::memcpy(unified, host, bytes);
+    if (!space->returns_pages()) say("  unified: no launch callbacks here: every page stays in host memory");
+  }
+
   json rows = json::array();
   bool all_ok = true;
+  bool remote_failed = !remote;
   for (unsigned nwords : {2u, 16u}) {
     const std::uint64_t esize = nwords * 4ull, elements = bytes / esize;
     for (bool zipf : {false, true}) {
@@ -185,70 +230,76 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
 
       // ferry: a new cache per round; cold = its first kernel, warm = the same indices again.
       CUfunction kc = u.fn(("bench_cache_gather_" + w).c_str());
-      std::vector<double> cold, warm, reqs;
-      json proxy_note;
-      double hit_warm = 0;
-      for (int round = 0; round < o.rounds; ++round) {
-        gpu::cache_options co = gpu::cache_options::from(rt.config());
-        co.bytes = cache_bytes;
-        co.page_bytes = static_cast<std::uint32_t>(page);
-        gpu::cache c(rt, dev, co);
-        auto a = c.map_bytes(f, 0, bytes);
-        gpu::array<words<2>> a2(c.view(), a);
-        gpu::array<words<16>> a16(c.view(), a);
-        void* arg = nwords == 2 ? static_cast<void*>(&a2) : static_cast<void*>(&a16);
-        unsigned long long nn = n;
-        void* args[] = {arg, &idx_dev, &nn, &out_dev, &failed_dev};
-        for (int pass = 0; pass < 2; ++pass) {
-          u.check(api.cuMemsetD8Async(failed_dev, 0, 4, u.s), "cuMemsetD8Async");
-          auto before = c.stats();
-          auto t = clk::now();
-          u.launch(kc, args);
-          u.sync();
-          double secs = secs_since(t);
-          auto after = c.stats();
-          unsigned failed = 0;
-          u.to_host(&failed, failed_dev, 4);
-          if (failed) {
-            all_ok = false;
-            std::string why = "?";
-            try {
-              c.check();
-            } catch (const std::exception& e) {
-              why = e.what();
+      // Cold and warm rows of the gather through a new cache over `src`; the proxy's cold rate.
+      auto through_cache = [&](const std::shared_ptr<file>& src, const std::string& label, double& proxy_rate) {
+        std::vector<double> cold, warm, reqs;
+        json proxy_note;
+        double hit_warm = 0;
+        for (int round = 0; round < o.rounds; ++round) {
+          gpu::cache_options co = gpu::cache_options::from(rt.config());
+          co.bytes = cache_bytes;
+          co.page_bytes = static_cast<std::uint32_t>(page);
+          gpu::cache c(rt, dev, co);
+          auto a = c.map_bytes(src, 0, bytes);
+          gpu::array<words<2>> a2(c.view(), a);
+          gpu::array<words<16>> a16(c.view(), a);
+          void* arg = nwords == 2 ? static_cast<void*>(&a2) : static_cast<void*>(&a16);
+          unsigned long long nn = n;
+          void* args[] = {arg, &idx_dev, &nn, &out_dev, &failed_dev};
+          for (int pass = 0; pass < 2; ++pass) {
+            u.check(api.cuMemsetD8Async(failed_dev, 0, 4, u.s), "cuMemsetD8Async");
+            auto before = c.stats();
+            auto t = clk::now();
+            u.launch(kc, args);
+            u.sync();
+            double secs = secs_since(t);
+            auto after = c.stats();
+            unsigned failed = 0;
+            u.to_host(&failed, failed_dev, 4);
+            if (failed) {
+              all_ok = false;
+              std::string why = "?";
+              try {
+                c.check();
+              } catch (const std::exception& e) {
+                why = e.what();
+              }
+              say(fmt::format("  FAILED: {} accesses through {} failed: {}", failed, label, why));
             }
-            say(fmt::format("  FAILED: {} accesses through ferry failed: {}", failed, why));
+            verify((label + (pass ? " warm" : " cold")).c_str());
+            const double miss = static_cast<double>(after.counted.misses - before.counted.misses);
+            const double hit = static_cast<double>(after.counted.hits - before.counted.hits);
+            (pass ? warm : cold).push_back(secs);
+            if (!pass) {
+              reqs.push_back(miss / secs);
+              const auto& q = after.requests;
+              const auto& q0 = before.requests;
+              const double reqs_n = std::max(1.0, static_cast<double>((after.counted.misses + after.counted.writebacks) -
+                                                                      (before.counted.misses + before.counted.writebacks)));
+              proxy_note = {{"requester_submit_us", static_cast<double>(after.counted.submit_ns - before.counted.submit_ns) / reqs_n / 1e3},
+                            {"requester_answer_us", static_cast<double>(after.counted.answer_ns - before.counted.answer_ns) / reqs_n / 1e3},
+                            {"requester_copy_us", static_cast<double>(after.counted.copy_ns - before.counted.copy_ns) / reqs_n / 1e3},
+                            {"requests_per_batch", static_cast<double>(q.requests - q0.requests) / std::max<double>(1, static_cast<double>(q.batches - q0.batches))},
+                            {"latency_p50_us", static_cast<double>(q.latency_p50_ns) / 1e3},
+                            {"latency_p99_us", static_cast<double>(q.latency_p99_ns) / 1e3},
+                            {"proxy_busy", static_cast<double>(q.busy_ns - q0.busy_ns) / (secs * 1e9 * std::max(1u, q.threads))},
+                            {"proxy_threads", q.threads}};
+            } else {
+              hit_warm = hit / std::max(1.0, hit + miss);
+            }
           }
-          verify(pass ? "ferry warm" : "ferry cold");
-          const double miss = static_cast<double>(after.counted.misses - before.counted.misses);
-          const double hit = static_cast<double>(after.counted.hits - before.counted.hits);
-          (pass ? warm : cold).push_back(secs);
-          if (!pass) {
-            reqs.push_back(miss / secs);
-            const auto& q = after.requests;
-            const auto& q0 = before.requests;
-            const double reqs_n = std::max(1.0, static_cast<double>((after.counted.misses + after.counted.writebacks) -
-                                                                    (before.counted.misses + before.counted.writebacks)));
-            proxy_note = {{"requester_submit_us", static_cast<double>(after.counted.submit_ns - before.counted.submit_ns) / reqs_n / 1e3},
-                          {"requester_answer_us", static_cast<double>(after.counted.answer_ns - before.counted.answer_ns) / reqs_n / 1e3},
-                          {"requester_copy_us", static_cast<double>(after.counted.copy_ns - before.counted.copy_ns) / reqs_n / 1e3},
-                          {"requests_per_batch", static_cast<double>(q.requests - q0.requests) / std::max<double>(1, static_cast<double>(q.batches - q0.batches))},
-                          {"latency_p50_us", static_cast<double>(q.latency_p50_ns) / 1e3},
-                          {"latency_p99_us", static_cast<double>(q.latency_p99_ns) / 1e3},
-                          {"proxy_busy", static_cast<double>(q.busy_ns - q0.busy_ns) / (secs * 1e9 * std::max(1u, q.threads))},
-                          {"proxy_threads", q.threads}};
-          }
-          else hit_warm = hit / std::max(1.0, hit + miss);
         }
-      }
-      std::sort(cold.begin(), cold.end());
-      std::sort(warm.begin(), warm.end());
-      std::sort(reqs.begin(), reqs.end());
-      const double med_cold = cold[cold.size() / 2], med_warm = warm[warm.size() / 2];
-      json cold_extra = proxy_note;
-      cold_extra["proxy_requests_per_s"] = reqs[reqs.size() / 2];
-      row("ferry cold", med_cold, cold_extra);
-      const double e_ferry = row("ferry warm", med_warm, {{"hit_rate", hit_warm}});
+        std::sort(cold.begin(), cold.end());
+        std::sort(warm.begin(), warm.end());
+        std::sort(reqs.begin(), reqs.end());
+        proxy_rate = reqs[reqs.size() / 2];
+        json cold_extra = proxy_note;
+        cold_extra["proxy_requests_per_s"] = proxy_rate;
+        row(label + " cold", cold[cold.size() / 2], cold_extra);
+        return row(label + " warm", warm[warm.size() / 2], {{"hit_rate", hit_warm}});
+      };
+      double proxy_rate = 0;
+      const double e_ferry = through_cache(f, "ferry", proxy_rate);
 
       // The file engine alone on the same pages (each distinct page the accesses touch, once), into
       // pinned host memory, in batches of the proxy's size with as many requests under way as the
@@ -285,7 +336,6 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
         }
         std::sort(eng.begin(), eng.end());
         const double rate = static_cast<double>(distinct.size()) / eng[eng.size() / 2];
-        const double proxy_rate = reqs[reqs.size() / 2];
         say(fmt::format("  {:>2} B {:<7} file engine alone: {:.0f} reads/s of {} pages ({} distinct); ferry's proxy (cold) {:.2f}x that",
                         esize, dist, rate, format_size(page), distinct.size(), proxy_rate / rate));
         rows.push_back(json{{"method", "file engine alone"}, {"element_bytes", esize}, {"distribution", dist},
@@ -403,13 +453,52 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
       verify("staged");
       std::sort(stg.begin(), stg.end());
       const double e_stg = row("staged", stg[stg.size() / 2]);
-      say(fmt::format("  {:>2} B {:<7} ferry warm / zero-copy {:.2f}x, / staged {:.2f}x", esize, dist, e_ferry / e_zc, e_ferry / e_stg));
+
+      // ferry unified memory, oversubscribed: the first launch after the CPU filled it, then later ones.
+      std::vector<double> um;
+      double um_first = 0;
+      for (int round = 0; round <= o.rounds; ++round) {
+        unsigned long long nn = n;
+        CUdeviceptr p = reinterpret_cast<CUdeviceptr>(unified);
+        void* args[] = {&p, &idx_dev, &nn, &out_dev};
+        auto t = clk::now();
+        u.launch(kh, args);
+        u.sync();
+        (round ? um.push_back(secs_since(t)) : void(um_first = secs_since(t)));
+      }
+      verify("unified");
+      std::sort(um.begin(), um.end());
+      const vm::vm_stats vs = space->stats();
+      const double e_um = row("unified", um[um.size() / 2], {{"first_launch_s", um_first}, {"device_cap", cache_bytes},
+                                                             {"pages_returned_to_device", vs.returns}, {"pages_held_on_host", vs.return_holds}});
+
+      // The same gather from the ferry:// source.
+      double e_remote = 0, remote_rate = 0;
+      if (remote) {
+        try {
+          e_remote = through_cache(remote, "ferry://", remote_rate);
+        } catch (const std::exception& e) {
+          all_ok = false;
+          remote_failed = true;
+          say(fmt::format("  FAILED: the ferry:// gather: {}", e.what()));
+        }
+      }
+      say(fmt::format("  {:>2} B {:<7} ferry warm / zero-copy {:.2f}x, / staged {:.2f}x, / unified {:.2f}x; ferry:// warm / zero-copy {:.2f}x, "
+                      "/ staged {:.2f}x, its proxy {:.0f} requests/s",
+                      esize, dist, e_ferry / e_zc, e_ferry / e_stg, e_ferry / e_um, e_remote / e_zc, e_remote / e_stg, remote_rate));
     }
   }
   std::string counters;
   for (auto& [k, v] : rt.files().counters().snapshot())
     if (k.starts_with("reads.") || k.starts_with("requests")) counters += fmt::format(" {}={}", k, v);
   say("  file engine:" + counters);
+  if (remote_failed) all_ok = false;
+  remote.reset();
+  server.reset();  // SIGKILL: the server's state does not matter any more
+  space->free(unified);
+  space->detach_stream(*user_stream);
+  space.reset();
+  user_stream.reset();
   ::close(fd);
   api.cuMemFree(slots);
   api.cuMemFree(slot_of);

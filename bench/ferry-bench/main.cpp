@@ -93,6 +93,19 @@ int main(int argc, char** argv) {
   bench_gather->add_option("--json-out", bgather.json_out, "Write the results as JSON here");
   bench_gather->add_flag("--keep", bgather.keep, "Keep the dataset file");
 
+  ferry::cli::bench_bfs_options bbfs;
+  auto* bench_bfs = app.add_subcommand("bfs", "A user's breadth-first search over a generated power-law graph whose CSR is 4x its GPU cache: "
+                                              "ferry's GPU page cache vs zero-copy host memory and host-orchestrated staging");
+  bench_bfs->add_option("--path", bbfs.path, "Directory (or file path) for the graph file")->required();
+  bench_bfs->add_option("--vertices", bbfs.vertices, "Vertices (a power of two)")->capture_default_str();
+  bench_bfs->add_option("--degree", bbfs.degree, "Edges per vertex on average")->capture_default_str();
+  bench_bfs->add_option("--cache", bbfs.cache, "ferry's GPU page cache (default: the CSR's size / 4)");
+  bench_bfs->add_option("--page", bbfs.page, "Page of the cache and of the staged baseline")->capture_default_str();
+  bench_bfs->add_option("--device", bbfs.device, "Device (default: FERRY_BACKEND's choice)");
+  bench_bfs->add_option("--rounds", bbfs.rounds, "Rounds per row (the median is reported)")->capture_default_str();
+  bench_bfs->add_option("--json-out", bbfs.json_out, "Write the results as JSON here");
+  bench_bfs->add_flag("--keep", bbfs.keep, "Keep the graph file");
+
   // The server `remote` measures, started as a child process of this program (not for users: hidden).
   ferry::cli::serve_options serve;
   auto* serve_cmd = app.add_subcommand("serve", "The server of `remote` (same code as `ferry serve`)")->group("");
@@ -114,6 +127,7 @@ int main(int argc, char** argv) {
     if (*bench_vm) return ferry::cli::run_bench_vm(rt, bvm);
     if (*bench_pipe) return ferry::cli::run_bench_pipeline(rt, bpipe);
     if (*bench_gather) return ferry::cli::run_bench_gather(rt, bgather);
+    if (*bench_bfs) return ferry::cli::run_bench_bfs(rt, bbfs);
     if (*serve_cmd) return ferry::cli::run_serve(rt, serve);
   } catch (const ferry::error& e) {
     std::fprintf(stderr, "ferry-bench: error: %s\n", e.what());

@@ -79,3 +79,62 @@ __device__ __forceinline__ unsigned sum(const words<W>& e) {
   }
 FERRY_BENCH_GATHER(2)
 FERRY_BENCH_GATHER(16)
+
+// `ferry-bench bfs`: one level of a top-down breadth-first search over a graph in CSR form (offsets:
+// V + 1 8-byte words, cols: 4-byte vertex numbers), one warp per vertex of the frontier; a vertex
+// first reached sets dist and joins the next frontier. The graph read (1) through ferry's page cache,
+// (2) zero-copy from pinned host memory holding it all, (3) host-orchestrated: the CPU already
+// read each frontier vertex's [begin, end) and staged the pages of cols those lists span
+// (slot_of[page]: where a page is).
+namespace {
+__device__ __forceinline__ void visit(unsigned u, unsigned level, unsigned* dist, unsigned* next, unsigned* nnext) {
+  if (atomicCAS(&dist[u], ~0u, level + 1) == ~0u) next[atomicAdd(nnext, 1u)] = u;
+}
+__device__ __forceinline__ unsigned lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ unsigned long long warp_id() { return (blockIdx.x * 1ull * blockDim.x + threadIdx.x) >> 5; }
+__device__ __forceinline__ unsigned long long warps() { return (1ull * gridDim.x * blockDim.x) >> 5; }
+}  // namespace
+
+extern "C" __global__ void bench_bfs_cache(ferry::gpu::array<unsigned long long> offs, ferry::gpu::array<unsigned> cols,
+                                           const unsigned* frontier, unsigned nf, unsigned level, unsigned* dist, unsigned* next,
+                                           unsigned* nnext, unsigned* failed) {
+  for (unsigned long long w = warp_id(); w < nf; w += warps()) {
+    const unsigned v = frontier[w];
+    unsigned long long be[2] = {0, 0};
+    if (lane_id() == 0 && offs.read(v, 2, be) != ferry::gpu::status::ok) atomicAdd(failed, 1u);
+    const unsigned long long b = __shfl_sync(~0u, be[0], 0), e = __shfl_sync(~0u, be[1], 0);
+    for (unsigned long long k = b + lane_id(); k < e; k += 32) {
+      unsigned u = 0;
+      if (cols.get(k, u) != ferry::gpu::status::ok) {
+        atomicAdd(failed, 1u);
+        continue;
+      }
+      visit(u, level, dist, next, nnext);
+    }
+  }
+}
+
+extern "C" __global__ void bench_bfs_host(const unsigned long long* offs, const unsigned* cols, const unsigned* frontier, unsigned nf,
+                                          unsigned level, unsigned* dist, unsigned* next, unsigned* nnext) {
+  for (unsigned long long w = warp_id(); w < nf; w += warps()) {
+    const unsigned v = frontier[w];
+    const unsigned long long b = offs[v], e = offs[v + 1];
+    for (unsigned long long k = b + lane_id(); k < e; k += 32) visit(cols[k], level, dist, next, nnext);
+  }
+}
+
+extern "C" __global__ void bench_bfs_staged(const unsigned char* slots, const unsigned* slot_of, unsigned page_shift,
+                                            unsigned long long cols_at, const unsigned long long* begin,
+                                            const unsigned long long* end, unsigned nf, unsigned level, unsigned* dist, unsigned* next,
+                                            unsigned* nnext) {
+  const unsigned long long in_page = (1ull << page_shift) - 1;
+  for (unsigned long long w = warp_id(); w < nf; w += warps()) {
+    const unsigned long long b = begin[w], e = end[w];
+    for (unsigned long long k = b + lane_id(); k < e; k += 32) {
+      const unsigned long long at = cols_at + k * 4;
+      const unsigned u = *reinterpret_cast<const unsigned*>(slots + (static_cast<unsigned long long>(slot_of[at >> page_shift]) << page_shift) +
+                                                            (at & in_page));
+      visit(u, level, dist, next, nnext);
+    }
+  }
+}

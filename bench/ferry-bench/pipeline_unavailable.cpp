@@ -1,4 +1,4 @@
-// `ferry-bench pipeline` and `gather` in a build without the CUDA toolkit: their kernels cannot be built.
+// `ferry-bench pipeline`, `gather` and `bfs` in a build without the CUDA toolkit: their kernels cannot be built.
 #include "bench.hpp"
 
 namespace ferry::cli {
@@ -9,6 +9,10 @@ int run_bench_pipeline(runtime&, const bench_pipeline_options&) {
 
 int run_bench_gather(runtime&, const bench_gather_options&) {
   fail(errc::unavailable, "bench gather", "this build", "built without the CUDA toolkit (nvcc): the benchmark's kernels are missing");
+}
+
+int run_bench_bfs(runtime&, const bench_bfs_options&) {
+  fail(errc::unavailable, "bench bfs", "this build", "built without the CUDA toolkit (nvcc): the benchmark's kernels are missing");
 }
 
 }  // namespace ferry::cli
