@@ -184,6 +184,11 @@ int run_bench_bfs(runtime& rt, const bench_bfs_options& o) {
   g.cols.shrink_to_fit();  // the CPU's copy: the staged baseline reads the file, like ferry
   const auto host_dev = reinterpret_cast<CUdeviceptr>(host);
   CUdeviceptr dist = u.alloc(vertices * 4), fa = u.alloc(vertices * 4), fb = u.alloc(vertices * 4), nnext = u.alloc(4), failed = u.alloc(4);
+  // The staged baseline's device memory too, before the host allocations below: a cuMemAlloc after
+  // large host mappings came and went has failed with CUDA_ERROR_ALREADY_MAPPED on the H100 machine
+  // (driver 580), the address the driver picked being mapped on the CPU side by then.
+  const std::uint64_t file_pages = (g.bytes + page - 1) / page, cap = cache_bytes / page;
+  CUdeviceptr slots = u.alloc(cap * page), slot_of = u.alloc(file_pages * 4), begin_dev = u.alloc(vertices * 8), end_dev = u.alloc(vertices * 8);
   std::vector<unsigned> got(vertices);
   bool all_ok = true;
   auto verify = [&](const std::string& what) {
@@ -286,11 +291,9 @@ int run_bench_bfs(runtime& rt, const bench_bfs_options& o) {
 
   // host-orchestrated, with pinned staging as large as ferry's cache.
   CUfunction ks = u.fn("bench_bfs_staged");
-  const std::uint64_t file_pages = (g.bytes + page - 1) / page, cap = cache_bytes / page;
   const unsigned shift = static_cast<unsigned>(__builtin_ctzll(page));
   void* staging = nullptr;
   u.check(api.cuMemHostAlloc(&staging, cap * page, 0), "cuMemHostAlloc");
-  CUdeviceptr slots = u.alloc(cap * page), slot_of = u.alloc(file_pages * 4), begin_dev = u.alloc(vertices * 8), end_dev = u.alloc(vertices * 8);
   std::vector<unsigned> slot_of_host(file_pages, ~0u), frontier(vertices);
   std::vector<std::uint64_t> offs_buf(g.cols_at / 8), group_pages, offs_pages, begin(vertices), end(vertices);
   std::vector<std::uint64_t> stamp(file_pages, 0);

@@ -152,8 +152,7 @@ struct file_engine::impl {
           &bytes_read = st.get("bytes_read"), &bytes_written = st.get("bytes_written"),
           &reads_missed_cache = st.get("reads.missed_cache");
   struct worker;
-  std::mutex mu;  // the workers' queues, `stop`
-  bool stop = false;
+  std::atomic<bool> stop{false};
   std::vector<std::unique_ptr<worker>> workers;
   std::vector<std::thread> threads;
   bool inject_partial, inject_eintr;
@@ -195,8 +194,12 @@ struct file_engine::impl {
     int wake_fd = -1;
     std::uint64_t wake_buf = 0;
     std::atomic<bool> asleep{false};  // from its look at the queue to the end of its wait: new requests write wake_fd
-    std::deque<job> queue;            // with e.mu
-    std::condition_variable cv;       // with e.mu: its queue got work, or stop (it waits here when it runs nothing)
+    // Its own lock, so that submitting threads and workers meet only pairwise (a lock of all the
+    // queues made every worker's round wait for every submission).
+    std::mutex qmu;
+    std::deque<job> queue;            // with qmu
+    std::atomic<std::size_t> queued{0};  // queue.size(), for submitters choosing a worker without its lock
+    std::condition_variable cv;       // with qmu: its queue got work, or stop (it waits here when it runs nothing)
     std::atomic<std::size_t> running_now{0};  // requests it runs (as of its last round)
     std::vector<slot> slots;
     std::list<running> runs;
@@ -363,11 +366,11 @@ file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cac
 }
 
 file_engine::impl::~impl() {
-  {
-    std::lock_guard l(mu);
-    stop = true;
+  stop = true;
+  for (auto& w : workers) {
+    { std::lock_guard l(w->qmu); }  // a worker between its look at `stop` and its wait sees the wake
+    w->wake();
   }
-  for (auto& w : workers) w->wake();
   for (auto& t : threads) t.join();
 }
 
@@ -376,16 +379,25 @@ file_engine::impl::~impl() {
 // the look finds it set and wakes the ring (a wake that comes while it is still busy only makes
 // the next wait return at once).
 bool file_engine::impl::worker::admit() {
-  asleep = true;
   took.clear();
+  if (runs.empty()) {
+    // Out of work: a short look for more before sleeping, so that batches that follow each other
+    // closely (a GPU proxy's, a server's) find the worker awake instead of paying a wake-up each.
+    constexpr auto spin = std::chrono::microseconds(30);
+    const auto until = std::chrono::steady_clock::now() + spin;
+    while (!queued.load(std::memory_order_relaxed) && !e.stop.load(std::memory_order_relaxed) && std::chrono::steady_clock::now() < until)
+      std::this_thread::yield();
+  }
+  asleep = true;
   {
-    std::unique_lock l(e.mu);
-    if (runs.empty()) cv.wait(l, [&] { return e.stop || !queue.empty(); });
+    std::unique_lock l(qmu);
+    if (runs.empty()) cv.wait(l, [&] { return e.stop.load() || !queue.empty(); });
     if (runs.empty() && queue.empty()) return false;  // stopping, nothing left
     while (!queue.empty() && runs.size() + took.size() < slots.size()) {
       took.push_back(std::move(queue.front()));
       queue.pop_front();
     }
+    queued = queue.size();
     running_now = runs.size() + took.size();
   }
   for (auto& j : took) {
@@ -796,6 +808,7 @@ void check_request(const file_request& r, std::size_t i) {
 void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::span<const file_request> reqs) {
   impl& I = *impl_;
   std::vector<job> jobs;
+  jobs.reserve(reqs.size());
   std::vector<std::size_t> remote;
   memory_region last_mem;
   // A read is cut at the file's size as of its submission (one look per file of the batch, not one
@@ -879,22 +892,31 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     std::lock_guard l(b->mu);
     b->items_inflight = static_cast<int>(jobs.size() + remote.size());
   }
-  std::vector<impl::worker*> got;
-  {
-    // Each to the worker with the least work (queued and running), the first of equals: requests
-    // that come together spread over the workers, one after another they stay on the first few
-    // (awake, their rings' kernel threads warm).
-    std::lock_guard l(I.mu);
-    std::vector<std::size_t> load(I.workers.size());
-    for (std::size_t k = 0; k < I.workers.size(); ++k) load[k] = I.workers[k]->queue.size() + I.workers[k]->running_now.load();
-    for (auto& j : jobs) {
-      const std::size_t best = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-      ++load[best];
-      I.workers[best]->queue.push_back(std::move(j));
-      if (std::find(got.begin(), got.end(), I.workers[best].get()) == got.end()) got.push_back(I.workers[best].get());
+  if (!jobs.empty()) {
+    // Each to the worker with the least work (queued and running, as the workers last said), the
+    // first of equals: requests that come together spread over the workers, one after another they
+    // stay on the first few (awake, their rings' kernel threads warm). Then each worker's share
+    // under its own lock, and a wake.
+    const std::size_t nw = I.workers.size();
+    std::vector<std::size_t> load(nw);
+    for (std::size_t k = 0; k < nw; ++k) load[k] = I.workers[k]->queued.load() + I.workers[k]->running_now.load();
+    std::vector<std::uint32_t> to(jobs.size());
+    for (std::size_t i = 0; i < jobs.size(); ++i) {
+      to[i] = static_cast<std::uint32_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      ++load[to[i]];
+    }
+    for (std::size_t k = 0; k < nw; ++k) {
+      impl::worker& w = *I.workers[k];
+      bool any = false;
+      {
+        std::lock_guard l(w.qmu);
+        for (std::size_t i = 0; i < jobs.size(); ++i)
+          if (to[i] == k) w.queue.push_back(std::move(jobs[i])), any = true;
+        w.queued = w.queue.size();
+      }
+      if (any) w.wake();
     }
   }
-  for (auto* w : got) w->wake();
   for (std::size_t i : remote) {
     const file_request& r = reqs[i];
     // The completion may run before start() returns, on any thread; the batch state outlives it

@@ -325,6 +325,33 @@ TEST(GpuCache, RandomReadsOfEveryElementSizeMatchTheFile) {
   EXPECT_NO_THROW(c.check());
 }
 
+// The user allocates device memory after a cache used by their kernel is gone (and while a second
+// one lives): the driver's allocations succeed, the cache's address ranges are returned whole.
+TEST(GpuCache, TheUsersAllocationsAfterACacheIsGoneSucceed) {
+  runtime rt(g_settings);
+  user_program u;
+  data_file d(16ull << 20, 31);
+  for (std::uint64_t cache_mib : {64, 136, 136, 136}) {
+    {
+      gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(cache_mib << 20, 4096));
+      gather_matches_the_file<std::uint64_t>(u, c, d, "cache_gather_8");
+    }
+    void* pinned = nullptr;  // the user's pinned host memory too
+    CU(cuMemHostAlloc(&pinned, 136 << 20, 0));
+    for (std::size_t mib : {64, 136, 256}) {
+      CUdeviceptr p = 0;
+      const CUresult r = g_api->cuMemAlloc(&p, mib << 20);
+      EXPECT_EQ(r, CUDA_SUCCESS) << "cuMemAlloc of " << mib << " MiB after a cache of " << cache_mib << " MiB was destroyed: " << r;
+      if (r == CUDA_SUCCESS) {
+        CU(cuMemsetD8Async(p, 1, mib << 20, u.s));
+        CU(cuStreamSynchronize(u.s));
+        g_api->cuMemFree(p);
+      }
+    }
+    g_api->cuMemFreeHost(pinned);
+  }
+}
+
 // 16384 threads of the user's kernel write distinct elements of one 64 KiB page; flush puts the
 // page on disk: the file holds every value, and nothing else changed.
 TEST(GpuCache, ConcurrentWritersToOnePageThenFlushLandOnDisk) {
