@@ -104,22 +104,6 @@ std::vector<unsigned> cpu_bfs(const graph& g, unsigned root) {
   return dist;
 }
 
-struct user_side : bench_user {
-  user_side(const cuda::driver_api& a, int ordinal) : bench_user(a, ordinal, "bench bfs") {}
-  CUdeviceptr alloc(std::uint64_t bytes) {
-    CUdeviceptr p = 0;
-    check(api.cuMemAlloc(&p, bytes), "cuMemAlloc");
-    return p;
-  }
-  void to_host(void* dst, CUdeviceptr src, std::uint64_t bytes) {
-    check(api.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, s), "cuMemcpyAsync");
-    sync();
-  }
-  void to_device(CUdeviceptr dst, const void* src, std::uint64_t bytes) {
-    check(api.cuMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), bytes, s), "cuMemcpyAsync");
-  }
-};
-
 }  // namespace
 
 int run_bench_bfs(runtime& rt, const bench_bfs_options& o) {
@@ -175,7 +159,7 @@ int run_bench_bfs(runtime& rt, const bench_bfs_options& o) {
                   "(CPU, one thread: {:.2f} s)",
                   secs_since(t0), root, g.offs[root + 1] - g.offs[root], reached, levels, traversed, cpu_secs));
 
-  user_side u(api, dev.info().ordinal);
+  bench_user u(api, dev.info().ordinal, "bench bfs");
   void* host = nullptr;  // the zero-copy baseline's CSR
   u.check(api.cuMemHostAlloc(&host, g.bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
   std::memcpy(host, g.offs.data(), g.offs.size() * 8);
@@ -253,13 +237,7 @@ int run_bench_bfs(runtime& rt, const bench_bfs_options& o) {
       u.to_host(&nfailed, failed, 4);
       if (nfailed) {
         all_ok = false;
-        std::string why = "?";
-        try {
-          c.check();
-        } catch (const std::exception& e) {
-          why = e.what();
-        }
-        say(fmt::format("  FAILED: {} accesses through ferry failed: {}", nfailed, why));
+        say(fmt::format("  FAILED: {} accesses through ferry failed: {}", nfailed, cache_failure(c)));
       }
       verify(pass ? "ferry warm" : "ferry cold");
       (pass ? warm : cold).push_back(secs);

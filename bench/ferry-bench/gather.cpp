@@ -83,23 +83,6 @@ std::vector<std::uint64_t> make_indices(std::uint64_t n, std::uint64_t elements,
   return idx;
 }
 
-struct user_side : bench_user {
-  user_side(const cuda::driver_api& a, int ordinal) : bench_user(a, ordinal, "bench gather") {}
-  void to_host(void* dst, CUdeviceptr src, std::uint64_t bytes) {
-    check(api.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, s), "cuMemcpyAsync");
-    sync();
-  }
-  void to_device(CUdeviceptr dst, const void* src, std::uint64_t bytes) {
-    check(api.cuMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), bytes, s), "cuMemcpyAsync");
-    sync();
-  }
-  CUdeviceptr alloc(std::uint64_t bytes) {
-    CUdeviceptr p = 0;
-    check(api.cuMemAlloc(&p, bytes), "cuMemAlloc");
-    return p;
-  }
-};
-
 }  // namespace
 
 int run_bench_gather(runtime& rt, const bench_gather_options& o) {
@@ -132,7 +115,7 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
   say(fmt::format("  wrote the file and read it once into the page cache in {:.1f} s", secs_since(t0)));
   auto f = file::open(path, open_mode::read);
 
-  user_side u(api, dev.info().ordinal);
+  bench_user u(api, dev.info().ordinal, "bench gather");
   // The zero-copy baseline's copy of the dataset, in pinned host memory mapped for the GPU.
   void* host = nullptr;
   u.check(api.cuMemHostAlloc(&host, bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
@@ -258,13 +241,7 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
             u.to_host(&failed, failed_dev, 4);
             if (failed) {
               all_ok = false;
-              std::string why = "?";
-              try {
-                c.check();
-              } catch (const std::exception& e) {
-                why = e.what();
-              }
-              say(fmt::format("  FAILED: {} accesses through {} failed: {}", failed, label, why));
+              say(fmt::format("  FAILED: {} accesses through {} failed: {}", failed, label, cache_failure(c)));
             }
             verify((label + (pass ? " warm" : " cold")).c_str());
             const double miss = static_cast<double>(after.counted.misses - before.counted.misses);

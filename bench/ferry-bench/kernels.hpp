@@ -2,6 +2,7 @@
 // The host side of the benchmarks' kernels (pipeline_kernels.cu, embedded as a fatbin): the module
 // image, the user's side that launches them, and the word function the kernels use, to write their
 // inputs and check their results. CUDA builds only.
+#include <ferry/gpu/cache.hpp>
 #include <ferry/runtime.hpp>
 
 #include "mem/cuda/driver.hpp"
@@ -62,7 +63,32 @@ struct bench_user {
     check(api.cuLaunchKernel(f, grid ? grid : blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr), "cuLaunchKernel");
   }
   void sync() { check(api.cuStreamSynchronize(s), "cuStreamSynchronize"); }
+  CUdeviceptr alloc(std::uint64_t bytes) {
+    CUdeviceptr p = 0;
+    check(api.cuMemAlloc(&p, bytes), "cuMemAlloc");
+    return p;
+  }
+  // Copies on the user's stream. to_host waits for it. to_device is ordered before what follows on
+  // the stream and does not wait: pageable `src` may be reused at once (the driver took a copy),
+  // pinned `src` only once the stream is past it.
+  void to_host(void* dst, CUdeviceptr src, std::uint64_t bytes) {
+    check(api.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, s), "cuMemcpyAsync");
+    sync();
+  }
+  void to_device(CUdeviceptr dst, const void* src, std::uint64_t bytes) {
+    check(api.cuMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), bytes, s), "cuMemcpyAsync");
+  }
 };
+
+// Why accesses through the cache failed, as the cache says it (cache::check's exception).
+inline std::string cache_failure(gpu::cache& c) {
+  try {
+    c.check();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "?";
+}
 
 // Writes a file of `bytes` (a multiple of 4) holding word_at(j, seed) at word j, through ferry, then
 // reads it once so that the page cache holds it.
