@@ -122,32 +122,34 @@ struct proxy::impl {
     auto taken = std::make_shared<std::vector<std::pair<request, std::uint64_t>>>();
     frs.reserve(rs.size());
     taken->reserve(rs.size());
-    // Each request's source, and whether it can be answered at all, under one lock. The sources
-    // by pointer (not owning): the proxy holds them while it lives and its batches end before it
-    // goes, so no reference count is touched per request.
-    std::vector<file*> fs(rs.size(), nullptr);
-    std::vector<char> answerable_(rs.size());
+    // Each request's source, and whether it can be served at all, under one lock. The first
+    // request served of each run of one source carries an owning reference (the file engine's batch
+    // keeps it: a batch that outlives the proxy still has its files); the others point without
+    // owning, so no reference count is touched per request.
+    std::vector<std::shared_ptr<file>> fs(rs.size());
+    enum : char { serve, unanswerable, no_source, bad_op };
+    std::vector<char> fate(rs.size());
     {
       std::lock_guard l(mu);
+      const file* last = nullptr;
       for (std::size_t i = 0; i < rs.size(); ++i) {
-        answerable_[i] = answerable(rs[i]);
-        if (!answerable_[i]) note(rs[i], tickets[i], fmt::format("answer word {:#x} is not one of the proxy's (answer_words): not served", rs[i].done));
-        else if (rs[i].source < sources.size()) fs[i] = sources[rs[i].source].get();
+        const request& r = rs[i];
+        fate[i] = !answerable(r) ? unanswerable : r.source >= sources.size() ? no_source
+                : r.kind != op::read && r.kind != op::write ? bad_op : serve;
+        if (fate[i] == unanswerable)
+          note(r, tickets[i], fmt::format("answer word {:#x} is not one of the proxy's (answer_words): not served", r.done));
+        if (fate[i] != serve) continue;
+        file* f = sources[r.source].get();
+        fs[i] = f == last ? std::shared_ptr<file>(std::shared_ptr<file>{}, f) : sources[r.source];
+        last = f;
       }
     }
     for (std::size_t i = 0; i < rs.size(); ++i) {
       const request& r = rs[i];
-      file* f = fs[i];
-      if (!answerable_[i]) continue;
-      if (!f) {
-        failed(r, tickets[i], status::failed, fmt::format("no source {}", r.source));
-        continue;
-      }
-      if (r.kind != op::read && r.kind != op::write) {
-        failed(r, tickets[i], status::failed, fmt::format("unknown operation {}", static_cast<unsigned>(r.kind)));
-        continue;
-      }
-      frs.push_back({std::shared_ptr<file>(std::shared_ptr<file>{}, f), r.offset, reinterpret_cast<void*>(r.addr), r.bytes, r.kind == op::write});
+      if (fate[i] == no_source) failed(r, tickets[i], status::failed, fmt::format("no source {}", r.source));
+      if (fate[i] == bad_op) failed(r, tickets[i], status::failed, fmt::format("unknown operation {}", static_cast<unsigned>(r.kind)));
+      if (fate[i] != serve) continue;
+      frs.push_back({std::move(fs[i]), r.offset, reinterpret_cast<void*>(r.addr), r.bytes, r.kind == op::write});
       taken->emplace_back(r, tickets[i]);
     }
     if (frs.empty()) return;

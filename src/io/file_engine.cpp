@@ -336,6 +336,7 @@ struct file_engine::impl {
     std::list<running> spare;  // nodes of ended requests, reused
     std::vector<job> took;     // admit()'s, kept for its capacity
     std::vector<std::pair<std::uint64_t, int>> completed;  // a round's completions (tag, result)
+    std::vector<std::pair<std::size_t, std::optional<error>>> copies;  // a round's finished device copies
     // Counted this round, added to the engine's counters at its end.
     struct {
       std::uint64_t beside = 0, direct = 0, in_place = 0, buffered = 0, read = 0, written = 0, missed_cache = 0;
@@ -444,7 +445,7 @@ void file_engine::impl::worker::loop() {
       if (s.r && s.state == slot::free) release(s);
       if (x) abort(r, *x);
     }
-    std::vector<std::pair<std::size_t, std::optional<error>>> copies;
+    copies.clear();
     {
       std::lock_guard l(copied_mu);
       copies.swap(copied);
@@ -642,10 +643,12 @@ void file_engine::impl::worker::on_io(slot& s, int res) {
   res = inject(res);
   s.state = slot::free;  // its completion is consumed; a resubmission or a copy sets it again
   if (r.err) return;     // cancelled: nothing more for this request
-  if (res == -EAGAIN && s.nowait) {
-    // The page cache lacks (the rest of) the range. Nothing delivered yet: the request is read
-    // with O_DIRECT instead, planned afresh. Part of it delivered: the rest is read buffered.
-    if (s.got == 0 && r.delivered == 0) return go_direct(s);
+  if (s.nowait && (res == -EAGAIN || res == -EOPNOTSUPP || res == -EINVAL)) {
+    // The page cache lacks (the rest of) the range. The request's only I/O, nothing delivered: it
+    // is read with O_DIRECT instead, planned afresh. Otherwise (part delivered, or another I/O of it
+    // under way: planning afresh would read that part twice) this I/O goes on buffered. A file
+    // system that refuses RWF_NOWAIT (-EOPNOTSUPP; -EINVAL on older kernels) is read buffered.
+    if (res == -EAGAIN && s.got == 0 && r.delivered == 0 && r.busy == 1) return go_direct(s);
     s.nowait = false;
     return submit_io(s);
   }
@@ -697,6 +700,7 @@ void file_engine::impl::worker::go_direct(slot& s) {
   r.chunk = std::max<std::uint64_t>(4096, align_down(std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes()), 4096));
   r.one_io = r.part_of[0].end - r.part_of[0].pos <= r.chunk;
   ++t.missed_cache;
+  ++t.direct;
   release(s);
 }
 
@@ -819,6 +823,10 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     const file_request& r = reqs[i];
     b->sizes[i] = r.bytes;
     b->bytes_total += r.bytes;
+    // The batch holds each file its requests name: the first reference of each run of requests on
+    // one file (one per file, not one per request: the workers use the file by pointer and never
+    // touch a reference count the submitting thread also touches).
+    if (r.f && (b->keep.empty() || b->keep.back().get() != r.f.get())) b->keep.push_back(r.f);
     try {
       check_request(r, i);
       if (r.f->source()) {  // a remote file: its source moves the data (and classifies the memory)
@@ -840,9 +848,6 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       job j;
       j.b = b;
       j.idx = i;
-      // The batch holds each file its requests name (one reference per file, not one per request:
-      // the workers then never touch a reference count the submitting thread also touches).
-      if (b->keep.empty() || b->keep.back().get() != r.f.get()) b->keep.push_back(r.f);
       j.r = {r.f.get(), r.offset, r.mem, r.bytes, r.write};
       j.dev = (m.type == memory_type::device || m.type == memory_type::managed || m.type == memory_type::unified)
                   ? &I.devices.get(m.device, m.ordinal)

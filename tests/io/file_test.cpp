@@ -168,6 +168,26 @@ TEST(File, SmallReadsTheCacheLacksAreReadDirectlyOrFinishedBuffered) {
   EXPECT_EQ(std::memcmp(host.data(), data.data() + 5 * 4096 + 100, 3 * 4096), 0);
   EXPECT_EQ(rt.files().counters().get("reads.missed_cache").value(), before) << "part came from the cache: the rest is read buffered";
   EXPECT_TRUE(page_cached(p, 7)) << "the rest went through the page cache";
+  // A cached small read is no miss.
+  const std::uint64_t cached_before = rt.files().counters().get("reads.missed_cache").value();
+  ASSERT_EQ(rt.files().read(*f, 5 * 4096, host.data(), 4096), 4096u);
+  EXPECT_EQ(std::memcmp(host.data(), data.data() + 5 * 4096, 4096), 0);
+  EXPECT_EQ(rt.files().counters().get("reads.missed_cache").value(), cached_before);
+  // Two I/Os of one small read into a device (its 4 KiB-aligned range is a chunk and a page): the
+  // first misses the cache while the second, its last page cached, delivers. Nothing is read twice.
+  evict();
+  {
+    int fd = ::open(p.c_str(), O_RDONLY);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
+    unsigned char one[4096];
+    ASSERT_EQ(::pread(fd, one, sizeof one, 16 * 4096), 4096);
+    ::close(fd);
+  }
+  if (!page_cached(p, 16) || page_cached(p, 3)) GTEST_SKIP() << "could not cache exactly page 16 of " << p;
+  ASSERT_EQ(rt.files().read(*f, 100, dev.data(), 64 << 10), 64u << 10) << "the request's bytes, each once";
+  std::vector<unsigned char> back(64 << 10);
+  rt.engine().copy(back.data(), dev.data(), back.size());
+  EXPECT_EQ(std::memcmp(back.data(), data.data() + 100, back.size()), 0);
 }
 
 TEST(File, ShortReadAtEndOfFileNeverGarbage) {
