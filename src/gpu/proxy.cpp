@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <bit>
 #include <atomic>
@@ -75,7 +77,11 @@ struct proxy::impl {
       st->copy(v.words, w.data(), words_bytes);
       st->synchronize(deadline_after(o.deadline));
     }
-    for (std::uint32_t k = 0; k < o.rings; ++k) th.emplace_back([this, k] { serve(k); });
+    for (std::uint32_t k = 0; k < o.rings; ++k)
+      th.emplace_back([this, k] {
+        ::pthread_setname_np(::pthread_self(), "ferry-gpu-proxy");  // for top, perf and debuggers (15 characters at most)
+        serve(k);
+      });
   }
 
   ~impl() {

@@ -11,6 +11,7 @@
 #include "xfer/stream_gates.hpp"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <fmt/format.h>
 #include <liburing.h>
 #include <sys/eventfd.h>
@@ -363,7 +364,11 @@ file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cac
   inject_eintr = s.io_inject.find("eintr") != std::string::npos;
   const int n = s.io_threads > 0 ? s.io_threads : default_xfer_threads();
   for (int i = 0; i < n; ++i) workers.push_back(std::make_unique<worker>(*this));
-  for (auto& w : workers) threads.emplace_back([w = w.get()] { w->loop(); });
+  for (auto& w : workers)
+    threads.emplace_back([w = w.get()] {
+      ::pthread_setname_np(::pthread_self(), "ferry-io");  // for top, perf and debuggers
+      w->loop();
+    });
 }
 
 file_engine::impl::~impl() {
