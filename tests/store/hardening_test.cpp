@@ -6,6 +6,7 @@
 #include "net/ucx.hpp"
 #include "store/auth.hpp"
 #include "support/errors.hpp"
+#include "support/served_process.hpp"
 #include "support/server_io.hpp"
 
 #include <arpa/inet.h>
@@ -403,19 +404,26 @@ TEST(StoreHardening, FailedAuthenticationsCloseTheConnectionThenRefuseTheAddress
 }  // namespace
 
 // A connect whose deadline passes before the progress thread gets to it ends with a timeout; the
-// work it posted runs later without touching the caller's (gone) stack and makes no endpoint.
+// work it posted runs later without touching the caller's (gone) stack and makes no endpoint. The
+// server runs in a process of its own: UCX 1.13 asserts (async.c) now and then when two workers of
+// one process create and drop connections this fast, which is not what this test is about.
 TEST(StoreHardening, AConnectThatTimesOutLeavesNothingBehind) {
-  served s(store::server_options{});
+  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-late-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(root);
+  test::served_process s(FERRY_TEST_CLI, root);
   ucx_worker w("late");
   for (int i = 0; i < 50; ++i) {
     try {
-      w.connect("127.0.0.1", s.srv->port(), clk::now() - std::chrono::seconds(1));
+      w.connect("127.0.0.1", s.port, clk::now() - std::chrono::seconds(1));
     } catch (const error& e) {
       EXPECT_EQ(e.code(), errc::timeout) << e.what();
     }
     std::vector<char> scribble(4096, static_cast<char>(i));  // reuses the stack the posted work once pointed into
     EXPECT_EQ(scribble[100], static_cast<char>(i));
   }
-  auto c = w.connect("127.0.0.1", s.srv->port(), clk::now() + std::chrono::seconds(10));
+  auto c = w.connect("127.0.0.1", s.port, clk::now() + std::chrono::seconds(10));
   EXPECT_TRUE(c != nullptr);
+  c.reset();
+  s.kill();
+  std::filesystem::remove_all(root);
 }
