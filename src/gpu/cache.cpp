@@ -218,6 +218,49 @@ cache::~cache() = default;
 array_desc cache::map_bytes(std::shared_ptr<file> f, std::uint64_t offset, std::uint64_t bytes) {
   return impl_->map_bytes(std::move(f), offset, bytes);
 }
+
+namespace {
+// Memory as a source of the cache: each page a copy by the transfer engine, which classifies the
+// memory (and holds unified memory in place while it copies).
+class memory_source final : public file_source {
+ public:
+  memory_source(transfer_engine& x, std::byte* base, std::uint64_t bytes) : x_(x), base_(base), bytes_(bytes) {}
+  std::uint64_t size() override { return bytes_; }
+  void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, std::chrono::steady_clock::time_point until,
+             completion done) override {
+    const std::uint64_t n = offset >= bytes_ ? 0 : std::min(bytes, bytes_ - offset);  // short at the end, like a file
+    if (!n) return done(0, nullptr);
+    const transfer_request q = write ? transfer_request{base_ + offset, mem, n} : transfer_request{mem, base_ + offset, n};
+    transfer_options o;
+    o.until = until;
+    try {
+      x_.submit({&q, 1}, o, [done](std::span<const request_result> r) {
+        if (r[0].state == request_state::done) return done(r[0].bytes_done, nullptr);
+        const error e = r[0].err ? *r[0].err : error(errc::internal, "gpu.cache.memory", "", "the copy did not finish");
+        done(0, &e);
+      });
+    } catch (const error& e) {
+      done(0, &e);
+    }
+  }
+
+ private:
+  transfer_engine& x_;
+  std::byte* base_;
+  std::uint64_t bytes_;
+};
+}  // namespace
+
+array_desc cache::map_memory_bytes(void* p, std::uint64_t bytes, bool writable) {
+  expects(p != nullptr, "gpu.cache.map_memory", "memory", "a null pointer");
+  const std::string name = fmt::format("memory {}+{}", p, bytes);
+  // Memory ferry does not know would fail at the first miss: refused here, naming it.
+  const memory_region m = impl_->rt.registrations().classify(p, bytes);
+  if (m.type == memory_type::unknown)
+    fail(errc::bad_address, "gpu.cache.map_memory", name, "not memory ferry knows (freed, or never allocated?)");
+  auto f = file::over(std::make_shared<memory_source>(impl_->rt.engine(), static_cast<std::byte*>(p), bytes), name, writable);
+  return impl_->map_bytes(std::move(f), 0, bytes);
+}
 cache_view cache::view() const noexcept { return impl_->v; }
 std::uint64_t cache::flush() { return impl_->flush(); }
 void cache::check() { impl_->check(); }

@@ -27,14 +27,20 @@ void open_direct(const std::string& how, int flags, int fd, int& dfd, std::uint3
 }
 }  // namespace
 
+std::shared_ptr<file> file::over(std::shared_ptr<file_source> source, std::string name, bool writable) {
+  if (!source) fail(errc::invalid_argument, "file.over", name, "no source");
+  auto f = std::shared_ptr<file>(new file());
+  f->path_ = std::move(name);
+  f->writable_ = writable;
+  f->source_ = std::move(source);
+  return f;
+}
+
 std::shared_ptr<file> file::open(const std::string& path, open_mode mode) {
   if (auto opener = find_file_scheme(path)) {
-    auto f = std::shared_ptr<file>(new file());
-    f->path_ = path;
-    f->writable_ = mode != open_mode::read;
-    f->source_ = opener(path, mode);
-    if (!f->source_) fail(errc::internal, "file.open", path, "the scheme's opener returned nothing");
-    return f;
+    auto source = opener(path, mode);
+    if (!source) fail(errc::internal, "file.open", path, "the scheme's opener returned nothing");
+    return over(std::move(source), path, mode != open_mode::read);
   }
   int flags = mode == open_mode::read ? O_RDONLY : O_RDWR;
   if (mode == open_mode::create) flags |= O_CREAT | O_TRUNC;

@@ -3,9 +3,11 @@
 // every element size over a dataset larger than the cache, dirty pages written back on eviction
 // and by flush, sources that fail, a full ring, requests that go unanswered.
 #include <ferry/gpu/cache.hpp>
+#include <ferry/vm/address_space.hpp>
 #include <ferry/runtime.hpp>
 
 #include "support/data.hpp"
+#include "support/errors.hpp"
 #include "support/sim.hpp"
 
 #include <gmock/gmock.h>
@@ -156,6 +158,62 @@ TEST(GpuCache, DirtyPagesAreWrittenBackOnEvictionAndByFlush) {
   EXPECT_EQ(wrong, 0u);
   a[5] = 42u;  // and a write after the flush reads back from the cache
   EXPECT_EQ(static_cast<std::uint32_t>(a[5]), 42u);
+}
+
+// Ferry unified memory as the source (an address space on the sim device registered with the
+// runtime's cache, the CPU's data in it): 8 requesters read random elements through the cache and
+// match it; 8 writers then write distinct elements of memory 4x the cache, eviction and flush write
+// them back, and the CPU reads every written value in the unified memory. Memory ferry does not know
+// is refused at map time.
+TEST(GpuCache, UnifiedMemoryIsASourceReadAndWrittenBack) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  const std::uint64_t n = (1 << 20) / 4;
+  auto so = vm::space_options::from(rt.config());
+  so.cache = &rt.registrations();
+  vm::address_space as(dev, 4 << 20, so);
+  auto* p = static_cast<std::uint32_t*>(as.alloc(n * 4));
+  auto before = [](std::uint64_t i) { return static_cast<std::uint32_t>(i * 0x9E3779B1u + 3); };
+  auto after = [](std::uint64_t i) { return static_cast<std::uint32_t>(i * 2654435761u + 7); };
+  for (std::uint64_t i = 0; i < n; ++i) p[i] = before(i);
+  {
+    gpu::cache c(rt, dev, host_cache(256 << 10, 4096));
+    auto a = c.map_memory(p, n, true);
+    std::atomic<int> not_ok{0}, wrong{0};
+    std::vector<std::thread> ts;
+    for (int t = 0; t < 8; ++t)
+      ts.emplace_back([&, t] {
+        std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 77);
+        for (int k = 0; k < 2000; ++k) {
+          const std::uint64_t i = rng() % n;
+          std::uint32_t v = 0;
+          if (a.get(i, v) != gpu::status::ok) not_ok++;
+          else if (v != before(i)) wrong++;
+        }
+      });
+    for (auto& x : ts) x.join();
+    ts.clear();
+    EXPECT_EQ(not_ok.load(), 0);
+    EXPECT_EQ(wrong.load(), 0);
+    for (int t = 0; t < 8; ++t)
+      ts.emplace_back([&, t] {
+        for (std::uint64_t i = static_cast<std::uint64_t>(t); i < n; i += 8)
+          if (a.set(i, after(i)) != gpu::status::ok) not_ok++;
+      });
+    for (auto& x : ts) x.join();
+    EXPECT_EQ(not_ok.load(), 0);
+    EXPECT_GT(c.stats().counted.writebacks, 0u) << "pages were evicted dirty";
+    EXPECT_GT(c.flush(), 0u);
+    EXPECT_NO_THROW(c.check());
+  }
+  std::uint64_t stale = 0;
+  for (std::uint64_t i = 0; i < n; ++i) stale += p[i] != after(i);
+  EXPECT_EQ(stale, 0u) << "every written element reached the unified memory";
+  gpu::cache c(rt, dev, host_cache(256 << 10, 4096));
+  std::vector<std::uint32_t> mine(16);
+  EXPECT_NO_THROW(c.map_memory(mine.data(), mine.size())) << "host memory is memory ferry knows";
+  EXPECT_THAT(test::error_text([&] { c.map_memory(reinterpret_cast<std::uint32_t*>(4096), 16); }), HasSubstr("not memory ferry knows"));
+  as.free(p);
 }
 
 // A file cut short under the cache: pages past its new end come back as out_of_range, the host's

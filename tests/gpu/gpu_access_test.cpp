@@ -5,6 +5,7 @@
 #include <ferry/gpu/cache.hpp>
 #include <ferry/gpu/proxy.hpp>
 #include <ferry/runtime.hpp>
+#include <ferry/vm/address_space.hpp>
 
 #include "mem/cuda/driver.hpp"
 #include "support/cuda_user.hpp"
@@ -221,12 +222,10 @@ gpu::cache_options small_cache(std::uint64_t bytes, std::uint32_t page) {
   return o;
 }
 
-// 16384 threads each read one random element of an array that starts 13 bytes into the file.
+// 16384 threads each read one random element of `a`, whose bytes are `want`.
 template <typename T>
-void gather_matches_the_file(user_program& u, gpu::cache& c, const data_file& d, const char* kernel) {
-  const std::uint64_t base = 13;
+void gather_matches(user_program& u, gpu::cache& c, gpu::array<T> a, const std::byte* want, const char* kernel) {
   CUfunction fn = u.fn(kernel);
-  auto a = gpu::array<T>(c.view(), c.map_bytes(file::open(d.path.string(), open_mode::read), base, d.bytes.size() - base));
   unsigned long long n = 16384;
   unsigned seed = sizeof(T);
   device_buffer out(n * sizeof(T)), st(n * 4);
@@ -243,10 +242,18 @@ void gather_matches_the_file(user_program& u, gpu::cache& c, const data_file& d,
   for (std::uint64_t i = 0; i < n; ++i) {
     not_ok += sts[i] != static_cast<unsigned>(gpu::status::ok);
     const std::uint64_t idx = mix(i, seed) % a.size();
-    wrong += std::memcmp(&got[i], d.bytes.data() + base + idx * sizeof(T), sizeof(T)) != 0;
+    wrong += std::memcmp(&got[i], want + idx * sizeof(T), sizeof(T)) != 0;
   }
   EXPECT_EQ(not_ok, 0u) << sizeof(T) << "-byte elements";
   EXPECT_EQ(wrong, 0u) << sizeof(T) << "-byte elements";
+}
+
+// The same over an array that starts 13 bytes into the file.
+template <typename T>
+void gather_matches_the_file(user_program& u, gpu::cache& c, const data_file& d, const char* kernel) {
+  const std::uint64_t base = 13;
+  auto a = gpu::array<T>(c.view(), c.map_bytes(file::open(d.path.string(), open_mode::read), base, d.bytes.size() - base));
+  gather_matches<T>(u, c, a, d.bytes.data() + base, kernel);
 }
 
 std::uint32_t written_value(std::uint64_t i) { return static_cast<std::uint32_t>(i * 2654435761u + 7); }
@@ -350,6 +357,31 @@ TEST(GpuCache, TheUsersAllocationsAfterACacheIsGoneSucceed) {
     }
     g_api->cuMemFreeHost(pinned);
   }
+}
+
+// The user's kernel gathers through a cache over ferry unified memory (a space on the GPU registered
+// with the runtime's cache, 4x the cache, filled by the CPU): every element is the memory's.
+TEST(GpuCache, AKernelGathersUnifiedMemoryThroughTheCache) {
+  runtime rt(g_settings);
+  user_program u;
+  device& dev = rt.devices().get("cuda:0");
+  data_file d(16ull << 20, 32);
+  auto so = vm::space_options::from(rt.config());
+  so.cache = &rt.registrations();
+  vm::address_space as(dev, 32ull << 20, so);
+  void* p = as.alloc(d.bytes.size());
+  std::memcpy(p, d.bytes.data(), d.bytes.size());
+  {
+    gpu::cache c(rt, dev, small_cache(4 << 20, 4096));
+    gather_matches<std::uint64_t>(u, c, c.map_memory(static_cast<std::uint64_t*>(p), d.bytes.size() / 8),
+                                  d.bytes.data(), "cache_gather_8");
+    auto s = c.stats();
+    std::printf("cache over unified memory: %llu hits, %llu misses, %llu evictions\n", static_cast<unsigned long long>(s.counted.hits),
+                static_cast<unsigned long long>(s.counted.misses), static_cast<unsigned long long>(s.counted.evictions));
+    EXPECT_GT(s.counted.misses, 0u);
+    EXPECT_NO_THROW(c.check());
+  }
+  as.free(p);
 }
 
 // 16384 threads of the user's kernel write distinct elements of one 64 KiB page; flush puts the

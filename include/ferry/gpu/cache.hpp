@@ -61,6 +61,16 @@ class FERRY_API cache {
   }
   // The bytes [offset, offset + bytes) of the file as one array's range.
   array_desc map_bytes(std::shared_ptr<file> f, std::uint64_t offset, std::uint64_t bytes);
+  // `count` elements of memory ferry knows -- ferry unified memory, host or device memory -- as an
+  // array: misses copy its pages in, write-backs (`writable`) copy them back, both by the transfer
+  // engine. Unified memory needs its space made with space_options::cache = &rt.registrations(), so
+  // that each copy holds its pages in place (as every transfer of unified memory does). The memory
+  // must outlive the cache; what kernels wrote reaches it by write-back or flush().
+  template <typename T>
+  array<T> map_memory(T* p, std::uint64_t count, bool writable = false) {
+    return array<T>(view(), map_memory_bytes(p, count * sizeof(T), writable));
+  }
+  array_desc map_memory_bytes(void* p, std::uint64_t bytes, bool writable = false);
 
   cache_view view() const noexcept;
   // Writes every dirty page to its source and marks it clean; returns how many. Call it when no

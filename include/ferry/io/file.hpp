@@ -38,6 +38,10 @@ class FERRY_API file {
   // errors. With `direct`, an O_DIRECT descriptor is opened again from this one (large cold ranges
   // then bypass the page cache); without, all I/O goes through the page cache.
   static std::shared_ptr<file> adopt(int fd, std::string path, bool writable, bool direct = true);
+  // A file whose bytes `source` moves (what a scheme's opener returns, or memory presented as a
+  // file): file engine batches and the GPU page cache take it like any other. `name` names it in
+  // errors; writes need `writable`.
+  static std::shared_ptr<file> over(std::shared_ptr<file_source> source, std::string name, bool writable);
   ~file();
   file(const file&) = delete;
   file& operator=(const file&) = delete;
