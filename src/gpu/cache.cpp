@@ -56,8 +56,24 @@ struct cache::impl {
   region frames, meta;
   // The landing slots: host memory, pinned (registered with the devices) and so readable by
   // kernels at the same address, and a target the file engine reads into without staging.
-  std::unique_ptr<unsigned char, void (*)(void*)> landing{nullptr, std::free};
-  registration landing_reg;
+  struct landing_area {
+    registration_cache* cache = nullptr;
+    unsigned char* p = nullptr;
+    std::uint64_t bytes = 0;
+    registration reg;
+    landing_area() = default;
+    landing_area(const landing_area&) = delete;
+    landing_area& operator=(const landing_area&) = delete;
+    // Unregistered from the devices before the memory goes back: a registration the cache kept
+    // would outlive the mapping, and the driver would still count that address range as its own
+    // (a later allocation of the user's that lands there fails, CUDA_ERROR_ALREADY_MAPPED).
+    ~landing_area() {
+      reg = registration{};
+      if (!p) return;
+      cache->invalidate(reinterpret_cast<std::uintptr_t>(p), bytes);
+      std::free(p);
+    }
+  } landing;
   cache_view v;
   mutable std::mutex mu;
   std::vector<mapped> arrays;  // mu
@@ -86,10 +102,12 @@ struct cache::impl {
 
     v.landing_count = static_cast<std::uint32_t>(std::min<std::uint64_t>(o.landing_bytes / ps, v.frame_count));
     const std::uint64_t landing_bytes = std::uint64_t{v.landing_count} * ps;
-    landing.reset(static_cast<unsigned char*>(std::aligned_alloc(ps, landing_bytes)));
-    if (!landing) fail(errc::out_of_memory, "gpu.cache", fmt::format("landing_bytes={}", o.landing_bytes), "no host memory for the landing area");
-    landing_reg = rt.registrations().acquire(landing.get(), landing_bytes);
-    v.landing = landing.get();
+    landing.cache = &rt.registrations();
+    landing.p = static_cast<unsigned char*>(std::aligned_alloc(ps, landing_bytes));
+    if (!landing.p) fail(errc::out_of_memory, "gpu.cache", fmt::format("landing_bytes={}", o.landing_bytes), "no host memory for the landing area");
+    landing.bytes = landing_bytes;
+    landing.reg = rt.registrations().acquire(landing.p, landing_bytes);
+    v.landing = landing.p;
 
     // The words: owner[frames], arrays[o.arrays], hand, counters, error, landing locks.
     const std::uint64_t at_owner = 0;

@@ -21,6 +21,7 @@
 #include <string_view>
 #include <thread>
 #include <fstream>
+#include <sys/mman.h>
 #include <unistd.h>
 
 namespace ferry::detail {
@@ -339,10 +340,21 @@ TEST(GpuCache, TheUsersAllocationsAfterACacheIsGoneSucceed) {
   user_program u;
   data_file d(16ull << 20, 31);
   for (std::uint64_t cache_mib : {64, 136, 136, 136}) {
+    unsigned char* landing = nullptr;
     {
       gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(cache_mib << 20, 4096));
       gather_matches_the_file<std::uint64_t>(u, c, d, "cache_gather_8");
+      landing = c.view().landing;
     }
+    // The cache's host memory is gone and so is its registration with the driver: the user maps
+    // memory at that very address and registers it (a registration left behind makes this fail).
+    void* again = ::mmap(landing, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    if (again == landing) {
+      const CUresult r = g_api->cuMemHostRegister(again, 4096, 0);
+      EXPECT_EQ(r, CUDA_SUCCESS) << "cuMemHostRegister at the destroyed cache's landing address: " << r;
+      if (r == CUDA_SUCCESS) g_api->cuMemHostUnregister(again);
+    }
+    if (again != MAP_FAILED) ::munmap(again, 4096);
     void* pinned = nullptr;  // the user's pinned host memory too
     CU(cuMemHostAlloc(&pinned, 136 << 20, 0));
     for (std::size_t mib : {64, 136, 256}) {
