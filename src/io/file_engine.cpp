@@ -824,14 +824,12 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   // per request): a file cut short under it then fails the read instead of reading short.
   file* sized = nullptr;
   std::uint64_t size = 0;
+  const std::shared_ptr<file>* run = nullptr;  // the first request of the current run on one file
   for (std::size_t i = 0; i < reqs.size(); ++i) {
     const file_request& r = reqs[i];
     b->sizes[i] = r.bytes;
     b->bytes_total += r.bytes;
-    // The batch holds each file its requests name: the first reference of each run of requests on
-    // one file (one per file, not one per request: the workers use the file by pointer and never
-    // touch a reference count the submitting thread also touches).
-    if (r.f && (b->keep.empty() || b->keep.back().get() != r.f.get())) b->keep.push_back(r.f);
+    if (r.f && (!run || run->get() != r.f.get())) run = &r.f;
     try {
       check_request(r, i);
       if (r.f->source()) {  // a remote file: its source moves the data (and classifies the memory)
@@ -853,6 +851,12 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       job j;
       j.b = b;
       j.idx = i;
+      // The batch holds each local file its requests name, by the first reference of each run of
+      // requests on one file (one per file, not one per request: the workers use the file by
+      // pointer and never touch a reference count the submitting thread also touches). Remote files
+      // are not held: their sources keep what they use, and the batch may end on a source's own
+      // thread, which must not be the one to destroy that source.
+      if (b->keep.empty() || b->keep.back().get() != r.f.get()) b->keep.push_back(*run);
       j.r = {r.f.get(), r.offset, r.mem, r.bytes, r.write};
       j.dev = (m.type == memory_type::device || m.type == memory_type::managed || m.type == memory_type::unified)
                   ? &I.devices.get(m.device, m.ordinal)

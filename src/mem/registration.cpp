@@ -4,10 +4,13 @@
 #include "core/logging.hpp"
 
 #include <fmt/format.h>
+#include <sys/eventfd.h>
 #include <ucm/api/ucm.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <span>
 #include <array>
 #include <atomic>
@@ -15,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <shared_mutex>
+#include <thread>
 
 namespace ferry {
 
@@ -180,7 +184,28 @@ struct registration_cache::impl {
   }
   // Collects the callbacks of every entry overlapping [b, b+n) and drops the entries.
   // Records a hook's range for the next classify/acquire (no lock, no allocation); ranges merge.
-  void defer(std::uintptr_t base, std::uint64_t size) noexcept { pending.add(base, base + size); }
+  void defer(std::uintptr_t base, std::uint64_t size) noexcept {
+    pending.add(base, base + size);
+    if (ap) {
+      const std::uint64_t one = 1;
+      [[maybe_unused]] auto w = ::write(ap->fd, &one, sizeof one);  // a system call: fine inside free()
+    }
+  }
+  // What hooks recorded is also applied soon by a thread of the cache's own, not only at the next
+  // lookup: until then the driver keeps the registration of memory the process freed, and refuses
+  // new memory at that address (a cuMemAlloc or cuMemHostRegister of the user's that lands there
+  // fails). Woken through an eventfd: a hook may write it, it neither allocates nor locks.
+  // The thread's own state outlives the cache: a holder's on_invalidate callback, run by the thread,
+  // may drop the last reference to the cache's owner, and the cache is then destroyed on that thread.
+  struct applier_state {
+    int fd = -1;
+    std::atomic<bool> stopping{false};
+    ~applier_state() {
+      if (fd >= 0) ::close(fd);
+    }
+  };
+  std::shared_ptr<applier_state> ap;
+  std::thread applier;
   // From memory hooks (`hooked`), entries of clients whose memory is remapped in place as it moves
   // (unified memory) are left alone: such an unmap is a page moving, not the memory going away.
   std::vector<std::function<void()>> invalidate_locked(std::uintptr_t b, std::uint64_t n, bool hooked = false) {
@@ -292,6 +317,28 @@ registration_cache::registration_cache(std::vector<peer_memory_client*> clients,
   for (auto* c : clients)
     if (c) impl_->clients.push_back(c);
   install_hooks_once();
+  if (const int fd = ::eventfd(0, EFD_CLOEXEC); fd >= 0) {
+    impl_->ap = std::make_shared<impl::applier_state>();
+    impl_->ap->fd = fd;
+    // Touches the cache only between a wake-up and the end of apply_pending(), and never once
+    // `stopping` is set (the cache may be gone by then).
+    impl_->applier = std::thread([this, st = impl_->ap] {
+      for (;;) {
+        std::uint64_t n = 0;
+        if (::read(st->fd, &n, sizeof n) < 0) {
+          if (errno == EINTR) continue;
+          log::error("mem", "registration cache: reading its wake-up descriptor: {}", std::strerror(errno));
+          return;  // lookups still apply what hooks record
+        }
+        if (st->stopping.load()) return;
+        try {
+          apply_pending();
+        } catch (const std::exception& e) {
+          log::error("mem", "applying unmapped ranges to the registration cache: {}", e.what());
+        }
+      }
+    });
+  }
   bool placed = false;
   {
     std::lock_guard l(g_caches_mu);
@@ -310,6 +357,14 @@ registration_cache::~registration_cache() {
     std::lock_guard l(g_caches_mu);
     for (auto& slot : g_caches)
       if (slot == this) slot = nullptr;
+  }
+  if (impl_->applier.joinable()) {
+    impl_->ap->stopping = true;
+    const std::uint64_t one = 1;
+    [[maybe_unused]] auto w = ::write(impl_->ap->fd, &one, sizeof one);
+    // Destroyed by a callback the thread ran: it stops by itself, without touching the cache again.
+    if (impl_->applier.get_id() == std::this_thread::get_id()) impl_->applier.detach();
+    else impl_->applier.join();
   }
   cache_lock l(impl_->mu);
   while (!impl_->index.empty()) {
