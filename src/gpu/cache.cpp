@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -70,7 +71,11 @@ struct cache::impl {
     ~landing_area() {
       reg = registration{};
       if (!p) return;
-      cache->invalidate(reinterpret_cast<std::uintptr_t>(p), bytes);
+      try {
+        cache->invalidate(reinterpret_cast<std::uintptr_t>(p), bytes);
+      } catch (const std::exception& e) {
+        log::error("gpu", "unregistering the cache's landing area: {}", e.what());
+      }
       std::free(p);
     }
   } landing;
@@ -251,14 +256,17 @@ class memory_source final : public file_source {
     const transfer_request q = write ? transfer_request{base_ + offset, mem, n} : transfer_request{mem, base_ + offset, n};
     transfer_options o;
     o.until = until;
+    // Exactly once: a completion that ran inside submit and then threw must not be told again.
+    auto told = std::make_shared<std::atomic<bool>>(false);
     try {
-      x_.submit({&q, 1}, o, [done](std::span<const request_result> r) {
+      x_.submit({&q, 1}, o, [done, told](std::span<const request_result> r) {
+        if (told->exchange(true)) return;
         if (r[0].state == request_state::done) return done(r[0].bytes_done, nullptr);
         const error e = r[0].err ? *r[0].err : error(errc::internal, "gpu.cache.memory", "", "the copy did not finish");
         done(0, &e);
       });
     } catch (const error& e) {
-      done(0, &e);
+      if (!told->exchange(true)) done(0, &e);
     }
   }
 

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <ucm/api/ucm.h>
 #include <unistd.h>
 
@@ -185,10 +186,12 @@ struct registration_cache::impl {
   // Collects the callbacks of every entry overlapping [b, b+n) and drops the entries.
   // Records a hook's range for the next classify/acquire (no lock, no allocation); ranges merge.
   void defer(std::uintptr_t base, std::uint64_t size) noexcept {
+    const bool first = !pending.any.load(std::memory_order_acquire);  // else the thread is woken already
     pending.add(base, base + size);
-    if (ap) {
+    if (ap && first) {
+      // A raw system call: fine inside free() (no lock, no allocation, not a cancellation point).
       const std::uint64_t one = 1;
-      [[maybe_unused]] auto w = ::write(ap->fd, &one, sizeof one);  // a system call: fine inside free()
+      [[maybe_unused]] auto w = ::syscall(SYS_write, ap->fd, &one, sizeof one);
     }
   }
   // What hooks recorded is also applied soon by a thread of the cache's own, not only at the next
@@ -199,6 +202,7 @@ struct registration_cache::impl {
   // may drop the last reference to the cache's owner, and the cache is then destroyed on that thread.
   struct applier_state {
     int fd = -1;
+    pid_t pid = 0;  // the process that made the thread
     std::atomic<bool> stopping{false};
     ~applier_state() {
       if (fd >= 0) ::close(fd);
@@ -317,9 +321,22 @@ registration_cache::registration_cache(std::vector<peer_memory_client*> clients,
   for (auto* c : clients)
     if (c) impl_->clients.push_back(c);
   install_hooks_once();
+  bool placed = false;
+  {
+    std::lock_guard l(g_caches_mu);
+    for (auto& slot : g_caches)
+      if (!slot) {
+        slot = this;
+        placed = true;
+        break;
+      }
+  }
+  if (!placed) fail(errc::busy, "mem.cache", "registration caches", fmt::format("more than {} alive at once", max_caches));
+  // Started last: a constructor that throws leaves no thread behind.
   if (const int fd = ::eventfd(0, EFD_CLOEXEC); fd >= 0) {
     impl_->ap = std::make_shared<impl::applier_state>();
     impl_->ap->fd = fd;
+    impl_->ap->pid = ::getpid();
     // Touches the cache only between a wake-up and the end of apply_pending(), and never once
     // `stopping` is set (the cache may be gone by then).
     impl_->applier = std::thread([this, st = impl_->ap] {
@@ -335,21 +352,14 @@ registration_cache::registration_cache(std::vector<peer_memory_client*> clients,
           apply_pending();
         } catch (const std::exception& e) {
           log::error("mem", "applying unmapped ranges to the registration cache: {}", e.what());
+        } catch (...) {
+          log::error("mem", "applying unmapped ranges to the registration cache: an unknown exception");
         }
       }
     });
+    const std::uint64_t one = 1;  // what hooks recorded before the thread was there
+    [[maybe_unused]] auto w = ::syscall(SYS_write, impl_->ap->fd, &one, sizeof one);
   }
-  bool placed = false;
-  {
-    std::lock_guard l(g_caches_mu);
-    for (auto& slot : g_caches)
-      if (!slot) {
-        slot = this;
-        placed = true;
-        break;
-      }
-  }
-  if (!placed) fail(errc::busy, "mem.cache", "registration caches", fmt::format("more than {} alive at once", max_caches));
 }
 
 registration_cache::~registration_cache() {
@@ -361,10 +371,17 @@ registration_cache::~registration_cache() {
   if (impl_->applier.joinable()) {
     impl_->ap->stopping = true;
     const std::uint64_t one = 1;
-    [[maybe_unused]] auto w = ::write(impl_->ap->fd, &one, sizeof one);
-    // Destroyed by a callback the thread ran: it stops by itself, without touching the cache again.
-    if (impl_->applier.get_id() == std::this_thread::get_id()) impl_->applier.detach();
-    else impl_->applier.join();
+    [[maybe_unused]] auto w = ::syscall(SYS_write, impl_->ap->fd, &one, sizeof one);
+    if (impl_->ap->pid != ::getpid()) {
+      // A fork()ed child: the thread is the parent's (the child has none); its handle is let go
+      // untouched (joining or detaching a thread that is not there is undefined).
+      new std::thread(std::move(impl_->applier));
+    } else if (impl_->applier.get_id() == std::this_thread::get_id()) {
+      // Destroyed by a callback the thread ran: it stops by itself, without touching the cache again.
+      impl_->applier.detach();
+    } else {
+      impl_->applier.join();
+    }
   }
   cache_lock l(impl_->mu);
   while (!impl_->index.empty()) {

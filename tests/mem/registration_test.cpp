@@ -222,8 +222,10 @@ TEST(RegistrationCache, HostMunmapInvalidatesThroughMemoryHooks) {
   r.on_invalidate([&] { told = true; });
   ::munmap(p, n);
   // The hook only records the range (it may run inside the allocator, under its lock): the cache's
-  // next call applies it, before it answers.
+  // next call applies it before it answers (or its own thread did already); holders are told soon.
   EXPECT_FALSE(cache.cached(p, n));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!told && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   EXPECT_TRUE(told) << "libucm's VM_UNMAPPED hook did not reach the cache";
   EXPECT_FALSE(r.valid());
   EXPECT_EQ(cache.classify(p, n).type, memory_type::unknown);
