@@ -56,33 +56,12 @@ namespace {
 using clk = std::chrono::steady_clock;
 
 // One client and the two threads that drive its requests: the starter waits for credits (start_*),
-// the finisher for answers (finish), each bounded by the request's deadline.
+// the finisher for answers (finish), each bounded by the request's deadline. The client and the
+// queues live in a core the threads share, so the endpoint may be destroyed on one of its own
+// threads (a completion that drops the last reference to a remote file, and the file the last one to
+// the endpoint): that thread is let go and ends by itself once the queues are drained.
 class remote_endpoint {
  public:
-  remote_endpoint(const uri& u, client_options o) : timeout_(o.timeout), c_(u.host, u.port, std::move(o)) {
-    starter_ = std::thread([this] { start_loop(); });
-    finisher_ = std::thread([this] { finish_loop(); });
-  }
-  ~remote_endpoint() {
-    {
-      std::lock_guard l(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    starter_.join();  // each drains its queue first; every wait in them has a deadline
-    {
-      std::lock_guard l(mu_);
-      starter_done_ = true;
-    }
-    cv_.notify_all();
-    finisher_.join();
-  }
-  remote_endpoint(const remote_endpoint&) = delete;
-  remote_endpoint& operator=(const remote_endpoint&) = delete;
-
-  client& c() { return c_; }
-  std::chrono::nanoseconds timeout() const { return timeout_; }
-
   struct op {
     bool write = false;
     std::function<client::write_handle()> handle;  // writes: the open write they fill (opened on first use)
@@ -94,64 +73,105 @@ class remote_endpoint {
     file_source::completion done;
     client::ticket t = 0;
   };
+
+  remote_endpoint(const uri& u, client_options o) : k_(std::make_shared<core>(u, std::move(o))) {
+    starter_ = std::thread([k = k_] { start_loop(*k); });
+    finisher_ = std::thread([k = k_] { finish_loop(*k); });
+  }
+  ~remote_endpoint() {
+    {
+      std::lock_guard l(k_->mu);
+      k_->stop = true;
+    }
+    k_->cv.notify_all();
+    // Each drains its queue first; every wait in them has a deadline.
+    settle(starter_);
+    settle(finisher_);
+  }
+  remote_endpoint(const remote_endpoint&) = delete;
+  remote_endpoint& operator=(const remote_endpoint&) = delete;
+
+  client& c() { return k_->c; }
+  std::chrono::nanoseconds timeout() const { return k_->timeout; }
+
   void submit(op o) {
     {
-      std::lock_guard l(mu_);
-      to_start_.push_back(std::move(o));
+      std::lock_guard l(k_->mu);
+      k_->to_start.push_back(std::move(o));
     }
-    cv_.notify_all();
+    k_->cv.notify_all();
   }
 
  private:
-  void start_loop() {
+  struct core {
+    core(const uri& u, client_options o) : timeout(o.timeout), c(u.host, u.port, std::move(o)) {}
+    std::chrono::nanoseconds timeout;
+    client c;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<op> to_start, to_finish;
+    bool stop = false, starter_done = false;
+  };
+
+  static void settle(std::thread& t) {
+    if (t.get_id() == std::this_thread::get_id()) t.detach();  // ends by itself (see above)
+    else t.join();
+  }
+
+  static void start_loop(core& k) {
     for (;;) {
       op o;
       {
-        std::unique_lock l(mu_);
-        cv_.wait(l, [&] { return stop_ || !to_start_.empty(); });
-        if (to_start_.empty()) return;
-        o = std::move(to_start_.front());
-        to_start_.pop_front();
+        std::unique_lock l(k.mu);
+        k.cv.wait(l, [&] { return k.stop || !k.to_start.empty(); });
+        if (k.to_start.empty()) {
+          k.starter_done = true;  // the finisher ends once it has nothing left either
+          l.unlock();
+          k.cv.notify_all();
+          return;
+        }
+        o = std::move(k.to_start.front());
+        k.to_start.pop_front();
       }
       try {
-        o.t = o.write ? c_.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : c_.start_read(o.path, o.offset, o.mem, o.bytes, o.until);
+        o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until);
       } catch (const error& e) {
-        complete_after_error(o, e);
+        complete_after_error(k, o, e);
         continue;
       }
       {
-        std::lock_guard l(mu_);
-        to_finish_.push_back(std::move(o));
+        std::lock_guard l(k.mu);
+        k.to_finish.push_back(std::move(o));
       }
-      cv_.notify_all();
+      k.cv.notify_all();
     }
   }
-  void finish_loop() {
+  static void finish_loop(core& k) {
     for (;;) {
       op o;
       {
-        std::unique_lock l(mu_);
-        cv_.wait(l, [&] { return starter_done_ || !to_finish_.empty(); });
-        if (to_finish_.empty()) return;
-        o = std::move(to_finish_.front());
-        to_finish_.pop_front();
+        std::unique_lock l(k.mu);
+        k.cv.wait(l, [&] { return k.starter_done || !k.to_finish.empty(); });
+        if (k.to_finish.empty()) return;
+        o = std::move(k.to_finish.front());
+        k.to_finish.pop_front();
       }
       try {
-        std::uint64_t n = c_.finish(o.t);
+        std::uint64_t n = k.c.finish(o.t);
         o.done(n, nullptr);
       } catch (const error& e) {
-        complete_after_error(o, e);
+        complete_after_error(k, o, e);
       }
     }
   }
   // A read whose connection was lost (server restarted) is retried once, synchronously, within
   // its deadline. A write is not: its open write went with the connection (the file's commit then
   // fails, and the target stays as it was). Other errors are final.
-  void complete_after_error(op& o, const error& e) {
+  static void complete_after_error(core& k, op& o, const error& e) {
     auto left = o.until - clk::now();
     if (!o.write && e.code() == errc::network_error && left > std::chrono::milliseconds(1)) {
       try {
-        std::uint64_t n = c_.read(o.path, o.offset, o.mem, o.bytes, left);
+        std::uint64_t n = k.c.read(o.path, o.offset, o.mem, o.bytes, left);
         o.done(n, nullptr);
         return;
       } catch (const error& e2) {
@@ -162,12 +182,7 @@ class remote_endpoint {
     o.done(0, &e);
   }
 
-  std::chrono::nanoseconds timeout_;
-  client c_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<op> to_start_, to_finish_;
-  bool stop_ = false, starter_done_ = false;
+  std::shared_ptr<core> k_;
   std::thread starter_, finisher_;
 };
 
@@ -175,7 +190,7 @@ class remote_endpoint {
 // opened on the first write (a copy of the current file for read_write, empty for create), which
 // sync() -- or closing the file -- commits in one step; until then readers see the file as it was.
 // A write that failed makes the next sync() fail (and nothing is committed).
-class remote_file final : public file_source {
+class remote_file final : public file_source, public std::enable_shared_from_this<remote_file> {
  public:
   remote_file(std::shared_ptr<remote_endpoint> ep, std::string path, open_mode mode)
       : ep_(std::move(ep)), path_(std::move(path)), mode_(mode) {
@@ -210,12 +225,15 @@ class remote_file final : public file_source {
   void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, clk::time_point until, completion done) override {
     std::function<client::write_handle()> h;
     if (write) {
-      // Runs on the endpoint's starter thread: file_engine::submit never waits for the network.
-      h = [this] { return handle(); };
-      done = [this, d = std::move(done)](std::uint64_t n, const error* e) {
+      // Runs on the endpoint's starter thread: file_engine::submit never waits for the network. The
+      // write holds its file until it is done (the caller may let go of the file first; the file
+      // commits what was written when it goes).
+      auto self = shared_from_this();
+      h = [self] { return self->handle(); };
+      done = [self, d = std::move(done)](std::uint64_t n, const error* e) {
         if (e) {
-          std::lock_guard l(mu_);
-          if (!failed_) failed_ = *e;
+          std::lock_guard l(self->mu_);
+          if (!self->failed_) self->failed_ = *e;
         }
         d(n, e);
       };

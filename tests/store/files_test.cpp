@@ -11,6 +11,9 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <thread>
+#include <mutex>
+#include <condition_variable>
 #include <unistd.h>
 
 #include <algorithm>
@@ -143,6 +146,48 @@ TEST(RemoteFiles, StreamOrderedReadsOfAFerryFile) {
   EXPECT_NE(gone.results()[0].state, request_state::done);
   users->synchronize(deadline_after(std::chrono::seconds(15)));
   EXPECT_EQ(std::atomic_ref<std::uint32_t>(after).load(), 1u) << "the stream went on past the failed read";
+}
+
+// The caller lets go of the file as soon as it has submitted writes to it (a batch without a
+// handle): the writes hold the file until they are done, and the file commits them when it goes --
+// with the batch's completion as the last holder, on the endpoint's own thread.
+TEST(RemoteFiles, WritesOfAFileTheCallerDroppedStillLandAndCommit) {
+  fixture fx(true);
+  runtime rt(fx.cfg());
+  auto data = random_bytes((2 << 20) + 5, 43);
+  for (int round = 0; round < 3; ++round) {
+    std::mutex m;
+    std::condition_variable cv;
+    bool finished = false;
+    std::vector<request_state> states;
+    {
+      auto f = file::open(fx.uri("d/dropped.bin"), open_mode::create);
+      std::vector<file_request> rs;
+      for (std::uint64_t at = 0; at < data.size(); at += 1 << 20)
+        rs.push_back({f, at, data.data() + at, std::min<std::uint64_t>(1 << 20, data.size() - at), true});
+      rt.files().submit(rs, {}, [&](std::span<const request_result> res) {
+        std::lock_guard l(m);
+        for (auto& x : res) states.push_back(x.state);
+        finished = true;
+        cv.notify_all();
+      });
+    }  // the caller's last reference to the file goes here, the writes may still be under way
+    std::unique_lock l(m);
+    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(30), [&] { return finished; }));
+    for (auto st : states) EXPECT_EQ(st, request_state::done);
+    l.unlock();
+    // Committed when the file went (after its last write): poll, the commit is the file's last act.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    std::vector<unsigned char> back;
+    while (std::chrono::steady_clock::now() < until) {
+      back = std::filesystem::exists(fx.root / "d" / "dropped.bin") ? slurp(fx.root / "d" / "dropped.bin") : std::vector<unsigned char>{};
+      if (back.size() == data.size()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ASSERT_EQ(back.size(), data.size()) << "round " << round;
+    EXPECT_EQ(0, std::memcmp(back.data(), data.data(), data.size())) << "round " << round;
+    std::filesystem::remove(fx.root / "d" / "dropped.bin");
+  }
 }
 
 TEST(RemoteFiles, WritesThroughTheFileEngineLandOnTheServer) {
