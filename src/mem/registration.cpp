@@ -99,8 +99,8 @@ struct registration_cache::impl {
   std::uint64_t bytes_pinned = 0;
   registration_stats st;
   // Ranges unmapped under a memory hook (or while this thread was inside the cache): recorded without
-  // allocating or blocking and applied before the cache's next lookup, so a stale entry is never
-  // served. A hook runs inside the allocator -- free() trimming the heap (sbrk) or returning a large
+  // allocating or blocking, and applied by the cache's own thread soon after and in any case before
+  // its next lookup, so a stale entry is never served. A hook runs inside the allocator -- free() trimming the heap (sbrk) or returning a large
   // chunk (munmap) -- which holds its own lock: anything that allocates there, the driver's
   // cuMemHostUnregister included, deadlocks that thread for good. A few distinct ranges are kept
   // apart (the heap's top and the mmap area lie far apart: one covering interval would drop every
@@ -116,7 +116,8 @@ struct registration_cache::impl {
       }
     }
     void unlock() noexcept { busy.clear(std::memory_order_release); }
-    void add(std::uintptr_t lo, std::uintptr_t hi) noexcept {
+    // Records [lo, hi); true when nothing was recorded before (the first of a burst).
+    bool add(std::uintptr_t lo, std::uintptr_t hi) noexcept {
       lock();
       std::size_t i = 0;
       while (i < n && (lo > r[i].second || hi < r[i].first)) ++i;  // the first it overlaps or touches
@@ -136,8 +137,9 @@ struct registration_cache::impl {
         r[best].first = std::min(r[best].first, lo);
         r[best].second = std::max(r[best].second, hi);
       }
-      any.store(true, std::memory_order_release);
+      const bool was = any.exchange(true, std::memory_order_acq_rel);
       unlock();
+      return !was;
     }
     // Moves the recorded ranges into `out`; how many.
     std::size_t take(std::array<std::pair<std::uintptr_t, std::uintptr_t>, 128>& out) noexcept {
@@ -186,9 +188,9 @@ struct registration_cache::impl {
   // Collects the callbacks of every entry overlapping [b, b+n) and drops the entries.
   // Records a hook's range for the next classify/acquire (no lock, no allocation); ranges merge.
   void defer(std::uintptr_t base, std::uint64_t size) noexcept {
-    const bool first = !pending.any.load(std::memory_order_acquire);  // else the thread is woken already
-    pending.add(base, base + size);
-    if (ap && first) {
+    // The first range since the last take wakes the thread (the others find it woken already).
+    // Decided under the ranges' flag: a take between a look and the add cannot lose the wake-up.
+    if (pending.add(base, base + size) && ap) {
       // A raw system call: fine inside free() (no lock, no allocation, not a cancellation point).
       const std::uint64_t one = 1;
       [[maybe_unused]] auto w = ::syscall(SYS_write, ap->fd, &one, sizeof one);
@@ -615,7 +617,7 @@ void registration_cache::release(registration& r) noexcept {
 void registration_cache::invalidate_soon(std::uintptr_t base, std::uint64_t size) noexcept {
   // Only recorded: a memory hook runs inside the allocator (see pending_ranges), or on a thread that
   // another cache user waits for (a unified-memory remap while an acquire holds the lock and waits
-  // for that page). The cache's next classify, cached or acquire applies it.
+  // for that page). The cache's own thread applies it, or its next classify, cached or acquire.
   impl_->defer(base, size);
 }
 

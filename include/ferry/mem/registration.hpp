@@ -91,8 +91,9 @@ class FERRY_API registration_cache {
 
   // Drops every registration overlapping [base, base+size) (memory unmapped or freed).
   void invalidate(std::uintptr_t base, std::uint64_t size);
-  // The same from memory hooks: never blocks, never allocates -- recorded, and done before the
-  // cache's next classify, cached or acquire (a hook runs inside the allocator, under its lock).
+  // The same from memory hooks: never blocks, never allocates -- recorded, and done soon by the
+  // cache's own thread, in any case before its next classify, cached or acquire (a hook runs inside
+  // the allocator, under its lock).
   void invalidate_soon(std::uintptr_t base, std::uint64_t size) noexcept;
   // Drops all unused registrations.
   void trim();
