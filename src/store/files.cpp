@@ -136,9 +136,11 @@ class remote_endpoint {
       try {
         o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until);
       } catch (const error& e) {
+        o.handle = nullptr;
         complete_after_error(k, o, e);
         continue;
       }
+      o.handle = nullptr;  // used: only the completion holds the file now (see remote_file::start)
       {
         std::lock_guard l(k.mu);
         k.to_finish.push_back(std::move(o));
@@ -230,11 +232,14 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
       // commits what was written when it goes).
       auto self = shared_from_this();
       h = [self] { return self->handle(); };
-      done = [self, d = std::move(done)](std::uint64_t n, const error* e) {
+      done = [self, d = std::move(done)](std::uint64_t n, const error* e) mutable {
         if (e) {
           std::lock_guard l(self->mu_);
           if (!self->failed_) self->failed_ = *e;
         }
+        // Let go of the file before the write is reported done: a caller who already closed it sees
+        // it committed by then (its last holder commits), as when it closes it after the write.
+        self.reset();
         d(n, e);
       };
     }
