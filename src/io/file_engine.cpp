@@ -353,6 +353,7 @@ struct file_engine::impl {
     void on_copied(slot& s, const std::optional<error>& err);
     void abort(running& r, error x);
     void go_direct(slot& s);
+    void plan_io(running& r);
     void end(running& r);
   };
 
@@ -573,12 +574,7 @@ void file_engine::impl::worker::start(job j) {
       if (mid_lo < mid_hi) r.add_part(mid_lo, mid_hi, direct);
       if (mid_hi < r.hi) r.add_part(std::max(mid_hi, r.lo), r.hi, false);
     }
-    bool staged = r.j.dev != nullptr;
-    for (std::size_t k = 0; k < r.parts; ++k) staged = staged || r.part_of[k].direct;
-    r.pool = staged ? &e.xfer.staging_for(r.j.where) : nullptr;
-    std::uint64_t most = r.pool ? std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes()) : e.cfg.io_chunk;
-    r.chunk = std::max<std::uint64_t>(4096, align_down(most, 4096));
-    r.one_io = r.parts == 1 && r.part_of[0].end - r.part_of[0].pos <= r.chunk;
+    plan_io(r);
   });
   if (x) return done(r.j, 0, &*x);
   if (!r.parts) return done(r.j, 0, nullptr);
@@ -589,6 +585,17 @@ void file_engine::impl::worker::start(job j) {
     runs.splice(runs.end(), spare, spare.begin());
     runs.back() = std::move(r);
   }
+}
+
+// Its parts planned: the staging pool it needs (device memory or an O_DIRECT part), the bytes per
+// I/O, and whether it is one I/O.
+void file_engine::impl::worker::plan_io(running& r) {
+  bool staged = r.j.dev != nullptr;
+  for (std::size_t k = 0; k < r.parts; ++k) staged = staged || r.part_of[k].direct;
+  r.pool = staged ? &e.xfer.staging_for(r.j.where) : nullptr;
+  std::uint64_t most = r.pool ? std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes()) : e.cfg.io_chunk;
+  r.chunk = std::max<std::uint64_t>(4096, align_down(most, 4096));
+  r.one_io = r.parts == 1 && r.part_of[0].end - r.part_of[0].pos <= r.chunk;
 }
 
 // Issues the next I/O of `r` into a free slot; false when it has none to issue or no slot is free.
@@ -701,9 +708,7 @@ void file_engine::impl::worker::go_direct(slot& s) {
   r.parts = 0;
   r.next = 0;
   r.add_part(align_down(r.lo, a), align_up(r.hi, a), true);
-  r.pool = &e.xfer.staging_for(r.j.where);
-  r.chunk = std::max<std::uint64_t>(4096, align_down(std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes()), 4096));
-  r.one_io = r.part_of[0].end - r.part_of[0].pos <= r.chunk;
+  plan_io(r);
   ++t.missed_cache;
   ++t.direct;
   release(s);
@@ -888,9 +893,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       }
       cuts.push_back(end);
       b->segs_left[i] = static_cast<int>(cuts.size() - 1);
-      I.st.get("requests.pieces").add(cuts.size() - 1);
-      if (sized != r.f.get()) sized = r.f.get(), size = r.f->size();
-      j.size = size;
+      I.st.get("requests.pieces").add(cuts.size() - 1);  // a read: its size was taken above
       for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
         job p = j;
         p.r.offset = cuts[k];
