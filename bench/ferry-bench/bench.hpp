@@ -3,9 +3,15 @@
 // project's pass/fail targets. Each returns the process exit code.
 #include <ferry/runtime.hpp>
 
+#include <chrono>
 #include <string>
 
 namespace ferry::cli {
+
+// Seconds since t0 (steady clock), what every benchmark times with.
+inline double secs_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 struct bench_options {
   std::string device;  // default: the default device

@@ -42,8 +42,6 @@ namespace {
 
 using json = nlohmann::ordered_json;
 using clk = std::chrono::steady_clock;
-double secs_since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
-
 struct graph {
   std::uint64_t vertices = 0, edges = 0, cols_at = 0, bytes = 0;
   std::vector<std::uint64_t> offs;

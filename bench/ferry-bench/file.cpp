@@ -42,8 +42,6 @@ namespace {
 using json = nlohmann::ordered_json;
 using clk = std::chrono::steady_clock;
 
-double secs_since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
-
 struct aligned_buf {
   void* p = nullptr;
   std::size_t n = 0;

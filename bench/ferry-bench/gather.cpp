@@ -56,8 +56,6 @@ struct words {
   unsigned w[W];
 };
 
-double secs_since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
-
 // Element indices: uniform, or Zipf-like by the continuous inverse CDF (rank r has weight ~ 1/r^s),
 // the ranks scattered over the dataset by an odd multiplier (a bijection for a power-of-two count).
 std::vector<std::uint64_t> make_indices(std::uint64_t n, std::uint64_t elements, bool zipf) {

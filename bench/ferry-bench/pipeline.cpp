@@ -37,8 +37,6 @@ using json = nlohmann::ordered_json;
 using clk = std::chrono::steady_clock;
 constexpr unsigned seed = 0x5eed;
 
-double secs_since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
-
 // The user's side (bench_user: their primary context, the kernels, a stream) with their kernel, a
 // second stream of theirs and a few chunk buffers they reuse round-robin. The kernel fills the GPU
 // (every SM at full occupancy), as a real one would: kernels of two streams then take turns instead
