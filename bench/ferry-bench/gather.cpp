@@ -167,7 +167,6 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
   {
     auto so = vm::space_options::from(rt.config());
     so.device_capacity = cache_bytes;
-    so.cache = &rt.registrations();  // transfers of its pages hold them in place (none here: the kernel reads by pointer)
     space.emplace(dev, bytes, so);
     user_stream = dev.wrap_stream(native_stream{reinterpret_cast<std::uintptr_t>(u.s)});
     space->attach_stream(*user_stream);

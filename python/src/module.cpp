@@ -271,7 +271,6 @@ struct unified_heap {
   static vm::space_options options(runtime& rt, std::uint64_t capacity) {
     auto o = vm::space_options::from(rt.config());
     if (capacity) o.device_capacity = capacity;
-    o.cache = &rt.registrations();
     return o;
   }
   unified_heap(const settings& s, const std::string& d, std::uint64_t capacity)

@@ -73,6 +73,11 @@ std::shared_mutex g_caches_mu;
 // takes it shared) can never fire on a thread that holds it.
 constexpr std::size_t max_caches = 64;
 registration_cache* g_caches[max_caches] = {};
+// Clients every cache asks first (memory the whole process knows, e.g. unified memory spaces).
+// Taken before g_caches_mu and a cache's own lock; held by a cache's constructor and destructor, so
+// the caches listed stay alive while a client is added to or removed from them.
+std::mutex g_process_mu;
+std::vector<peer_memory_client*> g_process_clients;
 thread_local int t_inside_cache = 0;  // >0 while this thread holds a cache lock
 
 struct inside_guard {
@@ -320,6 +325,8 @@ void registration::on_invalidate(std::function<void()> cb) {
 
 registration_cache::registration_cache(std::vector<peer_memory_client*> clients, std::uint64_t pin_limit)
     : pin_limit_(pin_limit), impl_(std::make_unique<impl>()) {
+  std::lock_guard pl(g_process_mu);
+  impl_->clients = g_process_clients;
   for (auto* c : clients)
     if (c) impl_->clients.push_back(c);
   install_hooks_once();
@@ -366,6 +373,7 @@ registration_cache::registration_cache(std::vector<peer_memory_client*> clients,
 
 registration_cache::~registration_cache() {
   {
+    std::lock_guard pl(g_process_mu);
     std::lock_guard l(g_caches_mu);
     for (auto& slot : g_caches)
       if (slot == this) slot = nullptr;
@@ -653,6 +661,41 @@ void registration_cache::remove_client(peer_memory_client* c) {
       if (e->region.client == c) ranges.emplace_back(e->base, e->size);
   }
   for (auto [b, n] : ranges) invalidate(b, n);
+}
+
+namespace {
+// The live caches, copied without allocating (g_caches_mu is the hooks' lock). Call with
+// g_process_mu held: none of them can be destroyed meanwhile.
+std::size_t live_caches(std::array<registration_cache*, max_caches>& out) {
+  std::shared_lock l(g_caches_mu);
+  std::size_t k = 0;
+  for (registration_cache* c : g_caches)
+    if (c) out[k++] = c;
+  return k;
+}
+}  // namespace
+
+void add_process_client(peer_memory_client* c) {
+  expects(c != nullptr, "mem.cache", "process client", "a null client");
+  std::lock_guard pl(g_process_mu);
+  g_process_clients.insert(g_process_clients.begin(), c);
+  std::array<registration_cache*, max_caches> caches;
+  const std::size_t k = live_caches(caches);
+  for (std::size_t i = 0; i < k; ++i) caches[i]->add_client(c, true);
+}
+
+void remove_process_client(peer_memory_client* c) noexcept {
+  std::lock_guard pl(g_process_mu);
+  std::erase(g_process_clients, c);
+  std::array<registration_cache*, max_caches> caches;
+  const std::size_t k = live_caches(caches);
+  for (std::size_t i = 0; i < k; ++i) {
+    try {
+      caches[i]->remove_client(c);
+    } catch (const std::exception& e) {
+      log::error("mem", "withdrawing the {} memory client from a registration cache: {}", c->name(), e.what());
+    }
+  }
 }
 
 registration_stats registration_cache::stats() const {

@@ -328,10 +328,8 @@ struct address_space::impl final : page_mover, launch_observer {
     g_spaces[slot].base.store(shared.address(), std::memory_order_release);
     g_spaces[slot].size.store(shared.size(), std::memory_order_release);
     g_spaces[slot].fd.store(pipe_wr, std::memory_order_release);
-    if (o.cache) {
-      client = std::make_unique<unified_client>(*this);
-      o.cache->add_client(client.get(), true);
-    }
+    client = std::make_unique<unified_client>(*this);
+    add_process_client(client.get());
     if (o.return_at_launch || o.return_quiet.count() > 0) {
       std::string why;
       bool all = true;
@@ -345,7 +343,7 @@ struct address_space::impl final : page_mover, launch_observer {
   }
   ~impl() override {
     for (auto* d : devs) d->unwatch_launches(*this);  // waits for launches under way
-    if (client) o.cache->remove_client(client.get());  // holders are told; nothing calls it afterwards
+    remove_process_client(client.get());  // holders are told; nothing calls it afterwards
     g_spaces[slot].fd.store(-2);
     g_spaces[slot].base.store(0);
     g_spaces[slot].size.store(0);

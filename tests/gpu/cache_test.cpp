@@ -170,7 +170,6 @@ TEST(GpuCache, UnifiedMemoryIsASourceReadAndWrittenBack) {
   device& dev = rt.devices().get("sim:0");
   const std::uint64_t n = (1 << 20) / 4;
   auto so = vm::space_options::from(rt.config());
-  so.cache = &rt.registrations();
   vm::address_space as(dev, 4 << 20, so);
   auto* p = static_cast<std::uint32_t*>(as.alloc(n * 4));
   auto before = [](std::uint64_t i) { return static_cast<std::uint32_t>(i * 0x9E3779B1u + 3); };

@@ -379,7 +379,6 @@ TEST(GpuCache, AKernelGathersUnifiedMemoryThroughTheCache) {
   device& dev = rt.devices().get("cuda:0");
   data_file d(16ull << 20, 32);
   auto so = vm::space_options::from(rt.config());
-  so.cache = &rt.registrations();
   vm::address_space as(dev, 32ull << 20, so);
   void* p = as.alloc(d.bytes.size());
   std::memcpy(p, d.bytes.data(), d.bytes.size());

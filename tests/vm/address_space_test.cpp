@@ -14,6 +14,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <sys/wait.h>
@@ -601,7 +602,6 @@ TEST(VmSpace, FileReadsIntoUnifiedMemoryWhilePagesMove) {
   runtime rt(sim_cfg());
   device& dev = rt.devices().get("sim:0");
   vm::space_options o = placed();
-  o.cache = &rt.registrations();
   o.device_capacity = 4 * (64 << 10);
   vm::address_space as(dev, 16 * (64 << 10), o);
   const std::size_t pg = as.page_bytes(), n = 8 * pg;
@@ -630,4 +630,56 @@ TEST(VmSpace, FileReadsIntoUnifiedMemoryWhilePagesMove) {
   EXPECT_EQ(mover.errors(), 0);
   for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(as.pages().snapshot(i).pins, 0u) << "page " << i << " unpinned after the reads";
   EXPECT_GT(as.stats().migrations_h2d, 0u);
+}
+
+// A space made with default options is known to every registration cache of the process -- the
+// runtime's, and one made after the space -- so ferry's transfers hold the pages they copy. Eight
+// threads copy random 4 KiB pages of CPU-written unified memory concurrently; every word is checked
+// (a space the caches did not know was copied as plain device memory: zeros, or "not mapped").
+TEST(VmSpace, EveryRegistrationCacheKnowsASpaceAndItsCopiesAreRight) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as(dev, 4 << 20, vm::space_options::from(rt.config()));
+  const std::uint64_t words = (1 << 20) / 4, pages = words * 4 / 4096;
+  auto* p = static_cast<std::uint32_t*>(as.alloc(words * 4));
+  auto value = [](std::uint64_t i) { return static_cast<std::uint32_t>(i * 0x9E3779B1u + 3); };
+  for (std::uint64_t i = 0; i < words; ++i) p[i] = value(i);
+  EXPECT_EQ(rt.registrations().classify(p + 7, 64).type, memory_type::unified);
+  {
+    runtime later(sim_cfg());
+    EXPECT_EQ(later.registrations().classify(p + 7, 64).type, memory_type::unified);
+  }
+  constexpr int threads = 8, rounds = 400, per_round = 8;
+  std::vector<std::uint32_t> dst(threads * per_round * 1024);
+  std::atomic<int> wrong{0}, failed{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t)
+    ts.emplace_back([&, t] {
+      std::uint64_t x = 0x9E3779B97F4A7C15ull * (t + 1);
+      for (int round = 0; round < rounds; ++round) {
+        std::vector<transfer_request> q;
+        std::vector<std::uint64_t> pg;
+        for (int k = 0; k < per_round; ++k) {
+          x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+          pg.push_back(x % pages);
+          q.push_back({dst.data() + (t * per_round + k) * 1024, p + pg.back() * 1024, 4096});
+        }
+        std::atomic<int> left{per_round};
+        for (auto& one : q)
+          rt.engine().submit({&one, 1}, {}, [&](std::span<const request_result> r) {
+            if (r[0].state != request_state::done) failed++;
+            left--;
+          });
+        while (left.load()) std::this_thread::yield();
+        for (int k = 0; k < per_round; ++k)
+          for (int w = 0; w < 1024; ++w)
+            if (dst[(t * per_round + k) * 1024 + w] != value(pg[k] * 1024 + w)) {
+              wrong++;
+              break;
+            }
+      }
+    });
+  for (auto& th : ts) th.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong.load(), 0) << "pages copied wrong of " << threads * rounds * per_round;
 }

@@ -321,7 +321,6 @@ TEST(GpuVm, FileReadsIntoUnifiedMemoryWhilePagesMigrate) {
   runtime rt(g_settings);
   device& dev = rt.devices().get("cuda:0");
   vm::space_options o;
-  o.cache = &rt.registrations();
   o.device_capacity = 8 * dev.granularity();
   vm::address_space as(dev, 32 * dev.granularity(), o);
   const std::size_t pg = as.page_bytes(), n = 16 * pg;

@@ -63,8 +63,7 @@ class FERRY_API cache {
   array_desc map_bytes(std::shared_ptr<file> f, std::uint64_t offset, std::uint64_t bytes);
   // `count` elements of memory ferry knows -- ferry unified memory, host or device memory -- as an
   // array: misses copy its pages in, write-backs (`writable`) copy them back, both by the transfer
-  // engine. Unified memory needs its space made with space_options::cache = &rt.registrations(), so
-  // that each copy holds its pages in place (as every transfer of unified memory does). The memory
+  // engine; each copy of unified memory holds its pages in place (as every transfer of it does). The memory
   // must outlive the cache; what kernels wrote reaches it by write-back or flush().
   template <typename T>
   array<T> map_memory(T* p, std::uint64_t count, bool writable = false) {

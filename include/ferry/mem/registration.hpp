@@ -110,6 +110,13 @@ class FERRY_API registration_cache {
   std::unique_ptr<impl> impl_;
 };
 
+// Memory the whole process knows (a unified memory space): every registration cache, those alive
+// now and those made later, asks `c` before its own clients, until it is withdrawn. Withdrawing
+// invalidates what each cache registered through it (holders are told, on this thread); nothing
+// calls `c` afterwards. Invalidation callbacks must not make or destroy a registration cache.
+FERRY_API void add_process_client(peer_memory_client* c);
+FERRY_API void remove_process_client(peer_memory_client* c) noexcept;
+
 // Peer-memory client for host memory: pins with cuMemHostRegister when a CUDA driver is present,
 // else mlock (so the cache's behaviour is the same on CPU-only machines).
 FERRY_API std::unique_ptr<peer_memory_client> make_host_client(const std::string& cuda_driver);

@@ -30,10 +30,11 @@
 // several) and the others read it over NVLink / PCIe peer-to-peer; PREFETCH names the device. The
 // first device reserves the ranges and makes every chunk (device::allocate on a peer); each device's
 // own copy engines move pages to it. Streams that work on the space must be attached
-// (attach_stream): migrations wait for them. With space_options::cache the space is a peer-memory
-// client of that registration cache: memory type `unified`, pages pinned in place (and made
-// exclusive) only while a transfer holds the registration; the space's memory is invalidated in the
-// cache when the space goes. Faults from inside a page_table callback on the same page deadlock.
+// (attach_stream): migrations wait for them. The space is a peer-memory client of every
+// registration cache of the process (add_process_client): memory type `unified`, pages pinned in
+// place (and made exclusive) only while a transfer holds the registration, so file, remote and
+// engine transfers into its pointers see the pages as they are; the space's memory is invalidated in
+// the caches when the space goes. Faults from inside a page_table callback on the same page deadlock.
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
@@ -73,9 +74,6 @@ struct FERRY_API space_options {
   std::chrono::nanoseconds return_hold = std::chrono::seconds(1);
   // FERRY_VM_* and FERRY_DEADLINE (docs/settings.md).
   static space_options from(const settings& s);
-  // When set, the space becomes a peer-memory client of this cache (until it is destroyed): file,
-  // remote and engine transfers into its pointers pin the pages they use, only while they use them.
-  registration_cache* cache = nullptr;
 };
 
 // Where a space's migrations spend their time (the CUDA VMM calls are the expensive part), in ns.

@@ -49,13 +49,8 @@ struct heap {
     std::uint64_t g = d.granularity();
     return (d.memory().total + host + g - 1) / g * g;
   }
-  static vm::space_options options_for(runtime& r) {
-    auto o = vm::space_options::from(r.config());
-    o.cache = &r.registrations();  // ferry's own transfers into the memory pin what they use
-    return o;
-  }
   explicit heap(int ordinal)
-      : rt(settings::from_env()), dev(rt.devices().get(device_kind::cuda, ordinal)), space(dev, size_for(dev), options_for(rt)) {
+      : rt(settings::from_env()), dev(rt.devices().get(device_kind::cuda, ordinal)), space(dev, size_for(dev), vm::space_options::from(rt.config())) {
     attach(nullptr);  // the legacy default stream
   }
   bool owns(const void* p) const {
