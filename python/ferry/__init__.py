@@ -246,9 +246,10 @@ def copy(dst: Any, src: Any, *, timeout: float | None = None) -> None:
 
 
 def empty(nbytes: int, device: str = "pinned"):
-    """``nbytes`` of memory ferry makes, freed with the object: ``"pinned"`` host memory (page-locked; copies to and
-    from GPUs go straight from it) or device memory ferry maps (``"cuda:0"``, ``"sim:0"``). Pinned and CUDA memory
-    become tensors without a copy: ``ferry.as_tensor(buf)``."""
+    """``nbytes`` of memory ferry makes, freed when the object and every tensor made over it are gone: ``"pinned"``
+    host memory (page-locked; copies to and from GPUs go straight from it) or device memory ferry maps (``"cuda:0"``,
+    ``"sim:0"``). Pinned and CUDA memory are exported with DLPack (``__dlpack__``) and the array interfaces:
+    ``torch.from_dlpack(buf)``, ``numpy.from_dlpack(buf)`` or ``ferry.as_tensor(buf)`` make arrays without a copy."""
     if device in ("pinned", "cpu"):
         return runtime().alloc_pinned(nbytes)
     return runtime().alloc(device, nbytes)
@@ -256,17 +257,11 @@ def empty(nbytes: int, device: str = "pinned"):
 
 def as_tensor(buf, dtype=None, shape=None):
     """A torch tensor over ferry's pinned or CUDA memory (no copy; it keeps ``buf`` alive): bytes, or ``dtype``
-    elements in ``shape``."""
+    elements in ``shape``. The same as ``torch.from_dlpack(buf)``: ferry's buffers export DLPack, so numpy, CuPy
+    and JAX take them without a copy too."""
     import torch
 
-    if hasattr(buf, "__array_interface__"):
-        import numpy as np
-
-        t = torch.from_numpy(np.asarray(buf))
-    elif getattr(buf, "device", "").startswith("cuda"):
-        t = torch.as_tensor(buf, device=buf.device)
-    else:
-        raise TypeError(f"as_tensor: {getattr(buf, 'device', type(buf).__name__)} memory cannot be a torch tensor")
+    t = torch.from_dlpack(buf)
     if dtype is not None:
         t = t.view(dtype)
     return t.reshape(shape) if shape is not None else t

@@ -8,6 +8,7 @@
 #include <ferry/store/files.hpp>
 #include <ferry/vm/address_space.hpp>
 
+#include <dlpack/dlpack.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -119,7 +120,77 @@ struct py_device_buffer {
   std::uintptr_t ptr() const { return reinterpret_cast<std::uintptr_t>(m.data()); }
   std::uint64_t nbytes() const { return m.size(); }
   std::string device() const { return m.owner() ? m.owner()->id() : ""; }
+  bool cuda() const { return m.owner() && m.owner()->info().backend == device_kind::cuda; }
 };
+
+// DLPack export (https://dmlc.github.io/dlpack, the array API's __dlpack__ protocol) of memory an
+// object owns, as bytes: the capsule's tensor holds a reference to the object, so the memory lives
+// as long as whichever consumer (torch.from_dlpack, numpy.from_dlpack, CuPy) keeps the tensor. The
+// unversioned capsule ("dltensor") is what every consumer accepts; no stream work is pending on
+// ferry's buffers (their fills are synchronous or waited for), so the consumer's stream needs no wait.
+struct dlpack_export {
+  DLManagedTensor t{};
+  std::int64_t shape[1] = {0};
+  PyObject* owner = nullptr;
+};
+
+void dlpack_delete(DLManagedTensor* t) {
+  auto* e = static_cast<dlpack_export*>(t->manager_ctx);
+  if (Py_IsInitialized()) {  // a consumer may let go from any thread, with or without the GIL
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_XDECREF(e->owner);
+    PyGILState_Release(g);
+  }
+  delete e;
+}
+
+DLDevice dlpack_device_of(py::handle self) {
+  if (py::isinstance<py_device_buffer>(self)) {
+    auto& b = self.cast<py_device_buffer&>();
+    if (!b.cuda()) throw py::buffer_error(b.device() + " memory is not addressable by the CPU or CUDA: it cannot be exported");
+    return {kDLCUDA, b.m.owner()->info().ordinal};
+  }
+  return {kDLCPU, 0};  // pinned host memory: CPU memory to every consumer (numpy takes only kDLCPU)
+}
+
+py::object to_dlpack(py::handle self, std::uintptr_t ptr, std::uint64_t n, const py::object& stream, const py::object& max_version,
+                     const py::object& dl_device, const py::object& copy) {
+  (void)stream;
+  (void)max_version;  // a consumer asking for a versioned capsule accepts the unversioned one too
+  const DLDevice dev = dlpack_device_of(self);
+  if (!copy.is_none() && copy.cast<bool>())
+    throw py::buffer_error("ferry memory is exported without a copy (copy=True asks for one)");
+  if (!dl_device.is_none()) {
+    auto want = dl_device.cast<std::pair<int, int>>();
+    if (want.first != dev.device_type || want.second != dev.device_id)
+      throw py::buffer_error("ferry memory is on DLPack device (" + std::to_string(static_cast<int>(dev.device_type)) + ", " +
+                             std::to_string(dev.device_id) + "), not (" + std::to_string(want.first) + ", " + std::to_string(want.second) + ")");
+  }
+  auto* e = new dlpack_export;
+  e->shape[0] = static_cast<std::int64_t>(n);
+  e->t.dl_tensor.data = as_ptr(ptr);
+  e->t.dl_tensor.device = dev;
+  e->t.dl_tensor.ndim = 1;
+  e->t.dl_tensor.dtype = {kDLUInt, 8, 1};
+  e->t.dl_tensor.shape = e->shape;
+  e->t.dl_tensor.strides = nullptr;
+  e->t.dl_tensor.byte_offset = 0;
+  e->t.manager_ctx = e;
+  e->t.deleter = dlpack_delete;
+  e->owner = self.inc_ref().ptr();
+  // A capsule never consumed (still named "dltensor") lets go of the tensor itself; a consumer
+  // renames it ("used_dltensor") and calls the deleter when done.
+  PyObject* cap = PyCapsule_New(&e->t, "dltensor", [](PyObject* c) {
+    if (!PyCapsule_IsValid(c, "dltensor")) return;
+    auto* t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
+    t->deleter(t);
+  });
+  if (!cap) {
+    dlpack_delete(&e->t);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(cap);
+}
 
 // Host memory ferry pins (page-locked, registered with CUDA when there is a driver): copies to and
 // from GPUs go straight from it. Freed with the object.
@@ -337,8 +408,17 @@ PYBIND11_MODULE(_ferry, m) {
       .def_property_readonly("ptr", &py_device_buffer::ptr)
       .def_property_readonly("nbytes", &py_device_buffer::nbytes)
       .def_property_readonly("device", &py_device_buffer::device)
+      .def("__dlpack__", [](py::object self, py::object stream, py::object max_version, py::object dl_device, py::object copy) {
+        auto& b = self.cast<py_device_buffer&>();
+        return to_dlpack(self, b.ptr(), b.nbytes(), stream, max_version, dl_device, copy);
+      }, py::kw_only(), py::arg("stream") = py::none(), py::arg("max_version") = py::none(), py::arg("dl_device") = py::none(),
+         py::arg("copy") = py::none())
+      .def("__dlpack_device__", [](py::object self) {
+        DLDevice d = dlpack_device_of(self);
+        return py::make_tuple(static_cast<int>(d.device_type), d.device_id);
+      })
       .def_property_readonly("__cuda_array_interface__", [](py_device_buffer& b) {
-        if (!b.device().starts_with("cuda"))
+        if (!b.cuda())
           throw py::attribute_error(b.device() + " memory is not CUDA memory: it has no __cuda_array_interface__");
         py::dict d;
         d["shape"] = py::make_tuple(b.nbytes());
@@ -352,6 +432,12 @@ PYBIND11_MODULE(_ferry, m) {
       .def_property_readonly("ptr", &py_host_buffer::ptr)
       .def_property_readonly("nbytes", [](py_host_buffer& b) { return b.n; })
       .def_property_readonly("device", [](py_host_buffer&) { return std::string("cpu"); })
+      .def("__dlpack__", [](py::object self, py::object stream, py::object max_version, py::object dl_device, py::object copy) {
+        auto& b = self.cast<py_host_buffer&>();
+        return to_dlpack(self, b.ptr(), b.n, stream, max_version, dl_device, copy);
+      }, py::kw_only(), py::arg("stream") = py::none(), py::arg("max_version") = py::none(), py::arg("dl_device") = py::none(),
+         py::arg("copy") = py::none())
+      .def("__dlpack_device__", [](py::object) { return py::make_tuple(static_cast<int>(kDLCPU), 0); })
       .def_property_readonly("__array_interface__", [](py_host_buffer& b) {
         py::dict d;
         d["shape"] = py::make_tuple(b.n);

@@ -1,5 +1,6 @@
 """The Python package as a user calls it: numpy arrays, torch tensors (CPU here; CUDA where a GPU is),
 files changing underneath, ferry:// served by a `ferry serve` process, and bad input."""
+import gc
 import json
 import os
 import re
@@ -78,8 +79,44 @@ def test_pinned_memory_is_a_tensor_without_a_copy(tmp_path):
     np.testing.assert_array_equal(t.numpy(), want)
     floats = ferry.as_tensor(buf, torch.float32, (-1, 1024))
     assert floats.shape == (768, 1024) and floats.data_ptr() == buf.ptr
-    with pytest.raises(TypeError, match="sim:0"):
+    with pytest.raises(BufferError, match="sim:0"):
         ferry.as_tensor(ferry.empty(4096, "sim:0"))
+
+
+def test_ferry_memory_is_exported_with_dlpack(tmp_path):
+    p = str(tmp_path / "dlpack.bin")
+    want = random_file(p, 1 << 20)
+    buf = ferry.empty(want.size)
+    with ferry.open(p) as f:
+        assert f.read_into(buf) == want.size
+    assert buf.__dlpack_device__() == (1, 0)  # kDLCPU: pinned host memory is CPU memory to every consumer
+    refs = sys.getrefcount(buf)
+    t = torch.from_dlpack(buf)
+    a = np.from_dlpack(buf)
+    assert t.data_ptr() == buf.ptr and a.ctypes.data == buf.ptr and t.numel() == a.size == want.size
+    assert sys.getrefcount(buf) == refs + 2, "each array holds the buffer"
+    np.testing.assert_array_equal(a, want)
+    t[7] = (int(want[7]) + 1) % 256
+    assert a[7] == t[7], "one memory, no copies"
+    del a
+    gc.collect()
+    assert sys.getrefcount(buf) == refs + 1
+    # The tensor alone keeps the memory: with the buffer object gone, it still reads the file's bytes.
+    del buf
+    gc.collect()
+    np.testing.assert_array_equal(t[8:].numpy(), want[8:])
+    # A capsule nobody consumed lets go of the buffer when it is dropped.
+    other = ferry.empty(4096)
+    refs = sys.getrefcount(other)
+    capsule = other.__dlpack__()
+    assert sys.getrefcount(other) == refs + 1
+    del capsule
+    gc.collect()
+    assert sys.getrefcount(other) == refs
+    with pytest.raises(BufferError, match="copy=True"):
+        other.__dlpack__(copy=True)
+    with pytest.raises(BufferError, match=r"not \(2, 0\)"):
+        other.__dlpack__(dl_device=(2, 0))
 
 
 class OnlyDLPack:
@@ -324,6 +361,12 @@ def test_ferry_cuda_memory_is_a_tensor_without_a_copy(tmp_path):
     t = ferry.as_tensor(buf)
     assert t.device.type == "cuda" and t.data_ptr() == buf.ptr
     np.testing.assert_array_equal(t.cpu().numpy(), want)
+    assert buf.__dlpack_device__() == (2, 0)  # kDLCUDA, device 0
+    u = torch.from_dlpack(buf)
+    assert u.device == torch.device("cuda:0") and u.data_ptr() == buf.ptr
+    del buf, t
+    gc.collect()
+    np.testing.assert_array_equal(u.cpu().numpy(), want)  # the tensor keeps ferry's memory
 
 
 @cuda
