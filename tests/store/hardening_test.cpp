@@ -1,11 +1,15 @@
 // The storage service against what its operator meets: special files in the root, files that change
 // underneath, connections that never speak, clients that guess secrets or go quiet. Each test fails
 // on a server without the defence it names.
+#include <ferry/device/mapped_memory.hpp>
+#include <ferry/io/file.hpp>
+#include <ferry/runtime.hpp>
 #include <ferry/store/service.hpp>
 
 #include "net/ucx.hpp"
 #include "store/auth.hpp"
 #include "support/errors.hpp"
+#include "support/sim.hpp"
 #include "support/served_process.hpp"
 #include "support/server_io.hpp"
 
@@ -425,5 +429,48 @@ TEST(StoreHardening, AConnectThatTimesOutLeavesNothingBehind) {
   EXPECT_TRUE(c != nullptr);
   c.reset();
   s.kill();
+  std::filesystem::remove_all(root);
+}
+
+// The CPU twin of the GPU test GpuStreams.AServerKilledUnderAStreamOrderedReadReleasesTheStream: a
+// stream-ordered read of a ferry:// file waits behind the user's work on a (sim) stream while the
+// `ferry serve` process is killed; the read must fail naming the server and release the stream in
+// seconds -- not at its deadline. Several rounds: the slow case came now and then.
+TEST(StoreHardening, AServerKilledUnderAStreamOrderedReadIsNoticedInSeconds) {
+  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-killed-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(root);
+  const std::uint64_t n = 64ull << 20;
+  {
+    std::vector<std::byte> data(n, std::byte{5});
+    std::ofstream(root / "data.bin", std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(n));
+  }
+  runtime rt(test::sim_settings(256ull << 20));
+  device& d = rt.devices().get("sim:0");
+  mapped_memory dst = allocate_mapped(d, n);
+  for (int round = 0; round < 8; ++round) {
+    test::served_process srv(FERRY_TEST_CLI, root);
+    auto f = file::open("ferry://127.0.0.1:" + std::to_string(srv.port) + "/data.bin", open_mode::read);
+    auto users = d.create_stream();
+    alignas(4) std::uint32_t hold = 0, after = 0;
+    users->wait_value(&hold, 1);  // the user's work before the read
+    transfer_options o;
+    o.until = deadline_after(std::chrono::seconds(20));
+    transfer_batch t = rt.files().read_async(f, 0, dst.data(), n, *users, o);
+    users->write_value(&after, 1);  // the user's next step
+    srv.kill();
+    auto start = clk::now();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100 * (round % 4)));  // the user's work runs on a while
+    std::atomic_ref<std::uint32_t>(hold).store(1);
+    EXPECT_FALSE(t.wait());
+    auto r = t.results()[0];
+    EXPECT_EQ(r.state, request_state::failed) << "round " << round << ": noticed, not waited out to the deadline";
+    ASSERT_TRUE(r.err);
+    EXPECT_THAT(r.err->what(), HasSubstr("127.0.0.1:" + std::to_string(srv.port)));
+    users->synchronize(deadline_after(std::chrono::seconds(25)));
+    auto took = clk::now() - start;
+    EXPECT_EQ(std::atomic_ref<std::uint32_t>(after).load(), 1u) << "round " << round << ": the stream went on";
+    EXPECT_LT(took, std::chrono::seconds(10)) << "round " << round << ": " << r.err->what();
+    std::printf("round %d: failed and released after %.0f ms\n", round, std::chrono::duration<double, std::milli>(took).count());
+  }
   std::filesystem::remove_all(root);
 }
