@@ -155,20 +155,31 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
     // waking the other lanes' progress threads (spread over four lanes, 4 KiB reads at queue
     // depth 4 took longer than one at a time). Large pieces spread for bandwidth.
     lane* home = p->len <= (64u << 10) && lanes.size() > 1 ? lanes[home_lane()].get() : nullptr;
+    // Credit comes back with the answers of a lane that is up. With every lane down none will come,
+    // and only a request reconnects (ensure_connected): the request fails at once with what the
+    // connection died of, and the caller's retry reconnects -- waiting for credit here held it (and
+    // a stream-ordered read behind it) until the deadline.
+    bool any_up = false;
+    std::string lost;
     auto pick = [&]() -> lane* {
+      any_up = false;
       if (home && home->c && home->c->alive() && home->inflight < home->credits) return home;
       lane* best = nullptr;
       for (auto& x : lanes) {
         if (!x->c || !x->c->alive()) {
           lane_events.fetch_add(1, std::memory_order_acq_rel);  // the next request reconnects it
+          if (x->c && lost.empty()) lost = x->c->failure();
           continue;
         }
+        any_up = true;
         if (x->inflight < x->credits && (!best || x->inflight < best->inflight)) best = x.get();
       }
       return best;
     };
-    if (!cv.wait_until(l, until, [&] { return (ln = pick()) != nullptr; }))
-      fail(errc::timeout, "store.request", peer, "no credit from the server before the deadline (all lanes busy or down)");
+    if (!cv.wait_until(l, until, [&] { return (ln = pick()) != nullptr || !any_up; }))
+      fail(errc::timeout, "store.request", peer, "no credit from the server before the deadline (all lanes busy)");
+    if (!ln)
+      fail(errc::network_error, "store.request", peer, "connection lost" + (lost.empty() ? std::string(" (every lane is down)") : ": " + lost));
     ln->inflight++;
     p->credit = true;
   }
