@@ -134,9 +134,19 @@ struct dlpack_export {
   PyObject* owner = nullptr;
 };
 
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 void dlpack_delete(DLManagedTensor* t) {
   auto* e = static_cast<dlpack_export*>(t->manager_ctx);
-  if (Py_IsInitialized()) {  // a consumer may let go from any thread, with or without the GIL
+  // A consumer may let go from any thread, with or without the GIL. While Python shuts down a
+  // thread must not take the GIL (it would be stopped there): the buffer is left to the process's end.
+  if (Py_IsInitialized() && !python_finalizing()) {
     PyGILState_STATE g = PyGILState_Ensure();
     Py_XDECREF(e->owner);
     PyGILState_Release(g);
@@ -150,7 +160,7 @@ DLDevice dlpack_device_of(py::handle self) {
     if (!b.cuda()) throw py::buffer_error(b.device() + " memory is not addressable by the CPU or CUDA: it cannot be exported");
     return {kDLCUDA, b.m.owner()->info().ordinal};
   }
-  return {kDLCPU, 0};  // pinned host memory: CPU memory to every consumer (numpy takes only kDLCPU)
+  return {kDLCPU, 0};  // pinned host memory: CPU memory to every consumer (torch 1.13 takes no kDLCUDAHost)
 }
 
 py::object to_dlpack(py::handle self, std::uintptr_t ptr, std::uint64_t n, const py::object& stream, const py::object& max_version,
@@ -181,9 +191,12 @@ py::object to_dlpack(py::handle self, std::uintptr_t ptr, std::uint64_t n, const
   // A capsule never consumed (still named "dltensor") lets go of the tensor itself; a consumer
   // renames it ("used_dltensor") and calls the deleter when done.
   PyObject* cap = PyCapsule_New(&e->t, "dltensor", [](PyObject* c) {
-    if (!PyCapsule_IsValid(c, "dltensor")) return;
+    if (!PyCapsule_IsValid(c, "dltensor")) return;  // consumed ("used_dltensor"): the consumer deletes
+    PyObject *type, *value, *trace;  // a destructor may run while an exception is set: kept as it is
+    PyErr_Fetch(&type, &value, &trace);
     auto* t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
     t->deleter(t);
+    PyErr_Restore(type, value, trace);
   });
   if (!cap) {
     dlpack_delete(&e->t);
@@ -483,8 +496,10 @@ PYBIND11_MODULE(_ferry, m) {
       .def("copy", &py_runtime::copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("timeout") = py::none())
       .def("settings", &py_runtime::settings_rows)
       .def("devices", &py_runtime::devices)
-      .def("alloc", &py_runtime::alloc, py::arg("device"), py::arg("nbytes"))
-      .def("alloc_pinned", &py_runtime::alloc_pinned, py::arg("nbytes"))
+      // A buffer keeps its runtime (its pin lives in the runtime's registration cache): exported
+      // arrays may outlive every other reference to both.
+      .def("alloc", &py_runtime::alloc, py::arg("device"), py::arg("nbytes"), py::keep_alive<0, 1>())
+      .def("alloc_pinned", &py_runtime::alloc_pinned, py::arg("nbytes"), py::keep_alive<0, 1>())
       .def("checksum", &py_runtime::checksum, py::arg("ptr"), py::arg("nbytes"))
       .def("classify", &py_runtime::classify, py::arg("ptr"), py::arg("nbytes"))
       .def("unified_setup", [](py_runtime& r, const std::string& dev, std::uint64_t capacity) {

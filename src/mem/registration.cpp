@@ -15,6 +15,7 @@
 #include <span>
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <list>
 #include <map>
 #include <mutex>
@@ -165,6 +166,9 @@ struct registration_cache::impl {
   // Bounded.
   std::map<std::uintptr_t, std::pair<std::uintptr_t, memory_region>> seen;
   std::uint64_t generation = 0;  // bumped by every invalidation: a probe that raced one is not remembered
+  // classify() calls asking clients outside the lock: a client withdrawn waits for them (mu).
+  int asking = 0;
+  std::condition_variable asked;
 
   void drop_locked(const std::shared_ptr<registration::entry>& e) {
     if (e->in_index) {
@@ -474,7 +478,18 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
       clients = many;
     }
     gen = impl_->generation;
+    impl_->asking++;
   }
+  struct done_asking {
+    impl& I;
+    ~done_asking() {
+      {
+        cache_lock l(I.mu);
+        I.asking--;
+      }
+      I.asked.notify_all();
+    }
+  } asked{*impl_};
   for (auto* c : clients)
     if (auto r = c->acquire(p, n)) {
       // Remembered: pageable ranges as asked, CUDA allocations whole (their bounds are the driver's).
@@ -647,20 +662,27 @@ void registration_cache::trim() {
   impl_->evict_locked(0);
 }
 
-void registration_cache::remove_client(peer_memory_client* c) {
-  {
-    cache_lock l(impl_->mu);
-    std::erase(impl_->clients, c);
-    impl_->generation++;
-  }
-  // Entries it made: dropped (holders are told), so nothing calls the client afterwards.
+std::vector<std::function<void()>> registration_cache::withdraw(peer_memory_client* c) {
+  std::vector<std::function<void()>> cbs;
+  inside_guard g;
+  std::unique_lock l(impl_->mu);
+  std::erase(impl_->clients, c);
+  impl_->generation++;
+  impl_->asked.wait(l, [&] { return impl_->asking == 0; });  // no classify still holds it
+  // Entries it made: dropped, so nothing calls the client afterwards; their holders' callbacks
+  // are the caller's to run, after every lock is let go.
   std::vector<std::pair<std::uintptr_t, std::uint64_t>> ranges;
-  {
-    cache_lock l(impl_->mu);
-    for (auto& [b, e] : impl_->index)
-      if (e->region.client == c) ranges.emplace_back(e->base, e->size);
+  for (auto& [b, e] : impl_->index)
+    if (e->region.client == c) ranges.emplace_back(e->base, e->size);
+  for (auto [b, n] : ranges) {
+    auto more = impl_->invalidate_locked(b, n);
+    cbs.insert(cbs.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
   }
-  for (auto [b, n] : ranges) invalidate(b, n);
+  return cbs;
+}
+
+void registration_cache::remove_client(peer_memory_client* c) {
+  for (auto& cb : withdraw(c)) cb();
 }
 
 namespace {
@@ -685,15 +707,28 @@ void add_process_client(peer_memory_client* c) {
 }
 
 void remove_process_client(peer_memory_client* c) noexcept {
-  std::lock_guard pl(g_process_mu);
-  std::erase(g_process_clients, c);
-  std::array<registration_cache*, max_caches> caches;
-  const std::size_t k = live_caches(caches);
-  for (std::size_t i = 0; i < k; ++i) {
+  // Callbacks run once g_process_mu is let go: one may end a cache's owner (a cache's destructor
+  // takes g_process_mu).
+  std::vector<std::function<void()>> cbs;
+  {
+    std::lock_guard pl(g_process_mu);
+    std::erase(g_process_clients, c);
+    std::array<registration_cache*, max_caches> caches;
+    const std::size_t k = live_caches(caches);
+    for (std::size_t i = 0; i < k; ++i) {
+      try {
+        auto more = caches[i]->withdraw(c);
+        cbs.insert(cbs.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+      } catch (const std::exception& e) {
+        log::error("mem", "withdrawing the {} memory client from a registration cache: {}", c->name(), e.what());
+      }
+    }
+  }
+  for (auto& cb : cbs) {
     try {
-      caches[i]->remove_client(c);
+      cb();
     } catch (const std::exception& e) {
-      log::error("mem", "withdrawing the {} memory client from a registration cache: {}", c->name(), e.what());
+      log::error("mem", "a registration's invalidation callback: {}", e.what());
     }
   }
 }

@@ -450,8 +450,8 @@ TEST(StoreHardening, AServerKilledUnderAStreamOrderedReadIsNoticedInSeconds) {
   for (int round = 0; round < 8; ++round) {
     test::served_process srv(FERRY_TEST_CLI, root);
     auto f = file::open("ferry://127.0.0.1:" + std::to_string(srv.port) + "/data.bin", open_mode::read);
+    alignas(4) std::uint32_t hold = 0, after = 0;  // before the stream: its work may touch them until it goes
     auto users = d.create_stream();
-    alignas(4) std::uint32_t hold = 0, after = 0;
     users->wait_value(&hold, 1);  // the user's work before the read
     transfer_options o;
     o.until = deadline_after(std::chrono::seconds(20));

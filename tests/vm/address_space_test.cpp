@@ -665,12 +665,23 @@ TEST(VmSpace, EveryRegistrationCacheKnowsASpaceAndItsCopiesAreRight) {
           q.push_back({dst.data() + (t * per_round + k) * 1024, p + pg.back() * 1024, 4096});
         }
         std::atomic<int> left{per_round};
-        for (auto& one : q)
-          rt.engine().submit({&one, 1}, {}, [&](std::span<const request_result> r) {
-            if (r[0].state != request_state::done) failed++;
+        for (auto& one : q) {
+          try {
+            rt.engine().submit({&one, 1}, {}, [&](std::span<const request_result> r) {
+              if (r[0].state != request_state::done) failed++;
+              left--;
+            });
+          } catch (const std::exception& e) {
+            ADD_FAILURE() << "submit: " << e.what();
             left--;
-          });
-        while (left.load()) std::this_thread::yield();
+          }
+        }
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (left.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        if (left.load()) {  // a completion lost: the callbacks still hold `left`, so no way on but out
+          std::fprintf(stderr, "%d copies never completed\n", left.load());
+          std::abort();
+        }
         for (int k = 0; k < per_round; ++k)
           for (int w = 0; w < 1024; ++w)
             if (dst[(t * per_round + k) * 1024 + w] != value(pg[k] * 1024 + w)) {
@@ -682,4 +693,6 @@ TEST(VmSpace, EveryRegistrationCacheKnowsASpaceAndItsCopiesAreRight) {
   for (auto& th : ts) th.join();
   EXPECT_EQ(failed.load(), 0);
   EXPECT_EQ(wrong.load(), 0) << "pages copied wrong of " << threads * rounds * per_round;
+  for (std::uint64_t i = 0; i < (words * 4 + as.page_bytes() - 1) / as.page_bytes(); ++i)
+    EXPECT_EQ(as.pages().snapshot(i).pins, 0u) << "page " << i << " unpinned after the copies";
 }

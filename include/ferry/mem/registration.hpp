@@ -103,8 +103,12 @@ class FERRY_API registration_cache {
 
  private:
   friend class registration;
+  friend void remove_process_client(peer_memory_client* c) noexcept;
   struct impl;
   void release(registration& r) noexcept;
+  // Removes a client and drops what it registered, after any classify still asking it; returns the
+  // holders' invalidation callbacks for the caller to run.
+  std::vector<std::function<void()>> withdraw(peer_memory_client* c);
   void apply_pending();
   std::uint64_t pin_limit_;
   std::unique_ptr<impl> impl_;
@@ -112,8 +116,11 @@ class FERRY_API registration_cache {
 
 // Memory the whole process knows (a unified memory space): every registration cache, those alive
 // now and those made later, asks `c` before its own clients, until it is withdrawn. Withdrawing
-// invalidates what each cache registered through it (holders are told, on this thread); nothing
-// calls `c` afterwards. Invalidation callbacks must not make or destroy a registration cache.
+// waits for classifications asking `c`, invalidates what each cache registered through it (holders
+// are told on this thread, after the caches' locks are let go); nothing calls `c` afterwards.
+// Process-wide on purpose: memory a space maps is the whole process's, and every runtime's
+// transfers must hold its pages (a space known to one cache was copied by another as plain device
+// memory).
 FERRY_API void add_process_client(peer_memory_client* c);
 FERRY_API void remove_process_client(peer_memory_client* c) noexcept;
 
