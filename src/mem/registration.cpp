@@ -166,8 +166,10 @@ struct registration_cache::impl {
   // Bounded.
   std::map<std::uintptr_t, std::pair<std::uintptr_t, memory_region>> seen;
   std::uint64_t generation = 0;  // bumped by every invalidation: a probe that raced one is not remembered
-  // classify() calls asking clients outside the lock: a client withdrawn waits for them (mu).
-  int asking = 0;
+  // classify() calls asking clients outside the lock: a client withdrawn waits for them. Counted
+  // up under mu, down without it (no second lock per classification); a withdrawal under way is
+  // woken by the last one out.
+  std::atomic<int> asking{0}, withdrawing{0};
   std::condition_variable asked;
 
   void drop_locked(const std::shared_ptr<registration::entry>& e) {
@@ -483,11 +485,10 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
   struct done_asking {
     impl& I;
     ~done_asking() {
-      {
-        cache_lock l(I.mu);
-        I.asking--;
+      if (I.asking.fetch_sub(1) == 1 && I.withdrawing.load()) {
+        cache_lock l(I.mu);  // the withdrawal is either before its check or asleep: never missed
+        I.asked.notify_all();
       }
-      I.asked.notify_all();
     }
   } asked{*impl_};
   for (auto* c : clients)
@@ -668,7 +669,9 @@ std::vector<std::function<void()>> registration_cache::withdraw(peer_memory_clie
   std::unique_lock l(impl_->mu);
   std::erase(impl_->clients, c);
   impl_->generation++;
-  impl_->asked.wait(l, [&] { return impl_->asking == 0; });  // no classify still holds it
+  impl_->withdrawing++;
+  impl_->asked.wait(l, [&] { return impl_->asking.load() == 0; });  // no classify still holds it
+  impl_->withdrawing--;
   // Entries it made: dropped, so nothing calls the client afterwards; their holders' callbacks
   // are the caller's to run, after every lock is let go.
   std::vector<std::pair<std::uintptr_t, std::uint64_t>> ranges;
