@@ -14,8 +14,10 @@
 
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
+#include <stdexcept>
 #include <thread>
 
 using namespace ferry;
@@ -203,20 +205,35 @@ TEST(RegistrationCache, BadInputAndUnknownMemory) {
   EXPECT_EQ(cache.classify(at(2 << 20), 100).type, memory_type::unknown);
 }
 
+// `n` bytes of fresh anonymous memory registered through `cache`; nothing (the memory unmapped,
+// the reason in `why`) where this machine may not pin it (RLIMIT_MEMLOCK).
+struct mapped_registration {
+  void* p;
+  registration r;
+};
+std::optional<mapped_registration> map_and_register(registration_cache& cache, std::size_t n, std::string& why) {
+  void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::runtime_error("mmap failed");
+  try {
+    return mapped_registration{p, cache.acquire(p, n)};
+  } catch (const error& e) {
+    ::munmap(p, n);
+    if (e.code() != errc::permission_denied && e.code() != errc::out_of_memory) throw;
+    why = e.what();
+    return std::nullopt;
+  }
+}
+
 // The real host client and the munmap hook: unmapped memory is never served from the cache.
 TEST(RegistrationCache, HostMunmapInvalidatesThroughMemoryHooks) {
   auto host = make_host_client("/nonexistent/libcuda.so.1");  // no CUDA: pins with mlock
   registration_cache cache({host.get()}, 64 << 20);
   const std::size_t n = 1 << 20;
-  void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  ASSERT_NE(p, MAP_FAILED);
-  registration r;
-  try {
-    r = cache.acquire(p, n);
-  } catch (const error& e) {
-    if (e.code() == errc::permission_denied || e.code() == errc::out_of_memory) GTEST_SKIP() << e.what();
-    throw;
-  }
+  std::string why;
+  auto m = map_and_register(cache, n, why);
+  if (!m) GTEST_SKIP() << why;
+  void* p = m->p;
+  registration r = std::move(m->r);
   EXPECT_EQ(cache.classify(p, n).type, memory_type::host_pageable);
   std::atomic<bool> told{false};  // the cache's own thread may apply the hook's record first
   r.on_invalidate([&] { told = true; });
@@ -292,16 +309,11 @@ TEST(RegistrationCache, MemoryUnmappedUnderARegistrationIsDroppedWithoutAnotherC
   auto host = make_host_client("/nonexistent/libcuda.so.1");
   registration_cache cache({host.get()}, 64 << 20);
   const std::size_t n = 1 << 20;
-  void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  ASSERT_NE(p, MAP_FAILED);
-  registration r;
-  try {
-    r = cache.acquire(p, n);
-  } catch (const error& e) {
-    ::munmap(p, n);
-    if (e.code() == errc::permission_denied || e.code() == errc::out_of_memory) GTEST_SKIP() << e.what();
-    throw;
-  }
+  std::string why;
+  auto m = map_and_register(cache, n, why);
+  if (!m) GTEST_SKIP() << why;
+  void* p = m->p;
+  registration r = std::move(m->r);
   const auto entries = cache.stats().entries;
   ::munmap(p, n);
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
