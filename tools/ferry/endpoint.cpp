@@ -58,11 +58,11 @@ void endpoint::fill(std::uint64_t bytes, std::uint64_t seed) {
   s->synchronize();
 }
 
-std::uint64_t endpoint::checksum(std::uint64_t bytes) {
-  if (!dev_) return checksum64(ptr_, bytes);
+std::uint64_t endpoint::checksum(std::uint64_t bytes, std::uint64_t offset) {
+  if (!dev_) return checksum64(ptr_ + offset, bytes);
   auto s = dev_->create_stream();
   std::uint64_t sum = 0;
-  s->checksum(ptr_, bytes, &sum);
+  s->checksum(ptr_ + offset, bytes, &sum);
   s->synchronize();
   return sum;
 }

@@ -20,7 +20,7 @@ class endpoint {
   const std::string& spec() const noexcept { return spec_; }
   device* dev() const noexcept { return dev_; }  // null for host memory
   void fill(std::uint64_t bytes, std::uint64_t seed);
-  std::uint64_t checksum(std::uint64_t bytes);
+  std::uint64_t checksum(std::uint64_t bytes, std::uint64_t offset = 0);
 
   // The device an endpoint spec names, or null for host endpoints (no allocation).
   static device* device_of(runtime& rt, const std::string& spec);
