@@ -22,8 +22,10 @@ namespace ferry::store {
 }
 
 void client::impl::release_land(piece& p) {
-  if (p.land_slot >= 0) landing->give_back_slot(std::exchange(p.land_slot, -1), p.replied);
-  if (p.rec >= 0) landing->give_back_record(std::exchange(p.rec, -1), p.replied);
+  if (!p.replied) n_quarantined += (p.land_slot >= 0) + (p.rec >= 0);
+  if (p.land_slot >= 0) p.region->give_back_slot(std::exchange(p.land_slot, -1), p.replied);
+  if (p.rec >= 0) p.region->give_back_record(std::exchange(p.rec, -1), p.replied);
+  p.region.reset();
 }
 
 void client::impl::copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n, bool to_user, const memory_region& user,
@@ -225,7 +227,7 @@ bool client::impl::needs_staging(const void* p, std::uint64_t n, const char* wha
 }
 
 const memory_region* client::impl::buffer_region(const piece& p) {
-  if (p.land_slot >= 0) return landing->pinned();
+  if (p.land_slot >= 0) return p.region->pinned();
   if (p.slot) return &p.slot.region();
   return nullptr;
 }
@@ -248,7 +250,8 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   // takes the message off it); writes of GPU/sim memory and of host memory above the inline size
   // (a small write is one message either way).
   bool direct = lent || (direct_available() && (!write || staged || length > (16u << 10)));
-  if (direct && staged && o.cache && landing) landing->pinned(*o.cache, peer);  // pinned once, on first use
+  std::shared_ptr<detail::landing_region> lr = current_landing();
+  if (direct && staged && o.cache && lr) lr->pinned(*o.cache, peer);  // pinned once, on first use
   // RMA into/out of the caller's memory, registered for the network (cached); memory UCX cannot
   // register (GPU memory without CUDA support in UCX) keeps the staged path.
   std::shared_ptr<registration> net;
@@ -299,8 +302,17 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
           p->land = mem + off;
           p->lent = true;
         } else {
-          p->land_slot = landing->take_slot(until, peer);
-          p->land = landing->slot(p->land_slot);
+          // A spent region (half its slots lost to requests the server never answered) is replaced.
+          while ((p->land_slot = lr->take_slot(until, peer)) < 0) {
+            renew_landing(lr, until);
+            if (!direct_available())
+              fail(errc::network_error, "store.request", peer,
+                   "the landing region was replaced (the server left too many requests unanswered), and no lane maps the new one yet");
+            lr = current_landing();
+            if (staged && o.cache) lr->pinned(*o.cache, peer);
+          }
+          p->region = lr;
+          p->land = lr->slot(p->land_slot);
           if (write) {
             copy_bytes(p->land, mem + off, n, false, user, buffer_region(*p), until);
           } else {
@@ -309,7 +321,10 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
           }
         }
         auto addr = reinterpret_cast<std::uint64_t>(p->land);
-        if (!write && n <= (16u << 10) && landing && (p->rec = landing->try_take_record()) >= 0) p->record = landing->record(p->rec);
+        if (!write && n <= (16u << 10) && lr && (!p->region || p->region == lr) && (p->rec = lr->try_take_record()) >= 0) {
+          p->region = lr;
+          p->record = lr->record(p->rec);
+        }
         m = {0, 0, write ? body{write_from{path, offset + off, n, addr, handle}}
                          : body{read_into{path, offset + off, n, addr, reinterpret_cast<std::uint64_t>(p->record)}}};
       } else {
@@ -531,7 +546,7 @@ client_stats client::stats() const {
                  i.n_reconnects.load(), wakeups, i.lanes[0]->w->cuda_memory(), "",
                  direct ? "mapped landing region (server reads/writes it in place; shared memory)"
                         : "active messages (rendezvous above the eager limit)",
-                 static_cast<int>(i.lanes.size()), i.n_direct, i.landing ? i.landing->quarantined() : 0, i.n_rma, i.use_rma.load(), i.n_lent,
+                 static_cast<int>(i.lanes.size()), i.n_direct, i.n_quarantined, i.n_rma, i.use_rma.load(), i.n_lent,
                  i.n_noticed, i.n_copied_by_waiter.load(), i.n_staged_pieces.load(), i.copy_out_ns.load()};
   std::shared_ptr<connection> cn = i.lanes[0]->c;
   l.unlock();

@@ -47,9 +47,8 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
     lanes.push_back(std::move(ln));
   }
   if (o.map) {
-    int count = static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece));
     try {
-      landing = std::make_unique<detail::landing_region>(o.piece, count, 256);
+      landing = std::make_shared<detail::landing_region>(o.piece, landing_slots(), 256);
     } catch (const error& e) {
       log::info("store", "{}: no landing region ({}); data moves by messages", peer, e.what());
     }
@@ -97,12 +96,48 @@ bool client::impl::lend_to(lane& ln, const detail::shared_region& r, bool give_b
   return cp && cp->status == 0 && cp->bytes == 1;
 }
 
+void client::impl::renew_landing(const std::shared_ptr<detail::landing_region>& spent, clk::time_point until) {
+  std::lock_guard g(lend_mu);
+  if (current_landing() != spent) return;  // renewed by another request already
+  auto fresh = std::make_shared<detail::landing_region>(o.piece, landing_slots(), 256);
+  {
+    // No request takes a slot of the fresh region before a lane's server maps it.
+    std::lock_guard l(mu);
+    all_mapped = false;
+    for (auto& ln : lanes) ln->mapped = false;
+  }
+  {
+    std::lock_guard l(landing_mu);
+    landing = fresh;
+  }
+  log::info("store", "{}: {} landing slots were left unanswered; a fresh landing region replaces them", peer, spent->quarantined());
+  for (auto& ln : lanes) {
+    std::shared_ptr<connection> cn;
+    {
+      std::lock_guard l(mu);
+      cn = ln->c;
+    }
+    if (!cn || !cn->alive()) continue;  // its reconnect lends the fresh region
+    bool mapped = false;
+    try {
+      mapped = lend_to(*ln, fresh->region(), false, until);
+      lend_to(*ln, spent->region(), true, until);  // the server forgets the spent one (its jobs keep their mapping)
+    } catch (const error& e) {
+      log::info("store", "{}: lane {} did not take the fresh landing region ({}); it moves data by messages", peer, ln->index, e.what());
+    }
+    std::lock_guard l(mu);
+    ln->mapped = mapped && ln->c == cn;
+  }
+  std::lock_guard l(mu);
+  all_mapped = std::all_of(lanes.begin(), lanes.end(), [](auto& x) { return x->mapped; });
+}
+
 void* client::impl::allocate(std::uint64_t bytes) {
   expects(bytes > 0 && bytes <= (1ull << 40), "store.allocate", peer, fmt::format("{} bytes: must be between 1 and 1 TiB", bytes));
   std::lock_guard g(lend_mu);
   auto& u = buffers.make(static_cast<std::size_t>(bytes));
   auto until = clk::now() + o.timeout;
-  if (o.map && landing) {  // only where the landing region could be made: a transport that maps regions
+  if (o.map && current_landing()) {  // only where the landing region could be made: a transport that maps regions
     for (auto& ln : lanes) {
       std::shared_ptr<connection> cn;
       {
@@ -285,19 +320,21 @@ void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until)
     ln.lending = w.lending;
     ln.token = w.token;
   }
-  bool mapped = landing && lend_to(ln, landing->region(), false, until);
   if (ln.index == 0) decide_rma(*cn);
-  if (landing && buffers.any()) {  // the caller's buffers too (a new session knows none of them)
-    std::lock_guard g(lend_mu);
+  // The landing region and the caller's buffers (a new session knows none of them), under lend_mu
+  // until the lane says what it maps: a region renewed meanwhile is not taken for the one lent here.
+  std::lock_guard g(lend_mu);
+  auto lr = current_landing();
+  bool mapped = lr && lend_to(ln, lr->region(), false, until);
+  if (lr && buffers.any())
     for (auto* u : buffers.live())
       if (lend_to(ln, *u->r, false, until)) u->lanes.fetch_or(std::uint64_t{1} << ln.index);
-  }
   std::lock_guard l(mu);
   auto& w = std::get<welcome>(r.b);
   if (ln.index == 0) hello_reply = w;
   ln.credits = std::max<std::uint32_t>(1, w.credits);
   ln.mapped = mapped;
-  all_mapped = landing && std::all_of(lanes.begin(), lanes.end(), [](auto& x) { return x->mapped; });
+  all_mapped = lr && std::all_of(lanes.begin(), lanes.end(), [](auto& x) { return x->mapped; });
   ln.inflight = 0;
   for (auto& [id, p] : pend)
     if (p->credit && p->conn == raw) ln.inflight++;

@@ -67,6 +67,7 @@ struct client::impl {
     pinned_pool::buffer slot;
     int land_slot = -1;              // slot of the landing region, while the server may use it
     int rec = -1;                    // notify record of a small direct read, while the server may write it
+    std::shared_ptr<detail::landing_region> region;  // the landing region of land_slot and rec
     const std::uint64_t* record = nullptr;  // that record (set before sending)
     clk::time_point until{};         // the request's deadline (its copy on has the same)
     clk::time_point landed{};        // staged reads: when the piece went to the engine
@@ -162,6 +163,7 @@ struct client::impl {
   // Counted under mu, where each request already is (an atomic add each would cost more than the
   // lock on some machines); staged bytes and reconnects by the threads that make them.
   std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0, n_noticed = 0;
+  std::uint64_t n_quarantined = 0;  // landing slots and records given up while the server might still write them
   std::atomic<std::uint64_t> n_staged{0}, n_reconnects{0};
   std::atomic<std::uint64_t> n_staged_pieces{0}, copy_out_ns{0}, n_copied_by_waiter{0};
   std::shared_ptr<ucx_context> ctx;  // the lanes' workers'
@@ -179,10 +181,16 @@ struct client::impl {
   std::uint64_t copies_running = 0;  // copies_mu
 
   // The landing region lent to the server (shared memory, mapped by a same-host server); null where
-  // none could be made or FERRY_NET_MAP is off.
-  std::unique_ptr<detail::landing_region> landing;
-  // Buffers the caller allocated from this client (allocate); lend_mu orders lending them against
-  // (re)connects.
+  // none could be made or FERRY_NET_MAP is off. Replaced by a fresh one when spent (renew_landing);
+  // a piece holds the region its slot is in.
+  std::shared_ptr<detail::landing_region> landing;  // landing_mu
+  mutable std::mutex landing_mu;
+  std::shared_ptr<detail::landing_region> current_landing() const {
+    std::lock_guard l(landing_mu);
+    return landing;
+  }
+  // Buffers the caller allocated from this client (allocate); lend_mu orders lending them and the
+  // landing region against (re)connects and against each other (taken before mu).
   detail::lent_buffers buffers;
   std::mutex lend_mu;
   // Whether every lane's server mapped the landing region: recomputed when a lane (re)connects, read
@@ -220,6 +228,12 @@ struct client::impl {
   // Lending is passing the region's descriptor on the server's lending socket, then naming it on the
   // lane; a server on another host (or network namespace) cannot be reached there.
   bool lend_to(lane& ln, const detail::shared_region& r, bool give_back, clk::time_point until);
+  // Lends a fresh landing region in place of `spent` (unless another thread did already) to every
+  // lane that is up, and has the servers forget the spent one; lanes that are down lend the fresh
+  // one when they reconnect. Requests move data by messages until every lane maps it.
+  void renew_landing(const std::shared_ptr<detail::landing_region>& spent, clk::time_point until);
+  // The number of landing slots (FERRY_NET_LANDING / FERRY_NET_PIECE, at least 2).
+  int landing_slots() const { return static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece)); }
   void* allocate(std::uint64_t bytes);
   void deallocate(void* p);
   // One request of one piece without data, waited for (handshake, lend, stat, list).

@@ -8,7 +8,7 @@
 
 namespace ferry::store::detail {
 
-landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records) : slot_bytes_(slot_bytes) {
+landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records) : slot_bytes_(slot_bytes), slots_(slots) {
   std::size_t slot_area = static_cast<std::size_t>(slots) * slot_bytes;
   std::size_t record_area = (static_cast<std::size_t>(records) * 64 + 4095) & ~std::size_t{4095};
   mem_ = std::make_unique<shared_region>(slot_area + record_area);
@@ -19,8 +19,9 @@ landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records)
 
 int landing_region::take_slot(lending_clock::time_point until, const std::string& peer) {
   std::unique_lock l(mu_);
-  if (!cv_.wait_until(l, until, [&] { return !free_slots_.empty(); }))
+  if (!cv_.wait_until(l, until, [&] { return !free_slots_.empty() || spent(); }))
     fail(errc::timeout, "store.request", peer, "no free landing slot before the deadline");
+  if (spent()) return -1;
   int s = free_slots_.back();
   free_slots_.pop_back();
   return s;
@@ -34,16 +35,15 @@ int landing_region::try_take_record() {
   return r;
 }
 
-void landing_region::give_back(std::vector<int>& to, int i, bool answered) {
-  if (!answered) {
-    quarantined_.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
+void landing_region::give_back(std::vector<int>& to, int i, bool answered, std::atomic<std::uint64_t>& quarantined) {
   {
     std::lock_guard l(mu_);
-    to.push_back(i);
+    if (answered) to.push_back(i);
+    else quarantined.fetch_add(1, std::memory_order_relaxed);
   }
-  cv_.notify_one();  // slot waiters (records are never waited for)
+  // Slot waiters (records are never waited for): a slot is free, or the region may be spent now.
+  if (answered) cv_.notify_one();
+  else cv_.notify_all();
 }
 
 const memory_region* landing_region::pinned(registration_cache& cache, const std::string& peer) {

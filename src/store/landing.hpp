@@ -3,7 +3,9 @@
 // answering a small read at once writes after the data (the waiting caller polls its record instead
 // of taking the completion off the queue). A slot or record is given back once the server answered
 // for it; one whose request was abandoned while the server might still write is never reused
-// (quarantined), so a late write can only land where nobody looks.
+// (quarantined), so a late write can only land where nobody looks. A region that lost half its slots
+// that way is spent: the client lends a fresh one in its place (a server killed under a large read
+// takes every slot in flight with it, and none would ever come back).
 #pragma once
 
 #include <ferry/mem/registration.hpp>
@@ -28,14 +30,20 @@ class landing_region {
   std::byte* slot(int i) const { return mem_->data() + static_cast<std::size_t>(i) * slot_bytes_; }
   const std::uint64_t* record(int i) const { return reinterpret_cast<const std::uint64_t*>(records_ + 64 * static_cast<std::size_t>(i)); }
 
-  // A free slot, waiting for one until `until` (then a timeout naming `peer`).
+  // A free slot, waiting for one until `until` (then a timeout naming `peer`); -1 once the region is
+  // spent (at once, or while waiting): the caller replaces it.
   int take_slot(lending_clock::time_point until, const std::string& peer);
+  // Half the slots or more are quarantined.
+  bool spent() const { return 2 * quarantined_slots_.load(std::memory_order_relaxed) >= static_cast<std::uint64_t>(slots_); }
   // A free notify record at once, or -1 (the read then waits for its completion message).
   int try_take_record();
   // `answered`: the server answered for it, so it may be used again; else it is quarantined.
-  void give_back_slot(int i, bool answered) { give_back(free_slots_, i, answered); }
-  void give_back_record(int i, bool answered) { give_back(free_records_, i, answered); }
-  std::uint64_t quarantined() const { return quarantined_.load(std::memory_order_relaxed); }
+  void give_back_slot(int i, bool answered) { give_back(free_slots_, i, answered, quarantined_slots_); }
+  void give_back_record(int i, bool answered) { give_back(free_records_, i, answered, quarantined_records_); }
+  // Slots and records quarantined.
+  std::uint64_t quarantined() const {
+    return quarantined_slots_.load(std::memory_order_relaxed) + quarantined_records_.load(std::memory_order_relaxed);
+  }
 
   // The region as pinned for DMA (GPU copies to and from slots), pinned on the first call through
   // `cache`; null when it cannot be pinned (the engine then classifies and bounces).
@@ -45,13 +53,14 @@ class landing_region {
 
  private:
   std::uint64_t slot_bytes_;
+  int slots_;
   std::unique_ptr<shared_region> mem_;
   std::byte* records_ = nullptr;
   std::mutex mu_;
   std::condition_variable cv_;
-  void give_back(std::vector<int>& to, int i, bool answered);
+  void give_back(std::vector<int>& to, int i, bool answered, std::atomic<std::uint64_t>& quarantined);
   std::vector<int> free_slots_, free_records_;  // mu_; the most recently freed last (likeliest still cached)
-  std::atomic<std::uint64_t> quarantined_{0};
+  std::atomic<std::uint64_t> quarantined_slots_{0}, quarantined_records_{0};
   std::mutex pin_mu_;
   bool pin_tried_ = false;  // pin_mu_
   registration pin_;

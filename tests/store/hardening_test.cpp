@@ -474,3 +474,78 @@ TEST(StoreHardening, AServerKilledUnderAStreamOrderedReadIsNoticedInSeconds) {
   }
   std::filesystem::remove_all(root);
 }
+
+// A server killed while a read had every landing slot in flight leaves those slots out of use for
+// good (a server that is only slow could still write them). The client does not wait for slots
+// that never come back: it lends a fresh landing region, and its reads from the server that takes
+// over the port succeed, through shared memory again.
+TEST(StoreHardening, SlotsLostToAKilledServerAreReplacedAndTheNextServerIsReadAtOnce) {
+  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-lost-slots-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(root);
+  const std::uint64_t n = 32ull << 20;
+  std::vector<std::byte> data(n);
+  for (std::uint64_t i = 0; i < n; ++i) data[i] = static_cast<std::byte>(i * 2654435761u >> 13);
+  std::ofstream(root / "data.bin", std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(n));
+  runtime rt(test::sim_settings(256ull << 20));
+  device& d = rt.devices().get("sim:0");
+  mapped_memory dst = allocate_mapped(d, n);
+  auto srv = std::make_unique<test::served_process>(FERRY_TEST_CLI, root);
+  const std::uint16_t port = srv->port;
+  store::client_options o = store::client_options_from(rt.config(), &rt.registrations(), &rt.engine());
+  o.piece = 1ull << 20;
+  o.landing = 4 * o.piece;  // four slots: a read of 32 pieces has all of them in flight
+  store::client c("127.0.0.1", port, o);
+  ASSERT_EQ(c.read("data.bin", 0, dst.data(), n), n);
+  const auto direct_before = c.stats().direct_pieces;
+  ASSERT_GT(direct_before, 0u) << "the read did not go through the landing region: " << c.stats().data_path;
+
+  // The server stops answering with the slots in flight, then dies.
+  srv->stop();
+  const auto pieces_before = c.stats().pieces;
+  std::thread reader([&] {
+    try {
+      c.read("data.bin", 0, dst.data(), n, std::chrono::seconds(20));
+    } catch (const error&) {
+    }
+  });
+  for (auto until = clk::now() + std::chrono::seconds(10); c.stats().pieces < pieces_before + 4 && clk::now() < until;)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_GE(c.stats().pieces, pieces_before + 4) << "the read did not send its pieces";
+  srv->kill();
+  auto killed = clk::now();
+  reader.join();
+  EXPECT_LT(clk::now() - killed, std::chrono::seconds(10)) << "the read waited for slots that could not come back";
+  EXPECT_GE(c.stats().quarantined, 4u);
+
+  // Another server on the same port: the next reads succeed, through shared memory.
+  srv.reset();
+  for (int i = 0; i < 100 && !srv; ++i) {
+    try {
+      srv = std::make_unique<test::served_process>(FERRY_TEST_CLI, root, port);
+    } catch (const std::exception&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  ASSERT_TRUE(srv) << "no server could listen on port " << port << " again";
+  std::string last;
+  bool ok = false;
+  auto start = clk::now();
+  // The first request may still fail at once with the old server's error (FERRY_NET_RETRY_AFTER).
+  while (!ok && clk::now() - start < std::chrono::seconds(15)) {
+    try {
+      ok = c.read("data.bin", 0, dst.data(), n, std::chrono::seconds(5)) == n;
+    } catch (const error& e) {
+      last = e.what();
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+  ASSERT_TRUE(ok) << "no read of the new server succeeded: " << last;
+  EXPECT_LT(clk::now() - start, std::chrono::seconds(5)) << last;
+  std::vector<std::byte> back(n);
+  rt.engine().copy(back.data(), dst.data(), n);
+  EXPECT_EQ(std::memcmp(back.data(), data.data(), n), 0);
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(c.read("data.bin", 0, dst.data(), n), n);
+  EXPECT_GE(c.stats().direct_pieces, direct_before + 3 * 32) << "later reads did not use shared memory: " << c.stats().data_path;
+  srv.reset();
+  std::filesystem::remove_all(root);
+}

@@ -8,6 +8,8 @@
 
 #include <chrono>
 #include <set>
+#include <thread>
+#include <vector>
 
 using namespace ferry;
 using namespace ferry::store::detail;
@@ -35,9 +37,11 @@ TEST(StoreLanding, SlotsAndRecordsComeBackOnlyWhenAnswered) {
   }
   lr.give_back_slot(a, false);  // the server may still write it
   EXPECT_EQ(lr.quarantined(), 1u);
-  EXPECT_THROW(lr.take_slot(soon(), "peer-x"), error) << "a quarantined slot was handed out again";
+  // One of two slots lost: the region is spent, and a caller is told so (-1) instead of waiting.
+  EXPECT_TRUE(lr.spent());
+  EXPECT_EQ(lr.take_slot(soon(), "peer-x"), -1) << "a spent region handed out a slot";
   lr.give_back_slot(b, true);
-  EXPECT_EQ(lr.take_slot(soon(), "peer-x"), b);
+  EXPECT_EQ(lr.take_slot(soon(), "peer-x"), -1) << "a spent region handed out a slot";
 
   // Records: past the slots, a cache line each, inside the lent region.
   std::set<int> recs;
@@ -55,6 +59,30 @@ TEST(StoreLanding, SlotsAndRecordsComeBackOnlyWhenAnswered) {
   EXPECT_EQ(lr.quarantined(), 2u);
   lr.give_back_record(2, true);
   EXPECT_EQ(lr.try_take_record(), 2);
+}
+
+// A quarantined slot is never handed out again; the region is spent once half its slots are lost,
+// and a caller waiting for a slot then learns it at once.
+TEST(StoreLanding, AQuarantinedSlotIsNeverReusedAndHalfLostSpendsTheRegion) {
+  landing_region lr(64 << 10, 4, 1);
+  std::vector<int> s;
+  for (int i = 0; i < 4; ++i) s.push_back(lr.take_slot(soon(), "peer-y"));
+  lr.give_back_slot(s[0], false);
+  EXPECT_FALSE(lr.spent());
+  EXPECT_THROW(lr.take_slot(soon(), "peer-y"), error) << "a quarantined slot was handed out again";
+  lr.give_back_slot(s[1], true);
+  EXPECT_EQ(lr.take_slot(soon(), "peer-y"), s[1]);
+  // A waiter (no slot free) is woken by the loss that spends the region.
+  std::thread later([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    lr.give_back_slot(s[2], false);
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(lr.take_slot(std::chrono::steady_clock::now() + std::chrono::seconds(10), "peer-y"), -1);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  later.join();
+  EXPECT_TRUE(lr.spent());
+  EXPECT_EQ(lr.quarantined(), 2u);
 }
 
 // A request takes an allocated buffer's fast path only when the buffer is live and every lane's

@@ -1,7 +1,8 @@
 #pragma once
 // `ferry serve --root ROOT --listen 127.0.0.1:0` in a process of its own, which a test can kill
 // (SIGKILL: the server dies as a crashed one does, its connections reset). Its port is read from
-// the line it prints once it listens.
+// the line it prints once it listens. `listen_port` 0 takes a free port; a given one lets a test start a
+// server again where a killed one listened.
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -24,14 +25,14 @@ struct served_process {
   pid_t pid = -1;
   int out = -1;
   std::uint16_t port = 0;
-  served_process(const std::string& ferry, const std::filesystem::path& root) {
+  served_process(const std::string& ferry, const std::filesystem::path& root, std::uint16_t listen_port = 0) {
     int p[2];
     if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, p[1], 1);
     std::string r = root.string();
-    std::vector<std::string> args = {ferry, "serve", "--root", r, "--listen", "127.0.0.1:0"};
+    std::vector<std::string> args = {ferry, "serve", "--root", r, "--listen", "127.0.0.1:" + std::to_string(listen_port)};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -56,6 +57,10 @@ struct served_process {
       throw std::runtime_error("ferry serve did not report its port: " + line);
     }
     port = static_cast<std::uint16_t>(std::stoi(line.substr(at + 10)));
+  }
+  // Stops the server without ending it (SIGSTOP): its connections stay open, nothing is answered.
+  void stop() {
+    if (pid > 0) ::kill(pid, SIGSTOP);
   }
   void kill() {
     if (pid <= 0) return;
