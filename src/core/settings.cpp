@@ -235,7 +235,7 @@ const setting_def table[] = {
   {"FERRY_NET_PIECE", "ferry:// reads and writes are split into wire requests of at most this size (each one credit); pieces of one request are served in parallel. At most 4MiB, the largest data message a server accepts.",
    [](settings& s, std::string_view v) { s.net_piece = parse_size_in(v, 4 * KiB, 4 * MiB); },
    [](const settings& s) { return format_size(s.net_piece); }},
-  {"FERRY_NET_LANDING", "The landing region a ferry:// client lends a same-host server (shared memory, slots of FERRY_NET_PIECE): reads land there, then the transfer engine copies them on; also the most data of one client in flight that way.",
+  {"FERRY_NET_LANDING", "The landing region a ferry:// client lends a same-host server (shared memory, slots of FERRY_NET_PIECE): reads land there, then the transfer engine copies them on; also the most data of one client in flight that way. Small enough that a slot is still in the processor's last-level cache when it is copied on (a larger region streams through memory twice); slots the server left unanswered are never reused, and a region that lost half of them is replaced.",
    [](settings& s, std::string_view v) { s.net_landing = parse_size_in(v, 4 * MiB, 1ull << 40); },
    [](const settings& s) { return format_size(s.net_landing); }},
   {"FERRY_NET_SPIN", "UCX progress threads keep polling this long after activity before they sleep (back-off): back-to-back requests pay no thread wake-up; 0 = sleep at once. Longer than a thread wake-up on a busy machine (tens of microseconds), or server and client can settle into waking each other for every request.",

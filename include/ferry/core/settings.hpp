@@ -83,7 +83,7 @@ struct FERRY_API settings {
   // net / store
   std::string secret_file;             // shared secret for ferry:// servers that require one
   std::uint64_t net_piece = 4ull << 20;     // bytes per wire request of a ferry:// read or write
-  std::uint64_t net_landing = 256ull << 20; // the landing region a client lends a same-host server
+  std::uint64_t net_landing = 64ull << 20;  // the landing region a client lends a same-host server
   std::chrono::nanoseconds net_spin = std::chrono::microseconds(200);  // progress back-off before sleeping
   std::chrono::nanoseconds net_retry_after = std::chrono::seconds(1);  // a server that could not be reached: not tried again before
   std::chrono::nanoseconds net_connect_timeout = std::chrono::seconds(5);  // one connection attempt's wait for the server's welcome

@@ -112,9 +112,9 @@ struct client_options {
   // pointer is taken for host memory.
   registration_cache* cache = nullptr;
   transfer_engine* engine = nullptr;
-  std::uint64_t piece = 4ull << 20;       // bytes per wire request (FERRY_NET_PIECE)
-  std::uint64_t landing = 256ull << 20;   // the landing region lent to a same-host server (FERRY_NET_LANDING)
-  std::chrono::nanoseconds spin = std::chrono::microseconds(200);
+  std::uint64_t piece = settings::defaults().net_piece;      // bytes per wire request (FERRY_NET_PIECE)
+  std::uint64_t landing = settings::defaults().net_landing;  // the landing region lent to a same-host server (FERRY_NET_LANDING)
+  std::chrono::nanoseconds spin = settings::defaults().net_spin;
   // After the server could not be reached, requests fail at once with that error this long
   // (FERRY_NET_RETRY_AFTER).
   std::chrono::nanoseconds retry_after = settings::defaults().net_retry_after;
@@ -122,10 +122,10 @@ struct client_options {
   std::chrono::nanoseconds connect_timeout = settings::defaults().net_connect_timeout;
   // Connections (lanes) to the server, each with its own UCX worker and progress thread; pieces are
   // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
-  int lanes = 4;
+  int lanes = settings::defaults().net_lanes;
   // Lend a same-host server a shared-memory landing region (a sealed memfd): the server then reads
   // files straight into it and no data message is sent (FERRY_NET_MAP).
-  bool map = true;
+  bool map = settings::defaults().net_map;
   // RMA for bulk data (FERRY_NET_RMA): "auto" when a lane has a transport with real RMA (verbs), "on"
   // always (UCX emulates it over tcp: for tests), "off" never. The client registers its memory for
   // the network through a registration cache of its own (cached, invalidated with the memory).
