@@ -249,8 +249,9 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   // the data would cross into this process twice -- the server copies it into UCX's queue, this side
   // takes the message off it); writes of GPU/sim memory and of host memory above the inline size
   // (a small write is one message either way).
-  bool direct = lent || (direct_available() && (!write || staged || length > (16u << 10)));
+  // The region before the decision: one replaced meanwhile is found spent below, and its successor taken.
   std::shared_ptr<detail::landing_region> lr = current_landing();
+  bool direct = lent || (direct_available() && (!write || staged || length > (16u << 10)));
   if (direct && staged && o.cache && lr) lr->pinned(*o.cache, peer);  // pinned once, on first use
   // RMA into/out of the caller's memory, registered for the network (cached); memory UCX cannot
   // register (GPU memory without CUDA support in UCX) keeps the staged path.
@@ -307,7 +308,9 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
             renew_landing(lr, until);
             if (!direct_available())
               fail(errc::network_error, "store.request", peer,
-                   "the landing region was replaced (the server left too many requests unanswered), and no lane maps the new one yet");
+                   fmt::format("the server left {} landing slots unanswered (it died, or was too slow); a fresh landing region "
+                               "replaces them, but not every lane maps it yet (a lane that is down lends it when it reconnects)",
+                               lr->quarantined()));
             lr = current_landing();
             if (staged && o.cache) lr->pinned(*o.cache, peer);
           }

@@ -97,20 +97,19 @@ bool client::impl::lend_to(lane& ln, const detail::shared_region& r, bool give_b
 }
 
 void client::impl::renew_landing(const std::shared_ptr<detail::landing_region>& spent, clk::time_point until) {
+  // Under lend_mu: a request that finds the region spent while another renews it waits here, and
+  // then sees the outcome (the fresh region, mapped or not).
   std::lock_guard g(lend_mu);
   if (current_landing() != spent) return;  // renewed by another request already
   auto fresh = std::make_shared<detail::landing_region>(o.piece, landing_slots(), 256);
+  log::info("store", "{}: {} landing slots were left unanswered; a fresh landing region replaces them", peer, spent->quarantined());
   {
-    // No request takes a slot of the fresh region before a lane's server maps it.
+    // Requests move data by messages until the lanes map the fresh region.
     std::lock_guard l(mu);
     all_mapped = false;
     for (auto& ln : lanes) ln->mapped = false;
   }
-  {
-    std::lock_guard l(landing_mu);
-    landing = fresh;
-  }
-  log::info("store", "{}: {} landing slots were left unanswered; a fresh landing region replaces them", peer, spent->quarantined());
+  std::vector<std::pair<lane*, std::shared_ptr<connection>>> lent;
   for (auto& ln : lanes) {
     std::shared_ptr<connection> cn;
     {
@@ -118,17 +117,29 @@ void client::impl::renew_landing(const std::shared_ptr<detail::landing_region>& 
       cn = ln->c;
     }
     if (!cn || !cn->alive()) continue;  // its reconnect lends the fresh region
-    bool mapped = false;
     try {
-      mapped = lend_to(*ln, fresh->region(), false, until);
-      lend_to(*ln, spent->region(), true, until);  // the server forgets the spent one (its jobs keep their mapping)
+      if (lend_to(*ln, fresh->region(), false, until)) lent.emplace_back(ln.get(), cn);
     } catch (const error& e) {
       log::info("store", "{}: lane {} did not take the fresh landing region ({}); it moves data by messages", peer, ln->index, e.what());
     }
-    std::lock_guard l(mu);
-    ln->mapped = mapped && ln->c == cn;
   }
+  {
+    std::lock_guard l(landing_mu);
+    landing = fresh;
+  }
+  // The servers forget the spent region, unless a request still holds a slot of it (taken before it
+  // was spent, perhaps not sent yet): then it stays mapped until those connections close. Its
+  // quarantined slots are never handed out again either way; jobs still using it keep their mapping.
+  if (spent->in_use() == 0)
+    for (auto& [ln, cn] : lent) {
+      try {
+        lend_to(*ln, spent->region(), true, until);
+      } catch (const error& e) {
+        log::debug("store", "{}: lane {} did not forget the spent landing region ({})", peer, ln->index, e.what());
+      }
+    }
   std::lock_guard l(mu);
+  for (auto& [ln, cn] : lent) ln->mapped = ln->c == cn;  // a lane that reconnected meanwhile lent it itself
   all_mapped = std::all_of(lanes.begin(), lanes.end(), [](auto& x) { return x->mapped; });
 }
 

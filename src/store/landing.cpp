@@ -27,6 +27,11 @@ int landing_region::take_slot(lending_clock::time_point until, const std::string
   return s;
 }
 
+int landing_region::in_use() const {
+  std::lock_guard l(mu_);
+  return slots_ - static_cast<int>(free_slots_.size()) - static_cast<int>(quarantined_slots_.load(std::memory_order_relaxed));
+}
+
 int landing_region::try_take_record() {
   std::lock_guard l(mu_);
   if (free_records_.empty()) return -1;

@@ -33,6 +33,8 @@ class landing_region {
   // A free slot, waiting for one until `until` (then a timeout naming `peer`); -1 once the region is
   // spent (at once, or while waiting): the caller replaces it.
   int take_slot(lending_clock::time_point until, const std::string& peer);
+  // Slots taken and not given back (in flight, or held by a request about to send).
+  int in_use() const;
   // Half the slots or more are quarantined.
   bool spent() const { return 2 * quarantined_slots_.load(std::memory_order_relaxed) >= static_cast<std::uint64_t>(slots_); }
   // A free notify record at once, or -1 (the read then waits for its completion message).
@@ -56,7 +58,7 @@ class landing_region {
   int slots_;
   std::unique_ptr<shared_region> mem_;
   std::byte* records_ = nullptr;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   void give_back(std::vector<int>& to, int i, bool answered, std::atomic<std::uint64_t>& quarantined);
   std::vector<int> free_slots_, free_records_;  // mu_; the most recently freed last (likeliest still cached)
