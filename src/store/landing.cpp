@@ -8,7 +8,8 @@
 
 namespace ferry::store::detail {
 
-landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records) : slot_bytes_(slot_bytes), slots_(slots) {
+landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records)
+    : slot_bytes_(slot_bytes), slots_(slots), records_n_(records) {
   std::size_t slot_area = static_cast<std::size_t>(slots) * slot_bytes;
   std::size_t record_area = (static_cast<std::size_t>(records) * 64 + 4095) & ~std::size_t{4095};
   mem_ = std::make_unique<shared_region>(slot_area + record_area);
@@ -29,12 +30,13 @@ int landing_region::take_slot(lending_clock::time_point until, const std::string
 
 int landing_region::in_use() const {
   std::lock_guard l(mu_);
-  return slots_ - static_cast<int>(free_slots_.size()) - static_cast<int>(quarantined_slots_.load(std::memory_order_relaxed));
+  return slots_ - static_cast<int>(free_slots_.size()) - static_cast<int>(quarantined_slots_.load(std::memory_order_relaxed)) +
+         records_n_ - static_cast<int>(free_records_.size()) - static_cast<int>(quarantined_records_.load(std::memory_order_relaxed));
 }
 
 int landing_region::try_take_record() {
   std::lock_guard l(mu_);
-  if (free_records_.empty()) return -1;
+  if (free_records_.empty() || spent()) return -1;
   int r = free_records_.back();
   free_records_.pop_back();
   return r;

@@ -33,11 +33,12 @@ class landing_region {
   // A free slot, waiting for one until `until` (then a timeout naming `peer`); -1 once the region is
   // spent (at once, or while waiting): the caller replaces it.
   int take_slot(lending_clock::time_point until, const std::string& peer);
-  // Slots taken and not given back (in flight, or held by a request about to send).
+  // Slots and records taken and not given back (in flight, or held by a request about to send).
   int in_use() const;
   // Half the slots or more are quarantined.
   bool spent() const { return 2 * quarantined_slots_.load(std::memory_order_relaxed) >= static_cast<std::uint64_t>(slots_); }
-  // A free notify record at once, or -1 (the read then waits for its completion message).
+  // A free notify record at once, or -1 (the read then waits for its completion message); none from
+  // a spent region.
   int try_take_record();
   // `answered`: the server answered for it, so it may be used again; else it is quarantined.
   void give_back_slot(int i, bool answered) { give_back(free_slots_, i, answered, quarantined_slots_); }
@@ -55,7 +56,7 @@ class landing_region {
 
  private:
   std::uint64_t slot_bytes_;
-  int slots_;
+  int slots_, records_n_;
   std::unique_ptr<shared_region> mem_;
   std::byte* records_ = nullptr;
   mutable std::mutex mu_;

@@ -19,9 +19,9 @@ namespace {
 
 auto soon() { return std::chrono::steady_clock::now() + std::chrono::milliseconds(50); }
 
-// A slot or record comes back only when the server answered for it; one it may still write is never
-// handed out again, and a caller waiting for a slot gets a timeout naming the peer, not a hang.
-TEST(StoreLanding, SlotsAndRecordsComeBackOnlyWhenAnswered) {
+// A slot comes back only when the server answered for it, and a caller waiting for a slot gets a
+// timeout naming the peer, not a hang; a region that lost half its slots hands out nothing more.
+TEST(StoreLanding, SlotsComeBackOnlyWhenAnsweredAndASpentRegionHandsOutNothing) {
   landing_region lr(64 << 10, 2, 3);
   int a = lr.take_slot(soon(), "peer-x"), b = lr.take_slot(soon(), "peer-x");
   ASSERT_NE(a, b);
@@ -42,8 +42,13 @@ TEST(StoreLanding, SlotsAndRecordsComeBackOnlyWhenAnswered) {
   EXPECT_EQ(lr.take_slot(soon(), "peer-x"), -1) << "a spent region handed out a slot";
   lr.give_back_slot(b, true);
   EXPECT_EQ(lr.take_slot(soon(), "peer-x"), -1) << "a spent region handed out a slot";
+  EXPECT_EQ(lr.try_take_record(), -1) << "a spent region handed out a record";
+}
 
-  // Records: past the slots, a cache line each, inside the lent region.
+// Notify records: past the slots, a cache line each, inside the lent region; one the server may still
+// write is never handed out again.
+TEST(StoreLanding, RecordsLieInsideTheRegionAndComeBackOnlyWhenAnswered) {
+  landing_region lr(64 << 10, 2, 3);
   std::set<int> recs;
   for (int i = 0; i < 3; ++i) recs.insert(lr.try_take_record());
   EXPECT_EQ(recs, (std::set<int>{0, 1, 2}));
@@ -56,7 +61,9 @@ TEST(StoreLanding, SlotsAndRecordsComeBackOnlyWhenAnswered) {
   EXPECT_EQ(reinterpret_cast<const std::byte*>(lr.record(1)) - reinterpret_cast<const std::byte*>(lr.record(0)), 64);
   lr.give_back_record(0, false);
   EXPECT_EQ(lr.try_take_record(), -1);
-  EXPECT_EQ(lr.quarantined(), 2u);
+  EXPECT_EQ(lr.quarantined(), 1u);
+  EXPECT_FALSE(lr.spent()) << "records do not spend the region";
+  EXPECT_EQ(lr.in_use(), 2);
   lr.give_back_record(2, true);
   EXPECT_EQ(lr.try_take_record(), 2);
 }
