@@ -23,9 +23,14 @@ namespace ferry::store {
 
 void client::impl::release_land(piece& p) {
   if (!p.replied) n_quarantined += (p.land_slot >= 0) + (p.rec >= 0);
+  // The region itself stays with the piece: its waiter may still be looking at the notify record.
   if (p.land_slot >= 0) p.region->give_back_slot(std::exchange(p.land_slot, -1), p.replied);
   if (p.rec >= 0) p.region->give_back_record(std::exchange(p.rec, -1), p.replied);
-  p.region.reset();
+}
+
+void client::impl::give_back_unsent(piece& p) {
+  if (p.land_slot >= 0) p.region->give_back_slot(std::exchange(p.land_slot, -1), true);
+  if (p.rec >= 0) p.region->give_back_record(std::exchange(p.rec, -1), true);
 }
 
 void client::impl::copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n, bool to_user, const memory_region& user,
@@ -267,17 +272,22 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
     }
   }
   op o2{path, write, offset, length, until, {}};
-  // Staged through the engine's buffers, a piece is at most one of them.
-  pinned_pool* pool = staged && !direct ? &o.engine->staging_for(user) : nullptr;
+  // Staged through the engine's buffers, a piece is at most one of them (also through the landing
+  // region: a request whose region is replaced may go on through them).
+  pinned_pool* pool = staged ? &o.engine->staging_for(user) : nullptr;
   const std::uint64_t piece_len = pool ? std::min<std::uint64_t>(o.piece, pool->buffer_bytes()) : o.piece;
   // A read of one piece (most small ones) is registered with its piece, under one lock.
   bool one_piece = !write && length <= piece_len && !net;
   ticket registered = 0;
+  // The piece being made until it is registered: a failure before then gives its landing slot and
+  // record back (the server never saw them), so that they are neither lost nor quarantined.
+  std::shared_ptr<piece> unsent;
   try {
     std::uint64_t off = 0;
     do {
       std::uint64_t n = std::min<std::uint64_t>(piece_len, length - off);
       auto p = std::make_shared<piece>();
+      unsent = p;
       p->write = write;
       p->until = until;
       message m;
@@ -289,6 +299,23 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
         if (rp) n = std::min<std::uint64_t>(n, rp->addr + rp->bytes - a);  // one wire piece, one network key
       }
       p->len = n;
+      if (!rp && direct && n && !lent) {
+        // A slot of the landing region. A spent region (half its slots lost to requests the server
+        // never answered) is replaced; where not every lane maps its successor yet, the rest of the
+        // request moves data by messages.
+        while ((p->land_slot = lr->take_slot(until, peer)) < 0) {
+          renew_landing(lr, until);
+          lr = current_landing();
+          if (!direct_available()) {
+            log::info("store", "{}: {} {}: the rest by messages until every lane maps the fresh landing region", peer, opname,
+                      printable(path));
+            direct = false;
+            break;
+          }
+          if (staged && o.cache) lr->pinned(*o.cache, peer);
+        }
+        if (p->land_slot >= 0) p->region = lr;
+      }
       if (rp) {
         auto key = ucx_net_client::rkey_of(rp->cookie);
         std::vector<std::uint8_t> rk(reinterpret_cast<const std::uint8_t*>(key.data()), reinterpret_cast<const std::uint8_t*>(key.data()) + key.size());
@@ -303,18 +330,6 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
           p->land = mem + off;
           p->lent = true;
         } else {
-          // A spent region (half its slots lost to requests the server never answered) is replaced.
-          while ((p->land_slot = lr->take_slot(until, peer)) < 0) {
-            renew_landing(lr, until);
-            if (!direct_available())
-              fail(errc::network_error, "store.request", peer,
-                   fmt::format("the server left {} landing slots unanswered (it died, or was too slow); a fresh landing region "
-                               "replaces them, but not every lane maps it yet (a lane that is down lends it when it reconnects)",
-                               lr->quarantined()));
-            lr = current_landing();
-            if (staged && o.cache) lr->pinned(*o.cache, peer);
-          }
-          p->region = lr;
           p->land = lr->slot(p->land_slot);
           if (write) {
             copy_bytes(p->land, mem + off, n, false, user, buffer_region(*p), until);
@@ -343,10 +358,12 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
       }
       if (one_piece) {
         p = send(std::move(m), std::move(p), true, until, nullptr, &o2, keep ? nullptr : &registered);
+        unsent.reset();
         if (keep) *keep = std::move(o2);
         return registered;
       }
       p = send(std::move(m), std::move(p), true, until);
+      unsent.reset();
       o2.pieces.push_back(p);
       if (write && n && !p->direct && !p->rma) {
         // Data follows the frame, on the same connection, in messages of at most max_data (the server's limit).
@@ -369,6 +386,10 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
       off += n;
     } while (off < length);
   } catch (...) {
+    if (unsent) {
+      std::lock_guard l(mu);
+      give_back_unsent(*unsent);
+    }
     // Pieces already on the wire may still land: wait for them (bounded) before the buffer is given back.
     o2.pieces.each([&](const std::shared_ptr<piece>& p) {
       try {
@@ -550,7 +571,7 @@ client_stats client::stats() const {
                  direct ? "mapped landing region (server reads/writes it in place; shared memory)"
                         : "active messages (rendezvous above the eager limit)",
                  static_cast<int>(i.lanes.size()), i.n_direct, i.n_quarantined, i.n_rma, i.use_rma.load(), i.n_lent,
-                 i.n_noticed, i.n_copied_by_waiter.load(), i.n_staged_pieces.load(), i.copy_out_ns.load()};
+                 i.n_noticed, i.n_copied_by_waiter.load(), i.n_staged_pieces.load(), i.copy_out_ns.load(), i.n_renewals.load()};
   std::shared_ptr<connection> cn = i.lanes[0]->c;
   l.unlock();
   if (s.rma && !direct) s.data_path = "RMA into registered client memory (server puts reads, gets writes)";

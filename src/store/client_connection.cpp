@@ -98,27 +98,36 @@ bool client::impl::lend_to(lane& ln, const detail::shared_region& r, bool give_b
 
 void client::impl::renew_landing(const std::shared_ptr<detail::landing_region>& spent, clk::time_point until) {
   // Under lend_mu: a request that finds the region spent while another renews it waits here, and
-  // then sees the outcome (the fresh region, mapped or not).
+  // then sees the outcome (the fresh region, mapped or not). Each lend waits at most as long as a
+  // connection attempt, so that one slow server does not hold the other requests to this one's deadline.
   std::lock_guard g(lend_mu);
   if (current_landing() != spent) return;  // renewed by another request already
-  auto fresh = std::make_shared<detail::landing_region>(o.piece, landing_slots(), 256);
-  log::info("store", "{}: {} landing slots were left unanswered; a fresh landing region replaces them", peer, spent->quarantined());
   {
     // Requests move data by messages until the lanes map the fresh region.
     std::lock_guard l(mu);
     all_mapped = false;
     for (auto& ln : lanes) ln->mapped = false;
   }
+  std::shared_ptr<detail::landing_region> fresh;
+  try {
+    fresh = std::make_shared<detail::landing_region>(o.piece, landing_slots(), 256);
+  } catch (const error& e) {
+    log::warn("store", "{}: no fresh landing region ({}); data moves by messages", peer, e.what());
+    return;  // requests find the spent region and go by messages; the next one tries again
+  }
+  log::info("store", "{}: {} landing slots and records were left unanswered; a fresh landing region replaces them", peer,
+            spent->quarantined());
+  auto lend_until = [&] { return std::min(until, clk::now() + o.connect_timeout); };
+  std::vector<std::pair<lane*, std::shared_ptr<connection>>> up;
+  {
+    std::lock_guard l(mu);
+    for (auto& ln : lanes)
+      if (ln->ready && ln->c && ln->c->alive()) up.emplace_back(ln.get(), ln->c);  // the others lend it when they reconnect
+  }
   std::vector<std::pair<lane*, std::shared_ptr<connection>>> lent;
-  for (auto& ln : lanes) {
-    std::shared_ptr<connection> cn;
-    {
-      std::lock_guard l(mu);
-      cn = ln->c;
-    }
-    if (!cn || !cn->alive()) continue;  // its reconnect lends the fresh region
+  for (auto& [ln, cn] : up) {
     try {
-      if (lend_to(*ln, fresh->region(), false, until)) lent.emplace_back(ln.get(), cn);
+      if (lend_to(*ln, fresh->region(), false, lend_until())) lent.emplace_back(ln, cn);
     } catch (const error& e) {
       log::info("store", "{}: lane {} did not take the fresh landing region ({}); it moves data by messages", peer, ln->index, e.what());
     }
@@ -127,19 +136,26 @@ void client::impl::renew_landing(const std::shared_ptr<detail::landing_region>& 
     std::lock_guard l(landing_mu);
     landing = fresh;
   }
-  // The servers forget the spent region, unless a request still holds a slot of it (taken before it
-  // was spent, perhaps not sent yet): then it stays mapped until those connections close. Its
-  // quarantined slots are never handed out again either way; jobs still using it keep their mapping.
-  if (spent->in_use() == 0)
-    for (auto& [ln, cn] : lent) {
+  n_renewals++;
+  // The servers forget replaced regions once no slot or record of them is held (one taken before
+  // the region was spent may not have been sent yet); until then they stay mapped in the sessions
+  // that had them. Quarantined slots are never handed out again either way, and jobs still using a
+  // region keep their mapping.
+  retiring.push_back(spent);
+  std::erase_if(retiring, [&](const std::shared_ptr<detail::landing_region>& r) {
+    if (r->in_use() != 0) return false;
+    for (auto& [ln, cn] : up) {
       try {
-        lend_to(*ln, spent->region(), true, until);
+        lend_to(*ln, r->region(), true, lend_until());
       } catch (const error& e) {
-        log::debug("store", "{}: lane {} did not forget the spent landing region ({})", peer, ln->index, e.what());
+        log::debug("store", "{}: lane {} did not forget a replaced landing region ({})", peer, ln->index, e.what());
       }
     }
+    return true;
+  });
   std::lock_guard l(mu);
-  for (auto& [ln, cn] : lent) ln->mapped = ln->c == cn;  // a lane that reconnected meanwhile lent it itself
+  // A lane that reconnected meanwhile (or is reconnecting) lends the fresh region itself.
+  for (auto& [ln, cn] : lent) ln->mapped = ln->ready && ln->c == cn && cn->alive();
   all_mapped = std::all_of(lanes.begin(), lanes.end(), [](auto& x) { return x->mapped; });
 }
 
@@ -153,7 +169,7 @@ void* client::impl::allocate(std::uint64_t bytes) {
       std::shared_ptr<connection> cn;
       {
         std::lock_guard l(mu);
-        cn = ln->c;
+        if (ln->ready) cn = ln->c;
       }
       if (!cn || !cn->alive()) continue;  // its reconnect lends it
       try {
@@ -271,6 +287,7 @@ void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until)
   {
     std::lock_guard l(mu);
     if (ln.c) ln.c->close();
+    ln.ready = false;
     ln.mapped = false;
     all_mapped = false;
     buffers.lane_lost(ln.index);
@@ -326,15 +343,16 @@ void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until)
       fail(errc::protocol_error, "store.connect", fmt::format("{}:{}", host, to),
            fmt::format("lane {} reached another server than lane 0 (restarted, or another server on that port)", ln.index));
   }
+  if (ln.index == 0) decide_rma(*cn);
+  // The landing region and the caller's buffers (a new session knows none of them), under lend_mu
+  // until the lane says what it maps: a region renewed meanwhile is not taken for the one lent here,
+  // and nothing else lends on this lane before its handshake is done (`ready`).
+  std::lock_guard g(lend_mu);
   {
     auto& w = std::get<welcome>(r.b);
     ln.lending = w.lending;
     ln.token = w.token;
   }
-  if (ln.index == 0) decide_rma(*cn);
-  // The landing region and the caller's buffers (a new session knows none of them), under lend_mu
-  // until the lane says what it maps: a region renewed meanwhile is not taken for the one lent here.
-  std::lock_guard g(lend_mu);
   auto lr = current_landing();
   bool mapped = lr && lend_to(ln, lr->region(), false, until);
   if (lr && buffers.any())
@@ -344,6 +362,7 @@ void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until)
   auto& w = std::get<welcome>(r.b);
   if (ln.index == 0) hello_reply = w;
   ln.credits = std::max<std::uint32_t>(1, w.credits);
+  ln.ready = true;
   ln.mapped = mapped;
   all_mapped = lr && std::all_of(lanes.begin(), lanes.end(), [](auto& x) { return x->mapped; });
   ln.inflight = 0;

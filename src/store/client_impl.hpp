@@ -48,7 +48,9 @@ struct client::impl {
     std::shared_ptr<connection> c;                // mu
     std::uint32_t credits = 1, inflight = 0;      // mu
     bool mapped = false;                          // the server mapped our landing region (mu)
-    // From its welcome: where to pass regions it may map, and the session's token.
+    bool ready = false;                           // handshake done, `lending` and `token` set (mu)
+    // From its welcome: where to pass regions it may map, and the session's token (written under
+    // lend_mu, read by lenders, who hold it).
     std::string lending;
     std::vector<std::uint8_t> token;
   };
@@ -164,6 +166,7 @@ struct client::impl {
   // lock on some machines); staged bytes and reconnects by the threads that make them.
   std::uint64_t n_requests = 0, n_pieces = 0, n_read = 0, n_written = 0, n_direct = 0, n_rma = 0, n_lent = 0, n_noticed = 0;
   std::uint64_t n_quarantined = 0;  // landing slots and records given up while the server might still write them
+  std::atomic<std::uint64_t> n_renewals{0};  // landing regions replaced
   std::atomic<std::uint64_t> n_staged{0}, n_reconnects{0};
   std::atomic<std::uint64_t> n_staged_pieces{0}, copy_out_ns{0}, n_copied_by_waiter{0};
   std::shared_ptr<ucx_context> ctx;  // the lanes' workers'
@@ -185,6 +188,9 @@ struct client::impl {
   // a piece holds the region its slot is in.
   std::shared_ptr<detail::landing_region> landing;  // landing_mu
   mutable std::mutex landing_mu;
+  // Regions replaced while a slot or record of them was still held: the servers forget them once
+  // none is (lend_mu).
+  std::vector<std::shared_ptr<detail::landing_region>> retiring;
   std::shared_ptr<detail::landing_region> current_landing() const {
     std::lock_guard l(landing_mu);
     return landing;
@@ -357,6 +363,8 @@ struct client::impl {
   // Gives a piece's landing slot and notify record back, or keeps them out of use when the server
   // may still write into them.
   void release_land(piece& p);
+  // Gives back the landing slot and record of a piece that was never sent (mu held).
+  void give_back_unsent(piece& p);
 
   // Runs an idempotent request; after a lost connection (server restarted) it reconnects once and retries.
   template <typename F>

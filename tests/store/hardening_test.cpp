@@ -432,18 +432,28 @@ TEST(StoreHardening, AConnectThatTimesOutLeavesNothingBehind) {
   std::filesystem::remove_all(root);
 }
 
+// A directory with one file, data.bin, of `n` bytes (byte i is `byte(i)`), for a `ferry serve`
+// process of the test's own; removed at the end.
+struct data_root {
+  std::filesystem::path dir;
+  std::vector<std::byte> data;
+  data_root(const std::string& name, std::uint64_t n, std::byte (*byte)(std::uint64_t)) : data(n) {
+    dir = std::filesystem::path(::testing::TempDir()) / (name + "-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir);
+    for (std::uint64_t i = 0; i < n; ++i) data[i] = byte(i);
+    std::ofstream(dir / "data.bin", std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(n));
+  }
+  ~data_root() { std::filesystem::remove_all(dir); }
+};
+
 // The CPU twin of the GPU test GpuStreams.AServerKilledUnderAStreamOrderedReadReleasesTheStream: a
 // stream-ordered read of a ferry:// file waits behind the user's work on a (sim) stream while the
 // `ferry serve` process is killed; the read must fail naming the server and release the stream in
 // seconds -- not at its deadline. Several rounds: the slow case came now and then.
 TEST(StoreHardening, AServerKilledUnderAStreamOrderedReadIsNoticedInSeconds) {
-  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-killed-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(root);
   const std::uint64_t n = 64ull << 20;
-  {
-    std::vector<std::byte> data(n, std::byte{5});
-    std::ofstream(root / "data.bin", std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(n));
-  }
+  data_root files("ferry-killed", n, [](std::uint64_t) { return std::byte{5}; });
+  const auto& root = files.dir;
   runtime rt(test::sim_settings(256ull << 20));
   device& d = rt.devices().get("sim:0");
   mapped_memory dst = allocate_mapped(d, n);
@@ -472,7 +482,6 @@ TEST(StoreHardening, AServerKilledUnderAStreamOrderedReadIsNoticedInSeconds) {
     EXPECT_LT(took, std::chrono::seconds(10)) << "round " << round << ": " << r.err->what();
     std::printf("round %d: failed and released after %.0f ms\n", round, std::chrono::duration<double, std::milli>(took).count());
   }
-  std::filesystem::remove_all(root);
 }
 
 // A server killed while a read had every landing slot in flight leaves those slots out of use for
@@ -480,12 +489,10 @@ TEST(StoreHardening, AServerKilledUnderAStreamOrderedReadIsNoticedInSeconds) {
 // that never come back: it lends a fresh landing region, and its reads from the server that takes
 // over the port succeed, through shared memory again.
 TEST(StoreHardening, SlotsLostToAKilledServerAreReplacedAndTheNextServerIsReadAtOnce) {
-  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-lost-slots-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(root);
   const std::uint64_t n = 32ull << 20;
-  std::vector<std::byte> data(n);
-  for (std::uint64_t i = 0; i < n; ++i) data[i] = static_cast<std::byte>(i * 2654435761u >> 13);
-  std::ofstream(root / "data.bin", std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(n));
+  data_root files("ferry-lost-slots", n, [](std::uint64_t i) { return static_cast<std::byte>(i * 2654435761u >> 13); });
+  const auto& root = files.dir;
+  const auto& data = files.data;
   runtime rt(test::sim_settings(256ull << 20));
   device& d = rt.devices().get("sim:0");
   mapped_memory dst = allocate_mapped(d, n);
@@ -550,5 +557,38 @@ TEST(StoreHardening, SlotsLostToAKilledServerAreReplacedAndTheNextServerIsReadAt
   for (int i = 0; i < 3; ++i) ASSERT_EQ(c.read("data.bin", 0, dst.data(), n), n);
   EXPECT_GE(c.stats().direct_pieces, direct_before + 3 * 32) << "later reads did not use shared memory: " << c.stats().data_path;
   srv.reset();
-  std::filesystem::remove_all(root);
+}
+
+// A server that stops answering (stopped, not dead): the requests time out, their connections are
+// closed and their slots quarantined (the server may still write them when it goes on). When it
+// does go on, the lanes reconnect, and the next read replaces the spent region on lanes that are up:
+// lends the fresh one, has the servers forget the spent one, and reads the right bytes through
+// shared memory, whatever the resumed server wrote late into the old slots.
+TEST(StoreHardening, AServerThatWentQuietAndCameBackIsReadThroughAFreshLandingRegion) {
+  const std::uint64_t n = 16ull << 20;
+  data_root files("ferry-quiet", n, [](std::uint64_t i) { return static_cast<std::byte>(i * 2246822519u >> 11); });
+  const auto& root = files.dir;
+  const auto& data = files.data;
+  runtime rt(test::sim_settings(256ull << 20));
+  mapped_memory dst = allocate_mapped(rt.devices().get("sim:0"), n);
+  test::served_process srv(FERRY_TEST_CLI, root);
+  store::client_options o = store::client_options_from(rt.config(), &rt.registrations(), &rt.engine());
+  o.piece = 1ull << 20;
+  o.landing = 4 * o.piece;
+  store::client c("127.0.0.1", srv.port, o);
+  ASSERT_EQ(c.read("data.bin", 0, dst.data(), n), n);
+  srv.stop();
+  EXPECT_THAT(test::error_text([&] { c.read("data.bin", 0, dst.data(), n, std::chrono::seconds(1)); }), HasSubstr("[timeout]"));
+  EXPECT_GE(c.stats().quarantined, 2u);
+  srv.resume();
+  const auto direct_before = c.stats().direct_pieces;
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_EQ(c.read("data.bin", 0, dst.data(), n, std::chrono::seconds(10)), n) << "round " << round;
+    std::vector<std::byte> back(n);
+    rt.engine().copy(back.data(), dst.data(), n);
+    EXPECT_EQ(std::memcmp(back.data(), data.data(), n), 0) << "round " << round;
+  }
+  auto st = c.stats();
+  EXPECT_EQ(st.landing_renewals, 1u);
+  EXPECT_GE(st.direct_pieces, direct_before + 2 * 16) << "the reads after the renewal did not use shared memory: " << st.data_path;
 }

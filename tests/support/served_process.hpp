@@ -62,6 +62,10 @@ struct served_process {
   void stop() {
     if (pid > 0) ::kill(pid, SIGSTOP);
   }
+  // Lets a stopped server go on (SIGCONT).
+  void resume() {
+    if (pid > 0) ::kill(pid, SIGCONT);
+  }
   void kill() {
     if (pid <= 0) return;
     ::kill(pid, SIGKILL);

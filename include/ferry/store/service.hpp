@@ -140,7 +140,7 @@ struct client_stats {
   std::string data_path;     // "mapped region (shared memory)" or "active messages (rendezvous)"
   int lanes = 0;             // connections in use
   std::uint64_t direct_pieces = 0;     // pieces the server moved through the mapped region
-  std::uint64_t quarantined = 0;       // landing slots never reused (a request was abandoned while the server might still write)
+  std::uint64_t quarantined = 0;       // landing slots and notify records never reused (a request was abandoned while the server might still write)
   std::uint64_t rma_pieces = 0;        // pieces the server moved by RMA into / out of registered memory
   bool rma = false;                    // RMA in use for bulk data (FERRY_NET_RMA and the transports)
   std::uint64_t lent_pieces = 0;       // pieces the server moved straight into / out of buffers from allocate()
@@ -151,6 +151,7 @@ struct client_stats {
   // engine): how many, and the summed time from landing to copied; where a slow GPU read's time goes
   // on this side.
   std::uint64_t staged_pieces = 0, copy_out_ns = 0;
+  std::uint64_t landing_renewals = 0;  // landing regions replaced after half their slots were quarantined
 };
 
 class FERRY_API client {
