@@ -254,9 +254,14 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   // the data would cross into this process twice -- the server copies it into UCX's queue, this side
   // takes the message off it); writes of GPU/sim memory and of host memory above the inline size
   // (a small write is one message either way).
-  // The region before the decision: one replaced meanwhile is found spent below, and its successor taken.
-  std::shared_ptr<detail::landing_region> lr = current_landing();
-  bool direct = lent || (direct_available() && (!write || staged || length > (16u << 10)));
+  // The region is looked up only where it may be used (a client across hosts never maps one), and
+  // before the decision: one replaced meanwhile is found spent below, and its successor taken.
+  std::shared_ptr<detail::landing_region> lr;
+  bool direct = false;
+  if (lent || direct_available()) {
+    lr = current_landing();
+    direct = lent || (direct_available() && (!write || staged || length > (16u << 10)));
+  }
   if (direct && staged && o.cache && lr) lr->pinned(*o.cache, peer);  // pinned once, on first use
   // RMA into/out of the caller's memory, registered for the network (cached); memory UCX cannot
   // register (GPU memory without CUDA support in UCX) keeps the staged path.
