@@ -312,6 +312,25 @@ void vmm_probe(device& dev, json& out) {
     }
     fmt::print("\n");
     out["probe_parallel_map_access"] = par;
+    // The same for unmapping chunks the CPU may access (the cost a migration to the device pays
+    // per page the CPU had mapped): does it scale over threads?
+    json upar;
+    fmt::print("  unmap host (+CPU) of 8 chunks, us per 2 MiB, by threads:");
+    for (int nt : {1, 2, 4, 8}) {
+      map_all(th, both);
+      double sec = timed([&] {
+        std::vector<std::thread> ts;
+        for (int k = 0; k < nt; ++k)
+          ts.emplace_back([&, k] {
+            for (int i = k; i < 8; i += nt) dev.unmap(tv.at(i * cs), cs);
+          });
+        for (auto& t : ts) t.join();
+      });
+      upar[std::to_string(nt)] = sec * 1e6 / (8 * units);
+      fmt::print(" {}: {:.1f}", nt, sec * 1e6 / (8 * units));
+    }
+    fmt::print("\n");
+    out["probe_parallel_unmap_cpu"] = upar;
   }
 }
 
