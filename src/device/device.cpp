@@ -71,7 +71,8 @@ void event::wait(deadline until) {
 stream::~stream() = default;
 
 stream::stream(device& owner, bool view)
-    : owner_(&owner), view_(view), c_copies_(&owner.counters().get("copies")), c_copy_bytes_(&owner.counters().get("copy_bytes")) {}
+    : owner_(&owner), view_(view), c_copies_(&owner.counters().get("copies")), c_copy_bytes_(&owner.counters().get("copy_bytes")),
+      c_copy_batches_(&owner.counters().get("copy_batches")) {}
 
 void stream::copy(void* dst, const void* src, std::size_t bytes, copy_engine by) {
   if (bytes == 0) return;
@@ -135,6 +136,7 @@ void stream::copy_batch(std::span<const copy_desc> copies) {
   do_copy_batch(pieces);
   c_copies_->add(copies.size());
   c_copy_bytes_->add(total);
+  c_copy_batches_->add();
 }
 
 void stream::fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) {

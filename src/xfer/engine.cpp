@@ -539,6 +539,15 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
   };
   std::vector<group> open_groups;  // a handful at most: a linear search
   std::uint64_t chunk_cap = std::max<std::uint64_t>(I.cfg.xfer_chunk, 64 * KiB);
+  // A group holds FERRY_XFER_CHUNK or, for a batch of many small requests, half its share per
+  // worker where that is more: two items per worker, so that one worker's next enqueue overlaps its
+  // last copies, and no more (each more item is one more synchronization and a gap in the copy
+  // engine's queue).
+  std::uint64_t small_total = 0;
+  for (auto& r : reqs)
+    if (r.bytes <= I.cfg.xfer_batch_small) small_total += r.bytes;
+  const std::uint64_t items_wanted = 2 * static_cast<std::uint64_t>(std::max(I.nworkers, 1));
+  const std::uint64_t group_cap = std::max(chunk_cap, (small_total + items_wanted - 1) / items_wanted);
   std::optional<memory_region> last_src, last_dst;
 
   for (std::size_t i = 0; i < reqs.size(); ++i) {
@@ -637,7 +646,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
         auto g = std::find_if(open_groups.begin(), open_groups.end(), [&](const group& x) {
           return x.dev == w.dev && x.path == w.path && x.to_device == w.to_device;
         });
-        if (g == open_groups.end() || g->bytes + r.bytes > chunk_cap) {
+        if (g == open_groups.end() || g->bytes + r.bytes > group_cap) {
           if (g == open_groups.end()) g = open_groups.insert(open_groups.end(), {w.dev, w.path, w.to_device, 0, 0});
           items.push_back(std::move(w));
           g->item = items.size() - 1;

@@ -306,6 +306,33 @@ TEST(Engine, ManySmallRequestsAreGroupedAndProgressIsCounted) {
   EXPECT_EQ(rt.devices().get("sim:0").counters().get("copies").value(), 1024u);
 }
 
+// A batch of many small blocks is grouped into two items per worker where half its share per worker
+// is more than FERRY_XFER_CHUNK: each item is one enqueue (one more item would be one more
+// synchronization).
+TEST(Engine, ABatchOfManyBlocksIsTwoEnqueuesPerWorker) {
+  settings s = sim_settings();
+  s.xfer_threads = 2;
+  s.xfer_chunk = 1 << 20;
+  runtime rt(s);
+  device& dev = rt.devices().get("sim:0");
+  region a(dev, 16 << 20);
+  auto src = random_bytes(16 << 20, 5);
+  std::vector<transfer_request> reqs;
+  // 256 blocks of 64 KiB to slots in reverse order: 16 MiB, two workers, so four items of 4 MiB
+  // (with items of FERRY_XFER_CHUNK it would be 16).
+  for (std::uint64_t i = 0; i < 256; ++i) reqs.push_back({a.p((255 - i) * (64 << 10)), src.data() + i * (64 << 10), 64 << 10});
+  transfer_batch b = rt.engine().submit(reqs);
+  ASSERT_TRUE(b.wait());
+  b.check();
+  EXPECT_EQ(dev.counters().get("copy_batches").value(), 4u);
+  EXPECT_EQ(dev.counters().get("copies").value(), 256u);
+  std::vector<std::byte> back(64 << 10);
+  for (std::uint64_t i : {0ull, 1ull, 128ull, 255ull}) {
+    rt.engine().copy(back.data(), a.p((255 - i) * (64 << 10)), back.size());
+    EXPECT_EQ(checksum64(back.data(), back.size()), checksum64(src.data() + i * (64 << 10), back.size())) << "block " << i;
+  }
+}
+
 // A batch nobody waits for: its completion is called once, with every result, when the last request
 // is final -- done, refused at submit, or past its deadline -- and the data is in place by then.
 TEST(Engine, ABatchWithoutAHandleReportsThroughItsCompletionOnce) {

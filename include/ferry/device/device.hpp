@@ -238,6 +238,7 @@ class FERRY_API stream {
   bool view_;
   counter* c_copies_;  // the device's, looked up once: copy() runs per request
   counter* c_copy_bytes_;
+  counter* c_copy_batches_;  // copy_batch calls (each one enqueue of many copies)
 };
 
 // Told of kernel launches on a device -- the user's own included (CUDA: CUPTI callbacks on the
