@@ -47,7 +47,7 @@ int ms_until(lending_clock::time_point until) {
 
 // ---- client ------------------------------------------------------------------------------------
 
-shared_region::shared_region(std::size_t bytes) : size_(bytes) {
+shared_region::shared_region(std::size_t bytes, bool resident) : size_(bytes) {
   static std::atomic<std::uint64_t> next{1};
   id_ = next++;
   fd_ = ::memfd_create("ferry-lent", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -58,7 +58,7 @@ shared_region::shared_region(std::size_t bytes) : size_(bytes) {
     ::close(fd_);
     fail_errno(e, "store.region", fmt::format("{} bytes", bytes), "sizing and sealing the shared region");
   }
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | (resident ? MAP_POPULATE : 0), fd_, 0);
   if (p == MAP_FAILED) {
     int e = errno;
     ::close(fd_);

@@ -24,9 +24,10 @@ namespace ferry::store::detail {
 using lending_clock = std::chrono::steady_clock;
 
 // A client's region: a sealed memfd mapped shared here. Throws ferry::error (errno kept).
+// `resident`: its pages are made (and mapped here) at once, not at their first write.
 class shared_region {
  public:
-  explicit shared_region(std::size_t bytes);
+  explicit shared_region(std::size_t bytes, bool resident = false);
   ~shared_region();
   shared_region(const shared_region&) = delete;
   shared_region& operator=(const shared_region&) = delete;
