@@ -210,9 +210,9 @@ class FERRY_API client {
   // server cannot map it (another host or network namespace, FERRY_NET_MAP=0) it is ordinary host memory and
   // requests on it take the usual path (client_stats::lent_pieces counts those that went straight).
   // Its pages are resident from the start (made here, as pinned memory's are, so that the first reads
-  // into it do not pay for them). Valid until deallocate() or until the client is destroyed. Like any destination, a buffer must
-  // not be reused before its requests finish; after a request timed out, the server may still
-  // write into the buffer until its read ends.
+  // into it do not pay for them). Valid until deallocate() or until the client is destroyed. Like
+  // any destination, a buffer must not be reused before its requests finish; after a request timed
+  // out, the server may still write into the buffer until its read ends.
   void* allocate(std::uint64_t bytes);
   void deallocate(void* buffer);  // throws invalid_argument for a pointer allocate() did not return
 
