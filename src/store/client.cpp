@@ -21,16 +21,11 @@ namespace ferry::store {
                          e.code, 0});
 }
 
-void client::impl::release_land(piece& p) {
-  if (!p.replied) n_quarantined += (p.land_slot >= 0) + (p.rec >= 0);
+void client::impl::release_land(piece& p, bool server_may_write) {
+  if (server_may_write) n_quarantined += (p.land_slot >= 0) + (p.rec >= 0);
   // The region itself stays with the piece: its waiter may still be looking at the notify record.
-  if (p.land_slot >= 0) p.region->give_back_slot(std::exchange(p.land_slot, -1), p.replied);
-  if (p.rec >= 0) p.region->give_back_record(std::exchange(p.rec, -1), p.replied);
-}
-
-void client::impl::give_back_unsent(piece& p) {
-  if (p.land_slot >= 0) p.region->give_back_slot(std::exchange(p.land_slot, -1), true);
-  if (p.rec >= 0) p.region->give_back_record(std::exchange(p.rec, -1), true);
+  if (p.land_slot >= 0) p.region->give_back_slot(std::exchange(p.land_slot, -1), !server_may_write);
+  if (p.rec >= 0) p.region->give_back_record(std::exchange(p.rec, -1), !server_may_write);
 }
 
 void client::impl::copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n, bool to_user, const memory_region& user,
@@ -45,7 +40,7 @@ void client::impl::copy_bytes(std::byte* dst, const std::byte* src, std::uint64_
 
 void client::impl::release_buffers(piece& p) {
   p.slot.reset();
-  release_land(p);
+  release_land(p, !p.replied);
 }
 
 std::shared_ptr<client::impl::piece> client::impl::maybe_settle(const std::shared_ptr<piece>& pp) {
@@ -393,7 +388,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   } catch (...) {
     if (unsent) {
       std::lock_guard l(mu);
-      give_back_unsent(*unsent);
+      release_land(*unsent, false);  // never sent: the server never saw its slot
     }
     // Pieces already on the wire may still land: wait for them (bounded) before the buffer is given back.
     o2.pieces.each([&](const std::shared_ptr<piece>& p) {

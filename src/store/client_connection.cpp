@@ -48,7 +48,7 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
   }
   if (o.map) {
     try {
-      landing = std::make_shared<detail::landing_region>(o.piece, landing_slots(), 256);
+      landing = make_landing();
     } catch (const error& e) {
       log::info("store", "{}: no landing region ({}); data moves by messages", peer, e.what());
     }
@@ -110,7 +110,7 @@ void client::impl::renew_landing(const std::shared_ptr<detail::landing_region>& 
   }
   std::shared_ptr<detail::landing_region> fresh;
   try {
-    fresh = std::make_shared<detail::landing_region>(o.piece, landing_slots(), 256);
+    fresh = make_landing();
   } catch (const error& e) {
     log::warn("store", "{}: no fresh landing region ({}); data moves by messages", peer, e.what());
     return;  // requests find the spent region and go by messages; the next one tries again
@@ -348,18 +348,15 @@ void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until)
   // until the lane says what it maps: a region renewed meanwhile is not taken for the one lent here,
   // and nothing else lends on this lane before its handshake is done (`ready`).
   std::lock_guard g(lend_mu);
-  {
-    auto& w = std::get<welcome>(r.b);
-    ln.lending = w.lending;
-    ln.token = w.token;
-  }
+  auto& w = std::get<welcome>(r.b);
+  ln.lending = w.lending;
+  ln.token = w.token;
   auto lr = current_landing();
   bool mapped = lr && lend_to(ln, lr->region(), false, until);
   if (lr && buffers.any())
     for (auto* u : buffers.live())
       if (lend_to(ln, *u->r, false, until)) u->lanes.fetch_or(std::uint64_t{1} << ln.index);
   std::lock_guard l(mu);
-  auto& w = std::get<welcome>(r.b);
   if (ln.index == 0) hello_reply = w;
   ln.credits = std::max<std::uint32_t>(1, w.credits);
   ln.ready = true;

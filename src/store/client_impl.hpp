@@ -238,8 +238,10 @@ struct client::impl {
   // lane that is up, and has the servers forget the spent one; lanes that are down lend the fresh
   // one when they reconnect. Requests move data by messages until every lane maps it.
   void renew_landing(const std::shared_ptr<detail::landing_region>& spent, clk::time_point until);
-  // The number of landing slots (FERRY_NET_LANDING / FERRY_NET_PIECE, at least 2).
-  int landing_slots() const { return static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece)); }
+  // A landing region of FERRY_NET_LANDING / FERRY_NET_PIECE slots (at least 2) and 256 notify records.
+  std::shared_ptr<detail::landing_region> make_landing() const {
+    return std::make_shared<detail::landing_region>(o.piece, static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece)), 256);
+  }
   void* allocate(std::uint64_t bytes);
   void deallocate(void* p);
   // One request of one piece without data, waited for (handshake, lend, stat, list).
@@ -361,10 +363,8 @@ struct client::impl {
   // A finished piece gives back whatever buffer it borrowed (staging buffer, landing slot). mu held.
   void release_buffers(piece& p);
   // Gives a piece's landing slot and notify record back, or keeps them out of use when the server
-  // may still write into them.
-  void release_land(piece& p);
-  // Gives back the landing slot and record of a piece that was never sent (mu held).
-  void give_back_unsent(piece& p);
+  // may still write into them (a request it never answered). mu held.
+  void release_land(piece& p, bool server_may_write);
 
   // Runs an idempotent request; after a lost connection (server restarted) it reconnects once and retries.
   template <typename F>
