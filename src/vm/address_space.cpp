@@ -4,6 +4,7 @@
 #include <ferry/vm/address_space.hpp>
 
 #include "core/logging.hpp"
+#include "device/poll.hpp"
 
 #include <fmt/format.h>
 #include <linux/futex.h>
@@ -453,10 +454,21 @@ struct address_space::impl final : page_mover, launch_observer {
 
   // Waits for the work queued on attached streams: a kernel must not run on a page while its data
   // is copied away or its mapping changes (conservative: all of the stream's work, not per page).
+  // A stream capturing a CUDA graph runs nothing of what it records, and must not be waited for
+  // (that would end the user's capture with an error): it is passed over.
   void quiesce() {
     timed tm{t.quiesce};
     std::lock_guard l(streams_mu);
-    for (auto* s : streams) s->synchronize(deadline_after(o.deadline));
+    for (auto* s : streams)
+      if (!s->capturing()) s->synchronize(deadline_after(o.deadline));
+  }
+  // No work the devices were seen to launch (kernels, graphs, the runtime API's copies and memsets,
+  // on any stream, attached or not) is still running: the moves the space makes on its own (returns,
+  // fault-ahead) switch no mapping under it.
+  bool launched_work_done() const noexcept {
+    for (auto* d : devs)
+      if (!d->launched_work_done()) return false;
+    return true;
   }
 
   // The devices only: a GPU cannot fault, so always rw; the CPU is granted on its first touch.
@@ -677,8 +689,17 @@ struct address_space::impl final : page_mover, launch_observer {
       return;
     }
     if (table->cpu_taken() == 0) return;
+    // Work launched before this one (on any stream) may be using the pages: when there are pages
+    // to move, it is waited for up to the quiet time (a launch right after a copy); past that the
+    // pages wait for a later launch or the background return, and the kernel reads them where
+    // they are.
+    auto earlier_work_done = [&] {
+      if (detail::poll_until(deadline_after(o.return_quiet), [&] { return launched_work_done(); })) return true;
+      log::debug("vm", "{}: work launched earlier still runs: the pages the CPU took stay for now", dev.id());
+      return false;
+    };
     try {
-      table->return_taken(std::chrono::nanoseconds::zero(), npages, o.batch);
+      table->return_taken(std::chrono::nanoseconds::zero(), npages, o.batch, earlier_work_done);
     } catch (const std::exception& e) {
       // The kernel still runs correctly: the pages stay on the host, mapped for the device.
       log::warn("vm", "{}: returning pages to the device before a launch failed: {}", dev.id(), e.what());
@@ -692,7 +713,8 @@ struct address_space::impl final : page_mover, launch_observer {
     gate.unlock_shared();
   }
   // One background step (service thread): a batch of pages quiet for return_quiet, when no launch
-  // is under way and the attached streams are idle. True when more may be waiting.
+  // is under way, the attached streams are idle and no launched work still runs. True when more
+  // may be waiting.
   bool return_in_background() {
     if (!watching || o.return_quiet.count() <= 0 || table->cpu_taken() == 0) return false;
     std::unique_lock g(gate, std::try_to_lock);
@@ -700,10 +722,10 @@ struct address_space::impl final : page_mover, launch_observer {
     {
       std::lock_guard l(streams_mu);
       for (auto* s : streams)
-        if (!s->idle()) return false;
+        if (!s->capturing() && !s->idle()) return false;
     }
     try {
-      return table->return_taken(o.return_quiet, o.batch, o.batch) > 0;
+      return table->return_taken(o.return_quiet, o.batch, o.batch, [&] { return launched_work_done(); }) > 0;
     } catch (const std::exception& e) {
       log::warn("vm", "{}: returning quiet pages to the device failed: {}", dev.id(), e.what());
       return false;
@@ -727,7 +749,8 @@ struct address_space::impl final : page_mover, launch_observer {
       if (n <= 0) {
         if (ahead < ahead_end) {
           std::unique_lock l(ahead_mu);
-          if (launches.load() != epoch) {  // a kernel was launched since the fault: no more moves to the host
+          // A kernel launched since the fault, or one still running: no more moves to the host.
+          if (launches.load() != epoch || !launched_work_done()) {
             ahead = ahead_end;
             continue;
           }

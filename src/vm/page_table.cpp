@@ -783,7 +783,8 @@ void page_table::set_preferred(std::uint64_t page, location at) {
 
 std::uint64_t page_table::cpu_taken() const noexcept { return impl_->ntaken.load(); }
 
-std::uint64_t page_table::return_taken(std::chrono::nanoseconds quiet, std::uint64_t max_pages, std::uint64_t batch) {
+std::uint64_t page_table::return_taken(std::chrono::nanoseconds quiet, std::uint64_t max_pages, std::uint64_t batch,
+                                       const std::function<bool()>& ready) {
   auto& I = *impl_;
   if (I.ntaken.load() == 0) return 0;
   bool room = false;
@@ -806,6 +807,7 @@ std::uint64_t page_table::return_taken(std::chrono::nanoseconds quiet, std::uint
     location to = I.return_target(g, t, quiet);
     if (to > 0) go.emplace_back(p, to);
   }
+  if (go.empty() || (ready && !ready())) return 0;
   std::uint64_t moved = 0;
   for (std::size_t i = 0; i < go.size();) {
     std::size_t j = i + 1;

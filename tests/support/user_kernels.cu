@@ -37,3 +37,18 @@ extern "C" __global__ void user_gather(const unsigned* src, unsigned long long w
   for (unsigned long long i = blockIdx.x * 1ull * blockDim.x + threadIdx.x; i < n; i += 1ull * gridDim.x * blockDim.x)
     out[i] = src[value_at(i, seed) % words] + static_cast<unsigned>(i);
 }
+
+// A long kernel that keeps touching its data: reads src over and over for about `ns` of GPU time,
+// counting the words that are not value_at(i, seed) into *bad.
+extern "C" __global__ void user_reread(const unsigned* src, unsigned long long words, unsigned seed, unsigned long long ns,
+                                       unsigned long long* bad) {
+  const volatile unsigned* v = src;  // every pass reads memory again
+  unsigned long long start = 0, now = 0, mine = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    for (unsigned long long i = blockIdx.x * 1ull * blockDim.x + threadIdx.x; i < words; i += 1ull * gridDim.x * blockDim.x)
+      mine += v[i] != value_at(i, seed);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+  if (mine) atomicAdd(bad, mine);
+}

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 #include <unistd.h>
 
 namespace ferry::detail {
@@ -40,9 +41,12 @@ unsigned value_at(std::uint64_t i, unsigned seed) {
 // The user's program: the primary context of cuda:0, their kernels (tests/support/user_kernels.cu),
 // their stream -- nothing of ferry's device layer.
 struct user_program : test::cuda_user {
-  CUfunction produce = nullptr, gather = nullptr;
+  CUfunction produce = nullptr, gather = nullptr, reread = nullptr;
   user_program()
-      : cuda_user(*g_api, ferry::detail::ferry_user_kernels), produce(fn("user_produce")), gather(fn("user_gather")) {}
+      : cuda_user(*g_api, ferry::detail::ferry_user_kernels),
+        produce(fn("user_produce")),
+        gather(fn("user_gather")),
+        reread(fn("user_reread")) {}
   void launch_produce(void* dst, std::uint64_t bytes, unsigned seed) {
     unsigned long long words = bytes / 4, spin = 0;
     void* args[] = {&dst, &words, &seed, &spin};
@@ -52,6 +56,11 @@ struct user_program : test::cuda_user {
     unsigned long long words = src_bytes / 4, n = out_bytes / 4;
     void* args[] = {const_cast<void**>(&src), &words, &out, &n, &seed};
     CU(cuLaunchKernel(gather, 264, 1, 1, 256, 1, 1, 0, s, args, nullptr));
+  }
+  void launch_reread(const void* src, std::uint64_t bytes, unsigned seed, std::uint64_t ns, unsigned long long* bad) {
+    unsigned long long words = bytes / 4, t = ns;
+    void* args[] = {const_cast<void**>(&src), &words, &seed, &t, &bad};
+    CU(cuLaunchKernel(reread, 264, 1, 1, 256, 1, 1, 0, s, args, nullptr));
   }
   void sync() { CU(cuStreamSynchronize(s)); }
 };
@@ -151,6 +160,90 @@ TEST(GpuVm, AManagedMemoryProgramWithoutHintsGivesTheResultsOfCuMemAlloc) {
   EXPECT_EQ(as.resident(dev), src_pages + out_pages);
   EXPECT_EQ(std::memcmp(out, want.data(), out_bytes), 0) << "the result differs from cuMemAlloc's";
   as.detach_stream(*view);
+}
+
+// The user's long kernel, on the user's own stream (never attached), keeps reading pages the CPU
+// keeps writing (held on the host after a return); the hold ends while the kernel runs. The pages
+// go back only once the work launched on every stream has finished -- switching their mappings
+// under the kernel would end it with an illegal address.
+TEST(GpuVm, PagesTheCpuTookGoBackOnlyAfterTheUsersKernelOnAnUnattachedStreamEnds) {
+  runtime rt(g_settings);
+  device& dev = rt.devices().get("cuda:0");
+  user_program u;
+  vm::space_options o;
+  o.return_quiet = std::chrono::milliseconds(20);
+  o.return_hold = std::chrono::milliseconds(300);
+  vm::address_space as(dev, 64 * dev.granularity(), o);
+  const std::size_t n = 2 * as.page_bytes(), words = n / 4;
+  auto* src = static_cast<unsigned*>(as.alloc(n));
+  unsigned long long* bad = nullptr;  // pinned host memory: no page of the space
+  CU(cuMemHostAlloc(reinterpret_cast<void**>(&bad), 8, 0));
+  ASSERT_TRUE(as.returns_pages()) << "no launch callbacks (CUPTI) here";
+  // From the last word down: each page is faulted by the CPU's own access (a page moved ahead of a
+  // fault does not count as one the CPU keeps using).
+  auto write = [&](unsigned seed) {
+    for (std::size_t i = words; i-- > 0;) src[i] = value_at(i, seed);
+  };
+  write(1);  // the CPU takes src's pages
+  *bad = 0;
+  u.launch_reread(src, n, 1, 0, bad);  // one pass; the launch takes the pages back first
+  u.sync();
+  const auto returned = as.stats().returns;
+  EXPECT_EQ(returned, 2u);
+  EXPECT_EQ(*bad, 0u);
+  write(2);  // taken again right after their return: held on the host for return_hold
+  *bad = 0;
+  u.launch_reread(src, n, 2, 3'000'000'000ull, bad);  // ~3 s of reads over the bus, not waited for
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the hold and the quiet time pass
+  EXPECT_EQ(g_api->cuStreamQuery(u.s), CUDA_ERROR_NOT_READY) << "the kernel should still run";
+  EXPECT_EQ(as.stats().returns, returned) << "pages went back while the user's kernel used them";
+  u.sync();  // CUDA_ERROR_ILLEGAL_ADDRESS here if a mapping was switched under the kernel
+  EXPECT_EQ(*bad, 0u) << "words the kernel read wrong";
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (as.stats().returns < returned + 2 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(as.stats().returns, returned + 2) << "once the kernel ended, the pages went back in the background";
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < words; ++i) wrong += src[i] != value_at(i, 2);
+  EXPECT_EQ(wrong, 0u);
+  g_api->cuMemFreeHost(bad);
+}
+
+// The user captures a CUDA graph (global capture mode, torch's default) of a kernel reading unified
+// memory the CPU initialized, and while the capture is open the CPU touches a device-resident page
+// (a fault, served by ferry's own thread). The capture ends without error; nothing moved for the
+// captured launch; the graph's launch takes the pages back first, and its result is right.
+TEST(GpuVm, AGraphCapturedWhileTheCpuTouchesUnifiedMemory) {
+  runtime rt(g_settings);
+  device& dev = rt.devices().get("cuda:0");
+  user_program u;
+  vm::address_space as(dev, 64 * dev.granularity());
+  const std::size_t pg = as.page_bytes(), src_bytes = 2 * pg, out_bytes = pg, words = src_bytes / 4;
+  auto* src = static_cast<unsigned*>(as.alloc(src_bytes));
+  auto* out = static_cast<unsigned*>(as.alloc(out_bytes));
+  auto* other = static_cast<volatile unsigned*>(as.alloc(pg));  // fresh: on the device
+  ASSERT_TRUE(as.returns_pages()) << "no launch callbacks (CUPTI) here";
+  for (std::size_t i = 0; i < words; ++i) src[i] = value_at(i, 3);  // the CPU initializes
+  const auto faults = as.cpu_faults();
+  CU(cuStreamBeginCapture(u.s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+  u.launch_gather(src, src_bytes, out, out_bytes, 7);  // recorded into the graph, not run
+  unsigned touched = other[5];  // a CPU fault while the capture is open
+  CUgraph graph = nullptr;
+  CU(cuStreamEndCapture(u.s, &graph));
+  EXPECT_EQ(touched, 0u);
+  EXPECT_GT(as.cpu_faults(), faults);
+  EXPECT_EQ(as.stats().returns, 0u) << "a captured launch runs nothing: no pages move for it";
+  CUgraphExec exec = nullptr;
+  CU(cuGraphInstantiateWithFlags(&exec, graph, 0));
+  CU(cuGraphLaunch(exec, u.s));
+  u.sync();
+  EXPECT_EQ(as.stats().returns, 3u) << "the graph's launch took src and the page touched during the capture back first";
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < out_bytes / 4; ++i)
+    wrong += out[i] != value_at(value_at(i, 7) % words, 3) + static_cast<unsigned>(i);
+  EXPECT_EQ(wrong, 0u) << "words of the graph's result";
+  g_api->cuGraphExecDestroy(exec);
+  g_api->cuGraphDestroy(graph);
 }
 
 TEST(GpuVm, CpuWritesAndKernelsReadHostResidentThenDeviceResidentPages) {

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <bit>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
@@ -313,6 +314,34 @@ TEST(VmPageTable, ThrashingPagesStayOnTheHostForTheHold) {
   for (int round = 0; round < 2; ++round) t.prefetch_range(0, 4, 1, 2, std::chrono::seconds(10));
   EXPECT_EQ(t.stats().thrash_holds, 0u);
   EXPECT_EQ(t.stats().evictions, 6u);
+  EXPECT_EQ(mv.first, "");
+}
+
+// return_taken asks its caller once there are pages to move -- the space waits there for work the
+// devices were seen to launch, on any stream -- and moves nothing when the answer is no.
+TEST(VmPageTable, TakenPagesGoBackOnlyWhenTheCallerIsReady) {
+  fake_mover mv(4, {0, 4});
+  page_table t(4, 4096, {0, 4}, replacement::lru, mv);
+  int asked = 0;
+  auto answer = [&](bool yes) {
+    return std::function<bool()>([&asked, yes] {
+      ++asked;
+      return yes;
+    });
+  };
+  EXPECT_EQ(t.return_taken({}, 4, 2, answer(true)), 0u);
+  EXPECT_EQ(asked, 0) << "nothing taken: not asked";
+  for (std::uint64_t p = 0; p < 4; ++p) t.access(p, 1, true, soon());
+  for (std::uint64_t p = 0; p < 4; ++p) t.access(p, host, true, soon());  // the CPU takes them
+  ASSERT_EQ(t.cpu_taken(), 4u);
+  EXPECT_EQ(t.return_taken({}, 4, 2, answer(false)), 0u);
+  EXPECT_EQ(asked, 1);
+  EXPECT_EQ(t.cpu_taken(), 4u) << "not ready: every page stays";
+  EXPECT_EQ(t.resident(1), 0u);
+  EXPECT_EQ(t.return_taken({}, 4, 2, answer(true)), 4u);
+  EXPECT_EQ(asked, 2);
+  EXPECT_EQ(t.cpu_taken(), 0u);
+  EXPECT_EQ(t.resident(1), 4u);
   EXPECT_EQ(mv.first, "");
 }
 

@@ -210,6 +210,9 @@ class FERRY_API stream {
   void wait(event& e);
   // True when all enqueued work completed.
   bool idle();
+  // True while the stream captures a CUDA graph (a user's stream): work enqueued is recorded, not
+  // run, and the stream must be neither queried nor waited for until the capture ends.
+  bool capturing() { return do_capturing(); }
   // Waits for all enqueued work; throws timeout at the deadline, or the first asynchronous error.
   void synchronize(deadline until);
   void synchronize();  // with the device's default deadline (FERRY_DEADLINE)
@@ -229,6 +232,7 @@ class FERRY_API stream {
   virtual std::unique_ptr<event> do_record() = 0;
   virtual void do_wait(event& e) = 0;
   virtual bool do_idle() = 0;
+  virtual bool do_capturing() { return false; }
   virtual void do_synchronize(deadline until) = 0;
   virtual void do_write_value(std::uint32_t* addr, std::uint32_t value) = 0;
   virtual void do_wait_value(const std::uint32_t* addr, std::uint32_t value) = 0;
@@ -242,8 +246,10 @@ class FERRY_API stream {
 };
 
 // Told of kernel launches on a device -- the user's own included (CUDA: CUPTI callbacks on the
-// launch calls of the driver and runtime APIs). before_launch runs on the launching thread before the
-// launch is queued, after_launch once the call returns; neither may launch kernels itself.
+// launch calls of the driver and runtime APIs, graph launches, and the runtime API's copies and
+// memsets). before_launch runs on the launching thread before the launch is queued, after_launch
+// once the call returns; neither may launch kernels itself. Launches captured into a CUDA graph are
+// not reported (nothing runs then); the graph's launch is.
 class FERRY_API launch_observer {
  public:
   virtual ~launch_observer();
@@ -324,6 +330,10 @@ class FERRY_API device {
   // subscriber such as a profiler). unwatch waits for the observer's calls under way.
   bool watch_launches(launch_observer& o, std::string& why);
   void unwatch_launches(launch_observer& o) noexcept;
+  // True when the work of every launch reported to observers so far (on any stream, the user's own
+  // included) has finished. Work is tracked only while an observer watches; a backend whose
+  // launches run inside their report (sim) always says true.
+  bool launched_work_done() noexcept { return do_launched_work_done(); }
 
   // Backend-level: used by physical_chunk / va_range destructors.
   void release_chunk(physical_chunk& c) noexcept;
@@ -371,6 +381,7 @@ class FERRY_API device {
     why = "this backend does not report kernel launches";
     return false;
   }
+  virtual bool do_launched_work_done() noexcept { return true; }
 
   struct chunk_state {
     std::uint64_t size;

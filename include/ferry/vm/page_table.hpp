@@ -180,8 +180,11 @@ class FERRY_API page_table {
   // Pages the CPU took from a device that are still on the host (see "return" above).
   std::uint64_t cpu_taken() const noexcept;
   // Moves up to `max_pages` taken pages that the CPU took at least `quiet` ago, and that are not
-  // held, back to their device, in batches, into free room only. Returns the pages moved.
-  std::uint64_t return_taken(std::chrono::nanoseconds quiet, std::uint64_t max_pages, std::uint64_t batch);
+  // held, back to their device, in batches, into free room only. Returns the pages moved. `ready`,
+  // when given, is asked once there are pages to move (a caller waits there for work that may use
+  // them); false: nothing moves.
+  std::uint64_t return_taken(std::chrono::nanoseconds quiet, std::uint64_t max_pages, std::uint64_t batch,
+                             const std::function<bool()>& ready = {});
   // Evicts one page of device `at` by the replacement policy; false when none can be evicted now.
   bool evict_one(location at);
 

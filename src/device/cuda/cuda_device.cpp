@@ -11,8 +11,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <set>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace ferry::detail {
 extern const unsigned char ferry_cuda_kernels[];
@@ -77,6 +80,11 @@ class cuda_device final : public device, public cupti::launch_sink {
   }
   ~cuda_device() override {
     cupti::unwatch(*this);
+    {
+      context_scope cs(api_, ctx_);
+      for (auto& [st, ev] : launched_) api_.cuEventDestroy(ev);
+      for (auto ev : spare_events_) api_.cuEventDestroy(ev);
+    }
     if (module_) {
       context_scope cs(api_, ctx_);
       api_.cuModuleUnload(module_);
@@ -108,6 +116,12 @@ class cuda_device final : public device, public cupti::launch_sink {
     return n == "ferry_fill_pattern" ? fill_ : n == "ferry_copy" ? copy_ : checksum_;
   }
   unsigned launch_blocks() const { return static_cast<unsigned>(sm_count_ * 8); }
+  // Whether s captures a CUDA graph now (with the device's context current).
+  bool capturing(CUstream s) const noexcept {
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    // An error (the legacy stream while another stream captures) counts as capturing.
+    return api_.cuStreamIsCapturing(s, &st) != CUDA_SUCCESS || st != CU_STREAM_CAPTURE_STATUS_NONE;
+  }
 
  private:
   static device_info make_info(int ordinal, const settings& s) {
@@ -263,9 +277,56 @@ class cuda_device final : public device, public cupti::launch_sink {
   std::unique_ptr<stream> do_create_stream() override;
   std::unique_ptr<stream> do_wrap_stream(native_stream n) override;
   bool do_watch_launches(std::string& why) override { return cupti::watch(cupti_library_, ctx_, *this, why); }
-  void on_launch(bool enter) noexcept override {
-    if (enter) launching();
-    else launched();
+  void on_launch(bool enter, CUstream s, bool known, bool ok) noexcept override {
+    // Work captured into a graph does not run now (the graph's launch is reported when it comes),
+    // and a capturing stream must not be touched: the observers are not told. A stream's capture
+    // cannot begin or end inside a launch call, so the enter and the exit agree.
+    if (known && capturing(s)) return;
+    if (enter) {
+      launching();
+      return;
+    }
+    if (ok && known) mark_launched(s);
+    launched();
+  }
+  // After a reported call's work: an event per stream, recorded again by each call (in the caller's
+  // context, which is this device's: the callback matched it).
+  void mark_launched(CUstream s) noexcept {
+    std::lock_guard l(launched_mu_);
+    auto it = std::find_if(launched_.begin(), launched_.end(), [&](auto& e) { return e.first == s; });
+    CUevent ev = nullptr;
+    if (it != launched_.end()) {
+      ev = it->second;
+    } else if (!spare_events_.empty()) {
+      ev = spare_events_.back();
+      spare_events_.pop_back();
+      launched_.emplace_back(s, ev);
+    } else if (CUresult r = api_.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING); r == CUDA_SUCCESS) {
+      launched_.emplace_back(s, ev);
+    } else {
+      log::warn("cuda", "{}: an event to follow a launch could not be made: {}", id(), describe(r));
+      return;
+    }
+    if (CUresult r = api_.cuEventRecord(ev, s); r != CUDA_SUCCESS)
+      log::debug("cuda", "{}: an event after a launch on stream {} could not be recorded: {}", id(),
+                 static_cast<const void*>(s), describe(r));
+  }
+  bool do_launched_work_done() noexcept override {
+    context_scope cs(api_, ctx_);
+    std::lock_guard l(launched_mu_);
+    bool done = true;
+    for (std::size_t i = 0; i < launched_.size();) {
+      // Any answer but "not ready" means finished: an error is the stream's, for its owner to see.
+      if (api_.cuEventQuery(launched_[i].second) == CUDA_ERROR_NOT_READY) {
+        done = false;
+        ++i;
+        continue;
+      }
+      spare_events_.push_back(launched_[i].second);
+      launched_[i] = launched_.back();
+      launched_.pop_back();
+    }
+    return done;
   }
   void do_enable_peer_access(device& peer) override {
     auto* p = dynamic_cast<cuda_device*>(&peer);
@@ -282,6 +343,9 @@ class cuda_device final : public device, public cupti::launch_sink {
   }
 
   std::set<cuda_device*> peers_enabled_;
+  std::mutex launched_mu_;
+  std::vector<std::pair<CUstream, CUevent>> launched_;  // streams with reported work, an event after it
+  std::vector<CUevent> spare_events_;
   const driver_api& api_;
   std::string cupti_library_;
   CUdevice dev_ = 0;
@@ -437,6 +501,10 @@ class cuda_stream final : public stream {
     if (!ce) fail(errc::invalid_argument, "stream.wait", name_, "event belongs to another backend");
     auto cs = dev_.make_current();
     check(api_.cuStreamWaitEvent(s_, ce->handle(), 0), "stream.wait", name_);
+  }
+  bool do_capturing() override {
+    auto cs = dev_.make_current();
+    return dev_.capturing(s_);
   }
   bool do_idle() override {
     auto cs = dev_.make_current();

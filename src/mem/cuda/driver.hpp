@@ -25,7 +25,9 @@ namespace ferry::cuda {
   X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel) X(cuPointerGetAttributes) X(cuMemHostRegister)      \
   X(cuMemHostUnregister) X(cuCtxEnablePeerAccess) X(cuMemGetHandleForAddressRange)                                 \
   X(cuStreamGetDevice) X(cuStreamWriteValue32) X(cuStreamWaitValue32) X(cuEventSynchronize) X(cuStreamSynchronize) \
-  X(cuCtxCreate) X(cuCtxDestroy) X(cuMemHostAlloc) X(cuMemFreeHost)
+  X(cuCtxCreate) X(cuCtxDestroy) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuStreamIsCapturing)                        \
+  X(cuThreadExchangeStreamCaptureMode) X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuGraphInstantiateWithFlags) \
+  X(cuGraphLaunch) X(cuGraphExecDestroy) X(cuGraphDestroy)
 
 // Entry points whose newest ABI is declared in cuda.h under a _vN name that no macro maps the plain
 // name to: cuGetProcAddress of the plain name at CUDA_VERSION gives the newest ABI, so the pointer
@@ -66,6 +68,10 @@ void check(CUresult r, std::string_view op, std::string_view resource,
 // Makes a context current on this thread for the scope's lifetime, then puts back the one that was
 // current before (the caller's own, or none). ferry's calls run on its users' threads too: it must
 // never leave them in a different context than the one they had.
+//
+// For the same scope the thread's stream-capture mode is relaxed: a user's CUDA graph capture in the
+// default (global) mode, on any thread, would otherwise make ferry's calls that are "potentially
+// unsafe" during a capture (VMM mapping, synchronous copies) fail and invalidate the user's capture.
 class context_scope {
  public:
   context_scope(const driver_api& api, CUcontext ctx) noexcept : api_(&api) {
@@ -74,14 +80,19 @@ class context_scope {
       status_ = api.cuCtxSetCurrent(ctx);
       switched_ = status_ == CUDA_SUCCESS;
     }
+    mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;
+    relaxed_ = api.cuThreadExchangeStreamCaptureMode(&mode_) == CUDA_SUCCESS;
   }
-  context_scope(context_scope&& o) noexcept : api_(o.api_), prev_(o.prev_), switched_(o.switched_), status_(o.status_) {
+  context_scope(context_scope&& o) noexcept
+      : api_(o.api_), prev_(o.prev_), switched_(o.switched_), relaxed_(o.relaxed_), mode_(o.mode_), status_(o.status_) {
     o.switched_ = false;
+    o.relaxed_ = false;
   }
   context_scope(const context_scope&) = delete;
   context_scope& operator=(const context_scope&) = delete;
   context_scope& operator=(context_scope&&) = delete;
   ~context_scope() {
+    if (relaxed_) api_->cuThreadExchangeStreamCaptureMode(&mode_);
     if (switched_) api_->cuCtxSetCurrent(prev_);
   }
   CUresult status() const noexcept { return status_; }  // of making the context current
@@ -90,6 +101,8 @@ class context_scope {
   const driver_api* api_;
   CUcontext prev_ = nullptr;
   bool switched_ = false;
+  bool relaxed_ = false;
+  CUstreamCaptureMode mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;  // the thread's own, while relaxed
   CUresult status_ = CUDA_SUCCESS;
 };
 
