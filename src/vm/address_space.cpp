@@ -25,6 +25,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <thread>
+#include <utility>
 
 namespace ferry::vm {
 
@@ -231,6 +232,12 @@ struct address_space::impl final : page_mover, launch_observer {
   // leave the device just when a kernel wants them. A launch waits for the batch under way (ahead_mu).
   std::atomic<std::uint64_t> launches{0};
   std::timed_mutex ahead_mu;
+  // The pages after the last CPU fault, up to its fault-ahead window's end: the CPU is on its way to
+  // them, so the background return leaves them for up to return_hold after that fault (returned
+  // before the CPU got there, each would fault back and look like a page the CPU keeps using).
+  // Service thread only.
+  std::pair<std::uint64_t, std::uint64_t> cpu_heading{0, 0};
+  std::chrono::steady_clock::time_point cpu_heading_since{};
   // Launches return pages one at a time: a launch that met a page another launch is moving would
   // skip it and go ahead while that page's mapping is being switched.
   std::timed_mutex return_mu;
@@ -725,7 +732,9 @@ struct address_space::impl final : page_mover, launch_observer {
         if (!s->capturing() && !s->idle()) return false;
     }
     try {
-      return table->return_taken(o.return_quiet, o.batch, o.batch, [&] { return launched_work_done(); }) > 0;
+      auto keep = std::chrono::steady_clock::now() - cpu_heading_since < o.return_hold ? cpu_heading
+                                                                                         : std::pair<std::uint64_t, std::uint64_t>{0, 0};
+      return table->return_taken(o.return_quiet, o.batch, o.batch, [&] { return launched_work_done(); }, keep) > 0;
     } catch (const std::exception& e) {
       log::warn("vm", "{}: returning quiet pages to the device failed: {}", dev.id(), e.what());
       return false;
@@ -788,6 +797,8 @@ struct address_space::impl final : page_mover, launch_observer {
         epoch = launches_before;
         ahead = pg + 1;
         ahead_end = allocation_end(pg, window);
+        cpu_heading = {ahead, ahead_end};
+        cpu_heading_since = std::chrono::steady_clock::now();
       } catch (const std::exception& e) {
         log::error("vm", "{}: CPU fault at {:#x} (page {}, {}) failed: {}", dev.id(), r->addr, pg, r->write ? "write" : "read", e.what());
         result = -1;

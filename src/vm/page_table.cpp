@@ -784,7 +784,7 @@ void page_table::set_preferred(std::uint64_t page, location at) {
 std::uint64_t page_table::cpu_taken() const noexcept { return impl_->ntaken.load(); }
 
 std::uint64_t page_table::return_taken(std::chrono::nanoseconds quiet, std::uint64_t max_pages, std::uint64_t batch,
-                                       const std::function<bool()>& ready) {
+                                       const std::function<bool()>& ready, std::pair<std::uint64_t, std::uint64_t> keep) {
   auto& I = *impl_;
   if (I.ntaken.load() == 0) return 0;
   bool room = false;
@@ -801,6 +801,7 @@ std::uint64_t page_table::return_taken(std::chrono::nanoseconds quiet, std::uint
   std::int64_t t = now_ns();
   for (auto p : cand) {
     if (go.size() >= max_pages) break;
+    if (p >= keep.first && p < keep.second) continue;
     auto& g = I.pg[p];
     std::unique_lock l(g.mu, std::try_to_lock);  // a page being changed is not waited for
     if (!l) continue;

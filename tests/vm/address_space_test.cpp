@@ -210,6 +210,38 @@ TEST(VmSpace, QuietPagesGoBackInTheBackgroundAndAPageKeptInUseStays) {
   EXPECT_EQ(sum(p, n), want) << "the CPU's view after the moves";
 }
 
+// A sequential CPU writer slower than the quiet time: the pages moved ahead of it are not returned
+// in the background before it gets to them (each would fault back and be held on the host as a
+// page the CPU keeps using); once it has passed them they go back.
+TEST(VmSpace, PagesMovedAheadOfASlowCpuWriterStayUntilItHasPassedThem) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o;
+  o.return_at_launch = false;
+  o.return_quiet = std::chrono::milliseconds(10);
+  o.return_hold = std::chrono::seconds(2);
+  o.fault_ahead = 4;
+  vm::address_space as(dev, 32 * (64 << 10), o);
+  const std::size_t pg = as.page_bytes(), pages = 16, n = pages * pg;
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  ASSERT_EQ(as.resident(dev), pages);
+  for (std::size_t i = 0; i < pages; ++i) {
+    fill(p + i * pg, pg, 500 + i);
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));  // slower than the quiet time
+  }
+  EXPECT_EQ(as.stats().return_holds, 0u) << "pages returned ahead of the writer and taken back";
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (as.resident(dev) < pages && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(as.resident(dev), pages) << "every page went back once the writer was done";
+  EXPECT_EQ(as.stats().return_holds, 0u);
+  for (std::size_t i = 0; i < pages; ++i) {
+    std::vector<std::byte> want(pg);
+    fill(want.data(), pg, 500 + i);
+    EXPECT_EQ(sum(p + i * pg, pg), sum(want.data(), pg)) << "page " << i;
+  }
+}
+
 // A CPU fault that cannot be served within the space's deadline (its page is pinned by a transfer
 // that never ends, so it cannot move to the host) ends the process with a message naming the
 // address and why -- never a silent hang.

@@ -41,6 +41,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ferry::vm {
@@ -182,9 +183,10 @@ class FERRY_API page_table {
   // Moves up to `max_pages` taken pages that the CPU took at least `quiet` ago, and that are not
   // held, back to their device, in batches, into free room only. Returns the pages moved. `ready`,
   // when given, is asked once there are pages to move (a caller waits there for work that may use
-  // them); false: nothing moves.
+  // them); false: nothing moves. Pages [keep.first, keep.second) stay (the CPU is on its way to them).
   std::uint64_t return_taken(std::chrono::nanoseconds quiet, std::uint64_t max_pages, std::uint64_t batch,
-                             const std::function<bool()>& ready = {});
+                             const std::function<bool()>& ready = {},
+                             std::pair<std::uint64_t, std::uint64_t> keep = {0, 0});
   // Evicts one page of device `at` by the replacement policy; false when none can be evicted now.
   bool evict_one(location at);
 
