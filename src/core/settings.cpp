@@ -333,7 +333,7 @@ const setting_def table[] = {
   {"FERRY_VM_RETURN_QUIET", "Pages the CPU took from a device (FERRY_VM_RETURN_AT_LAUNCH) also go back in the background once this long has passed since the CPU took them, the space's attached streams are idle and no launched work still runs on any stream (needs launch callbacks, like the return at launch); also how long a launch waits for earlier work before it returns pages. 0 = only at launches.",
    [](settings& s, std::string_view v) { s.vm_return_quiet = parse_duration_in(v, std::chrono::nanoseconds::zero(), std::chrono::hours(1)); },
    [](const settings& s) { return format_duration(s.vm_return_quiet); }},
-  {"FERRY_VM_RETURN_HOLD", "A page the CPU takes again within this time of its return to the device is one the CPU keeps using: it stays on the host this long, twice as long each further time (at most 64 times).",
+  {"FERRY_VM_RETURN_HOLD", "A page the CPU takes again within this time of its return to the device is one the CPU keeps using: it stays on the host this long, twice as long each further time (at most 64 times). Also how long the background return leaves the pages moved ahead of the last CPU fault (the CPU is on its way to them).",
    [](settings& s, std::string_view v) { s.vm_return_hold = parse_duration_in(v, std::chrono::nanoseconds::zero(), std::chrono::hours(1)); },
    [](const settings& s) { return format_duration(s.vm_return_hold); }},
 };
