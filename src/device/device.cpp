@@ -306,12 +306,14 @@ bool device::watch_launches(launch_observer& o, std::string& why) {
   if (!do_watch_launches(why)) return false;
   std::unique_lock l(launch_mu_);
   if (std::find(launch_obs_.begin(), launch_obs_.end(), &o) == launch_obs_.end()) launch_obs_.push_back(&o);
+  watchers_.store(launch_obs_.size(), std::memory_order_relaxed);
   return true;
 }
 
 void device::unwatch_launches(launch_observer& o) noexcept {
   std::unique_lock l(launch_mu_);
   std::erase(launch_obs_, &o);
+  watchers_.store(launch_obs_.size(), std::memory_order_relaxed);
 }
 
 void device::launching() noexcept {

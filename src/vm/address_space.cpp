@@ -241,6 +241,8 @@ struct address_space::impl final : page_mover, launch_observer {
   // Launches return pages one at a time: a launch that met a page another launch is moving would
   // skip it and go ahead while that page's mapping is being switched.
   std::timed_mutex return_mu;
+  // A launch's wait for earlier work ran out: later launches only look, until that work is seen done.
+  std::atomic<bool> launches_only_look{false};
   std::thread service;
   std::unique_ptr<unified_client> client;
   struct {
@@ -699,9 +701,16 @@ struct address_space::impl final : page_mover, launch_observer {
     // Work launched before this one (on any stream) may be using the pages: when there are pages
     // to move, it is waited for up to the quiet time (a launch right after a copy); past that the
     // pages wait for a later launch or the background return, and the kernel reads them where
-    // they are.
+    // they are. After such a wait ran out, launches only look until the work is seen finished: a
+    // long-running kernel must not cost every launch the quiet time.
     auto earlier_work_done = [&] {
+      if (launches_only_look.load()) {
+        if (!launched_work_done()) return false;
+        launches_only_look = false;
+        return true;
+      }
       if (detail::poll_until(deadline_after(o.return_quiet), [&] { return launched_work_done(); })) return true;
+      launches_only_look = true;
       log::debug("vm", "{}: work launched earlier still runs: the pages the CPU took stay for now", dev.id());
       return false;
     };
@@ -734,7 +743,13 @@ struct address_space::impl final : page_mover, launch_observer {
     try {
       auto keep = std::chrono::steady_clock::now() - cpu_heading_since < o.return_hold ? cpu_heading
                                                                                          : std::pair<std::uint64_t, std::uint64_t>{0, 0};
-      return table->return_taken(o.return_quiet, o.batch, o.batch, [&] { return launched_work_done(); }, keep) > 0;
+      return table->return_taken(o.return_quiet, o.batch, o.batch,
+                                 [&] {
+                                   if (!launched_work_done()) return false;
+                                   launches_only_look = false;
+                                   return true;
+                                 },
+                                 keep) > 0;
     } catch (const std::exception& e) {
       log::warn("vm", "{}: returning quiet pages to the device failed: {}", dev.id(), e.what());
       return false;

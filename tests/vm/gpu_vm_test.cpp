@@ -217,7 +217,9 @@ TEST(GpuVm, AGraphCapturedWhileTheCpuTouchesUnifiedMemory) {
   runtime rt(g_settings);
   device& dev = rt.devices().get("cuda:0");
   user_program u;
-  vm::address_space as(dev, 64 * dev.granularity());
+  vm::space_options o;
+  o.return_quiet = {};  // at launches only: no page may go back in the background before the graph's launch
+  vm::address_space as(dev, 64 * dev.granularity(), o);
   const std::size_t pg = as.page_bytes(), src_bytes = 2 * pg, out_bytes = pg, words = src_bytes / 4;
   auto* src = static_cast<unsigned*>(as.alloc(src_bytes));
   auto* out = static_cast<unsigned*>(as.alloc(out_bytes));

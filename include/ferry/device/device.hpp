@@ -17,6 +17,7 @@
 #include <ferry/core/stats.hpp>
 #include <ferry/mem/memory.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -331,8 +332,9 @@ class FERRY_API device {
   bool watch_launches(launch_observer& o, std::string& why);
   void unwatch_launches(launch_observer& o) noexcept;
   // True when the work of every launch reported to observers so far (on any stream, the user's own
-  // included) has finished. Work is tracked only while an observer watches; a backend whose
-  // launches run inside their report (sim) always says true.
+  // included) has finished. Work is tracked only while an observer watches (launches made while
+  // none does are not waited for); a backend whose launches run inside their report (sim) always
+  // says true.
   bool launched_work_done() noexcept { return do_launched_work_done(); }
 
   // Backend-level: used by physical_chunk / va_range destructors.
@@ -359,6 +361,8 @@ class FERRY_API device {
   // count once).
   void launching() noexcept;
   void launched() noexcept;
+  // Whether any observer watches launches now (a backend need not report or track them otherwise).
+  bool watched() const noexcept { return watchers_.load(std::memory_order_relaxed) > 0; }
 
  private:
   virtual memory_usage do_memory() = 0;
@@ -405,6 +409,7 @@ class FERRY_API device {
   // Held shared from launching() to launched() (observers are called under it); exclusive to change.
   std::shared_mutex launch_mu_;
   std::vector<launch_observer*> launch_obs_;
+  std::atomic<std::size_t> watchers_{0};  // launch_obs_.size(), read without the lock
   counter& c_alloc_;
   counter& c_alloc_bytes_;
   counter& c_free_;

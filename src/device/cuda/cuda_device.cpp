@@ -82,7 +82,7 @@ class cuda_device final : public device, public cupti::launch_sink {
     cupti::unwatch(*this);
     {
       context_scope cs(api_, ctx_);
-      for (auto& [st, ev] : launched_) api_.cuEventDestroy(ev);
+      for (auto& e : launched_) api_.cuEventDestroy(e.event);
       for (auto ev : spare_events_) api_.cuEventDestroy(ev);
     }
     if (module_) {
@@ -277,11 +277,10 @@ class cuda_device final : public device, public cupti::launch_sink {
   std::unique_ptr<stream> do_create_stream() override;
   std::unique_ptr<stream> do_wrap_stream(native_stream n) override;
   bool do_watch_launches(std::string& why) override { return cupti::watch(cupti_library_, ctx_, *this, why); }
+  // Work captured into a graph does not run now (the graph's launch is reported when it comes),
+  // and a capturing stream must not be touched: the observers are not told.
+  bool reported(CUstream s, bool known) noexcept override { return watched() && !(known && capturing(s)); }
   void on_launch(bool enter, CUstream s, bool known, bool ok) noexcept override {
-    // Work captured into a graph does not run now (the graph's launch is reported when it comes),
-    // and a capturing stream must not be touched: the observers are not told. A stream's capture
-    // cannot begin or end inside a launch call, so the enter and the exit agree.
-    if (known && capturing(s)) return;
     if (enter) {
       launching();
       return;
@@ -290,19 +289,28 @@ class cuda_device final : public device, public cupti::launch_sink {
     launched();
   }
   // After a reported call's work: an event per stream, recorded again by each call (in the caller's
-  // context, which is this device's: the callback matched it).
+  // context, which is this device's: the callback matched it). The per-thread default stream is one
+  // handle for every thread's own stream: it is told apart by the thread.
+  struct launched_on {
+    CUstream stream;
+    std::thread::id thread;  // for CU_STREAM_PER_THREAD only
+    CUevent event;
+  };
   void mark_launched(CUstream s) noexcept {
+    context_scope cs(api_, ctx_);  // the capture mode relaxed for these calls too
+    std::thread::id t = s == CU_STREAM_PER_THREAD ? std::this_thread::get_id() : std::thread::id{};
     std::lock_guard l(launched_mu_);
-    auto it = std::find_if(launched_.begin(), launched_.end(), [&](auto& e) { return e.first == s; });
+    if (launched_.size() >= 64) prune_launched();  // streams made and destroyed: finished ones go
+    auto it = std::find_if(launched_.begin(), launched_.end(), [&](auto& e) { return e.stream == s && e.thread == t; });
     CUevent ev = nullptr;
     if (it != launched_.end()) {
-      ev = it->second;
+      ev = it->event;
     } else if (!spare_events_.empty()) {
       ev = spare_events_.back();
       spare_events_.pop_back();
-      launched_.emplace_back(s, ev);
+      launched_.push_back({s, t, ev});
     } else if (CUresult r = api_.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING); r == CUDA_SUCCESS) {
-      launched_.emplace_back(s, ev);
+      launched_.push_back({s, t, ev});
     } else {
       log::warn("cuda", "{}: an event to follow a launch could not be made: {}", id(), describe(r));
       return;
@@ -311,22 +319,27 @@ class cuda_device final : public device, public cupti::launch_sink {
       log::debug("cuda", "{}: an event after a launch on stream {} could not be recorded: {}", id(),
                  static_cast<const void*>(s), describe(r));
   }
-  bool do_launched_work_done() noexcept override {
-    context_scope cs(api_, ctx_);
-    std::lock_guard l(launched_mu_);
+  // Drops the entries whose work finished (their events go back to the spares); true when none is
+  // left running. Caller holds launched_mu_ with the context current.
+  bool prune_launched() noexcept {
     bool done = true;
     for (std::size_t i = 0; i < launched_.size();) {
       // Any answer but "not ready" means finished: an error is the stream's, for its owner to see.
-      if (api_.cuEventQuery(launched_[i].second) == CUDA_ERROR_NOT_READY) {
+      if (api_.cuEventQuery(launched_[i].event) == CUDA_ERROR_NOT_READY) {
         done = false;
         ++i;
         continue;
       }
-      spare_events_.push_back(launched_[i].second);
+      spare_events_.push_back(launched_[i].event);
       launched_[i] = launched_.back();
       launched_.pop_back();
     }
     return done;
+  }
+  bool do_launched_work_done() noexcept override {
+    context_scope cs(api_, ctx_);
+    std::lock_guard l(launched_mu_);
+    return prune_launched();
   }
   void do_enable_peer_access(device& peer) override {
     auto* p = dynamic_cast<cuda_device*>(&peer);
@@ -344,7 +357,7 @@ class cuda_device final : public device, public cupti::launch_sink {
 
   std::set<cuda_device*> peers_enabled_;
   std::mutex launched_mu_;
-  std::vector<std::pair<CUstream, CUevent>> launched_;  // streams with reported work, an event after it
+  std::vector<launched_on> launched_;  // streams with reported work, an event after it
   std::vector<CUevent> spare_events_;
   const driver_api& api_;
   std::string cupti_library_;

@@ -76,6 +76,7 @@ struct triple_chevron_params {
 };
 
 where stream_of(CUpti_CallbackDomain dom, CUpti_CallbackId id, const void* p) {
+  if (!p) return {nullptr, false};
   if (dom == CUPTI_CB_DOMAIN_DRIVER_API) switch (id) {
       case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel: return driver_stream_in<launch_kernel_params>(p, false);
       case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz: return driver_stream_in<launch_kernel_params>(p, true);
@@ -129,14 +130,38 @@ where stream_of(CUpti_CallbackDomain dom, CUpti_CallbackId id, const void* p) {
     case CUPTI_RUNTIME_TRACE_CBID_cudaMemset2DAsync_v3020: return stream_in<cudaMemset2DAsync_v3020_params>(p, false);
     case CUPTI_RUNTIME_TRACE_CBID_cudaMemset2DAsync_ptsz_v7000:
       return stream_in<cudaMemset2DAsync_ptsz_v7000_params>(p, true);
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3DAsync_v3020: return stream_in<cudaMemcpy3DAsync_v3020_params>(p, false);
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3DAsync_ptsz_v7000:
+      return stream_in<cudaMemcpy3DAsync_ptsz_v7000_params>(p, true);
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset3DAsync_v3020: return stream_in<cudaMemset3DAsync_v3020_params>(p, false);
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset3DAsync_ptsz_v7000:
+      return stream_in<cudaMemset3DAsync_ptsz_v7000_params>(p, true);
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyPeerAsync_v4000: return stream_in<cudaMemcpyPeerAsync_v4000_params>(p, false);
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbolAsync_v3020:
+      return stream_in<cudaMemcpyToSymbolAsync_v3020_params>(p, false);
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbolAsync_ptsz_v7000:
+      return stream_in<cudaMemcpyToSymbolAsync_ptsz_v7000_params>(p, true);
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbolAsync_v3020:
+      return stream_in<cudaMemcpyFromSymbolAsync_v3020_params>(p, false);
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbolAsync_ptsz_v7000:
+      return stream_in<cudaMemcpyFromSymbolAsync_ptsz_v7000_params>(p, true);
     case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_v3020:
     case CUPTI_RUNTIME_TRACE_CBID_cudaMemset_v3020:
     case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy2D_v3020:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset2D_v3020: return {CU_STREAM_LEGACY};
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset2D_v3020:
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3D_v3020:
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset3D_v3020:
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyPeer_v4000:
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbol_v3020:
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbol_v3020: return {CU_STREAM_LEGACY};
     case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_ptds_v7000:
     case CUPTI_RUNTIME_TRACE_CBID_cudaMemset_ptds_v7000:
     case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy2D_ptds_v7000:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset2D_ptds_v7000: return {CU_STREAM_PER_THREAD};
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset2D_ptds_v7000:
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3D_ptds_v7000:
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset3D_ptds_v7000:
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbol_ptds_v7000:
+    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbol_ptds_v7000: return {CU_STREAM_PER_THREAD};
     default: return {nullptr, false};
   }
 }
@@ -154,6 +179,21 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain dom, CUpti_CallbackId id, 
   bool ok = enter || !d->functionReturnValue || *static_cast<const int*>(d->functionReturnValue) == 0;
   where w = stream_of(dom, id, d->functionParams);
   std::shared_lock l(g_mu);
+  // Decided once, at the entry, and carried to the exit in the call's correlation word (a stream's
+  // capture can begin or end on another thread meanwhile: the exit must match the entry).
+  std::uint64_t* word = d->correlationData;
+  bool report = false;
+  if (enter || !word) {
+    for (auto& [ctx, sink] : g_sinks)
+      if (ctx == d->context) {
+        report = sink->reported(w.stream, w.known);
+        break;
+      }
+    if (word) *word = report ? 1 : 0;
+  } else {
+    report = *word == 1;
+  }
+  if (!report) return;
   for (auto& [ctx, sink] : g_sinks)
     if (ctx == d->context) sink->on_launch(enter, w.stream, w.known, ok);
 }
@@ -219,7 +259,16 @@ const subscription& subscribe(const std::string& library) {
         CUPTI_RUNTIME_TRACE_CBID_cudaMemset_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset_ptds_v7000,
         CUPTI_RUNTIME_TRACE_CBID_cudaMemsetAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemsetAsync_ptsz_v7000,
         CUPTI_RUNTIME_TRACE_CBID_cudaMemset2D_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset2D_ptds_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemset2DAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset2DAsync_ptsz_v7000};
+        CUPTI_RUNTIME_TRACE_CBID_cudaMemset2DAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset2DAsync_ptsz_v7000,
+        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3D_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3D_ptds_v7000,
+        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3DAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3DAsync_ptsz_v7000,
+        CUPTI_RUNTIME_TRACE_CBID_cudaMemset3D_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset3D_ptds_v7000,
+        CUPTI_RUNTIME_TRACE_CBID_cudaMemset3DAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset3DAsync_ptsz_v7000,
+        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyPeer_v4000, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyPeerAsync_v4000,
+        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbol_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbol_ptds_v7000,
+        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbolAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbolAsync_ptsz_v7000,
+        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbol_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbol_ptds_v7000,
+        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbolAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbolAsync_ptsz_v7000};
     for (auto id : driver)
       if (CUptiResult res = a.enable(1, sub, CUPTI_CB_DOMAIN_DRIVER_API, id); res != CUPTI_SUCCESS) {
         r.why = fmt::format("cuptiEnableCallback (driver API, id {}): {}", static_cast<int>(id), describe(res));

@@ -15,6 +15,9 @@ namespace ferry::cuda::cupti {
 class launch_sink {
  public:
   virtual ~launch_sink() = default;
+  // Whether a call putting work on `stream` is reported (not while the stream captures a graph:
+  // nothing runs then). Asked once per call, at its entry; the exit follows the same answer.
+  virtual bool reported(CUstream stream, bool known) noexcept = 0;
   // enter: before the work is queued; !enter: after the call returned (ok: it succeeded). On the
   // calling thread. `stream` is where the work goes (CU_STREAM_LEGACY / CU_STREAM_PER_THREAD for the
   // default streams); known is false for calls that name none (multi-device launches).
