@@ -185,8 +185,8 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain dom, CUpti_CallbackId id, 
   bool report = false;
   if (enter || !word) {
     for (auto& [ctx, sink] : g_sinks)
-      if (ctx == d->context) {
-        report = sink->reported(w.stream, w.known);
+      if (ctx == d->context && sink->reported(w.stream, w.known)) {
+        report = true;
         break;
       }
     if (word) *word = report ? 1 : 0;

@@ -16,7 +16,8 @@ class launch_sink {
  public:
   virtual ~launch_sink() = default;
   // Whether a call putting work on `stream` is reported (not while the stream captures a graph:
-  // nothing runs then). Asked once per call, at its entry; the exit follows the same answer.
+  // nothing runs then). Asked at the call's entry, the exit following that answer; one sink of the
+  // call's context saying yes reports it to all of them.
   virtual bool reported(CUstream stream, bool known) noexcept = 0;
   // enter: before the work is queued; !enter: after the call returned (ok: it succeeded). On the
   // calling thread. `stream` is where the work goes (CU_STREAM_LEGACY / CU_STREAM_PER_THREAD for the
