@@ -44,7 +44,7 @@ TEST(VmSpace, CpuFaultsFromEightThreadsMoveTheirPagesBothWays) {
   runtime rt(sim_cfg());
   device& dev = rt.devices().get("sim:0");
   vm::space_options o = placed();
-  o.fault_ahead = 1;  // one fault per page: many threads fault on the same pages at once
+  o.fault_ahead = 1;  // a fault moves one page at first: many threads fault on the same pages at once
   vm::address_space as(dev, 32 * (64 << 10), o);
   const std::size_t pg = as.page_bytes();
   auto* p = static_cast<std::byte*>(as.alloc(16 * pg));
@@ -73,7 +73,10 @@ TEST(VmSpace, CpuFaultsFromEightThreadsMoveTheirPagesBothWays) {
   for (auto& x : th) x.join();
   EXPECT_EQ(bad, 0);
   auto s = as.stats();
-  EXPECT_GE(as.cpu_faults(), 32u);  // 16 first touches + 16 pages back from the device
+  // 16 first touches + 16 pages back from the device, each page by a fault of its own or moved ahead
+  // of one (faults that come in sequence grow the window past fault_ahead, depending on the order
+  // in which the threads' faults arrive).
+  EXPECT_GE(as.cpu_faults() + s.fault_ahead, 32u);
   EXPECT_EQ(s.migrations_h2d, 16u);
   EXPECT_EQ(s.migrations_d2h, 32u);  // twice: the first touches, then the reads
   EXPECT_EQ(s.populated, 16u);  // by alloc, on the device
