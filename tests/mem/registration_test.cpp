@@ -224,6 +224,27 @@ std::optional<mapped_registration> map_and_register(registration_cache& cache, s
   }
 }
 
+// The real host client: host memory is every page of the range mapped and readable. A page
+// mapped PROT_NONE (as a freed cudaMalloc address stays inside CUDA's reservation) or unmapped
+// anywhere in a small range makes it unknown; in a large one, an unmapped page does.
+TEST(RegistrationCache, HostMemoryIsEveryPageMappedAndReadable) {
+  auto host = make_host_client("/nonexistent/libcuda.so.1");
+  registration_cache cache({host.get()}, 64 << 20);  // pageable ranges asked are remembered: negatives first
+  const std::size_t ps = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)), pages = 256;
+  auto* p = static_cast<char*>(::mmap(nullptr, pages * ps, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(p, MAP_FAILED);
+  ASSERT_EQ(::mprotect(p + 2 * ps, ps, PROT_NONE), 0);  // a page in the middle of a small range
+  ASSERT_EQ(::munmap(p + 200 * ps, ps), 0);              // a hole in a large range
+  EXPECT_EQ(cache.classify(p + 10, 4 * ps).type, memory_type::unknown);
+  EXPECT_EQ(cache.classify(p + 2 * ps + 5, 8).type, memory_type::unknown);
+  EXPECT_EQ(cache.classify(p + 100 * ps, 150 * ps).type, memory_type::unknown);
+  EXPECT_EQ(cache.classify(p + 199 * ps + 1, 2 * ps).type, memory_type::unknown);
+  EXPECT_EQ(cache.classify(p + 3 * ps, 4 * ps).type, memory_type::host_pageable) << "the pages after it";
+  EXPECT_EQ(cache.classify(p + 5 * ps + 100, 190 * ps).type, memory_type::host_pageable) << "a large range";
+  ::munmap(p, 200 * ps);
+  ::munmap(p + 201 * ps, (pages - 201) * ps);
+}
+
 // The real host client and the munmap hook: unmapped memory is never served from the cache.
 TEST(RegistrationCache, HostMunmapInvalidatesThroughMemoryHooks) {
   auto host = make_host_client("/nonexistent/libcuda.so.1");  // no CUDA: pins with mlock
