@@ -103,13 +103,20 @@ struct recv_ctx {
 // ---- connection --------------------------------------------------------------------------------
 
 void connection::mark_failed(const std::string& why) {
+  std::function<void(const std::string&)> told;
   {
     std::lock_guard l(mu_);
     if (!alive_) return;
     failure_ = why;
+    told = on_failure_;
   }
   alive_ = false;
-  if (on_failure) on_failure(why);
+  if (told) told(why);
+}
+
+void connection::on_failure(std::function<void(const std::string&)> f) {
+  std::lock_guard l(mu_);
+  on_failure_ = std::move(f);
 }
 
 namespace {

@@ -155,7 +155,9 @@ class connection : public std::enable_shared_from_this<connection> {
   ucp_ep_h ep = nullptr;  // progress thread only
   void* user = nullptr;   // owner's per-connection state (server session, client)
   void mark_failed(const std::string& why);
-  std::function<void(const std::string&)> on_failure;  // runs on the progress thread
+  // What runs (on the progress thread) when the connection fails. Set from any thread: the endpoint
+  // is live from connect() on, and its failure may be reported while the owner sets this.
+  void on_failure(std::function<void(const std::string&)> f);
 
  private:
   ucx_worker& w_;
@@ -163,6 +165,7 @@ class connection : public std::enable_shared_from_this<connection> {
   std::atomic<bool> alive_{true};
   mutable std::mutex mu_;
   std::string failure_;
+  std::function<void(const std::string&)> on_failure_;  // mu_
 };
 
 class ucx_worker {

@@ -305,7 +305,7 @@ void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until)
     const clk::time_point attempt_until = std::min(until, clk::now() + o.connect_timeout);
     cn = ln.w->connect(host, to, attempt_until);
     raw = cn.get();
-    cn->on_failure = [this, raw](const std::string& why) { conn_failed(raw, why); };
+    cn->on_failure([this, raw](const std::string& why) { conn_failed(raw, why); });
     {
       std::lock_guard l(mu);
       ln.c = cn;

@@ -484,7 +484,7 @@ struct server::impl {
       }
       // A client that dies or leaves: its session goes; running jobs hold their own reference.
       connection* raw = c.get();
-      c->on_failure = [this, raw](const std::string& why) {
+      c->on_failure([this, raw](const std::string& why) {
         std::shared_ptr<session> s;
         {
           std::lock_guard l(sess_mu);
@@ -501,7 +501,7 @@ struct server::impl {
         // failed): frame handlers use the session by plain pointer.
         if (s) raw->worker().post([s = std::move(s)] {});
         log::info("store", "client {} gone: {}", raw->peer(), why);
-      };
+      });
       log::info("store", "client {} connected on {}", c->peer(), c->worker().name());
     };
     auto nonce = detail::random_nonce();

@@ -272,6 +272,7 @@ TEST(Engine, CancelStopsWhatHasNotStarted) {
   settings s = sim_settings();
   s.sim_copy_gbps = 0.05;
   s.xfer_threads = 1;
+  s.xfer_batch_small = 0;  // one work item per request (grouped, 8 of them would start as one item)
   runtime rt(s);
   region a(rt.devices().get("sim:0"), 32 << 20);
   std::vector<unsigned char> src(32 << 20, 2);
