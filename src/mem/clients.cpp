@@ -23,9 +23,9 @@ std::uintptr_t page_size() { return static_cast<std::uintptr_t>(::sysconf(_SC_PA
 
 // Whether [p, p+n) is host memory ferry may use: a freed cudaMalloc address stays mapped PROT_NONE
 // inside CUDA's UVA reservation, and must not pass for host memory. A range of a few pages is read
-// one byte per page in one call (every page mapped and readable: one system call where a 4 KiB
-// request used to cost three); a larger one is checked by msync (every page mapped: ENOMEM
-// otherwise) and the reads of its first and last bytes.
+// one byte per page in one call (every page mapped and readable, in the one system call a small
+// request can afford); a larger one is checked by msync (every page mapped: ENOMEM otherwise) and
+// the reads of its first and last bytes.
 constexpr std::uintptr_t few_pages = 64;
 // 1: every byte read; 0: one was not readable; -1: process_vm_readv is not allowed here.
 int read_bytes(const std::uintptr_t* at, std::size_t k) {
