@@ -35,15 +35,25 @@ struct where {
   CUstream stream = nullptr;
   bool known = true;
 };
+where by_default(CUstream s, bool per_thread) { return {s ? s : per_thread ? CU_STREAM_PER_THREAD : CU_STREAM_LEGACY}; }
+where legacy() { return {CU_STREAM_LEGACY}; }
+where per_thread() { return {CU_STREAM_PER_THREAD}; }
+where unknown() { return {nullptr, false}; }  // several streams (multi-device launches)
+// A parameter struct's stream: `hStream` in the driver's, `stream` in the runtime's.
 template <class P>
-where stream_in(const void* params, bool per_thread) {
-  CUstream s = reinterpret_cast<CUstream>(static_cast<const P*>(params)->stream);
-  return {s ? s : per_thread ? CU_STREAM_PER_THREAD : CU_STREAM_LEGACY};
+CUstream stream_field(const P& q) {
+  if constexpr (requires { q.hStream; }) return q.hStream;
+  else return reinterpret_cast<CUstream>(q.stream);
 }
 template <class P>
-where driver_stream_in(const void* params, bool per_thread) {
-  CUstream s = static_cast<const P*>(params)->hStream;
-  return {s ? s : per_thread ? CU_STREAM_PER_THREAD : CU_STREAM_LEGACY};
+where in(const void* p, bool per_thread) {
+  return by_default(stream_field(*static_cast<const P*>(p)), per_thread);
+}
+// Launches with a configuration struct (cuLaunchKernelEx, cudaLaunchKernelExC): its stream.
+template <class P>
+where in_config(const void* p, bool per_thread) {
+  auto* c = static_cast<const P*>(p)->config;
+  return by_default(c ? stream_field(*c) : nullptr, per_thread);
 }
 // The driver calls' parameters, laid out as their declarations in cuda.h (as CUPTI passes them; its
 // generated_cuda_meta.h needs cuda.h's internal API versions): the leading ones, up to the stream.
@@ -75,95 +85,86 @@ struct triple_chevron_params {
   cudaStream_t stream;
 };
 
+// Every reported call, once: X(callback id, where its work goes, from its parameters `p`). The
+// callbacks are enabled from these lists and stream_of() answers from them: the two cannot differ.
+#define FERRY_CUPTI_DRIVER_CALLS(X)                                             \
+  X(cuLaunch, legacy())                                                         \
+  X(cuLaunchGrid, legacy())                                                     \
+  X(cuLaunchGridAsync, in<launch_grid_async_params>(p, false))                  \
+  X(cuLaunchKernel, in<launch_kernel_params>(p, false))                         \
+  X(cuLaunchKernel_ptsz, in<launch_kernel_params>(p, true))                     \
+  X(cuLaunchKernelEx, in_config<launch_kernel_ex_params>(p, false))             \
+  X(cuLaunchKernelEx_ptsz, in_config<launch_kernel_ex_params>(p, true))         \
+  X(cuLaunchCooperativeKernel, in<launch_kernel_params>(p, false))              \
+  X(cuLaunchCooperativeKernel_ptsz, in<launch_kernel_params>(p, true))          \
+  X(cuLaunchCooperativeKernelMultiDevice, unknown())                            \
+  X(cuGraphLaunch, in<graph_launch_params>(p, false))                           \
+  X(cuGraphLaunch_ptsz, in<graph_launch_params>(p, true))
+// Kernels, graphs, and the user's copies and memsets: like a kernel, they may touch unified memory
+// while they run.
+#define FERRY_CUPTI_RUNTIME_CALLS(X)                                                                     \
+  X(cudaLaunchKernel_v7000, in<cudaLaunchKernel_v7000_params>(p, false))                                 \
+  X(cudaLaunchKernel_ptsz_v7000, in<cudaLaunchKernel_ptsz_v7000_params>(p, true))                        \
+  X(cudaLaunchKernelExC_v11060, in_config<cudaLaunchKernelExC_v11060_params>(p, false))                  \
+  X(cudaLaunchKernelExC_ptsz_v11060, in_config<cudaLaunchKernelExC_ptsz_v11060_params>(p, true))         \
+  X(cudaLaunchCooperativeKernel_v9000, in<cudaLaunchCooperativeKernel_v9000_params>(p, false))           \
+  X(cudaLaunchCooperativeKernel_ptsz_v9000, in<cudaLaunchCooperativeKernel_ptsz_v9000_params>(p, true))  \
+  X(cudaLaunchCooperativeKernelMultiDevice_v9000, unknown())                                             \
+  X(cudaGraphLaunch_v10000, in<cudaGraphLaunch_v10000_params>(p, false))                                 \
+  X(cudaGraphLaunch_ptsz_v10000, in<cudaGraphLaunch_ptsz_v10000_params>(p, true))                        \
+  X(__cudaLaunchKernel_v13000, in<triple_chevron_params>(p, false))                                      \
+  X(__cudaLaunchKernel_ptsz_v13000, in<triple_chevron_params>(p, true))                                  \
+  X(cudaMemcpy_v3020, legacy())                                                                          \
+  X(cudaMemcpy_ptds_v7000, per_thread())                                                                 \
+  X(cudaMemcpyAsync_v3020, in<cudaMemcpyAsync_v3020_params>(p, false))                                   \
+  X(cudaMemcpyAsync_ptsz_v7000, in<cudaMemcpyAsync_ptsz_v7000_params>(p, true))                          \
+  X(cudaMemcpy2D_v3020, legacy())                                                                        \
+  X(cudaMemcpy2D_ptds_v7000, per_thread())                                                               \
+  X(cudaMemcpy2DAsync_v3020, in<cudaMemcpy2DAsync_v3020_params>(p, false))                               \
+  X(cudaMemcpy2DAsync_ptsz_v7000, in<cudaMemcpy2DAsync_ptsz_v7000_params>(p, true))                      \
+  X(cudaMemset_v3020, legacy())                                                                          \
+  X(cudaMemset_ptds_v7000, per_thread())                                                                 \
+  X(cudaMemsetAsync_v3020, in<cudaMemsetAsync_v3020_params>(p, false))                                   \
+  X(cudaMemsetAsync_ptsz_v7000, in<cudaMemsetAsync_ptsz_v7000_params>(p, true))                          \
+  X(cudaMemset2D_v3020, legacy())                                                                        \
+  X(cudaMemset2D_ptds_v7000, per_thread())                                                               \
+  X(cudaMemset2DAsync_v3020, in<cudaMemset2DAsync_v3020_params>(p, false))                               \
+  X(cudaMemset2DAsync_ptsz_v7000, in<cudaMemset2DAsync_ptsz_v7000_params>(p, true))                      \
+  X(cudaMemcpy3D_v3020, legacy())                                                                        \
+  X(cudaMemcpy3D_ptds_v7000, per_thread())                                                               \
+  X(cudaMemcpy3DAsync_v3020, in<cudaMemcpy3DAsync_v3020_params>(p, false))                               \
+  X(cudaMemcpy3DAsync_ptsz_v7000, in<cudaMemcpy3DAsync_ptsz_v7000_params>(p, true))                      \
+  X(cudaMemset3D_v3020, legacy())                                                                        \
+  X(cudaMemset3D_ptds_v7000, per_thread())                                                               \
+  X(cudaMemset3DAsync_v3020, in<cudaMemset3DAsync_v3020_params>(p, false))                               \
+  X(cudaMemset3DAsync_ptsz_v7000, in<cudaMemset3DAsync_ptsz_v7000_params>(p, true))                      \
+  X(cudaMemcpyPeer_v4000, legacy())                                                                      \
+  X(cudaMemcpyPeerAsync_v4000, in<cudaMemcpyPeerAsync_v4000_params>(p, false))                           \
+  X(cudaMemcpyToSymbol_v3020, legacy())                                                                  \
+  X(cudaMemcpyToSymbol_ptds_v7000, per_thread())                                                         \
+  X(cudaMemcpyToSymbolAsync_v3020, in<cudaMemcpyToSymbolAsync_v3020_params>(p, false))                   \
+  X(cudaMemcpyToSymbolAsync_ptsz_v7000, in<cudaMemcpyToSymbolAsync_ptsz_v7000_params>(p, true))          \
+  X(cudaMemcpyFromSymbol_v3020, legacy())                                                                \
+  X(cudaMemcpyFromSymbol_ptds_v7000, per_thread())                                                       \
+  X(cudaMemcpyFromSymbolAsync_v3020, in<cudaMemcpyFromSymbolAsync_v3020_params>(p, false))               \
+  X(cudaMemcpyFromSymbolAsync_ptsz_v7000, in<cudaMemcpyFromSymbolAsync_ptsz_v7000_params>(p, true))
+
 where stream_of(CUpti_CallbackDomain dom, CUpti_CallbackId id, const void* p) {
-  if (!p) return {nullptr, false};
+  if (!p) return unknown();
+#define FERRY_DRIVER_CASE(name, how) \
+  case CUPTI_DRIVER_TRACE_CBID_##name: return how;
+#define FERRY_RUNTIME_CASE(name, how) \
+  case CUPTI_RUNTIME_TRACE_CBID_##name: return how;
   if (dom == CUPTI_CB_DOMAIN_DRIVER_API) switch (id) {
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel: return driver_stream_in<launch_kernel_params>(p, false);
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz: return driver_stream_in<launch_kernel_params>(p, true);
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel:
-        return driver_stream_in<launch_kernel_params>(p, false);
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz:
-        return driver_stream_in<launch_kernel_params>(p, true);
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchGridAsync: return driver_stream_in<launch_grid_async_params>(p, false);
-      case CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch: return driver_stream_in<graph_launch_params>(p, false);
-      case CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz: return driver_stream_in<graph_launch_params>(p, true);
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx:
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz: {
-        const CUlaunchConfig* c = static_cast<const launch_kernel_ex_params*>(p)->config;
-        bool pt = id == CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz;
-        CUstream s = c ? c->hStream : nullptr;
-        return {s ? s : pt ? CU_STREAM_PER_THREAD : CU_STREAM_LEGACY};
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunch:
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchGrid: return {CU_STREAM_LEGACY};
-      default: return {nullptr, false};
+      FERRY_CUPTI_DRIVER_CALLS(FERRY_DRIVER_CASE)
+      default: return unknown();
     }
   switch (id) {
-    case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000: return stream_in<cudaLaunchKernel_v7000_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_ptsz_v7000:
-      return stream_in<cudaLaunchKernel_ptsz_v7000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID___cudaLaunchKernel_v13000: return stream_in<triple_chevron_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID___cudaLaunchKernel_ptsz_v13000: return stream_in<triple_chevron_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchCooperativeKernel_v9000:
-      return stream_in<cudaLaunchCooperativeKernel_v9000_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchCooperativeKernel_ptsz_v9000:
-      return stream_in<cudaLaunchCooperativeKernel_ptsz_v9000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_v11060:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_ptsz_v11060: {
-      const cudaLaunchConfig_t* c = static_cast<const cudaLaunchKernelExC_v11060_params*>(p)->config;
-      bool pt = id == CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_ptsz_v11060;
-      CUstream s = c ? reinterpret_cast<CUstream>(c->stream) : nullptr;
-      return {s ? s : pt ? CU_STREAM_PER_THREAD : CU_STREAM_LEGACY};
-    }
-    case CUPTI_RUNTIME_TRACE_CBID_cudaGraphLaunch_v10000: return stream_in<cudaGraphLaunch_v10000_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaGraphLaunch_ptsz_v10000:
-      return stream_in<cudaGraphLaunch_ptsz_v10000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyAsync_v3020: return stream_in<cudaMemcpyAsync_v3020_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyAsync_ptsz_v7000:
-      return stream_in<cudaMemcpyAsync_ptsz_v7000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy2DAsync_v3020: return stream_in<cudaMemcpy2DAsync_v3020_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy2DAsync_ptsz_v7000:
-      return stream_in<cudaMemcpy2DAsync_ptsz_v7000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemsetAsync_v3020: return stream_in<cudaMemsetAsync_v3020_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemsetAsync_ptsz_v7000:
-      return stream_in<cudaMemsetAsync_ptsz_v7000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset2DAsync_v3020: return stream_in<cudaMemset2DAsync_v3020_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset2DAsync_ptsz_v7000:
-      return stream_in<cudaMemset2DAsync_ptsz_v7000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3DAsync_v3020: return stream_in<cudaMemcpy3DAsync_v3020_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3DAsync_ptsz_v7000:
-      return stream_in<cudaMemcpy3DAsync_ptsz_v7000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset3DAsync_v3020: return stream_in<cudaMemset3DAsync_v3020_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset3DAsync_ptsz_v7000:
-      return stream_in<cudaMemset3DAsync_ptsz_v7000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyPeerAsync_v4000: return stream_in<cudaMemcpyPeerAsync_v4000_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbolAsync_v3020:
-      return stream_in<cudaMemcpyToSymbolAsync_v3020_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbolAsync_ptsz_v7000:
-      return stream_in<cudaMemcpyToSymbolAsync_ptsz_v7000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbolAsync_v3020:
-      return stream_in<cudaMemcpyFromSymbolAsync_v3020_params>(p, false);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbolAsync_ptsz_v7000:
-      return stream_in<cudaMemcpyFromSymbolAsync_ptsz_v7000_params>(p, true);
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_v3020:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset_v3020:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy2D_v3020:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset2D_v3020:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3D_v3020:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset3D_v3020:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyPeer_v4000:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbol_v3020:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbol_v3020: return {CU_STREAM_LEGACY};
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_ptds_v7000:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset_ptds_v7000:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy2D_ptds_v7000:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset2D_ptds_v7000:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3D_ptds_v7000:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemset3D_ptds_v7000:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbol_ptds_v7000:
-    case CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbol_ptds_v7000: return {CU_STREAM_PER_THREAD};
-    default: return {nullptr, false};
+    FERRY_CUPTI_RUNTIME_CALLS(FERRY_RUNTIME_CASE)
+    default: return unknown();
   }
+#undef FERRY_DRIVER_CASE
+#undef FERRY_RUNTIME_CASE
 }
 
 void CUPTIAPI on_callback(void*, CUpti_CallbackDomain dom, CUpti_CallbackId id, const void* data) {
@@ -237,38 +238,12 @@ const subscription& subscribe(const std::string& library) {
       r.why = fmt::format("cuptiSubscribe: {} (another CUPTI client, e.g. a profiler, may hold it)", describe(res));
       return r;
     }
-    const CUpti_CallbackId driver[] = {
-        CUPTI_DRIVER_TRACE_CBID_cuLaunch, CUPTI_DRIVER_TRACE_CBID_cuLaunchGrid, CUPTI_DRIVER_TRACE_CBID_cuLaunchGridAsync,
-        CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz,
-        CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz,
-        CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel, CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz,
-        CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernelMultiDevice, CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch,
-        CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz};
-    const CUpti_CallbackId runtime[] = {
-        CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_ptsz_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_v11060, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_ptsz_v11060,
-        CUPTI_RUNTIME_TRACE_CBID_cudaLaunchCooperativeKernel_v9000, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchCooperativeKernel_ptsz_v9000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaLaunchCooperativeKernelMultiDevice_v9000, CUPTI_RUNTIME_TRACE_CBID_cudaGraphLaunch_v10000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaGraphLaunch_ptsz_v10000, CUPTI_RUNTIME_TRACE_CBID___cudaLaunchKernel_v13000,
-        CUPTI_RUNTIME_TRACE_CBID___cudaLaunchKernel_ptsz_v13000,
-        // The user's copies and memsets: like a kernel, they may touch unified memory while it runs.
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_ptds_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyAsync_ptsz_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy2D_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy2D_ptds_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy2DAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy2DAsync_ptsz_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemset_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset_ptds_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemsetAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemsetAsync_ptsz_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemset2D_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset2D_ptds_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemset2DAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset2DAsync_ptsz_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3D_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3D_ptds_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3DAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy3DAsync_ptsz_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemset3D_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset3D_ptds_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemset3DAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemset3DAsync_ptsz_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyPeer_v4000, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyPeerAsync_v4000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbol_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbol_ptds_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbolAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyToSymbolAsync_ptsz_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbol_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbol_ptds_v7000,
-        CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbolAsync_v3020, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyFromSymbolAsync_ptsz_v7000};
+#define FERRY_DRIVER_ID(name, how) CUPTI_DRIVER_TRACE_CBID_##name,
+#define FERRY_RUNTIME_ID(name, how) CUPTI_RUNTIME_TRACE_CBID_##name,
+    const CUpti_CallbackId driver[] = {FERRY_CUPTI_DRIVER_CALLS(FERRY_DRIVER_ID)};
+    const CUpti_CallbackId runtime[] = {FERRY_CUPTI_RUNTIME_CALLS(FERRY_RUNTIME_ID)};
+#undef FERRY_DRIVER_ID
+#undef FERRY_RUNTIME_ID
     for (auto id : driver)
       if (CUptiResult res = a.enable(1, sub, CUPTI_CB_DOMAIN_DRIVER_API, id); res != CUPTI_SUCCESS) {
         r.why = fmt::format("cuptiEnableCallback (driver API, id {}): {}", static_cast<int>(id), describe(res));
