@@ -255,7 +255,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   bool direct = false;
   if (lent || direct_available()) {
     lr = current_landing();
-    direct = lent || (direct_available() && (!write || staged || length > (16u << 10)));
+    direct = lent || !write || staged || length > (16u << 10);
   }
   if (direct && staged && o.cache && lr) lr->pinned(*o.cache, peer);  // pinned once, on first use
   // RMA into/out of the caller's memory, registered for the network (cached); memory UCX cannot

@@ -479,6 +479,12 @@ struct address_space::impl final : page_mover, launch_observer {
       if (!d->launched_work_done()) return false;
     return true;
   }
+  // The same, and when it is so, launches wait for earlier work again (launches_only_look ends).
+  bool launched_work_finished() noexcept {
+    if (!launched_work_done()) return false;
+    launches_only_look = false;
+    return true;
+  }
 
   // The devices only: a GPU cannot fault, so always rw; the CPU is granted on its first touch.
   std::vector<access_desc> grants() const { return device_grants(); }
@@ -704,11 +710,7 @@ struct address_space::impl final : page_mover, launch_observer {
     // they are. After such a wait ran out, launches only look until the work is seen finished: a
     // long-running kernel must not cost every launch the quiet time.
     auto earlier_work_done = [&] {
-      if (launches_only_look.load()) {
-        if (!launched_work_done()) return false;
-        launches_only_look = false;
-        return true;
-      }
+      if (launches_only_look.load()) return launched_work_finished();
       if (detail::poll_until(deadline_after(o.return_quiet), [&] { return launched_work_done(); })) return true;
       launches_only_look = true;
       log::debug("vm", "{}: work launched earlier still runs: the pages the CPU took stay for now", dev.id());
@@ -743,13 +745,7 @@ struct address_space::impl final : page_mover, launch_observer {
     try {
       auto keep = std::chrono::steady_clock::now() - cpu_heading_since < o.return_hold ? cpu_heading
                                                                                          : std::pair<std::uint64_t, std::uint64_t>{0, 0};
-      return table->return_taken(o.return_quiet, o.batch, o.batch,
-                                 [&] {
-                                   if (!launched_work_done()) return false;
-                                   launches_only_look = false;
-                                   return true;
-                                 },
-                                 keep) > 0;
+      return table->return_taken(o.return_quiet, o.batch, o.batch, [&] { return launched_work_finished(); }, keep) > 0;
     } catch (const std::exception& e) {
       log::warn("vm", "{}: returning quiet pages to the device failed: {}", dev.id(), e.what());
       return false;
