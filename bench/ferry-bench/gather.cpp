@@ -318,7 +318,7 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
                             {"proxy_vs_engine", proxy_rate / rate}});
 
         // io_uring alone: the same pages, threads as many as the file engine's, each its own ring.
-        const int raw_threads = rt.config().io_threads > 0 ? rt.config().io_threads : default_xfer_threads();
+        const int raw_threads = rt.config().io_threads > 0 ? rt.config().io_threads : default_io_threads();
         const unsigned depth = static_cast<unsigned>(std::max(1, rt.config().io_depth));
         std::vector<double> raw;
         for (int round = 0; round < o.rounds; ++round) {

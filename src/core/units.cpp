@@ -19,6 +19,15 @@ int default_xfer_threads() noexcept {
   return static_cast<int>(std::clamp(n / 2, 2u, 16u));
 }
 
+int default_io_threads() noexcept {
+  // A buffered read that hits the page cache is a copy by the CPU, made on an io thread or by its
+  // ring's io-wq worker, which runs a burst of such copies one after another (it adds a worker only
+  // when one sleeps): copies run in parallel across threads only. A server answering many clients
+  // from the page cache needs one per core; between 2 and 16.
+  unsigned n = std::thread::hardware_concurrency();
+  return static_cast<int>(std::clamp(n, 2u, 16u));
+}
+
 namespace {
 
 std::string lower(std::string_view s) {

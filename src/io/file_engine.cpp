@@ -363,7 +363,7 @@ file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cac
     : xfer(x), devices(d), cache(c), cfg(s) {
   inject_partial = s.io_inject.find("partial") != std::string::npos;
   inject_eintr = s.io_inject.find("eintr") != std::string::npos;
-  const int n = s.io_threads > 0 ? s.io_threads : default_xfer_threads();
+  const int n = s.io_threads > 0 ? s.io_threads : default_io_threads();
   for (int i = 0; i < n; ++i) workers.push_back(std::make_unique<worker>(*this));
   for (auto& w : workers)
     threads.emplace_back([w = w.get()] {

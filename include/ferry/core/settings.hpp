@@ -42,7 +42,8 @@ FERRY_API std::string_view to_string(direct_io v) noexcept;
 FERRY_API std::string_view to_string(rma_use v) noexcept;
 FERRY_API std::string_view to_string(page_replacement v) noexcept;
 
-FERRY_API int default_xfer_threads() noexcept;  // half the hardware threads, 2..16 (also the file engine's)
+FERRY_API int default_xfer_threads() noexcept;  // half the hardware threads, 2..16
+FERRY_API int default_io_threads() noexcept;    // the hardware threads, 2..16
 
 struct FERRY_API settings {
   // core
@@ -75,7 +76,7 @@ struct FERRY_API settings {
   std::string cupti_library = "libcupti.so.13";
   file_backend_kind file_backend = file_backend_kind::automatic;
   direct_io io_direct = direct_io::automatic;
-  int io_threads = 0;  // 0: default_xfer_threads()
+  int io_threads = 0;  // 0: default_io_threads()
   int io_depth = 16;
   std::uint64_t io_chunk = 8ull << 20;
   std::uint64_t io_inline = 1ull << 20;  // buffered I/O up to this size is copied during submit
