@@ -22,10 +22,11 @@ int default_xfer_threads() noexcept {
 int default_io_threads() noexcept {
   // A buffered read that hits the page cache is a copy by the CPU, made on an io thread or by its
   // ring's io-wq worker, which runs a burst of such copies one after another (it adds a worker only
-  // when one sleeps): copies run in parallel across threads only. A server answering many clients
-  // from the page cache needs one per core; between 2 and 16.
+  // when one sleeps): copies run in parallel across threads only. Three quarters of the cores: the
+  // threads that feed the engine (a server's progress threads, a GPU proxy's, the caller's own)
+  // keep the rest. Between 2 and 16.
   unsigned n = std::thread::hardware_concurrency();
-  return static_cast<int>(std::clamp(n, 2u, 16u));
+  return static_cast<int>(std::clamp(n * 3 / 4, 2u, 16u));
 }
 
 namespace {

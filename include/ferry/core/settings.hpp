@@ -43,7 +43,7 @@ FERRY_API std::string_view to_string(rma_use v) noexcept;
 FERRY_API std::string_view to_string(page_replacement v) noexcept;
 
 FERRY_API int default_xfer_threads() noexcept;  // half the hardware threads, 2..16
-FERRY_API int default_io_threads() noexcept;    // the hardware threads, 2..16
+FERRY_API int default_io_threads() noexcept;    // three quarters of the hardware threads, 2..16
 
 struct FERRY_API settings {
   // core
