@@ -77,6 +77,7 @@ struct proxy::impl {
       st->copy(v.words, w.data(), words_bytes);
       st->synchronize(deadline_after(o.deadline));
     }
+    spare.resize(o.rings);
     for (std::uint32_t k = 0; k < o.rings; ++k)
       th.emplace_back([this, k] {
         ::pthread_setname_np(::pthread_self(), "ferry-gpu-proxy");  // for top, perf and debuggers (15 characters at most)
@@ -120,55 +121,82 @@ struct proxy::impl {
     give(r, ticket, sta, o.rings);
   }
 
+  // A batch handed to the file engine: its requests, to answer each, and when they were taken.
+  // Used again once its completion has run, so that a ring's thread allocates nothing per batch
+  // once it has as many as it keeps under way (the completion runs on an engine thread; memory
+  // allocated by one thread and freed by another is what a busy proxy would otherwise pay for).
+  struct batch_rec {
+    std::uint32_t ring = 0;
+    std::vector<std::pair<request, std::uint64_t>> taken;
+    std::chrono::steady_clock::time_point taken_at;
+  };
+  std::vector<std::unique_ptr<batch_rec>> recs;  // mu: every record made
+  std::vector<std::vector<batch_rec*>> spare;    // mu: per ring, records whose completion has run
+
+  // What a ring's thread builds per batch, kept for the next one.
+  struct scratch {
+    std::vector<request> rs;
+    std::vector<std::uint64_t> tickets;
+    std::vector<file_request> frs;
+    std::vector<char> fate;
+  };
+
   // Serves the requests taken together as one file-engine batch: one submission and one
   // completion for all of them (the engine reads them concurrently); each gets its own answer.
-  void serve_batch(const std::vector<request>& rs, const std::vector<std::uint64_t>& tickets,
-                   std::chrono::steady_clock::time_point taken_at = std::chrono::steady_clock::now()) {
-    std::vector<file_request> frs;
-    auto taken = std::make_shared<std::vector<std::pair<request, std::uint64_t>>>();
-    frs.reserve(rs.size());
-    taken->reserve(rs.size());
+  void serve_batch(std::uint32_t k, scratch& w, const std::vector<request>& rs, const std::vector<std::uint64_t>& tickets,
+                   std::chrono::steady_clock::time_point taken_at) {
+    w.frs.clear();
     // Each request's source, and whether it can be served at all, under one lock. The first
     // request served of each run of one source carries an owning reference (the file engine's batch
     // keeps it: a batch that outlives the proxy still has its files); the others point without
     // owning, so no reference count is touched per request.
-    std::vector<std::shared_ptr<file>> fs(rs.size());
     enum : char { serve, unanswerable, no_source, bad_op };
-    std::vector<char> fate(rs.size());
+    w.fate.resize(rs.size());
+    batch_rec* rec = nullptr;
     {
       std::lock_guard l(mu);
       const file* last = nullptr;
       for (std::size_t i = 0; i < rs.size(); ++i) {
         const request& r = rs[i];
-        fate[i] = !answerable(r) ? unanswerable : r.source >= sources.size() ? no_source
-                : r.kind != op::read && r.kind != op::write ? bad_op : serve;
-        if (fate[i] == unanswerable)
+        w.fate[i] = !answerable(r) ? unanswerable : r.source >= sources.size() ? no_source
+                  : r.kind != op::read && r.kind != op::write ? bad_op : serve;
+        if (w.fate[i] == unanswerable)
           note(r, tickets[i], fmt::format("answer word {:#x} is not one of the proxy's (answer_words): not served", r.done));
-        if (fate[i] != serve) continue;
+        if (w.fate[i] != serve) continue;
         file* f = sources[r.source].get();
-        fs[i] = f == last ? std::shared_ptr<file>(std::shared_ptr<file>{}, f) : sources[r.source];
+        w.frs.push_back({f == last ? std::shared_ptr<file>(std::shared_ptr<file>{}, f) : sources[r.source], r.offset,
+                         reinterpret_cast<void*>(r.addr), r.bytes, r.kind == op::write});
         last = f;
       }
+      if (!w.frs.empty()) {
+        if (spare[k].empty()) {
+          recs.push_back(std::make_unique<batch_rec>());
+          spare[k].push_back(recs.back().get());
+          recs.back()->ring = k;
+        }
+        rec = spare[k].back();
+        spare[k].pop_back();
+        in_flight++;
+      }
+    }
+    if (rec) {
+      rec->taken.clear();
+      rec->taken_at = taken_at;
     }
     for (std::size_t i = 0; i < rs.size(); ++i) {
       const request& r = rs[i];
-      if (fate[i] == no_source) failed(r, tickets[i], status::failed, fmt::format("no source {}", r.source));
-      if (fate[i] == bad_op) failed(r, tickets[i], status::failed, fmt::format("unknown operation {}", static_cast<unsigned>(r.kind)));
-      if (fate[i] != serve) continue;
-      frs.push_back({std::move(fs[i]), r.offset, reinterpret_cast<void*>(r.addr), r.bytes, r.kind == op::write});
-      taken->emplace_back(r, tickets[i]);
+      if (w.fate[i] == no_source) failed(r, tickets[i], status::failed, fmt::format("no source {}", r.source));
+      if (w.fate[i] == bad_op) failed(r, tickets[i], status::failed, fmt::format("unknown operation {}", static_cast<unsigned>(r.kind)));
+      if (w.fate[i] == serve) rec->taken.emplace_back(r, tickets[i]);
     }
-    if (frs.empty()) return;
+    if (!rec) return;
     transfer_options to;
     to.until = deadline_after(o.deadline);
-    {
-      std::lock_guard l(mu);
-      in_flight++;
-    }
-    auto finished = [this, taken, taken_at](std::span<const request_result> res) {
+    // Captures two pointers: std::function keeps it without an allocation.
+    auto finished = [this, rec](std::span<const request_result> res) {
       std::uint64_t ok_bytes = 0;
       for (std::size_t i = 0; i < res.size(); ++i) {
-        const auto& [r, ticket] = (*taken)[i];
+        const auto& [r, ticket] = rec->taken[i];
         const request_result& x = res[i];
         if (x.state == request_state::done && x.bytes_done == r.bytes) {
           give(r, ticket, status::ok, o.rings);
@@ -180,28 +208,31 @@ struct proxy::impl {
                  x.err ? x.err->what() : std::string("failed"));
         }
       }
-      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - taken_at).count();
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - rec->taken_at).count();
       std::lock_guard l(mu);
       latency[std::bit_width(static_cast<std::uint64_t>(std::max<std::int64_t>(ns, 1))) - 1] += res.size();
       s.bytes += ok_bytes;
+      spare[rec->ring].push_back(rec);
       in_flight--;
       idle.notify_all();
     };
     try {
-      rt.files().submit(frs, to, finished);
+      rt.files().submit(w.frs, to, finished);
+      w.frs.clear();  // the batch holds what it needs of the files
     } catch (const std::exception& e) {
       // Refused before anything started (bad memory, a closed source): the batch again one by one,
       // so that only the requests at fault fail.
+      w.frs.clear();
+      std::vector<std::pair<request, std::uint64_t>> again;
+      again.swap(rec->taken);
       {
         std::lock_guard l(mu);
+        spare[k].push_back(rec);
         in_flight--;
         idle.notify_all();
       }
-      if (taken->size() == 1) {
-        const auto& [r, ticket] = (*taken)[0];
-        return failed(r, ticket, status::failed, e.what());
-      }
-      for (const auto& [r, ticket] : *taken) serve_batch({r}, {ticket}, taken_at);
+      if (again.size() == 1) return failed(again[0].first, again[0].second, status::failed, e.what());
+      for (const auto& [r, ticket] : again) serve_batch(k, w, {r}, {ticket}, taken_at);
     }
   }
 
@@ -213,8 +244,9 @@ struct proxy::impl {
     const std::uint64_t ring_bits = std::uint64_t{k} << ring_shift;
     std::uint64_t head = 0;
     auto last = std::chrono::steady_clock::now();
-    std::vector<request> rs;
-    std::vector<std::uint64_t> tickets;
+    scratch w;
+    std::vector<request>& rs = w.rs;
+    std::vector<std::uint64_t>& tickets = w.tickets;
     request r;
     while (!stop.load(std::memory_order_relaxed)) {
       rs.clear();
@@ -230,7 +262,7 @@ struct proxy::impl {
           s.requests += rs.size();
           s.batches++;
         }
-        serve_batch(rs, tickets, t0);
+        serve_batch(k, w, rs, tickets, t0);
         last = std::chrono::steady_clock::now();
         busy_ns += static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(last - t0).count());
         continue;

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <mutex>
@@ -26,6 +27,11 @@ void open_direct(const std::string& how, int flags, int fd, int& dfd, std::uint3
   }
 }
 }  // namespace
+
+file::file() {
+  static std::atomic<std::uint64_t> next{1};
+  id_ = next.fetch_add(1, std::memory_order_relaxed);
+}
 
 std::shared_ptr<file> file::over(std::shared_ptr<file_source> source, std::string name, bool writable) {
   if (!source) fail(errc::invalid_argument, "file.over", name, "no source");

@@ -24,7 +24,6 @@
 #include <array>
 #include <cerrno>
 #include <cstring>
-#include <deque>
 #include <list>
 #include <map>
 #include <set>
@@ -79,6 +78,14 @@ struct job {
   std::optional<std::uint64_t> size;   // a piece of a read: the file's size when the request was cut
 };
 
+// What file_engine::start builds per batch, kept by the submitting thread for its next one.
+struct scratch {
+  std::vector<job> jobs;
+  std::vector<std::size_t> load;
+  std::vector<std::uint32_t> to;
+  std::vector<std::size_t> first, at, order;
+};
+
 // A request a worker is running: the file ranges still to issue, its progress, its first error.
 struct running {
   job j;
@@ -122,6 +129,7 @@ struct slot {
   bool direct = false;
   bool nowait = false;  // a buffered read that must not wait for the disk (RWF_NOWAIT)
   int retries = 0;
+  int reg = -1;  // the registered descriptor its I/O in flight names, if any
 };
 
 // Runs f; an error it throws is returned instead.
@@ -151,7 +159,7 @@ struct file_engine::impl {
   counter &beside_others = st.get("requests.beside_others"), &reads_direct_n = st.get("reads.direct"),
           &reads_in_place = st.get("reads.in_place"), &reads_buffered = st.get("reads.buffered"),
           &bytes_read = st.get("bytes_read"), &bytes_written = st.get("bytes_written"),
-          &reads_missed_cache = st.get("reads.missed_cache");
+          &reads_missed_cache = st.get("reads.missed_cache"), &files_registered = st.get("files.registered");
   struct worker;
   std::atomic<bool> stop{false};
   std::vector<std::unique_ptr<worker>> workers;
@@ -198,8 +206,11 @@ struct file_engine::impl {
     // Its own lock, so that submitting threads and workers meet only pairwise (a lock of all the
     // queues made every worker's round wait for every submission).
     std::mutex qmu;
-    std::deque<job> queue;            // with qmu
-    std::atomic<std::size_t> queued{0};  // queue.size(), for submitters choosing a worker without its lock
+    // With qmu: jobs from queue[qhead] on wait (a vector and an index, not a deque: a deque's node
+    // per few jobs would be allocated by the submitting thread and freed by this one).
+    std::vector<job> queue;
+    std::size_t qhead = 0;
+    std::atomic<std::size_t> queued{0};  // jobs waiting, for submitters choosing a worker without its lock
     std::condition_variable cv;       // with qmu: its queue got work, or stop (it waits here when it runs nothing)
     std::atomic<std::size_t> running_now{0};  // requests it runs (as of its last round)
     std::vector<slot> slots;
@@ -208,6 +219,27 @@ struct file_engine::impl {
     std::uint64_t ops = 0;
     std::mutex copied_mu;
     std::vector<std::pair<std::size_t, std::optional<error>>> copied;  // device copies the engine finished
+    // Registered descriptors (io_uring's fixed files): I/O on one takes no reference on the open
+    // file per request. Without them, workers reading one file all write its reference count, one
+    // cache line, twice per request. One slot per (file, O_DIRECT or not) this worker uses, the
+    // least recently used replaced. A registered descriptor keeps its file open in the kernel after
+    // ferry closed it (a deleted file keeps its space), so slots unused for a second are let go,
+    // and all of them when the worker has had nothing to do for a second. A slot is never replaced
+    // or let go while an I/O naming it is in flight: the kernel looks the slot up when it issues
+    // the I/O, which for one handed to its async workers is later than the submission.
+    struct reg {
+      std::uint64_t key = 0;   // file id x 2 + O_DIRECT; 0: empty
+      std::uint64_t used = 0;  // the round it was last used in
+      int inflight = 0;        // I/Os in flight that name it
+    };
+    std::vector<reg> regs;  // empty: the kernel registers no sparse table (older than 5.19)
+    std::size_t last_reg = 0;
+    // Keys met once and not registered: a file is registered at its second request here, so that
+    // requests each on another file (a server's small reads of many files) cost no registration.
+    std::array<std::uint64_t, 8> met{};
+    std::size_t met_next = 0;
+    std::uint64_t round = 1, swept_round = 0;
+    std::chrono::steady_clock::time_point swept = std::chrono::steady_clock::now();
 
     explicit worker(impl& en) : e(en), slots(static_cast<std::size_t>(en.cfg.io_depth)) {
       int r = io_uring_queue_init(static_cast<unsigned>(std::max(8, 4 * e.cfg.io_depth)), &ring, 0);
@@ -219,6 +251,7 @@ struct file_engine::impl {
         fail_errno(err, "io.ring", "eventfd");
       }
       arm_wake();
+      if (io_uring_register_files_sparse(&ring, 32) == 0) regs.resize(32);
     }
     ~worker() {
       io_uring_queue_exit(&ring);
@@ -265,16 +298,63 @@ struct file_engine::impl {
       s.buf = nullptr;
       s.state = slot::free;
     }
+    // The registered slot of f's descriptor fd, registering it if need be; -1: use fd itself.
+    int registered(const file& f, bool direct, int fd) {
+      if (regs.empty() || fd < 0) return -1;
+      const std::uint64_t key = f.id() * 2 + (direct ? 1 : 0);
+      std::size_t pick = last_reg;
+      if (regs[pick].key != key) {
+        std::size_t lru = regs.size();  // the least recently used of those with nothing in flight
+        for (pick = 0; pick < regs.size() && regs[pick].key != key; ++pick)
+          if (!regs[pick].inflight && (lru == regs.size() || regs[pick].used < regs[lru].used)) lru = pick;
+        if (pick == regs.size()) {
+          if (std::find(met.begin(), met.end(), key) == met.end()) {
+            met[met_next++ % met.size()] = key;
+            return -1;
+          }
+          if (lru == regs.size()) return -1;  // every slot busy
+          pick = lru;
+          if (io_uring_register_files_update(&ring, static_cast<unsigned>(pick), &fd, 1) != 1) return -1;
+          regs[pick].key = key;
+          ++t.registered;
+        }
+      }
+      regs[pick].used = round;
+      ++regs[pick].inflight;
+      last_reg = pick;
+      return static_cast<int>(pick);
+    }
+    // Lets go of registered descriptors: those unused since the last sweep (at most one sweep a
+    // second), or all of them; never one an I/O in flight (or prepared) names.
+    void unregister(std::chrono::steady_clock::time_point now, bool all) {
+      if (regs.empty() || (!all && now - swept < std::chrono::seconds(1))) return;
+      for (std::size_t i = 0; i < regs.size(); ++i)
+        if (regs[i].key && !regs[i].inflight && (all || regs[i].used <= swept_round)) {
+          int none = -1;
+          io_uring_register_files_update(&ring, static_cast<unsigned>(i), &none, 1);
+          regs[i] = {};
+        }
+      swept = now;
+      swept_round = round;
+    }
+    bool registering() const {
+      for (const reg& g : regs)
+        if (g.key) return true;
+      return false;
+    }
     void submit_io(slot& s) {
       running& r = *s.r;
       file& f = *r.j.r.f;
       int fd = s.direct ? f.direct_fd() : f.fd();
+      const int fixed = registered(f, s.direct, fd);
+      s.reg = fixed;
       io_uring_sqe* q = sqe();
       auto* p = s.buf + s.got;
       auto n = static_cast<unsigned>(s.len - s.got);
       auto off = static_cast<__u64>(s.off + s.got);
-      if (r.j.r.write) io_uring_prep_write(q, fd, p, n, off);
-      else io_uring_prep_read(q, fd, p, n, off);
+      if (r.j.r.write) io_uring_prep_write(q, fixed >= 0 ? fixed : fd, p, n, off);
+      else io_uring_prep_read(q, fixed >= 0 ? fixed : fd, p, n, off);
+      if (fixed >= 0) q->flags |= IOSQE_FIXED_FILE;
       if (s.nowait) q->rw_flags = RWF_NOWAIT;
       // Buffered I/O that hits the page cache completes inline: the kernel copies during submit, on
       // this thread, one copy at a time. For a small copy that is cheaper than the hand-off to an
@@ -340,7 +420,7 @@ struct file_engine::impl {
     std::vector<std::pair<std::size_t, std::optional<error>>> copies;  // a round's finished device copies
     // Counted this round, added to the engine's counters at its end.
     struct {
-      std::uint64_t beside = 0, direct = 0, in_place = 0, buffered = 0, read = 0, written = 0, missed_cache = 0;
+      std::uint64_t beside = 0, direct = 0, in_place = 0, buffered = 0, read = 0, written = 0, missed_cache = 0, registered = 0;
     } t;
     void done(job& j, std::uint64_t len, const error* x) { ends.push_back({std::move(j.b), j.idx, len, x ? std::optional<error>(*x) : std::nullopt}); }
     void report();
@@ -398,13 +478,25 @@ bool file_engine::impl::worker::admit() {
   asleep = true;
   {
     std::unique_lock l(qmu);
-    if (runs.empty()) cv.wait(l, [&] { return e.stop.load() || !queue.empty(); });
-    if (runs.empty() && queue.empty()) return false;  // stopping, nothing left
-    while (!queue.empty() && runs.size() + took.size() < slots.size()) {
-      took.push_back(std::move(queue.front()));
-      queue.pop_front();
+    if (runs.empty()) {
+      auto work = [&] { return e.stop.load() || qhead < queue.size(); };
+      // Idle for a second: its registered descriptors go (it may sleep for long).
+      if (registering() && !cv.wait_for(l, std::chrono::seconds(1), work)) {
+        l.unlock();
+        unregister(std::chrono::steady_clock::now(), true);
+        l.lock();
+      }
+      cv.wait(l, work);
     }
-    queued = queue.size();
+    if (runs.empty() && qhead == queue.size()) return false;  // stopping, nothing left
+    while (qhead < queue.size() && runs.size() + took.size() < slots.size()) took.push_back(std::move(queue[qhead++]));
+    // Taken jobs leave moved-from entries behind: dropped when the queue empties, or once they
+    // are half of it (a queue that never empties stays bounded).
+    if (qhead == queue.size() || qhead * 2 >= queue.size()) {
+      queue.erase(queue.begin(), queue.begin() + static_cast<std::ptrdiff_t>(qhead));
+      qhead = 0;
+    }
+    queued = queue.size() - qhead;
     running_now = runs.size() + took.size();
   }
   for (auto& j : took) {
@@ -446,6 +538,7 @@ void file_engine::impl::worker::loop() {
       }
       if (tag >= slots.size() || !slots[tag].r) continue;  // a cancellation's own completion
       slot& s = slots[tag];
+      if (s.reg >= 0) --regs[static_cast<std::size_t>(s.reg)].inflight, s.reg = -1;
       running& r = *s.r;
       auto x = catching([&] { on_io(s, res); });
       if (s.r && s.state == slot::free) release(s);
@@ -465,6 +558,8 @@ void file_engine::impl::worker::loop() {
     }
     // Deadlines and cancellation; then the requests that are over.
     auto now = std::chrono::steady_clock::now();
+    unregister(now, false);
+    ++round;
     for (auto& r : runs) {
       if (r.err) continue;
       const char* op = r.j.r.write ? "file.write" : "file.read";
@@ -756,6 +851,7 @@ void file_engine::impl::worker::report() {
   flush(e.bytes_read, t.read);
   flush(e.bytes_written, t.written);
   flush(e.reads_missed_cache, t.missed_cache);
+  flush(e.files_registered, t.registered);
   for (std::size_t a = 0; a < ends.size();) {
     std::size_t z = a;
     together.clear();
@@ -775,7 +871,7 @@ file_engine::~file_engine() = default;
 ferry::stats& file_engine::counters() noexcept { return impl_->st; }
 
 transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_options o) {
-  auto b = make_batch_state(reqs.size(), o.until.value_or(deadline_after(impl_->cfg.deadline)));
+  auto b = make_batch_state(reqs.size(), o.until ? *o.until : deadline_after(impl_->cfg.deadline));
   if (o.on) start_on(b, reqs, *o.on);
   else start(b, reqs);
   return make_batch(std::move(b));
@@ -796,7 +892,7 @@ transfer_batch file_engine::write_async(std::shared_ptr<file> f, std::uint64_t o
 }
 
 void file_engine::submit(std::span<const file_request> reqs, transfer_options o, completion done) {
-  auto b = make_batch_state(reqs.size(), o.until.value_or(deadline_after(impl_->cfg.deadline)));
+  auto b = make_batch_state(reqs.size(), o.until ? *o.until : deadline_after(impl_->cfg.deadline));
   if (reqs.empty()) return done({});
   b->on_done = std::move(done);
   if (o.on) start_on(b, reqs, *o.on);
@@ -821,7 +917,13 @@ void check_request(const file_request& r, std::size_t i) {
 
 void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::span<const file_request> reqs) {
   impl& I = *impl_;
-  std::vector<job> jobs;
+  // The thread's scratch vectors, borrowed (a completion run from inside this call may submit
+  // again on this thread, and then borrows empty ones): a thread that submits batch after batch (a
+  // GPU proxy's) allocates nothing here per batch.
+  thread_local scratch spare;
+  scratch mine = std::move(spare);
+  std::vector<job>& jobs = mine.jobs;
+  jobs.clear();
   jobs.reserve(reqs.size());
   std::vector<std::size_t> remote;
   memory_region last_mem;
@@ -915,25 +1017,39 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     // stay on the first few (awake, their rings' kernel threads warm). Then each worker's share
     // under its own lock, and a wake.
     const std::size_t nw = I.workers.size();
-    std::vector<std::size_t> load(nw);
+    std::vector<std::size_t>& load = mine.load;
+    load.resize(nw);
     for (std::size_t k = 0; k < nw; ++k) load[k] = I.workers[k]->queued.load() + I.workers[k]->running_now.load();
-    std::vector<std::uint32_t> to(jobs.size());
+    std::vector<std::uint32_t>& to = mine.to;
+    to.resize(jobs.size());
+    std::vector<std::size_t>& first = mine.first;  // worker k's jobs: order[first[k] .. first[k + 1])
+    first.assign(nw + 1, 0);
     for (std::size_t i = 0; i < jobs.size(); ++i) {
       to[i] = static_cast<std::uint32_t>(std::min_element(load.begin(), load.end()) - load.begin());
       ++load[to[i]];
+      ++first[to[i] + 1];
+    }
+    for (std::size_t k = 0; k < nw; ++k) first[k + 1] += first[k];
+    std::vector<std::size_t>& order = mine.order;
+    order.resize(jobs.size());
+    {
+      std::vector<std::size_t>& at = mine.at;
+      at.assign(first.begin(), first.end() - 1);
+      for (std::size_t i = 0; i < jobs.size(); ++i) order[at[to[i]]++] = i;
     }
     for (std::size_t k = 0; k < nw; ++k) {
+      if (first[k] == first[k + 1]) continue;
       impl::worker& w = *I.workers[k];
-      bool any = false;
       {
         std::lock_guard l(w.qmu);
-        for (std::size_t i = 0; i < jobs.size(); ++i)
-          if (to[i] == k) w.queue.push_back(std::move(jobs[i])), any = true;
-        w.queued = w.queue.size();
+        for (std::size_t x = first[k]; x < first[k + 1]; ++x) w.queue.push_back(std::move(jobs[order[x]]));
+        w.queued = w.queue.size() - w.qhead;
       }
-      if (any) w.wake();
+      w.wake();
     }
   }
+  jobs.clear();
+  spare = std::move(mine);
   for (std::size_t i : remote) {
     const file_request& r = reqs[i];
     // The completion may run before start() returns, on any thread; the batch state outlives it

@@ -519,7 +519,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
   transfer_batch tb;
   tb.s_ = std::make_shared<transfer_batch::state>();
   auto& b = *tb.s_;
-  b.until = o.until.value_or(deadline_after(I.cfg.deadline));
+  b.until = o.until ? *o.until : deadline_after(I.cfg.deadline);
   b.engine = &I;
   b.on_done = std::move(done);
   b.results.resize(reqs.size());

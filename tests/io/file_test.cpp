@@ -480,6 +480,83 @@ TEST(File, ABatchWithoutAHandleReportsThroughItsCompletionOnce) {
 }
 
 // A descriptor opened elsewhere: regular files are read through the engine, others refused by name.
+// A worker registers the descriptors of files it reads more than once with its ring, as many as
+// it keeps (the least recently used replaced). Many files read in turn, and files replaced at their
+// path (the new one may get the old one's descriptor number, even its address), read each its own
+// bytes.
+TEST_P(FileRead, FilesReadInTurnAndFilesReplacedAtTheirPathReadTheirOwnBytes) {
+  settings s = io_settings(GetParam());
+  s.io_threads = 1;
+  runtime rt(s);
+  constexpr int n = 48;  // more than a worker keeps registered
+  std::vector<std::shared_ptr<file>> files;
+  std::vector<std::vector<unsigned char>> data;
+  for (int i = 0; i < n; ++i) {
+    std::string p = temp_path("turn-" + std::to_string(i));
+    data.push_back(random_bytes(16384, 300 + i));
+    write_file(p, data.back());
+    files.push_back(file::open(p, open_mode::read));
+  }
+  std::vector<unsigned char> got(4096);
+  for (int round = 0; round < 4; ++round)
+    for (int i = 0; i < n; ++i) {
+      ASSERT_EQ(rt.files().read(*files[i], 4096u * round, got.data(), 4096), 4096u);
+      ASSERT_EQ(std::memcmp(got.data(), data[i].data() + 4096 * round, 4096), 0) << "file " << i << " round " << round;
+    }
+  std::string p = temp_path("replaced");
+  for (int k = 0; k < 4; ++k) {
+    auto bytes = random_bytes(8192, 400 + k);
+    ::unlink(p.c_str());
+    write_file(p, bytes);
+    auto f = file::open(p, open_mode::read);
+    for (int again = 0; again < 3; ++again) {
+      ASSERT_EQ(rt.files().read(*f, 4096, got.data(), 4096), 4096u);
+      ASSERT_EQ(std::memcmp(got.data(), bytes.data() + 4096, 4096), 0) << "version " << k;
+    }
+  }
+  EXPECT_GT(rt.files().counters().get("files.registered").value(), 0u) << "no descriptor was registered";
+  for (int i = 0; i < n; ++i) ::unlink(temp_path("turn-" + std::to_string(i)).c_str());
+  ::unlink(p.c_str());
+}
+
+// Many files read at once by one worker through its kernel threads (each I/O handed to io-wq, which
+// looks its registered descriptor up when it runs it): a slot replaced or let go under an I/O would
+// read another file's bytes, or fail.
+TEST(File, ReadsInFlightKeepTheirRegisteredDescriptors) {
+  settings s = io_settings(direct_io::never);
+  s.io_threads = 1;
+  s.io_depth = 16;
+  s.io_chunk = 64 << 10;
+  s.io_inline = 4096;  // every I/O to io-wq
+  runtime rt(s);
+  constexpr int n = 96;  // three times the slots a worker registers
+  constexpr std::size_t size = 128 << 10;
+  std::vector<std::shared_ptr<file>> files;
+  std::vector<std::vector<unsigned char>> data;
+  for (int i = 0; i < n; ++i) {
+    std::string p = temp_path("inflight-" + std::to_string(i));
+    data.push_back(random_bytes(size, 500 + i));
+    write_file(p, data.back());
+    files.push_back(file::open(p, open_mode::read));
+  }
+  for (int round = 0; round < 16; ++round) {
+    std::vector<std::vector<unsigned char>> got(n, std::vector<unsigned char>(size));
+    std::vector<file_request> reqs;
+    for (int k = 0; k < n; ++k) {
+      int i = (k * 7 + round * 5) % n;  // another order each round; each file in two requests (of one I/O
+      // each) one after the other, so that the second registers its descriptor
+      reqs.push_back({files[i], 0, got[i].data(), size / 2, false});
+      reqs.push_back({files[i], size / 2, got[i].data() + size / 2, size / 2, false});
+    }
+    transfer_batch b = rt.files().submit(reqs);
+    ASSERT_TRUE(b.wait());
+    b.check();
+    for (int i = 0; i < n; ++i) ASSERT_EQ(got[i], data[i]) << "file " << i << " round " << round;
+  }
+  EXPECT_GT(rt.files().counters().get("files.registered").value(), 0u);
+  for (int i = 0; i < n; ++i) ::unlink(temp_path("inflight-" + std::to_string(i)).c_str());
+}
+
 TEST(File, AnAdoptedDescriptorIsReadLikeAnOpenedFile) {
   runtime rt(io_settings());
   std::string p = temp_path("adopted");

@@ -61,9 +61,13 @@ class FERRY_API file {
   const std::shared_ptr<file_source>& source() const noexcept { return source_; }
   int direct_fd() const noexcept { return dfd_; }  // -1 when O_DIRECT is refused here
   std::uint32_t dio_align() const noexcept { return align_; }  // offset/length/buffer alignment for O_DIRECT
+  // A number no other file object of this process has had (for what is kept per file beyond one
+  // call, where an address or a descriptor number may come back for another file).
+  std::uint64_t id() const noexcept { return id_; }
 
  private:
-  file() = default;
+  file();
+  std::uint64_t id_;
   std::string path_;
   int fd_ = -1, dfd_ = -1;
   std::uint32_t align_ = 4096;
