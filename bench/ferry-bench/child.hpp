@@ -72,17 +72,32 @@ struct child {
     }
     return s;
   }
+  bool ended = false;  // its output reached its end (read_line)
   std::string read_line(std::chrono::steady_clock::time_point until) {
     std::string s;
     char c;
     while (std::chrono::steady_clock::now() < until) {
       pollfd pf{out, POLLIN, 0};
       if (::poll(&pf, 1, 100) <= 0) continue;
-      if (::read(out, &c, 1) != 1) break;
+      if (::read(out, &c, 1) != 1) {
+        ended = true;
+        break;
+      }
       if (c == '\n') break;
       s += c;
     }
     return s;
+  }
+  // The first line holding `needle` (a server's listening address), reading past others (log lines
+  // such as a warning about the environment); what was read instead when none came by `until`.
+  std::string read_line_with(const std::string& needle, std::chrono::steady_clock::time_point until) {
+    std::string seen;
+    while (!ended && std::chrono::steady_clock::now() < until) {
+      std::string line = read_line(until);
+      if (line.find(needle) != std::string::npos) return line;
+      if (!line.empty()) seen += (seen.empty() ? "" : " | ") + line;
+    }
+    return seen;
   }
   int wait(std::chrono::steady_clock::time_point until) {
     while (std::chrono::steady_clock::now() < until) {

@@ -149,7 +149,7 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
     try {
       server.emplace(std::vector<std::string>{exe, "serve", "--root", fp.parent_path().string(), "--listen", "127.0.0.1:0", "--insecure"},
                      std::map<std::string, std::string>{});
-      const std::string line = server->read_line(clk::now() + std::chrono::seconds(20));
+      const std::string line = server->read_line_with("127.0.0.1:", clk::now() + std::chrono::seconds(20));
       const auto at = line.rfind("127.0.0.1:");
       if (at == std::string::npos) fail(errc::internal, "bench gather", "ferry serve", "did not start: " + line);
       const std::string url = "ferry://127.0.0.1:" + std::to_string(std::stoi(line.substr(at + 10))) + "/" + fp.filename().string();

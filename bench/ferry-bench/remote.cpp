@@ -367,7 +367,7 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     // process) + this process as the client.
     for (auto& [k, v] : fenv) ::setenv(k.c_str(), v.c_str(), 1);
     child server({exe, "serve", "--root", dir.string(), "--listen", "127.0.0.1:0", "--writable", "--insecure"}, fenv);
-    std::string line = server.read_line(clk::now() + std::chrono::seconds(20));
+    std::string line = server.read_line_with("127.0.0.1:", clk::now() + std::chrono::seconds(20));
     auto at = line.rfind("127.0.0.1:");
     if (at == std::string::npos) fail(errc::internal, "bench remote", "ferry serve", "did not start: " + line);
     auto port = static_cast<std::uint16_t>(std::stoi(line.substr(at + 10)));

@@ -346,9 +346,9 @@ struct file_engine::impl {
       running& r = *s.r;
       file& f = *r.j.r.f;
       int fd = s.direct ? f.direct_fd() : f.fd();
+      io_uring_sqe* q = sqe();  // first: it may throw, and a registered slot is counted in flight from here
       const int fixed = registered(f, s.direct, fd);
       s.reg = fixed;
-      io_uring_sqe* q = sqe();
       auto* p = s.buf + s.got;
       auto n = static_cast<unsigned>(s.len - s.got);
       auto off = static_cast<__u64>(s.off + s.got);
