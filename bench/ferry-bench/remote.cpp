@@ -6,6 +6,8 @@
 //             the client: reads and writes into host memory and GPU memory, block sizes x queue
 //             depths, GB/s, IOPS, p50/p99 latency, and the ratio to the best baseline primitive at
 //             the same block size; data verified by checksum after each sweep.
+//   floor     (writes) QD 1 pwrite of each block size over the served directory's existing file and
+//             into a new file there: what the file system alone costs an in-place and an atomic writer.
 #include "bench.hpp"
 #include "child.hpp"
 #include "endpoint.hpp"
@@ -229,6 +231,42 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
   return r;
 }
 
+// The file system's own cost of a write, the floor under ferry's write rows: QD 1 `pwrite`s of each
+// block size from this process, over the existing file's cached pages (what an in-place writer
+// does) and into a new unnamed file beside it, sized first as the server sizes a new version (what
+// an atomic replacement must do: new pages, not the old ones).
+json file_write_baseline(const std::filesystem::path& dir, const std::vector<std::uint64_t>& sizes, std::uint64_t budget,
+                         std::uint64_t file_bytes) {
+  json rows = json::array();
+  fmt::print("file system, QD 1 pwrite from this process (the floor under the write rows):\n");
+  for (auto s : sizes) {
+    std::vector<std::byte> src(s);
+    fill_pattern(src.data(), s, 0xF5);
+    const std::uint64_t reqs = std::clamp<std::uint64_t>(budget / s, 3, 20000), span = file_bytes - s;
+    auto pass = [&](int fd) {
+      auto t0 = clk::now();
+      for (std::uint64_t i = 0; i < reqs; ++i) {
+        auto off = static_cast<off_t>(span ? ((i * s) % span) & ~std::uint64_t{4095} : 0);
+        if (::pwrite(fd, src.data(), s, off) != static_cast<ssize_t>(s)) fail_errno(errno, "bench remote", dir.string(), "pwrite");
+      }
+      return static_cast<double>(reqs * s) / std::chrono::duration<double>(clk::now() - t0).count() / 1e9;
+    };
+    int fd = ::open((dir / "w.bin").c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) fail_errno(errno, "bench remote", (dir / "w.bin").string(), "open");
+    double over = pass(fd);
+    ::close(fd);
+    fd = ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0644);
+    if (fd < 0) fail_errno(errno, "bench remote", dir.string(), "O_TMPFILE");
+    if (::ftruncate(fd, static_cast<off_t>(file_bytes)) != 0) fail_errno(errno, "bench remote", dir.string(), "ftruncate");
+    double fresh = pass(fd);
+    ::close(fd);
+    fmt::print("  {:>10}: over the existing file {:.2f} GB/s, into a new file {:.2f} GB/s ({:.2f}x)\n", format_size(s), over, fresh,
+               fresh / over);
+    rows.push_back({{"block", s}, {"over_existing_gbps", over}, {"new_file_gbps", fresh}});
+  }
+  return rows;
+}
+
 }  // namespace
 
 int run_bench_remote(runtime& rt, const bench_remote_options& o) {
@@ -290,6 +328,7 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
       do_op.insert(t);
     }
   }
+  if (do_op.count("write")) out["file_write_baseline"] = file_write_baseline(dir, sizes, budget, file_bytes);
   for (auto& tl : transports) {
     // perftest: the pure transport; ferry also needs tcp for its connection manager (client/server
     // setup through a listener), after which UCX puts the lanes on the fastest transport.
