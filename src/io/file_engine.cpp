@@ -976,11 +976,15 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
         if (sized != r.f.get()) sized = r.f.get(), size = r.f->size();
         j.size = size;
       }
-      // A read from the page cache of several I/O chunks is cut into pieces for several workers (at
-      // 4 KiB-aligned file offsets): one ring's io-wq runs a request's buffered copies nearly one
-      // after another, several rings run in parallel. O_DIRECT I/O is asynchronous on one ring
-      // already (no io-wq). Each piece is a segment of the request.
-      std::size_t pieces = std::min<std::uint64_t>(I.workers.size(), r.bytes / std::max<std::uint64_t>(I.cfg.io_chunk, 4096));
+      // A read from the page cache is cut into pieces for several workers (at 4 KiB-aligned file
+      // offsets): one ring's io-wq runs a request's buffered copies nearly one after another,
+      // several rings run in parallel. O_DIRECT I/O is asynchronous on one ring already (no io-wq).
+      // Each piece is a segment of the request. The unit: into host memory, where the kernel copies
+      // straight into the destination and the copy is the whole cost, the inline size (a piece is
+      // one copy, a few of them already worth spreading); into device memory, where each I/O takes a
+      // staging buffer of its own, an I/O chunk.
+      const std::uint64_t unit = !j.dev && I.cfg.io_inline >= 64 * 1024 ? std::min(I.cfg.io_inline, I.cfg.io_chunk) : I.cfg.io_chunk;
+      std::size_t pieces = std::min<std::uint64_t>(I.workers.size(), r.bytes / std::max<std::uint64_t>(unit, 4096));
       if (pieces >= 2 && (r.write || reads_direct(I.cfg, *r.f, r.offset, r.bytes))) pieces = 1;
       if (pieces < 2) {
         b->segs_left[i] = 1;
