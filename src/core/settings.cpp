@@ -219,7 +219,7 @@ const setting_def table[] = {
   {"FERRY_STREAM_SLOTS", "Staging buffers (FERRY_STAGING_BYTES each) one stream-ordered file read or write uses at once: the file side fills one while the stream copies another, 1..64.",
    [](settings& s, std::string_view v) { s.stream_slots = static_cast<int>(parse_int(v, 1, 64)); },
    [](const settings& s) { return std::to_string(s.stream_slots); }},
-  {"FERRY_IO_INLINE", "Buffered file reads/writes of at most this size are copied by the file engine thread as it submits them (when the pages are cached); larger ones go to the kernel's io_uring workers so their copies run in parallel. 0 = never inline.",
+  {"FERRY_IO_INLINE", "Buffered file reads/writes of at most this size are copied by the file engine thread as it submits them (when the pages are cached); larger ones go to the kernel's io_uring workers so their copies run in parallel. Also the smallest piece a page-cache read into host memory is cut into for several file engine threads (FERRY_IO_CHUNK when this is below 64KiB). 0 = never inline.",
    [](settings& s, std::string_view v) { s.io_inline = parse_size_in(v, 0, 1 * GiB); },
    [](const settings& s) { return format_size(s.io_inline); }},
   {"FERRY_IO_INJECT", "Test only: inject faults into file I/O completions: partial, eintr, or partial,eintr. Empty: off.",

@@ -398,6 +398,36 @@ TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
   EXPECT_EQ(rt.files().counters().get("requests.beside_others").value(), 0u);
 }
 
+// Into host memory the unit of those pieces is the inline size (the kernel copies straight into the
+// destination, one copy per piece), into device memory an I/O chunk (each I/O takes a staging
+// buffer); with inlining off, an I/O chunk for both.
+TEST(File, APageCacheReadIntoHostMemoryIsCutInPiecesOfTheInlineSize) {
+  settings s = io_settings(direct_io::never);
+  s.io_threads = 4;
+  s.io_chunk = 8ull << 20;
+  s.io_inline = 1ull << 20;
+  std::string p = temp_path("inline-pieces");
+  auto data = random_bytes(4 << 20, 29);
+  write_file(p, data);
+  for (bool inlining : {true, false}) {
+    s.io_inline = inlining ? 1ull << 20 : 0;
+    runtime rt(s);
+    auto f = file::open(p, open_mode::read);
+    std::vector<unsigned char> got(4 << 20);
+    EXPECT_EQ(rt.files().read(*f, 0, got.data(), got.size()), got.size());
+    EXPECT_EQ(got, data);
+    EXPECT_EQ(rt.files().counters().get("requests.pieces").value(), inlining ? 4u : 0u) << "host memory, inline " << s.io_inline;
+    mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), 4 << 20);
+    EXPECT_EQ(rt.files().read(*f, 0, sim.data(), data.size()), data.size());
+    std::vector<unsigned char> back(data.size());
+    auto st = rt.devices().get("sim:0").create_stream();
+    st->copy(back.data(), sim.data(), back.size());
+    st->synchronize();
+    EXPECT_EQ(back, data);
+    EXPECT_EQ(rt.files().counters().get("requests.pieces").value(), inlining ? 4u : 0u) << "device memory: not cut below two I/O chunks";
+  }
+}
+
 // A read of many I/O chunks from the page cache is cut into pieces for several workers; the pieces
 // are one request: its bytes, its short read at the end of the file. Writes are not cut.
 TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
