@@ -56,6 +56,18 @@ void write_file(const std::string& p, const std::vector<unsigned char>& data) {
   f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
 }
 
+// Reads `bytes` of `f` from offset 0 into sim device memory through the file engine, then copies
+// them back to the host for the caller to compare.
+std::vector<unsigned char> read_through_sim(runtime& rt, file& f, std::size_t bytes) {
+  mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), bytes);
+  EXPECT_EQ(rt.files().read(f, 0, sim.data(), bytes), bytes);
+  std::vector<unsigned char> back(bytes);
+  auto st = rt.devices().get("sim:0").create_stream();
+  st->copy(back.data(), sim.data(), back.size());
+  st->synchronize();
+  return back;
+}
+
 // Whether this kernel lets a ring register a sparse table of descriptors (5.19 and later): the file
 // engine's workers register descriptors there, and use plain ones elsewhere.
 bool kernel_registers_files() {
@@ -405,7 +417,6 @@ TEST(File, APageCacheReadIntoHostMemoryIsCutInPiecesOfTheInlineSize) {
   settings s = io_settings(direct_io::never);
   s.io_threads = 4;
   s.io_chunk = 8ull << 20;
-  s.io_inline = 1ull << 20;
   std::string p = temp_path("inline-pieces");
   auto data = random_bytes(4 << 20, 29);
   write_file(p, data);
@@ -417,13 +428,7 @@ TEST(File, APageCacheReadIntoHostMemoryIsCutInPiecesOfTheInlineSize) {
     EXPECT_EQ(rt.files().read(*f, 0, got.data(), got.size()), got.size());
     EXPECT_EQ(got, data);
     EXPECT_EQ(rt.files().counters().get("requests.pieces").value(), inlining ? 4u : 0u) << "host memory, inline " << s.io_inline;
-    mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), 4 << 20);
-    EXPECT_EQ(rt.files().read(*f, 0, sim.data(), data.size()), data.size());
-    std::vector<unsigned char> back(data.size());
-    auto st = rt.devices().get("sim:0").create_stream();
-    st->copy(back.data(), sim.data(), back.size());
-    st->synchronize();
-    EXPECT_EQ(back, data);
+    EXPECT_EQ(read_through_sim(rt, *f, data.size()), data);
     EXPECT_EQ(rt.files().counters().get("requests.pieces").value(), inlining ? 4u : 0u) << "device memory: not cut below two I/O chunks";
   }
 }
@@ -444,13 +449,7 @@ TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
   EXPECT_TRUE(std::equal(data.begin() + 777, data.end(), got.begin()));
   EXPECT_EQ(got[data.size() - 777], 0xee) << "nothing written past the bytes that exist";
   EXPECT_EQ(rt.files().counters().get("requests.pieces").value(), 4u);
-  mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), 4 << 20);
-  EXPECT_EQ(rt.files().read(*f, 0, sim.data(), data.size()), data.size());
-  std::vector<unsigned char> back(data.size());
-  auto st = rt.devices().get("sim:0").create_stream();
-  st->copy(back.data(), sim.data(), back.size());
-  st->synchronize();
-  EXPECT_EQ(back, data);
+  EXPECT_EQ(read_through_sim(rt, *f, data.size()), data);
   // A large write (not cut) lands whole.
   std::string q = temp_path("pieces-w");
   auto w = file::open(q, open_mode::create);
