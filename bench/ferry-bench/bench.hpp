@@ -40,6 +40,7 @@ struct bench_remote_options {
   std::string sizes = "4KiB,64KiB,1MiB,4MiB,16MiB,64MiB";
   std::string qds = "1,4,16,64";
   std::string ops = "read,write";
+  std::string memory = "host,lent,gpu";  // which rows: the caller's host memory, client-allocated, the device's
   std::string budget = "512MiB";     // bytes per measurement (requests = budget / block, 3*qd..20000)
   std::string file_size = "1GiB";    // the served file
   std::string device;                // default: the first GPU; none: host only

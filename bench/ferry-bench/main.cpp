@@ -51,6 +51,9 @@ int main(int argc, char** argv) {
   bench_remote->add_option("--sizes", bremote.sizes, "Block sizes")->capture_default_str();
   bench_remote->add_option("--qd", bremote.qds, "Queue depths")->capture_default_str();
   bench_remote->add_option("--ops", bremote.ops, "Comma-separated: read, write")->capture_default_str();
+  bench_remote->add_option("--memory", bremote.memory,
+                           "Comma-separated: host, lent (client-allocated, same host only), gpu (the --device)")
+      ->capture_default_str();
   bench_remote->add_option("--budget", bremote.budget, "Bytes per measurement")->capture_default_str();
   bench_remote->add_option("--file-size", bremote.file_size, "Size of the served file")->capture_default_str();
   bench_remote->add_option("--device", bremote.device, "Device memory to read into (default: the first GPU, if any)");

@@ -328,6 +328,14 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
       do_op.insert(t);
     }
   }
+  std::set<std::string> do_mem;
+  {
+    std::stringstream in(o.memory);
+    for (std::string t; std::getline(in, t, ',');) {
+      if (t != "host" && t != "lent" && t != "gpu") fail(errc::invalid_argument, "bench remote", t, "unknown memory (host, lent, gpu)");
+      do_mem.insert(t);
+    }
+  }
   if (do_op.count("write")) out["file_write_baseline"] = file_write_baseline(dir, sizes, budget, file_bytes);
   for (auto& tl : transports) {
     // perftest: the pure transport; ferry also needs tcp for its connection manager (client/server
@@ -430,7 +438,8 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     // caller's own host memory, which always takes a copy.
     auto mems = dsts;
     if (cst.data_path.find("mapped") != std::string::npos) mems.insert(mems.begin() + 1, {"lent", "lent"});
-    else fmt::print("lent (client-allocated) memory: not measured, the server cannot map it over {}\n", tl);
+    else if (do_mem.count("lent")) fmt::print("lent (client-allocated) memory: not measured, the server cannot map it over {}\n", tl);
+    std::erase_if(mems, [&](const auto& m) { return !do_mem.count(m.first); });
     for (auto& [mem, spec] : mems) {
       lent_or_endpoint buf(rt, c, spec, region);
       auto before = c.stats();
