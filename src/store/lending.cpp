@@ -14,6 +14,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -236,12 +237,17 @@ void lending_socket::receive(pending& p) {
   p.fd = -1;
 }
 
-lent_region::~lent_region() {
+lent_mapping::~lent_mapping() {
   if (base) ::munmap(base, len);
+}
+
+lent_region::~lent_region() {
   if (totals) totals->bytes -= len, totals->regions -= 1;
 }
 
-std::shared_ptr<lent_region> map_lent(int fd, std::uint64_t addr, std::uint64_t len, std::string& why) {
+std::shared_ptr<lent_region> lent_maps::map(int fd, std::uint64_t addr, std::uint64_t len, std::string& why,
+                                            std::shared_ptr<lent_mapping>& fresh) {
+  fresh = nullptr;
   struct ::stat st{};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     why = "the descriptor is not a regular file";
@@ -263,16 +269,57 @@ std::shared_ptr<lent_region> map_lent(int fd, std::uint64_t addr, std::uint64_t 
     why = fmt::format("the region is {} bytes, not the {} claimed", st.st_size, len);
     return nullptr;
   }
-  void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    why = fmt::format("mmap: {}", std::strerror(errno));
-    return nullptr;
+  std::shared_ptr<lent_mapping> m;
+  {
+    // The file stays open while a mapping of it lives, so its (device, inode) names no other file
+    // meanwhile.
+    std::lock_guard l(mu_);
+    std::erase_if(live_, [](const auto& x) { return x.second.expired(); });
+    auto key = std::make_pair(static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino));
+    if (auto it = live_.find(key); it != live_.end()) {
+      m = it->second.lock();
+      if (m && m->len < len) m = nullptr;  // mapped shorter: a new, longer mapping replaces it here
+    }
+    if (!m) {
+      void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p == MAP_FAILED) {
+        why = fmt::format("mmap: {}", std::strerror(errno));
+        return nullptr;
+      }
+      m = std::make_shared<lent_mapping>();
+      m->base = static_cast<std::byte*>(p);
+      m->len = len;
+      m->resident = static_cast<std::uint64_t>(st.st_blocks) * 512 >= len;
+      live_[key] = m;
+      fresh = m;
+    }
   }
   auto r = std::make_shared<lent_region>();
-  r->base = static_cast<std::byte*>(p);
+  r->map = m;
+  r->base = m->base;
   r->addr = addr;
   r->len = len;
   return r;
+}
+
+bool populate_lent(lent_mapping& m, std::uint64_t bytes) {
+#ifdef MADV_POPULATE_WRITE
+  std::uint64_t at = m.populated.load();
+  if (!m.resident || at >= m.len) return false;
+  std::uint64_t n = std::min(bytes, m.len - at);
+  // A client that punched holes into its region since it was mapped gets them filled, as its own
+  // reads into them would: the region's size bounds it.
+  if (::madvise(m.base + at, n, MADV_POPULATE_WRITE) != 0) {
+    m.populated = m.len;  // an older kernel, or the region changed under it: pages fault in as used
+    return false;
+  }
+  m.populated = at + n;
+  return at + n < m.len;
+#else
+  (void)m;
+  (void)bytes;
+  return false;
+#endif
 }
 
 }  // namespace ferry::store::detail

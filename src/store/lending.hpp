@@ -14,7 +14,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -84,21 +86,54 @@ struct lent_totals {
   std::atomic<std::uint64_t> bytes{0}, regions{0};
 };
 
-// A lent region mapped in the server: [base, base + len) here is [addr, addr + len) in the client.
-// Unmapped when the last holder (the session, jobs still using it) drops it.
+// A lent file mapped in the server: one mapping for every lend of it, since a client lends each
+// region on each of its lanes (one set of page tables, and each page faulted in once, not once per
+// lane). Unmapped when the last lend of it goes.
+struct lent_mapping {
+  std::byte* base = nullptr;
+  std::uint64_t len = 0;
+  // Every page of the file existed when it was mapped (the client made it resident): making the
+  // page-table entries ahead of use then allocates nothing (populate_lent).
+  bool resident = false;
+  std::atomic<std::uint64_t> populated{0};  // bytes from `base` whose entries are made
+  lent_mapping() = default;
+  lent_mapping(const lent_mapping&) = delete;
+  lent_mapping& operator=(const lent_mapping&) = delete;
+  ~lent_mapping();
+};
+
+// A lend: [base, base + len) here is [addr, addr + len) in the client. Counted in `totals` while it
+// lives; its mapping lives as long as the last lend (the session's, jobs still using it) of it.
 struct lent_region {
+  std::shared_ptr<lent_mapping> map;
   std::byte* base = nullptr;
   std::uint64_t addr = 0, len = 0;
-  lent_totals* totals = nullptr;  // counted in while mapped
+  lent_totals* totals = nullptr;
   lent_region() = default;
   lent_region(const lent_region&) = delete;
   lent_region& operator=(const lent_region&) = delete;
   ~lent_region();
 };
 
-// Maps a passed descriptor for [addr, addr + len) of its client, after checking that it is a regular
-// shared-memory file sealed against shrinking and at least `len` bytes long. Null, with the reason in
-// `why`, when it is not. Does not take `fd` (the caller closes it).
-std::shared_ptr<lent_region> map_lent(int fd, std::uint64_t addr, std::uint64_t len, std::string& why);
+// The server's mappings of lent files, by file.
+class lent_maps {
+ public:
+  // Maps a passed descriptor for [addr, addr + len) of its client, after checking that it is a
+  // regular shared-memory file sealed against shrinking and at least `len` bytes long; a file mapped
+  // already at least that long shares its mapping. Null, with the reason in `why`, when it is not.
+  // `fresh` gets the mapping when one was made for it (null otherwise). Does not take `fd`.
+  std::shared_ptr<lent_region> map(int fd, std::uint64_t addr, std::uint64_t len, std::string& why,
+                                   std::shared_ptr<lent_mapping>& fresh);
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<std::uint64_t, std::uint64_t>, std::weak_ptr<lent_mapping>> live_;  // by (device, inode)
+};
+
+// Makes the page-table entries of up to `bytes` more of a resident mapping, from where the last
+// call stopped; false once it is all done (or cannot be: not resident, or a kernel without
+// MADV_POPULATE_WRITE). Copies into the region then take no page fault per page, which costs about
+// ten times as much as making the entry here.
+bool populate_lent(lent_mapping& m, std::uint64_t bytes);
 
 }  // namespace ferry::store::detail

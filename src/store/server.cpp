@@ -41,7 +41,7 @@ namespace ferry::store {
 using namespace ferry::net;
 using ferry::store::detail::lending_socket;
 using ferry::store::detail::lent_region;
-using ferry::store::detail::map_lent;
+using ferry::store::detail::lent_mapping;
 using clk = std::chrono::steady_clock;
 
 namespace {
@@ -396,6 +396,12 @@ struct server::impl {
   std::unique_ptr<lending_socket> lending;
   detail::lent_totals lent_total;
   static constexpr std::uint64_t max_lent_bytes = 1ull << 45, max_lent_regions = 16384;
+  detail::lent_maps lent_maps;
+  // Resident regions newly mapped, whose page-table entries the janitor makes ahead of the copies
+  // into them, a slice at a time between its other work (populate_mu).
+  std::mutex populate_mu;
+  std::deque<std::weak_ptr<lent_mapping>> to_populate;
+  static constexpr std::uint64_t populate_slice = 64ull << 20;
   // Write data buffers UCX is receiving into, by (connection, request, offset); declared before the
   // workers so that they outlive them.
   buffer_pool write_buffers;  // before `receiving`: its buffers return here
@@ -662,7 +668,8 @@ struct server::impl {
   void janitor() {
     for (;;) {
       if (lending) {
-        lending->serve(std::chrono::milliseconds(100));  // woken by the destructor
+        // Without regions to populate it waits for the socket (woken by the destructor, or by a lend).
+        lending->serve(std::chrono::milliseconds(populate_step() ? 0 : 100));
         if (stopping_now()) return;
       } else {
         std::unique_lock l(mu);
@@ -689,6 +696,19 @@ struct server::impl {
     }
   }
   std::condition_variable cv_janitor;  // with `mu` and `stopping`
+  // One slice of the oldest region waiting to be populated; true while more wait.
+  bool populate_step() {
+    std::shared_ptr<lent_mapping> m;
+    {
+      std::lock_guard l(populate_mu);
+      while (!to_populate.empty() && !(m = to_populate.front().lock())) to_populate.pop_front();
+      if (!m) return false;
+    }
+    bool more = detail::populate_lent(*m, populate_slice);
+    std::lock_guard l(populate_mu);
+    if (!more && !to_populate.empty() && to_populate.front().lock() == m) to_populate.pop_front();
+    return !to_populate.empty();
+  }
 
   bool stopping_now() {
     std::lock_guard l(mu);
@@ -845,14 +865,22 @@ struct server::impl {
         if (it != s->passed.end()) fd = it->second, s->passed.erase(it);
       }
       std::shared_ptr<lent_region> mapped;
+      std::shared_ptr<lent_mapping> fresh;
       std::string why;
       if (fd < 0) why = "no region was passed under this id on the lending socket";
       else if (l->length > (1ull << 40)) why = "larger than 1 TiB";
       else if (s->lent.size() >= max_lent) why = fmt::format("it has {} regions mapped here already", max_lent);
       else if (lent_total.bytes.load() + l->length > max_lent_bytes || lent_total.regions.load() >= max_lent_regions)
         why = "the server maps too much lent memory already";
-      else mapped = map_lent(fd, l->addr, l->length, why);
+      else mapped = lent_maps.map(fd, l->addr, l->length, why, fresh);
       if (fd >= 0) ::close(fd);
+      if (fresh && fresh->resident && lending) {
+        {
+          std::lock_guard g(populate_mu);
+          to_populate.push_back(fresh);
+        }
+        lending->wake();
+      }
       if (mapped) {
         lent_total.bytes += l->length;
         lent_total.regions += 1;
