@@ -80,8 +80,9 @@ class lending_socket {
   std::vector<pending> pending_;
 };
 
-// What all clients together have mapped in a server: bounded, since each region takes address space
-// and a mapping (the kernel's vm.max_map_count counts those for the whole process).
+// What all clients together have lent a server, counted per lend (at least what is mapped, since
+// lends of one file share its mapping): bounded, since each region takes address space and a
+// mapping (the kernel's vm.max_map_count counts those for the whole process).
 struct lent_totals {
   std::atomic<std::uint64_t> bytes{0}, regions{0};
 };
