@@ -227,7 +227,10 @@ void lending_socket::receive(pending& p) {
       }
   bool ok = false;
   if (n == static_cast<ssize_t>(sizeof m) && !(h.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) && got.size() == 1) {
-    ok = deposit_(std::span<const std::uint8_t>(m.token, token_bytes), m.id, got[0]);
+    ucred peer{};
+    socklen_t len = sizeof peer;
+    std::int64_t pid = ::getsockopt(p.fd, SOL_SOCKET, SO_PEERCRED, &peer, &len) == 0 ? peer.pid : 0;
+    ok = deposit_(std::span<const std::uint8_t>(m.token, token_bytes), m.id, got[0], pid);
     got.clear();  // deposit_ owns it now
   }
   for (int fd : got) ::close(fd);
@@ -245,7 +248,7 @@ lent_region::~lent_region() {
   if (totals) totals->bytes -= len, totals->regions -= 1;
 }
 
-std::shared_ptr<lent_region> lent_maps::map(int fd, std::uint64_t addr, std::uint64_t len, std::string& why,
+std::shared_ptr<lent_region> lent_maps::map(int fd, std::int64_t pid, std::uint64_t addr, std::uint64_t len, std::string& why,
                                             std::shared_ptr<lent_mapping>& fresh) {
   fresh = nullptr;
   struct ::stat st{};
@@ -269,14 +272,21 @@ std::shared_ptr<lent_region> lent_maps::map(int fd, std::uint64_t addr, std::uin
     why = fmt::format("the region is {} bytes, not the {} claimed", st.st_size, len);
     return nullptr;
   }
+  // What the kernel checks before a writable shared mapping of this descriptor: a mapping made for
+  // another descriptor of the file is shared only with one that passes them too.
+  int write_seals = F_SEAL_WRITE;
+#ifdef F_SEAL_FUTURE_WRITE
+  write_seals |= F_SEAL_FUTURE_WRITE;
+#endif
+  const int mode = ::fcntl(fd, F_GETFL);
+  const bool may_share = mode >= 0 && (mode & O_ACCMODE) == O_RDWR && !(seals & write_seals);
   std::shared_ptr<lent_mapping> m;
   {
-    // The file stays open while a mapping of it lives, so its (device, inode) names no other file
-    // meanwhile.
+    // A live mapping keeps its file, so its (device, inode) names no other file meanwhile.
     std::lock_guard l(mu_);
     std::erase_if(live_, [](const auto& x) { return x.second.expired(); });
-    auto key = std::make_pair(static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino));
-    if (auto it = live_.find(key); it != live_.end()) {
+    auto key = std::make_tuple(static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino), pid);
+    if (auto it = live_.find(key); it != live_.end() && may_share && pid > 0) {
       m = it->second.lock();
       if (m && m->len < len) m = nullptr;  // mapped shorter: a new, longer mapping replaces it here
     }
@@ -289,7 +299,8 @@ std::shared_ptr<lent_region> lent_maps::map(int fd, std::uint64_t addr, std::uin
       m = std::make_shared<lent_mapping>();
       m->base = static_cast<std::byte*>(p);
       m->len = len;
-      m->resident = static_cast<std::uint64_t>(st.st_blocks) * 512 >= len;
+      // Every page of the file exists (the client made it resident): populating allocates nothing.
+      m->resident = static_cast<std::uint64_t>(st.st_blocks) * 512 >= static_cast<std::uint64_t>(st.st_size);
       live_[key] = m;
       fresh = m;
     }

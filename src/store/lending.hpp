@@ -19,6 +19,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace ferry::store::detail {
@@ -57,8 +58,9 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
 // and beyond a few waiting at once the oldest is.
 class lending_socket {
  public:
-  // Takes a passed descriptor (the callee owns `fd` either way); false refuses it.
-  using deposit_fn = std::function<bool(std::span<const std::uint8_t> token, std::uint64_t id, int fd)>;
+  // Takes a passed descriptor (the callee owns `fd` either way), with the process id of the client
+  // that passed it (SO_PEERCRED; 0 if unknown); false refuses it.
+  using deposit_fn = std::function<bool(std::span<const std::uint8_t> token, std::uint64_t id, int fd, std::int64_t pid)>;
   lending_socket(std::uint64_t instance, deposit_fn deposit);
   ~lending_socket();
   lending_socket(const lending_socket&) = delete;
@@ -87,9 +89,9 @@ struct lent_totals {
   std::atomic<std::uint64_t> bytes{0}, regions{0};
 };
 
-// A lent file mapped in the server: one mapping for every lend of it, since a client lends each
-// region on each of its lanes (one set of page tables, and each page faulted in once, not once per
-// lane). Unmapped when the last lend of it goes.
+// A lent file mapped in the server, shared by the lends of it from one client process, since a
+// client lends each region on each of its lanes (one set of page tables, and each page faulted in
+// once, not once per lane). Unmapped when the last lend of it goes.
 struct lent_mapping {
   std::byte* base = nullptr;
   std::uint64_t len = 0;
@@ -119,16 +121,19 @@ struct lent_region {
 // The server's mappings of lent files, by file.
 class lent_maps {
  public:
-  // Maps a passed descriptor for [addr, addr + len) of its client, after checking that it is a
-  // regular shared-memory file sealed against shrinking and at least `len` bytes long; a file mapped
-  // already at least that long shares its mapping. Null, with the reason in `why`, when it is not.
-  // `fresh` gets the mapping when one was made for it (null otherwise). Does not take `fd`.
-  std::shared_ptr<lent_region> map(int fd, std::uint64_t addr, std::uint64_t len, std::string& why,
+  // Maps a descriptor client process `pid` passed, for [addr, addr + len) of that client, after
+  // checking that it is a regular shared-memory file sealed against shrinking and at least `len`
+  // bytes long. A file the same process lent already, mapped at least that long, shares that
+  // mapping when the descriptor could map it writable itself (opened read-write, no write seal).
+  // Null, with the reason in `why`, when it is not. `fresh` gets the mapping when one was made for
+  // it (null otherwise). Does not take `fd`.
+  std::shared_ptr<lent_region> map(int fd, std::int64_t pid, std::uint64_t addr, std::uint64_t len, std::string& why,
                                    std::shared_ptr<lent_mapping>& fresh);
 
  private:
   std::mutex mu_;
-  std::map<std::pair<std::uint64_t, std::uint64_t>, std::weak_ptr<lent_mapping>> live_;  // by (device, inode)
+  // By (device, inode, client process): never shared between clients, whatever their descriptors.
+  std::map<std::tuple<std::uint64_t, std::uint64_t, std::int64_t>, std::weak_ptr<lent_mapping>> live_;
 };
 
 // Makes the page-table entries of up to `bytes` more of a resident mapping, from where the last

@@ -374,9 +374,14 @@ struct server::impl {
     // Lending: the token that ties descriptors passed on the lending socket to this session, and the
     // descriptors passed and not yet named by a `lend` (sess_mu; at most max_lent).
     std::vector<std::uint8_t> token;
-    std::vector<std::pair<std::uint64_t, int>> passed;
+    struct passed_region {
+      std::uint64_t id;
+      int fd;
+      std::int64_t pid;  // of the process that passed it
+    };
+    std::vector<passed_region> passed;
     ~session() {
-      for (auto& [id, fd] : passed) ::close(fd);
+      for (auto& x : passed) ::close(x.fd);
     }
     // The lent region that holds [addr, addr + n), or null. Newest first: a region lent again at
     // an address that was given back is the live one.
@@ -401,7 +406,7 @@ struct server::impl {
   // into them, a slice at a time between its other work (populate_mu).
   std::mutex populate_mu;
   std::deque<std::weak_ptr<lent_mapping>> to_populate;
-  static constexpr std::uint64_t populate_slice = 64ull << 20;
+  static constexpr std::uint64_t populate_slice = 16ull << 20;  // each holds the mapping lock, briefly
   // Write data buffers UCX is receiving into, by (connection, request, offset); declared before the
   // workers so that they outlive them.
   buffer_pool write_buffers;  // before `receiving`: its buffers return here
@@ -538,8 +543,8 @@ struct server::impl {
     // Last: a constructor that threw above leaves no running thread behind.
     if (o.map) {
       try {
-        lending = std::make_unique<lending_socket>(instance, [this](std::span<const std::uint8_t> token, std::uint64_t id, int fd) {
-          return take_passed(token, id, fd);
+        lending = std::make_unique<lending_socket>(instance, [this](std::span<const std::uint8_t> token, std::uint64_t id, int fd, std::int64_t pid) {
+          return take_passed(token, id, fd, pid);
         });
       } catch (const error& e) {
         log::warn("store", "no lending socket ({}); same-host clients move data by messages", e.what());
@@ -549,7 +554,7 @@ struct server::impl {
   }
   // A descriptor passed on the lending socket: kept for the live session the token names, until a
   // `lend` on that session names it. Janitor thread.
-  bool take_passed(std::span<const std::uint8_t> token, std::uint64_t id, int fd) {
+  bool take_passed(std::span<const std::uint8_t> token, std::uint64_t id, int fd, std::int64_t pid) {
     std::lock_guard l(sess_mu);
     auto it = by_token.find(std::vector<std::uint8_t>(token.begin(), token.end()));
     auto s = it == by_token.end() ? nullptr : it->second.lock();
@@ -557,7 +562,7 @@ struct server::impl {
       ::close(fd);
       return false;
     }
-    s->passed.emplace_back(id, fd);
+    s->passed.push_back({id, fd, pid});
     return true;
   }
   ~impl() {
@@ -859,10 +864,11 @@ struct server::impl {
         return;
       }
       int fd = -1;
+      std::int64_t pid = 0;
       {
         std::lock_guard g(sess_mu);
-        auto it = std::find_if(s->passed.begin(), s->passed.end(), [&](auto& x) { return x.first == l->region; });
-        if (it != s->passed.end()) fd = it->second, s->passed.erase(it);
+        auto it = std::find_if(s->passed.begin(), s->passed.end(), [&](auto& x) { return x.id == l->region; });
+        if (it != s->passed.end()) fd = it->fd, pid = it->pid, s->passed.erase(it);
       }
       std::shared_ptr<lent_region> mapped;
       std::shared_ptr<lent_mapping> fresh;
@@ -872,7 +878,7 @@ struct server::impl {
       else if (s->lent.size() >= max_lent) why = fmt::format("it has {} regions mapped here already", max_lent);
       else if (lent_total.bytes.load() + l->length > max_lent_bytes || lent_total.regions.load() >= max_lent_regions)
         why = "the server maps too much lent memory already";
-      else mapped = lent_maps.map(fd, l->addr, l->length, why, fresh);
+      else mapped = lent_maps.map(fd, pid, l->addr, l->length, why, fresh);
       if (fd >= 0) ::close(fd);
       if (fresh && fresh->resident && lending) {
         {

@@ -17,6 +17,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
@@ -264,6 +265,50 @@ TEST(StoreHostile, OnlySealedSharedMemoryPassedWithALiveTokenIsMapped) {
   ::close(pipefd[0]);
   ::close(pipefd[1]);
   std::filesystem::remove(file);
+}
+
+// The server maps a lent file once per client process and shares that mapping between lends, but
+// never with a descriptor that could not map the file writable itself: a read-only descriptor of a
+// region another session lent, or one whose file was sealed against writing since, is not mapped.
+TEST(StoreHostile, ALentMappingIsNeverSharedWithADescriptorThatCouldNotWriteTheFile) {
+  exported e;
+  raw_client a(e.srv->port()), b(e.srv->port());
+  auto wa = a.greet(), wb = b.greet();
+  ASSERT_FALSE(wa.lending.empty());
+  auto until = [] { return clk::now() + std::chrono::seconds(5); };
+  std::string why;
+  store::detail::shared_region region(1 << 20);
+  auto base = reinterpret_cast<std::uint64_t>(region.data());
+  auto lend_on = [&](raw_client& h, const welcome& w, int fd, std::uint64_t id, std::uint64_t rid) {
+    EXPECT_TRUE(store::detail::pass_region(w.lending, w.token, fd, id, until(), why)) << why;
+    h.c->send_frame({rid, 0, lend{base, region.size(), id}});
+    EXPECT_TRUE(h.wait_for(rid));
+    EXPECT_TRUE(std::holds_alternative<complete>(h.got[rid - 1].b));
+    return std::get<complete>(h.got[rid - 1].b).bytes;
+  };
+  EXPECT_EQ(lend_on(a, wa, region.fd(), 1, 2), 1u) << "the owner's read-write descriptor is mapped";
+  int read_only = ::open(("/proc/self/fd/" + std::to_string(region.fd())).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(read_only, 0);
+  EXPECT_EQ(lend_on(b, wb, read_only, 2, 2), 0u) << "a read-only descriptor got the writable mapping";
+  // A direct read through b would have written the file: refused, and the region is untouched.
+  std::memset(region.data(), 0x5A, 4096);
+  b.c->send_frame({3, 0, read_into{"a.bin", 0, 4096, base}});
+  ASSERT_TRUE(b.wait_for(3));
+  EXPECT_TRUE(std::holds_alternative<error_reply>(b.got[2].b));
+  EXPECT_EQ(std::count(reinterpret_cast<const char*>(region.data()), reinterpret_cast<const char*>(region.data()) + 4096, 'Z'), 4096)
+      << "the server wrote into the region through the read-only descriptor's lend";
+  ::close(read_only);
+#ifdef F_SEAL_FUTURE_WRITE
+  // A file sealed against writing after its first lend: a later lend of it is not mapped.
+  int sealable = ::memfd_create("sealable", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(sealable, 0);
+  ASSERT_EQ(::ftruncate(sealable, 1 << 20), 0);
+  ASSERT_EQ(::fcntl(sealable, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  EXPECT_EQ(lend_on(a, wa, sealable, 3, 3), 1u) << "a sealed, writable memfd is mapped";
+  ASSERT_EQ(::fcntl(sealable, F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0);
+  EXPECT_EQ(lend_on(a, wa, sealable, 4, 4), 0u) << "a write-sealed file got the writable mapping";
+  ::close(sealable);
+#endif
 }
 
 // Connections to the lending socket that never send are closed, and a flood of them cannot keep a
