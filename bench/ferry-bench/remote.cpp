@@ -19,6 +19,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <netinet/in.h>
 #include <nlohmann/json.hpp>
 #include <poll.h>
@@ -53,6 +54,18 @@ std::vector<std::uint64_t> parse_list(const std::string& s, const char* what) {
   std::stringstream in(s);
   for (std::string x; std::getline(in, x, ',');)
     if (!x.empty()) v.push_back(parse_size(x, what));
+  return v;
+}
+
+// A comma-separated choice among `allowed`; anything else is an error naming it.
+std::set<std::string> parse_choices(const std::string& s, const std::vector<std::string>& allowed, const char* what) {
+  std::set<std::string> v;
+  std::stringstream in(s);
+  for (std::string t; std::getline(in, t, ',');) {
+    if (std::find(allowed.begin(), allowed.end(), t) == allowed.end())
+      fail(errc::invalid_argument, "bench remote", t, fmt::format("unknown {} ({})", what, fmt::join(allowed, ", ")));
+    v.insert(t);
+  }
   return v;
 }
 
@@ -320,22 +333,8 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     std::stringstream in(o.transports);
     for (std::string t; std::getline(in, t, ',');) transports.push_back(t);
   }
-  std::set<std::string> do_op;
-  {
-    std::stringstream in(o.ops);
-    for (std::string t; std::getline(in, t, ',');) {
-      if (t != "read" && t != "write") fail(errc::invalid_argument, "bench remote", t, "unknown operation (read, write)");
-      do_op.insert(t);
-    }
-  }
-  std::set<std::string> do_mem;
-  {
-    std::stringstream in(o.memory);
-    for (std::string t; std::getline(in, t, ',');) {
-      if (t != "host" && t != "lent" && t != "gpu") fail(errc::invalid_argument, "bench remote", t, "unknown memory (host, lent, gpu)");
-      do_mem.insert(t);
-    }
-  }
+  const auto do_op = parse_choices(o.ops, {"read", "write"}, "operation");
+  const auto do_mem = parse_choices(o.memory, {"host", "lent", "gpu"}, "memory");
   if (do_op.count("write")) out["file_write_baseline"] = file_write_baseline(dir, sizes, budget, file_bytes);
   for (auto& tl : transports) {
     // perftest: the pure transport; ferry also needs tcp for its connection manager (client/server

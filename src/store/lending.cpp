@@ -315,7 +315,7 @@ std::shared_ptr<lent_region> lent_maps::map(int fd, std::int64_t pid, std::uint6
 
 bool populate_lent(lent_mapping& m, std::uint64_t bytes) {
 #ifdef MADV_POPULATE_WRITE
-  std::uint64_t at = m.populated.load();
+  std::uint64_t at = m.populated;
   if (!m.resident || at >= m.len) return false;
   std::uint64_t n = std::min(bytes, m.len - at);
   // A client that punched holes into its region since it was mapped gets them filled, as its own

@@ -98,15 +98,15 @@ struct lent_mapping {
   // Every page of the file existed when it was mapped (the client made it resident): making the
   // page-table entries ahead of use then allocates nothing (populate_lent).
   bool resident = false;
-  std::atomic<std::uint64_t> populated{0};  // bytes from `base` whose entries are made
+  std::uint64_t populated = 0;  // bytes from `base` whose entries are made (populate_lent's caller only)
   lent_mapping() = default;
   lent_mapping(const lent_mapping&) = delete;
   lent_mapping& operator=(const lent_mapping&) = delete;
   ~lent_mapping();
 };
 
-// A lend: [base, base + len) here is [addr, addr + len) in the client. Counted in `totals` while it
-// lives; its mapping lives as long as the last lend (the session's, jobs still using it) of it.
+// A lend: [base, base + len) here is [addr, addr + len) in the client, counted in `totals`. Held by
+// the session and by the jobs using it; each holds the mapping it shares with the file's other lends.
 struct lent_region {
   std::shared_ptr<lent_mapping> map;
   std::byte* base = nullptr;
@@ -138,8 +138,8 @@ class lent_maps {
 
 // Makes the page-table entries of up to `bytes` more of a resident mapping, from where the last
 // call stopped; false once it is all done (or cannot be: not resident, or a kernel without
-// MADV_POPULATE_WRITE). Copies into the region then take no page fault per page, which costs about
-// ten times as much as making the entry here.
+// MADV_POPULATE_WRITE). Copies into the region then take no page fault per page, which costs more
+// than making the entry here.
 bool populate_lent(lent_mapping& m, std::uint64_t bytes);
 
 }  // namespace ferry::store::detail

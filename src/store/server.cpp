@@ -711,7 +711,7 @@ struct server::impl {
     }
     bool more = detail::populate_lent(*m, populate_slice);
     std::lock_guard l(populate_mu);
-    if (!more && !to_populate.empty() && to_populate.front().lock() == m) to_populate.pop_front();
+    if (!more) to_populate.pop_front();  // still `m`: lends only append, and only this thread pops
     return !to_populate.empty();
   }
 

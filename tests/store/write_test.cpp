@@ -475,8 +475,8 @@ bool kernel_populates() {
 }
 
 // A buffer the client allocates is lent on every lane; the server maps it once for all of them, and
-// makes its page-table entries ahead of use (a fault per page inside the copies cost the first
-// reads into a fresh buffer a tenth of their speed, once per lane).
+// makes its page-table entries ahead of use (else every page faults inside the copies, once per
+// lane).
 TEST(StoreWrite, AnAllocatedBufferIsMappedOnceForAllLanesWithItsPagesMadeAhead) {
   ::setenv("UCX_MM_ERROR_HANDLING", "y", 1);
   writable_server s;
