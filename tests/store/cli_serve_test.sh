@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `ferry serve --secret-file` and clients through the CLI on loopback: no secret / wrong secret refused,
-# right secret served, SIGTERM stops the server gracefully.
+# right secret served, `ls` prints names escaped, SIGTERM stops the server gracefully.
 set -u
 FERRY=${1:?usage: cli_serve_test.sh path/to/ferry}
 work=$(mktemp -d)
@@ -9,6 +9,8 @@ cleanup() { [ -n "$srv" ] && kill -9 "$srv" 2>/dev/null; rm -rf "$work"; }
 trap cleanup EXIT
 mkdir -p "$work/export"
 printf 'hello ferry\n' > "$work/export/a.txt"
+# A name with a newline and a terminal escape in it: `ls` must print it escaped, never raw.
+printf 'x' > "$work/export/$(printf 'we\nird\033[31m')"
 printf 's3cret\n' > "$work/secret"
 printf 'wrong\n' > "$work/wrong"
 "$FERRY" serve --root "$work/export" --listen 127.0.0.1:0 --secret-file "$work/secret" > "$work/serve.log" 2>&1 &
@@ -34,6 +36,7 @@ check "missing secret file" "cannot read the secret file" env FERRY_SECRET_FILE=
 check "write to read-only" "the server is read-only" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp host "ferry://127.0.0.1:$port/w.bin" --size 1MiB
 check "file API (file:ferry://)" "file engine \(ferry://, UCX\), checksum verified" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp "file:ferry://127.0.0.1:$port/a.txt" host
 check "file API, missing file" "no_such|not_found|No such file.*missing.txt|missing.txt.*No such file" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp "file:ferry://127.0.0.1:$port/missing.txt" host
+check "ls of the root, names escaped" 'file +1  we\\x0aird\\x1b\[31m' env FERRY_SECRET_FILE="$work/secret" "$FERRY" ls "ferry://127.0.0.1:$port/"
 check "secret file warnings" "readable by group or others.*chmod 600" cat "$work/serve.log"
 check "short secret warning" "only 6 bytes; use at least 16" cat "$work/serve.log"
 check "writable without secret" "refusing to serve writable without a shared secret" "$FERRY" serve --root "$work/export" --listen 127.0.0.1:0 --writable
