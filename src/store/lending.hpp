@@ -106,7 +106,8 @@ struct lent_mapping {
 };
 
 // A lend: [base, base + len) here is [addr, addr + len) in the client, counted in `totals`. Held by
-// the session and by the jobs using it; each holds the mapping it shares with the file's other lends.
+// the session and by the jobs using it. `map` keeps the mapping alive; other lends of the file from
+// the same client process may hold it too (lent_maps::map says when).
 struct lent_region {
   std::shared_ptr<lent_mapping> map;
   std::byte* base = nullptr;

@@ -238,8 +238,8 @@ TEST(Engine, FreedHostMemoryIsRefused) {
   runtime rt(sim_settings());
   region a(rt.devices().get("sim:0"), 1 << 20);
   std::size_t n = 1 << 20;
-  // The engine's first copy starts its workers, whose stacks and buffers may be mapped into the
-  // range freed just before (so seen under ASan); one copy first keeps the freed range unmapped.
+  // The engine's first copy starts its workers, whose stacks and buffers may be mapped into a range
+  // freed just before; one copy first keeps the freed range unmapped until the check.
   std::vector<char> warm(4096, 1);
   rt.engine().copy(a.p(), warm.data(), warm.size());
   void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
