@@ -132,7 +132,7 @@ const setting_def table[] = {
   {"FERRY_LOG", "Log level: trace|debug|info|warn|error|off. Logs go to stderr.",
    [](settings& s, std::string_view v) { s.log = parse_enum(v, log_levels); },
    [](const settings& s) { return std::string(to_string(s.log)); }},
-  {"FERRY_DEADLINE", "Default deadline of every wait (stream sync, transfer, request) when the caller gives none.",
+  {"FERRY_DEADLINE", "Default deadline of every wait (stream sync, transfer, request) when the caller gives none; a transfer batch without a fixed deadline fails only when no byte has moved for this long.",
    [](settings& s, std::string_view v) {
      s.deadline = parse_duration_value(v);
      if (s.deadline <= std::chrono::nanoseconds::zero()) throw bad_value{"must be positive"};
@@ -198,7 +198,7 @@ const setting_def table[] = {
   {"FERRY_CUPTI_LIBRARY", "CUPTI library loaded at run time (dlopen) for kernel-launch callbacks (unified memory returns pages to the device before launches); without it those features are off. Tried as given, then under /usr/local/cuda.",
    [](settings& s, std::string_view v) { s.cupti_library = nonempty(v); },
    [](const settings& s) { return s.cupti_library; }},
-  {"FERRY_FILE_BACKEND", "File backend: auto (cuFile where handle registration and a probe read work, else io_uring) | io_uring | cufile.",
+  {"FERRY_FILE_BACKEND", "File backend: auto (cuFile where the nvidia-fs driver is loaded and handle registration and a probe read work, else io_uring; a file system that refused registration once is not tried again) | io_uring | cufile.",
    [](settings& s, std::string_view v) { s.file_backend = parse_enum(v, file_backends); },
    [](const settings& s) { return std::string(to_string(s.file_backend)); }},
   {"FERRY_IO_DIRECT", "O_DIRECT for file reads: auto (unless the range is in the page cache; a small read asks the page cache first) | always | never.",

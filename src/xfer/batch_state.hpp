@@ -22,7 +22,23 @@ struct transfer_batch::state {
   std::uint64_t bytes_total = 0;
   std::atomic<bool> cancelled{false};
   std::vector<std::shared_ptr<void>> keep;  // what the work items use by pointer (the files of a file batch)
-  deadline until;
+  // The batch's deadline. With an idle window it moves on with progress: the batch fails when no byte
+  // has moved for that long, whatever its size (transfer_options::idle).
+  std::atomic<deadline::rep> until_ticks{0};
+  std::chrono::nanoseconds idle{0};
+  deadline until() const noexcept { return deadline(deadline::duration(until_ticks.load(std::memory_order_relaxed))); }
+  void set_deadline(const transfer_options& o, std::chrono::nanoseconds default_idle) {
+    idle = o.until ? std::chrono::nanoseconds(0) : o.idle.value_or(default_idle);
+    until_ticks = (o.until ? *o.until : deadline_after(idle)).time_since_epoch().count();
+  }
+  // Bytes moved: a deadline that follows progress starts its window again.
+  void moved() noexcept {
+    if (idle.count() == 0) return;
+    const deadline::rep t = deadline_after(idle).time_since_epoch().count();
+    deadline::rep cur = until_ticks.load(std::memory_order_relaxed);
+    while (cur < t && !until_ticks.compare_exchange_weak(cur, t, std::memory_order_relaxed)) {
+    }
+  }
   void* engine = nullptr;  // transfer_engine::impl, for wait() to run its own queued work
   transfer_engine::completion on_done;  // set: called once when the last request is final (no handle waits)
   // Set for a stream-ordered batch: called once when no work item is left (queued or running), so
@@ -39,6 +55,7 @@ struct transfer_batch::state {
     if (!e) {
       r.bytes_done += len;
       bytes_done += len;
+      if (len) moved();
     }
     if (--segs_left[i] > 0) return false;
     r.state = r.err ? (r.err->code() == errc::cancelled ? request_state::cancelled
@@ -92,6 +109,7 @@ struct transfer_batch::state {
     if (results[i].state != request_state::pending) return;
     results[i].bytes_done += n;
     bytes_done += n;
+    if (n) moved();
   }
   // A request that never reaches the workers (bad input, classification error).
   void fail_now(std::size_t i, error e) {
@@ -116,7 +134,7 @@ struct transfer_batch::state {
 
 
 // Builds a batch handle around fresh state (for engines other than the transfer engine).
-std::shared_ptr<transfer_batch::state> make_batch_state(std::size_t requests, deadline until);
+std::shared_ptr<transfer_batch::state> make_batch_state(std::size_t requests, const transfer_options& o, std::chrono::nanoseconds default_idle);
 transfer_batch make_batch(std::shared_ptr<transfer_batch::state> s);
 
 }  // namespace ferry

@@ -142,12 +142,12 @@ struct transfer_engine::impl {
       enqueue(*held);
     };
     o.unlock();
-    gates.watch(g, seq, b->until, [b] { return b->cancelled.load(); }, std::move(gated));
+    gates.watch(g, seq, b->until(), [b] { return b->cancelled.load(); }, std::move(gated));
   }
   // A batch whose stream did not reach it by its deadline, or that was cancelled first: it ends
   // without running (its number is released when its items are counted off).
   void drop(transfer_batch::state& b, std::vector<work_item>& items, std::uint32_t seq) {
-    bool cancelled = b.cancelled && std::chrono::steady_clock::now() < b.until;
+    bool cancelled = b.cancelled && std::chrono::steady_clock::now() < b.until();
     std::string what = fmt::format("stream-ordered batch #{}", seq);
     error e = cancelled ? error(errc::cancelled, "xfer.stream_order", what, "batch cancelled before its stream reached it")
                         : error(errc::timeout, "xfer.stream_order", what,
@@ -291,7 +291,7 @@ struct transfer_engine::impl {
         b.finish(sg.req, sg.len, &e);
         return true;
       }
-      if (std::chrono::steady_clock::now() >= b.until) {
+      if (std::chrono::steady_clock::now() >= b.until()) {
         error e(errc::timeout, "xfer.request", fmt::format("request {}", sg.req), "batch deadline passed before it ran");
         b.finish(sg.req, sg.len, &e);
         return true;
@@ -349,7 +349,7 @@ struct transfer_engine::impl {
         }
       }
       try {
-        s.synchronize(b.until);
+        s.synchronize(b.until());
         for (const segment* sg : enqueued) b.finish(sg->req, sg->len, nullptr);
       } catch (const std::exception& ex) {
         for (const segment* sg : enqueued) fail_with(*sg, ex);
@@ -366,16 +366,16 @@ struct transfer_engine::impl {
             break;
           case transfer_path::bounce: {
             stream& s = stream_of(w.dev);
-            pinned_pool::buffer buf = w.pool->get(b.until);
+            pinned_pool::buffer buf = w.pool->get(b.until());
             for (std::uint64_t off = 0; off < sg.len; off += buf.size()) {
               std::uint64_t n = std::min<std::uint64_t>(buf.size(), sg.len - off);
               if (w.to_device) {
                 std::memcpy(buf.data(), sg.src + off, n);
                 s.copy(sg.dst + off, buf.data(), n);
-                s.synchronize(b.until);
+                s.synchronize(b.until());
               } else {
                 s.copy(buf.data(), sg.src + off, n);
-                s.synchronize(b.until);
+                s.synchronize(b.until());
                 std::memcpy(sg.dst + off, buf.data(), n);
               }
             }
@@ -384,13 +384,13 @@ struct transfer_engine::impl {
           case transfer_path::staged: {
             stream& from = stream_of(w.dev);
             stream& to = stream_of(w.dev2);
-            pinned_pool::buffer buf = w.pool->get(b.until);
+            pinned_pool::buffer buf = w.pool->get(b.until());
             for (std::uint64_t off = 0; off < sg.len; off += buf.size()) {
               std::uint64_t n = std::min<std::uint64_t>(buf.size(), sg.len - off);
               from.copy(buf.data(), sg.src + off, n);
-              from.synchronize(b.until);
+              from.synchronize(b.until());
               to.copy(sg.dst + off, buf.data(), n);
-              to.synchronize(b.until);
+              to.synchronize(b.until());
             }
             break;
           }
@@ -440,7 +440,13 @@ bool transfer_batch::wait() {
   // Queued items of this batch run here (none left to look for once every request is final).
   if (!over && s_->engine) static_cast<transfer_engine::impl*>(s_->engine)->help(s_.get());
   std::unique_lock l(s_->mu);
-  if (!s_->cv.wait_until(l, s_->until, [&] { return s_->unfinished == 0; })) {
+  // The deadline may move on while this waits (progress): waited for again until it stays put.
+  bool finished = false;
+  for (deadline until = s_->until();; until = s_->until()) {
+    finished = s_->cv.wait_until(l, until, [&] { return s_->unfinished == 0; });
+    if (finished || s_->until() <= until) break;
+  }
+  if (!finished) {
     s_->cancelled = true;  // queued work is skipped; running chunks stop at their own deadline
     for (std::size_t i = 0; i < s_->results.size(); ++i) {
       auto& r = s_->results[i];
@@ -458,6 +464,7 @@ bool transfer_batch::wait() {
   return true;
 }
 
+bool transfer_batch::expired() const { return std::chrono::steady_clock::now() >= s_->until(); }
 void transfer_batch::cancel() { s_->cancelled = true; }
 std::uint64_t transfer_batch::bytes_done() const { return s_->bytes_done.load(); }
 std::uint64_t transfer_batch::bytes_total() const { return s_->bytes_total; }
@@ -474,9 +481,10 @@ void transfer_batch::check() const {
     }
 }
 
-std::shared_ptr<transfer_batch::state> make_batch_state(std::size_t requests, deadline until) {
+std::shared_ptr<transfer_batch::state> make_batch_state(std::size_t requests, const transfer_options& o,
+                                                        std::chrono::nanoseconds default_idle) {
   auto s = std::make_shared<transfer_batch::state>();
-  s->until = until;
+  s->set_deadline(o, default_idle);
   s->results.resize(requests);
   s->sizes.resize(requests, 0);
   s->segs_left.assign(requests, 0);
@@ -519,7 +527,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
   transfer_batch tb;
   tb.s_ = std::make_shared<transfer_batch::state>();
   auto& b = *tb.s_;
-  b.until = o.until ? *o.until : deadline_after(I.cfg.deadline);
+  b.set_deadline(o, I.cfg.deadline);
   b.engine = &I;
   b.on_done = std::move(done);
   b.results.resize(reqs.size());

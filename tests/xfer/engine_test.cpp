@@ -273,6 +273,40 @@ TEST(Engine, DeadlineExpiryTimesOutUnfinishedRequests) {
   EXPECT_LT(b.bytes_done(), b.bytes_total());
 }
 
+// Without a fixed deadline a batch fails only when no byte has moved for its window: one that keeps
+// moving outlives the window many times over; one whose next piece takes longer than it fails.
+TEST(Engine, ADeadlineWithoutAFixedTimeFollowsProgress) {
+  settings s = sim_settings();
+  s.sim_copy_gbps = 0.02;   // 20 MB/s: a 1 MiB request takes about 50 ms
+  s.sim_copy_engines = 1;
+  s.xfer_threads = 1;
+  s.xfer_batch_small = 0;   // one work item per request, one after another
+  runtime rt(s);
+  region a(rt.devices().get("sim:0"), 32 << 20);
+  std::vector<unsigned char> src(32 << 20, 3);
+  std::vector<transfer_request> reqs;
+  for (int i = 0; i < 8; ++i) reqs.push_back({a.p(static_cast<std::uint64_t>(i) << 20), src.data(), 1 << 20});
+  auto t0 = std::chrono::steady_clock::now();
+  transfer_options moving;
+  moving.idle = std::chrono::milliseconds(250);
+  transfer_batch b = rt.engine().submit(reqs, moving);
+  EXPECT_TRUE(b.wait()) << "every request finished within the window of the one before";
+  EXPECT_GT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(250)) << "longer than the window in all";
+  b.check();
+
+  transfer_batch fixed = rt.engine().submit(reqs, {deadline_after(std::chrono::milliseconds(250))});
+  EXPECT_FALSE(fixed.wait()) << "the same batch against a fixed deadline of the same length";
+
+  transfer_request big{a.p(), src.data(), 16 << 20};  // one piece of 800 ms
+  transfer_options stalled;
+  stalled.idle = std::chrono::milliseconds(100);
+  t0 = std::chrono::steady_clock::now();
+  transfer_batch c = rt.engine().submit({&big, 1}, stalled);
+  EXPECT_FALSE(c.wait());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(700)) << "failed after the window, not at the end";
+  EXPECT_EQ(c.results()[0].state, request_state::timed_out);
+}
+
 TEST(Engine, CancelStopsWhatHasNotStarted) {
   settings s = sim_settings();
   s.sim_copy_gbps = 0.05;

@@ -54,7 +54,11 @@ struct request_result {
 };
 
 struct transfer_options {
-  std::optional<deadline> until;  // default: now + FERRY_DEADLINE
+  // The deadline. `until`: a fixed point in time. Without it the batch fails once no byte has moved
+  // for `idle` (default FERRY_DEADLINE): a large transfer from slow storage is not cut off at a time
+  // that assumes a speed, and a stalled one still ends.
+  std::optional<deadline> until;
+  std::optional<std::chrono::nanoseconds> idle = std::nullopt;
   // Stream order (a user's stream: device::wrap_stream): the batch starts once the work enqueued on
   // `on` before submit completed, and work enqueued on `on` after submit returns waits for the
   // batch -- on the GPU, through stream memory operations; no CPU thread synchronizes the stream.
@@ -81,6 +85,9 @@ class FERRY_API transfer_batch {
   // piece already running may still touch the buffers until it stops at its own deadline: keep
   // the buffers until the batch is destroyed (the destructor waits for running pieces).
   bool wait();
+  // True once the batch's deadline has passed (a deadline that follows progress: no byte moved for
+  // its window); wait() then returns at once. Never blocks.
+  bool expired() const;
   // Requests not yet started become cancelled; started chunks finish.
   void cancel();
   std::uint64_t bytes_done() const;
