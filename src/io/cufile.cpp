@@ -12,6 +12,9 @@
 
 #include <cerrno>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 namespace ferry::cufile {
 
 struct backend::api {
@@ -23,8 +26,14 @@ struct backend::api {
   long (*write)(void*, const void*, std::size_t, long, long) = nullptr;
 };
 
+bool nvidia_fs_loaded() { return ::access("/sys/module/nvidia_fs", F_OK) == 0 || ::access("/proc/driver/nvidia-fs", F_OK) == 0; }
+
 backend::backend(const settings& s) : lib_(s.cufile_library), driver_(s.cuda_driver) {
 #ifdef FERRY_HAVE_CUDA
+  if (s.file_backend == file_backend_kind::automatic && !nvidia_fs_loaded()) {
+    why_ = "the nvidia-fs driver is not loaded, so cuFile could only run in compatibility mode (FERRY_FILE_BACKEND=cufile uses it anyway)";
+    return;
+  }
   const cuda::driver_status& st = cuda::load(s.cuda_driver);
   if (!st.api) {
     why_ = "no CUDA driver: " + st.reason;
@@ -83,11 +92,20 @@ bool backend::usable(file& f, std::string& why) {
   cu_descr d{};
   d.type = 1;
   d.handle.fd = f.direct_fd() >= 0 ? f.direct_fd() : f.fd();
+  struct stat st{};
+  const bool known_fs = ::fstat(d.handle.fd, &st) == 0;
+  if (known_fs)
+    if (auto it = refused_fs_.find(static_cast<unsigned long>(st.st_dev)); it != refused_fs_.end()) {
+      why = it->second;
+      refused_[&f] = why;
+      return false;
+    }
   void* h = nullptr;
   cu_error e = api_->handle_register(&h, &d);
   if (e.err != 0) {
     why = fmt::format("cuFileHandleRegister failed on {} (cuFile error {})", f.path(), e.err);
     refused_[&f] = why;
+    if (known_fs) refused_fs_[static_cast<unsigned long>(st.st_dev)] = why + ", and so on its file system";
     return false;
   }
   handles_[&f] = h;

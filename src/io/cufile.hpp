@@ -27,11 +27,17 @@ struct cu_descr {
   const void* fs_ops;
 };
 
+// Whether the nvidia-fs kernel driver is loaded. Without it cuFile runs in compatibility mode (its
+// own POSIX reads through bounce buffers), which is no faster than the io_uring path, while opening
+// its driver costs the first read most of a second: FERRY_FILE_BACKEND=auto does not try it then.
+bool nvidia_fs_loaded();
+
 class backend {
  public:
   explicit backend(const settings& s);
   ~backend();
-  // Registers f's handle on first use; false (with why) when cuFile cannot serve this file.
+  // Registers f's handle on first use; false (with why) when cuFile cannot serve this file. A file
+  // system on which registration failed once is not tried again (the verdict is kept per st_dev).
   bool usable(file& f, std::string& why);
   // Reads [off, off+n) into device memory `dst` of CUDA device `ordinal` in pieces of `chunk`,
   // calling progress(bytes) after each; returns the bytes read (short at EOF). Throws on errors.
@@ -53,6 +59,7 @@ class backend {
   std::mutex mu_;
   std::map<file*, void*> handles_;
   std::map<file*, std::string> refused_;
+  std::map<unsigned long, std::string> refused_fs_;  // st_dev -> why handle registration failed there
   std::string lib_, driver_;
 };
 

@@ -53,13 +53,18 @@ std::shared_ptr<file> file::open(const std::string& path, open_mode mode) {
   auto f = std::shared_ptr<file>(new file());
   f->path_ = path;
   f->writable_ = mode != open_mode::read;
-  f->fd_ = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
+  // O_NONBLOCK: opening a FIFO or a device must not wait for a peer; only regular files are kept,
+  // and those then do blocking I/O as usual.
+  f->fd_ = ::open(path.c_str(), flags | O_CLOEXEC | O_NONBLOCK, 0644);
   if (f->fd_ < 0)
     fail_errno(errno, "file.open", path,
                mode == open_mode::read ? "cannot open for reading" : mode == open_mode::create ? "cannot create" : "cannot open for writing");
   struct stat st{};
   if (::fstat(f->fd_, &st) != 0) fail_errno(errno, "file.open", path, "fstat failed");
   if (S_ISDIR(st.st_mode)) fail(errc::invalid_argument, "file.open", path, "is a directory");
+  if (!S_ISREG(st.st_mode))
+    fail(errc::invalid_argument, "file.open", path, "not a regular file (a FIFO, socket or device): ferry reads and writes regular files only");
+  if (::fcntl(f->fd_, F_SETFL, ::fcntl(f->fd_, F_GETFL) & ~O_NONBLOCK) != 0) fail_errno(errno, "file.open", path, "fcntl(F_SETFL) failed");
   // A second descriptor for O_DIRECT.
   open_direct(path, flags & ~(O_CREAT | O_TRUNC), f->fd_, f->dfd_, f->align_);
   return f;

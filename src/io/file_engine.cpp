@@ -370,7 +370,7 @@ struct file_engine::impl {
               const memory_region* src_region) {
       transfer_request q{dst, src, n, dst_region, src_region};
       std::size_t i = index(s);
-      e.xfer.submit({&q, 1}, {s.r->j.b->until}, [this, i](std::span<const request_result> res) {
+      e.xfer.submit({&q, 1}, {s.r->j.b->until()}, [this, i](std::span<const request_result> res) {
         std::optional<error> err;
         if (res[0].state != request_state::done)
           err = res[0].err ? *res[0].err : error(errc::internal, "file.copy", "", "device copy did not finish");
@@ -522,7 +522,7 @@ void file_engine::impl::worker::loop() {
     }
     // Wait for a completion, new work, or the nearest deadline (cancellation is noticed within 50 ms).
     auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
-    for (auto& r : runs) until = std::min(until, r.j.b->until);
+    for (auto& r : runs) until = std::min(until, r.j.b->until());
     io_uring_cqe* first = nullptr;
     if (!runs.empty()) wait_one(&first, until);  // (it is handled with the others below)
     asleep = false;
@@ -564,7 +564,7 @@ void file_engine::impl::worker::loop() {
       if (r.err) continue;
       const char* op = r.j.r.write ? "file.write" : "file.read";
       if (r.j.b->cancelled) abort(r, error(errc::cancelled, op, r.j.r.f->path(), "cancelled"));
-      else if (now >= r.j.b->until && !(r.issued() && !r.busy))
+      else if (now >= r.j.b->until() && !(r.issued() && !r.busy))
         abort(r, error(errc::timeout, op, r.j.r.f->path(), "deadline passed"));
     }
     for (auto it = runs.begin(); it != runs.end();) {
@@ -598,12 +598,12 @@ void file_engine::impl::worker::start(job j) {
         };
         try {
           if (j.r.write) {
-            e.cufile().write(*j.r.f, j.dev->info().ordinal, j.r.mem, j.r.offset, j.r.bytes, e.cfg.io_chunk, b.until, progress);
+            e.cufile().write(*j.r.f, j.dev->info().ordinal, j.r.mem, j.r.offset, j.r.bytes, e.cfg.io_chunk, b.until(), progress);
           } else {
             std::uint64_t size0 = j.r.f->size();
             std::uint64_t n = j.r.offset >= size0 ? 0 : std::min(j.r.bytes, size0 - j.r.offset);
             std::uint64_t got =
-                n ? e.cufile().read(*j.r.f, j.dev->info().ordinal, j.r.mem, j.r.offset, n, 64ull << 20, b.until, progress) : 0;
+                n ? e.cufile().read(*j.r.f, j.dev->info().ordinal, j.r.mem, j.r.offset, n, 64ull << 20, b.until(), progress) : 0;
             if (got < n)
               fail(errc::io_error, "file.read", fmt::format("{} offset {}", j.r.f->path(), j.r.offset + got),
                    "the file ended early (truncated while reading?)");
@@ -708,7 +708,7 @@ bool file_engine::impl::worker::issue(running& r) {
   if (staged) {
     // One buffer waited for (until the deadline) when this worker has nothing else in flight; else
     // only one free now: a busy pool makes shallower pipelines, never a stall.
-    s->held = slots_busy() == 0 ? r.pool->get(r.j.b->until) : r.pool->try_get();
+    s->held = slots_busy() == 0 ? r.pool->get(r.j.b->until()) : r.pool->try_get();
     if (!s->held) return false;
     s->buf = s->held.data();
   }
@@ -871,7 +871,7 @@ file_engine::~file_engine() = default;
 ferry::stats& file_engine::counters() noexcept { return impl_->st; }
 
 transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_options o) {
-  auto b = make_batch_state(reqs.size(), o.until ? *o.until : deadline_after(impl_->cfg.deadline));
+  auto b = make_batch_state(reqs.size(), o, impl_->cfg.deadline);
   if (o.on) start_on(b, reqs, *o.on);
   else start(b, reqs);
   return make_batch(std::move(b));
@@ -892,7 +892,7 @@ transfer_batch file_engine::write_async(std::shared_ptr<file> f, std::uint64_t o
 }
 
 void file_engine::submit(std::span<const file_request> reqs, transfer_options o, completion done) {
-  auto b = make_batch_state(reqs.size(), o.until ? *o.until : deadline_after(impl_->cfg.deadline));
+  auto b = make_batch_state(reqs.size(), o, impl_->cfg.deadline);
   if (reqs.empty()) return done({});
   b->on_done = std::move(done);
   if (o.on) start_on(b, reqs, *o.on);
@@ -1063,7 +1063,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       b->item_done();
     };
     try {
-      r.f->source()->start(r.write, r.offset, r.mem, r.bytes, b->until, done);
+      r.f->source()->start(r.write, r.offset, r.mem, r.bytes, b->until(), done);
     } catch (const error& e) {
       done(0, &e);
     } catch (const std::exception& e) {
@@ -1185,7 +1185,7 @@ void read_chunk(const op_ptr& op, std::size_t k) {
   }
   file_request q{op->r.f, op->off(k), op->slot(k), op->len(k), false};
   transfer_options o;
-  o.until = op->b->until;
+  o.until = op->b->until();
   op->files->submit({&q, 1}, o, [op, k](std::span<const request_result> res) {
     if (res[0].state != request_state::done || res[0].bytes_done != op->len(k)) {
       std::memset(op->slot(k), 0, op->len(k));  // never another file's bytes in the destination
@@ -1201,7 +1201,7 @@ void read_chunk(const op_ptr& op, std::size_t k) {
 void write_chunk(const op_ptr& op, std::size_t k) {
   file_request q{op->r.f, op->off(k), op->slot(k), op->len(k), true};
   transfer_options o;
-  o.until = op->b->until;
+  o.until = op->b->until();
   op->files->submit({&q, 1}, o, [op, k](std::span<const request_result> res) {
     if (res[0].state != request_state::done) {
       error e = io_error(*op, k, res[0]);
@@ -1284,7 +1284,7 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
       // One buffer at least (waiting for it is the back-pressure of a busy pool), the rest of the
       // pipeline's depth as far as the pool has them now.
       std::size_t nslots = std::min<std::size_t>(op->n, static_cast<std::size_t>(I.cfg.stream_slots));
-      op->slots.push_back(pool.get(b->until));
+      op->slots.push_back(pool.get(b->until()));
       while (op->slots.size() < nslots) {
         auto more = pool.try_get();
         if (!more) break;
@@ -1347,7 +1347,7 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
         else read_chunk(op, k);
       }
     for (std::size_t k = 0; k < enqueued; ++k)
-      gates.watch(*op->g, op->seq(k), b->until, [b] { return b->cancelled.load(); }, [op, k](bool yes) { reached(op, k, yes); });
+      gates.watch(*op->g, op->seq(k), b->until(), [b] { return b->cancelled.load(); }, [op, k](bool yes) { reached(op, k, yes); });
   }
   I.st.get("requests.stream_ordered").add(static_cast<std::uint64_t>(items));
   b->item_done();  // the hold taken above
@@ -1387,6 +1387,9 @@ file_backend_choice file_engine::backend_for(const std::string& path) {
                                 : "no O_DIRECT here (buffered reads only)";
   if (impl_->cfg.file_backend == file_backend_kind::io_uring) {
     c.reason = "FERRY_FILE_BACKEND=io_uring; " + direct;
+  } else if (impl_->cfg.file_backend == file_backend_kind::automatic && !cufile::nvidia_fs_loaded()) {
+    c.reason = fmt::format("io_uring, {}; cuFile not tried: the nvidia-fs driver is not loaded (FERRY_FILE_BACKEND=cufile "
+                           "uses its compatibility mode anyway; probe: {})", direct, cf.available ? "handle registration works here" : cf.reason);
   } else if (cf.available) {
     c.backend = "cufile";
     c.reason = fmt::format("cuFile (driver open, handle registration works here) for GPU memory; io_uring, {}, for the rest", direct);

@@ -41,9 +41,29 @@ pinned_pool::pinned_pool(registration_cache& cache, std::size_t bytes, int count
   grow_locked();
 }
 
+namespace {
+// The host's topology, loaded once for every pool of the process (loading it reads /sys and costs
+// milliseconds); read-only after that, which hwloc allows from any thread.
+hwloc_topology_t process_topology() {
+  static hwloc_topology_t topo = [] {
+    hwloc_topology_t t = nullptr;
+    if (hwloc_topology_init(&t) != 0) return static_cast<hwloc_topology_t>(nullptr);
+    if (hwloc_topology_load(t) != 0) {
+      hwloc_topology_destroy(t);
+      return static_cast<hwloc_topology_t>(nullptr);
+    }
+    return t;
+  }();
+  return topo;
+}
+}  // namespace
+
 bool pinned_pool::grow_locked() {
   if (allocated_ >= count_) return false;
-  int n = std::min(per_segment_, count_ - allocated_);
+  // Segments double from one buffer: the first transfer of a process waits for one buffer's
+  // allocation and pinning, not a whole segment's; a busy pool soon grows in large steps.
+  int n = std::min({next_segment_, per_segment_, count_ - allocated_});
+  next_segment_ = std::min(2 * next_segment_, per_segment_);
   std::string res = fmt::format("pinned pool {}x{} numa {}", count_, bytes_, numa_);
   auto seg = std::make_unique<segment>();
   seg->bytes = bytes_ * static_cast<std::size_t>(n);
@@ -52,14 +72,10 @@ bool pinned_pool::grow_locked() {
   seg->base = static_cast<std::byte*>(p);
   if (numa_ >= 0) {
     // Bind before first touch so the pages come from the GPU's NUMA node.
-    hwloc_topology_t topo;
-    if (hwloc_topology_init(&topo) == 0 && hwloc_topology_load(topo) == 0) {
-      hwloc_obj_t node = hwloc_get_numanode_obj_by_os_index(topo, static_cast<unsigned>(numa_));
-      if (node && hwloc_set_area_membind(topo, p, seg->bytes, node->nodeset, HWLOC_MEMBIND_BIND,
-                                         HWLOC_MEMBIND_BYNODESET) != 0)
-        log::debug("mem", "{}: membind failed ({}); using default placement", res, std::strerror(errno));
-      hwloc_topology_destroy(topo);
-    }
+    hwloc_topology_t topo = process_topology();
+    hwloc_obj_t node = topo ? hwloc_get_numanode_obj_by_os_index(topo, static_cast<unsigned>(numa_)) : nullptr;
+    if (node && hwloc_set_area_membind(topo, p, seg->bytes, node->nodeset, HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET) != 0)
+      log::debug("mem", "{}: membind failed ({}); using default placement", res, std::strerror(errno));
   }
   std::memset(p, 0, seg->bytes);  // fault the pages in now, not during a transfer
   try {

@@ -1,8 +1,8 @@
 #pragma once
 // Pinned staging buffers, the one staging pool of a process (per NUMA node): the transfer engine's
 // bounce and GPU-to-GPU paths, the file engine's I/O slots and ferry:// staging all take buffers
-// from it. Memory is allocated on the NUMA node (hwloc membind) in segments of a few buffers, the
-// first when the pool is made and more only while every buffer is in use, up to `count`; each
+// from it. Memory is allocated on the NUMA node (hwloc membind) in segments of one buffer, then two,
+// four..., the first when the pool is made and more only while every buffer is in use, up to `count`; each
 // segment is registered through the registration cache, where the pool keeps it held so it is never
 // evicted. A process that stages little pins little.
 #include <ferry/core/export.hpp>
@@ -76,6 +76,7 @@ class FERRY_API pinned_pool {
   int count_;
   int numa_;
   int per_segment_;
+  int next_segment_ = 1;  // buffers of the next segment: doubling up to per_segment_
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::unique_ptr<segment>> segments_;
