@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Load a safetensors checkpoint (local path or ferry://host:port/path) straight into GPU memory with ferry.
+"""Load a safetensors checkpoint (a file, a Hugging Face folder of shards or its index; local path or
+ferry://host:port/path) straight into GPU memory with ferry.
 
     python3 examples/python/load_checkpoint.py model.safetensors --device cuda:0
+    python3 examples/python/load_checkpoint.py ./Llama-3-8B/ --device cuda:0
     python3 examples/python/load_checkpoint.py ferry://10.0.0.5:7070/model.safetensors --rank 1 --world 4
 
 With --world, each rank reads only its slice of every 2-D weight (rows, dim 0) and whole 1-D tensors.
@@ -23,13 +25,11 @@ def main():
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--verify", action="store_true", help="check the checksums ferry.safetensors.save wrote")
     a = ap.parse_args()
-    ferry.runtime()  # made once per process (devices, I/O threads): not part of the load's time
     shard = None
     if a.world > 1:
         # Split 2-D weights by rows; keep everything else whole.
-        with ferry.open(a.path) as f:
-            header, _ = ferry.safetensors.read_header(f)
-        dims = {k: 0 for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 2}
+        with ferry.safetensors.safe_open(a.path, framework="pt") as f:
+            dims = {k: 0 for k in f.keys() if len(f.get_slice(k).get_shape()) == 2}
         shard = Shard(a.rank, a.world, lambda name: dims.get(name))
     t0 = time.perf_counter()
     state = ferry.safetensors.load(a.path, device=a.device, shard=shard, verify=a.verify)

@@ -8,7 +8,7 @@
 
 Buffers are torch tensors, objects with ``__cuda_array_interface__`` or the buffer protocol (numpy
 arrays, bytearray), contiguous. Errors are ``ferry.Error`` with ferry's message and its ``code``.
-Every call has a deadline (``timeout=`` seconds, else ``FERRY_DEADLINE``). Settings come from the
+Every call has a deadline: ``timeout=`` seconds (else ``FERRY_DEADLINE``) without a byte moving. Settings come from the
 ``FERRY_*`` environment variables; ``ferry.settings()`` shows them.
 """
 from __future__ import annotations
@@ -21,9 +21,19 @@ from . import _ferry
 from ._buffers import Span, span_of, stream_device, stream_handle, sync_torch
 from ._ferry import DeviceBuffer, Error
 
-__all__ = ["Error", "File", "Batch", "DeviceBuffer", "open", "read_batch", "write_batch", "cp", "copy", "empty",
-           "as_tensor", "settings", "runtime", "version", "safetensors"]
+__all__ = ["Error", "FormatError", "ArgumentError", "File", "Batch", "DeviceBuffer", "open", "read_batch",
+           "write_batch", "cp", "copy", "empty", "as_tensor", "settings", "runtime", "version", "safetensors"]
 __version__ = _ferry.version()
+
+
+class FormatError(Error, ValueError):
+    """A file that breaks its format (a safetensors header, an index): the message names the file, the tensor
+    and the field. ``.code`` is ``"invalid_format"``."""
+
+
+class ArgumentError(Error, ValueError):
+    """An argument ferry cannot use (a path of the wrong type, a name that is not there, a shard rule that does
+    not fit a tensor). ``.code`` is ``"invalid_argument"``."""
 
 _lock = threading.Lock()
 _runtime: _ferry.Runtime | None = None
@@ -165,9 +175,19 @@ def _length(s: Span, nbytes: int | None) -> int:
     return nbytes
 
 
-def open(path: str, mode: str = "r") -> File:  # noqa: A001 - the package's open, like io.open
-    """Opens a local file or ``ferry://host:port/path``; mode 'r', 'r+' or 'w' (create or truncate)."""
-    return File(runtime().open(path, mode))
+def open(path: str | os.PathLike, mode: str = "r") -> File:  # noqa: A001 - the package's open, like io.open
+    """Opens a local file (str or os.PathLike) or ``ferry://host:port/path``; mode 'r', 'r+' or 'w' (create or
+    truncate). Only regular files: a FIFO, socket or device is refused without blocking."""
+    return File(runtime().open(_fspath(path), mode))
+
+
+def _fspath(path: Any) -> str:
+    if isinstance(path, (str, os.PathLike)):
+        p = os.fspath(path)
+        return os.fsdecode(p) if isinstance(p, bytes) else p
+    e = ArgumentError(f"a path is a str or os.PathLike, not {type(path).__name__}")
+    e.code = "invalid_argument"
+    raise e
 
 
 def _submit(reqs, spans, stream, timeout) -> Batch:
@@ -204,11 +224,12 @@ def write_batch(requests: Iterable[tuple], *, stream: Any = None, timeout: float
     return _batch(requests, True, stream, timeout)
 
 
-def cp(src: str, dst: str, *, chunk: int = 64 << 20, timeout: float | None = None) -> int:
+def cp(src: str | os.PathLike, dst: str | os.PathLike, *, chunk: int = 64 << 20, timeout: float | None = None) -> int:
     """Copies the file ``src`` to ``dst`` (local paths or ferry:// URIs, any mix); returns the bytes copied.
     ``dst`` is created or replaced (a ferry:// destination appears whole when the copy is done)."""
     import numpy as np
 
+    src, dst = _fspath(src), _fspath(dst)
     if os.path.realpath(src) == os.path.realpath(dst) if "://" not in src + dst else src == dst:
         raise ValueError(f"ferry.cp: {src} is both the source and the destination")
     with open(src) as s, open(dst, "w") as d:

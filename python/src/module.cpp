@@ -3,6 +3,7 @@
 // while ferry uses their memory. Blocking calls release the GIL.
 #include <ferry/core/checksum.hpp>
 #include <ferry/core/error.hpp>
+#include <ferry/core/units.hpp>
 #include <ferry/device/mapped_memory.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/store/files.hpp>
@@ -43,10 +44,12 @@ void set_error(const error& e) {
   PyErr_SetObject(g_error, exc.ptr());
 }
 
-std::optional<deadline> until_of(std::optional<double> timeout) {
+// A Python `timeout=` (seconds): how long a transfer may go without moving a byte before it fails
+// (transfer_options::idle); None: FERRY_DEADLINE.
+std::optional<std::chrono::nanoseconds> idle_of(std::optional<double> timeout) {
   if (!timeout) return std::nullopt;
-  if (*timeout < 0) fail(errc::invalid_argument, "python", "timeout", "must be >= 0 seconds");
-  return deadline_after(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(*timeout)));
+  if (!(*timeout >= 0)) fail(errc::invalid_argument, "python", "timeout", "must be >= 0 seconds");
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(*timeout));
 }
 
 void* as_ptr(std::uintptr_t p) { return reinterpret_cast<void*>(p); }
@@ -94,6 +97,7 @@ struct py_batch {
     // A bounded look: wait() itself waits until the batch's deadline.
     auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(*timeout);
     while (!b.poll()) {
+      if (b.expired()) return b.wait();  // settles what the deadline left unfinished
       if (std::chrono::steady_clock::now() >= until) return false;
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
@@ -269,7 +273,7 @@ struct py_runtime {
     }
     auto out = std::make_unique<py_batch>();
     transfer_options o;
-    o.until = until_of(timeout);
+    o.idle = idle_of(timeout);
     if (stream_handle) {
       out->view = rt->devices().get(device).wrap_stream(native_stream{*stream_handle});
       o.on = out->view.get();
@@ -280,19 +284,19 @@ struct py_runtime {
   }
   std::uint64_t read(py_file& f, std::uint64_t offset, std::uintptr_t ptr, std::uint64_t bytes, std::optional<double> timeout) {
     transfer_options o;
-    o.until = until_of(timeout);
+    o.idle = idle_of(timeout);
     py::gil_scoped_release nogil;
     return rt->files().read(*f.f, offset, as_ptr(ptr), bytes, o);
   }
   void write(py_file& f, std::uint64_t offset, std::uintptr_t ptr, std::uint64_t bytes, bool sync, std::optional<double> timeout) {
     transfer_options o;
-    o.until = until_of(timeout);
+    o.idle = idle_of(timeout);
     py::gil_scoped_release nogil;
     rt->files().write(*f.f, offset, as_ptr(ptr), bytes, sync, o);
   }
   void copy(std::uintptr_t dst, std::uintptr_t src, std::uint64_t bytes, std::optional<double> timeout) {
     transfer_options o;
-    o.until = until_of(timeout);
+    o.idle = idle_of(timeout);
     py::gil_scoped_release nogil;
     rt->engine().copy(as_ptr(dst), as_ptr(src), bytes, o);
   }
@@ -412,6 +416,11 @@ PYBIND11_MODULE(_ferry, m) {
     }
   });
   m.def("version", [] { return std::string(ferry::version()); });
+  // Durations as the settings table parses them ("30s", "1min", "250ms"),
+  // so that Python and C++ read FERRY_* values and arguments alike (a bare number is milliseconds there).
+  m.def("parse_duration", [](const std::string& text) {
+    return std::chrono::duration<double>(parse_duration(text, "duration")).count();
+  }, py::arg("text"));
   m.def("built_with_cuda", &ferry::built_with_cuda);
 
   m.def("buffer_address", &buffer_address, py::arg("obj"), py::arg("writable"));

@@ -261,7 +261,7 @@ def test_a_safetensors_file_made_with_numpy_loads_exactly(tmp_path):
         np.testing.assert_array_equal(got[k].numpy(), a)
     some = ferry.safetensors.load(p, names=["w", "norm"], progress=False)
     assert set(some) == {"w", "norm"}
-    with pytest.raises(KeyError, match="nothere"):
+    with pytest.raises(ferry.ArgumentError, match="nothere"):
         ferry.safetensors.load(p, names=["nothere"], progress=False)
 
 
