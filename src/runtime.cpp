@@ -2,9 +2,23 @@
 
 #include <ferry/store/files.hpp>
 
+#include "core/logging.hpp"
 #include "device/sim/sim_device.hpp"
 
+#include <chrono>
+
 namespace ferry {
+
+namespace {
+// FERRY_LOG=debug says what a process's first call paid to make each part (docs/design/python.md, cold start).
+template <class F>
+void timed(const char* what, F&& make) {
+  const auto t0 = std::chrono::steady_clock::now();
+  make();
+  log::debug("runtime", "{} made in {} us", what,
+             std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
+}
+}  // namespace
 
 runtime::runtime() : runtime(settings::from_env()) {}
 
@@ -23,7 +37,7 @@ runtime::~runtime() {
 }
 
 registration_cache& runtime::registrations() {
-  std::call_once(mem_once_, [&] {
+  std::call_once(mem_once_, [&] { timed("registration cache", [&] {
     if (devices_.cuda_status().available)
       if (auto c = make_cuda_client(config().cuda_driver)) clients_.push_back(std::move(c));
     clients_.push_back(sim::make_client());
@@ -31,17 +45,23 @@ registration_cache& runtime::registrations() {
     std::vector<peer_memory_client*> raw;
     for (auto& c : clients_) raw.push_back(c.get());
     cache_ = std::make_unique<registration_cache>(raw, config().pin_limit);
-  });
+  }); });
   return *cache_;
 }
 
 transfer_engine& runtime::engine() {
-  std::call_once(engine_once_, [&] { engine_ = std::make_unique<transfer_engine>(devices_, registrations(), config()); });
+  std::call_once(engine_once_, [&] {
+    registrations();
+    timed("transfer engine", [&] { engine_ = std::make_unique<transfer_engine>(devices_, registrations(), config()); });
+  });
   return *engine_;
 }
 
 file_engine& runtime::files() {
-  std::call_once(files_once_, [&] { files_ = std::make_unique<file_engine>(engine(), devices_, registrations(), config()); });
+  std::call_once(files_once_, [&] {
+    engine();
+    timed("file engine", [&] { files_ = std::make_unique<file_engine>(engine(), devices_, registrations(), config()); });
+  });
   return *files_;
 }
 

@@ -70,12 +70,16 @@ class FERRY_API pinned_pool {
     const memory_region* region;
   };
   void put(std::byte* d, const memory_region* r) noexcept;
-  bool grow_locked();  // mu_ held; false when the pool is at its size
+  // With l holding mu_: makes the next segment (releasing l meanwhile); false when the pool is at
+  // its size. While another thread grows the pool it returns true at once.
+  bool grow(std::unique_lock<std::mutex>& l);
+  std::unique_ptr<segment> make_segment(int n) const;
   registration_cache& cache_;
   std::size_t bytes_;
   int count_;
   int numa_;
   int per_segment_;
+  bool growing_ = false;  // a segment is being made (without the lock)
   int next_segment_ = 1;  // buffers of the next segment: doubling up to per_segment_
   mutable std::mutex mu_;
   std::condition_variable cv_;
