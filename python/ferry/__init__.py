@@ -22,7 +22,7 @@ from ._buffers import Span, span_of, stream_device, stream_handle, sync_torch
 from ._ferry import DeviceBuffer, Error
 
 __all__ = ["Error", "FormatError", "ArgumentError", "File", "Batch", "DeviceBuffer", "open", "read_batch",
-           "write_batch", "cp", "copy", "empty", "as_tensor", "settings", "runtime", "version", "safetensors"]
+           "write_batch", "cp", "copy", "empty", "as_tensor", "settings", "runtime", "version", "safetensors", "transformers"]
 __version__ = _ferry.version()
 
 
@@ -290,3 +290,4 @@ def as_tensor(buf, dtype=None, shape=None):
 
 from . import safetensors  # noqa: E402  (uses the names above)
 from . import torch  # noqa: E402  (ferry.torch: unified memory as torch's allocator; imports torch only when used)
+from . import transformers  # noqa: E402  (ferry.transformers.from_pretrained; imports transformers only when used)

@@ -259,10 +259,9 @@ class _Checkpoint:
         return self._file
 
     def mapped(self, torch):
-        """The whole file as a uint8 CPU tensor over a private mapping of its pages (copy-on-write)."""
+        """The whole file as CPU storage over a private mapping of its pages (copy-on-write)."""
         if self._storage is None:
-            storage = torch.UntypedStorage.from_file(self.path, False, self.size)
-            self._storage = torch.empty(0, dtype=torch.uint8).set_(storage)
+            self._storage = torch.UntypedStorage.from_file(self.path, False, self.size)
         return self._storage
 
     def close(self):
@@ -630,11 +629,12 @@ def _is_cpu(dev) -> bool:
 
 def _mapped_tensor(torch, e: _Entry, dt):
     """Tensor ``e`` over the file's mapped pages (no copy), or a copy where its offset is not aligned to its dtype."""
-    base = e.file.mapped(torch)
-    raw = base[e.begin:e.end]
-    if e.begin % max(1, e.bits // 8):
-        raw = raw.clone()
-    return raw.view(dt).reshape(e.shape)
+    storage = e.file.mapped(torch)
+    esize = max(1, e.bits // 8)
+    if e.begin % esize == 0:  # one op per tensor: a view of the storage at its offset, in its dtype and shape
+        return torch.empty(0, dtype=dt).set_(storage, e.begin // esize, e.shape)
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage, e.begin, (e.end - e.begin,))
+    return raw.clone().view(dt).reshape(e.shape)
 
 
 def _timeout(timeout) -> float | None:

@@ -1,0 +1,61 @@
+"""Hugging Face transformers models with their weights read by ferry.
+
+    model = ferry.transformers.from_pretrained("path/to/model", device="cuda:0", dtype=torch.bfloat16)
+
+builds the model the way ``AutoModelForCausalLM.from_pretrained(path, device_map=device, dtype=dtype)`` does (its
+config, its class, on the device) while ferry reads the checkpoint's shards into their final device memory on its
+own threads, then hands the model those tensors (no copy). The logits equal ``from_pretrained``'s. transformers is
+imported only when this is called.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+
+def from_pretrained(path: str | os.PathLike, *, device: Any = "cuda:0", dtype: Any = None, model_class: Any = None,
+                    timeout: float | str | None = None, **config_kwargs):
+    """A transformers model from a ``save_pretrained`` folder (local, or a folder ferry can read), on ``device``.
+    ``model_class``: the transformers class (default ``AutoModelForCausalLM``); ``config_kwargs`` go to
+    ``AutoConfig.from_pretrained``. A parameter the checkpoint lacks (other than tied ones) is a
+    ``ferry.FormatError``."""
+    import torch
+    import transformers
+
+    from . import FormatError, safetensors
+
+    config = transformers.AutoConfig.from_pretrained(path, **config_kwargs)
+    cls = model_class or transformers.AutoModelForCausalLM
+    loaded: dict = {}
+
+    def read():
+        try:
+            loaded["tensors"] = safetensors.load(path, device=device, progress=False, timeout=timeout)
+        except BaseException as e:  # handed to the caller below
+            loaded["error"] = e
+
+    # The shards move while transformers builds the model: the two costs overlap instead of adding up.
+    reader = threading.Thread(target=read, name="ferry-from_pretrained")
+    reader.start()
+    try:
+        with torch.device(device):
+            model = cls.from_config(config, dtype=dtype) if dtype is not None else cls.from_config(config)
+    finally:
+        reader.join()
+    if "error" in loaded:
+        raise loaded["error"]
+    tensors = loaded["tensors"]
+    if dtype is not None:  # as from_pretrained does: floating-point weights in the asked dtype
+        tensors = {k: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for k, t in tensors.items()}
+    _, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    held = {t.data_ptr() for t in tensors.values()}
+    untouched = [n for n, p in model.named_parameters() if p.data_ptr() not in held]
+    if untouched or unexpected:
+        e = FormatError(f"{os.fspath(path)}: the checkpoint does not fit {type(model).__name__}: "
+                        f"parameters it lacks {untouched[:5]}, tensors the model lacks {list(unexpected)[:5]}")
+        e.code = "invalid_format"
+        raise e
+    return model.eval()
