@@ -7,8 +7,8 @@ alternate, --rounds times:
 
   small:  a 64 MiB safetensors file to --device: ferry.safetensors.load vs safetensors.torch.load_file
   hf:     a transformers save_pretrained folder (>= 1 GiB, >= 3 shards) to a model on --device:
-          from_pretrained(path, device_map=device) vs the model made by from_config on the device with the
-          tensors of ferry.safetensors.load(path, device) assigned; the logits must equal from_pretrained's
+          from_pretrained(path, device_map=device, dtype=bf16) vs ferry.transformers.from_pretrained(path,
+          device=device, dtype=bf16); the logits must equal from_pretrained's
   cpu:    the 64 MiB file and the hf folder's largest shard with device="cpu": ferry vs safetensors load_file
 
 --phases prints where a fresh process's first ferry load spends its time (runtime, open, first read).
@@ -54,14 +54,8 @@ else:  # hf-*: a model from a save_pretrained folder
     import transformers
     from transformers import LlamaForCausalLM  # transformers imports a model's module on first use: not timed
     t0 = time.perf_counter()
-    if what == "hf-ferry-config":  # the model made on the device by from_config, ferry's tensors assigned
-        cfg = transformers.AutoConfig.from_pretrained(path)
-        sd = ferry.safetensors.load(path, device=device, progress=False)
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-        assert not unexpected and all("rotary" in m or "inv_freq" in m for m in missing), (missing, unexpected)
-        model.eval()
+    if what == "hf-ferry":
+        model = ferry.transformers.from_pretrained(path, device=device, dtype=torch.bfloat16)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, device_map=device, dtype=torch.bfloat16)
     sync()
@@ -82,7 +76,12 @@ def child(*args, env=None, fatal=True):
             raise SystemExit(f"child {args} failed:\n{r.stdout}\n{r.stderr}")
         print(f"  {args[0]} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}", flush=True)
         return None
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if (env or {}).get("FERRY_LOG") == "debug":  # what the runtime says it paid for each part
+        for line in r.stderr.splitlines():
+            if "made in" in line or "buffers (" in line:
+                print(f"    {line}")
+    return out
 
 
 def make_small(path, nbytes=64 << 20):
@@ -134,7 +133,7 @@ def main():
 
     if "phases" in only:
         print("# where a fresh process's first ferry load goes (64 MiB file, warm)")
-        for env in ({}, {"FERRY_FILE_BACKEND": "io_uring"}):
+        for env in ({}, {"FERRY_FILE_BACKEND": "io_uring"}, {"FERRY_LOG": "debug"}):
             print(f"  {env or 'defaults'}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in child("phases", small, a.device, env=env).items()))
     for r in range(a.rounds):
         print(f"# round {r + 1}", flush=True)
@@ -149,7 +148,7 @@ def main():
                     row(f"cpu {name} {way}", child(way, p, "cpu"))
         if "hf" in only:
             import torch
-            for way in ("hf-from_pretrained", "hf-ferry-config"):
+            for way in ("hf-from_pretrained", "hf-ferry"):
                 logits = os.path.join(a.dir, f"logits-{way}.pt")
                 got = child(way, hf, a.device, logits, fatal=way == "hf-from_pretrained")
                 if got is None:
@@ -167,7 +166,7 @@ def main():
     if "small" in only:
         checks.append(("small: ferry time <= 1.2x safetensors'", med["small ferry"] / med["small safetensors"], "<=", 1.2))
     if "hf" in only:
-        for way in ("hf-ferry-config",):
+        for way in ("hf-ferry",):
             if way in med:
                 checks.append((f"{way}: from_pretrained time / this way's >= 1.5", med["hf-from_pretrained"] / med[way], ">=", 1.5))
                 checks.append((f"{way}: logits equal in every round", float(all(results[f"{way} logits equal"])), ">=", 1.0))
