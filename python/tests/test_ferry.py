@@ -1,10 +1,8 @@
 """The Python package as a user calls it: numpy arrays, torch tensors (CPU here; CUDA where a GPU is),
 files changing underneath, ferry:// served by a `ferry serve` process, and bad input."""
 import gc
-import json
 import os
 import re
-import struct
 import subprocess
 import sys
 
@@ -14,6 +12,7 @@ import torch
 
 import ferry
 from ferry.safetensors import Shard
+from st_files import write_numpy
 
 rng = np.random.default_rng(7)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -221,23 +220,6 @@ def test_a_file_cut_short_under_a_read_says_so(tmp_path):
     assert f.read_into(buf) == 1 << 20, "the bytes that exist, no more"
 
 
-def write_safetensors_with_numpy(path, arrays):
-    """A safetensors file made by hand from numpy arrays (the format's own layout)."""
-    names = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("int64"): "I64", np.dtype("uint8"): "U8",
-             np.dtype("int32"): "I32", np.dtype("bool"): "BOOL", np.dtype("float64"): "F64"}
-    header, offset, blobs = {}, 0, []
-    for k, a in arrays.items():
-        b = np.ascontiguousarray(a).tobytes()
-        header[k] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(b)]}
-        blobs.append(b)
-        offset += len(b)
-    header["__metadata__"] = {"made": "numpy"}
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
-
-
 def checkpoint():
     return {
         "embed": rng.standard_normal((512, 96)).astype(np.float32),
@@ -253,7 +235,7 @@ def checkpoint():
 def test_a_safetensors_file_made_with_numpy_loads_exactly(tmp_path):
     p = str(tmp_path / "np.safetensors")
     arrays = checkpoint()
-    write_safetensors_with_numpy(p, arrays)
+    write_numpy(p, arrays, {"made": "numpy"})
     got = ferry.safetensors.load(p, progress=False)
     assert set(got) == set(arrays)
     for k, a in arrays.items():
