@@ -460,6 +460,7 @@ class _Plan:
         self.torch, self.device = torch, device
         self.direct = []  # (file, offset, uint8 view of the destination)
         self.windows = []  # (file, offset, nbytes, cut(temp uint8 tensor))
+        self.bytes_read = 0  # what run() read from the files
 
     def read_to(self, e: _Entry, out, ranges) -> None:
         """Reads the elements ``ranges`` (per dim (start, stop, step)) of entry ``e`` into ``out`` (contiguous,
@@ -538,6 +539,7 @@ class _Plan:
             direct = []
             if requests:
                 _read_all(requests, timeout=timeout, progress=progress, what=what)
+                self.bytes_read += sum(buf.numel() for _, _, buf in requests)
             for (_, _, _, cut), t in zip(wave, temps):
                 cut(t)
 
@@ -647,24 +649,30 @@ def _timeout(timeout) -> float | None:
     return float(timeout)
 
 
+def _slice_of(e: _Entry, shard: Shard | None) -> tuple[int | None, list | None]:
+    """The dimension a shard splits tensor ``e`` along and the rank's ranges of it, or (None, None): whole."""
+    dim = shard.dim_of(e.name, len(e.shape)) if shard is not None and e.shape else None
+    if dim is None:
+        return None, None
+    n = e.shape[dim]
+    if n % shard.world:
+        raise _argument_error(f"{e.file.path}: tensor {e.name!r} dim {dim} of size {n} does not split into "
+                              f"{shard.world} equal parts", e.file.path)
+    part = n // shard.world
+    ranges = [(0, s, 1) for s in e.shape]
+    ranges[dim] = (shard.rank * part, (shard.rank + 1) * part, 1)
+    return dim, ranges
+
+
 def _load(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None, mmap: bool, timeout, progress: bool,
-          label: str) -> dict:
+          label: str, stats: dict | None = None) -> dict:
     torch = _torch()
     dev = torch.device(device)
     out = {}
     plan = _Plan(torch, dev)
     for e in entries:
         dt = _dtype(torch, e)
-        dim = shard.dim_of(e.name, len(e.shape)) if shard is not None and e.shape else None
-        ranges = None
-        if dim is not None:
-            n = e.shape[dim]
-            if n % shard.world:
-                raise _argument_error(f"{e.file.path}: tensor {e.name!r} dim {dim} of size {n} does not split into "
-                                      f"{shard.world} equal parts", e.file.path)
-            part = n // shard.world
-            ranges = [(0, s, 1) for s in e.shape]
-            ranges[dim] = (shard.rank * part, (shard.rank + 1) * part, 1)
+        dim, ranges = _slice_of(e, shard)
         if _is_cpu(dev) and mmap and not e.file.remote:
             t = _mapped_tensor(torch, e, dt)
             if ranges is not None:
@@ -681,23 +689,130 @@ def _load(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None, mmap:
         plan.run(timeout=_timeout(timeout), progress=bar if bar.enabled else None, what=label)
     finally:
         bar.close()
+    if stats is not None:
+        stats["bytes_read"] = stats.get("bytes_read", 0) + plan.bytes_read
+    return out
+
+
+_COOP_WINDOW = 1 << 30  # bytes of whole tensors a rank holds at once while it hands out their slices
+
+
+def _owners(sizes: list[int], world: int) -> list[int]:
+    """Which rank reads each tensor: the largest first, each to the rank with the fewest bytes so far (ties: the
+    lower rank). The same on every rank: it depends on the sizes and the world only."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+def _waves(sizes: list[int], world: int, window: int) -> list[list[int]]:
+    """Consecutive tensors in groups of at most ``world * window`` bytes (a tensor larger than that alone)."""
+    waves, wave, held = [], [], 0
+    for i, n in enumerate(sizes):
+        if wave and held + n > world * window:
+            waves.append(wave)
+            wave, held = [], 0
+        wave.append(i)
+        held += n
+    if wave:
+        waves.append(wave)
+    return waves
+
+
+def _cooperative(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None, group, timeout, progress: bool,
+                 label: str, stats: dict | None) -> dict:
+    """The ranks of ``group`` read every tensor once between them (each its share, whole, into its device memory)
+    and hand each other the slices their shard rule gives them: a scatter of the owner's tensor along the split
+    dimension, or a broadcast of a tensor every rank keeps whole. Collectives go in the same order on every rank:
+    the plan depends only on the checkpoint and the rule."""
+    import torch.distributed as dist
+
+    torch = _torch()
+    dev = torch.device(device)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    if shard is None:
+        shard = Shard(me, world, lambda name: None)
+    if shard.world != world or shard.rank != me:
+        raise _argument_error(f"Shard(rank={shard.rank}, world={shard.world}) does not match the group: this process "
+                              f"is rank {me} of {world}")
+
+    def global_rank(r: int) -> int:
+        if group is None or group is dist.group.WORLD:
+            return r
+        get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
+        return get(group, r)
+
+    specs = []  # (entry, dtype, split dim or None, local shape): checked on every rank before any collective
+    for e in entries:
+        dt = _dtype(torch, e)
+        dim, ranges = _slice_of(e, shard)
+        specs.append((e, dt, dim, e.shape if ranges is None else tuple(_ranges_count(r) for r in ranges)))
+    out = {e.name: torch.empty(local, dtype=dt, device=dev) for e, dt, _, local in specs}
+    sizes = [e.end - e.begin for e in entries]
+    bar = _Progress(label, progress)
+    read = 0
+    try:
+        for wave in _waves(sizes, world, _COOP_WINDOW):
+            owner = dict(zip(wave, _owners([sizes[i] for i in wave], world)))
+            plan = _Plan(torch, dev)
+            whole = {}
+            for i in wave:
+                e, dt, dim, _ = specs[i]
+                if owner[i] != me or not sizes[i]:
+                    continue
+                # A tensor this rank keeps whole is read straight into its result.
+                whole[i] = out[e.name] if dim is None else torch.empty(e.shape, dtype=dt, device=dev)
+                plan.read_to(e, whole[i], [(0, s, 1) for s in e.shape])
+            plan.run(timeout=_timeout(timeout), progress=bar if bar.enabled else None, what=label)
+            read += plan.bytes_read
+            for i in wave:
+                e, dt, dim, local = specs[i]
+                if not sizes[i]:
+                    continue
+                src = global_rank(owner[i])
+                mine = out[e.name].reshape(-1).view(torch.uint8)
+                if dim is None:
+                    dist.broadcast(mine, src=src, group=group)
+                else:
+                    parts = None
+                    if owner[i] == me:
+                        parts = [c.contiguous().reshape(-1).view(torch.uint8) for c in whole[i].chunk(world, dim)]
+                    dist.scatter(mine, scatter_list=parts, src=src, group=group)
+            del whole
+    finally:
+        bar.close()
+    if stats is not None:
+        stats["bytes_read"] = stats.get("bytes_read", 0) + read
     return out
 
 
 def load(path: Any, device: Any = "cpu", names: Iterable[str] | None = None, *, shard: Shard | None = None,
-         progress: bool = True, verify: bool = False, timeout: float | str | None = None, strict: bool = True,
-         mmap: bool = True) -> dict:
+         group: Any = None, progress: bool = True, verify: bool = False, timeout: float | str | None = None,
+         strict: bool = True, mmap: bool = True, stats: dict | None = None) -> dict:
     """Loads a checkpoint (a .safetensors file, a folder of shards or its index; local, os.PathLike or ferry://)
-    into tensors on ``device``: ``{name: tensor}``. ``names``: only these tensors. ``timeout``: seconds (or a
-    duration such as "5min") the load may go without moving a byte. ``strict=False`` accepts files whose tensors
-    do not tile the data section exactly. On the CPU, ``mmap=False`` copies instead of mapping the file."""
+    into tensors on ``device``: ``{name: tensor}``. ``names``: only these tensors. ``shard``: this rank's slices.
+    ``group`` (a torch.distributed process group of the ranks of one node, every rank calling with its own
+    ``shard``): the ranks read each tensor once between them and hand each other the slices. ``timeout``: seconds
+    (or a duration such as "5min") the load may go without moving a byte. ``strict=False`` accepts files whose
+    tensors do not tile the data section exactly. On the CPU, ``mmap=False`` copies instead of mapping the file.
+    ``stats``: a dict that gets ``bytes_read``, what this process read through the file engine (a CPU load that
+    maps the file reads nothing up front)."""
     if shard is not None and not isinstance(shard, Shard):
         raise _argument_error(f"shard must be a ferry.safetensors.Shard, not {type(shard).__name__}")
     ck = _Set(path, strict)
     try:
         entries = ck.pick(names)
-        out = _load(ck, entries, device, shard=shard, mmap=mmap, timeout=timeout, progress=progress,
-                    label=f"ferry load {_path_of(path)}")
+        label = f"ferry load {_path_of(path)}"
+        if group is not None:
+            out = _cooperative(ck, entries, device, shard=shard, group=group, timeout=timeout, progress=progress,
+                               label=label, stats=stats)
+        else:
+            out = _load(ck, entries, device, shard=shard, mmap=mmap, timeout=timeout, progress=progress, label=label,
+                        stats=stats)
         if verify:
             _verify(ck, entries, out, shard)
         return out

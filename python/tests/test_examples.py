@@ -30,6 +30,28 @@ def test_load_checkpoint_whole_and_sharded(tmp_path):
     assert run("load_checkpoint.py", p, "--rank", "1", "--world", "2").startswith("3 tensors")
 
 
+def test_load_checkpoint_one_process_per_rank_as_torchrun_starts_them(tmp_path):
+    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) set by hand: Debian's torchrun
+    (torch 1.13 on Python 3.11) cannot start its workers."""
+    import socket
+
+    p = str(tmp_path / "m.safetensors")
+    ferry.safetensors.save({"w": torch.randn(64, 16), "b": torch.randn(16), "e": torch.randn(32, 8)}, p)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(EXAMPLES, "load_checkpoint.py"), p], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert out.startswith("3 tensors") and f"rank {rank} of 2" in out, out
+
+
 def test_cp_between_paths(tmp_path):
     src = tmp_path / "a.bin"
     src.write_bytes(os.urandom((5 << 20) + 3))

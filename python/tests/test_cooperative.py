@@ -1,0 +1,84 @@
+"""Cooperative loads: the ranks of a process group (gloo, one process per rank, CPU tensors here) read every
+tensor once between them and end with exactly the slices a load of their own would give."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ferry.safetensors import _owners, _waves
+from st_files import write_numpy
+
+RANK = r"""
+import json, os, sys, torch, torch.distributed as dist
+import ferry
+from ferry.safetensors import Shard
+path, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+dims = {"embed": 0, "o_proj": 1, "down": -1, "odd": None}
+rule = Shard(rank, world, lambda name: dims.get(name.split(".")[0], 0))
+stats = {}
+got = ferry.safetensors.load(path, device="cpu", shard=rule, group=dist.group.WORLD, progress=False, stats=stats)
+own = ferry.safetensors.load(path, device="cpu", shard=rule, progress=False)
+same = sorted(got) == sorted(own) and all(torch.equal(got[k], own[k]) and got[k].dtype == own[k].dtype for k in own)
+try:
+    ferry.safetensors.load(path, shard=Shard((rank + 1) % world, world, 0), group=dist.group.WORLD, progress=False)
+    mismatch = "accepted"
+except ferry.ArgumentError as e:
+    mismatch = str(e)
+print(json.dumps({"same": same, "bytes_read": stats["bytes_read"], "mismatch": mismatch}))
+dist.destroy_process_group()
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_read_every_byte_once_and_get_their_slices(tmp_path, world):
+    rng = np.random.default_rng(5)
+    n = 6 * world
+    arrays = {
+        "embed.weight": rng.standard_normal((n * 8, 16)).astype(np.float32),
+        "o_proj.weight": rng.standard_normal((10, n * 4)).astype(np.float16),
+        "down.weight": rng.integers(-50, 50, (3, 5, n)).astype(np.int64),
+        "odd.norm": rng.standard_normal(7).astype(np.float32),
+        "odd.mask": rng.integers(0, 2, 13).astype(bool),
+        "odd.scalar": np.array(2.5, dtype=np.float64),
+        "odd.empty": np.zeros((0, 3), dtype=np.float32),
+        "big.weight": rng.standard_normal((n * 64, 32)).astype(np.float32),
+    }
+    path = write_numpy(tmp_path / "m.safetensors", arrays)
+    data_bytes = sum(a.nbytes for a in arrays.values())
+    port = str(free_port())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, path, str(r), str(world), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["same"] for r in results), results
+    assert sum(r["bytes_read"] for r in results) == data_bytes, "every byte read once on the node, none twice"
+    assert all(r["bytes_read"] < data_bytes for r in results), "the reading is shared"
+    assert all("does not match the group" in r["mismatch"] for r in results), results
+
+
+def test_the_plan_gives_every_tensor_one_reader_and_balances_bytes():
+    sizes = [100, 5, 70, 70, 1, 0, 30, 64]
+    for world in (1, 2, 3, 4):
+        owner = _owners(sizes, world)
+        assert len(owner) == len(sizes) and all(0 <= o < world for o in owner)
+        load = [sum(s for s, o in zip(sizes, owner) if o == r) for r in range(world)]
+        assert max(load) - min(load) <= max(sizes), load
+        assert owner == _owners(sizes, world), "the same on every rank"
+    waves = _waves(sizes, 2, 60)
+    assert [i for w in waves for i in w] == list(range(len(sizes))), "every tensor in one wave, in order"
+    assert all(sum(sizes[i] for i in w) <= 120 or len(w) == 1 for w in waves)
