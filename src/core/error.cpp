@@ -14,6 +14,7 @@ std::string_view to_string(errc c) noexcept {
     case errc::not_found: return "not_found";
     case errc::permission_denied: return "permission_denied";
     case errc::out_of_memory: return "out_of_memory";
+    case errc::no_space: return "no_space";
     case errc::bad_address: return "bad_address";
     case errc::busy: return "busy";
     case errc::unavailable: return "unavailable";
@@ -62,7 +63,8 @@ errc errc_from_errno(int err) noexcept {
   switch (err) {
     case ENOENT: case ENODEV: case ENXIO: return errc::not_found;
     case EACCES: case EPERM: case EROFS: return errc::permission_denied;
-    case ENOMEM: case ENOSPC: case EDQUOT: return errc::out_of_memory;
+    case ENOMEM: return errc::out_of_memory;
+    case ENOSPC: case EDQUOT: return errc::no_space;
     case EFAULT: return errc::bad_address;
     case EBUSY: case EEXIST: case ETXTBSY: return errc::busy;
     case ENOSYS: case EOPNOTSUPP: case ENOTTY: return errc::not_supported;
@@ -82,6 +84,7 @@ int errno_from_errc(errc c) noexcept {
     case errc::not_found: return ENOENT;
     case errc::permission_denied: return EACCES;
     case errc::out_of_memory: return ENOMEM;
+    case errc::no_space: return ENOSPC;
     case errc::bad_address: return EFAULT;
     case errc::busy: return EBUSY;
     case errc::unavailable: return ENODEV;

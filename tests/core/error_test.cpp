@@ -36,6 +36,10 @@ TEST(Error, ErrnoKeepsTheSystemMessageAndNumber) {
 TEST(Error, ErrnoMapping) {
   EXPECT_EQ(errc_from_errno(EACCES), errc::permission_denied);
   EXPECT_EQ(errc_from_errno(ENOMEM), errc::out_of_memory);
+  EXPECT_EQ(errc_from_errno(ENOSPC), errc::no_space) << "a full file system is not a lack of memory";
+  EXPECT_EQ(errc_from_errno(EDQUOT), errc::no_space);
+  EXPECT_EQ(errno_from_errc(errc::no_space), ENOSPC) << "on the wire as the errno it came from";
+  EXPECT_EQ(to_string(errc::no_space), "no_space");
   EXPECT_EQ(errc_from_errno(EFAULT), errc::bad_address);
   EXPECT_EQ(errc_from_errno(ETIMEDOUT), errc::timeout);
   EXPECT_EQ(errc_from_errno(EIO), errc::io_error);

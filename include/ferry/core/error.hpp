@@ -28,6 +28,7 @@ enum class errc {
   not_found,          // a named thing does not exist (file, device, setting)
   permission_denied,  // EACCES/EPERM and friends
   out_of_memory,      // host or device memory exhausted, capacity limit reached
+  no_space,           // a file system is full or over quota (ENOSPC, EDQUOT)
   bad_address,        // pointer/VA not mapped, not accessible, not owned
   busy,               // resource in use (mapped range, pending work)
   unavailable,        // a feature/backend/driver is absent on this machine
