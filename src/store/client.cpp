@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 namespace ferry::store {
 
@@ -583,17 +585,39 @@ client_stats client::stats() const {
   return s;
 }
 
+// Refused, as sshd refuses its keys: a file others can read (the secret is theirs too), or a secret short
+// enough to guess. The checks look at the descriptor read, not the path again.
 std::string read_secret_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail_errno(errno ? errno : ENOENT, "store.secret", path, "cannot read the secret file");
-  std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) fail_errno(errno, "store.secret", path, "cannot read the secret file");
+  struct fd_closer {
+    int fd;
+    ~fd_closer() { ::close(fd); }
+  } closer{fd};
+  struct ::stat st{};
+  if (::fstat(fd, &st) != 0) fail_errno(errno, "store.secret", path, "cannot read the secret file (fstat)");
+  if (!S_ISREG(st.st_mode)) fail(errc::invalid_argument, "store.secret", path, "the secret file is not a regular file");
+  if (st.st_mode & 0077)
+    fail(errc::permission_denied, "store.secret", path,
+         fmt::format("the secret file is readable or writable by group or others (mode {:o}); run: chmod 600 {}",
+                     st.st_mode & 07777, path));
+  if (st.st_size > (1 << 20)) fail(errc::invalid_argument, "store.secret", path, "the secret file is over 1 MiB");
+  std::string s(static_cast<std::size_t>(st.st_size), '\0');
+  std::size_t got = 0;
+  while (got < s.size()) {
+    ssize_t n = ::pread(fd, s.data() + got, s.size() - got, static_cast<off_t>(got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) fail_errno(errno, "store.secret", path, "cannot read the secret file");
+    if (n == 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  s.resize(got);
   while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
   if (s.empty()) fail(errc::invalid_argument, "store.secret", path, "the secret file is empty");
-  struct ::stat st{};
-  if (::stat(path.c_str(), &st) == 0 && (st.st_mode & 0077))
-    log::warn("store", "secret file {} is readable by group or others (mode {:o}); chmod 600 it", path, st.st_mode & 07777);
   if (s.size() < 16)
-    log::warn("store", "the secret in {} is only {} bytes; use at least 16 random bytes (e.g. head -c 32 /dev/urandom | base64)", path, s.size());
+    fail(errc::invalid_argument, "store.secret", path,
+         fmt::format("the secret is only {} bytes; use at least 16 random bytes: head -c 32 /dev/urandom | base64 > {} && chmod 600 {}",
+                     s.size(), path, path));
   return s;
 }
 

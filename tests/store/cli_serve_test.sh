@@ -11,8 +11,10 @@ mkdir -p "$work/export"
 printf 'hello ferry\n' > "$work/export/a.txt"
 # A name with a newline and a terminal escape in it: `ls` must print it escaped, never raw.
 printf 'x' > "$work/export/$(printf 'we\nird\033[31m')"
-printf 's3cret\n' > "$work/secret"
-printf 'wrong\n' > "$work/wrong"
+(umask 077; printf 'the-shared-s3cret-0123\n' > "$work/secret"; printf 'a-wrong-secret-0123456\n' > "$work/wrong")
+# Secret files others could read, or short enough to guess, are refused with the fix in the message.
+printf 'readable-by-others-0123\n' > "$work/open-secret"; chmod 644 "$work/open-secret"
+(umask 077; printf 'short\n' > "$work/short-secret")
 "$FERRY" serve --root "$work/export" --listen 127.0.0.1:0 --secret-file "$work/secret" > "$work/serve.log" 2>&1 &
 srv=$!
 port=
@@ -37,8 +39,9 @@ check "write to read-only" "the server is read-only" env FERRY_SECRET_FILE="$wor
 check "file API (file:ferry://)" "file engine \(ferry://, UCX\), checksum verified" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp "file:ferry://127.0.0.1:$port/a.txt" host
 check "file API, missing file" "no_such|not_found|No such file.*missing.txt|missing.txt.*No such file" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp "file:ferry://127.0.0.1:$port/missing.txt" host
 check "ls of the root, names escaped" 'file +1  we\\x0aird\\x1b\[31m' env FERRY_SECRET_FILE="$work/secret" "$FERRY" ls "ferry://127.0.0.1:$port/"
-check "secret file warnings" "readable by group or others.*chmod 600" cat "$work/serve.log"
-check "short secret warning" "only 6 bytes; use at least 16" cat "$work/serve.log"
+check "a secret file others can read" "readable or writable by group or others \(mode 644\); run: chmod 600" "$FERRY" serve --root "$work/export" --listen 127.0.0.1:0 --secret-file "$work/open-secret"
+check "a short secret" "only 5 bytes; use at least 16 random bytes: head -c 32 /dev/urandom" "$FERRY" serve --root "$work/export" --listen 127.0.0.1:0 --secret-file "$work/short-secret"
+check "a client's secret file others can read" "chmod 600" env FERRY_SECRET_FILE="$work/open-secret" "$FERRY" stat "ferry://127.0.0.1:$port/a.txt"
 check "writable without secret" "refusing to serve writable without a shared secret" "$FERRY" serve --root "$work/export" --listen 127.0.0.1:0 --writable
 kill -TERM "$srv"
 for _ in $(seq 50); do kill -0 "$srv" 2>/dev/null || break; sleep 0.1; done

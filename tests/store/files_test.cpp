@@ -45,10 +45,11 @@ struct fixture {
     root = std::filesystem::path(::testing::TempDir()) / ("ferry-files-" + std::to_string(::getpid()));
     std::filesystem::create_directories(root / "d");
     secret_file = root.string() + ".secret";
-    std::ofstream(secret_file) << "files secret\n";
+    std::ofstream(secret_file) << "files secret 0123456789\n";
+    std::filesystem::permissions(secret_file, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
     store::server_options o;
     o.root = root.string();
-    o.secret = "files secret";
+    o.secret = "files secret 0123456789";
     o.writable = writable;
     srv = std::make_unique<store::server>(test::server_io(), o);
   }

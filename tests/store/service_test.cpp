@@ -23,6 +23,7 @@
 #include <thread>
 
 using namespace ferry;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 namespace {
@@ -352,6 +353,30 @@ TEST(StoreService, SharedSecretChallengeResponse) {
   EXPECT_EQ(std::memcmp(buf.data(), s.data.data(), buf.size()), 0);
   EXPECT_THAT(test::error_text([] { store::read_secret_file("/nonexistent/secret"); }),
               HasSubstr("store.secret /nonexistent/secret: cannot read the secret file"));
+}
+
+// Secret files are refused as sshd refuses keys: readable by others, too short to resist guessing, or not a
+// regular file; the message says how to fix it.
+TEST(StoreService, SecretFilesOthersCanReadOrTooShortAreRefused) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(::testing::TempDir()) / ("ferry-secret-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  auto write = [&](const char* name, const std::string& text, fs::perms p) {
+    fs::path f = dir / name;
+    std::ofstream(f) << text;
+    fs::permissions(f, p);
+    return f.string();
+  };
+  const auto owner = fs::perms::owner_read | fs::perms::owner_write;
+  EXPECT_EQ(store::read_secret_file(write("good", "a-long-enough-secret-0123\n", owner)), "a-long-enough-secret-0123");
+  const std::string open = write("open", "a-long-enough-secret-0123\n", owner | fs::perms::group_read | fs::perms::others_read);
+  EXPECT_THAT(test::error_text([&] { store::read_secret_file(open); }),
+              AllOf(HasSubstr("mode 644"), HasSubstr("run: chmod 600 " + open), HasSubstr("[permission_denied]")));
+  const std::string shrt = write("short", "guessable\n", owner);
+  EXPECT_THAT(test::error_text([&] { store::read_secret_file(shrt); }),
+              AllOf(HasSubstr("only 9 bytes"), HasSubstr("head -c 32 /dev/urandom")));
+  EXPECT_THAT(test::error_text([&] { store::read_secret_file(dir.string()); }), HasSubstr("not a regular file"));
+  fs::remove_all(dir);
 }
 
 }  // namespace
