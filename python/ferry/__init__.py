@@ -226,10 +226,21 @@ def write_batch(requests: Iterable[tuple], *, stream: Any = None, timeout: float
 
 def cp(src: str | os.PathLike, dst: str | os.PathLike, *, chunk: int = 64 << 20, timeout: float | None = None) -> int:
     """Copies the file ``src`` to ``dst`` (local paths or ferry:// URIs, any mix); returns the bytes copied.
-    ``dst`` is created or replaced (a ferry:// destination appears whole when the copy is done)."""
+    ``dst`` is created or replaced (a ferry:// destination appears whole when the copy is done); a local ``dst`` this
+    call created is removed if the copy fails."""
+    src, dst = _fspath(src), _fspath(dst)
+    created = "://" not in dst and not os.path.lexists(dst)
+    try:
+        return _cp(src, dst, chunk, timeout)
+    except BaseException:
+        if created and os.path.lexists(dst):  # a failed copy leaves no destination it created
+            os.unlink(dst)
+        raise
+
+
+def _cp(src: str, dst: str, chunk: int, timeout: float | None) -> int:
     import numpy as np
 
-    src, dst = _fspath(src), _fspath(dst)
     if os.path.realpath(src) == os.path.realpath(dst) if "://" not in src + dst else src == dst:
         raise ValueError(f"ferry.cp: {src} is both the source and the destination")
     with open(src) as s, open(dst, "w") as d:

@@ -57,6 +57,10 @@ def test_cp_between_paths(tmp_path):
     src.write_bytes(os.urandom((5 << 20) + 3))
     assert ferry.cp(str(src), str(tmp_path / "b.bin"), chunk=1 << 20) == (5 << 20) + 3
     assert (tmp_path / "b.bin").read_bytes() == src.read_bytes()
+    # A copy that fails after making its destination leaves none behind (here: a timeout it cannot use).
+    with __import__("pytest").raises(ferry.Error, match="timeout"):
+        ferry.cp(src, tmp_path / "c.bin", timeout=-1)
+    assert not (tmp_path / "c.bin").exists()
 
 
 needs_cuda = __import__("pytest").mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

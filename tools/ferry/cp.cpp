@@ -10,7 +10,10 @@
 #include <ferry/store/service.hpp>
 
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <chrono>
 #include <thread>
@@ -164,7 +167,21 @@ int run_cp(runtime& rt, const cp_options& o) {
   std::uint64_t bytes = o.size.empty() ? (fin ? fin->size() : 64ull << 20) : parse_size(o.size, "--size");
   if (fin && o.size.empty() && bytes == 0) fail(errc::invalid_argument, "cp", o.src, "the file is empty");
   expects(bytes > 0, "cp", "--size", "must be positive");
-  if (is_file(o.dst)) fout = file::open(o.dst.substr(5), open_mode::create);
+  // A destination file this copy creates is removed again if the copy fails (a file that was there
+  // before has been truncated by then: it is not put back).
+  struct remove_unless_done {
+    std::string path;
+    bool armed = false;
+    ~remove_unless_done() {
+      if (armed) ::unlink(path.c_str());
+    }
+  } created;
+  if (is_file(o.dst)) {
+    created.path = o.dst.substr(5);
+    struct ::stat st{};
+    created.armed = ::stat(created.path.c_str(), &st) != 0 && errno == ENOENT;
+    fout = file::open(created.path, open_mode::create);
+  }
   bool show_default = ::isatty(STDERR_FILENO) && bytes >= (256ull << 20);
   bool show = o.progress || show_default;
   const std::uint64_t seed = 0xF0E1;
@@ -246,6 +263,7 @@ int run_cp(runtime& rt, const cp_options& o) {
              format_rate(static_cast<double>(moved) / secs), path_used,
              !o.verify ? "not checked" : ok ? "verified" : "MISMATCH");
   if (!ok) fail(errc::internal, "cp", o.src + " -> " + o.dst, "destination checksum does not match the source");
+  created.armed = false;
   return 0;
 }
 
