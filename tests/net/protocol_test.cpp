@@ -6,7 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <fstream>
 #include <random>
+#include <set>
+#include <variant>
 
 using namespace ferry;
 using namespace ferry::net;
@@ -43,9 +47,20 @@ std::vector<message> samples() {
   };
 }
 
+// Every message type round-trips; the samples cover every type. With FERRY_FUZZ_SEEDS=DIR the frames are
+// written there too: the fuzzer's seed corpus (scripts/fuzz-protocol) comes from the current encoder.
 TEST(Protocol, EveryMessageRoundTrips) {
+  std::set<std::size_t> types;
+  const char* seeds = std::getenv("FERRY_FUZZ_SEEDS");
+  int n = 0;
   for (auto& m : samples()) {
+    types.insert(m.b.index());
     auto frame = encode(m);
+    if (seeds) {
+      std::ofstream f(std::string(seeds) + "/seed-" + std::to_string(n++), std::ios::binary);
+      f.write(reinterpret_cast<const char*>(frame.data()), static_cast<std::streamsize>(frame.size()));
+      ASSERT_TRUE(f.good()) << "cannot write a seed into " << seeds;
+    }
     message d = decode(frame);
     EXPECT_EQ(d.request_id, m.request_id);
     EXPECT_EQ(d.credits, m.credits);
@@ -69,6 +84,7 @@ TEST(Protocol, EveryMessageRoundTrips) {
   EXPECT_THAT(test::error_text([&] { decode(bad_end); }), HasSubstr("unknown write end 7"));
   auto w = std::get<welcome>(decode(encode(samples()[3])).b);
   EXPECT_EQ(w, std::get<welcome>(samples()[3].b)) << "instance and worker ports survive the wire";
+  EXPECT_EQ(types.size(), std::variant_size_v<body>) << "a message type without a sample (and so without a fuzz seed)";
 }
 
 // A sender reuses one buffer for every frame (no allocation per request): whatever it held
