@@ -175,10 +175,12 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
   };
   std::deque<slot> q;
   const std::uint64_t span = file_bytes - size;
-  // Writes fill one new version of the file (writes are atomic per file), committed at the end of
-  // the timed run: a write counts once it is in place.
+  // Writes go into one new version of the file (writes are atomic per file), committed at the end of
+  // the timed run: a write counts once it is in place. The version starts as a copy of the file
+  // (write_mode::keep, before the clock starts): the scattered writes leave no gap, which a commit
+  // refuses.
   store::client::write_handle h;
-  if (write) h = c.open_write(path, net::write_mode::replace, timeout, file_bytes);
+  if (write) h = c.open_write(path, net::write_mode::keep, timeout);
   auto finish_one = [&](bool record) {
     auto s = q.front();
     q.pop_front();

@@ -200,18 +200,43 @@ class write_txn {
   const std::shared_ptr<open_file>& file() const noexcept { return f_; }
   // write_mode::keep of an existing file: its content is copied in first (server::impl::keep).
   bool keeps() const noexcept { return keep_; }
-  std::atomic<std::uint64_t> written{0};  // bytes write pieces put into it
-  void* owner = nullptr;                  // the session that opened it (dropped with it)
+  void* owner = nullptr;  // the session that opened it (dropped with it)
 
-  // Puts it in place; `size`: set the size first, refused when fewer bytes arrived. Returns its size.
+  // [offset, offset + n) of the new version holds data that arrived (or, for `keep`, was copied in).
+  void wrote(std::uint64_t offset, std::uint64_t n) {
+    if (!n) return;
+    std::lock_guard l(cover_mu_);
+    std::uint64_t b = offset, e = offset + n;
+    auto it = covered_.upper_bound(b);
+    if (it != covered_.begin() && std::prev(it)->second >= b) --it;
+    while (it != covered_.end() && it->first <= e) {  // merge what touches or overlaps
+      b = std::min(b, it->first);
+      e = std::max(e, it->second);
+      it = covered_.erase(it);
+    }
+    covered_.emplace(b, e);
+  }
+
+  // Puts it in place. What is committed is what arrived: the writes must cover [0, size) with no gap
+  // (`size` given: exactly that; else the file ends where the data ends), or nothing replaces the
+  // target. Returns its size.
   std::uint64_t commit(std::optional<std::uint64_t> size) {
     int fd = f_->fd;
-    if (size) {
-      if (written.load() < *size)
-        fail(errc::io_error, "store.commit", res_,
-             fmt::format("{} bytes arrived for a commit of {}; nothing was replaced", written.load(), *size));
-      if (::ftruncate(fd, static_cast<off_t>(*size)) != 0) fail_errno(errno, "store.commit", res_, "cannot set its size");
+    std::uint64_t end = 0;
+    {
+      std::lock_guard l(cover_mu_);
+      if (covered_.size() > 1 || (!covered_.empty() && covered_.begin()->first != 0)) {
+        std::uint64_t gap = covered_.begin()->first == 0 ? covered_.begin()->second : 0;
+        std::uint64_t next = covered_.begin()->first == 0 ? std::next(covered_.begin())->first : covered_.begin()->first;
+        fail(errc::invalid_argument, "store.commit", res_,
+             fmt::format("the writes leave a gap at [{}, {}) ({} written ranges); nothing was replaced", gap, next, covered_.size()));
+      }
+      end = covered_.empty() ? 0 : covered_.begin()->second;
     }
+    if (size && *size != end)
+      fail(errc::invalid_argument, "store.commit", res_,
+           fmt::format("a commit of {} bytes, but the writes cover [0, {}); nothing was replaced", *size, end));
+    if (::ftruncate(fd, static_cast<off_t>(end)) != 0) fail_errno(errno, "store.commit", res_, "cannot set its size");
     if (!named_) {
       // linkat cannot replace a name: the new file gets its hidden name first, then the rename.
       if (::linkat(fd, "", dir_, hidden_.c_str(), AT_EMPTY_PATH) != 0) {
@@ -245,6 +270,8 @@ class write_txn {
   int dir_ = -1, replaced_ = -1;
   bool named_ = false, committed_ = false, keep_ = false;
   std::shared_ptr<open_file> f_;
+  std::mutex cover_mu_;
+  std::map<std::uint64_t, std::uint64_t> covered_;  // begin -> end of each written range, merged
 };
 
 // Buffers for file data on its way to or from a client by message or RMA: at most `count`, shared by
@@ -962,7 +989,7 @@ struct server::impl {
     if (write && length <= o.inline_max) {  // as a small read below: on this thread
       auto t = txn(handle, path);
       t->file()->f->write_here((*at)->base + (addr - (*at)->addr), length, offset);
-      t->written += length;
+      t->wrote(offset, length);
       bytes_received += length;
       direct_writes++;
       return c.send_frame({rid, 0, complete{0, length}});
@@ -984,10 +1011,10 @@ struct server::impl {
     auto f = write ? t->file() : files.get(path);
     auto self = c.shared_from_this();
     auto cr = std::make_shared<credit>(s->outstanding);
-    file_io(f->f, write, offset, m->base + (addr - m->addr), length, [this, self, s, cr, m, t, rid, write](const request_result& r) {
+    file_io(f->f, write, offset, m->base + (addr - m->addr), length, [this, self, s, cr, m, t, rid, write, offset](const request_result& r) {
       if (r.state != request_state::done) return answer_error(*self, *cr, rid, error_of(r));
       if (write) {
-        t->written += r.bytes_done;
+        t->wrote(offset, r.bytes_done);
         bytes_received += r.bytes_done;
         direct_writes++;
       } else {
@@ -1085,7 +1112,7 @@ struct server::impl {
     buffers.give_back(std::exchange(r->buf, nullptr));
     if (e) return answer_error(*r->c, *r->cr, r->rid, *e);
     if (r->write) {
-      r->t->written += r->done;
+      r->t->wrote(r->offset, r->done);
       bytes_received += r->done;
       rma_gets++;
     } else {
@@ -1229,7 +1256,7 @@ struct server::impl {
       std::optional<error> err;
       try {
         ws->f->f->write_here(buf.get(), n, ws->offset + off);
-        ws->txn->written += n;
+        ws->txn->wrote(ws->offset + off, n);
       } catch (const error& e) {
         err = e;
       }
@@ -1237,9 +1264,9 @@ struct server::impl {
       return piece_written(c, *s, ws, rid, n, err);
     }
     auto self = c.shared_from_this();
-    file_io(ws->f->f, true, ws->offset + off, buf.get(), n, [this, self, s, ws, rid, n, buf](const request_result& r) {
+    file_io(ws->f->f, true, ws->offset + off, buf.get(), n, [this, self, s, ws, rid, n, buf, off](const request_result& r) {
       std::optional<error> err;
-      if (r.state == request_state::done) ws->txn->written += n;
+      if (r.state == request_state::done) ws->txn->wrote(ws->offset + off, n);
       else err = error_of(r);
       write_buffered -= n;
       // Completion bookkeeping belongs to the connection's progress thread (it owns the write table).
@@ -1439,6 +1466,7 @@ struct server::impl {
       }
       file_io(k->t->file()->f, true, k->done, k->buf, got, [this, k, fail_keep, got](const request_result& w) {
         if (w.state != request_state::done) return fail_keep(error_of(w));
+        k->t->wrote(k->done, got);
         k->done += got;
         keep_step(k);
       });

@@ -122,9 +122,35 @@ TEST(StoreAtomicWrite, ACommitOfBytesThatNeverArrivedIsRefusedAndReplacesNothing
   auto c = w.client();
   auto h = c->open_write("out/f.bin");
   c->write(h, 0, old.data(), 1000);
-  EXPECT_THAT(test::error_text([&] { c->commit(h, 5000); }), HasSubstr("1000 bytes arrived for a commit of 5000; nothing was replaced"));
+  EXPECT_THAT(test::error_text([&] { c->commit(h, 5000); }),
+              HasSubstr("a commit of 5000 bytes, but the writes cover [0, 1000); nothing was replaced"));
   EXPECT_EQ(slurp(w.root / "out/f.bin"), old);
   EXPECT_EQ(w.names(), std::set<std::string>{"f.bin"});
+}
+
+// What is committed is what arrived: one piece sent four times is not four pieces; a size declared up
+// front is not data; a gap is refused. Each refusal leaves the target as it was.
+TEST(StoreAtomicWrite, ACommitIsRefusedUnlessTheWritesCoverTheFileWithoutAGap) {
+  writable w;
+  auto old = random_text(1 << 20, 8);
+  w.put_local("out/f.bin", old);
+  auto c = w.client();
+  auto piece = random_text(64 << 10, 9);
+  auto h = c->open_write("out/f.bin");
+  for (int i = 0; i < 4; ++i) c->write(h, 0, piece.data(), piece.size());
+  EXPECT_THAT(test::error_text([&] { c->commit(h, 4 * piece.size()); }),
+              HasSubstr("a commit of 262144 bytes, but the writes cover [0, 65536)"));
+  EXPECT_EQ(slurp(w.root / "out/f.bin"), old);
+  h = c->open_write("out/f.bin", net::write_mode::replace, std::chrono::seconds(30), 8 << 20);  // 8 MiB declared, 64 KiB sent
+  c->write(h, 0, piece.data(), piece.size());
+  EXPECT_EQ(c->commit(h), piece.size()) << "the file ends where the data ends, not at the declared size";
+  EXPECT_EQ(slurp(w.root / "out/f.bin"), piece);
+  h = c->open_write("out/f.bin");
+  c->write(h, 0, piece.data(), 1000);
+  c->write(h, 5000, piece.data(), 1000);
+  EXPECT_THAT(test::error_text([&] { c->commit(h); }), HasSubstr("the writes leave a gap at [1000, 5000)"));
+  EXPECT_EQ(slurp(w.root / "out/f.bin"), piece);
+  EXPECT_EQ(w.names(), std::set<std::string>{"f.bin"}) << "no new version left behind";
 }
 
 TEST(StoreAtomicWrite, TwoWritersOfOnePathNeverInterleave) {

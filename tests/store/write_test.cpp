@@ -423,9 +423,11 @@ TEST(StoreWrite, AllocatedBuffersAreServedInPlaceOverSharedMemory) {
   // Writes from the buffer, at an unaligned offset of both.
   auto patch = random_bytes((3 << 20) + 5, 42);
   std::memcpy(b + 99, patch.data(), patch.size());
+  std::ofstream(s.root / "out" / "dst.bin") << "seven b";  // kept: the write at 7 leaves no gap
   update(c, "out/dst.bin", 7, b + 99, patch.size());
   auto back = slurp(s.root / "out" / "dst.bin");
   ASSERT_EQ(back.size(), patch.size() + 7);
+  EXPECT_EQ(std::memcmp(back.data(), "seven b", 7), 0);
   EXPECT_EQ(std::memcmp(back.data() + 7, patch.data(), patch.size()), 0);
   EXPECT_GT(c.stats().lent_pieces, cs.lent_pieces);
   // Freed: the servers forget it; a new buffer (often at the same address) is served, not the old one.
