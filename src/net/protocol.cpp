@@ -217,8 +217,11 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.bytes(v.rkey, v.rkey.size());
           p.str(v.path, max_path, "path");
           if constexpr (std::is_same_v<T, write_rma>) p.put(v.handle);
-        } else if constexpr (std::is_same_v<T, stat_req> || std::is_same_v<T, list_req>) {
+        } else if constexpr (std::is_same_v<T, stat_req>) {
           p.str(v.path, max_path, "path");
+        } else if constexpr (std::is_same_v<T, list_req>) {
+          p.str(v.path, max_path, "path");
+          p.str(v.after, 255, "list cursor");
         } else if constexpr (std::is_same_v<T, complete>) {
           p.put(v.status);
           p.put(v.bytes);
@@ -227,6 +230,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.mode);
           p.put(v.mtime_ns);
         } else if constexpr (std::is_same_v<T, list_reply>) {
+          p.put(static_cast<std::uint8_t>(v.more ? 1 : 0));
           p.put(static_cast<std::uint32_t>(v.entries.size()));
           for (auto& e : v.entries) {
             p.put(e.kind);
@@ -385,9 +389,13 @@ message decode(std::span<const std::byte> bytes) {
     case msg_type::stat:
       m.b = stat_req{r.str(max_path, "path")};
       break;
-    case msg_type::list:
-      m.b = list_req{r.str(max_path, "path")};
+    case msg_type::list: {
+      list_req v;
+      v.path = r.str(max_path, "path");
+      v.after = r.str(255, "list cursor");
+      m.b = std::move(v);
       break;
+    }
     case msg_type::complete: {
       complete v;
       v.status = r.get<std::int32_t>("status");
@@ -405,6 +413,9 @@ message decode(std::span<const std::byte> bytes) {
     }
     case msg_type::list_reply: {
       list_reply v;
+      auto more = r.get<std::uint8_t>("more");
+      if (more > 1) bad(fmt::format("list reply 'more' is {}", more));
+      v.more = more == 1;
       auto n = r.get<std::uint32_t>("entry count");
       // Each entry is at least 11 bytes: an absurd count is refused before any allocation.
       if (n > r.left() / 11) bad(fmt::format("entry count {} does not fit the frame", n));

@@ -559,7 +559,16 @@ stat_reply client::stat(const std::string& path, std::chrono::nanoseconds timeou
 }
 
 std::vector<list_entry> client::list(const std::string& path, std::chrono::nanoseconds timeout) {
-  return std::get<list_reply>(impl_->query({0, 0, list_req{path}}, "store.list", path, timeout).b).entries;
+  std::vector<list_entry> all;
+  list_req q{path, ""};
+  for (;;) {  // page by page, in name order, each its own deadline
+    auto page = std::get<list_reply>(impl_->query({0, 0, q}, "store.list", path, timeout).b);
+    if (page.more && (page.entries.empty() || page.entries.back().name <= q.after))
+      fail(errc::protocol_error, "store.list", path, "the server's listing does not move past " + q.after);
+    for (auto& e : page.entries) all.push_back(std::move(e));
+    if (!page.more) return all;
+    q.after = all.back().name;
+  }
 }
 
 client_stats client::stats() const {

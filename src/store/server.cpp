@@ -1368,19 +1368,32 @@ struct server::impl {
         ::close(fd);
         fail_errno(errno, "store.list", r->path);
       }
-      list_reply rep;
+      // A page: the smallest names after the cursor that fit one frame, kept while the directory is
+      // read (the largest dropped when they would not fit), so a request holds one page whatever the
+      // directory's size.
+      std::map<std::string, list_entry> page;
       std::size_t bytes = 0;
+      bool more = false;
       while (dirent* e = ::readdir(d)) {
         std::string name = e->d_name;
-        if (name == "." || name == ".." || name.size() > 255) continue;
+        if (name == "." || name == ".." || name.size() > 255 || name <= r->after) continue;
+        if (more && !page.empty() && name > page.rbegin()->first) continue;  // past a full page
         struct stat st{};
         if (::fstatat(::dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
         bytes += 11 + name.size();
-        if (bytes > max_message - 64) break;  // one frame's worth
-        rep.entries.push_back({name, static_cast<std::uint8_t>(S_ISREG(st.st_mode) ? 0 : S_ISDIR(st.st_mode) ? 1 : 2),
-                               static_cast<std::uint64_t>(st.st_size)});
+        page.emplace(name, list_entry{name, static_cast<std::uint8_t>(S_ISREG(st.st_mode) ? 0 : S_ISDIR(st.st_mode) ? 1 : 2),
+                                      static_cast<std::uint64_t>(st.st_size)});
+        while (bytes > max_message - 64) {  // one frame's worth: the largest goes to a later page
+          bytes -= 11 + page.rbegin()->first.size();
+          page.erase(std::prev(page.end()));
+          more = true;
+        }
       }
       ::closedir(d);
+      list_reply rep;
+      rep.more = more;
+      rep.entries.reserve(page.size());
+      for (auto& [name, entry] : page) rep.entries.push_back(std::move(entry));
       answer(c, *cr, {rid, 0, std::move(rep)});
       return;
     }

@@ -30,10 +30,10 @@ std::vector<message> samples() {
       {5, 0, read_req{"data/shard-0001.bin", 1ull << 33, 4096}},
       {6, 0, write_req{"out/x", 7, 9, 0x1234567890abcdefull}},
       {7, 0, stat_req{"a"}},
-      {8, 0, list_req{"dir/sub"}},
+      {8, 0, list_req{"dir/sub", "after-this"}},
       {9, 3, complete{0, 12345}},
       {10, 0, stat_reply{99, 0100644, 1700000000123456789}},
-      {11, 0, list_reply{{{"a.bin", 0, 10}, {"sub", 1, 0}}}},
+      {11, 0, list_reply{{{"a.bin", 0, 10}, {"sub", 1, 0}}, true}},
       {12, 0, error_reply{2, "no such file"}},
       {13, 0, lend{0x7f0000000000, 256 << 20, 77}},
       {14, 0, read_into{"kv/block-7", 4096, 1 << 20, 0x7f0000100000}},
@@ -195,7 +195,7 @@ TEST(Protocol, MalformedFramesAreRefusedWithTheReason) {
   EXPECT_THAT(test::error_text([] { encode({1, 0, stat_req{std::string(5000, 'x')}}); }), HasSubstr("longer than 4096"));
   // An absurd entry count is refused before anything is allocated.
   auto lr = encode({1, 0, list_reply{}});
-  lr[header_size + 3] = std::byte{0x7f};
+  lr[header_size + 4] = std::byte{0x7f};
   EXPECT_THAT(text(lr), HasSubstr("does not fit the frame"));
   try {
     decode(bad_magic);

@@ -25,6 +25,7 @@
 #include <poll.h>
 #include <spawn.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <csignal>
 #include <unistd.h>
 
@@ -159,6 +160,28 @@ TEST(StoreHardening, TheRootCanBeListed) {
   for (auto& e : entries) names.insert(e.name);
   EXPECT_TRUE(names.count("a.bin") && names.count("sub") && names.count("we\nird"));
   EXPECT_EQ(c.stat("").mode & S_IFMT, static_cast<std::uint32_t>(S_IFDIR));
+}
+
+// A listing longer than one frame comes in pages: all 100,000 names, each once, in name order.
+TEST(StoreHardening, AListingOfAHundredThousandEntriesIsComplete) {
+  served s;
+  const auto dir = s.root / "many";
+  std::filesystem::create_directories(dir);
+  const int n = 100000;
+  for (int i = 0; i < n; ++i) {
+    auto name = fmt::format("entry-{:06d}-with-a-name-long-enough-to-need-pages", i);
+    int fd = ::open((dir / name).c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644);
+    ASSERT_GE(fd, 0) << name;
+    ::close(fd);
+  }
+  auto c = s.client();
+  auto entries = c.list("many", std::chrono::seconds(60));
+  ASSERT_EQ(entries.size(), static_cast<std::size_t>(n));
+  EXPECT_TRUE(std::is_sorted(entries.begin(), entries.end(), [](auto& a, auto& b) { return a.name < b.name; }));
+  EXPECT_EQ(std::adjacent_find(entries.begin(), entries.end(), [](auto& a, auto& b) { return a.name == b.name; }), entries.end());
+  EXPECT_EQ(entries.front().name, "entry-000000-with-a-name-long-enough-to-need-pages");
+  EXPECT_EQ(entries.back().name, fmt::format("entry-{:06d}-with-a-name-long-enough-to-need-pages", n - 1));
+  std::filesystem::remove_all(dir);
 }
 
 // The inodes of this process's listening TCP sockets, with the address each is bound to.

@@ -22,7 +22,7 @@ namespace ferry::net {
 inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
 // Raised whenever the wire format changes; both sides must speak the same one (a frame of another
 // version is refused, naming both).
-inline constexpr std::uint16_t protocol_version = 5;
+inline constexpr std::uint16_t protocol_version = 6;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
@@ -104,11 +104,12 @@ enum class write_end : std::uint8_t {
 struct open_write { std::string path; write_mode mode = write_mode::replace; std::uint64_t size_hint = 0; };
 struct end_write { std::uint64_t handle = 0, size = 0; write_end how = write_end::commit; };
 struct stat_req { std::string path; };
-struct list_req { std::string path; };
+// A listing comes in pages, in name order (bytes): the names after `after` ("" : from the first).
+struct list_req { std::string path; std::string after; };
 struct complete { std::int32_t status = 0; std::uint64_t bytes = 0; };  // status: 0 or an errno value
 struct stat_reply { std::uint64_t size = 0; std::uint32_t mode = 0; std::int64_t mtime_ns = 0; };
 struct list_entry { std::string name; std::uint8_t kind = 0; std::uint64_t size = 0; };  // kind: 0 file, 1 dir, 2 other
-struct list_reply { std::vector<list_entry> entries; };
+struct list_reply { std::vector<list_entry> entries; bool more = false; };  // more: ask again after the last
 struct error_reply { std::int32_t code = 0; std::string message; };
 
 using body = std::variant<hello, challenge, auth, welcome, read_req, write_req, stat_req, list_req, complete,
