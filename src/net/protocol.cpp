@@ -189,6 +189,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.length);
           p.str(v.path, max_path, "path");
           if constexpr (std::is_same_v<T, write_req>) p.put(v.handle);
+          else p.put(v.version);
         } else if constexpr (std::is_same_v<T, open_write>) {
           p.put(static_cast<std::uint8_t>(v.mode));
           p.put(v.size_hint);
@@ -206,8 +207,12 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.length);
           p.put(v.addr);
           p.str(v.path, max_path, "path");
-          if constexpr (std::is_same_v<T, read_into>) p.put(v.notify);
-          else p.put(v.handle);
+          if constexpr (std::is_same_v<T, read_into>) {
+            p.put(v.notify);
+            p.put(v.version);
+          } else {
+            p.put(v.handle);
+          }
         } else if constexpr (std::is_same_v<T, read_rma> || std::is_same_v<T, write_rma>) {
           p.put(v.offset);
           p.put(v.length);
@@ -217,6 +222,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.bytes(v.rkey, v.rkey.size());
           p.str(v.path, max_path, "path");
           if constexpr (std::is_same_v<T, write_rma>) p.put(v.handle);
+          else p.put(v.version);
         } else if constexpr (std::is_same_v<T, stat_req>) {
           p.str(v.path, max_path, "path");
         } else if constexpr (std::is_same_v<T, list_req>) {
@@ -229,6 +235,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.size);
           p.put(v.mode);
           p.put(v.mtime_ns);
+          p.put(v.version);
         } else if constexpr (std::is_same_v<T, list_reply>) {
           p.put(static_cast<std::uint8_t>(v.more ? 1 : 0));
           p.put(static_cast<std::uint32_t>(v.entries.size()));
@@ -324,7 +331,7 @@ message decode(std::span<const std::byte> bytes) {
       std::uint64_t len = r.get<std::uint64_t>("length");
       if (off + len < off) bad("offset + length overflows");
       std::string path = r.str(max_path, "path");
-      if (fi.type == msg_type::read) m.b = read_req{std::move(path), off, len};
+      if (fi.type == msg_type::read) m.b = read_req{std::move(path), off, len, r.get<std::uint64_t>("version")};
       else m.b = write_req{std::move(path), off, len, r.get<std::uint64_t>("handle")};
       break;
     }
@@ -365,7 +372,7 @@ message decode(std::span<const std::byte> bytes) {
       if (fi.type == msg_type::read_into) {
         std::uint64_t notify = r.get<std::uint64_t>("notify");
         if (notify % 8 != 0 || notify + 16 < notify) bad("notify record misaligned or out of range");
-        m.b = read_into{std::move(path), off, len, addr, notify};
+        m.b = read_into{std::move(path), off, len, addr, notify, r.get<std::uint64_t>("version")};
       } else {
         m.b = write_from{std::move(path), off, len, addr, r.get<std::uint64_t>("handle")};
       }
@@ -382,7 +389,7 @@ message decode(std::span<const std::byte> bytes) {
       if (n > max_rkey) bad(fmt::format("rkey of {} bytes exceeds the limit {}", n, max_rkey));
       auto rkey = r.bytes(n, "rkey");
       std::string path = r.str(max_path, "path");
-      if (fi.type == msg_type::read_rma) m.b = read_rma{std::move(path), off, len, addr, std::move(rkey)};
+      if (fi.type == msg_type::read_rma) m.b = read_rma{std::move(path), off, len, addr, std::move(rkey), r.get<std::uint64_t>("version")};
       else m.b = write_rma{std::move(path), off, len, addr, std::move(rkey), r.get<std::uint64_t>("handle")};
       break;
     }
@@ -408,6 +415,7 @@ message decode(std::span<const std::byte> bytes) {
       v.size = r.get<std::uint64_t>("size");
       v.mode = r.get<std::uint32_t>("mode");
       v.mtime_ns = r.get<std::int64_t>("mtime");
+      v.version = r.get<std::uint64_t>("version");
       m.b = v;
       break;
     }

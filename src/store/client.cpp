@@ -325,7 +325,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
         p->rma = true;
         p->net = net;
         p->rma_mem = mem + off;
-        m = {0, 0, write ? body{write_rma{path, offset + off, n, addr, std::move(rk), handle}} : body{read_rma{path, offset + off, n, addr, std::move(rk)}}};
+        m = {0, 0, write ? body{write_rma{path, offset + off, n, addr, std::move(rk), handle}} : body{read_rma{path, offset + off, n, addr, std::move(rk), handle}}};
       } else if (direct && n) {
         p->direct = true;
         if (lent) {
@@ -346,7 +346,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
           p->record = lr->record(p->rec);
         }
         m = {0, 0, write ? body{write_from{path, offset + off, n, addr, handle}}
-                         : body{read_into{path, offset + off, n, addr, reinterpret_cast<std::uint64_t>(p->record)}}};
+                         : body{read_into{path, offset + off, n, addr, reinterpret_cast<std::uint64_t>(p->record), handle}}};
       } else {
         if (staged) {
           p->slot = pool->get(until);
@@ -356,7 +356,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
         } else {
           p->land = mem ? mem + off : nullptr;
         }
-        m = {0, 0, write ? body{write_req{path, offset + off, n, handle}} : body{read_req{path, offset + off, n}}};
+        m = {0, 0, write ? body{write_req{path, offset + off, n, handle}} : body{read_req{path, offset + off, n, handle}}};
       }
       if (one_piece) {
         p = send(std::move(m), std::move(p), true, until, nullptr, &o2, keep ? nullptr : &registered);
@@ -469,8 +469,9 @@ const std::string& client::peer() const noexcept { return impl_->peer; }
 bool client::writable() const noexcept { return impl_->hello_reply.writable; }
 
 client::ticket client::start_read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
-                                  clk::time_point until) {
-  return impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until);
+                                  clk::time_point until, std::uint64_t version) {
+  if (!version && length > impl_->o.piece) version = stat(path, until - clk::now()).version;
+  return impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, version);
 }
 client::ticket client::start_write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
                                    clk::time_point until) {
@@ -490,9 +491,18 @@ std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* 
                            clk::time_point until) {
   return impl_->retrying(
       [&] {
+        // One piece is one request, from one file; more pieces name the version a stat found, and
+        // what the file held then is what the read must return.
+        std::optional<net::stat_reply> st;
+        if (length > impl_->o.piece) st = stat(path, until - clk::now());
         impl::op x;  // waited for here: no ticket
-        impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, 0, &x);
-        return impl_->finish(x);
+        impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, st ? st->version : 0, &x);
+        std::uint64_t got = impl_->finish(x);
+        std::uint64_t held = st && st->size > offset ? std::min(length, st->size - offset) : 0;
+        if (got < held)
+          fail(errc::io_error, "store.read", fmt::format("{} {} offset {}", impl_->peer, printable(path), offset + got),
+               fmt::format("the file ended after {} of the {} bytes it held when the read began (it shrank under the read)", got, held));
+        return got;
       },
       until);
 }

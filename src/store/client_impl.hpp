@@ -252,6 +252,7 @@ struct client::impl {
   // ---- data path (client.cpp): caller threads ----
   // `handle`: the open write that write pieces fill (0 for reads). `keep`: the request is handed to
   // the caller, who finishes it (a synchronous call), instead of being registered under a ticket.
+  // `handle`: a write's open write; for a read, the file version it must come from (0: any).
   ticket start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
                clk::time_point until, std::uint64_t handle = 0, op* keep = nullptr);
   std::uint64_t finish(ticket t);

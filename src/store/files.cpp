@@ -72,6 +72,7 @@ class remote_endpoint {
     clk::time_point until;
     file_source::completion done;
     client::ticket t = 0;
+    std::uint64_t version = 0;  // reads: the file they must come from (0: any)
   };
 
   remote_endpoint(const uri& u, client_options o) : k_(std::make_shared<core>(u, std::move(o))) {
@@ -134,7 +135,7 @@ class remote_endpoint {
         k.to_start.pop_front();
       }
       try {
-        o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until);
+        o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until, o.version);
       } catch (const error& e) {
         o.handle = nullptr;
         complete_after_error(k, o, e);
@@ -194,8 +195,10 @@ class remote_endpoint {
 // A write that failed makes the next sync() fail (and nothing is committed).
 class remote_file final : public file_source, public std::enable_shared_from_this<remote_file> {
  public:
-  remote_file(std::shared_ptr<remote_endpoint> ep, std::string path, open_mode mode)
-      : ep_(std::move(ep)), path_(std::move(path)), mode_(mode) {
+  // `version`: a file opened for reading reads only the file it found when opened (a file replaced
+  // since fails its reads; one opened for writing reads its own commits).
+  remote_file(std::shared_ptr<remote_endpoint> ep, std::string path, open_mode mode, std::uint64_t version)
+      : ep_(std::move(ep)), path_(std::move(path)), mode_(mode), version_(mode == open_mode::read ? version : 0) {
     if (mode_ == open_mode::create) handle();  // the file is created (empty) even if nothing is written
   }
   ~remote_file() override {
@@ -243,7 +246,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         d(n, e);
       };
     }
-    ep_->submit({write, std::move(h), path_, offset, mem, bytes, until, std::move(done), 0});
+    ep_->submit({write, std::move(h), path_, offset, mem, bytes, until, std::move(done), 0, write ? 0 : version_});
   }
 
  private:
@@ -256,6 +259,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
   std::shared_ptr<remote_endpoint> ep_;
   std::string path_;
   open_mode mode_;
+  std::uint64_t version_ = 0;
   std::mutex mu_;
   std::optional<client::write_handle> h_;
   std::optional<error> failed_;
@@ -285,13 +289,15 @@ struct registry {
     }
     if (mode != open_mode::read && !ep->c().writable())
       fail(errc::permission_denied, "file.open", text, "the server is read-only (ferry serve without --writable)");
+    std::uint64_t version = 0;
     try {
       auto st = ep->c().stat(u.path, ep->timeout());
       if ((st.mode & S_IFMT) == S_IFDIR) fail(errc::invalid_argument, "file.open", text, "is a directory");
+      version = st.version;
     } catch (const error& e) {
       if (!(mode != open_mode::read && e.code() == errc::not_found)) throw;
     }
-    return std::make_shared<remote_file>(ep, u.path, mode);
+    return std::make_shared<remote_file>(ep, u.path, mode, version);
   }
 };
 

@@ -76,6 +76,16 @@ struct open_file {
   }
 };
 
+// A read that names a version (net::file_version of the file its first look found) is served only
+// from that file: one replaced since fails the read, naming where, instead of mixing two versions.
+const std::shared_ptr<open_file>& same_version(const std::shared_ptr<open_file>& f, std::uint64_t version, const std::string& path,
+                                               std::uint64_t offset) {
+  if (version && net::file_version(f->dev, f->ino) != version)
+    fail(errc::io_error, "store.read", fmt::format("{} offset {}", printable(path), offset),
+         "the file was replaced since the read began (a read comes from one version of a file); read it again");
+  return f;
+}
+
 // Open files for reading, reused: a storage server answers many small requests on the same few
 // files, and openat2 + fstat + close per 4 KiB read would cost more than the read. A cached file is
 // used only while its path still names it (one fstatat per use, compared by device and inode), so a
@@ -931,7 +941,7 @@ struct server::impl {
     try {
       if (auto* r = std::get_if<read_into>(&m.b)) {
         n.reads.add();
-        return direct(c, *s, rid, r->path, r->offset, r->length, r->addr, false, r->notify);
+        return direct(c, *s, rid, r->path, r->offset, r->length, r->addr, false, r->notify, 0, r->version);
       }
       if (auto* r = std::get_if<write_from>(&m.b)) {
         n.writes.add();
@@ -940,7 +950,7 @@ struct server::impl {
       }
       if (auto* r = std::get_if<read_rma>(&m.b)) {
         n.reads.add();
-        return rma(c, s->shared_from_this(), rid, r->path, r->offset, r->length, r->addr, r->rkey, false, 0);
+        return rma(c, s->shared_from_this(), rid, r->path, r->offset, r->length, r->addr, r->rkey, false, 0, r->version);
       }
       if (auto* r = std::get_if<write_rma>(&m.b)) {
         n.writes.add();
@@ -979,7 +989,8 @@ struct server::impl {
   // a region the client lent, before the completion goes: the client, polling it, is done without
   // receiving a message. (A queued read only sends the completion; the client waits for that.)
   void direct(connection& c, session& sn, std::uint64_t rid, const std::string& path, std::uint64_t offset,
-              std::uint64_t length, std::uint64_t addr, bool write, std::uint64_t notify = 0, std::uint64_t handle = 0) {
+              std::uint64_t length, std::uint64_t addr, bool write, std::uint64_t notify = 0, std::uint64_t handle = 0,
+              std::uint64_t version = 0) {
     const char* op = write ? "store.write" : "store.read";
     if (length > o.max_request)
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
@@ -1001,14 +1012,14 @@ struct server::impl {
         if (!nm) fail(errc::out_of_range, op, c.peer(), fmt::format("notify record {:#x} is outside every region the client lent", notify));
         record = reinterpret_cast<std::uint64_t*>((*nm)->base + (notify - (*nm)->addr));
       }
-      return read_direct_here(c, sn, rid, path, offset, length, (*at)->base + (addr - (*at)->addr), record);
+      return read_direct_here(c, sn, rid, path, offset, length, (*at)->base + (addr - (*at)->addr), record, version);
     }
     // The request holds the session and the mapping (a plain reference suffices above, on this
     // thread; taking one costs two atomic operations per request).
     auto s = sn.shared_from_this();
     std::shared_ptr<lent_region> m = *at;
     auto t = write ? txn(handle, path) : nullptr;
-    auto f = write ? t->file() : files.get(path);
+    auto f = write ? t->file() : same_version(files.get(path), version, path, offset);
     auto self = c.shared_from_this();
     auto cr = std::make_shared<credit>(s->outstanding);
     file_io(f->f, write, offset, m->base + (addr - m->addr), length, [this, self, s, cr, m, t, rid, write, offset](const request_result& r) {
@@ -1045,7 +1056,8 @@ struct server::impl {
     std::byte* buf = nullptr;
   };
   void rma(connection& c, const std::shared_ptr<session>& s, std::uint64_t rid, const std::string& path, std::uint64_t offset,
-           std::uint64_t length, std::uint64_t addr, const std::vector<std::uint8_t>& rkey, bool write, std::uint64_t handle) {
+           std::uint64_t length, std::uint64_t addr, const std::vector<std::uint8_t>& rkey, bool write, std::uint64_t handle,
+           std::uint64_t version = 0) {
     const char* op = write ? "store.write" : "store.read";
     if (length > o.max_request)
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
@@ -1053,7 +1065,7 @@ struct server::impl {
     if (!key) fail(errc::protocol_error, op, c.peer(), "the client's rkey cannot be unpacked on this endpoint");
     auto r = std::make_shared<rma_op>();
     r->t = write ? txn(handle, path) : nullptr;
-    r->f = write ? r->t->file() : files.get(path);
+    r->f = write ? r->t->file() : same_version(files.get(path), version, path, offset);
     r->c = c.shared_from_this();
     r->s = s;
     r->cr = std::make_shared<credit>(s->outstanding);
@@ -1130,15 +1142,15 @@ struct server::impl {
     // The file data is read straight into the worker's reply space, which the reply is sent from:
     // nothing allocated, one copy before UCX's.
     std::byte* buf = c.reply_space(r.length);
-    std::uint64_t got = read_small(s, r.path, buf, r.length, r.offset);
+    std::uint64_t got = read_small(s, r.path, buf, r.length, r.offset, r.version);
     s.counts->bytes_sent.add(got);
     s.counts->inline_replies.add();
     c.send_reply_space({rid, 0, complete{0, got}}, got);
   }
   // A small read straight into the client's lent memory: only the completion travels.
   void read_direct_here(connection& c, session& s, std::uint64_t rid, const std::string& path, std::uint64_t offset,
-                        std::uint64_t length, std::byte* dst, std::uint64_t* record) {
-    std::uint64_t got = read_small(s, path, dst, length, offset);
+                        std::uint64_t length, std::byte* dst, std::uint64_t* record, std::uint64_t version) {
+    std::uint64_t got = read_small(s, path, dst, length, offset, version);
     // A client that truncated its region under the record is told by the completion alone.
     if (record) {
       guarded_publish(record, rid, got);
@@ -1156,7 +1168,8 @@ struct server::impl {
   // Either way the file must still be linked (a deleted or replaced file is never served; one
   // fstat, no path lookup), and a read from the mapping counts only the bytes the file still has
   // after the copy: a page of the mapping past a shrunken file's end reads as zeros, not data.
-  std::uint64_t read_small(session& s, const std::string& path, std::byte* dst, std::uint64_t length, std::uint64_t offset) {
+  std::uint64_t read_small(session& s, const std::string& path, std::byte* dst, std::uint64_t length, std::uint64_t offset,
+                           std::uint64_t version) {
     auto reopen = [&] {
       clk::time_point opened;
       s.last_file.reset();
@@ -1167,6 +1180,7 @@ struct server::impl {
     };
     std::uint64_t size = 0;
     if (s.last_path != path || coarse_now() >= s.last_until) reopen();
+    same_version(s.last_file, version, path, offset);
     if (s.last_file->map.read(dst, length, offset)) {
       if (fd_cache::still_linked(*s.last_file, &size)) {
         s.counts->mapped_reads.add();
@@ -1176,7 +1190,7 @@ struct server::impl {
     } else if (!fd_cache::still_linked(*s.last_file, &size)) {
       reopen();
     }
-    return s.last_file->f->read_here(dst, length, offset);
+    return same_version(s.last_file, version, path, offset)->f->read_here(dst, length, offset);
   }
 
   // ---- writes: the frame opens the request; data arrives as AM data (rendezvous for large pieces) ----
@@ -1348,7 +1362,7 @@ struct server::impl {
       st->c = c.shared_from_this();
       st->s = sp;
       st->cr = cr;
-      st->f = files.get(r->path);
+      st->f = same_version(files.get(r->path), r->version, r->path, r->offset);
       st->rid = rid, st->offset = r->offset, st->length = r->length;
       return stream(st);
     }
@@ -1358,7 +1372,8 @@ struct server::impl {
       ::fstat(fd, &st);
       ::close(fd);
       answer(c, *cr, {rid, 0, stat_reply{static_cast<std::uint64_t>(st.st_size), st.st_mode,
-                                       static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec}});
+                                       static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
+                                       net::file_version(st.st_dev, st.st_ino)}});
       return;
     }
     if (auto* r = std::get_if<list_req>(&m.b)) {

@@ -39,6 +39,8 @@
 
 using namespace ferry;
 using namespace ferry::net;
+using ::testing::AllOf;
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using clk = std::chrono::steady_clock;
 
@@ -160,6 +162,66 @@ TEST(StoreHardening, TheRootCanBeListed) {
   for (auto& e : entries) names.insert(e.name);
   EXPECT_TRUE(names.count("a.bin") && names.count("sub") && names.count("we\nird"));
   EXPECT_EQ(c.stat("").mode & S_IFMT, static_cast<std::uint32_t>(S_IFDIR));
+}
+
+// A read comes from one version of a file: with the file renamed over every 20 ms, each of 200 reads
+// of several pieces (no checksum asked for) is entirely one version, or fails saying the file was
+// replaced; a file that shrinks under a read is an error naming the offset, never a short success.
+TEST(StoreHardening, AReadIsOneVersionOrAnErrorWhileTheFileIsReplaced) {
+  served s;
+  const std::size_t size = 12 << 20;  // twelve pieces of 1 MiB
+  s.put("v.bin", std::string(size, 'A'));
+  std::atomic<bool> stop{false};
+  std::thread swapper([&] {
+    for (int i = 0; !stop; ++i) {
+      const auto tmp = s.root / ".v.tmp";
+      std::ofstream(tmp, std::ios::binary | std::ios::trunc) << std::string(size, i % 2 ? 'A' : 'B');
+      std::filesystem::rename(tmp, s.root / "v.bin");
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // five times as often as the 0.1 s
+    }
+  });
+  store::client_options co;
+  co.timeout = std::chrono::seconds(5);
+  co.piece = 1 << 20;
+  store::client c("127.0.0.1", s.srv->port(), co);
+  std::string buf(size, '\0');
+  int whole = 0, refused = 0, mixed = 0;
+  for (int i = 0; i < 200; ++i) {
+    try {
+      std::uint64_t n = c.read("v.bin", 0, buf.data(), size);
+      const char first = buf[0];
+      if (n == size && buf.find_first_not_of(first) == std::string::npos) ++whole;
+      else ++mixed;
+    } catch (const error& e) {
+      EXPECT_THAT(e.what(), AnyOf(HasSubstr("the file was replaced since the read began"), HasSubstr("shrank"))) << e.what();
+      ++refused;
+    }
+  }
+  stop = true;
+  swapper.join();
+  EXPECT_EQ(mixed, 0) << whole << " whole, " << refused << " refused";
+  EXPECT_GT(whole, 0);
+  // Truncated under reads: each read is what the file held when it began, whole, or an error naming
+  // where the data ended -- never a short read passed off as the file.
+  int shrank = 0;
+  for (int i = 0; i < 40; ++i) {
+    s.put("t.bin", std::string(size, 'T'));
+    std::thread cutter([&, i] {
+      std::this_thread::sleep_for(std::chrono::microseconds(250 * (i % 8)));
+      ::truncate((s.root / "t.bin").c_str(), 1 << 20);
+    });
+    std::uint64_t got = 0;
+    std::string err = test::error_text([&] { got = c.read("t.bin", 0, buf.data(), size); });
+    cutter.join();
+    if (err != "(no error)") {  // said by the client, or by the server's read of a piece
+      EXPECT_THAT(err, AllOf(HasSubstr("t.bin offset"), AnyOf(HasSubstr("shrank under the read"), HasSubstr("truncated while reading")))) << err;
+      ++shrank;
+      continue;
+    }
+    EXPECT_TRUE(got == size || got == (1u << 20)) << "a read of " << got << " bytes, neither the file before nor after";
+    EXPECT_EQ(std::string_view(buf.data(), got).find_first_not_of('T'), std::string_view::npos);
+  }
+  std::printf("reads while replaced: %d whole, %d refused; while truncated: %d refused\n", whole, refused, shrank);
 }
 
 // A listing longer than one frame comes in pages: all 100,000 names, each once, in name order.
@@ -530,14 +592,16 @@ TEST(StoreHardening, SlotsLostToAKilledServerAreReplacedAndTheNextServerIsReadAt
   ASSERT_GT(direct_before, 0u) << "the read did not go through the landing region: " << c.stats().data_path;
 
   // The server stops answering with the slots in flight, then dies; three readers wait for slots
-  // (and find the region spent together: one replaces it).
+  // (and find the region spent together: one replaces it). They name the file's version (a read of
+  // several pieces would otherwise ask the stopped server for it before sending any).
+  const std::uint64_t version = c.stat("data.bin").version;
   srv->stop();
   const auto pieces_before = c.stats().pieces;
   std::vector<std::thread> readers;
   for (int r = 0; r < 3; ++r)
     readers.emplace_back([&] {
       try {
-        c.read("data.bin", 0, dst.data(), n, std::chrono::seconds(20));
+        c.finish(c.start_read("data.bin", 0, dst.data(), n, clk::now() + std::chrono::seconds(20), version));
       } catch (const error&) {
       }
     });
@@ -600,8 +664,10 @@ TEST(StoreHardening, AServerThatWentQuietAndCameBackIsReadThroughAFreshLandingRe
   o.landing = 4 * o.piece;
   store::client c("127.0.0.1", srv.port, o);
   ASSERT_EQ(c.read("data.bin", 0, dst.data(), n), n);
+  const std::uint64_t version = c.stat("data.bin").version;  // named, the read sends its pieces at once
   srv.stop();
-  EXPECT_THAT(test::error_text([&] { c.read("data.bin", 0, dst.data(), n, std::chrono::seconds(1)); }), HasSubstr("[timeout]"));
+  EXPECT_THAT(test::error_text([&] { c.finish(c.start_read("data.bin", 0, dst.data(), n, clk::now() + std::chrono::seconds(1), version)); }),
+              HasSubstr("[timeout]"));
   EXPECT_GE(c.stats().quarantined, 2u);
   srv.resume();
   const auto direct_before = c.stats().direct_pieces;

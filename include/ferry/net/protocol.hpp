@@ -80,13 +80,15 @@ struct lend { std::uint64_t addr = 0, length = 0, region = 0; };
 // `notify` (0: none): the address, inside a lent region, of a 16-byte record {request id, bytes}
 // the server writes -- request id last -- once the data is in place, before it sends the completion:
 // a client polling the record sees a small read done without receiving a message.
-struct read_into { std::string path; std::uint64_t offset = 0, length = 0, addr = 0, notify = 0; };
+// `version` (reads; 0: any): the file the read must come from, as stat_reply gave it. The pieces of
+// one read name the same version, so a file replaced in between fails the read instead of mixing two.
+struct read_into { std::string path; std::uint64_t offset = 0, length = 0, addr = 0, notify = 0, version = 0; };
 struct write_from { std::string path; std::uint64_t offset = 0, length = 0, addr = 0, handle = 0; };
 // RMA where the transport really has it (verbs): the client registers its memory for the network
 // and names it by address and packed rkey; the server RMA-writes (read) or RMA-reads (write) it.
-struct read_rma { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; std::vector<std::uint8_t> rkey; };
+struct read_rma { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; std::vector<std::uint8_t> rkey; std::uint64_t version = 0; };
 struct write_rma { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; std::vector<std::uint8_t> rkey; std::uint64_t handle = 0; };
-struct read_req { std::string path; std::uint64_t offset = 0, length = 0; };
+struct read_req { std::string path; std::uint64_t offset = 0, length = 0, version = 0; };
 struct write_req { std::string path; std::uint64_t offset = 0, length = 0, handle = 0; };
 // Writes are atomic per file. open_write makes a new, unnamed file beside the target (`keep`: a
 // copy of the target's current content, for updates; else empty) and answers its handle; write
@@ -107,7 +109,13 @@ struct stat_req { std::string path; };
 // A listing comes in pages, in name order (bytes): the names after `after` ("" : from the first).
 struct list_req { std::string path; std::string after; };
 struct complete { std::int32_t status = 0; std::uint64_t bytes = 0; };  // status: 0 or an errno value
-struct stat_reply { std::uint64_t size = 0; std::uint32_t mode = 0; std::int64_t mtime_ns = 0; };
+// version: which file the path names now (its device and inode), for reads that must see one version.
+struct stat_reply { std::uint64_t size = 0; std::uint32_t mode = 0; std::int64_t mtime_ns = 0; std::uint64_t version = 0; };
+// The version of a file by its device and inode: never 0.
+inline std::uint64_t file_version(std::uint64_t dev, std::uint64_t ino) noexcept {
+  std::uint64_t v = ino ^ ((dev << 40) | (dev >> 24)) ^ 0x9e3779b97f4a7c15ull;
+  return v ? v : 1;
+}
 struct list_entry { std::string name; std::uint8_t kind = 0; std::uint64_t size = 0; };  // kind: 0 file, 1 dir, 2 other
 struct list_reply { std::vector<list_entry> entries; bool more = false; };  // more: ask again after the last
 struct error_reply { std::int32_t code = 0; std::string message; };

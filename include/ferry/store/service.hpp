@@ -167,9 +167,12 @@ class FERRY_API client {
 
   // Asynchronous requests: many may be outstanding (the server's credits bound how many pieces are
   // on the wire; start_* waits for credits until `until`). Memory must stay valid until finish().
+  // A read comes from one version of the file: `version` (stat().version) names it, and a file
+  // replaced since fails the read (io_error) instead of mixing two; 0: a read of more than one piece
+  // looks it up first (one stat), a read of one piece is one request anyway.
   using ticket = std::uint64_t;
   ticket start_read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
-                    std::chrono::steady_clock::time_point until);
+                    std::chrono::steady_clock::time_point until, std::uint64_t version = 0);
 
   // Writes are atomic per file. open_write() starts a new version of `path` on the server, invisible
   // under its name (`keep`: a copy of its current content, for updates in place; `replace`: empty);
@@ -216,7 +219,9 @@ class FERRY_API client {
   void* allocate(std::uint64_t bytes);
   void deallocate(void* buffer);  // throws invalid_argument for a pointer allocate() did not return
 
-  // Synchronous helpers. Reads are retried once after a reconnect (server restarted).
+  // Synchronous helpers. Reads are retried once after a reconnect (server restarted). A read of more
+  // than one piece comes from one version of the file, and one that ends short of what the file held
+  // when it began (the file shrank under it) is an io_error naming the offset, never a short success.
   // A small read (one piece) into host memory or an allocated buffer is the quickest request there
   // is: the calling thread sends it and takes its answer itself, with nothing registered for other
   // threads in between (start_read/finish cannot: the caller may do anything between the two).
