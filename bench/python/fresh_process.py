@@ -21,7 +21,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 CHILD = r"""
 import json, os, sys, time
