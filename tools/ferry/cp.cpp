@@ -19,7 +19,13 @@
 #include <thread>
 
 namespace ferry::cli {
+
 namespace {
+// A copy whose source ended short of what it held when the copy began: the file shrank under it.
+[[noreturn]] void source_shrank(const std::string& src, std::uint64_t at, std::uint64_t held) {
+  fail(errc::io_error, "cp", fmt::format("{} offset {}", src, at),
+       fmt::format("the file ended at {} of the {} bytes it held when the copy began (it shrank during the copy)", at, held));
+}
 
 bool is_file(const std::string& s) { return s.starts_with("file:"); }
 bool is_remote(const std::string& s) { return s.starts_with("ferry://"); }
@@ -90,9 +96,7 @@ int cp_from_remote(runtime& rt, const cp_options& o) {
   endpoint dst(rt, o.dst, bytes);
   auto t0 = std::chrono::steady_clock::now();
   std::uint64_t moved = c.read(u.path, 0, dst.data(), bytes, rt.config().deadline);
-  if (moved < bytes)  // a short read is the file shrinking under the copy, never a copy of less
-    fail(errc::io_error, "cp", fmt::format("{} offset {}", o.src, moved),
-         fmt::format("the file ended at {} of the {} bytes it held when the copy began (it shrank during the copy)", moved, bytes));
+  if (moved < bytes) source_shrank(o.src, moved, bytes);  // never a copy of less reported as success
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   bool ok = !o.verify || dst.checksum(moved) == remote_checksum(rt, c, u.path, moved);
   auto st = c.stats();
@@ -202,9 +206,7 @@ int run_cp(runtime& rt, const cp_options& o) {
     for (std::uint64_t off = 0; off < bytes; off += piece) {
       std::uint64_t n = std::min(piece, bytes - off);
       std::uint64_t got = rt.files().read(*fin, off, mid.data(), n);
-      if (got < n && o.size.empty())
-        fail(errc::io_error, "cp", fmt::format("{} offset {}", o.src, off + got),
-             fmt::format("the file ended at {} of the {} bytes it held when the copy began (it shrank during the copy)", off + got, bytes));
+      if (got < n && o.size.empty()) source_shrank(o.src, off + got, bytes);
       if (got) rt.files().write(*fout, off, mid.data(), got);
       moved += got;
       if (got < n) break;
@@ -225,9 +227,7 @@ int run_cp(runtime& rt, const cp_options& o) {
     transfer_batch b = rt.files().submit({&r, 1});
     secs = follow(b, show, t0);
     moved = b.results()[0].bytes_done;
-    if (moved < bytes && o.size.empty())
-      fail(errc::io_error, "cp", fmt::format("{} offset {}", o.src, moved),
-           fmt::format("the file ended at {} of the {} bytes it held when the copy began (it shrank during the copy)", moved, bytes));
+    if (moved < bytes && o.size.empty()) source_shrank(o.src, moved, bytes);
     path_used = engine_path(*fin, b);
     if (o.verify) {
       got_sum = dst.checksum(moved);
