@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from . import _ferry
+from . import _ferry, _fspath  # (defined before ferry/__init__.py imports this module)
 
 # safetensors dtype -> (torch attribute, bits per element). Names torch lacks (F4, F6) stay known to the format
 # and are refused when a tensor of them is read.
@@ -293,15 +293,6 @@ def _open_regular(path: str) -> tuple[int, int]:
 # ---- checkpoints of several files --------------------------------------------------------------------------
 
 
-def _path_of(path: Any, what: str = "path") -> str:
-    if isinstance(path, (str, os.PathLike)):
-        p = os.fspath(path)
-        if isinstance(p, bytes):
-            p = os.fsdecode(p)
-        return p
-    raise _argument_error(f"{what} must be a str or os.PathLike, not {type(path).__name__}")
-
-
 def _join(base: str, name: str) -> str:
     if "://" in base:
         return base.rsplit("/", 1)[0] + "/" + name
@@ -340,7 +331,7 @@ def _index_files(index: str, *, strict: bool) -> tuple[list[str], dict]:
 
 def _resolve(path: Any) -> tuple[list[str], str | None, dict | None]:
     """The files of a checkpoint: ``(files, index path or None, weight map or None)``."""
-    p = _path_of(path)
+    p = _fspath(path)
     if p.endswith(".index.json"):
         files, wm = _index_files(p, strict=True)
         return files, p, wm
@@ -806,7 +797,7 @@ def load(path: Any, device: Any = "cpu", names: Iterable[str] | None = None, *, 
     ck = _Set(path, strict)
     try:
         entries = ck.pick(names)
-        label = f"ferry load {_path_of(path)}"
+        label = f"ferry load {_fspath(path)}"
         if group is not None:
             out = _cooperative(ck, entries, device, shard=shard, group=group, timeout=timeout, progress=progress,
                                label=label, stats=stats)
@@ -956,7 +947,7 @@ def save(tensors: Mapping[str, Any], path: Any, metadata: Mapping[str, str] | No
     import ferry
 
     torch = _torch()
-    path = _path_of(path)
+    path = _fspath(path)
     timeout = _timeout(timeout)
     by_dtype = {getattr(torch, v[0]): k for k, v in _DTYPES.items() if v[0] and getattr(torch, v[0], None) is not None}
     for k, v in (metadata or {}).items():
