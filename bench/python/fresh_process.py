@@ -78,7 +78,7 @@ def child(*args, env=None, fatal=True):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     if (env or {}).get("FERRY_LOG") == "debug":  # what the runtime says it paid for each part
         for line in r.stderr.splitlines():
-            if "made in" in line or "buffers (" in line:
+            if "made in" in line or "opened in" in line or "buffers (" in line:
                 print(f"    {line}")
     return out
 

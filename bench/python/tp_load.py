@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """Tensor-parallel loading as serving runs it: one fresh process per GPU (torchrun), each rank its slices.
 
-    torchrun --nproc-per-node 4 bench/python/tp_load.py --dir /tmp/ferry-tp --size 8GiB --rounds 3
+    for r in 1 2 3; do torchrun --nproc-per-node 4 bench/python/tp_load.py --size 8GiB --results tp.jsonl; done
+    python3 bench/python/tp_load.py --summary tp.jsonl
 
-Rank 0 writes once a checkpoint of LLM shapes (Llama-7B layers in bf16, several shard files and an index). Then,
-warm and with the page cache dropped, alternating, --rounds times:
+Rank 0 writes once a checkpoint of LLM shapes (Llama-7B layers in bf16, several shard files and an index). Each
+launch is one round in fresh processes: warm, then with the page cache dropped, each way once in this order (so
+that ferry's first load pays its process's cold start):
 
-  safetensors:  per rank, safe_open(shard, device=its GPU) and get_slice(name)[its slice] for every tensor
   ferry:        ferry.safetensors.load(folder, its GPU, shard=Shard(rank, world, rule), group=WORLD)
+  ferry dim 0:  the same bytes split along dim 0 only (the dim-1 target's comparison)
+  safetensors:  per rank, safe_open(shard, device=its GPU) and get_slice(name)[its slice] for every tensor
 
-The time is until the slowest rank holds its tensors; the bytes read from the file system are summed over the
-ranks (ferry's own count; safetensors reads through mmap and is not counted); every rank's tensors are compared
-with safetensors'. A third row loads the same bytes split along dim 0 only, for the dim-1 target. Targets (issue
-52): ferry >= 3x faster warm; bytes read per node = the checkpoint's data; cold >= 0.95x the disk's ceiling for
-the node; dim-1 slices within 0.9x of the dim-0 split.
+The time is until the slowest rank holds its tensors; every rank's tensors are compared with safetensors'. The
+bytes read from the file system by the node are ferry's own count, summed over the ranks; with the page cache
+dropped, also what the kernel fetched from storage for every rank (/proc/self/io `read_bytes`, readahead included). --summary prints the medians
+over the launches against the targets (issue 52): ferry >= 3x faster warm; bytes read per node = the checkpoint's
+data; cold >= 0.95x the disk's ceiling for the node; dim-1 slices within 0.9x of the dim-0 split.
 """
 import argparse
 import json
@@ -101,6 +104,14 @@ def drop_cache(folder):
             fh.write("1\n")
 
 
+def warm_cache(folder):
+    """Every shard read once through the page cache (the disk ceiling's O_DIRECT reads leave it cold)."""
+    for p in files_of(folder):
+        with open(p, "rb", buffering=0) as fh:
+            while fh.read(64 << 20):
+                pass
+
+
 def with_safetensors(folder, device, rank, world, rule, smoke=False):
     try:
         from safetensors import safe_open
@@ -125,13 +136,51 @@ def with_safetensors(folder, device, rank, world, rule, smoke=False):
     return out
 
 
+def storage_read() -> int:
+    """Bytes this process (its io_uring workers included: they are its threads) made the kernel fetch from storage."""
+    with open("/proc/self/io") as fh:
+        return int(next(line for line in fh if line.startswith("read_bytes:")).split()[1])
+
+
+def summary(path: str) -> int:
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    if not rows:
+        raise SystemExit(f"{path}: no rounds")
+    meta = rows[0]
+    data, ceiling_gbps = meta["data"], meta["ceiling_gbps"]
+    med = {}
+    for k in rows[0]["rows"]:
+        v = sorted(r["rows"][k] for r in rows)
+        med[k] = v[len(v) // 2]
+    print(f"# {len(rows)} launches, world {meta['world']}, {data / 2**30:.2f} GiB of tensors; medians:")
+    for k, v in med.items():
+        print(f"  {k:<52} {v:9.3f}")
+    ok = all(r["equal"] for r in rows)
+    for what, v, lo, hi in [
+        ("warm: safetensors time / ferry's", med["warm safetensors s"] / med["warm ferry s"], 3.0, None),
+        ("cold: ferry's rate / the disk's ceiling for the node",
+         data / med["cold ferry s"] / 1e9 / ceiling_gbps if ceiling_gbps else 0.0, 0.95, None),
+        ("warm: dim-0 split time / the TP split's (dim-1 slices)", med["warm ferry dim 0 s"] / med["warm ferry s"], 0.9, None),
+        # Once per node: the file's bytes and no more (headers and readahead at the ends aside).
+        ("bytes read per node / checkpoint bytes (warm, ferry's count)", med["warm ferry bytes read"] / data, 0.99, 1.01),
+        ("bytes from storage per node / checkpoint bytes (cold, /proc read_bytes)", med["cold ferry from storage"] / data, 0.99, 1.05),
+    ]:
+        good = v >= lo and (hi is None or v <= hi)
+        print(f"  {what}: {v:.3f} (want >= {lo}{f' and <= {hi}' if hi else ''}) {'PASS' if good else 'MISS'}")
+    print("every rank's tensors equal to safetensors' slices in every launch:", "yes" if ok else "NO")
+    return 0 if ok else 1
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/ferry-tp")
     ap.add_argument("--size", default="8GiB")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--results", default="/tmp/ferry-tp.jsonl", help="each launch appends its round here")
+    ap.add_argument("--summary", metavar="JSONL", help="print the medians of the launches in JSONL, and exit")
     ap.add_argument("--cpu", action="store_true", help="a smoke run of this script: CPU tensors, gloo")
     a = ap.parse_args()
+    if a.summary:
+        raise SystemExit(summary(a.summary))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = "cpu" if a.cpu else f"cuda:{local}"
@@ -150,11 +199,14 @@ def main():
         bits = {k: _DTYPES[f.get_slice(k).get_dtype()][1] for k in f.keys()}
     data = sum(math.prod(s) * bits[k] // 8 for k, s in shapes.items())  # the tensors' bytes (headers aside)
     ceiling_gbps = 0.0
-    if a.rounds and local == 0:  # the node's disk, read by O_DIRECT threads: the cold rows' ceiling
+    first = not os.path.exists(a.results)
+    if first and local == 0:  # the node's disk, read by O_DIRECT threads: the cold rows' ceiling (once)
         drop_cache(a.dir)
         ceiling_gbps = sum(os.path.getsize(p) for p in files_of(a.dir)) / sum(
             os.path.getsize(p) / (ceiling(p) * 1e9) for p in files_of(a.dir)) / 1e9
         print(f"disk ceiling (O_DIRECT, 16 threads, 8 MiB, file by file): {ceiling_gbps:.2f} GB/s", flush=True)
+    elif local == 0:
+        ceiling_gbps = json.loads(open(a.results).readline())["ceiling_gbps"]
     dims = {k: tp_dim(k, s) for k, s in shapes.items()}
     dims0 = {k: (0 if d is not None else None) for k, d in dims.items()}
     tp = Shard(rank, world, lambda name: dims[name])
@@ -165,63 +217,59 @@ def main():
         if not a.cpu:
             torch.cuda.synchronize()
 
+    def total(v, dtype=torch.float64, op=dist.ReduceOp.SUM):
+        t = torch.tensor([v], device=device, dtype=dtype)
+        dist.all_reduce(t, op=op)
+        return t.item()
+
     def timed(fn):
         dist.barrier()
         sync()
+        c0 = storage_read()
         t0 = time.perf_counter()
         out = fn()
         sync()
-        t = torch.tensor([time.perf_counter() - t0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return out, t.item()
+        s = total(time.perf_counter() - t0, op=dist.ReduceOp.MAX)
+        return out, s, total(storage_read() - c0, torch.int64)
 
-    def row(key, seconds, note=""):
-        rows.setdefault(key, []).append(seconds)
-        if rank == 0:
-            print(f"  {key:<44} {seconds:7.3f} s {data / seconds / 1e9:7.2f} GB/s of checkpoint  {note}", flush=True)
-
-    ok = True
+    equal = True
     for kind in ("warm", "cold"):
-        for r in range(a.rounds):
+        if rank == 0:
+            print(f"# {kind}", flush=True)
+        if kind == "warm" and local == 0:
+            warm_cache(a.dir)
+        got = {}
+        for name, fn in [("ferry", lambda: ferry.safetensors.load(a.dir, device, shard=tp, group=dist.group.WORLD,
+                                                                  progress=False, stats=stats)),
+                         ("ferry dim 0", lambda: ferry.safetensors.load(a.dir, device, shard=tp0, group=dist.group.WORLD,
+                                                                        progress=False)),
+                         ("safetensors", lambda: with_safetensors(a.dir, device, rank, world, lambda k, s: dims[k], a.cpu))]:
+            if kind == "cold":
+                dist.barrier()
+                if local == 0:
+                    drop_cache(a.dir)
+            stats = {}
+            out, s, read = timed(fn)
+            rows[f"{kind} {name} s"] = s
+            note = f"from storage {read / 2**30:.3f} GiB"
+            if name == "ferry":
+                rows[f"{kind} ferry bytes read"] = total(stats["bytes_read"], torch.int64)
+                rows[f"{kind} ferry from storage"] = read
+                note += f", ferry's count {rows[f'{kind} ferry bytes read'] / 2**30:.3f} GiB (of {data / 2**30:.3f})"
+            if name != "ferry dim 0":
+                got[name] = out
+            del out
             if rank == 0:
-                print(f"# {kind}, round {r + 1}", flush=True)
-            ways = [("safetensors safe_open+get_slice", lambda: with_safetensors(a.dir, device, rank, world, lambda k, s: dims[k], a.cpu)),
-                     ("ferry cooperative", lambda: ferry.safetensors.load(a.dir, device, shard=tp, group=dist.group.WORLD,
-                                                                          progress=False, stats=stats)),
-                     ("ferry cooperative, all along dim 0", lambda: ferry.safetensors.load(a.dir, device, shard=tp0,
-                                                                                           group=dist.group.WORLD, progress=False))]
-            ref = None
-            for name, fn in ways:
-                if kind == "cold":
-                    if local == 0:
-                        drop_cache(a.dir)
-                stats = {}
-                got, s = timed(fn)
-                note = ""
-                if name == "safetensors safe_open+get_slice":
-                    ref = got
-                elif name == "ferry cooperative":
-                    same = torch.tensor([int(set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref))], device=device)
-                    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-                    read = torch.tensor([stats["bytes_read"]], device=device, dtype=torch.int64)
-                    dist.all_reduce(read)
-                    ok = ok and bool(same.item())
-                    note = f"equal to safetensors: {bool(same.item())}; read by the node {read.item() / 2**30:.3f} GiB of {data / 2**30:.3f}"
-                    rows.setdefault(f"{kind} bytes read", []).append(read.item())
-                row(f"{kind} {name}", s, note)
-                del got
-            del ref
+                print(f"  {name:<14} {s:7.3f} s {data / s / 1e9:7.2f} GB/s of checkpoint  {note}", flush=True)
+        ref, mine = got["safetensors"], got["ferry"]
+        same = int(set(mine) == set(ref) and all(torch.equal(mine[k], ref[k]) for k in ref))
+        equal = equal and bool(total(same, torch.int64, dist.ReduceOp.MIN))
+        del got, ref, mine
     if rank == 0:
-        med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
-        print("# targets (medians)")
-        for what, v, want in [
-            ("warm: safetensors time / ferry's", med["warm safetensors safe_open+get_slice"] / med["warm ferry cooperative"], 3.0),
-            ("cold: ferry's rate / the disk's ceiling for the node", data / med["cold ferry cooperative"] / 1e9 / ceiling_gbps, 0.95),
-            ("warm: dim-0 split time / the TP split's (dim-1 slices)", med["warm ferry cooperative, all along dim 0"] / med["warm ferry cooperative"], 0.9),
-            ("bytes read per node / checkpoint bytes (warm)", med["warm bytes read"] / data, 1.0),
-        ]:
-            print(f"  {what}: {v:.2f} (want >= {want}) {'PASS' if v >= want else 'MISS'}")
-        print("every rank's tensors equal to safetensors' slices:", "yes" if ok else "NO")
+        print("every rank's tensors equal to safetensors' slices:", "yes" if equal else "NO", flush=True)
+        with open(a.results, "a") as fh:
+            fh.write(json.dumps({"world": world, "data": data, "ceiling_gbps": ceiling_gbps, "rows": rows,
+                                 "equal": equal}) + "\n")
     dist.destroy_process_group()
 
 

@@ -216,6 +216,12 @@ const setting_def table[] = {
      if (s.io_chunk % (4 * KiB)) throw bad_value{"must be a multiple of 4KiB"};
    },
    [](const settings& s) { return format_size(s.io_chunk); }},
+  {"FERRY_IO_MAPPED", "Reads into device memory of ranges the page cache holds: the copy engine reads the file's pages where they are (mapped, pinned read-only for the copy), in pieces of this size, without the staging pool or a CPU copy; 0 = staged like other reads. A multiple of 4 KiB.",
+   [](settings& s, std::string_view v) {
+     s.io_mapped = v == "0" ? 0 : parse_size_in(v, 64 * KiB, 1 * GiB);
+     if (s.io_mapped % (4 * KiB)) throw bad_value{"must be 0 or a multiple of 4KiB"};
+   },
+   [](const settings& s) { return s.io_mapped ? format_size(s.io_mapped) : std::string("0"); }},
   {"FERRY_STREAM_SLOTS", "Staging buffers (FERRY_STAGING_BYTES each) one stream-ordered file read or write uses at once: the file side fills one while the stream copies another, 1..64.",
    [](settings& s, std::string_view v) { s.stream_slots = static_cast<int>(parse_int(v, 1, 64)); },
    [](const settings& s) { return std::to_string(s.stream_slots); }},

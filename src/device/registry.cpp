@@ -1,5 +1,6 @@
 #include <ferry/device/registry.hpp>
 
+#include "core/logging.hpp"
 #include "device/sim/sim_device.hpp"
 #ifdef FERRY_HAVE_CUDA
 #include "device/cuda/cuda_device.hpp"
@@ -8,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <charconv>
+#include <chrono>
 
 namespace ferry {
 
@@ -82,7 +84,12 @@ device& device_registry::lookup(device_kind kind, int index, std::string_view na
 #ifdef FERRY_HAVE_CUDA
   if (cuda_.empty()) cuda_.resize(static_cast<std::size_t>(st.device_count));
   auto& d = cuda_[static_cast<std::size_t>(index)];
-  if (!d) d = cuda::create_device(index, settings_);
+  if (!d) {
+    const auto t0 = std::chrono::steady_clock::now();
+    d = cuda::create_device(index, settings_);
+    log::debug("device", "{} opened in {} us", d->id(),
+               std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
+  }
   return *d;
 #else
   fail(errc::internal, "device.lookup", res(), "unreachable");

@@ -4,6 +4,7 @@
 #include <ferry/io/file.hpp>
 #include <ferry/io/probe.hpp>
 #include <ferry/mem/pinned_pool.hpp>
+#include <ferry/mem/registration.hpp>
 
 #include "core/logging.hpp"
 #include "io/cufile.hpp"
@@ -106,6 +107,7 @@ struct running {
   std::uint64_t delivered = 0;
   std::uint64_t reported = 0;    // of `delivered`, what the batch was told as progress
   bool one_io = false;           // all in one I/O: no progress before its end
+  bool mapped = false;           // a page-cache read into device memory: copied from the file's mapped pages
   std::optional<error> err;      // first failure: nothing more is issued, it ends when busy is 0
   bool issued() const { return next >= parts; }
   void add_part(std::uint64_t pos, std::uint64_t end, bool direct, bool nowait = false) { part_of[parts++] = {pos, end, direct, nowait}; }
@@ -123,6 +125,10 @@ struct slot {
   running* r = nullptr;  // null: free
   pinned_pool::buffer held;  // a staging buffer, or none when the I/O goes to/from the request's memory
   std::byte* buf = nullptr;
+  // A mapped read: the file's pages it copies from, and their registration (pinned read-only).
+  void* map = nullptr;
+  std::uint64_t map_len = 0;
+  registration window;
   enum { free, staging, io, copying } state = free;
   std::uint64_t off = 0, len = 0, got = 0;  // file range of the I/O
   std::uint64_t deliver = 0;                // a read's bytes its device copy delivers
@@ -158,6 +164,7 @@ struct file_engine::impl {
   // The counters every request touches, looked up once (a lookup takes the set's lock).
   counter &beside_others = st.get("requests.beside_others"), &reads_direct_n = st.get("reads.direct"),
           &reads_in_place = st.get("reads.in_place"), &reads_buffered = st.get("reads.buffered"),
+          &reads_mapped = st.get("reads.mapped"),
           &bytes_read = st.get("bytes_read"), &bytes_written = st.get("bytes_written"),
           &reads_missed_cache = st.get("reads.missed_cache"), &files_registered = st.get("files.registered");
   struct worker;
@@ -168,7 +175,9 @@ struct file_engine::impl {
   std::once_flag cufile_once;
   std::unique_ptr<cufile::backend> cufile_;
   std::mutex told_mu;
-  std::set<std::string> told;  // paths whose cuFile fallback was logged
+  std::set<std::string> told;  // paths whose cuFile fallback (or failed mapping) was logged
+  // The file pages mapped reads copy from, known to the registration cache while a copy uses them.
+  std::unique_ptr<read_only_mappings> mapped_pages;
 
   cufile::backend& cufile() {
     std::call_once(cufile_once, [&] { cufile_ = std::make_unique<cufile::backend>(cfg); });
@@ -297,7 +306,16 @@ struct file_engine::impl {
       s.held.reset();
       s.buf = nullptr;
       s.state = slot::free;
+      unmap(s);
     }
+    void unmap(slot& s) {
+      if (!s.map) return;
+      s.window = registration{};  // unpinned: never kept (read_only_mappings)
+      e.mapped_pages->remove(s.map);
+      ::munmap(s.map, s.map_len);
+      s.map = nullptr;
+    }
+    bool map_window(slot& s);
     // The registered slot of f's descriptor fd, registering it if need be; -1: use fd itself.
     int registered(const file& f, bool direct, int fd) {
       if (regs.empty() || fd < 0) return -1;
@@ -420,7 +438,7 @@ struct file_engine::impl {
     std::vector<std::pair<std::size_t, std::optional<error>>> copies;  // a round's finished device copies
     // Counted this round, added to the engine's counters at its end.
     struct {
-      std::uint64_t beside = 0, direct = 0, in_place = 0, buffered = 0, read = 0, written = 0, missed_cache = 0, registered = 0;
+      std::uint64_t beside = 0, direct = 0, in_place = 0, buffered = 0, mapped = 0, read = 0, written = 0, missed_cache = 0, registered = 0;
     } t;
     void done(job& j, std::uint64_t len, const error* x) { ends.push_back({std::move(j.b), j.idx, len, x ? std::optional<error>(*x) : std::nullopt}); }
     void report();
@@ -443,6 +461,10 @@ file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cac
     : xfer(x), devices(d), cache(c), cfg(s) {
   inject_partial = s.io_inject.find("partial") != std::string::npos;
   inject_eintr = s.io_inject.find("eintr") != std::string::npos;
+  if (s.io_mapped) {
+    mapped_pages = read_only_mappings::make(s.cuda_driver);
+    cache.add_client(mapped_pages.get(), true);
+  }
   const int n = s.io_threads > 0 ? s.io_threads : default_io_threads();
   for (int i = 0; i < n; ++i) workers.push_back(std::make_unique<worker>(*this));
   for (auto& w : workers)
@@ -459,6 +481,7 @@ file_engine::impl::~impl() {
     w->wake();
   }
   for (auto& t : threads) t.join();
+  if (mapped_pages) cache.remove_client(mapped_pages.get());
 }
 
 // Takes queued requests while a slot is free (waiting for one when it runs none); false: stop.
@@ -653,9 +676,15 @@ void file_engine::impl::worker::start(job j) {
       // Buffered into host memory: the kernel copies from the page cache straight into the
       // destination (no staging, no second copy); exactly the asked range, nothing past it.
       const bool in_place = !r.j.dev && !direct;
+      // Into a GPU from the page cache: its copy engine reads the file's pages themselves, pinned.
+      // Not a small read that asks the page cache first, nor a range the page cache lacks (this
+      // thread would read it from the disk as it maps it); not a sim device, whose copies are the
+      // CPU's and would fault on pages a truncation took away.
+      r.mapped = r.j.dev && r.j.dev->info().backend == device_kind::cuda && !direct && !nowait && e.mapped_pages &&
+                 ((e.cfg.io_direct == direct_io::automatic && f.direct_fd() >= 0) || cached_fraction(f.fd(), r.lo, r.hi - r.lo) >= 0.9);
       const std::uint64_t a = direct ? f.dio_align() : in_place ? 1 : 4096;
       r.add_part(align_down(r.lo, a), align_up(r.hi, a), direct, nowait);
-      ++(direct ? t.direct : in_place ? t.in_place : t.buffered);
+      ++(direct ? t.direct : in_place ? t.in_place : r.mapped ? t.mapped : t.buffered);
       log::debug("io", "read {} [{}, {}) {} into {}", path, r.lo, r.hi, direct ? "O_DIRECT" : "buffered",
                  r.j.dev ? r.j.dev->id() : "host");
     } else {
@@ -685,10 +714,12 @@ void file_engine::impl::worker::start(job j) {
 // Its parts planned: the staging pool it needs (device memory or an O_DIRECT part), the bytes per
 // I/O, and whether it is one I/O.
 void file_engine::impl::worker::plan_io(running& r) {
-  bool staged = r.j.dev != nullptr;
+  bool staged = r.j.dev != nullptr && !r.mapped;
   for (std::size_t k = 0; k < r.parts; ++k) staged = staged || r.part_of[k].direct;
   r.pool = staged ? &e.xfer.staging_for(r.j.where) : nullptr;
-  std::uint64_t most = r.pool ? std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes()) : e.cfg.io_chunk;
+  std::uint64_t most = r.mapped ? e.cfg.io_mapped
+                       : r.pool ? std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes())
+                                : e.cfg.io_chunk;
   r.chunk = std::max<std::uint64_t>(4096, align_down(most, 4096));
   r.one_io = r.parts == 1 && r.part_of[0].end - r.part_of[0].pos <= r.chunk;
 }
@@ -698,13 +729,16 @@ bool file_engine::impl::worker::issue(running& r) {
   if (r.err) return false;
   while (!r.issued() && r.part_of[r.next].pos >= r.part_of[r.next].end) ++r.next;
   if (r.issued() || r.busy >= static_cast<int>(slots.size())) return false;
+  // Mapped pieces: two at a time per thread keep the copy engine busy (each is large); more would
+  // only pin more of the page cache at once.
+  if (r.mapped && std::count_if(slots.begin(), slots.end(), [](const slot& x) { return x.map != nullptr; }) >= 2) return false;
   slot* s = free_slot();
   if (!s) return false;
   auto& p = r.part_of[r.next];
   const bool write = r.j.r.write;
-  // Staging: device memory, or an O_DIRECT range (aligned buffers). Buffered I/O on host memory
-  // goes to/from the request's memory itself.
-  const bool staged = r.j.dev || p.direct;
+  // Staging: device memory (unless mapped), or an O_DIRECT range (aligned buffers). Buffered I/O on
+  // host memory goes to/from the request's memory itself.
+  const bool staged = (r.j.dev && !r.mapped) || p.direct;
   if (staged) {
     // One buffer waited for (until the deadline) when this worker has nothing else in flight; else
     // only one free now: a busy pool makes shallower pipelines, never a stall.
@@ -722,8 +756,19 @@ bool file_engine::impl::worker::issue(running& r) {
   s->retries = 0;
   p.pos += s->len;
   auto* mem = static_cast<std::byte*>(r.j.r.mem);
+  if (r.mapped && !map_window(*s)) {
+    // Not mappable (or not pinnable) here: this request is staged from now on, this piece included.
+    p.pos -= s->len;
+    r.busy--;
+    s->r = nullptr;
+    r.mapped = false;
+    plan_io(r);
+    return issue(r);
+  }
   try {
-    if (!staged) {
+    if (r.mapped) {
+      return true;  // its copy is under way
+    } else if (!staged) {
       s->buf = mem + (s->off - r.lo);
       submit_io(*s);
     } else if (!write) {
@@ -739,6 +784,40 @@ bool file_engine::impl::worker::issue(running& r) {
     release(*s);
     throw;
   }
+  return true;
+}
+
+// Maps the file's pages of the slot's range, pins them read-only and starts their copy to the
+// device; false (nothing started, nothing held) when the pages cannot be mapped or pinned here.
+bool file_engine::impl::worker::map_window(slot& s) {
+  running& r = *s.r;
+  file& f = *r.j.r.f;
+  const std::uint64_t lo = std::max(s.off, r.lo), hi = std::min(s.off + s.len, r.hi);
+  const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t moff = align_down(lo, page), mlen = align_up(hi, page) - moff;
+  // Populated now: the pages are cached (the plan asked), and pinning mapped pages is cheaper.
+  void* m = ::mmap(nullptr, mlen, PROT_READ, MAP_SHARED | MAP_POPULATE, f.fd(), static_cast<off_t>(moff));
+  if (m == MAP_FAILED) {
+    std::lock_guard l(e.told_mu);
+    if (e.told.insert(f.path() + " map").second)
+      log::debug("io", "{}: cannot map ({}); its reads into device memory are staged", f.path(), std::strerror(errno));
+    return false;
+  }
+  s.map = m;
+  s.map_len = mlen;
+  e.mapped_pages->add(m, mlen);
+  const std::byte* src = static_cast<const std::byte*>(m) + (lo - moff);
+  if (auto x = catching([&] { s.window = e.cache.acquire(src, hi - lo); })) {
+    unmap(s);
+    std::lock_guard l(e.told_mu);
+    if (e.told.insert(f.path() + " map").second)
+      log::debug("io", "{}: cannot pin its mapped pages ({}); its reads into device memory are staged", f.path(), x->what());
+    return false;
+  }
+  s.got = hi - s.off;  // what the copy covers, checked against the file's size when it is done
+  s.deliver = hi - lo;
+  s.state = slot::copying;
+  copy(s, static_cast<std::byte*>(r.j.r.mem) + (lo - r.lo), src, hi - lo, &r.j.where, &s.window.region());
   return true;
 }
 
@@ -802,6 +881,7 @@ void file_engine::impl::worker::go_direct(slot& s) {
   const std::uint64_t a = f.dio_align();
   r.parts = 0;
   r.next = 0;
+  r.mapped = false;
   r.add_part(align_down(r.lo, a), align_up(r.hi, a), true);
   plan_io(r);
   ++t.missed_cache;
@@ -816,6 +896,15 @@ void file_engine::impl::worker::on_copied(slot& s, const std::optional<error>& e
   if (r.err) return;
   if (err) throw *err;
   if (to_file) return submit_io(s);
+  if (s.map) {
+    // The pages copied were the file's when the copy began; a file cut short meanwhile fails the
+    // read as a staged read would (its bytes past the new end are no longer the file's).
+    struct stat st {};
+    const std::uint64_t end = s.off + s.got;
+    if (::fstat(r.j.r.f->fd(), &st) == 0 && static_cast<std::uint64_t>(st.st_size) < end)
+      fail(errc::io_error, "file.read", fmt::format("{} offset {}", r.j.r.f->path(), st.st_size),
+           fmt::format("the file ended at {} but was {} bytes when the read started (truncated while reading?)", st.st_size, r.size0));
+  }
   r.deliver(s.deliver);
   release(s);
 }
@@ -848,6 +937,7 @@ void file_engine::impl::worker::report() {
   flush(e.reads_direct_n, t.direct);
   flush(e.reads_in_place, t.in_place);
   flush(e.reads_buffered, t.buffered);
+  flush(e.reads_mapped, t.mapped);
   flush(e.bytes_read, t.read);
   flush(e.bytes_written, t.written);
   flush(e.reads_missed_cache, t.missed_cache);

@@ -1,4 +1,4 @@
-// The peer-memory clients of the mem layer: host memory and CUDA-known memory.
+// The peer-memory clients of the mem layer: host memory, read-only host mappings and CUDA-known memory.
 #include <ferry/core/error.hpp>
 #include <ferry/mem/registration.hpp>
 
@@ -14,7 +14,10 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
+#include <map>
+#include <mutex>
 
 namespace ferry {
 namespace {
@@ -178,7 +181,73 @@ class cuda_client final : public peer_memory_client {
 };
 #endif
 
+class read_only_client final : public read_only_mappings {
+ public:
+  explicit read_only_client([[maybe_unused]] const std::string& driver)
+#ifdef FERRY_HAVE_CUDA
+      : cuda_(driver)
+#endif
+  {
+  }
+  std::string_view name() const noexcept override { return "read-only host"; }
+  void add(const void* p, std::uint64_t n) override {
+    std::lock_guard l(mu_);
+    ranges_[reinterpret_cast<std::uintptr_t>(p)] = n;
+    any_ = true;
+  }
+  void remove(const void* p) noexcept override {
+    std::lock_guard l(mu_);
+    ranges_.erase(reinterpret_cast<std::uintptr_t>(p));
+    any_ = !ranges_.empty();
+  }
+  std::optional<memory_region> acquire(const void* p, std::uint64_t n) override {
+    if (!any_.load(std::memory_order_relaxed)) return std::nullopt;  // every classification asks: no lock when none
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    std::lock_guard l(mu_);
+    auto it = ranges_.upper_bound(a);
+    if (it == ranges_.begin()) return std::nullopt;
+    --it;
+    memory_region r{memory_type::host_pageable, device_kind::none, -1, it->first, it->second, 0, this};
+    if (!r.contains(a, n)) return std::nullopt;
+    return r;
+  }
+  std::uint64_t pin(const memory_region&, [[maybe_unused]] std::uintptr_t base, [[maybe_unused]] std::uint64_t size) override {
+#ifdef FERRY_HAVE_CUDA
+    if (cuda_.api) {
+      auto cs = cuda_.current();
+      cuda::check(cuda_.api->cuMemHostRegister(reinterpret_cast<void*>(base), size,
+                                               CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY),
+                  "mem.pin", fmt::format("read-only host {}", describe_range(base, size)));
+      return 1;
+    }
+#endif
+    return 0;
+  }
+  void unpin([[maybe_unused]] std::uint64_t cookie, [[maybe_unused]] std::uintptr_t base, std::uint64_t) noexcept override {
+#ifdef FERRY_HAVE_CUDA
+    if (cookie == 1 && cuda_.api) {
+      auto cs = cuda_.current();
+      cuda_.api->cuMemHostUnregister(reinterpret_cast<void*>(base));
+    }
+#endif
+  }
+  bool still_valid(const memory_region&) override { return true; }
+  bool keep_cached() const noexcept override { return false; }
+
+ private:
+  std::mutex mu_;
+  std::map<std::uintptr_t, std::uint64_t> ranges_;  // base -> bytes
+  std::atomic<bool> any_{false};
+#ifdef FERRY_HAVE_CUDA
+  cuda_ctx cuda_;
+#endif
+};
+
 }  // namespace
+
+std::unique_ptr<read_only_mappings> read_only_mappings::make(const std::string& cuda_driver) {
+  return std::make_unique<read_only_client>(cuda_driver);
+}
 
 std::unique_ptr<peer_memory_client> make_host_client(const std::string& cuda_driver) {
   return std::make_unique<host_client>(cuda_driver);

@@ -4,8 +4,10 @@
 #include "core/logging.hpp"
 
 #include <fmt/format.h>
-#include <hwloc.h>
+#include <linux/mempolicy.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -43,19 +45,15 @@ pinned_pool::pinned_pool(registration_cache& cache, std::size_t bytes, int count
 }
 
 namespace {
-// The host's topology, loaded once for every pool of the process (loading it reads /sys and costs
-// milliseconds); read-only after that, which hwloc allows from any thread.
-hwloc_topology_t process_topology() {
-  static hwloc_topology_t topo = [] {
-    hwloc_topology_t t = nullptr;
-    if (hwloc_topology_init(&t) != 0) return static_cast<hwloc_topology_t>(nullptr);
-    if (hwloc_topology_load(t) != 0) {
-      hwloc_topology_destroy(t);
-      return static_cast<hwloc_topology_t>(nullptr);
-    }
-    return t;
-  }();
-  return topo;
+// Binds [p, p+n) to NUMA node `node` before its first touch: mbind(2) itself, where hwloc would
+// first load the whole host topology (tens of milliseconds on a large host, paid by a process's
+// first transfer) to make the same call.
+bool bind_to_node(void* p, std::size_t n, int node) {
+  constexpr std::size_t bits = 8 * sizeof(unsigned long);
+  if (node < 0 || node >= 1024) return false;
+  unsigned long mask[1024 / bits] = {};
+  mask[static_cast<std::size_t>(node) / bits] = 1ul << (static_cast<std::size_t>(node) % bits);
+  return ::syscall(SYS_mbind, p, n, MPOL_BIND, mask, 1024ul, 0u) == 0;
 }
 }  // namespace
 
@@ -95,13 +93,9 @@ std::unique_ptr<pinned_pool::segment> pinned_pool::make_segment(int n) const {
   void* p = ::mmap(nullptr, seg->bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) fail_errno(errno, "mem.pool", res, "cannot map staging memory");
   seg->base = static_cast<std::byte*>(p);
-  if (numa_ >= 0) {
-    // Bind before first touch so the pages come from the GPU's NUMA node.
-    hwloc_topology_t topo = process_topology();
-    hwloc_obj_t node = topo ? hwloc_get_numanode_obj_by_os_index(topo, static_cast<unsigned>(numa_)) : nullptr;
-    if (node && hwloc_set_area_membind(topo, p, seg->bytes, node->nodeset, HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET) != 0)
-      log::debug("mem", "{}: membind failed ({}); using default placement", res, std::strerror(errno));
-  }
+  // Bind before first touch so the pages come from the GPU's NUMA node.
+  if (numa_ >= 0 && !bind_to_node(p, seg->bytes, numa_))
+    log::debug("mem", "{}: mbind failed ({}); using default placement", res, std::strerror(errno));
   // Huge pages where the kernel has them (a 2 MiB fault instead of 512), then every page now, not
   // during a transfer: in one call where the kernel can (5.14+), else by touching them.
   const auto t0 = std::chrono::steady_clock::now();

@@ -1,6 +1,7 @@
 // GPU tests of the transfer engine and the registration cache (label "gpu"; exit 77 without a GPU).
 #include <ferry/core/checksum.hpp>
 #include <ferry/device/mapped_memory.hpp>
+#include <ferry/io/file.hpp>
 #include <ferry/mem/dmabuf.hpp>
 #include <ferry/runtime.hpp>
 
@@ -163,6 +164,31 @@ TEST(GpuEngine, FreedAndReallocatedDeviceMemoryIsNeverServedStale) {
   auto src = random_bytes(n, 3);
   rt.engine().copy(again.data(), src.data(), n);
   EXPECT_EQ(sum_on(rt, "cuda:0", again.data(), n), checksum64(src.data(), n));
+}
+
+TEST(GpuEngine, APageCacheReadIntoDeviceMemoryCopiesTheFilesOwnPages) {
+  runtime rt(g_settings);
+  const std::size_t n = (72ull << 20) + 4096 + 5;  // more than one mapped piece, and a partial page
+  auto data = random_bytes(n, 4);
+  char path[] = "/tmp/ferry-gpu-mapped-XXXXXX";
+  int fd = ::mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::write(fd, data.data(), n), static_cast<ssize_t>(n));  // in the page cache now
+  ::close(fd);
+  auto f = file::open(path, open_mode::read);
+  cu_buffer d(0, n);
+  // The whole file, and a range at an odd offset into an odd place.
+  std::uint64_t before = rt.files().counters().get("reads.mapped").value();
+  const std::uint64_t pinned = rt.registrations().stats().bytes_pinned;
+  EXPECT_EQ(rt.files().read(*f, 0, d.data(), n), n);
+  EXPECT_EQ(sum_on(rt, "cuda:0", d.data(), n), checksum64(data.data(), n));
+  const std::size_t off = 3 * 4096 + 17, len = (9ull << 20) + 333;
+  EXPECT_EQ(rt.files().read(*f, off, d.data() + 1, len), len);
+  EXPECT_EQ(sum_on(rt, "cuda:0", d.data() + 1, len), checksum64(data.data() + off, len));
+  EXPECT_EQ(rt.files().counters().get("reads.mapped").value(), before + 2);
+  // Nothing stays pinned: the pages go back to the page cache's keeping.
+  EXPECT_EQ(rt.registrations().stats().bytes_pinned, pinned) << "pinned file pages left behind";
+  ::unlink(path);
 }
 
 TEST(GpuEngine, DmabufExportGivesAValidFd) {
