@@ -805,7 +805,7 @@ bool file_engine::impl::worker::map_window(slot& s) {
   }
   s.map = m;
   s.map_len = mlen;
-  e.mapped_pages->add(m, mlen);
+  e.mapped_pages->add(m, mlen, r.j.dev->info().ordinal);
   const std::byte* src = static_cast<const std::byte*>(m) + (lo - moff);
   if (auto x = catching([&] { s.window = e.cache.acquire(src, hi - lo); })) {
     unmap(s);

@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <map>
 #include <mutex>
+#include <vector>
 
 namespace ferry {
 namespace {
@@ -183,16 +184,28 @@ class cuda_client final : public peer_memory_client {
 
 class read_only_client final : public read_only_mappings {
  public:
-  explicit read_only_client([[maybe_unused]] const std::string& driver)
+  explicit read_only_client([[maybe_unused]] const std::string& driver) {
 #ifdef FERRY_HAVE_CUDA
-      : cuda_(driver)
+    const cuda::driver_status& st = cuda::load(driver);
+    if (st.api && st.device_count > 0) {
+      api_ = st.api;
+      contexts_.resize(static_cast<std::size_t>(st.device_count));
+    }
 #endif
-  {
+  }
+  ~read_only_client() override {
+#ifdef FERRY_HAVE_CUDA
+    for (std::size_t i = 0; i < contexts_.size(); ++i)
+      if (contexts_[i]) {
+        CUdevice d = 0;
+        if (api_->cuDeviceGet(&d, static_cast<int>(i)) == CUDA_SUCCESS) api_->cuDevicePrimaryCtxRelease(d);
+      }
+#endif
   }
   std::string_view name() const noexcept override { return "read-only host"; }
-  void add(const void* p, std::uint64_t n) override {
+  void add(const void* p, std::uint64_t n, int ordinal) override {
     std::lock_guard l(mu_);
-    ranges_[reinterpret_cast<std::uintptr_t>(p)] = n;
+    ranges_[reinterpret_cast<std::uintptr_t>(p)] = {n, ordinal};
     any_ = true;
   }
   void remove(const void* p) noexcept override {
@@ -207,27 +220,33 @@ class read_only_client final : public read_only_mappings {
     auto it = ranges_.upper_bound(a);
     if (it == ranges_.begin()) return std::nullopt;
     --it;
-    memory_region r{memory_type::host_pageable, device_kind::none, -1, it->first, it->second, 0, this};
+    memory_region r{memory_type::host_pageable, device_kind::none, -1, it->first, it->second.bytes, 0, this};
     if (!r.contains(a, n)) return std::nullopt;
     return r;
   }
-  std::uint64_t pin(const memory_region&, [[maybe_unused]] std::uintptr_t base, [[maybe_unused]] std::uint64_t size) override {
+  std::uint64_t pin(const memory_region& r, [[maybe_unused]] std::uintptr_t base, [[maybe_unused]] std::uint64_t size) override {
 #ifdef FERRY_HAVE_CUDA
-    if (cuda_.api) {
-      auto cs = cuda_.current();
-      cuda::check(cuda_.api->cuMemHostRegister(reinterpret_cast<void*>(base), size,
-                                               CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY),
-                  "mem.pin", fmt::format("read-only host {}", describe_range(base, size)));
-      return 1;
+    if (api_) {
+      // Pinned for the one GPU that copies from it: a portable registration is made for every GPU of
+      // the machine, and costs as many times more to make and to undo.
+      int ordinal = 0;
+      {
+        std::lock_guard l(mu_);
+        if (auto it = ranges_.find(r.base); it != ranges_.end() && it->second.ordinal >= 0) ordinal = it->second.ordinal;
+      }
+      auto cs = cuda::context_scope(*api_, context(ordinal));
+      cuda::check(api_->cuMemHostRegister(reinterpret_cast<void*>(base), size, CU_MEMHOSTREGISTER_READ_ONLY), "mem.pin",
+                  fmt::format("read-only host {} for cuda:{}", describe_range(base, size), ordinal));
+      return static_cast<std::uint64_t>(ordinal) + 1;
     }
 #endif
     return 0;
   }
   void unpin([[maybe_unused]] std::uint64_t cookie, [[maybe_unused]] std::uintptr_t base, std::uint64_t) noexcept override {
 #ifdef FERRY_HAVE_CUDA
-    if (cookie == 1 && cuda_.api) {
-      auto cs = cuda_.current();
-      cuda_.api->cuMemHostUnregister(reinterpret_cast<void*>(base));
+    if (cookie && api_) {
+      auto cs = cuda::context_scope(*api_, context(static_cast<int>(cookie - 1)));
+      api_->cuMemHostUnregister(reinterpret_cast<void*>(base));
     }
 #endif
   }
@@ -235,11 +254,28 @@ class read_only_client final : public read_only_mappings {
   bool keep_cached() const noexcept override { return false; }
 
  private:
+  struct range {
+    std::uint64_t bytes;
+    int ordinal;
+  };
   std::mutex mu_;
-  std::map<std::uintptr_t, std::uint64_t> ranges_;  // base -> bytes
+  std::map<std::uintptr_t, range> ranges_;  // by base
   std::atomic<bool> any_{false};
 #ifdef FERRY_HAVE_CUDA
-  cuda_ctx cuda_;
+  // The primary context of a GPU, retained on first use (a GPU the process never copies to gets none).
+  CUcontext context(int ordinal) {
+    std::lock_guard l(ctx_mu_);
+    auto& c = contexts_.at(static_cast<std::size_t>(ordinal));
+    if (!c) {
+      CUdevice d = 0;
+      cuda::check(api_->cuDeviceGet(&d, ordinal), "mem.pin", fmt::format("cuda:{}", ordinal));
+      cuda::check(api_->cuDevicePrimaryCtxRetain(&c, d), "mem.pin", fmt::format("cuda:{}", ordinal));
+    }
+    return c;
+  }
+  const cuda::driver_api* api_ = nullptr;
+  std::mutex ctx_mu_;
+  std::vector<CUcontext> contexts_;
 #endif
 };
 

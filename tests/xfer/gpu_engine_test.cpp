@@ -183,8 +183,8 @@ TEST(GpuEngine, APageCacheReadIntoDeviceMemoryCopiesTheFilesOwnPages) {
   EXPECT_EQ(rt.files().read(*f, 0, d.data(), n), n);
   EXPECT_EQ(sum_on(rt, "cuda:0", d.data(), n), checksum64(data.data(), n));
   const std::size_t off = 3 * 4096 + 17, len = (9ull << 20) + 333;
-  EXPECT_EQ(rt.files().read(*f, off, d.data() + 1, len), len);
-  EXPECT_EQ(sum_on(rt, "cuda:0", d.data() + 1, len), checksum64(data.data() + off, len));
+  EXPECT_EQ(rt.files().read(*f, off, d.data() + 8, len), len);
+  EXPECT_EQ(sum_on(rt, "cuda:0", d.data() + 8, len), checksum64(data.data() + off, len));
   EXPECT_EQ(rt.files().counters().get("reads.mapped").value(), before + 2);
   // Nothing stays pinned: the pages go back to the page cache's keeping.
   EXPECT_EQ(rt.registrations().stats().bytes_pinned, pinned) << "pinned file pages left behind";

@@ -135,13 +135,13 @@ FERRY_API std::unique_ptr<peer_memory_client> make_cuda_client(const std::string
 // the page cache mapped PROT_READ: a copy engine reads them where they are, without a staging copy.
 // Known to a cache (add it ahead of the others) from add() until remove(), which comes before the
 // owner unmaps them. Pinned read-only (CU_MEMHOSTREGISTER_READ_ONLY: a writable registration of a
-// PROT_READ mapping is refused) and only while a registration holds them, never kept: pinned page-
-// cache pages would outlive a truncation of their file. Without a CUDA driver nothing is pinned
-// (no copy engine reads them).
+// PROT_READ mapping is refused), for the one GPU that copies from them (`ordinal`), and only while a
+// registration holds them, never kept: pinned page-cache pages would outlive a truncation of their
+// file. Without a CUDA driver nothing is pinned (no copy engine reads them).
 class FERRY_API read_only_mappings : public peer_memory_client {
  public:
   static std::unique_ptr<read_only_mappings> make(const std::string& cuda_driver);
-  virtual void add(const void* p, std::uint64_t n) = 0;
+  virtual void add(const void* p, std::uint64_t n, int ordinal) = 0;
   virtual void remove(const void* p) noexcept = 0;
 };
 
