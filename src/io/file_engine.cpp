@@ -107,7 +107,7 @@ struct running {
   std::uint64_t delivered = 0;
   std::uint64_t reported = 0;    // of `delivered`, what the batch was told as progress
   bool one_io = false;           // all in one I/O: no progress before its end
-  bool mapped = false;           // a page-cache read into a GPU: pieces may be copied from the file's mapped pages
+  bool mapped = false;           // a page-cache read into device memory: copied from the file's mapped pages
   std::optional<error> err;      // first failure: nothing more is issued, it ends when busy is 0
   bool issued() const { return next >= parts; }
   void add_part(std::uint64_t pos, std::uint64_t end, bool direct, bool nowait = false) { part_of[parts++] = {pos, end, direct, nowait}; }
@@ -676,8 +676,8 @@ void file_engine::impl::worker::start(job j) {
       // Buffered into host memory: the kernel copies from the page cache straight into the
       // destination (no staging, no second copy); exactly the asked range, nothing past it.
       const bool in_place = !r.j.dev && !direct;
-      // Into a GPU from the page cache: its copy engine may read the file's pages themselves, pinned
-      // (when no staging buffer is free; see issue). Not a small read that asks the page cache first, nor a range the page cache lacks (this
+      // Into a GPU from the page cache: its copy engine reads the file's pages themselves, pinned.
+      // Not a small read that asks the page cache first, nor a range the page cache lacks (this
       // thread would read it from the disk as it maps it); not a sim device, whose copies are the
       // CPU's and would fault on pages a truncation took away.
       r.mapped = r.j.dev && r.j.dev->info().backend == device_kind::cuda && !direct && !nowait && e.mapped_pages &&
@@ -714,10 +714,12 @@ void file_engine::impl::worker::start(job j) {
 // Its parts planned: the staging pool it needs (device memory or an O_DIRECT part), the bytes per
 // I/O, and whether it is one I/O.
 void file_engine::impl::worker::plan_io(running& r) {
-  bool staged = r.j.dev != nullptr;
+  bool staged = r.j.dev != nullptr && !r.mapped;
   for (std::size_t k = 0; k < r.parts; ++k) staged = staged || r.part_of[k].direct;
   r.pool = staged ? &e.xfer.staging_for(r.j.where) : nullptr;
-  std::uint64_t most = r.pool ? std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes()) : e.cfg.io_chunk;
+  std::uint64_t most = r.mapped ? e.cfg.io_mapped
+                       : r.pool ? std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes())
+                                : e.cfg.io_chunk;
   r.chunk = std::max<std::uint64_t>(4096, align_down(most, 4096));
   r.one_io = r.parts == 1 && r.part_of[0].end - r.part_of[0].pos <= r.chunk;
 }
@@ -727,48 +729,44 @@ bool file_engine::impl::worker::issue(running& r) {
   if (r.err) return false;
   while (!r.issued() && r.part_of[r.next].pos >= r.part_of[r.next].end) ++r.next;
   if (r.issued() || r.busy >= static_cast<int>(slots.size())) return false;
+  // Mapped pieces: two at a time per thread keep the copy engine busy (each is large); more would
+  // only pin more of the page cache at once.
+  if (r.mapped && std::count_if(slots.begin(), slots.end(), [](const slot& x) { return x.map != nullptr; }) >= 2) return false;
   slot* s = free_slot();
   if (!s) return false;
   auto& p = r.part_of[r.next];
   const bool write = r.j.r.write;
-  // Staging: device memory, or an O_DIRECT range (aligned buffers). Buffered I/O on host memory
-  // goes to/from the request's memory itself.
-  const bool staged = r.j.dev || p.direct;
-  bool map = false;
-  if (staged && r.mapped) {
-    // Cached pages into a GPU: a free staging buffer if there is one; if not (a process's first
-    // reads, before the pool has grown, or a busy pool), the file's pages themselves, two pieces at
-    // a time per thread (each pins a piece of the page cache) -- no read waits for the pool.
-    s->held = r.pool->try_get();
-    if (!s->held && std::count_if(slots.begin(), slots.end(), [](const slot& x) { return x.map != nullptr; }) >= 2) return false;
-    map = !s->held;
-  } else if (staged) {
+  // Staging: device memory (unless mapped), or an O_DIRECT range (aligned buffers). Buffered I/O on
+  // host memory goes to/from the request's memory itself.
+  const bool staged = (r.j.dev && !r.mapped) || p.direct;
+  if (staged) {
     // One buffer waited for (until the deadline) when this worker has nothing else in flight; else
     // only one free now: a busy pool makes shallower pipelines, never a stall.
     s->held = slots_busy() == 0 ? r.pool->get(r.j.b->until()) : r.pool->try_get();
     if (!s->held) return false;
+    s->buf = s->held.data();
   }
-  if (s->held) s->buf = s->held.data();
   s->r = &r;
   r.busy++;
   s->off = p.pos;
-  s->len = std::min<std::uint64_t>(map ? std::max(r.chunk, e.cfg.io_mapped) : r.chunk, p.end - p.pos);
+  s->len = std::min<std::uint64_t>(r.chunk, p.end - p.pos);
   s->got = 0;
   s->direct = p.direct;
   s->nowait = p.nowait;
   s->retries = 0;
   p.pos += s->len;
   auto* mem = static_cast<std::byte*>(r.j.r.mem);
-  if (map && !map_window(*s)) {
-    // Not mappable (or not pinnable) here: this request waits for staging buffers from now on.
+  if (r.mapped && !map_window(*s)) {
+    // Not mappable (or not pinnable) here: this request is staged from now on, this piece included.
     p.pos -= s->len;
     r.busy--;
     s->r = nullptr;
     r.mapped = false;
+    plan_io(r);
     return issue(r);
   }
   try {
-    if (map) {
+    if (r.mapped) {
       return true;  // its copy is under way
     } else if (!staged) {
       s->buf = mem + (s->off - r.lo);

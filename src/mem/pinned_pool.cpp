@@ -86,22 +86,6 @@ bool pinned_pool::grow(std::unique_lock<std::mutex>& l) {
   return true;
 }
 
-void pinned_pool::grow_soon(std::unique_lock<std::mutex>&) {
-  if (growing_ || allocated_ >= count_) return;
-  if (grower_.joinable()) grower_.join();  // done: it let go of growing_ as its last step
-  growing_ = true;                          // until the thread takes over (grow() sets it again)
-  grower_ = std::thread([this] {
-    std::unique_lock l(mu_);
-    growing_ = false;
-    try {
-      grow(l);
-    } catch (const error& e) {
-      // get() tries again on its caller's thread and reports the error there.
-      log::debug("mem", "pinned pool {}x{} cannot grow ({})", count_, bytes_, e.what());
-    }
-  });
-}
-
 std::unique_ptr<pinned_pool::segment> pinned_pool::make_segment(int n) const {
   std::string res = fmt::format("pinned pool {}x{} numa {}", count_, bytes_, numa_);
   auto seg = std::make_unique<segment>();
@@ -135,7 +119,6 @@ std::unique_ptr<pinned_pool::segment> pinned_pool::make_segment(int n) const {
 }
 
 pinned_pool::~pinned_pool() {
-  if (grower_.joinable()) grower_.join();
   std::lock_guard l(mu_);
   if (free_.size() != static_cast<std::size_t>(allocated_))
     log::error("mem", "pinned pool destroyed with {} buffers still in use", allocated_ - static_cast<int>(free_.size()));
@@ -171,8 +154,12 @@ pinned_pool::buffer pinned_pool::get(std::chrono::steady_clock::time_point until
 pinned_pool::buffer pinned_pool::try_get() {
   std::unique_lock l(mu_);
   if (free_.empty()) {
-    grow_soon(l);
-    return {};
+    try {
+      if (growing_ || !grow(l) || free_.empty()) return {};
+    } catch (const error& e) {
+      log::debug("mem", "pinned pool {}x{} cannot grow ({}); no buffer now", count_, bytes_, e.what());
+      return {};
+    }
   }
   auto f = free_.back();
   free_.pop_back();

@@ -391,8 +391,7 @@ TEST(RegistrationCache, RememberedDeviceClassificationIsCheckedOnEveryHit) {
 }
 
 // The staging pool pins what is used: one buffer when made, then segments that double (up to 8
-// buffers of 64 KiB here) only while every buffer is out (try_get has them made in the background),
-// never past its size; then a waiter gets a
+// buffers of 64 KiB here) only while every buffer is out, never past its size; then a waiter gets a
 // timeout naming the pool, and a buffer given back is handed out again, with the region it was
 // registered in.
 TEST(PinnedPool, GrowsBySegmentsOnlyAsBuffersAreTakenAndNeverPastItsSize) {
@@ -406,9 +405,7 @@ TEST(PinnedPool, GrowsBySegmentsOnlyAsBuffersAreTakenAndNeverPastItsSize) {
   EXPECT_EQ(pool.allocated(), 1);
   for (int want : {3, 7, 15}) {
     while (static_cast<int>(out.size()) < pool.allocated()) out.push_back(pool.try_get());
-    // None free: try_get does not wait for the pool to grow; it grows on a thread of its own.
-    EXPECT_FALSE(pool.try_get());
-    out.push_back(pool.get(std::chrono::steady_clock::now() + std::chrono::seconds(10)));
+    out.push_back(pool.try_get());
     EXPECT_TRUE(out.back());
     EXPECT_EQ(pool.allocated(), want) << "grown by a segment twice the last when all were out";
   }

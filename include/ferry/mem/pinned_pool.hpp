@@ -13,7 +13,6 @@
 #include <cstddef>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 namespace ferry {
@@ -52,8 +51,7 @@ class FERRY_API pinned_pool {
   // Waits for a free buffer until `until` (a new segment is made first while the pool may grow);
   // throws timeout naming the pool when none frees up.
   buffer get(std::chrono::steady_clock::time_point until);
-  // A free buffer now, or an empty one; when none is free and the pool may grow, its next segment
-  // is made meanwhile on a thread of its own, so that callers with other work go on with it.
+  // A free buffer now (growing the pool if it may), or an empty one.
   buffer try_get();
 
   std::size_t buffer_bytes() const noexcept { return bytes_; }
@@ -75,8 +73,6 @@ class FERRY_API pinned_pool {
   // With l holding mu_: makes the next segment (releasing l meanwhile); false when the pool is at
   // its size. While another thread grows the pool it returns true at once.
   bool grow(std::unique_lock<std::mutex>& l);
-  // With l holding mu_: the next segment, made on grower_ (when none is being made).
-  void grow_soon(std::unique_lock<std::mutex>& l);
   std::unique_ptr<segment> make_segment(int n) const;
   registration_cache& cache_;
   std::size_t bytes_;
@@ -90,7 +86,6 @@ class FERRY_API pinned_pool {
   std::vector<std::unique_ptr<segment>> segments_;
   int allocated_ = 0;
   std::vector<free_buffer> free_;
-  std::thread grower_;  // try_get's growth: one at a time, joined before the next and at destruction
 };
 
 }  // namespace ferry
