@@ -216,7 +216,7 @@ const setting_def table[] = {
      if (s.io_chunk % (4 * KiB)) throw bad_value{"must be a multiple of 4KiB"};
    },
    [](const settings& s) { return format_size(s.io_chunk); }},
-  {"FERRY_IO_MAPPED", "Reads into device memory of ranges the page cache holds: the copy engine reads the file's pages where they are (mapped, pinned read-only for the copy), in pieces of this size, without the staging pool or a CPU copy; 0 = staged like other reads. A multiple of 4 KiB.",
+  {"FERRY_IO_MAPPED", "Reads into GPU memory of ranges the page cache holds: when set, the GPU's copy engine reads the file's pages where they are (mapped, pinned read-only for the copy, two pieces of this size at a time per file engine thread) instead of through the staging pool. A process's first loads then make no staging buffers (faster by about the making of the pool); large warm loads are slower than staged ones (docs/design/python.md). 0 (the default) = staged. A multiple of 4 KiB.",
    [](settings& s, std::string_view v) {
      s.io_mapped = v == "0" ? 0 : parse_size_in(v, 64 * KiB, 1 * GiB);
      if (s.io_mapped % (4 * KiB)) throw bad_value{"must be 0 or a multiple of 4KiB"};

@@ -59,7 +59,9 @@ bool mapped(const void* p, std::uint64_t n) {
 }
 
 #ifdef FERRY_HAVE_CUDA
-// A context for driver calls that need one: the primary context of device 0.
+// A context for driver calls that need one: the primary context of the GPU the constructing thread
+// works on (a torchrun rank's, its current context's device), else of device 0. Retaining device 0's
+// in every process would make a context on GPU 0 for every rank of a node.
 struct cuda_ctx {
   const cuda::driver_api* api = nullptr;
   CUcontext ctx = nullptr;
@@ -67,10 +69,14 @@ struct cuda_ctx {
     const cuda::driver_status& st = cuda::load(lib);
     if (!st.api || st.device_count == 0) return;
     CUdevice d = 0;
-    if (st.api->cuDeviceGet(&d, 0) != CUDA_SUCCESS || st.api->cuDevicePrimaryCtxRetain(&ctx, d) != CUDA_SUCCESS) return;
+    CUcontext current = nullptr;
+    const bool has_current = st.api->cuCtxGetCurrent(&current) == CUDA_SUCCESS && current &&
+                             st.api->cuCtxGetDevice(&d) == CUDA_SUCCESS;
+    if (!has_current && st.api->cuDeviceGet(&d, 0) != CUDA_SUCCESS) return;
+    if (st.api->cuDevicePrimaryCtxRetain(&ctx, d) != CUDA_SUCCESS) return;
     api = st.api;
   }
-  // The primary context of device 0, current until the scope ends.
+  // That primary context, current until the scope ends.
   cuda::context_scope current() const { return cuda::context_scope(*api, ctx); }
 };
 #endif

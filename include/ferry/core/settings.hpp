@@ -79,7 +79,7 @@ struct FERRY_API settings {
   int io_threads = 0;  // 0: default_io_threads()
   int io_depth = 16;
   std::uint64_t io_chunk = 8ull << 20;
-  std::uint64_t io_mapped = 64ull << 20;  // page-cache reads into device memory: DMA from the file's pages
+  std::uint64_t io_mapped = 0;  // page-cache reads into a GPU: DMA from the file's pages (0: staged)
   std::uint64_t io_inline = 1ull << 20;  // buffered I/O up to this size is copied during submit
   std::string io_inject;               // test-only fault injection: "partial", "eintr", "partial,eintr"
   // net / store
