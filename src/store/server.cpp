@@ -393,6 +393,7 @@ struct server::impl {
     std::atomic<std::int64_t> last{0};  // coarse time of the last request, ns
     bool closing = false;               // a close was asked for (sess_mu)
     int auth_failures = 0;              // its worker's thread only
+    bool auth_waiting = false;          // an answer waits for its turn (auth_mu)
     // RMA operations in flight, and the coarse time (ns) one last started or finished: the janitor
     // closes a connection whose RMA makes no progress (rma_timeout).
     std::atomic<int> rma_running{0};
@@ -461,13 +462,21 @@ struct server::impl {
   std::unique_ptr<std::atomic<std::uint64_t>[]> per_worker;  // connections each worker took
   std::uint16_t port = 0;
   std::uint64_t instance = 0;                // random per start: a client's lanes check they reached one server
-  // Connection limits: failed authentications per address, and addresses refused until a time.
-  struct address_state {
-    int failures = 0;
-    clk::time_point window{}, banned_until{};
+  // Answers to the challenge are checked at most o.auth_rate per second, server-wide (a token
+  // bucket holding a second's worth); those past it wait in arrival order and the janitor hands them
+  // to their workers as tokens come. A guesser is slowed, and every client with it, alike; none is
+  // refused for its address (a ban locked out every client of a shared address, and refusing
+  // connection requests at that rate aborted UCX 1.13's connection manager).
+  struct waiting_auth {
+    std::weak_ptr<session> sess;  // gone (closed, displaced): its turn is skipped, no token spent
+    std::weak_ptr<connection> conn;
+    std::uint64_t rid;
+    std::vector<std::uint8_t> mac;
   };
-  std::map<std::string, address_state> addresses;  // sess_mu; bounded (see note_auth_failure)
-  static constexpr std::chrono::minutes failure_window{1};  // an address's failed authentications count this long
+  std::mutex auth_mu;
+  double auth_tokens = 0;
+  clk::time_point auth_refilled = clk::now();
+  std::deque<waiting_auth> auth_queue;  // auth_mu; at most one per session (auth_waiting)
   // Open writes by handle; any of a client's lanes may fill one (the handle is the capability),
   // the session that opened it owns it.
   std::mutex txn_mu;
@@ -667,15 +676,10 @@ struct server::impl {
       c->close();
     }
   }
-  // Asked before a connection request becomes an endpoint: refused when the address is banned, or
-  // when the server is full and no connection still in its handshake can make room.
+  // Asked before a connection request becomes an endpoint: refused when the server is full and no
+  // connection still in its handshake can make room.
   bool admit(const std::string& peer) {
-    auto now = clk::now();
     std::lock_guard l(sess_mu);
-    if (auto it = addresses.find(host_of(peer)); it != addresses.end() && it->second.banned_until > now) {
-      refused++;
-      return false;
-    }
     std::size_t live = 0;
     for (auto& [k, x] : sessions) live += !x->closing;
     if (live < static_cast<std::size_t>(o.max_connections)) return true;
@@ -689,21 +693,56 @@ struct server::impl {
     close_locked(*victim, "displaced: the server is at FERRY_SERVE_MAX_CONNECTIONS");
     return true;
   }
-  // Counts a failed authentication from `addr`; true when the address is now refused for `ban`.
-  // sess_mu held.
-  bool note_auth_failure(const std::string& addr) {
-    auto now = clk::now();
-    if (addresses.size() >= 4096)
-      std::erase_if(addresses, [&](const auto& kv) { return kv.second.banned_until <= now && now - kv.second.window >= failure_window; });
-    if (addresses.size() >= 4096) addresses.clear();  // a flood of addresses: forget them rather than grow
-    auto& a = addresses[addr];
-    if (now - a.window >= failure_window) a.failures = 0, a.window = now;
-    if (++a.failures < 4 * o.auth_failures) return false;
-    a.banned_until = now + o.ban;
-    a.failures = 0;
-    log::warn("store", "address {}: {} failed authentications; refusing it for {} s", addr, 4 * o.auth_failures,
-              std::chrono::duration_cast<std::chrono::seconds>(o.ban).count());
+  // A token for checking one answer now (auth_mu held): the bucket refills at o.auth_rate per second
+  // up to one second's worth.
+  bool auth_token_locked() {
+    const auto now = clk::now();
+    const double rate = std::max(1, o.auth_rate);
+    auth_tokens = std::min(rate, auth_tokens + rate * std::chrono::duration<double>(now - auth_refilled).count());
+    auth_refilled = now;
+    if (auth_tokens < 1) return false;
+    auth_tokens -= 1;
     return true;
+  }
+  // Hands waiting answers to their connections' workers while tokens last (the janitor's round).
+  void judge_waiting() {
+    std::vector<waiting_auth> now;
+    {
+      std::lock_guard l(auth_mu);
+      while (!auth_queue.empty()) {
+        if (!auth_queue.front().sess.expired() && !auth_token_locked()) break;
+        if (!auth_queue.front().sess.expired()) now.push_back(std::move(auth_queue.front()));
+        auth_queue.pop_front();
+      }
+    }
+    for (auto& w : now)
+      if (auto c = w.conn.lock())
+        c->worker().post([this, c, rid = w.rid, mac = std::move(w.mac)] {
+          if (auto* s = static_cast<session*>(c->user)) judge(*c, *s, rid, mac);
+        });
+  }
+  // Checks an answer to the challenge (on the connection's worker): welcome, or an error and, after
+  // o.auth_failures of them, the close.
+  void judge(connection& c, session& s, std::uint64_t rid, const std::vector<std::uint8_t>& mac) {
+    {
+      std::lock_guard l(auth_mu);
+      s.auth_waiting = false;
+    }
+    bool ok = !o.secret.empty() && !s.server_nonce.empty() &&
+              detail::proof_matches(detail::proof(o.secret, s.server_nonce, s.client_nonce), mac);
+    s.server_nonce.clear();  // one answer per challenge
+    if (!ok) {
+      auth_failures++;
+      if (++s.auth_failures == 1) log::warn("store", "client {} failed to authenticate", c.peer());
+      reply_error(c, rid, error(errc::permission_denied, "store.auth", c.peer(), "authentication failed (wrong secret?)"));
+      if (s.auth_failures >= o.auth_failures) {
+        std::lock_guard l(sess_mu);
+        close_locked(s, fmt::format("{} failed authentications", s.auth_failures));
+      }
+      return;
+    }
+    s.welcomed = true;
+    c.send_frame({rid, o.max_outstanding, welcome_msg(c, s.lanes)});
   }
   // Closes connections that did not complete their handshake in time, and idle ones; takes the
   // descriptors clients pass on the lending socket.
@@ -717,6 +756,7 @@ struct server::impl {
         std::unique_lock l(mu);
         if (cv_janitor.wait_for(l, std::chrono::milliseconds(100), [&] { return stopping; })) return;
       }
+      judge_waiting();
       auto now = clk::now();
       auto coarse = coarse_now().time_since_epoch().count();
       std::lock_guard l(sess_mu);
@@ -866,20 +906,20 @@ struct server::impl {
       return;
     }
     if (auto* a = std::get_if<auth>(&m.b)) {
-      bool ok = !o.secret.empty() && !s->server_nonce.empty() &&
-                detail::proof_matches(detail::proof(o.secret, s->server_nonce, s->client_nonce), a->mac);
-      s->server_nonce.clear();  // one answer per challenge
-      if (!ok) {
-        auth_failures++;
-        bool drop = ++s->auth_failures >= o.auth_failures;
-        if (s->auth_failures == 1) log::warn("store", "client {} failed to authenticate", c.peer());
-        reply_error(c, rid, error(errc::permission_denied, "store.auth", c.peer(), "authentication failed (wrong secret?)"));
-        std::lock_guard l(sess_mu);
-        if (note_auth_failure(s->peer_addr) || drop) close_locked(*s, fmt::format("{} failed authentications", s->auth_failures));
-        return;
+      {
+        std::lock_guard l(auth_mu);
+        if (s->auth_waiting) {  // one answer in line per connection: a second is not queued
+          reply_error(c, rid, error(errc::protocol_error, "store.auth", c.peer(), "an answer to the challenge is already waiting"));
+          return;
+        }
+        if (!auth_queue.empty() || !auth_token_locked()) {
+          s->auth_waiting = true;
+          auth_queue.push_back({s->weak_from_this(), s->conn, rid, std::move(a->mac)});
+          cv_janitor.notify_all();
+          return;
+        }
       }
-      s->welcomed = true;
-      c.send_frame({rid, o.max_outstanding, welcome_msg(c, s->lanes)});
+      judge(c, *s, rid, a->mac);
       return;
     }
     if (!s->welcomed) {
@@ -1512,7 +1552,7 @@ server_options server_options_from(const settings& s) {
   o.handshake_timeout = s.serve_handshake_timeout;
   o.idle_timeout = s.serve_idle_timeout;
   o.auth_failures = s.serve_auth_failures;
-  o.ban = s.serve_ban;
+  o.auth_rate = s.serve_auth_rate;
   return o;
 }
 

@@ -16,6 +16,8 @@
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <deque>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -432,65 +434,146 @@ TEST(StoreHardening, IdleConnectionsAreClosedAndTheClientReconnects) {
   EXPECT_GE(c.stats().reconnects, 1u);
 }
 
-TEST(StoreHardening, FailedAuthenticationsCloseTheConnectionThenRefuseTheAddress) {
+TEST(StoreHardening, GuessesAreCheckedAtTheAuthRateAndNeverLockOutTheirAddress) {
   store::server_options o;
   o.secret = "the-right-secret-0123456789";
   o.auth_failures = 2;
-  o.ban = std::chrono::seconds(5);
+  o.auth_rate = 5;  // a second's worth (5) at once, then 5 a second
   served s(o);
   ucx_worker w("guesser");
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<message> got;
+  std::size_t denied = 0, answers = 0;
   w.on_frame([&](connection&, message m) {
     std::lock_guard l(mu);
-    got.push_back(std::move(m));
+    ++answers;
+    if (auto* e = std::get_if<error_reply>(&m.b); e && e->message.find("authentication failed") != std::string::npos) ++denied;
     cv.notify_all();
   });
-  auto wait_n = [&](std::size_t n) {
+  auto wait_answers = [&](std::size_t n) {
     std::unique_lock l(mu);
-    return cv.wait_for(l, std::chrono::seconds(5), [&] { return got.size() >= n; });
+    return cv.wait_for(l, std::chrono::seconds(10), [&] { return answers >= n; });
   };
-  // One connection guesses until it is closed: at the second failure.
+  // One connection guesses until it is closed: at its second failure.
   auto c = w.connect("127.0.0.1", s.srv->port(), clk::now() + std::chrono::seconds(5));
   std::uint64_t rid = 1;
-  std::size_t answers = 0;
-  for (int i = 0; i < o.auth_failures && c->alive(); ++i) {
+  std::size_t want = 0;
+  for (int i = 0; i < 3 && c->alive(); ++i) {
     c->send_frame({rid++, 0, hello{1, protocol_version, 64, std::vector<std::uint8_t>(32, 1)}});
-    if (!wait_n(++answers)) break;
+    if (!wait_answers(++want)) break;
     c->send_frame({rid++, 0, auth{std::vector<std::uint8_t>(32, 0)}});
-    if (!wait_n(++answers)) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (!wait_answers(++want)) break;
   }
   EXPECT_TRUE(eventually([&] { return !c->alive(); })) << "a connection guessed secrets without limit";
-  EXPECT_LE(s.srv->stats().auth_failures, 3u);
-  // More connections from the same address keep guessing: after 4 x 2 failures it is refused.
-  for (int k = 0; k < 10 && s.srv->stats().auth_failures < 8; ++k) {
-    auto g = w.connect("127.0.0.1", s.srv->port(), clk::now() + std::chrono::seconds(2));
-    for (int i = 0; i < 2 && g->alive() && s.srv->stats().auth_failures < 8; ++i) {
-      std::size_t before;
-      {
-        std::lock_guard l(mu);
-        before = got.size();
-      }
-      g->send_frame({rid++, 0, hello{1, protocol_version, 64, std::vector<std::uint8_t>(32, 1)}});
-      if (!wait_n(before + 1)) break;
-      g->send_frame({rid++, 0, auth{std::vector<std::uint8_t>(32, 0)}});
-      wait_n(before + 2);
-    }
+  EXPECT_EQ(s.srv->stats().auth_failures, 2u);
+  // Twenty guessers at once from the same address: their guesses are checked no faster than the
+  // rate (the bucket's 5 at once, then 5 a second), while a client with the secret, from the same
+  // address, is served all along.
+  std::vector<std::shared_ptr<connection>> g;
+  for (int k = 0; k < 20; ++k) g.push_back(w.connect("127.0.0.1", s.srv->port(), clk::now() + std::chrono::seconds(5)));
+  {
+    std::lock_guard l(mu);
+    want = answers;
   }
-  ASSERT_GE(s.srv->stats().auth_failures, 8u);
-  // While banned, even the right secret is turned away; after the ban it is served.
-  auto t0 = clk::now();
-  EXPECT_THAT(test::error_text([&] { s.client(o.secret); }), HasSubstr("127.0.0.1"));
-  EXPECT_GE(s.srv->stats().refused, 1u);
-  std::this_thread::sleep_until(t0 + o.ban);
-  auto ok = s.client(o.secret);
+  for (auto& x : g) x->send_frame({rid++, 0, hello{1, protocol_version, 64, std::vector<std::uint8_t>(32, 1)}});
+  ASSERT_TRUE(wait_answers(want + g.size()));  // the challenges
+  const auto t0 = clk::now();
+  for (auto& x : g) x->send_frame({rid++, 0, auth{std::vector<std::uint8_t>(32, 0)}});
+  auto ok = s.client(o.secret);  // its answer waits in the same line: well within the handshake timeout
   std::string buf(16, '\0');
-  EXPECT_EQ(ok.read("a.bin", 0, buf.data(), 16), 16u);
+  EXPECT_EQ(ok.read("a.bin", 0, buf.data(), 16), 16u) << "a client was locked out by guessers of its address";
+  ASSERT_TRUE(wait_answers(want + 2 * g.size()));
+  EXPECT_GE(clk::now() - t0, std::chrono::milliseconds(2500)) << "guesses were checked faster than FERRY_SERVE_AUTH_RATE";
+  EXPECT_EQ(s.srv->stats().auth_failures, 22u);
+  {
+    std::lock_guard l(mu);
+    EXPECT_EQ(denied, 22u) << "every wrong answer is told so";
+  }
+  EXPECT_EQ(s.srv->stats().refused, 0u) << "no connection is refused for its address";
 }
 
 }  // namespace
+
+// 400 connections a second from 127.0.0.1 for 30 s, each answering the challenge wrongly (an
+// attacker's process of its own): the server stays up, a client with the secret from the same
+// address is served throughout, and SIGTERM then ends the server cleanly.
+// Disabled: it fails today. UCX 1.13's connection manager aborts the server within seconds
+// (tcp_sockcm_ep.c:416, uct_tcp_sockcm_ep_progress_send) when strangers connect and leave this fast,
+// whatever ferry does with their connections; the server must stop exposing it to unauthenticated
+// peers (issue 53: a front door of ferry's own). Run it with --gtest_also_run_disabled_tests.
+TEST(StoreHardening, DISABLED_AStormOfWrongAnswersFromOneAddressLeavesItsOtherClientsServed) {
+  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-storm-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(root);
+  std::ofstream(root / "a.bin", std::ios::binary) << std::string(4096, 'a');
+  const std::string secret = "the-right-secret-0123456789";
+  const auto secret_file = root.parent_path() / ("ferry-storm-secret-" + std::to_string(::getpid()));
+  std::ofstream(secret_file) << secret;
+  std::filesystem::permissions(secret_file, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  test::served_process srv(FERRY_TEST_CLI, root, 0, {"--secret-file", secret_file.string()});
+  const std::uint16_t port = srv.port;
+  constexpr auto storm_for = std::chrono::seconds(30);
+  pid_t attacker = ::fork();
+  ASSERT_GE(attacker, 0);
+  if (attacker == 0) {
+    std::uint64_t made = 0;
+    try {
+      ucx_worker w("storm");
+      w.on_frame([](connection&, message) {});
+      std::deque<std::shared_ptr<connection>> open;
+      const auto until = clk::now() + storm_for;
+      auto next = clk::now();
+      std::uint64_t rid = 1;
+      while (clk::now() < until) {
+        next += std::chrono::microseconds(2500);  // 400 a second
+        std::this_thread::sleep_until(next);
+        try {
+          auto c = w.connect("127.0.0.1", port, clk::now() + std::chrono::seconds(2));
+          c->send_frame({rid++, 0, hello{1, protocol_version, 1, std::vector<std::uint8_t>(32, 1)}});
+          c->send_frame({rid++, 0, auth{std::vector<std::uint8_t>(32, 0)}});
+          open.push_back(std::move(c));
+          ++made;
+        } catch (const error&) {
+        }
+        while (open.size() > 256) {
+          open.front()->close();
+          open.pop_front();
+        }
+      }
+    } catch (...) {
+    }
+    std::printf("attacker: %llu connections\n", static_cast<unsigned long long>(made));
+    std::fflush(stdout);
+    ::_exit(0);
+  }
+  // Meanwhile a client with the secret reads, twice a second, each time on a new connection.
+  store::client_options co;
+  co.timeout = std::chrono::seconds(10);
+  co.secret = secret;
+  int reads = 0, failed = 0;
+  std::string last_error;
+  const auto until = clk::now() + storm_for;
+  while (clk::now() < until) {
+    try {
+      store::client c("127.0.0.1", port, co);
+      std::string got(16, '\0');
+      if (c.read("a.bin", 0, got.data(), 16) == 16u && got == std::string(16, 'a')) ++reads;
+      else ++failed;
+    } catch (const error& e) {
+      ++failed;
+      last_error = e.what();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  int st = 0;
+  ::waitpid(attacker, &st, 0);
+  EXPECT_TRUE(srv.alive()) << "the server ended under the storm (wait status " << srv.ended << ")";
+  EXPECT_EQ(failed, 0) << "a client with the secret was turned away: " << last_error;
+  EXPECT_GE(reads, 20);
+  const int status = srv.terminate();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "SIGTERM did not end the server cleanly (status " << status << ")";
+  std::filesystem::remove_all(root);
+  std::filesystem::remove(secret_file);
+}
 
 // A connect whose deadline passes before the progress thread gets to it ends with a timeout; the
 // work it posted runs later without touching the caller's (gone) stack and makes no endpoint. The

@@ -3,6 +3,7 @@
 // (SIGKILL: the server dies as a crashed one does, its connections reset). Its port is read from
 // the line it prints once it listens. `listen_port` 0 takes a free port; a given one lets a test start a
 // server again where a killed one listened.
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -25,7 +26,8 @@ struct served_process {
   pid_t pid = -1;
   int out = -1;
   std::uint16_t port = 0;
-  served_process(const std::string& ferry, const std::filesystem::path& root, std::uint16_t listen_port = 0) {
+  served_process(const std::string& ferry, const std::filesystem::path& root, std::uint16_t listen_port = 0,
+                 const std::vector<std::string>& extra = {}) {
     int p[2];
     if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
     posix_spawn_file_actions_t fa;
@@ -33,6 +35,7 @@ struct served_process {
     posix_spawn_file_actions_adddup2(&fa, p[1], 1);
     std::string r = root.string();
     std::vector<std::string> args = {ferry, "serve", "--root", r, "--listen", "127.0.0.1:" + std::to_string(listen_port)};
+    args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -66,6 +69,29 @@ struct served_process {
   void resume() {
     if (pid > 0) ::kill(pid, SIGCONT);
   }
+  // SIGTERM, then the server's exit: its wait status, or -1 when it had not exited within `t` (then
+  // it is killed).
+  int terminate(std::chrono::seconds t = std::chrono::seconds(20)) {
+    if (pid <= 0) return -1;
+    ::kill(pid, SIGTERM);
+    const auto until = std::chrono::steady_clock::now() + t;
+    int status = 0;
+    while (std::chrono::steady_clock::now() < until) {
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        pid = -1;
+        return status;
+      }
+      ::usleep(20000);
+    }
+    kill();
+    return -1;
+  }
+  // Still running (one that ended is reaped: `ended` has its wait status).
+  bool alive() {
+    if (pid > 0 && ::waitpid(pid, &ended, WNOHANG) == pid) pid = -1;
+    return pid > 0;
+  }
+  int ended = 0;
   void kill() {
     if (pid <= 0) return;
     ::kill(pid, SIGKILL);

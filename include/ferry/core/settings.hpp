@@ -95,7 +95,7 @@ struct FERRY_API settings {
   std::chrono::nanoseconds serve_handshake_timeout = std::chrono::seconds(5);  // hello..welcome
   std::chrono::nanoseconds serve_idle_timeout = std::chrono::minutes(10);      // no request for this long: closed
   int serve_auth_failures = 3;          // failed authentications per connection before it is closed
-  std::chrono::nanoseconds serve_ban = std::chrono::seconds(30);  // an address failing too often is refused this long
+  int serve_auth_rate = 20;  // secret proofs `ferry serve` checks per second, all connections together
   int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host
   rma_use net_rma = rma_use::automatic;

@@ -52,8 +52,8 @@ struct server_options {
   int max_unauthenticated = settings::defaults().serve_max_unauthenticated;
   std::chrono::nanoseconds handshake_timeout = settings::defaults().serve_handshake_timeout;
   std::chrono::nanoseconds idle_timeout = settings::defaults().serve_idle_timeout;
-  int auth_failures = settings::defaults().serve_auth_failures;  // per connection; 4x per address within a minute
-  std::chrono::nanoseconds ban = settings::defaults().serve_ban;
+  int auth_failures = settings::defaults().serve_auth_failures;  // per connection, then it is closed
+  int auth_rate = settings::defaults().serve_auth_rate;            // proofs checked per second, server-wide
   // Shared secret: when set, clients must answer a challenge with HMAC-SHA256(secret, server nonce |
   // client nonce) before any request. Empty: no authentication.
   std::string secret;
