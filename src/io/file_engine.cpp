@@ -125,10 +125,11 @@ struct slot {
   running* r = nullptr;  // null: free
   pinned_pool::buffer held;  // a staging buffer, or none when the I/O goes to/from the request's memory
   std::byte* buf = nullptr;
-  // A mapped read: the file's pages it copies from, and their registration (pinned read-only).
+  // A mapped read: the file's pages it copies from, pinned read-only for the destination's GPU.
   void* map = nullptr;
   std::uint64_t map_len = 0;
-  registration window;
+  memory_region window{};
+  int pinned_for = -1;  // the GPU they are pinned for; -1: not pinned
   enum { free, staging, io, copying } state = free;
   std::uint64_t off = 0, len = 0, got = 0;  // file range of the I/O
   std::uint64_t deliver = 0;                // a read's bytes its device copy delivers
@@ -176,8 +177,8 @@ struct file_engine::impl {
   std::unique_ptr<cufile::backend> cufile_;
   std::mutex told_mu;
   std::set<std::string> told;  // paths whose cuFile fallback (or failed mapping) was logged
-  // The file pages mapped reads copy from, known to the registration cache while a copy uses them.
-  std::unique_ptr<read_only_mappings> mapped_pages;
+  // Pins of the file pages mapped reads copy from (null: mapped reads off, or no CUDA driver).
+  std::unique_ptr<read_only_pins> mapped_pages;
 
   cufile::backend& cufile() {
     std::call_once(cufile_once, [&] { cufile_ = std::make_unique<cufile::backend>(cfg); });
@@ -310,8 +311,8 @@ struct file_engine::impl {
     }
     void unmap(slot& s) {
       if (!s.map) return;
-      s.window = registration{};  // unpinned: never kept (read_only_mappings)
-      e.mapped_pages->remove(s.map);
+      if (s.pinned_for >= 0) e.mapped_pages->unpin(s.map, s.pinned_for);  // never kept (read_only_pins)
+      s.pinned_for = -1;
       ::munmap(s.map, s.map_len);
       s.map = nullptr;
     }
@@ -461,10 +462,7 @@ file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cac
     : xfer(x), devices(d), cache(c), cfg(s) {
   inject_partial = s.io_inject.find("partial") != std::string::npos;
   inject_eintr = s.io_inject.find("eintr") != std::string::npos;
-  if (s.io_mapped) {
-    mapped_pages = read_only_mappings::make(s.cuda_driver);
-    cache.add_client(mapped_pages.get(), true);
-  }
+  if (s.io_mapped) mapped_pages = read_only_pins::make(s.cuda_driver);
   const int n = s.io_threads > 0 ? s.io_threads : default_io_threads();
   for (int i = 0; i < n; ++i) workers.push_back(std::make_unique<worker>(*this));
   for (auto& w : workers)
@@ -481,7 +479,6 @@ file_engine::impl::~impl() {
     w->wake();
   }
   for (auto& t : threads) t.join();
-  if (mapped_pages) cache.remove_client(mapped_pages.get());
 }
 
 // Takes queued requests while a slot is free (waiting for one when it runs none); false: stop.
@@ -805,9 +802,11 @@ bool file_engine::impl::worker::map_window(slot& s) {
   }
   s.map = m;
   s.map_len = mlen;
-  e.mapped_pages->add(m, mlen, r.j.dev->info().ordinal);
   const std::byte* src = static_cast<const std::byte*>(m) + (lo - moff);
-  if (auto x = catching([&] { s.window = e.cache.acquire(src, hi - lo); })) {
+  if (auto x = catching([&] {
+        s.window = e.mapped_pages->pin(m, mlen, r.j.dev->info().ordinal);
+        s.pinned_for = r.j.dev->info().ordinal;
+      })) {
     unmap(s);
     std::lock_guard l(e.told_mu);
     if (e.told.insert(f.path() + " map").second)
@@ -817,7 +816,7 @@ bool file_engine::impl::worker::map_window(slot& s) {
   s.got = hi - s.off;  // what the copy covers, checked against the file's size when it is done
   s.deliver = hi - lo;
   s.state = slot::copying;
-  copy(s, static_cast<std::byte*>(r.j.r.mem) + (lo - r.lo), src, hi - lo, &r.j.where, &s.window.region());
+  copy(s, static_cast<std::byte*>(r.j.r.mem) + (lo - r.lo), src, hi - lo, &r.j.where, &s.window);
   return true;
 }
 

@@ -1,4 +1,4 @@
-// The peer-memory clients of the mem layer: host memory, read-only host mappings and CUDA-known memory.
+// The peer-memory clients of the mem layer (host memory, CUDA-known memory), and read-only pins.
 #include <ferry/core/error.hpp>
 #include <ferry/mem/registration.hpp>
 
@@ -188,89 +188,35 @@ class cuda_client final : public peer_memory_client {
 };
 #endif
 
-class read_only_client final : public read_only_mappings {
+#ifdef FERRY_HAVE_CUDA
+class cuda_read_only_pins final : public read_only_pins {
  public:
-  explicit read_only_client([[maybe_unused]] const std::string& driver) {
-#ifdef FERRY_HAVE_CUDA
-    const cuda::driver_status& st = cuda::load(driver);
-    if (st.api && st.device_count > 0) {
-      api_ = st.api;
-      contexts_.resize(static_cast<std::size_t>(st.device_count));
-    }
-#endif
-  }
-  ~read_only_client() override {
-#ifdef FERRY_HAVE_CUDA
+  explicit cuda_read_only_pins(const cuda::driver_api* api, int devices) : api_(api), contexts_(static_cast<std::size_t>(devices)) {}
+  ~cuda_read_only_pins() override {
     for (std::size_t i = 0; i < contexts_.size(); ++i)
       if (contexts_[i]) {
         CUdevice d = 0;
         if (api_->cuDeviceGet(&d, static_cast<int>(i)) == CUDA_SUCCESS) api_->cuDevicePrimaryCtxRelease(d);
       }
-#endif
   }
-  std::string_view name() const noexcept override { return "read-only host"; }
-  void add(const void* p, std::uint64_t n, int ordinal) override {
-    std::lock_guard l(mu_);
-    ranges_[reinterpret_cast<std::uintptr_t>(p)] = {n, ordinal};
-    any_ = true;
+  memory_region pin(const void* p, std::uint64_t n, int ordinal) override {
+    auto cs = cuda::context_scope(*api_, context(ordinal));
+    cuda::check(api_->cuMemHostRegister(const_cast<void*>(p), n, CU_MEMHOSTREGISTER_READ_ONLY), "mem.pin",
+                fmt::format("read-only host {} for cuda:{}", describe_range(p, n), ordinal));
+    return memory_region{memory_type::host_pinned, device_kind::none, -1, reinterpret_cast<std::uintptr_t>(p), n, 0, nullptr};
   }
-  void remove(const void* p) noexcept override {
-    std::lock_guard l(mu_);
-    ranges_.erase(reinterpret_cast<std::uintptr_t>(p));
-    any_ = !ranges_.empty();
-  }
-  std::optional<memory_region> acquire(const void* p, std::uint64_t n) override {
-    if (!any_.load(std::memory_order_relaxed)) return std::nullopt;  // every classification asks: no lock when none
-    const auto a = reinterpret_cast<std::uintptr_t>(p);
-    std::lock_guard l(mu_);
-    auto it = ranges_.upper_bound(a);
-    if (it == ranges_.begin()) return std::nullopt;
-    --it;
-    memory_region r{memory_type::host_pageable, device_kind::none, -1, it->first, it->second.bytes, 0, this};
-    if (!r.contains(a, n)) return std::nullopt;
-    return r;
-  }
-  std::uint64_t pin(const memory_region& r, [[maybe_unused]] std::uintptr_t base, [[maybe_unused]] std::uint64_t size) override {
-#ifdef FERRY_HAVE_CUDA
-    if (api_) {
-      // Pinned for the one GPU that copies from it: a portable registration is made for every GPU of
-      // the machine, and costs as many times more to make and to undo.
-      int ordinal = 0;
-      {
-        std::lock_guard l(mu_);
-        if (auto it = ranges_.find(r.base); it != ranges_.end() && it->second.ordinal >= 0) ordinal = it->second.ordinal;
-      }
+  void unpin(const void* p, int ordinal) noexcept override {
+    try {
       auto cs = cuda::context_scope(*api_, context(ordinal));
-      cuda::check(api_->cuMemHostRegister(reinterpret_cast<void*>(base), size, CU_MEMHOSTREGISTER_READ_ONLY), "mem.pin",
-                  fmt::format("read-only host {} for cuda:{}", describe_range(base, size), ordinal));
-      return static_cast<std::uint64_t>(ordinal) + 1;
+      api_->cuMemHostUnregister(const_cast<void*>(p));
+    } catch (...) {
     }
-#endif
-    return 0;
   }
-  void unpin([[maybe_unused]] std::uint64_t cookie, [[maybe_unused]] std::uintptr_t base, std::uint64_t) noexcept override {
-#ifdef FERRY_HAVE_CUDA
-    if (cookie && api_) {
-      auto cs = cuda::context_scope(*api_, context(static_cast<int>(cookie - 1)));
-      api_->cuMemHostUnregister(reinterpret_cast<void*>(base));
-    }
-#endif
-  }
-  bool still_valid(const memory_region&) override { return true; }
-  bool keep_cached() const noexcept override { return false; }
 
  private:
-  struct range {
-    std::uint64_t bytes;
-    int ordinal;
-  };
-  std::mutex mu_;
-  std::map<std::uintptr_t, range> ranges_;  // by base
-  std::atomic<bool> any_{false};
-#ifdef FERRY_HAVE_CUDA
   // The primary context of a GPU, retained on first use (a GPU the process never copies to gets none).
   CUcontext context(int ordinal) {
-    std::lock_guard l(ctx_mu_);
+    std::lock_guard l(mu_);
     auto& c = contexts_.at(static_cast<std::size_t>(ordinal));
     if (!c) {
       CUdevice d = 0;
@@ -279,16 +225,22 @@ class read_only_client final : public read_only_mappings {
     }
     return c;
   }
-  const cuda::driver_api* api_ = nullptr;
-  std::mutex ctx_mu_;
+  const cuda::driver_api* api_;
+  std::mutex mu_;
   std::vector<CUcontext> contexts_;
-#endif
 };
+#endif
 
 }  // namespace
 
-std::unique_ptr<read_only_mappings> read_only_mappings::make(const std::string& cuda_driver) {
-  return std::make_unique<read_only_client>(cuda_driver);
+read_only_pins::~read_only_pins() = default;
+
+std::unique_ptr<read_only_pins> read_only_pins::make([[maybe_unused]] const std::string& cuda_driver) {
+#ifdef FERRY_HAVE_CUDA
+  const cuda::driver_status& st = cuda::load(cuda_driver);
+  if (st.api && st.device_count > 0) return std::make_unique<cuda_read_only_pins>(st.api, st.device_count);
+#endif
+  return nullptr;
 }
 
 std::unique_ptr<peer_memory_client> make_host_client(const std::string& cuda_driver) {

@@ -131,18 +131,23 @@ FERRY_API std::unique_ptr<peer_memory_client> make_host_client(const std::string
 // null when no CUDA driver is usable.
 FERRY_API std::unique_ptr<peer_memory_client> make_cuda_client(const std::string& cuda_driver);
 
-// Read-only host mappings their owner copies from and nothing writes to, such as a file's pages in
-// the page cache mapped PROT_READ: a copy engine reads them where they are, without a staging copy.
-// Known to a cache (add it ahead of the others) from add() until remove(), which comes before the
-// owner unmaps them. Pinned read-only (CU_MEMHOSTREGISTER_READ_ONLY: a writable registration of a
-// PROT_READ mapping is refused), for the one GPU that copies from them (`ordinal`), and only while a
-// registration holds them, never kept: pinned page-cache pages would outlive a truncation of their
-// file. Without a CUDA driver nothing is pinned (no copy engine reads them).
-class FERRY_API read_only_mappings : public peer_memory_client {
+// Pins read-only host mappings for one GPU's copy engine to read where they are, such as a file's
+// pages in the page cache mapped PROT_READ: CU_MEMHOSTREGISTER_READ_ONLY (a writable registration of
+// a PROT_READ mapping is refused), in that GPU's primary context only (a portable registration is made
+// for every GPU of the machine, and costs as many times more to make and undo). Outside the
+// registration cache: such a pin is held for one copy and let go (a page-cache page kept pinned would
+// outlive a truncation of its file), and making one holds no lock that other transfers wait for.
+// Thread-safe.
+class FERRY_API read_only_pins {
  public:
-  static std::unique_ptr<read_only_mappings> make(const std::string& cuda_driver);
-  virtual void add(const void* p, std::uint64_t n, int ordinal) = 0;
-  virtual void remove(const void* p) noexcept = 0;
+  // Null when no CUDA driver is usable (no copy engine would read the pages).
+  static std::unique_ptr<read_only_pins> make(const std::string& cuda_driver);
+  virtual ~read_only_pins();
+  // [p, p+n), page-aligned, pinned for cuda:`ordinal`: the region a copy reads it through (host
+  // pinned memory). Throws naming the range and the driver's error.
+  virtual memory_region pin(const void* p, std::uint64_t n, int ordinal) = 0;
+  // Undoes pin(p, ..., ordinal).
+  virtual void unpin(const void* p, int ordinal) noexcept = 0;
 };
 
 }  // namespace ferry
