@@ -173,6 +173,56 @@ def summary(path: str) -> int:
     return 0 if ok else 1
 
 
+def one_process(a) -> int:
+    """One process, N devices (issue 52's fourth item), warm, 3 alternating rounds: ferry.safetensors.load_shards
+    against ferry.safetensors.load with each device's Shard in turn (what a user without load_shards writes) and
+    safetensors' safe_open + get_slice per device; every device's tensors compared with safetensors'."""
+    world = a.one_process
+    devices = ["cpu"] * world if a.cpu else [f"cuda:{i}" for i in range(world)]
+    m = re.fullmatch(r"(\d+)([MG])iB", a.size)
+    size = int(m.group(1)) << (30 if m.group(2) == "G" else 20) if m else int(a.size)
+    if not os.path.exists(os.path.join(a.dir, "model.safetensors.index.json")):
+        make(a.dir, size, devices[0])
+    with ferry.safetensors.safe_open(a.dir, framework="pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    dims = {k: tp_dim(k, s) for k, s in shapes.items()}
+    warm_cache(a.dir)
+
+    def sync():
+        if not a.cpu:
+            for d in devices:
+                torch.cuda.synchronize(d)
+
+    ways = {
+        "ferry load_shards": lambda: ferry.safetensors.load_shards(a.dir, devices, lambda n: dims[n], progress=False),
+        "ferry load per device": lambda: [ferry.safetensors.load(a.dir, d, shard=Shard(r, world, lambda n: dims[n]),
+                                                                 progress=False) for r, d in enumerate(devices)],
+        "safetensors per device": lambda: [with_safetensors(a.dir, d, r, world, lambda k, s: dims[k], a.cpu)
+                                           for r, d in enumerate(devices)],
+    }
+    times = {k: [] for k in ways}
+    ok = True
+    for r in range(3):
+        got = {}
+        for name, fn in ways.items():
+            sync()
+            t0 = time.perf_counter()
+            got[name] = fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+            print(f"  round {r + 1} {name:<24} {times[name][-1]:7.3f} s", flush=True)
+        ref = got["safetensors per device"]
+        for name in ("ferry load_shards", "ferry load per device"):
+            ok = ok and all(set(g) == set(w) and all(torch.equal(g[k], w[k]) for k in w) for g, w in zip(got[name], ref))
+        del got, ref
+    med = {k: sorted(v)[1] for k, v in times.items()}
+    print(f"# one process, {world} devices, medians: " + ", ".join(f"{k} {v:.3f} s" for k, v in med.items()))
+    print(f"  load_shards vs per-device loads: {med['ferry load per device'] / med['ferry load_shards']:.2f}x faster; "
+          f"vs safetensors: {med['safetensors per device'] / med['ferry load_shards']:.2f}x")
+    print("every device's tensors equal to safetensors' slices:", "yes" if ok else "NO")
+    return 0 if ok else 1
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/ferry-tp")
@@ -180,9 +230,13 @@ def main():
     ap.add_argument("--results", default="/tmp/ferry-tp.jsonl", help="each launch appends its round here")
     ap.add_argument("--summary", metavar="JSONL", help="print the medians of the launches in JSONL, and exit")
     ap.add_argument("--cpu", action="store_true", help="a smoke run of this script: CPU tensors, gloo")
+    ap.add_argument("--one-process", type=int, metavar="N",
+                    help="no torchrun: one process loads every device's slices for N devices, and exits")
     a = ap.parse_args()
     if a.summary:
         raise SystemExit(summary(a.summary))
+    if a.one_process:
+        raise SystemExit(one_process(a))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = "cpu" if a.cpu else f"cuda:{local}"

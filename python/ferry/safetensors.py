@@ -811,6 +811,68 @@ def load(path: Any, device: Any = "cpu", names: Iterable[str] | None = None, *, 
         ck.close()
 
 
+def load_shards(path: Any, devices: Iterable[Any], dim: int | Callable[[str], int | None] = 0,
+                names: Iterable[str] | None = None, *, progress: bool = True, timeout: float | str | None = None,
+                strict: bool = True, stats: dict | None = None) -> list[dict]:
+    """One process, several devices: the tensor-parallel slices of a checkpoint for each of ``devices`` (device r
+    gets what ``Shard(r, len(devices), dim)`` gives rank r), one ``{name: tensor}`` per device. Every byte is read
+    once: each tensor whole into one device (the largest first, to the device with the fewest bytes so far; all
+    of a wave's reads in one batch, so every device's link is busy at once), then its slices, or the whole tensor
+    where ``dim`` gives None, are copied device to device. Whole tensors are held at most ``len(devices)`` x 1 GiB
+    at a time. ``stats`` gets ``bytes_read``."""
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
+        raise _argument_error(f"devices must be a list of devices, not {type(devices).__name__}")
+    torch = _torch()
+    devs = [torch.device(d) for d in devices]
+    if not devs:
+        raise _argument_error("devices is empty")
+    world = len(devs)
+    rule = Shard(0, world, dim)
+    ck = _Set(path, strict)
+    try:
+        entries = ck.pick(names)
+        label = f"ferry load {_fspath(path)}"
+        specs = []  # (entry, dtype, split dim or None, each device's shape), checked before anything is read
+        for e in entries:
+            d, ranges = _slice_of(e, rule)
+            specs.append((e, _dtype(torch, e), d, e.shape if ranges is None else tuple(_ranges_count(r) for r in ranges)))
+        outs = [{e.name: torch.empty(local, dtype=dt, device=dev) for e, dt, _, local in specs} for dev in devs]
+        sizes = [e.end - e.begin for e in entries]
+        bar = _Progress(label, progress)
+        read = 0
+        try:
+            for wave in _waves(sizes, world, _COOP_WINDOW):
+                owner = dict(zip(wave, _owners([sizes[i] for i in wave], world)))
+                plan = _Plan(torch, devs[0])  # whole tensors only: every request straight into its tensor
+                whole = {}
+                for i in wave:
+                    e, dt, d, _ = specs[i]
+                    if not sizes[i]:
+                        continue
+                    o = owner[i]
+                    whole[i] = outs[o][e.name] if d is None else torch.empty(e.shape, dtype=dt, device=devs[o])
+                    plan.read_to(e, whole[i], [(0, n, 1) for n in e.shape])
+                plan.run(timeout=_timeout(timeout), progress=bar if bar.enabled else None, what=label)
+                read += plan.bytes_read
+                for i, t in whole.items():
+                    e, _, d, _ = specs[i]
+                    parts = [t] * world if d is None else t.chunk(world, d)
+                    for r in range(world):
+                        if outs[r][e.name] is not t:
+                            outs[r][e.name].copy_(parts[r], non_blocking=True)
+                for dev in devs:  # the wave's whole tensors go once every copy from them is done
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+                del whole
+        finally:
+            bar.close()
+        if stats is not None:
+            stats["bytes_read"] = stats.get("bytes_read", 0) + read
+        return outs
+    finally:
+        ck.close()
+
+
 def _verify(ck: _Set, entries, out, shard) -> None:
     sums = {}
     for f in ck.files:

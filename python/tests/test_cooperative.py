@@ -82,3 +82,49 @@ def test_the_plan_gives_every_tensor_one_reader_and_balances_bytes():
     waves = _waves(sizes, 2, 60)
     assert [i for w in waves for i in w] == list(range(len(sizes))), "every tensor in one wave, in order"
     assert all(sum(sizes[i] for i in w) <= 120 or len(w) == 1 for w in waves)
+
+
+def _arrays(world):
+    rng = np.random.default_rng(7)
+    n = 6 * world
+    return {
+        "embed.weight": rng.standard_normal((n * 8, 16)).astype(np.float32),
+        "o_proj.weight": rng.standard_normal((10, n * 4)).astype(np.float16),
+        "down.weight": rng.integers(-50, 50, (3, 5, n)).astype(np.int64),
+        "odd.norm": rng.standard_normal(7).astype(np.float32),
+        "odd.empty": np.zeros((0, 3), dtype=np.float32),
+        "big.weight": rng.standard_normal((n * 64, 32)).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_one_process_gives_each_device_its_slices_reading_every_byte_once(tmp_path, world):
+    import ferry
+    from ferry.safetensors import Shard, load_shards
+
+    arrays = _arrays(world)
+    path = write_numpy(tmp_path / "m.safetensors", arrays)
+    rule = {"embed.weight": 0, "o_proj.weight": 1, "down.weight": -1}
+    dim = lambda name: rule.get(name)  # noqa: E731 - the rest whole
+    stats = {}
+    outs = load_shards(path, ["cpu"] * world, dim, progress=False, stats=stats)
+    assert len(outs) == world
+    for r, got in enumerate(outs):
+        want = ferry.safetensors.load(path, "cpu", shard=Shard(r, world, dim), progress=False, mmap=False)
+        assert set(got) == set(want)
+        for k in want:
+            assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+            assert got[k].equal(want[k]), f"device {r}: {k}"
+    assert stats["bytes_read"] == sum(a.nbytes for a in arrays.values()), "every byte read once, none twice"
+
+
+def test_one_process_several_devices_refuses_bad_arguments(tmp_path):
+    import ferry
+    from ferry.safetensors import load_shards
+
+    path = write_numpy(tmp_path / "m.safetensors", _arrays(2))
+    for devices, what in ((["cpu"] * 0, "devices is empty"), ("cpu", "devices must be a list")):
+        with pytest.raises(ferry.ArgumentError, match=what):
+            load_shards(path, devices, progress=False)
+    with pytest.raises(ferry.ArgumentError, match="'down.weight' dim 0 of size 3 does not split into 2"):
+        load_shards(path, ["cpu", "cpu"], 0, progress=False)
