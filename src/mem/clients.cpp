@@ -14,9 +14,7 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cerrno>
-#include <map>
 #include <mutex>
 #include <vector>
 
