@@ -714,6 +714,35 @@ def _waves(sizes: list[int], world: int, window: int) -> list[list[int]]:
     return waves
 
 
+def _shard_specs(torch, entries: list[_Entry], shard: Shard) -> list[tuple]:
+    """(entry, dtype, split dim or None, one rank's shape) per tensor: every rule checked before anything is read."""
+    specs = []
+    for e in entries:
+        dim, ranges = _slice_of(e, shard)
+        specs.append((e, _dtype(torch, e), dim, e.shape if ranges is None else tuple(_ranges_count(r) for r in ranges)))
+    return specs
+
+
+def _whole_reads(torch, specs: list[tuple], world: int, *, mine, device_of, result_of, timeout, bar, label: str):
+    """The plan of both tensor-parallel loads, wave by wave: tensors in waves of at most world x _COOP_WINDOW
+    bytes, each with one reader (_owners); those whose reader ``mine(reader)`` says this process reads are read
+    whole in one batch per wave, straight into ``result_of(reader, i)`` when every rank keeps the tensor whole,
+    else into a temporary on ``device_of(reader)``. Yields (wave, owner by index, {index: whole tensor}, bytes read)."""
+    sizes = [e.end - e.begin for e, *_ in specs]
+    for wave in _waves(sizes, world, _COOP_WINDOW):
+        owner = dict(zip(wave, _owners([sizes[i] for i in wave], world)))
+        plan = _Plan(torch, device_of(0))  # whole tensors only: every request straight into its tensor
+        whole = {}
+        for i in wave:
+            e, dt, dim, _ = specs[i]
+            if not sizes[i] or not mine(owner[i]):
+                continue
+            whole[i] = result_of(owner[i], i) if dim is None else torch.empty(e.shape, dtype=dt, device=device_of(owner[i]))
+            plan.read_to(e, whole[i], [(0, n, 1) for n in e.shape])
+        plan.run(timeout=_timeout(timeout), progress=bar if bar.enabled else None, what=label)
+        yield wave, owner, whole, plan.bytes_read
+
+
 def _cooperative(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None, group, timeout, progress: bool,
                  label: str, stats: dict | None) -> dict:
     """The ranks of ``group`` read every tensor once between them (each its share, whole, into its device memory)
@@ -737,29 +766,16 @@ def _cooperative(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None
         get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
         return get(group, r)
 
-    specs = []  # (entry, dtype, split dim or None, local shape): checked on every rank before any collective
-    for e in entries:
-        dt = _dtype(torch, e)
-        dim, ranges = _slice_of(e, shard)
-        specs.append((e, dt, dim, e.shape if ranges is None else tuple(_ranges_count(r) for r in ranges)))
+    specs = _shard_specs(torch, entries, shard)
     out = {e.name: torch.empty(local, dtype=dt, device=dev) for e, dt, _, local in specs}
     sizes = [e.end - e.begin for e in entries]
     bar = _Progress(label, progress)
     read = 0
     try:
-        for wave in _waves(sizes, world, _COOP_WINDOW):
-            owner = dict(zip(wave, _owners([sizes[i] for i in wave], world)))
-            plan = _Plan(torch, dev)
-            whole = {}
-            for i in wave:
-                e, dt, dim, _ = specs[i]
-                if owner[i] != me or not sizes[i]:
-                    continue
-                # A tensor this rank keeps whole is read straight into its result.
-                whole[i] = out[e.name] if dim is None else torch.empty(e.shape, dtype=dt, device=dev)
-                plan.read_to(e, whole[i], [(0, s, 1) for s in e.shape])
-            plan.run(timeout=_timeout(timeout), progress=bar if bar.enabled else None, what=label)
-            read += plan.bytes_read
+        for wave, owner, whole, n in _whole_reads(torch, specs, world, mine=lambda r: r == me, device_of=lambda r: dev,
+                                                  result_of=lambda r, i: out[specs[i][0].name], timeout=timeout,
+                                                  bar=bar, label=label):
+            read += n
             for i in wave:
                 e, dt, dim, local = specs[i]
                 if not sizes[i]:
@@ -832,28 +848,15 @@ def load_shards(path: Any, devices: Iterable[Any], dim: int | Callable[[str], in
     try:
         entries = ck.pick(names)
         label = f"ferry load {_fspath(path)}"
-        specs = []  # (entry, dtype, split dim or None, each device's shape), checked before anything is read
-        for e in entries:
-            d, ranges = _slice_of(e, rule)
-            specs.append((e, _dtype(torch, e), d, e.shape if ranges is None else tuple(_ranges_count(r) for r in ranges)))
+        specs = _shard_specs(torch, entries, rule)
         outs = [{e.name: torch.empty(local, dtype=dt, device=dev) for e, dt, _, local in specs} for dev in devs]
-        sizes = [e.end - e.begin for e in entries]
         bar = _Progress(label, progress)
         read = 0
         try:
-            for wave in _waves(sizes, world, _COOP_WINDOW):
-                owner = dict(zip(wave, _owners([sizes[i] for i in wave], world)))
-                plan = _Plan(torch, devs[0])  # whole tensors only: every request straight into its tensor
-                whole = {}
-                for i in wave:
-                    e, dt, d, _ = specs[i]
-                    if not sizes[i]:
-                        continue
-                    o = owner[i]
-                    whole[i] = outs[o][e.name] if d is None else torch.empty(e.shape, dtype=dt, device=devs[o])
-                    plan.read_to(e, whole[i], [(0, n, 1) for n in e.shape])
-                plan.run(timeout=_timeout(timeout), progress=bar if bar.enabled else None, what=label)
-                read += plan.bytes_read
+            for _, _, whole, n in _whole_reads(torch, specs, world, mine=lambda r: True, device_of=lambda r: devs[r],
+                                               result_of=lambda r, i: outs[r][specs[i][0].name], timeout=timeout,
+                                               bar=bar, label=label):
+                read += n
                 for i, t in whole.items():
                     e, _, d, _ = specs[i]
                     parts = [t] * world if d is None else t.chunk(world, d)
