@@ -69,7 +69,7 @@ struct cuda_ctx {
     CUdevice d = 0;
     CUcontext current = nullptr;
     const bool has_current = st.api->cuCtxGetCurrent(&current) == CUDA_SUCCESS && current &&
-                             st.api->cuCtxGetDevice(&d) == CUDA_SUCCESS;
+                             st.api->cuCtxGetDevice(&d, current) == CUDA_SUCCESS;
     if (!has_current && st.api->cuDeviceGet(&d, 0) != CUDA_SUCCESS) return;
     if (st.api->cuDevicePrimaryCtxRetain(&ctx, d) != CUDA_SUCCESS) return;
     api = st.api;

@@ -17,7 +17,7 @@ namespace ferry::cuda {
   X(cuInit) X(cuDriverGetVersion) X(cuGetErrorName) X(cuGetErrorString) X(cuDeviceGetCount) X(cuDeviceGet) \
   X(cuDeviceGetName) X(cuDeviceGetUuid) X(cuDeviceTotalMem) X(cuDeviceGetAttribute) X(cuDeviceGetPCIBusId) \
   X(cuDeviceCanAccessPeer) X(cuDeviceGetP2PAttribute) X(cuDevicePrimaryCtxRetain)                          \
-  X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuCtxGetCurrent) X(cuCtxGetDevice) X(cuCtxSynchronize) X(cuMemGetInfo)                      \
+  X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuCtxGetCurrent) X(cuCtxSynchronize) X(cuMemGetInfo)                      \
   X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease) X(cuMemAddressReserve) X(cuMemAddressFree) \
   X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemAlloc) X(cuMemFree) X(cuMemsetD8Async)                 \
   X(cuMemcpyAsync) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamQuery) X(cuStreamWaitEvent)              \
@@ -32,7 +32,7 @@ namespace ferry::cuda {
 // Entry points whose newest ABI is declared in cuda.h under a _vN name that no macro maps the plain
 // name to: cuGetProcAddress of the plain name at CUDA_VERSION gives the newest ABI, so the pointer
 // must have its type. (Calling the plain declaration's type would pass too few arguments.)
-#define FERRY_CUDA_DRIVER_FUNCTIONS_VERSIONED(X) X(cuStreamGetCtx, cuStreamGetCtx_v2)
+#define FERRY_CUDA_DRIVER_FUNCTIONS_VERSIONED(X) X(cuStreamGetCtx, cuStreamGetCtx_v2) X(cuCtxGetDevice, cuCtxGetDevice_v2)
 // Entry points a driver may lack (newer than ferry's minimum): null then, and ferry does without.
 #define FERRY_CUDA_DRIVER_FUNCTIONS_OPTIONAL(X) X(cuMemcpyBatchAsync)
 
