@@ -58,26 +58,26 @@ bool bind_to_node(void* p, std::size_t n, int node) {
 }  // namespace
 
 bool pinned_pool::grow(std::unique_lock<std::mutex>& l) {
-  if (allocated_ + growing_ >= count_) return false;
+  if (allocated_ >= count_) return false;
+  if (growing_) return true;  // another thread is making a segment: its buffers come to the waiters
   // Segments double from one buffer: the first transfer of a process waits for one buffer's
   // allocation and pinning, not a whole segment's; a busy pool soon grows in large steps. The pages
-  // are made and pinned without the lock, so buffers keep coming back and going out meanwhile, and
-  // other threads that find none free make segments of their own at the same time.
-  int n = std::min({next_segment_, per_segment_, count_ - allocated_ - growing_});
+  // are made and pinned without the lock, so buffers keep coming back and going out meanwhile.
+  int n = std::min({next_segment_, per_segment_, count_ - allocated_});
   next_segment_ = std::min(2 * next_segment_, per_segment_);
-  growing_ += n;
+  growing_ = true;
   l.unlock();
   std::unique_ptr<segment> seg;
   try {
     seg = make_segment(n);
   } catch (...) {
     l.lock();
-    growing_ -= n;
+    growing_ = false;
     cv_.notify_all();
     throw;
   }
   l.lock();
-  growing_ -= n;
+  growing_ = false;
   const memory_region* r = &seg->reg.region();
   for (int i = n - 1; i >= 0; --i) free_.push_back({seg->base + static_cast<std::size_t>(i) * bytes_, r});
   allocated_ += n;
@@ -136,13 +136,13 @@ int pinned_pool::allocated() const {
 pinned_pool::buffer pinned_pool::get(std::chrono::steady_clock::time_point until) {
   std::unique_lock l(mu_);
   while (free_.empty()) {
-    if (allocated_ + growing_ < count_) {
+    if (!growing_ && allocated_ < count_) {
       grow(l);  // throws when no memory can be had
       continue;
     }
-    // Every buffer is out or being made: one comes back (or a growth fails, and this thread tries)
-    // before the deadline.
-    if (!cv_.wait_until(l, until, [&] { return !free_.empty() || allocated_ + growing_ < count_; }))
+    // Another thread is growing the pool, or every buffer is out: one comes back (or the growth
+    // fails, and this thread tries) before the deadline.
+    if (!cv_.wait_until(l, until, [&] { return !free_.empty() || (!growing_ && allocated_ < count_); }))
       fail(errc::timeout, "mem.pool.get", fmt::format("pinned pool {}x{}", count_, bytes_),
            "no staging buffer became free before the deadline");
   }
@@ -155,7 +155,7 @@ pinned_pool::buffer pinned_pool::try_get() {
   std::unique_lock l(mu_);
   if (free_.empty()) {
     try {
-      if (!grow(l) || free_.empty()) return {};
+      if (growing_ || !grow(l) || free_.empty()) return {};
     } catch (const error& e) {
       log::debug("mem", "pinned pool {}x{} cannot grow ({}); no buffer now", count_, bytes_, e.what());
       return {};

@@ -12,10 +12,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
@@ -429,36 +427,6 @@ TEST(PinnedPool, GrowsBySegmentsOnlyAsBuffersAreTakenAndNeverPastItsSize) {
   auto again = pool.try_get();
   EXPECT_EQ(again.data(), first);
   EXPECT_EQ(pool.allocated(), 20);
-}
-
-TEST(PinnedPool, ThreadsThatFindNoBufferGrowItTogetherAndNeverPastItsSize) {
-  settings st;
-  st.backend = backend_choice::sim;
-  runtime rt(st);
-  pinned_pool pool(rt.registrations(), 256 << 10, 24, -1);
-  // 32 threads each hold a buffer until all 24 are out: those that found none free made segments of
-  // their own meanwhile (several at once), the pool stops at its size, and the last 8 time out.
-  std::mutex mu;
-  std::vector<pinned_pool::buffer> held;
-  std::atomic<int> timeouts{0};
-  std::vector<std::thread> ts;
-  for (int i = 0; i < 32; ++i)
-    ts.emplace_back([&] {
-      try {
-        auto b = pool.get(std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
-        std::lock_guard l(mu);
-        held.push_back(std::move(b));
-      } catch (const error& e) {
-        if (e.code() == errc::timeout) timeouts++;
-      }
-    });
-  for (auto& t : ts) t.join();
-  EXPECT_EQ(pool.allocated(), 24);
-  EXPECT_EQ(held.size(), 24u);
-  EXPECT_EQ(timeouts.load(), 8);
-  std::set<std::byte*> distinct;
-  for (auto& b : held) distinct.insert(b.data());
-  EXPECT_EQ(distinct.size(), 24u) << "no buffer handed out twice";
 }
 
 }  // namespace

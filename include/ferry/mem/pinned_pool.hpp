@@ -1,12 +1,10 @@
 #pragma once
 // Pinned staging buffers, the one staging pool of a process (per NUMA node): the transfer engine's
 // bounce and GPU-to-GPU paths, the file engine's I/O slots and ferry:// staging all take buffers
-// from it. Memory is allocated on the NUMA node (mbind) in segments of one buffer, then two,
+// from it. Memory is allocated on the NUMA node (hwloc membind) in segments of one buffer, then two,
 // four..., the first when the pool is made and more only while every buffer is in use, up to `count`; each
 // segment is registered through the registration cache, where the pool keeps it held so it is never
-// evicted. A process that stages little pins little. Threads that find no free buffer each make a
-// segment, at the same time: making pages is most of what a process's first transfer waits for, and
-// several threads make them faster than one.
+// evicted. A process that stages little pins little.
 #include <ferry/core/export.hpp>
 #include <ferry/mem/registration.hpp>
 
@@ -73,7 +71,7 @@ class FERRY_API pinned_pool {
   };
   void put(std::byte* d, const memory_region* r) noexcept;
   // With l holding mu_: makes the next segment (releasing l meanwhile); false when the pool is at
-  // its size, counting the segments other threads are making.
+  // its size. While another thread grows the pool it returns true at once.
   bool grow(std::unique_lock<std::mutex>& l);
   std::unique_ptr<segment> make_segment(int n) const;
   registration_cache& cache_;
@@ -81,7 +79,7 @@ class FERRY_API pinned_pool {
   int count_;
   int numa_;
   int per_segment_;
-  int growing_ = 0;       // buffers of the segments being made now (without the lock)
+  bool growing_ = false;  // a segment is being made (without the lock)
   int next_segment_ = 1;  // buffers of the next segment: doubling up to per_segment_
   mutable std::mutex mu_;
   std::condition_variable cv_;
