@@ -108,18 +108,6 @@ class reader {
   std::size_t pos_ = 0;
 };
 
-// A byte string of at most `limit` bytes: u16 length, then the bytes.
-void blob(writer& p, const std::vector<std::uint8_t>& b, std::size_t limit, std::string_view what) {
-  if (b.size() > limit) fail(errc::invalid_argument, "net.encode", std::string(what), fmt::format("longer than {} bytes", limit));
-  p.put(static_cast<std::uint16_t>(b.size()));
-  p.raw(b.data(), b.size());
-}
-std::vector<std::uint8_t> blob(reader& r, std::size_t limit, std::string_view what) {
-  auto n = r.get<std::uint16_t>(what);
-  if (n > limit) bad(fmt::format("{} of {} bytes exceeds the limit {}", what, n, limit));
-  return r.bytes(n, what);
-}
-
 std::uint16_t type_of(const body& b) {
   return std::visit(
       [](const auto& v) -> std::uint16_t {
@@ -181,8 +169,6 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.max_outstanding);
           p.bytes(v.nonce, nonce_size);
           p.put(v.lanes);
-          blob(p, v.ticket, ticket_size, "ticket");
-          blob(p, v.address, max_address, "address");
         } else if constexpr (std::is_same_v<T, challenge>) {
           p.bytes(v.nonce, nonce_size);
           p.put(static_cast<std::uint8_t>(v.secret_required));
@@ -193,11 +179,9 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.max_request);
           p.put(static_cast<std::uint8_t>(v.writable));
           p.put(v.instance);
-          blob(p, v.ticket, ticket_size, "ticket");
-          if (v.addresses.size() > max_workers)
-            fail(errc::invalid_argument, "net.encode", "addresses", fmt::format("more than {}", max_workers));
-          p.put(static_cast<std::uint8_t>(v.addresses.size()));
-          for (auto& a : v.addresses) blob(p, a, max_address, "address");
+          if (v.ports.size() > max_ports) fail(errc::invalid_argument, "net.encode", "ports", fmt::format("more than {}", max_ports));
+          p.put(static_cast<std::uint8_t>(v.ports.size()));
+          for (auto port : v.ports) p.put(port);
           p.str(v.lending, max_socket_name, "lending socket");
           p.bytes(v.token, lend_token_size);
         } else if constexpr (std::is_same_v<T, read_req> || std::is_same_v<T, write_req>) {
@@ -306,10 +290,7 @@ message decode(std::span<const std::byte> bytes) {
       v.max_outstanding = r.get<std::uint32_t>("max outstanding");
       v.nonce = r.bytes(nonce_size, "nonce");
       v.lanes = r.get<std::uint16_t>("lanes");
-      if (v.lanes == 0 || v.lanes > max_workers + 1) bad(fmt::format("{} lanes (1 to {})", v.lanes, max_workers + 1));
-      v.ticket = blob(r, ticket_size, "ticket");
-      if (!v.ticket.empty() && v.ticket.size() != ticket_size) bad(fmt::format("a ticket of {} bytes (want {})", v.ticket.size(), ticket_size));
-      v.address = blob(r, max_address, "address");
+      if (v.lanes == 0 || v.lanes > max_ports + 1) bad(fmt::format("{} lanes (1 to {})", v.lanes, max_ports + 1));
       m.b = std::move(v);
       break;
     }
@@ -333,13 +314,11 @@ message decode(std::span<const std::byte> bytes) {
       if (w > 1) bad("writable flag is not 0 or 1");
       v.writable = w == 1;
       v.instance = r.get<std::uint64_t>("instance");
-      v.ticket = blob(r, ticket_size, "ticket");
-      if (!v.ticket.empty() && v.ticket.size() != ticket_size) bad(fmt::format("a ticket of {} bytes (want {})", v.ticket.size(), ticket_size));
-      auto n = r.get<std::uint8_t>("address count");
-      if (n > max_workers) bad(fmt::format("{} addresses (at most {})", n, max_workers));
+      auto n = r.get<std::uint8_t>("port count");
+      if (n > max_ports) bad(fmt::format("{} ports (at most {})", n, max_ports));
       for (unsigned i = 0; i < n; ++i) {
-        v.addresses.push_back(blob(r, max_address, "address"));
-        if (v.addresses.back().empty()) bad("an empty address");
+        v.ports.push_back(r.get<std::uint16_t>("port"));
+        if (v.ports.back() == 0) bad("port 0");
       }
       v.lending = r.str(max_socket_name, "lending socket");
       v.token = r.bytes(lend_token_size, "lending token");

@@ -39,6 +39,18 @@ void check(ucs_status_t s, std::string_view op, std::string_view res) {
   throw error(std::move(i));
 }
 
+std::string addr_text(const sockaddr_storage& ss) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &a->sin_addr, buf, sizeof buf);
+    return fmt::format("{}:{}", buf, ntohs(a->sin_port));
+  }
+  auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+  ::inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof buf);
+  return fmt::format("[{}]:{}", buf, ntohs(a->sin6_port));
+}
+
 sockaddr_storage make_addr(const std::string& host, std::uint16_t port) {
   sockaddr_storage ss{};
   auto* a4 = reinterpret_cast<sockaddr_in*>(&ss);
@@ -246,7 +258,8 @@ void connection::close() {
   auto self = shared_from_this();
   w_.post([self] {
     if (!self->ep) return;
-    self->w_.drop(*self);
+    close_ep(self->ep);
+    self->ep = nullptr;
     self->mark_failed("closed");
   });
 }
@@ -313,6 +326,12 @@ std::string interface_for(const std::string& host, bool local) {
 }
 
 ucx_context::ucx_context(const std::string& net_device) {
+  // A restarted server must get its well-known port back while the old connections sit in
+  // TIME_WAIT (UCX's default is not to set SO_REUSEADDR). UCX reads this transport setting only
+  // from the environment (ucp_config_modify accepts it but the worker rejects it), so it is set
+  // there once, before the first UCX context, unless the user set it.
+  static std::once_flag once;
+  std::call_once(once, [] { ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0); });
   // Shared-memory transports are left out of endpoints that ask for peer error handling (which
   // ferry needs) unless UCX_MM_ERROR_HANDLING=y (UCX 1.13). ferry does not set it: with shm lanes
   // UCX 1.13 does not always report a peer's close to the other side (requests then end only at
@@ -321,7 +340,7 @@ ucx_context::ucx_context(const std::string& net_device) {
   check(ucp_config_read(nullptr, nullptr, &cfg), "net.init", "ucp_config_read");
   // Lanes only on the interface of the address the service was asked to use: a server told to
   // listen on loopback must not be reachable on the machine's other addresses through UCX's own
-  // tcp interfaces, and a client of it must not take lanes over them.
+  // tcp listeners, and a client of it must not take lanes over them.
   if (!net_device.empty() && !std::getenv("UCX_NET_DEVICES")) ucp_config_modify(cfg, "NET_DEVICES", net_device.c_str());
   // Shared-memory connections without an RDMA device: UCX gives them a tcp lane for rendezvous
   // (rma_bw; the shared-memory domains cannot register user memory, so only tcp offers it), and
@@ -526,11 +545,13 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::sha
 
 ucx_worker::~ucx_worker() {
   post([this] {
-    for (auto& [ep, c] : conns_) {
-      close_ep(ep);
-      c->ep = nullptr;
-    }
-    conns_.clear();
+    for (auto& c : conns_)
+      if (c->ep) {
+        close_ep(c->ep);
+        c->ep = nullptr;
+      }
+    if (listener_) ucp_listener_destroy(listener_);
+    listener_ = nullptr;
     stop_ = true;
   });
   thread_.join();
@@ -787,76 +808,101 @@ void ucx_worker::loop() {
   drain_posted();
 }
 
+connection* ucx_worker::find(ucp_ep_h ep) {
+  for (auto& x : conns_)
+    if (x->ep == ep) return x.get();
+  return nullptr;
+}
+
 std::shared_ptr<connection> ucx_worker::adopt(ucp_ep_h ep, std::shared_ptr<connection> c) {
   c->ep = ep;
-  conns_[ep] = c;
-  nconns_.store(conns_.size());
+  conns_.push_back(c);
   return c;
 }
 
-void ucx_worker::drop(connection& c) {
-  if (!c.ep) return;
-  auto keep = c.shared_from_this();  // the map may hold the last reference
-  conns_.erase(c.ep);
-  nconns_.store(conns_.size());
-  close_ep(c.ep);
-  c.ep = nullptr;
-}
-
-std::size_t ucx_worker::connections() { return nconns_.load(); }
-
-// The handler's argument is the worker: an endpoint made only to be closed again (see arrived) has
-// no connection, and a failure reported for it is ignored.
-void ucx_worker::ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status) {
-  auto* self = static_cast<ucx_worker*>(arg);
-  connection* c = self->find(ep);
-  if (!c) return;
-  auto keep = c->shared_from_this();
+void ucx_worker::ep_error_cb(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* c = static_cast<connection*>(arg);
   c->mark_failed("peer failure: " + status_text(status));
-  // A failed endpoint is closed by its owner: later, not inside UCX's callback.
-  self->post([self, keep] { self->drop(*keep); });
 }
 
-std::vector<std::uint8_t> ucx_worker::address() {
+void ucx_worker::conn_cb(ucp_conn_request_h req, void* arg) {
+  auto* self = static_cast<ucx_worker*>(arg);
+  ucp_conn_request_attr_t a{};
+  a.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  std::string peer = "?";
+  if (ucp_conn_request_query(req, &a) == UCS_OK) peer = addr_text(a.client_address);
+  if (self->admit_ && !self->admit_(peer)) {
+    ucp_listener_reject(self->listener_, req);
+    return;
+  }
+  self->accept(req, std::move(peer));
+}
+
+void ucx_worker::accept(ucp_conn_request_h req, std::string peer) {
+  auto c = std::make_shared<connection>(*this, peer);
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.conn_request = req;
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = ep_error_cb;
+  p.err_handler.arg = c.get();
+  ucp_ep_h ep = nullptr;
+  ucs_status_t st = ucp_ep_create(worker_, &p, &ep);
+  if (st != UCS_OK) {
+    log::warn("net", "{}: cannot accept {}: {}", name_, peer, status_text(st));
+    return;
+  }
+  adopt(ep, c);
+  if (accepted_) accepted_(c);
+}
+
+std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
+                                 std::function<void(std::shared_ptr<connection>)> accepted,
+                                 std::function<bool(const std::string&)> admit) {
+  sockaddr_storage ss = make_addr(host, port);
+  // The work owns what it uses: it may run after call() gave up waiting for it.
   return call(
-      [this] {
-        ucp_address_t* a = nullptr;
-        std::size_t n = 0;
-        check(ucp_worker_get_address(worker_, &a, &n), "net.address", name_);
-        std::vector<std::uint8_t> v(reinterpret_cast<const std::uint8_t*>(a), reinterpret_cast<const std::uint8_t*>(a) + n);
-        ucp_worker_release_address(worker_, a);
-        return v;
+      [this, ss, host, port, accepted = std::move(accepted), admit = std::move(admit)]() mutable -> std::uint16_t {
+        accepted_ = std::move(accepted);
+        admit_ = std::move(admit);
+        ucp_listener_params_t lp{};
+        lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+        lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+        lp.sockaddr.addrlen = ss.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+        lp.conn_handler.cb = conn_cb;
+        lp.conn_handler.arg = this;
+        check(ucp_listener_create(worker_, &lp, &listener_), "net.listen", fmt::format("{}:{}", host, port));
+        ucp_listener_attr_t la{};
+        la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+        check(ucp_listener_query(listener_, &la), "net.listen", "ucp_listener_query");
+        return la.sockaddr.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&la.sockaddr)->sin_port)
+                                                : ntohs(reinterpret_cast<sockaddr_in6*>(&la.sockaddr)->sin6_port);
       },
       std::chrono::steady_clock::now() + std::chrono::seconds(10));
 }
 
-namespace {
-ucs_status_t create_to_address(ucp_worker_h w, const std::vector<std::uint8_t>& address, void* worker, ucp_ep_h* ep,
-                               void (*on_error)(void*, ucp_ep_h, ucs_status_t)) {
-  ucp_ep_params_t p{};
-  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  p.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  p.err_handler.cb = on_error;
-  p.err_handler.arg = worker;
-  return ucp_ep_create(w, &p, ep);
-}
-}  // namespace
-
-std::shared_ptr<connection> ucx_worker::connect(std::span<const std::uint8_t> address, std::string peer,
+std::shared_ptr<connection> ucx_worker::connect(const std::string& host, std::uint16_t port,
                                                 std::chrono::steady_clock::time_point until) {
-  if (address.empty()) fail(errc::invalid_argument, "net.connect", peer, "no worker address");
-  auto c = std::make_shared<connection>(*this, std::move(peer));
-  std::vector<std::uint8_t> a(address.begin(), address.end());
+  sockaddr_storage ss = make_addr(host, port);
+  auto c = std::make_shared<connection>(*this, fmt::format("{}:{}", host, port));
   // The work owns what it uses: it may run after call() gave up waiting for it (the caller's
   // deadline passed while the progress thread was busy); then it makes no endpoint.
   auto gave_up = std::make_shared<std::atomic<bool>>(false);
   try {
     return call(
-        [this, a = std::move(a), c, gave_up]() -> std::shared_ptr<connection> {
+        [this, ss, c, gave_up]() -> std::shared_ptr<connection> {
           if (gave_up->load()) fail(errc::timeout, "net.connect", c->peer(), "the caller stopped waiting");
+          ucp_ep_params_t p{};
+          p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                         UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+          p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+          p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+          p.sockaddr.addrlen = ss.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+          p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+          p.err_handler.cb = ep_error_cb;
+          p.err_handler.arg = c.get();
           ucp_ep_h ep = nullptr;
-          check(create_to_address(worker_, a, this, &ep, ep_error_cb), "net.connect", c->peer());
+          check(ucp_ep_create(worker_, &p, &ep), "net.connect", c->peer());
           return adopt(ep, c);
         },
         until);
@@ -869,67 +915,10 @@ std::shared_ptr<connection> ucx_worker::connect(std::span<const std::uint8_t> ad
   }
 }
 
-void ucx_worker::accept_addressed(std::function<std::string(const hello&)> admit,
-                                  std::function<void(std::shared_ptr<connection>)> accepted) {
-  call(
-      [this, admit = std::move(admit), accepted = std::move(accepted)]() mutable {
-        admit_ = std::move(admit);
-        accepted_ = std::move(accepted);
-      },
-      std::chrono::steady_clock::now() + std::chrono::seconds(10));
-}
-
-void ucx_worker::arrived(ucp_ep_h from, std::vector<std::byte> frame) {
-  unknown_.erase(from);
-  message m;
-  try {
-    m = decode(frame);
-  } catch (const error&) {
-    return;
-  }
-  auto* h = std::get_if<hello>(&m.b);
-  if (!h || h->address.empty() || !admit_) return;
-  std::string name = admit_(*h);
-  // UCX pairs this worker's endpoints to the peer with the peer's to this one in the order both were
-  // made. A peer's endpoint that died before its hello arrived has its pair made here and closed:
-  // a few tries find the pair of `from`.
-  for (int attempt = 0; attempt < 8; ++attempt) {
-    ucp_ep_h ep = nullptr;
-    ucs_status_t st = create_to_address(worker_, h->address, this, &ep, ep_error_cb);
-    if (st != UCS_OK) {
-      log::info("net", "{}: no endpoint to a peer's address: {}", name_, status_text(st));
-      return;
-    }
-    if (ep != from) {
-      close_ep(ep);
-      continue;
-    }
-    auto c = adopt(ep, std::make_shared<connection>(*this, name.empty() ? std::string("a refused peer") : name));
-    if (name.empty()) {
-      drop(*c);
-      c->mark_failed("refused");
-      return;
-    }
-    if (accepted_) accepted_(c);
-    if (frame_) frame_(*c, std::move(m));
-    return;
-  }
-  log::info("net", "{}: no endpoint of this worker pairs with a peer's; its hello is dropped", name_);
-}
-
 ucs_status_t ucx_worker::am_frame_cb(void* arg, const void*, size_t, void* data, size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<ucx_worker*>(arg);
   connection* c = self->find(param->reply_ep);
-  if (!c) {
-    // A peer's first frame on an endpoint it made to this worker's address: one per endpoint is
-    // looked at (after the ones before it in line), and only an eager one no larger than a hello.
-    if (self->admit_ && param->reply_ep && !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && length <= 4096 &&
-        self->unknown_.size() < 4096 && self->unknown_.insert(param->reply_ep).second) {
-      std::vector<std::byte> frame(static_cast<const std::byte*>(data), static_cast<const std::byte*>(data) + length);
-      self->post([self, from = param->reply_ep, frame = std::move(frame)]() mutable { self->arrived(from, std::move(frame)); });
-    }
-    return UCS_OK;
-  }
+  if (!c) return UCS_OK;
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {  // frames are sent eager; anything else is hostile
     c->mark_failed("protocol error: a control frame arrived by rendezvous");
     return UCS_OK;
@@ -968,8 +957,9 @@ ucs_status_t ucx_worker::am_reply_cb(void* arg, const void* header, size_t heade
 ucs_status_t ucx_worker::am_data_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                     const ucp_am_recv_param_t* param) {
   auto* self = static_cast<ucx_worker*>(arg);
-  auto it = self->conns_.find(param->reply_ep);
-  std::shared_ptr<connection> c = it == self->conns_.end() ? nullptr : it->second;
+  std::shared_ptr<connection> c;
+  for (auto& x : self->conns_)
+    if (x->ep == param->reply_ep) c = x;
   if (!c || header_length != sizeof(data_header) || !self->sink_) return UCS_OK;
   data_header h;
   std::memcpy(&h, header, sizeof h);

@@ -37,7 +37,6 @@
 #include <span>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace ferry::net {
@@ -57,7 +56,7 @@ struct data_header {
 class ucx_worker;
 
 // One UCP context, shared by the workers of a process side (a server's lanes, a client's lanes):
-// endpoints made to one worker may then be served by another.
+// connection requests accepted on one worker may then be served by another.
 class ucx_context {
  public:
   // `net_device` (e.g. "lo"): the one network interface UCX may use for its lanes (UCX_NET_DEVICES,
@@ -269,21 +268,18 @@ class ucx_worker {
     return ok;
   }
 
-  // This worker's UCX address: what a peer makes its endpoint to. Any thread.
-  std::vector<std::uint8_t> address();
-  // An endpoint to the worker at `address` (named `peer` in errors), usable once this returns. UCX
-  // pairs the endpoints two workers make to each other, first with first and so on, into one
-  // connection: both sides send on it and both see it fail.
-  std::shared_ptr<connection> connect(std::span<const std::uint8_t> address, std::string peer,
-                                      std::chrono::steady_clock::time_point until);
-  // Serves peers that make endpoints to this worker's address. The first frame from an endpoint not
-  // yet known, when it is a hello carrying the peer's address, makes this worker's endpoint to that
-  // address (the pair of the peer's); `admit(hello)` names the peer, or refuses it with an empty
-  // name (the endpoint is closed again); then `accepted` gets the connection and the hello goes to
-  // the frame handler. Anything else from an unknown endpoint is dropped. Set before peers come.
-  void accept_addressed(std::function<std::string(const hello&)> admit, std::function<void(std::shared_ptr<connection>)> accepted);
-  // Connections this worker holds (open, or failed and not yet closed); for tests and stats.
-  std::size_t connections();
+  // Listens on host:port (port 0: any); returns the port. New connections get `accepted`, on this
+  // worker's thread: a connection is served by the worker whose listener took it. (Handing the
+  // request to another worker moves UCX 1.13's handler for the connection's socket to that worker's
+  // async context while an event for it may still wait in this one's missed-event queue; UCX then
+  // aborts on an assertion, async.c:643, fixed upstream only in 1.17. So servers spread connections by
+  // giving each worker a listener of its own.)
+  // `admit(peer)` (optional), asked first on the same thread, may refuse a connection request
+  // before any endpoint exists (ucp_listener_reject): cheap enough to turn a flood away.
+  std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted,
+                       std::function<bool(const std::string& peer)> admit = {});
+  // Connects to host:port; the endpoint is usable once this returns.
+  std::shared_ptr<connection> connect(const std::string& host, std::uint16_t port, std::chrono::steady_clock::time_point until);
 
   ucp_worker_h handle() const { return worker_; }
   const std::string& name() const { return name_; }
@@ -299,6 +295,7 @@ class ucx_worker {
                                   const ucp_am_recv_param_t* param);
   static ucs_status_t am_data_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                  const ucp_am_recv_param_t* param);
+  static void conn_cb(ucp_conn_request_h req, void* arg);
   static void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
   void loop();
   // run_or_post's halves: enter() takes the worker for this thread if it may (non-zero: run now,
@@ -312,21 +309,16 @@ class ucx_worker {
   void progress_once();  // posted work, then UCX progress until idle (worker held)
   void step_aside(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: let callers have the worker
   void reacquire(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: take the worker back after callers
-  // A hello from an unknown endpoint (its frame copied): makes the paired endpoint. Progress thread.
-  void arrived(ucp_ep_h from, std::vector<std::byte> frame);
-  // Closes c's endpoint and forgets it (progress thread).
-  void drop(connection& c);
+  void accept(ucp_conn_request_h req, std::string peer);
   void lock_owner() { owner_.store(std::this_thread::get_id(), std::memory_order_relaxed); }
   void unlock_owner() { owner_.store(std::thread::id(), std::memory_order_relaxed); }
-  connection* find(ucp_ep_h ep) {
-    auto it = conns_.find(ep);
-    return it == conns_.end() ? nullptr : it->second.get();
-  }
+  connection* find(ucp_ep_h ep);
   std::shared_ptr<connection> adopt(ucp_ep_h ep, std::shared_ptr<connection> c);
 
   std::string name_;
   std::shared_ptr<ucx_context> ctx_;
   ucp_worker_h worker_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
   int efd_ = -1, wake_ = -1, epoll_ = -1;
   std::atomic<bool> stop_{false};
   std::mutex mu_;
@@ -350,10 +342,8 @@ class ucx_worker {
   data_sink sink_;
   data_done data_done_;
   std::function<void(std::shared_ptr<connection>)> accepted_;
-  std::function<std::string(const hello&)> admit_;
-  std::unordered_map<ucp_ep_h, std::shared_ptr<connection>> conns_;  // progress thread
-  std::atomic<std::size_t> nconns_{0};
-  std::unordered_set<ucp_ep_h> unknown_;  // endpoints whose first frame waits for arrived()
+  std::function<bool(const std::string&)> admit_;
+  std::vector<std::shared_ptr<connection>> conns_;  // progress thread
   std::thread thread_;
 };
 

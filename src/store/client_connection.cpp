@@ -4,7 +4,6 @@
 
 #include "core/logging.hpp"
 #include "store/auth.hpp"
-#include "store/door.hpp"
 
 #include <ferry/core/units.hpp>
 
@@ -45,7 +44,6 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
         [this, received](connection&, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
           update(rid, [&](piece& pc) { received(pc, n, s); });
         });
-    ln->address = w.address();
     lanes.push_back(std::move(ln));
   }
   if (o.map) {
@@ -240,23 +238,16 @@ void client::impl::ensure_connected(clk::time_point until) {
       down_until = now + o.retry_after;
     }
   }
-  std::vector<lane*> down;
   for (auto& ln : lanes) {
     std::shared_ptr<connection> cn;
     {
       std::lock_guard l(mu);
       cn = ln->c;
     }
-    if (!cn || !cn->alive()) down.push_back(ln.get());
-  }
-  if (!down.empty()) {
+    if (cn && cn->alive()) continue;
+    if (connected_once) n_reconnects++;
     try {
-      // One pass from the door for all the lanes that are down.
-      welcome pass = knock(static_cast<unsigned>(down.size()), until);
-      for (lane* ln : down) {
-        if (connected_once) n_reconnects++;
-        connect(*ln, pass, until);
-      }
+      connect(*ln, until);
     } catch (const error& e) {
       // Only the server's own failure (refused, reset, unreachable) marks it down: a caller's short
       // deadline running out says nothing about the server.
@@ -276,29 +267,23 @@ void client::impl::ensure_connected(clk::time_point until) {
   lanes_checked.store(seen, std::memory_order_release);  // a failure since `seen` is looked at next time
 }
 
-welcome client::impl::knock(unsigned want, clk::time_point until) {
-  for (int attempt = 0;; ++attempt) {
-    // A server that died may leave an attempt without any error: it waits for the answer at most
-    // FERRY_NET_CONNECT_TIMEOUT, then the server counts as unreachable.
-    const clk::time_point attempt_until = std::min(until, clk::now() + o.connect_timeout);
-    try {
-      return detail::knock(host, port, o.secret, want, attempt_until);
-    } catch (const error& e) {
-      if (e.code() == errc::timeout && attempt_until < until)
-        throw error(error_info{errc::network_error, "store.connect", peer, "cannot connect to the storage server",
-                               fmt::format("no answer to the handshake within {} (FERRY_NET_CONNECT_TIMEOUT): {}",
-                                           format_duration(o.connect_timeout), e.what()),
-                               0, 0});
-      const auto pause = std::chrono::milliseconds(10 << attempt);
-      // Refused outright (nothing listens) is not worth another try; closed during the handshake is.
-      if (e.code() != errc::network_error || e.sys_errno() == ECONNREFUSED || attempt >= 4 || clk::now() + 2 * pause >= until)
-        throw;
-      std::this_thread::sleep_for(pause);
-    }
+void client::impl::connect(lane& ln, clk::time_point until) {
+  std::uint16_t target = port;
+  if (ln.index > 0) {
+    std::lock_guard l(mu);
+    if (!hello_reply.ports.empty()) target = hello_reply.ports[static_cast<std::size_t>(ln.index - 1) % hello_reply.ports.size()];
   }
+  if (target == port) return connect_to(ln, port, until);
+  try {
+    return connect_to(ln, target, clk::now() + (until - clk::now()) / 2);  // leaves time for the fallback
+  } catch (const error& e) {
+    log::info("store", "{}: lane {} cannot use the server's port {} ({}); it connects to port {} instead", peer, ln.index,
+              target, e.what(), port);
+  }
+  connect_to(ln, port, until);
 }
 
-void client::impl::connect(lane& ln, const welcome& pass, clk::time_point until) {
+void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until) {
   {
     std::lock_guard l(mu);
     if (ln.c) ln.c->close();
@@ -307,33 +292,57 @@ void client::impl::connect(lane& ln, const welcome& pass, clk::time_point until)
     all_mapped = false;
     buffers.lane_lost(ln.index);
   }
-  const clk::time_point attempt_until = std::min(until, clk::now() + o.connect_timeout);
-  const auto& to = pass.addresses[static_cast<std::size_t>(ln.index) % pass.addresses.size()];
-  auto cn = ln.w->connect(to, peer, attempt_until);
-  connection* raw = cn.get();
-  cn->on_failure([this, raw](const std::string& why) { conn_failed(raw, why); });
-  {
-    std::lock_guard l(mu);
-    ln.c = cn;
-  }
+  std::shared_ptr<connection> cn;
+  connection* raw = nullptr;
   message r;
-  try {
-    r = request({0, 0, hello{1, 1, 64, detail::random_nonce(), static_cast<std::uint16_t>(lanes.size()), pass.ticket, ln.address}},
-                attempt_until, false, &ln);
-  } catch (const error& e) {
-    cn->close();
-    if (e.code() == errc::timeout && attempt_until < until)
-      throw error(error_info{errc::network_error, "store.connect", peer, "cannot connect to the storage server",
-                             fmt::format("lane {}: no answer to its hello within {} (FERRY_NET_CONNECT_TIMEOUT): {}", ln.index,
-                                         format_duration(o.connect_timeout), e.what()),
-                             0, 0});
-    throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});
+  auto nonce = detail::random_nonce();
+  // A server flooded by connections that never speak closes some still in their handshake to
+  // make room (FERRY_SERVE_MAX_UNAUTHENTICATED): a connection lost before the hello is answered
+  // is tried again, a few times, within the deadline.
+  for (int attempt = 0;; ++attempt) {
+    // A server that died may leave an attempt without any error: it waits for the welcome at most
+    // FERRY_NET_CONNECT_TIMEOUT, then the server counts as unreachable.
+    const clk::time_point attempt_until = std::min(until, clk::now() + o.connect_timeout);
+    cn = ln.w->connect(host, to, attempt_until);
+    raw = cn.get();
+    cn->on_failure([this, raw](const std::string& why) { conn_failed(raw, why); });
+    {
+      std::lock_guard l(mu);
+      ln.c = cn;
+    }
+    try {
+      r = request({0, 0, hello{1, 1, 64, nonce, static_cast<std::uint16_t>(lanes.size())}}, attempt_until, false, &ln);
+      break;
+    } catch (const error& e) {
+      if (e.code() == errc::timeout && attempt_until < until) {
+        cn->close();
+        throw error(error_info{errc::network_error, "store.connect", peer, "cannot connect to the storage server",
+                               fmt::format("no answer to the handshake within {} (FERRY_NET_CONNECT_TIMEOUT): {}",
+                                           format_duration(o.connect_timeout), e.what()),
+                               0, 0});
+      }
+      auto pause = std::chrono::milliseconds(10 << attempt);
+      if (e.code() != errc::network_error || attempt >= 4 || clk::now() + 2 * pause >= until)
+        throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});
+      cn->close();
+      std::this_thread::sleep_for(pause);
+    }
+  }
+  if (auto* ch = std::get_if<challenge>(&r.b)) {
+    if (o.secret.empty())
+      fail(errc::permission_denied, "store.connect", peer, "the server requires a shared secret (FERRY_SECRET_FILE)");
+    r = request({0, 0, auth{detail::proof(o.secret, ch->nonce, nonce)}}, until, false, &ln);
+    if (auto* e = std::get_if<error_reply>(&r.b))
+      fail(errc::permission_denied, "store.connect", peer, "authentication refused: " + e->message);
   }
   if (auto* e = std::get_if<error_reply>(&r.b)) fail(errc::network_error, "store.connect", peer, "refused: " + e->message);
   if (!std::holds_alternative<welcome>(r.b)) fail(errc::protocol_error, "store.connect", peer, "unexpected answer to the handshake");
-  if (std::get<welcome>(r.b).instance != pass.instance)
-    fail(errc::protocol_error, "store.connect", peer,
-         fmt::format("lane {} reached another server than the door that admitted it", ln.index));
+  if (ln.index > 0) {
+    std::lock_guard l(mu);
+    if (std::get<welcome>(r.b).instance != hello_reply.instance)
+      fail(errc::protocol_error, "store.connect", fmt::format("{}:{}", host, to),
+           fmt::format("lane {} reached another server than lane 0 (restarted, or another server on that port)", ln.index));
+  }
   if (ln.index == 0) decide_rma(*cn);
   // The landing region and the caller's buffers (a new session knows none of them), under lend_mu
   // until the lane says what it maps: a region renewed meanwhile is not taken for the one lent here,

@@ -45,7 +45,6 @@ struct client::impl {
   struct lane {
     int index = 0;
     std::unique_ptr<ucx_worker> w;
-    std::vector<std::uint8_t> address;            // w's, which the server makes its endpoint to
     std::shared_ptr<connection> c;                // mu
     std::uint32_t credits = 1, inflight = 0;      // mu
     bool mapped = false;                          // the server mapped our landing region (mu)
@@ -215,13 +214,12 @@ struct client::impl {
   void shutdown();
   // Reconnects lanes that failed since the last look (free when none did).
   void ensure_connected(clk::time_point until);
-  // The server's door (store/door.hpp): authenticates, and gives a ticket for `lanes` lanes and
-  // the workers' addresses. A door that closes the connection before its answer (a flooded server
-  // displaces connections in their handshake) is tried again a few times within the deadline.
-  welcome knock(unsigned lanes, clk::time_point until);
-  // (Re)connects one lane with the door's `pass` before `until`: an endpoint to the worker address
-  // the pass names for it, its hello with the ticket, then the landing region lent.
-  void connect(lane& ln, const welcome& pass, clk::time_point until);
+  // (Re)connects one lane before `until`. Lane 0 goes to the server's well-known port; the others
+  // to the worker ports its welcome named (each server worker listens on its own port), or, when
+  // such a port cannot be reached (a NAT forwarding only the first, say), to the first port too.
+  void connect(lane& ln, clk::time_point until);
+  // Connects one lane to `to` and completes its handshake (and lends the landing region).
+  void connect_to(lane& ln, std::uint16_t to, clk::time_point until);
   // RMA for bulk data: on request, or (auto) when UCX put a transport with real RMA on the lanes.
   void decide_rma(connection& cn);
   // Runs on the lane's worker (its holder), like every handler: the connection's pieces fail.

@@ -1,7 +1,6 @@
-// The storage server: a door (store/door.hpp: its TCP port, where clients authenticate), a few UCX
-// workers (progress threads) for the protocol -- the door gives authenticated clients their
-// addresses and a ticket, and clients spread their lanes over them, so several clients' (or one
-// client's lanes') messages are handled in parallel -- and the runtime's file engine (the io layer: io_uring, its
+// The storage server: a few UCX workers (progress threads) for the protocol — each listens on a port
+// of its own and clients spread their lanes over them, so several clients' (or one client's lanes')
+// messages are handled in parallel — and the runtime's file engine (the io layer: io_uring, its
 // O_DIRECT policy and size checks, its threads, shared with the rest of the process) for file data.
 // Small reads are served inline on the progress thread (one reply message); larger reads and all
 // writes are requests of the file engine whose completions carry the work on (send, answer, next
@@ -18,7 +17,6 @@
 #include "core/logging.hpp"
 #include "net/ucx.hpp"
 #include "store/auth.hpp"
-#include "store/door.hpp"
 #include "store/lending.hpp"
 
 #include <dirent.h>
@@ -387,17 +385,21 @@ struct server::impl {
     std::atomic<int> outstanding{0};
     worker_counts* counts = nullptr;  // its worker's
     std::atomic<bool> welcomed{false};  // the handshake is complete (read by the janitor too)
+    std::atomic<bool> spoke{false};     // it sent a frame
     // Connection limits (the janitor reads these under sess_mu; `last` is written per request).
     std::weak_ptr<connection> conn;
     std::string peer_addr;              // the peer's address without its port
     clk::time_point since;              // accepted
     std::atomic<std::int64_t> last{0};  // coarse time of the last request, ns
     bool closing = false;               // a close was asked for (sess_mu)
+    int auth_failures = 0;              // its worker's thread only
+    bool auth_waiting = false;          // an answer waits for its turn (auth_mu)
     // RMA operations in flight, and the coarse time (ns) one last started or finished: the janitor
     // closes a connection whose RMA makes no progress (rma_timeout).
     std::atomic<int> rma_running{0};
     std::atomic<std::int64_t> rma_progress{0};
     unsigned lanes = 1;  // the client's, from its hello
+    std::vector<std::uint8_t> client_nonce, server_nonce;  // pending challenge
     // The file its last small read used, until the file cache would reopen it (its worker's thread only).
     std::string last_path;
     std::shared_ptr<open_file> last_file;
@@ -455,21 +457,26 @@ struct server::impl {
   std::atomic<int> io_in_flight{0};
   std::condition_variable io_cv;  // with `mu`
   data_buffers buffers{o.chunk, 32};
-  std::atomic<std::size_t> rotation{0};     // where the next client's lanes start among the workers
-  std::vector<std::vector<std::uint8_t>> addresses;  // each worker's UCX address
-  // Tickets the door gave authenticated clients: each admits that client's lanes (their hellos)
-  // until the handshake deadline. Bounded: the oldest goes first.
-  struct ticket_state {
-    clk::time_point until;
-    unsigned lanes_left = 0;
-    std::string peer;
-  };
-  std::mutex ticket_mu;
-  std::map<std::vector<std::uint8_t>, ticket_state> tickets;
-  static constexpr std::size_t max_tickets = 4096;
+  std::atomic<std::size_t> rotation{0};     // where the next client's further lanes start among the other workers
+  std::vector<std::uint16_t> ports;          // each worker's listening port (ports[0] = the well-known one)
   std::unique_ptr<std::atomic<std::uint64_t>[]> per_worker;  // connections each worker took
   std::uint16_t port = 0;
   std::uint64_t instance = 0;                // random per start: a client's lanes check they reached one server
+  // Answers to the challenge are checked at most o.auth_rate per second, server-wide (a token
+  // bucket holding a second's worth); those past it wait in arrival order and the janitor hands them
+  // to their workers as tokens come. A guesser is slowed, and every client with it, alike; none is
+  // refused for its address (a ban locked out every client of a shared address, and refusing
+  // connection requests at that rate aborted UCX 1.13's connection manager).
+  struct waiting_auth {
+    std::weak_ptr<session> sess;  // gone (closed, displaced): its turn is skipped, no token spent
+    std::weak_ptr<connection> conn;
+    std::uint64_t rid;
+    std::vector<std::uint8_t> mac;
+  };
+  std::mutex auth_mu;
+  double auth_tokens = 0;
+  clk::time_point auth_refilled = clk::now();
+  std::deque<waiting_auth> auth_queue;  // auth_mu; at most one per session (auth_waiting)
   // Open writes by handle; any of a client's lanes may fill one (the handle is the capability),
   // the session that opened it owns it.
   std::mutex txn_mu;
@@ -486,10 +493,9 @@ struct server::impl {
       fail(errc::invalid_argument, "store.write", printable(path), fmt::format("the handle belongs to '{}'", printable(it->second->path())));
     return it->second;
   }
-  std::atomic<std::uint64_t> refused{0}, closed_handshake{0}, closed_idle{0}, commits{0};
+  std::atomic<std::uint64_t> refused{0}, closed_handshake{0}, closed_idle{0}, auth_failures{0}, commits{0};
   std::thread janitor_thread;  // closes connections past their handshake or idle time
-  std::vector<std::unique_ptr<ucx_worker>> workers;  // stopped after the door
-  std::unique_ptr<detail::door> front;               // last: stopped first (no new client meanwhile)
+  std::vector<std::unique_ptr<ucx_worker>> workers;  // last: stopped first
 
   impl(file_engine& engine, server_options opt) : o(std::move(opt)), io(engine), root(o.root), files(root, o.fd_cache_ttl) {
     if (o.writable && o.secret.empty() && !o.insecure)
@@ -523,6 +529,15 @@ struct server::impl {
         s->since = clk::now();
         s->last = coarse_now().time_since_epoch().count();
         c->user = s.get();  // for session_of (the map keeps it; cleared when it goes)
+        // Room for this one among connections still in their handshake.
+        std::size_t waiting = 0;
+        for (auto& [k, x] : sessions) waiting += !x->welcomed && !x->closing;
+        if (waiting > static_cast<std::size_t>(o.max_unauthenticated)) {
+          if (session* v = victim_locked()) {
+            closed_handshake++;
+            close_locked(*v, "displaced: too many connections in their handshake (FERRY_SERVE_MAX_UNAUTHENTICATED)");
+          }
+        }
       }
       // A client that dies or leaves: its session goes; running jobs hold their own reference.
       connection* raw = c.get();
@@ -548,21 +563,29 @@ struct server::impl {
     };
     auto nonce = detail::random_nonce();
     std::memcpy(&instance, nonce.data(), sizeof instance);
-    // Every worker takes the lanes that present a ticket of the door; the door opens last.
+    // Every worker listens: the first on the well-known port, the others on the ports after it (or on
+    // free ports when the first is), which welcomes name so that clients spread their further lanes
+    // over them. Connections are never handed between workers (see ucx_worker::listen).
     raise_descriptor_limit();
-    for (auto& w : workers) {
-      w->accept_addressed([this](const hello& h) { return redeem(h.ticket); }, accepted);
-      addresses.push_back(w->address());
+    for (std::size_t i = 0; i < workers.size(); ++i) {
+      std::uint16_t want = 0;
+      if (o.port != 0) {
+        if (o.port + i > 65535)
+          fail(errc::invalid_argument, "store.serve", fmt::format("{}:{}", o.host, o.port),
+               fmt::format("{} workers need ports {} to {} (FERRY_SERVE_WORKERS)", workers.size(), o.port, o.port + workers.size() - 1));
+        want = static_cast<std::uint16_t>(o.port + i);
+      }
+      try {
+        ports.push_back(workers[i]->listen(o.host, want, accepted, [this](const std::string& peer) { return admit(peer); }));
+      } catch (const error& e) {
+        if (i == 0) throw;
+        throw error(error_info{e.code(), "store.serve", fmt::format("{}:{}", o.host, want),
+                               fmt::format("worker {} cannot listen (each of the {} workers listens on its own port; "
+                                           "FERRY_SERVE_WORKERS=1 uses one port only)", i, workers.size()),
+                               e.what(), e.sys_errno(), 0});
+      }
     }
-    detail::door_limits lim;
-    lim.max_waiting = o.max_unauthenticated;
-    lim.deadline = o.handshake_timeout;
-    lim.auth_rate = o.auth_rate;
-    lim.auth_failures = o.auth_failures;
-    lim.secret = o.secret;
-    front = std::make_unique<detail::door>(o.host, o.port, std::move(lim),
-                                           [this](unsigned lanes, const std::string& peer) { return issue(lanes, peer); });
-    port = front->port();
+    port = ports[0];
     // Last: a constructor that threw above leaves no running thread behind.
     if (o.map) {
       try {
@@ -589,7 +612,6 @@ struct server::impl {
     return true;
   }
   ~impl() {
-    front.reset();  // no new client from here on
     {
       std::lock_guard l(mu);
       stopping = true;
@@ -624,6 +646,27 @@ struct server::impl {
       ::setrlimit(RLIMIT_NOFILE, &r);
     }
   }
+  // The connection to displace when too many are in their handshake: one that has not said anything
+  // yet, picked at random -- a client that just connected and is about to speak survives a flood
+  // of silent connections with good odds, whatever their order -- else the oldest that spoke but
+  // has not finished. Null when every connection is authenticated. sess_mu held.
+  session* victim_locked() {
+    session* silent = nullptr;
+    session* oldest = nullptr;
+    std::size_t n_silent = 0;
+    for (auto& [k, x] : sessions) {
+      if (x->welcomed || x->closing) continue;
+      if (!x->spoke) {
+        victim_rng = victim_rng * 6364136223846793005ull + 1442695040888963407ull;
+        if ((victim_rng >> 33) % ++n_silent == 0) silent = x.get();  // reservoir: each equally likely
+      } else if (!oldest || x->since < oldest->since) {
+        oldest = x.get();
+      }
+    }
+    return silent ? silent : oldest;
+  }
+  std::uint64_t victim_rng = 0x853c49e6748fea9bull;  // sess_mu
+
   // Closes a session's connection (its session goes when the close is seen). sess_mu held.
   void close_locked(session& s, const std::string& why) {
     if (s.closing) return;
@@ -633,40 +676,73 @@ struct server::impl {
       c->close();
     }
   }
-  // The door's welcome for an authenticated client: a ticket for its lanes and the workers'
-  // addresses, rotated so that all clients' lanes together spread evenly over the workers. Door thread.
-  welcome issue(unsigned lanes, const std::string& peer) {
-    welcome w;
-    w.instance = instance;
-    auto t = detail::random_nonce();
-    w.ticket.assign(t.begin(), t.begin() + ticket_size);
-    const std::size_t n = addresses.size();
-    const std::size_t start = rotation.fetch_add(lanes) % n;
-    for (std::size_t k = 0; k < n; ++k) w.addresses.push_back(addresses[(start + k) % n]);
-    const auto now = clk::now();
-    std::lock_guard l(ticket_mu);
-    std::erase_if(tickets, [&](const auto& kv) { return kv.second.until < now; });
-    while (tickets.size() >= max_tickets) {
-      auto oldest = std::min_element(tickets.begin(), tickets.end(),
-                                     [](const auto& a, const auto& b) { return a.second.until < b.second.until; });
-      tickets.erase(oldest);
+  // Asked before a connection request becomes an endpoint: refused when the server is full and no
+  // connection still in its handshake can make room.
+  bool admit(const std::string& peer) {
+    std::lock_guard l(sess_mu);
+    std::size_t live = 0;
+    for (auto& [k, x] : sessions) live += !x->closing;
+    if (live < static_cast<std::size_t>(o.max_connections)) return true;
+    session* victim = victim_locked();
+    if (!victim) {
+      if (refused++ % 1000 == 0)
+        log::warn("store", "refusing {}: {} connections, all authenticated (FERRY_SERVE_MAX_CONNECTIONS)", peer, live);
+      return false;
     }
-    tickets[w.ticket] = {now + o.handshake_timeout, std::max(1u, lanes), peer};
-    return w;
+    closed_handshake++;
+    close_locked(*victim, "displaced: the server is at FERRY_SERVE_MAX_CONNECTIONS");
+    return true;
   }
-  // A lane's ticket, used once per lane: the client's name, or empty (unknown, spent, or late: the
-  // lane is refused without an answer). The lane's worker.
-  std::string redeem(const std::vector<std::uint8_t>& ticket) {
-    std::lock_guard l(ticket_mu);
-    auto it = tickets.find(ticket);
-    if (it == tickets.end()) return {};
-    if (it->second.until < clk::now()) {
-      tickets.erase(it);
-      return {};
+  // A token for checking one answer now (auth_mu held): the bucket refills at o.auth_rate per second
+  // up to one second's worth.
+  bool auth_token_locked() {
+    const auto now = clk::now();
+    const double rate = std::max(1, o.auth_rate);
+    auth_tokens = std::min(rate, auth_tokens + rate * std::chrono::duration<double>(now - auth_refilled).count());
+    auth_refilled = now;
+    if (auth_tokens < 1) return false;
+    auth_tokens -= 1;
+    return true;
+  }
+  // Hands waiting answers to their connections' workers while tokens last (the janitor's round).
+  void judge_waiting() {
+    std::vector<waiting_auth> now;
+    {
+      std::lock_guard l(auth_mu);
+      while (!auth_queue.empty()) {
+        if (!auth_queue.front().sess.expired() && !auth_token_locked()) break;
+        if (!auth_queue.front().sess.expired()) now.push_back(std::move(auth_queue.front()));
+        auth_queue.pop_front();
+      }
     }
-    std::string name = it->second.peer;
-    if (--it->second.lanes_left == 0) tickets.erase(it);
-    return name;
+    for (auto& w : now)
+      if (auto c = w.conn.lock())
+        c->worker().post([this, c, rid = w.rid, mac = std::move(w.mac)] {
+          if (auto* s = static_cast<session*>(c->user)) judge(*c, *s, rid, mac);
+        });
+  }
+  // Checks an answer to the challenge (on the connection's worker): welcome, or an error and, after
+  // o.auth_failures of them, the close.
+  void judge(connection& c, session& s, std::uint64_t rid, const std::vector<std::uint8_t>& mac) {
+    {
+      std::lock_guard l(auth_mu);
+      s.auth_waiting = false;
+    }
+    bool ok = !o.secret.empty() && !s.server_nonce.empty() &&
+              detail::proof_matches(detail::proof(o.secret, s.server_nonce, s.client_nonce), mac);
+    s.server_nonce.clear();  // one answer per challenge
+    if (!ok) {
+      auth_failures++;
+      if (++s.auth_failures == 1) log::warn("store", "client {} failed to authenticate", c.peer());
+      reply_error(c, rid, error(errc::permission_denied, "store.auth", c.peer(), "authentication failed (wrong secret?)"));
+      if (s.auth_failures >= o.auth_failures) {
+        std::lock_guard l(sess_mu);
+        close_locked(s, fmt::format("{} failed authentications", s.auth_failures));
+      }
+      return;
+    }
+    s.welcomed = true;
+    c.send_frame({rid, o.max_outstanding, welcome_msg(c, s.lanes)});
   }
   // Closes connections that did not complete their handshake in time, and idle ones; takes the
   // descriptors clients pass on the lending socket.
@@ -680,6 +756,7 @@ struct server::impl {
         std::unique_lock l(mu);
         if (cv_janitor.wait_for(l, std::chrono::milliseconds(100), [&] { return stopping; })) return;
       }
+      judge_waiting();
       auto now = clk::now();
       auto coarse = coarse_now().time_since_epoch().count();
       std::lock_guard l(sess_mu);
@@ -778,8 +855,9 @@ struct server::impl {
     } catch (...) {
     }
   }
-  // A lane's welcome: its limits and, for a same-host client, where it lends memory.
-  welcome welcome_msg(connection& c) {
+  // The other workers' ports, rotated past the further lanes of each client that arrives on the first
+  // worker, so that all clients' further lanes together spread evenly over them.
+  welcome welcome_msg(connection& c, unsigned lanes) {
     welcome w;
     w.credits = o.max_outstanding;
     w.max_request = o.max_request;
@@ -797,6 +875,11 @@ struct server::impl {
         w.token = s->token;
       }
     }
+    if (ports.size() > 1) {
+      std::size_t others = ports.size() - 1;
+      std::size_t start = &c.worker() == workers[0].get() ? rotation.fetch_add(lanes - 1) % others : 0;
+      for (std::size_t k = 0; k < others; ++k) w.ports.push_back(ports[1 + (start + k) % others]);
+    }
     return w;
   }
 
@@ -808,26 +891,35 @@ struct server::impl {
     auto* s = static_cast<session*>(c.user);
     if (!s) return;
     s->last.store(coarse_now().time_since_epoch().count(), std::memory_order_relaxed);
+    if (!s->welcomed.load(std::memory_order_relaxed)) s->spoke.store(true, std::memory_order_relaxed);
     std::uint64_t rid = m.request_id;
-    // A lane's hello carried a ticket of the door (else there would be no connection): welcome it,
-    // while the server has room.
     if (auto* h = std::get_if<hello>(&m.b)) {
       s->lanes = h->lanes;
-      if (!s->welcomed) {
-        std::lock_guard l(sess_mu);
-        std::size_t live = 0;
-        for (auto& [k, x] : sessions) live += !x->closing && x->welcomed;
-        if (live >= static_cast<std::size_t>(o.max_connections)) {
-          if (refused++ % 1000 == 0)
-            log::warn("store", "refusing {}: {} connections (FERRY_SERVE_MAX_CONNECTIONS)", c.peer(), live);
-          reply_error(c, rid, error(errc::busy, "store.connect", c.peer(),
-                                    fmt::format("the server holds {} connections (FERRY_SERVE_MAX_CONNECTIONS)", live)));
-          close_locked(*s, "the server is full");
+      if (o.secret.empty()) {
+        s->welcomed = true;
+        c.send_frame({rid, o.max_outstanding, welcome_msg(c, s->lanes)});
+      } else {
+        s->client_nonce = h->nonce;
+        s->server_nonce = detail::random_nonce();
+        c.send_frame({rid, 0, challenge{s->server_nonce, true}});
+      }
+      return;
+    }
+    if (auto* a = std::get_if<auth>(&m.b)) {
+      {
+        std::lock_guard l(auth_mu);
+        if (s->auth_waiting) {  // one answer in line per connection: a second is not queued
+          reply_error(c, rid, error(errc::protocol_error, "store.auth", c.peer(), "an answer to the challenge is already waiting"));
           return;
         }
-        s->welcomed = true;
+        if (!auth_queue.empty() || !auth_token_locked()) {
+          s->auth_waiting = true;
+          auth_queue.push_back({s->weak_from_this(), s->conn, rid, std::move(a->mac)});
+          cv_janitor.notify_all();
+          return;
+        }
       }
-      c.send_frame({rid, o.max_outstanding, welcome_msg(c)});
+      judge(c, *s, rid, a->mac);
       return;
     }
     if (!s->welcomed) {
@@ -1467,6 +1559,7 @@ server_options server_options_from(const settings& s) {
 server::server(file_engine& io, server_options o) : impl_(std::make_unique<impl>(io, std::move(o))) {}
 server::~server() = default;
 std::uint16_t server::port() const noexcept { return impl_->port; }
+std::vector<std::uint16_t> server::ports() const { return impl_->ports; }
 namespace {
 std::vector<std::uint64_t> per_worker(const server::impl& i) {
   std::vector<std::uint64_t> v;
@@ -1483,9 +1576,8 @@ server_stats server::stats() const {
     std::lock_guard t(i.txn_mu);
     open_writes = i.txns.size();
   }
-  std::uint64_t mapped = 0;
-  for (auto& [c, s] : i.sessions) mapped += s->mapped.load();
-  const detail::door_counts door = i.front ? i.front->counts() : detail::door_counts{};
+  std::uint64_t mapped = 0, unauthenticated = 0;
+  for (auto& [c, s] : i.sessions) mapped += s->mapped.load(), unauthenticated += !s->welcomed;
   server::impl::worker_counts sum;  // the workers' own counts
   for (std::size_t k = 0; k < i.workers.size(); ++k) {
     auto& w = i.counts[k];
@@ -1512,11 +1604,11 @@ server_stats server::stats() const {
           i.rma_puts.load(),
           i.rma_gets.load(),
           per_worker(i),
-          door.waiting,
+          unauthenticated,
           i.refused.load(),
-          door.displaced + door.closed_deadline + i.closed_handshake.load(),
+          i.closed_handshake.load(),
           i.closed_idle.load(),
-          door.auth_failures,
+          i.auth_failures.load(),
           open_writes,
           i.commits.load(),
           sum.notify_records.value()};

@@ -22,24 +22,22 @@ namespace ferry::net {
 inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
 // Raised whenever the wire format changes; both sides must speak the same one (a frame of another
 // version is refused, naming both).
-inline constexpr std::uint16_t protocol_version = 7;
+inline constexpr std::uint16_t protocol_version = 6;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
 inline constexpr std::size_t max_data = 4 << 20;     // largest data message a client may send (write data)
 inline constexpr std::size_t nonce_size = 32, mac_size = 32;
 inline constexpr std::size_t max_rkey = 4096;
-inline constexpr std::size_t max_workers = 64;   // worker addresses a welcome may name
-inline constexpr std::size_t max_address = 2048;  // a UCX worker address
-inline constexpr std::size_t ticket_size = 16;
+inline constexpr std::size_t max_ports = 64;  // worker ports a welcome may name
 inline constexpr std::size_t lend_token_size = 16;
 inline constexpr std::size_t max_socket_name = 100;  // an abstract Unix socket name (sun_path less its NUL)
 
 enum class msg_type : std::uint16_t {
-  hello = 1,      // client -> server: versions, client nonce, its number of lanes (on a lane: ticket, its address)
+  hello = 1,      // client -> server: versions, client nonce, its number of lanes
   challenge = 2,  // server -> client: server nonce, whether a secret is required
   auth = 3,       // client -> server: HMAC-SHA256(secret, server nonce | client nonce)
-  welcome = 4,    // server -> client: accepted; limits (from the door: a ticket and where the lanes connect)
+  welcome = 4,    // server -> client: accepted; limits; where the client's further lanes connect
   lend = 5,       // client -> server: a region of the client's memory the server may write/read directly (passed descriptor)
   read = 10,      // path, offset, length
   write = 11,     // path, offset, length (data follows outside the frame)
@@ -58,30 +56,18 @@ enum class msg_type : std::uint16_t {
 };
 
 // `lanes`: connections the client opens in all (the server spreads the further ones over its workers).
-// At the server's door (its TCP port): `ticket` and `address` empty. On a lane (a UCX endpoint made
-// from a worker address the door gave): the door's ticket, and the client worker's own address, to
-// which the server makes its endpoint.
-struct hello {
-  std::uint16_t min_version = 1, max_version = 1;
-  std::uint32_t max_outstanding = 0;
-  std::vector<std::uint8_t> nonce;
-  std::uint16_t lanes = 1;
-  std::vector<std::uint8_t> ticket;   // empty or ticket_size bytes
-  std::vector<std::uint8_t> address;  // at most max_address bytes
-};
+struct hello { std::uint16_t min_version = 1, max_version = 1; std::uint32_t max_outstanding = 0; std::vector<std::uint8_t> nonce; std::uint16_t lanes = 1; };
 struct challenge { std::vector<std::uint8_t> nonce; bool secret_required = false; };
 struct auth { std::vector<std::uint8_t> mac; };
 // `instance` tells server processes apart (random per start): a client's lanes must all reach the same
-// one. From the door: `ticket`, good for the client's lanes' hellos until the handshake deadline,
-// and `addresses`, the server workers' UCX addresses, lane i to addresses[i % size]. On a lane:
-// both empty.
+// one. `ports`: where the client's lanes after the first connect, lane i to ports[(i - 1) % size]
+// (the server's other workers, in the order it wants them used; empty: all on the first port).
 struct welcome {
   std::uint32_t credits = 0;
   std::uint64_t max_request = 0;
   bool writable = false;
   std::uint64_t instance = 0;
-  std::vector<std::uint8_t> ticket;
-  std::vector<std::vector<std::uint8_t>> addresses;
+  std::vector<std::uint16_t> ports;
   // Where a same-host client passes the descriptors of regions it lends (an abstract Unix socket;
   // empty: the server maps none), and the token that ties them to this session.
   std::string lending;
