@@ -258,8 +258,7 @@ void connection::close() {
   auto self = shared_from_this();
   w_.post([self] {
     if (!self->ep) return;
-    close_ep(self->ep);
-    self->ep = nullptr;
+    self->w_.drop(*self);
     self->mark_failed("closed");
   });
 }
@@ -545,11 +544,11 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::sha
 
 ucx_worker::~ucx_worker() {
   post([this] {
-    for (auto& c : conns_)
-      if (c->ep) {
-        close_ep(c->ep);
-        c->ep = nullptr;
-      }
+    for (auto& [ep, c] : conns_) {
+      close_ep(ep);
+      c->ep = nullptr;
+    }
+    conns_.clear();
     if (listener_) ucp_listener_destroy(listener_);
     listener_ = nullptr;
     stop_ = true;
@@ -808,21 +807,26 @@ void ucx_worker::loop() {
   drain_posted();
 }
 
-connection* ucx_worker::find(ucp_ep_h ep) {
-  for (auto& x : conns_)
-    if (x->ep == ep) return x.get();
-  return nullptr;
-}
-
 std::shared_ptr<connection> ucx_worker::adopt(ucp_ep_h ep, std::shared_ptr<connection> c) {
   c->ep = ep;
-  conns_.push_back(c);
+  conns_[ep] = c;
   return c;
+}
+
+void ucx_worker::drop(connection& c) {
+  if (!c.ep) return;
+  auto keep = c.shared_from_this();  // the map may hold the last reference
+  conns_.erase(c.ep);
+  close_ep(c.ep);
+  c.ep = nullptr;
 }
 
 void ucx_worker::ep_error_cb(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* c = static_cast<connection*>(arg);
+  auto keep = c->shared_from_this();
   c->mark_failed("peer failure: " + status_text(status));
+  // A failed endpoint is its owner's to close: later, not inside UCX's callback.
+  c->worker().post([keep] { keep->worker().drop(*keep); });
 }
 
 void ucx_worker::conn_cb(ucp_conn_request_h req, void* arg) {
@@ -957,9 +961,8 @@ ucs_status_t ucx_worker::am_reply_cb(void* arg, const void* header, size_t heade
 ucs_status_t ucx_worker::am_data_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                     const ucp_am_recv_param_t* param) {
   auto* self = static_cast<ucx_worker*>(arg);
-  std::shared_ptr<connection> c;
-  for (auto& x : self->conns_)
-    if (x->ep == param->reply_ep) c = x;
+  auto it = self->conns_.find(param->reply_ep);
+  std::shared_ptr<connection> c = it == self->conns_.end() ? nullptr : it->second;
   if (!c || header_length != sizeof(data_header) || !self->sink_) return UCS_OK;
   data_header h;
   std::memcpy(&h, header, sizeof h);

@@ -312,8 +312,14 @@ class ucx_worker {
   void accept(ucp_conn_request_h req, std::string peer);
   void lock_owner() { owner_.store(std::this_thread::get_id(), std::memory_order_relaxed); }
   void unlock_owner() { owner_.store(std::thread::id(), std::memory_order_relaxed); }
-  connection* find(ucp_ep_h ep);
+  connection* find(ucp_ep_h ep) {
+    auto it = conns_.find(ep);
+    return it == conns_.end() ? nullptr : it->second.get();
+  }
   std::shared_ptr<connection> adopt(ucp_ep_h ep, std::shared_ptr<connection> c);
+  // Closes c's endpoint and forgets it (progress thread): closed and failed connections hold no
+  // UCX endpoint and no entry here.
+  void drop(connection& c);
 
   std::string name_;
   std::shared_ptr<ucx_context> ctx_;
@@ -343,7 +349,7 @@ class ucx_worker {
   data_done data_done_;
   std::function<void(std::shared_ptr<connection>)> accepted_;
   std::function<bool(const std::string&)> admit_;
-  std::vector<std::shared_ptr<connection>> conns_;  // progress thread
+  std::unordered_map<ucp_ep_h, std::shared_ptr<connection>> conns_;  // progress thread
   std::thread thread_;
 };
 
