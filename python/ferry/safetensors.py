@@ -746,8 +746,8 @@ def _whole_reads(torch, specs: list[tuple], world: int, *, mine, device_of, resu
 def _cooperative(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None, group, timeout, progress: bool,
                  label: str, stats: dict | None) -> dict:
     """The ranks of ``group`` read every tensor once between them (each its share, whole, into its device memory)
-    and hand each other the slices their shard rule gives them: a scatter of the owner's tensor along the split
-    dimension, or a broadcast of a tensor every rank keeps whole. Collectives go in the same order on every rank:
+    and hand each other the slices their shard rule gives them: a broadcast of the owner's tensor, of which each rank
+    keeps its slice along the split dimension (or all of it). Collectives go in the same order on every rank:
     the plan depends only on the checkpoint and the rule."""
     import torch.distributed as dist
 
@@ -785,10 +785,13 @@ def _cooperative(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None
                 if dim is None:
                     dist.broadcast(mine, src=src, group=group)
                 else:
-                    parts = None
-                    if owner[i] == me:
-                        parts = [c.contiguous().reshape(-1).view(torch.uint8) for c in whole[i].chunk(world, dim)]
-                    dist.scatter(mine, scatter_list=parts, src=src, group=group)
+                    # The whole tensor to every rank, each keeping its slice: a broadcast runs on the rings the
+                    # group already has, where a scatter (sends and receives) makes NCCL connect every pair of
+                    # ranks first -- a second and more on a process's first load, far more than the bytes cost.
+                    full = whole[i] if owner[i] == me else torch.empty(e.shape, dtype=dt, device=dev)
+                    dist.broadcast(full.reshape(-1).view(torch.uint8), src=src, group=group)
+                    out[e.name].copy_(full.chunk(world, dim)[me])
+                    del full
             del whole
     finally:
         bar.close()
