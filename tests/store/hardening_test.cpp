@@ -195,7 +195,11 @@ TEST(StoreHardening, AReadIsOneVersionOrAnErrorWhileTheFileIsReplaced) {
       if (n == size && buf.find_first_not_of(first) == std::string::npos) ++whole;
       else ++mixed;
     } catch (const error& e) {
-      EXPECT_THAT(e.what(), AnyOf(HasSubstr("the file was replaced since the read began"), HasSubstr("shrank"))) << e.what();
+      // Replaced between pieces, shrunk under the read, or (on a slow machine: sanitizers) replaced while the
+      // server opened it: each an error naming what happened, never a mix.
+      EXPECT_THAT(e.what(), AnyOf(HasSubstr("the file was replaced since the read began"), HasSubstr("shrank"),
+                                  HasSubstr("was replaced while being opened")))
+          << e.what();
       ++refused;
     }
   }
