@@ -108,6 +108,19 @@ class reader {
   std::size_t pos_ = 0;
 };
 
+// A byte string of at most `limit` bytes: u16 length, then the bytes.
+void blob(writer& p, const std::vector<std::uint8_t>& b, std::size_t limit, std::string_view what) {
+  if (b.size() > limit) fail(errc::invalid_argument, "net.encode", std::string(what), fmt::format("longer than {} bytes", limit));
+  p.put(static_cast<std::uint16_t>(b.size()));
+  p.raw(b.data(), b.size());
+}
+// A ticket: empty, or exactly ticket_size bytes.
+std::vector<std::uint8_t> ticket(reader& r) {
+  auto n = r.get<std::uint16_t>("ticket length");
+  if (n != 0 && n != ticket_size) bad(fmt::format("a ticket of {} bytes (want {})", n, ticket_size));
+  return r.bytes(n, "ticket");
+}
+
 std::uint16_t type_of(const body& b) {
   return std::visit(
       [](const auto& v) -> std::uint16_t {
@@ -167,8 +180,14 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.min_version);
           p.put(v.max_version);
           p.put(v.max_outstanding);
-          p.bytes(v.nonce, nonce_size);
+          if (!v.nonce.empty() && v.nonce.size() != nonce_size)
+            fail(errc::invalid_argument, "net.encode", "nonce", fmt::format("{} bytes (0 or {})", v.nonce.size(), nonce_size));
+          blob(p, v.nonce, nonce_size, "nonce");
           p.put(v.lanes);
+          blob(p, v.ticket, ticket_size, "ticket");
+          if (v.ports.size() > max_ports) fail(errc::invalid_argument, "net.encode", "ports", fmt::format("more than {}", max_ports));
+          p.put(static_cast<std::uint8_t>(v.ports.size()));
+          for (auto port : v.ports) p.put(port);
         } else if constexpr (std::is_same_v<T, challenge>) {
           p.bytes(v.nonce, nonce_size);
           p.put(static_cast<std::uint8_t>(v.secret_required));
@@ -179,9 +198,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.put(v.max_request);
           p.put(static_cast<std::uint8_t>(v.writable));
           p.put(v.instance);
-          if (v.ports.size() > max_ports) fail(errc::invalid_argument, "net.encode", "ports", fmt::format("more than {}", max_ports));
-          p.put(static_cast<std::uint8_t>(v.ports.size()));
-          for (auto port : v.ports) p.put(port);
+          blob(p, v.ticket, ticket_size, "ticket");
           p.str(v.lending, max_socket_name, "lending socket");
           p.bytes(v.token, lend_token_size);
         } else if constexpr (std::is_same_v<T, read_req> || std::is_same_v<T, write_req>) {
@@ -288,9 +305,17 @@ message decode(std::span<const std::byte> bytes) {
       v.max_version = r.get<std::uint16_t>("max version");
       if (v.min_version > v.max_version) bad("min version above max version");
       v.max_outstanding = r.get<std::uint32_t>("max outstanding");
-      v.nonce = r.bytes(nonce_size, "nonce");
+      v.nonce = r.bytes(r.get<std::uint16_t>("nonce length"), "nonce");
+      if (!v.nonce.empty() && v.nonce.size() != nonce_size) bad(fmt::format("a nonce of {} bytes (0 or {})", v.nonce.size(), nonce_size));
       v.lanes = r.get<std::uint16_t>("lanes");
-      if (v.lanes == 0 || v.lanes > max_ports + 1) bad(fmt::format("{} lanes (1 to {})", v.lanes, max_ports + 1));
+      if (v.lanes == 0 || v.lanes > max_ports) bad(fmt::format("{} lanes (1 to {})", v.lanes, max_ports));
+      v.ticket = ticket(r);
+      auto n = r.get<std::uint8_t>("port count");
+      if (n > max_ports) bad(fmt::format("{} ports (at most {})", n, max_ports));
+      for (unsigned i = 0; i < n; ++i) {
+        v.ports.push_back(r.get<std::uint16_t>("port"));
+        if (v.ports.back() == 0) bad("port 0");
+      }
       m.b = std::move(v);
       break;
     }
@@ -314,12 +339,7 @@ message decode(std::span<const std::byte> bytes) {
       if (w > 1) bad("writable flag is not 0 or 1");
       v.writable = w == 1;
       v.instance = r.get<std::uint64_t>("instance");
-      auto n = r.get<std::uint8_t>("port count");
-      if (n > max_ports) bad(fmt::format("{} ports (at most {})", n, max_ports));
-      for (unsigned i = 0; i < n; ++i) {
-        v.ports.push_back(r.get<std::uint16_t>("port"));
-        if (v.ports.back() == 0) bad("port 0");
-      }
+      v.ticket = ticket(r);
       v.lending = r.str(max_socket_name, "lending socket");
       v.token = r.bytes(lend_token_size, "lending token");
       m.b = std::move(v);

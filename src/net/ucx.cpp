@@ -217,8 +217,7 @@ void connection::send_reply_space(const message& m, std::size_t n) {
 
 std::string connection::transports() {
   auto self = shared_from_this();
-  return w_.call(
-      [self]() -> std::string {
+  auto text_of = [self]() -> std::string {
         if (!self->ep) return "closed";
         // UCX reports lanes only as text: "lane[0]:  3:tcp/lo.0 md[1] ... am am_bw#0" -- keep the tl/dev names.
         char* text = nullptr;
@@ -250,8 +249,10 @@ std::string connection::transports() {
         std::string out;
         for (auto& t : tls) out += (out.empty() ? "" : ",") + t;
         return out.empty() ? "?" : out;
-      },
-      std::chrono::steady_clock::now() + std::chrono::seconds(5));
+  };
+  // A frame handler (the worker's holder) asks on its own thread; others hand it to the worker.
+  if (w_.owner_.load(std::memory_order_relaxed) == std::this_thread::get_id()) return text_of();
+  return w_.call(text_of, std::chrono::steady_clock::now() + std::chrono::seconds(10));
 }
 
 void connection::close() {
@@ -867,6 +868,8 @@ std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
   // The work owns what it uses: it may run after call() gave up waiting for it.
   return call(
       [this, ss, host, port, accepted = std::move(accepted), admit = std::move(admit)]() mutable -> std::uint16_t {
+        if (listener_) ucp_listener_destroy(listener_);  // one listener per worker: a new one replaces it
+        listener_ = nullptr;
         accepted_ = std::move(accepted);
         admit_ = std::move(admit);
         ucp_listener_params_t lp{};
@@ -881,6 +884,17 @@ std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
         check(ucp_listener_query(listener_, &la), "net.listen", "ucp_listener_query");
         return la.sockaddr.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&la.sockaddr)->sin_port)
                                                 : ntohs(reinterpret_cast<sockaddr_in6*>(&la.sockaddr)->sin6_port);
+      },
+      std::chrono::steady_clock::now() + std::chrono::seconds(10));
+}
+
+void ucx_worker::stop_listening() {
+  call(
+      [this] {
+        if (listener_) ucp_listener_destroy(listener_);
+        listener_ = nullptr;
+        accepted_ = nullptr;
+        admit_ = nullptr;
       },
       std::chrono::steady_clock::now() + std::chrono::seconds(10));
 }

@@ -278,6 +278,8 @@ class ucx_worker {
   // before any endpoint exists (ucp_listener_reject): cheap enough to turn a flood away.
   std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted,
                        std::function<bool(const std::string& peer)> admit = {});
+  // Stops listening: the listener goes, the connections it took stay. Idempotent.
+  void stop_listening();
   // Connects to host:port; the endpoint is usable once this returns.
   std::shared_ptr<connection> connect(const std::string& host, std::uint16_t port, std::chrono::steady_clock::time_point until);
 

@@ -4,6 +4,7 @@
 
 #include "core/logging.hpp"
 #include "store/auth.hpp"
+#include "store/door.hpp"
 
 #include <ferry/core/units.hpp>
 
@@ -24,7 +25,11 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
     ln->index = i;
     ln->w = std::make_unique<ucx_worker>(fmt::format("ferry-client-{}", i), o.spin, ctx);
     auto& w = *ln->w;
-    w.on_frame([this](connection&, message m) { on_frame(std::move(m)); });
+    w.on_frame([this, l = ln.get()](connection& c, message m) {
+      // The server speaks first on a lane it connected: a hello with the door's ticket.
+      if (auto* hi = std::get_if<hello>(&m.b)) return offered(*l, c, std::move(hi->ticket));
+      on_frame(std::move(m));
+    });
     w.on_reply([this](connection&, message m, const std::byte* d, std::size_t n) { on_inline(std::move(m), d, n); });
     auto sink = [](const piece& pc, std::uint64_t off, std::size_t n) -> void* {
       if (!pc.land || pc.write || pc.direct || off > pc.len || n > pc.len - off) return nullptr;
@@ -238,17 +243,39 @@ void client::impl::ensure_connected(clk::time_point until) {
       down_until = now + o.retry_after;
     }
   }
+  std::vector<lane*> down;
   for (auto& ln : lanes) {
     std::shared_ptr<connection> cn;
     {
       std::lock_guard l(mu);
       cn = ln->c;
     }
-    if (cn && cn->alive()) continue;
-    if (connected_once) n_reconnects++;
+    if (!cn || !cn->alive()) down.push_back(ln.get());
+  }
+  if (!down.empty()) {
+    // The lanes listen only while they are connected; what else their listeners took is closed.
+    auto done_listening = [&] {
+      for (lane* ln : down) {
+        ln->w->stop_listening();
+        std::vector<std::shared_ptr<connection>> extra;
+        {
+          std::lock_guard l(mu);
+          for (auto& c : ln->arrived)
+            if (c != ln->c) extra.push_back(c);
+          ln->arrived.clear();
+          ln->offers.clear();
+        }
+        for (auto& c : extra) c->close();
+      }
+    };
     try {
-      connect(*ln, until);
+      welcome pass = knock(down, until);
+      for (lane* ln : down) {
+        if (connected_once) n_reconnects++;
+        connect(*ln, pass, until);
+      }
     } catch (const error& e) {
+      done_listening();
       // Only the server's own failure (refused, reset, unreachable) marks it down: a caller's short
       // deadline running out says nothing about the server.
       if (e.code() == errc::network_error) {
@@ -258,6 +285,7 @@ void client::impl::ensure_connected(clk::time_point until) {
       }
       throw;
     }
+    done_listening();
   }
   {
     std::lock_guard l(mu);
@@ -267,82 +295,90 @@ void client::impl::ensure_connected(clk::time_point until) {
   lanes_checked.store(seen, std::memory_order_release);  // a failure since `seen` is looked at next time
 }
 
-void client::impl::connect(lane& ln, clk::time_point until) {
-  std::uint16_t target = port;
-  if (ln.index > 0) {
-    std::lock_guard l(mu);
-    if (!hello_reply.ports.empty()) target = hello_reply.ports[static_cast<std::size_t>(ln.index - 1) % hello_reply.ports.size()];
-  }
-  if (target == port) return connect_to(ln, port, until);
-  try {
-    return connect_to(ln, target, clk::now() + (until - clk::now()) / 2);  // leaves time for the fallback
-  } catch (const error& e) {
-    log::info("store", "{}: lane {} cannot use the server's port {} ({}); it connects to port {} instead", peer, ln.index,
-              target, e.what(), port);
-  }
-  connect_to(ln, port, until);
+void client::impl::offered(lane& ln, connection& c, std::vector<std::uint8_t> ticket) {
+  std::lock_guard l(mu);
+  ln.offers.emplace_back(c.shared_from_this(), std::move(ticket));
+  cv.notify_all();
 }
 
-void client::impl::connect_to(lane& ln, std::uint16_t to, clk::time_point until) {
-  {
-    std::lock_guard l(mu);
-    if (ln.c) ln.c->close();
-    ln.ready = false;
-    ln.mapped = false;
-    all_mapped = false;
-    buffers.lane_lost(ln.index);
-  }
-  std::shared_ptr<connection> cn;
-  connection* raw = nullptr;
-  message r;
-  auto nonce = detail::random_nonce();
-  // A server flooded by connections that never speak closes some still in their handshake to
-  // make room (FERRY_SERVE_MAX_UNAUTHENTICATED): a connection lost before the hello is answered
-  // is tried again, a few times, within the deadline.
-  for (int attempt = 0;; ++attempt) {
-    // A server that died may leave an attempt without any error: it waits for the welcome at most
-    // FERRY_NET_CONNECT_TIMEOUT, then the server counts as unreachable.
-    const clk::time_point attempt_until = std::min(until, clk::now() + o.connect_timeout);
-    cn = ln.w->connect(host, to, attempt_until);
-    raw = cn.get();
-    cn->on_failure([this, raw](const std::string& why) { conn_failed(raw, why); });
+welcome client::impl::knock(const std::vector<lane*>& down, clk::time_point until) {
+  const std::string me = detail::local_address(host, port);
+  std::vector<std::uint16_t> ports;
+  for (lane* ln : down) {
     {
       std::lock_guard l(mu);
-      ln.c = cn;
+      if (ln->c) ln->c->close();
+      ln->c = nullptr;
+      ln->ready = false;
+      ln->mapped = false;
+      all_mapped = false;
+      buffers.lane_lost(ln->index);
+      ln->arrived.clear();
+      ln->offers.clear();
     }
+    ports.push_back(ln->w->listen(me, 0, [this, ln](std::shared_ptr<connection> c) {
+      std::lock_guard l(mu);
+      ln->arrived.push_back(std::move(c));
+    }));
+  }
+  for (int attempt = 0;; ++attempt) {
+    // A server that died may leave an attempt without any error: it waits for the answer at most
+    // FERRY_NET_CONNECT_TIMEOUT, then the server counts as unreachable.
+    const clk::time_point attempt_until = std::min(until, clk::now() + o.connect_timeout);
     try {
-      r = request({0, 0, hello{1, 1, 64, nonce, static_cast<std::uint16_t>(lanes.size())}}, attempt_until, false, &ln);
-      break;
+      return detail::knock(host, port, o.secret, ports, attempt_until);
     } catch (const error& e) {
-      if (e.code() == errc::timeout && attempt_until < until) {
-        cn->close();
+      if (e.code() == errc::timeout && attempt_until < until)
         throw error(error_info{errc::network_error, "store.connect", peer, "cannot connect to the storage server",
                                fmt::format("no answer to the handshake within {} (FERRY_NET_CONNECT_TIMEOUT): {}",
                                            format_duration(o.connect_timeout), e.what()),
                                0, 0});
-      }
-      auto pause = std::chrono::milliseconds(10 << attempt);
-      if (e.code() != errc::network_error || attempt >= 4 || clk::now() + 2 * pause >= until)
-        throw error(error_info{e.code(), "store.connect", peer, "cannot connect to the storage server", e.what(), 0, 0});
-      cn->close();
+      const auto pause = std::chrono::milliseconds(10 << attempt);
+      // Refused outright (nothing listens) is not worth another try; closed during the handshake is.
+      if (e.code() != errc::network_error || e.sys_errno() == ECONNREFUSED || attempt >= 4 || clk::now() + 2 * pause >= until)
+        throw;
       std::this_thread::sleep_for(pause);
     }
   }
-  if (auto* ch = std::get_if<challenge>(&r.b)) {
-    if (o.secret.empty())
-      fail(errc::permission_denied, "store.connect", peer, "the server requires a shared secret (FERRY_SECRET_FILE)");
-    r = request({0, 0, auth{detail::proof(o.secret, ch->nonce, nonce)}}, until, false, &ln);
-    if (auto* e = std::get_if<error_reply>(&r.b))
-      fail(errc::permission_denied, "store.connect", peer, "authentication refused: " + e->message);
+}
+
+void client::impl::connect(lane& ln, const welcome& pass, clk::time_point until) {
+  // The server's connection to this lane: the one that said hello with the pass's ticket (a
+  // stranger's connection to the lane's port cannot know it).
+  const clk::time_point attempt_until = std::min(until, clk::now() + o.connect_timeout);
+  std::shared_ptr<connection> cn;
+  {
+    std::unique_lock l(mu);
+    auto found = [&] {
+      for (auto& [c, t] : ln.offers)
+        if (c->alive() && detail::proof_matches(pass.ticket, t)) return (cn = c, true);
+      return false;
+    };
+    if (!cv.wait_until(l, attempt_until, found))
+      throw error(error_info{attempt_until < until ? errc::network_error : errc::timeout, "store.connect", peer,
+                             "cannot connect to the storage server",
+                             fmt::format("lane {}: the server did not connect to it within {} (FERRY_NET_CONNECT_TIMEOUT; "
+                                         "the server must reach this host at the address it came from)",
+                                         ln.index, format_duration(o.connect_timeout)),
+                             0, 0});
+    ln.c = cn;
+  }
+  connection* raw = cn.get();
+  cn->on_failure([this, raw](const std::string& why) { conn_failed(raw, why); });
+  if (!cn->alive()) conn_failed(raw, cn->failure());
+  message r;
+  try {
+    r = request({0, 0, hello{1, 1, 64, {}, static_cast<std::uint16_t>(lanes.size()), pass.ticket, {}}},
+                attempt_until, false, &ln);
+  } catch (const error& e) {
+    cn->close();
+    throw error(error_info{e.code() == errc::timeout && attempt_until < until ? errc::network_error : e.code(), "store.connect",
+                           peer, "cannot connect to the storage server", fmt::format("lane {}: {}", ln.index, e.what()), 0, 0});
   }
   if (auto* e = std::get_if<error_reply>(&r.b)) fail(errc::network_error, "store.connect", peer, "refused: " + e->message);
   if (!std::holds_alternative<welcome>(r.b)) fail(errc::protocol_error, "store.connect", peer, "unexpected answer to the handshake");
-  if (ln.index > 0) {
-    std::lock_guard l(mu);
-    if (std::get<welcome>(r.b).instance != hello_reply.instance)
-      fail(errc::protocol_error, "store.connect", fmt::format("{}:{}", host, to),
-           fmt::format("lane {} reached another server than lane 0 (restarted, or another server on that port)", ln.index));
-  }
+  if (std::get<welcome>(r.b).instance != pass.instance)
+    fail(errc::protocol_error, "store.connect", peer, fmt::format("lane {} reached another server than the door that admitted it", ln.index));
   if (ln.index == 0) decide_rma(*cn);
   // The landing region and the caller's buffers (a new session knows none of them), under lend_mu
   // until the lane says what it maps: a region renewed meanwhile is not taken for the one lent here,

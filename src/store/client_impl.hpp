@@ -46,6 +46,10 @@ struct client::impl {
     int index = 0;
     std::unique_ptr<ucx_worker> w;
     std::shared_ptr<connection> c;                // mu
+    // While it is being connected: the connections its listener took (the server's, and any
+    // stranger's), and those that said hello with a ticket (mu).
+    std::vector<std::shared_ptr<connection>> arrived;
+    std::vector<std::pair<std::shared_ptr<connection>, std::vector<std::uint8_t>>> offers;
     std::uint32_t credits = 1, inflight = 0;      // mu
     bool mapped = false;                          // the server mapped our landing region (mu)
     bool ready = false;                           // handshake done, `lending` and `token` set (mu)
@@ -214,12 +218,16 @@ struct client::impl {
   void shutdown();
   // Reconnects lanes that failed since the last look (free when none did).
   void ensure_connected(clk::time_point until);
-  // (Re)connects one lane before `until`. Lane 0 goes to the server's well-known port; the others
-  // to the worker ports its welcome named (each server worker listens on its own port), or, when
-  // such a port cannot be reached (a NAT forwarding only the first, say), to the first port too.
-  void connect(lane& ln, clk::time_point until);
-  // Connects one lane to `to` and completes its handshake (and lends the landing region).
-  void connect_to(lane& ln, std::uint16_t to, clk::time_point until);
+  // The server's door (store/door.hpp): authenticates, names the ports the lanes in `down` listen on
+  // (they listen from here until their connections came), and returns the door's welcome (the ticket).
+  // A door that closes the connection before its answer (a flooded server displaces connections in
+  // their handshake) is tried again a few times within the deadline.
+  welcome knock(const std::vector<lane*>& down, clk::time_point until);
+  // (Re)connects one lane with the door's `pass` before `until`: takes the server's connection that
+  // arrived with the pass's ticket, says hello with it, then lends the landing region.
+  void connect(lane& ln, const welcome& pass, clk::time_point until);
+  // A connection that arrived on a lane's listener said hello with `ticket` (the lane's worker).
+  void offered(lane& ln, connection& c, std::vector<std::uint8_t> ticket);
   // RMA for bulk data: on request, or (auto) when UCX put a transport with real RMA on the lanes.
   void decide_rma(connection& cn);
   // Runs on the lane's worker (its holder), like every handler: the connection's pieces fail.

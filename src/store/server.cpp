@@ -1,6 +1,7 @@
-// The storage server: a few UCX workers (progress threads) for the protocol — each listens on a port
-// of its own and clients spread their lanes over them, so several clients' (or one client's lanes')
-// messages are handled in parallel — and the runtime's file engine (the io layer: io_uring, its
+// The storage server: a door (store/door.hpp: its TCP port, where clients authenticate), a few UCX
+// workers (progress threads) for the protocol -- after a client authenticated, they connect to its
+// lanes, spread over the workers, so several clients' (or one client's lanes') messages are handled
+// in parallel -- and the runtime's file engine (the io layer: io_uring, its
 // O_DIRECT policy and size checks, its threads, shared with the rest of the process) for file data.
 // Small reads are served inline on the progress thread (one reply message); larger reads and all
 // writes are requests of the file engine whose completions carry the work on (send, answer, next
@@ -17,6 +18,7 @@
 #include "core/logging.hpp"
 #include "net/ucx.hpp"
 #include "store/auth.hpp"
+#include "store/door.hpp"
 #include "store/lending.hpp"
 
 #include <dirent.h>
@@ -385,21 +387,19 @@ struct server::impl {
     std::atomic<int> outstanding{0};
     worker_counts* counts = nullptr;  // its worker's
     std::atomic<bool> welcomed{false};  // the handshake is complete (read by the janitor too)
-    std::atomic<bool> spoke{false};     // it sent a frame
+    std::vector<std::uint8_t> ticket;   // the door's, which the client's hello must present
+    std::string rma_transports;         // the lane's transports when they have remote memory access (verbs), else empty
     // Connection limits (the janitor reads these under sess_mu; `last` is written per request).
     std::weak_ptr<connection> conn;
     std::string peer_addr;              // the peer's address without its port
     clk::time_point since;              // accepted
     std::atomic<std::int64_t> last{0};  // coarse time of the last request, ns
     bool closing = false;               // a close was asked for (sess_mu)
-    int auth_failures = 0;              // its worker's thread only
-    bool auth_waiting = false;          // an answer waits for its turn (auth_mu)
     // RMA operations in flight, and the coarse time (ns) one last started or finished: the janitor
     // closes a connection whose RMA makes no progress (rma_timeout).
     std::atomic<int> rma_running{0};
     std::atomic<std::int64_t> rma_progress{0};
     unsigned lanes = 1;  // the client's, from its hello
-    std::vector<std::uint8_t> client_nonce, server_nonce;  // pending challenge
     // The file its last small read used, until the file cache would reopen it (its worker's thread only).
     std::string last_path;
     std::shared_ptr<open_file> last_file;
@@ -457,26 +457,10 @@ struct server::impl {
   std::atomic<int> io_in_flight{0};
   std::condition_variable io_cv;  // with `mu`
   data_buffers buffers{o.chunk, 32};
-  std::atomic<std::size_t> rotation{0};     // where the next client's further lanes start among the other workers
-  std::vector<std::uint16_t> ports;          // each worker's listening port (ports[0] = the well-known one)
+  std::atomic<std::size_t> rotation{0};     // where the next client's lanes start among the workers
   std::unique_ptr<std::atomic<std::uint64_t>[]> per_worker;  // connections each worker took
   std::uint16_t port = 0;
   std::uint64_t instance = 0;                // random per start: a client's lanes check they reached one server
-  // Answers to the challenge are checked at most o.auth_rate per second, server-wide (a token
-  // bucket holding a second's worth); those past it wait in arrival order and the janitor hands them
-  // to their workers as tokens come. A guesser is slowed, and every client with it, alike; none is
-  // refused for its address (a ban locked out every client of a shared address, and refusing
-  // connection requests at that rate aborted UCX 1.13's connection manager).
-  struct waiting_auth {
-    std::weak_ptr<session> sess;  // gone (closed, displaced): its turn is skipped, no token spent
-    std::weak_ptr<connection> conn;
-    std::uint64_t rid;
-    std::vector<std::uint8_t> mac;
-  };
-  std::mutex auth_mu;
-  double auth_tokens = 0;
-  clk::time_point auth_refilled = clk::now();
-  std::deque<waiting_auth> auth_queue;  // auth_mu; at most one per session (auth_waiting)
   // Open writes by handle; any of a client's lanes may fill one (the handle is the capability),
   // the session that opened it owns it.
   std::mutex txn_mu;
@@ -493,9 +477,10 @@ struct server::impl {
       fail(errc::invalid_argument, "store.write", printable(path), fmt::format("the handle belongs to '{}'", printable(it->second->path())));
     return it->second;
   }
-  std::atomic<std::uint64_t> refused{0}, closed_handshake{0}, closed_idle{0}, auth_failures{0}, commits{0};
+  std::atomic<std::uint64_t> refused{0}, closed_handshake{0}, closed_idle{0}, commits{0};
   std::thread janitor_thread;  // closes connections past their handshake or idle time
-  std::vector<std::unique_ptr<ucx_worker>> workers;  // last: stopped first
+  std::vector<std::unique_ptr<ucx_worker>> workers;  // stopped after the door
+  std::unique_ptr<detail::door> front;               // last: stopped first (no new client meanwhile)
 
   impl(file_engine& engine, server_options opt) : o(std::move(opt)), io(engine), root(o.root), files(root, o.fd_cache_ttl) {
     if (o.writable && o.secret.empty() && !o.insecure)
@@ -514,78 +499,20 @@ struct server::impl {
     }
     per_worker = std::make_unique<std::atomic<std::uint64_t>[]>(workers.size());
     counts = std::make_unique<worker_counts[]>(workers.size());
-    auto accepted = [this](std::shared_ptr<connection> c) {
-      connections++;
-      std::size_t wi = 0;
-      for (std::size_t i = 0; i < workers.size(); ++i)
-        if (workers[i].get() == &c->worker()) per_worker[wi = i]++;
-      {
-        std::lock_guard l(sess_mu);
-        auto& s = sessions[c.get()];
-        s = std::make_shared<session>();
-        s->counts = &counts[wi];
-        s->conn = c;
-        s->peer_addr = host_of(c->peer());
-        s->since = clk::now();
-        s->last = coarse_now().time_since_epoch().count();
-        c->user = s.get();  // for session_of (the map keeps it; cleared when it goes)
-        // Room for this one among connections still in their handshake.
-        std::size_t waiting = 0;
-        for (auto& [k, x] : sessions) waiting += !x->welcomed && !x->closing;
-        if (waiting > static_cast<std::size_t>(o.max_unauthenticated)) {
-          if (session* v = victim_locked()) {
-            closed_handshake++;
-            close_locked(*v, "displaced: too many connections in their handshake (FERRY_SERVE_MAX_UNAUTHENTICATED)");
-          }
-        }
-      }
-      // A client that dies or leaves: its session goes; running jobs hold their own reference.
-      connection* raw = c.get();
-      c->on_failure([this, raw](const std::string& why) {
-        std::shared_ptr<session> s;
-        {
-          std::lock_guard l(sess_mu);
-          auto it = sessions.find(raw);
-          if (it != sessions.end()) s = std::move(it->second), sessions.erase(it);
-          if (s && !s->token.empty()) by_token.erase(s->token);
-        }
-        raw->user = nullptr;  // runs where the connection's frames are handled (the worker's holder)
-        if (s) {
-          std::lock_guard l(txn_mu);  // its open writes go: their targets stay as they were
-          std::erase_if(txns, [&](const auto& kv) { return kv.second->owner == s.get(); });
-        }
-        // Freed only after the handler that may be running returns (a send from it can be what
-        // failed): frame handlers use the session by plain pointer.
-        if (s) raw->worker().post([s = std::move(s)] {});
-        log::info("store", "client {} gone: {}", raw->peer(), why);
-      });
-      log::info("store", "client {} connected on {}", c->peer(), c->worker().name());
-    };
     auto nonce = detail::random_nonce();
     std::memcpy(&instance, nonce.data(), sizeof instance);
-    // Every worker listens: the first on the well-known port, the others on the ports after it (or on
-    // free ports when the first is), which welcomes name so that clients spread their further lanes
-    // over them. Connections are never handed between workers (see ucx_worker::listen).
     raise_descriptor_limit();
-    for (std::size_t i = 0; i < workers.size(); ++i) {
-      std::uint16_t want = 0;
-      if (o.port != 0) {
-        if (o.port + i > 65535)
-          fail(errc::invalid_argument, "store.serve", fmt::format("{}:{}", o.host, o.port),
-               fmt::format("{} workers need ports {} to {} (FERRY_SERVE_WORKERS)", workers.size(), o.port, o.port + workers.size() - 1));
-        want = static_cast<std::uint16_t>(o.port + i);
-      }
-      try {
-        ports.push_back(workers[i]->listen(o.host, want, accepted, [this](const std::string& peer) { return admit(peer); }));
-      } catch (const error& e) {
-        if (i == 0) throw;
-        throw error(error_info{e.code(), "store.serve", fmt::format("{}:{}", o.host, want),
-                               fmt::format("worker {} cannot listen (each of the {} workers listens on its own port; "
-                                           "FERRY_SERVE_WORKERS=1 uses one port only)", i, workers.size()),
-                               e.what(), e.sys_errno(), 0});
-      }
-    }
-    port = ports[0];
+    detail::door_limits lim;
+    lim.max_waiting = o.max_unauthenticated;
+    lim.deadline = o.handshake_timeout;
+    lim.auth_rate = o.auth_rate;
+    lim.auth_failures = o.auth_failures;
+    lim.secret = o.secret;
+    front = std::make_unique<detail::door>(o.host, o.port, std::move(lim),
+                                           [this](const std::string& host, const std::string& peer, const std::vector<std::uint16_t>& lanes) {
+                                             return issue(host, peer, lanes);
+                                           });
+    port = front->port();
     // Last: a constructor that threw above leaves no running thread behind.
     if (o.map) {
       try {
@@ -612,6 +539,7 @@ struct server::impl {
     return true;
   }
   ~impl() {
+    front.reset();  // no new client from here on
     {
       std::lock_guard l(mu);
       stopping = true;
@@ -646,27 +574,6 @@ struct server::impl {
       ::setrlimit(RLIMIT_NOFILE, &r);
     }
   }
-  // The connection to displace when too many are in their handshake: one that has not said anything
-  // yet, picked at random -- a client that just connected and is about to speak survives a flood
-  // of silent connections with good odds, whatever their order -- else the oldest that spoke but
-  // has not finished. Null when every connection is authenticated. sess_mu held.
-  session* victim_locked() {
-    session* silent = nullptr;
-    session* oldest = nullptr;
-    std::size_t n_silent = 0;
-    for (auto& [k, x] : sessions) {
-      if (x->welcomed || x->closing) continue;
-      if (!x->spoke) {
-        victim_rng = victim_rng * 6364136223846793005ull + 1442695040888963407ull;
-        if ((victim_rng >> 33) % ++n_silent == 0) silent = x.get();  // reservoir: each equally likely
-      } else if (!oldest || x->since < oldest->since) {
-        oldest = x.get();
-      }
-    }
-    return silent ? silent : oldest;
-  }
-  std::uint64_t victim_rng = 0x853c49e6748fea9bull;  // sess_mu
-
   // Closes a session's connection (its session goes when the close is seen). sess_mu held.
   void close_locked(session& s, const std::string& why) {
     if (s.closing) return;
@@ -676,73 +583,84 @@ struct server::impl {
       c->close();
     }
   }
-  // Asked before a connection request becomes an endpoint: refused when the server is full and no
-  // connection still in its handshake can make room.
-  bool admit(const std::string& peer) {
-    std::lock_guard l(sess_mu);
-    std::size_t live = 0;
-    for (auto& [k, x] : sessions) live += !x->closing;
-    if (live < static_cast<std::size_t>(o.max_connections)) return true;
-    session* victim = victim_locked();
-    if (!victim) {
-      if (refused++ % 1000 == 0)
-        log::warn("store", "refusing {}: {} connections, all authenticated (FERRY_SERVE_MAX_CONNECTIONS)", peer, live);
-      return false;
-    }
-    closed_handshake++;
-    close_locked(*victim, "displaced: the server is at FERRY_SERVE_MAX_CONNECTIONS");
-    return true;
-  }
-  // A token for checking one answer now (auth_mu held): the bucket refills at o.auth_rate per second
-  // up to one second's worth.
-  bool auth_token_locked() {
-    const auto now = clk::now();
-    const double rate = std::max(1, o.auth_rate);
-    auth_tokens = std::min(rate, auth_tokens + rate * std::chrono::duration<double>(now - auth_refilled).count());
-    auth_refilled = now;
-    if (auth_tokens < 1) return false;
-    auth_tokens -= 1;
-    return true;
-  }
-  // Hands waiting answers to their connections' workers while tokens last (the janitor's round).
-  void judge_waiting() {
-    std::vector<waiting_auth> now;
+  // A connection to a client's lane, made for the door's ticket: its session (the client's hello
+  // must present that ticket), and its end when the connection goes.
+  void adopt_session(const std::shared_ptr<connection>& c, const std::vector<std::uint8_t>& ticket) {
+    connections++;
+    std::size_t wi = 0;
+    for (std::size_t i = 0; i < workers.size(); ++i)
+      if (workers[i].get() == &c->worker()) per_worker[wi = i]++;
     {
-      std::lock_guard l(auth_mu);
-      while (!auth_queue.empty()) {
-        if (!auth_queue.front().sess.expired() && !auth_token_locked()) break;
-        if (!auth_queue.front().sess.expired()) now.push_back(std::move(auth_queue.front()));
-        auth_queue.pop_front();
-      }
+      std::lock_guard l(sess_mu);
+      auto& s = sessions[c.get()];
+      s = std::make_shared<session>();
+      s->counts = &counts[wi];
+      s->conn = c;
+      s->peer_addr = host_of(c->peer());
+      s->since = clk::now();
+      s->last = coarse_now().time_since_epoch().count();
+      s->ticket = ticket;
+      c->user = s.get();  // for session_of (the map keeps it; cleared when it goes)
     }
-    for (auto& w : now)
-      if (auto c = w.conn.lock())
-        c->worker().post([this, c, rid = w.rid, mac = std::move(w.mac)] {
-          if (auto* s = static_cast<session*>(c->user)) judge(*c, *s, rid, mac);
-        });
-  }
-  // Checks an answer to the challenge (on the connection's worker): welcome, or an error and, after
-  // o.auth_failures of them, the close.
-  void judge(connection& c, session& s, std::uint64_t rid, const std::vector<std::uint8_t>& mac) {
-    {
-      std::lock_guard l(auth_mu);
-      s.auth_waiting = false;
-    }
-    bool ok = !o.secret.empty() && !s.server_nonce.empty() &&
-              detail::proof_matches(detail::proof(o.secret, s.server_nonce, s.client_nonce), mac);
-    s.server_nonce.clear();  // one answer per challenge
-    if (!ok) {
-      auth_failures++;
-      if (++s.auth_failures == 1) log::warn("store", "client {} failed to authenticate", c.peer());
-      reply_error(c, rid, error(errc::permission_denied, "store.auth", c.peer(), "authentication failed (wrong secret?)"));
-      if (s.auth_failures >= o.auth_failures) {
+    // A client that dies or leaves: its session goes; running jobs hold their own reference.
+    connection* raw = c.get();
+    c->on_failure([this, raw](const std::string& why) {
+      std::shared_ptr<session> s;
+      {
         std::lock_guard l(sess_mu);
-        close_locked(s, fmt::format("{} failed authentications", s.auth_failures));
+        auto it = sessions.find(raw);
+        if (it != sessions.end()) s = std::move(it->second), sessions.erase(it);
+        if (s && !s->token.empty()) by_token.erase(s->token);
       }
-      return;
+      raw->user = nullptr;  // runs where the connection's frames are handled (the worker's holder)
+      if (s) {
+        std::lock_guard l(txn_mu);  // its open writes go: their targets stay as they were
+        std::erase_if(txns, [&](const auto& kv) { return kv.second->owner == s.get(); });
+      }
+      // Freed only after the handler that may be running returns (a send from it can be what
+      // failed): frame handlers use the session by plain pointer.
+      if (s) raw->worker().post([s = std::move(s)] {});
+      log::info("store", "client {} gone: {}", raw->peer(), why);
+    });
+    log::info("store", "client {} connected on {}", c->peer(), c->worker().name());
+  }
+  // For a client the door admitted: a ticket, and a connection from a worker to each of the ports its
+  // lanes listen on (rotated over the workers so that all clients' lanes spread evenly), each told the
+  // ticket first. A lane that cannot be reached is left out: the client's lane waits for it in vain and
+  // knocks again. Door thread.
+  welcome issue(const std::string& host, const std::string& peer, const std::vector<std::uint16_t>& lanes) {
+    {
+      std::lock_guard l(sess_mu);
+      std::size_t live = 0;
+      for (auto& [k, x] : sessions) live += !x->closing;
+      if (live + lanes.size() > static_cast<std::size_t>(o.max_connections)) {
+        if (refused++ % 1000 == 0) log::warn("store", "refusing {}: {} connections (FERRY_SERVE_MAX_CONNECTIONS)", peer, live);
+        fail(errc::busy, "store.connect", peer, fmt::format("the server holds {} connections (FERRY_SERVE_MAX_CONNECTIONS)", live));
+      }
     }
-    s.welcomed = true;
-    c.send_frame({rid, o.max_outstanding, welcome_msg(c, s.lanes)});
+    welcome w;
+    w.instance = instance;
+    auto t = detail::random_nonce();
+    w.ticket.assign(t.begin(), t.begin() + ticket_size);
+    const auto until = clk::now() + o.handshake_timeout;
+    const std::size_t start = rotation.fetch_add(lanes.size());
+    for (std::size_t i = 0; i < lanes.size(); ++i) {
+      auto& wk = *workers[(start + i) % workers.size()];
+      std::shared_ptr<connection> c;
+      try {
+        c = wk.connect(host, lanes[i], until);
+      } catch (const error& e) {
+        log::info("store", "cannot connect to a lane of {} at port {}: {}", peer, lanes[i], e.what());
+        continue;
+      }
+      adopt_session(c, w.ticket);
+      try {
+        c->send_frame({0, 0, hello{1, 1, 0, {}, 1, w.ticket, {}}});
+      } catch (const error& e) {
+        log::debug("store", "lane of {} lost before its hello: {}", peer, e.what());
+      }
+    }
+    return w;
   }
   // Closes connections that did not complete their handshake in time, and idle ones; takes the
   // descriptors clients pass on the lending socket.
@@ -756,7 +674,6 @@ struct server::impl {
         std::unique_lock l(mu);
         if (cv_janitor.wait_for(l, std::chrono::milliseconds(100), [&] { return stopping; })) return;
       }
-      judge_waiting();
       auto now = clk::now();
       auto coarse = coarse_now().time_since_epoch().count();
       std::lock_guard l(sess_mu);
@@ -855,9 +772,8 @@ struct server::impl {
     } catch (...) {
     }
   }
-  // The other workers' ports, rotated past the further lanes of each client that arrives on the first
-  // worker, so that all clients' further lanes together spread evenly over them.
-  welcome welcome_msg(connection& c, unsigned lanes) {
+  // A lane's welcome: its limits and, for a same-host client, where it lends memory.
+  welcome welcome_msg(connection& c) {
     welcome w;
     w.credits = o.max_outstanding;
     w.max_request = o.max_request;
@@ -875,11 +791,6 @@ struct server::impl {
         w.token = s->token;
       }
     }
-    if (ports.size() > 1) {
-      std::size_t others = ports.size() - 1;
-      std::size_t start = &c.worker() == workers[0].get() ? rotation.fetch_add(lanes - 1) % others : 0;
-      for (std::size_t k = 0; k < others; ++k) w.ports.push_back(ports[1 + (start + k) % others]);
-    }
     return w;
   }
 
@@ -891,35 +802,25 @@ struct server::impl {
     auto* s = static_cast<session*>(c.user);
     if (!s) return;
     s->last.store(coarse_now().time_since_epoch().count(), std::memory_order_relaxed);
-    if (!s->welcomed.load(std::memory_order_relaxed)) s->spoke.store(true, std::memory_order_relaxed);
     std::uint64_t rid = m.request_id;
+    // A lane's hello presents the ticket the door gave its client (the one this connection was made
+    // for); the secret was checked at the door.
     if (auto* h = std::get_if<hello>(&m.b)) {
       s->lanes = h->lanes;
-      if (o.secret.empty()) {
+      if (!s->welcomed) {
+        if (s->ticket.empty() || !detail::proof_matches(s->ticket, h->ticket)) {
+          reply_error(c, rid, error(errc::permission_denied, "store.connect", c.peer(), "not the ticket this lane was connected for"));
+          std::lock_guard l(sess_mu);
+          close_locked(*s, "a hello with another ticket");
+          return;
+        }
+        // RMA requests carry the client's packed keys, which UCX parses without bounds of its own:
+        // taken only where RMA is real (verbs), as the client decides it (client::impl::decide_rma).
+        const std::string t = c.transports();
+        if (t.find("rc_") != std::string::npos || t.find("dc_") != std::string::npos) s->rma_transports = t;
         s->welcomed = true;
-        c.send_frame({rid, o.max_outstanding, welcome_msg(c, s->lanes)});
-      } else {
-        s->client_nonce = h->nonce;
-        s->server_nonce = detail::random_nonce();
-        c.send_frame({rid, 0, challenge{s->server_nonce, true}});
       }
-      return;
-    }
-    if (auto* a = std::get_if<auth>(&m.b)) {
-      {
-        std::lock_guard l(auth_mu);
-        if (s->auth_waiting) {  // one answer in line per connection: a second is not queued
-          reply_error(c, rid, error(errc::protocol_error, "store.auth", c.peer(), "an answer to the challenge is already waiting"));
-          return;
-        }
-        if (!auth_queue.empty() || !auth_token_locked()) {
-          s->auth_waiting = true;
-          auth_queue.push_back({s->weak_from_this(), s->conn, rid, std::move(a->mac)});
-          cv_janitor.notify_all();
-          return;
-        }
-      }
-      judge(c, *s, rid, a->mac);
+      c.send_frame({rid, o.max_outstanding, welcome_msg(c)});
       return;
     }
     if (!s->welcomed) {
@@ -1101,6 +1002,8 @@ struct server::impl {
     const char* op = write ? "store.write" : "store.read";
     if (length > o.max_request)
       fail(errc::out_of_range, op, path, fmt::format("request of {} bytes exceeds the limit {}", length, o.max_request));
+    if (s->rma_transports.empty())
+      fail(errc::not_supported, op, c.peer(), fmt::format("RMA needs a lane with remote memory access (verbs); this one has {}", c.transports()));
     auto key = c.unpack_rkey(std::as_bytes(std::span(rkey.data(), rkey.size())));
     if (!key) fail(errc::protocol_error, op, c.peer(), "the client's rkey cannot be unpacked on this endpoint");
     auto r = std::make_shared<rma_op>();
@@ -1559,7 +1462,6 @@ server_options server_options_from(const settings& s) {
 server::server(file_engine& io, server_options o) : impl_(std::make_unique<impl>(io, std::move(o))) {}
 server::~server() = default;
 std::uint16_t server::port() const noexcept { return impl_->port; }
-std::vector<std::uint16_t> server::ports() const { return impl_->ports; }
 namespace {
 std::vector<std::uint64_t> per_worker(const server::impl& i) {
   std::vector<std::uint64_t> v;
@@ -1576,8 +1478,9 @@ server_stats server::stats() const {
     std::lock_guard t(i.txn_mu);
     open_writes = i.txns.size();
   }
-  std::uint64_t mapped = 0, unauthenticated = 0;
-  for (auto& [c, s] : i.sessions) mapped += s->mapped.load(), unauthenticated += !s->welcomed;
+  std::uint64_t mapped = 0;
+  for (auto& [c, s] : i.sessions) mapped += s->mapped.load();
+  const detail::door_counts door = i.front ? i.front->counts() : detail::door_counts{};
   server::impl::worker_counts sum;  // the workers' own counts
   for (std::size_t k = 0; k < i.workers.size(); ++k) {
     auto& w = i.counts[k];
@@ -1604,11 +1507,11 @@ server_stats server::stats() const {
           i.rma_puts.load(),
           i.rma_gets.load(),
           per_worker(i),
-          unauthenticated,
+          door.waiting,
           i.refused.load(),
-          i.closed_handshake.load(),
+          door.displaced + door.closed_deadline + i.closed_handshake.load(),
           i.closed_idle.load(),
-          i.auth_failures.load(),
+          door.auth_failures,
           open_writes,
           i.commits.load(),
           sum.notify_records.value()};

@@ -22,11 +22,11 @@ std::vector<std::uint8_t> bytes32(std::uint8_t v) { return std::vector<std::uint
 
 std::vector<message> samples() {
   return {
-      {1, 0, hello{1, 1, 64, bytes32(7), 4}},
+      {1, 0, hello{1, 1, 64, bytes32(7), 4, std::vector<std::uint8_t>(ticket_size, 5), {40001, 40002, 40003, 40004}}},
       {2, 0, challenge{bytes32(9), true}},
       {3, 0, auth{bytes32(1)}},
-      {4, 16, welcome{16, 1ull << 30, true, 0x5eed5eed5eed5eedull, {40001, 40002, 40003}, "ferry-serve-5eed-42",
-                      std::vector<std::uint8_t>(lend_token_size, 0xab)}},
+      {4, 16, welcome{16, 1ull << 30, true, 0x5eed5eed5eed5eedull, std::vector<std::uint8_t>(ticket_size, 0xcd),
+                      "ferry-serve-5eed-42", std::vector<std::uint8_t>(lend_token_size, 0xab)}},
       {5, 0, read_req{"data/shard-0001.bin", 1ull << 33, 4096}},
       {6, 0, write_req{"out/x", 7, 9, 0x1234567890abcdefull}},
       {7, 0, stat_req{"a"}},
@@ -83,7 +83,7 @@ TEST(Protocol, EveryMessageRoundTrips) {
   bad_end.back() = std::byte{7};
   EXPECT_THAT(test::error_text([&] { decode(bad_end); }), HasSubstr("unknown write end 7"));
   auto w = std::get<welcome>(decode(encode(samples()[3])).b);
-  EXPECT_EQ(w, std::get<welcome>(samples()[3].b)) << "instance and worker ports survive the wire";
+  EXPECT_EQ(w, std::get<welcome>(samples()[3].b)) << "instance and ticket survive the wire";
   EXPECT_EQ(types.size(), std::variant_size_v<body>) << "a message type without a sample (and so without a fuzz seed)";
 }
 
@@ -106,36 +106,36 @@ TEST(Protocol, EncodingIntoAReusedBufferGivesTheSameBytes) {
   EXPECT_EQ(buf, encode(all[0]));
 }
 
-TEST(Protocol, HandshakeLanesAndPortsAreChecked) {
+TEST(Protocol, HandshakeLanesPortsAndTicketsAreChecked) {
   auto text = [](std::vector<std::byte> f) { return test::error_text([&] { decode(f); }); };
-  // Layout after the header: credits u32, max_request u64, writable u8, instance u64, count u8, ports u16.
-  constexpr std::size_t count_at = header_size + 4 + 8 + 1 + 8;
-  auto wel = [](std::vector<std::uint16_t> ports) {
-    welcome w;
-    w.credits = 1;
-    w.max_request = 1;
-    w.instance = 7;
-    w.ports = std::move(ports);
-    return w;
+  // A hello's layout after the header: min u16, max u16, max_outstanding u32, nonce (u16 length +
+  // bytes), lanes u16, ticket (u16 length + bytes), port count u8, ports u16 each.
+  constexpr std::size_t lanes_at = header_size + 2 + 2 + 4 + 2 + nonce_size;
+  constexpr std::size_t ticket_at = lanes_at + 2;
+  auto hi = [](std::vector<std::uint8_t> ticket, std::vector<std::uint16_t> ports) {
+    return encode({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(nonce_size, 1), static_cast<std::uint16_t>(ports.size()),
+                               std::move(ticket), std::move(ports)}});
   };
-  auto many = encode({1, 0, wel({1000})});
-  many[count_at] = std::byte{200};
+  auto zero_lanes = hi({}, {1000});
+  zero_lanes[lanes_at] = zero_lanes[lanes_at + 1] = std::byte{0};
+  EXPECT_THAT(text(zero_lanes), HasSubstr("0 lanes (1 to 64)"));
+  auto many = hi({}, {1000});
+  many[ticket_at + 2] = std::byte{200};  // the port count (the ticket is empty)
   EXPECT_THAT(text(many), HasSubstr("200 ports (at most 64)"));
-  auto zero = encode({1, 0, wel({1000})});
-  zero[count_at + 1] = zero[count_at + 2] = std::byte{0};
+  auto zero = hi({}, {1000});
+  zero[ticket_at + 3] = zero[ticket_at + 4] = std::byte{0};
   EXPECT_THAT(text(zero), HasSubstr("port 0"));
-  auto listed = wel({1000, 1001});
-  listed.lending = "a";
-  listed.token.assign(lend_token_size, 0x11);
-  auto short_list = encode({1, 0, listed});
-  short_list[count_at] = std::byte{64};  // claims more ports than the frame holds
+  auto short_list = hi({}, {1000, 1001});
+  short_list[ticket_at + 2] = std::byte{64};  // claims more ports than the frame holds
   EXPECT_THAT(text(short_list), HasSubstr("truncated port"));
-  EXPECT_THAT(test::error_text([&] { encode({1, 0, wel(std::vector<std::uint16_t>(max_ports + 1, 9))}); }),
-              HasSubstr("ports"));
-  // A hello's lane count: 1 to 65.
-  auto h = encode({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(nonce_size, 1), 4}});
-  h[header_size + 2 + 2 + 4 + nonce_size] = h[header_size + 2 + 2 + 4 + nonce_size + 1] = std::byte{0};
-  EXPECT_THAT(text(h), HasSubstr("0 lanes (1 to 65)"));
+  auto odd_ticket = hi(std::vector<std::uint8_t>(ticket_size, 9), {1000});
+  odd_ticket[ticket_at] = std::byte{ticket_size - 1};
+  EXPECT_THAT(text(odd_ticket), HasSubstr("a ticket of 15 bytes (want 16)"));
+  EXPECT_THAT(test::error_text([&] { hi({}, std::vector<std::uint16_t>(max_ports + 1, 9)); }), HasSubstr("ports"));
+  EXPECT_THAT(test::error_text([&] { hi(std::vector<std::uint8_t>(ticket_size + 1, 9), {1}); }), HasSubstr("ticket"));
+  auto odd_nonce = hi({}, {1000});
+  odd_nonce[header_size + 8] = std::byte{nonce_size - 1};
+  EXPECT_THAT(text(odd_nonce), HasSubstr("nonce"));
 }
 
 TEST(Protocol, LentRegionsAndDirectRequestsAreBoundsChecked) {

@@ -4,6 +4,7 @@
 #include <ferry/store/service.hpp>
 
 #include "net/ucx.hpp"
+#include "store/door.hpp"
 #include "store/lending.hpp"
 #include "support/errors.hpp"
 #include "support/server_io.hpp"
@@ -31,20 +32,35 @@ using clk = std::chrono::steady_clock;
 
 namespace {
 
-// Collects whatever frames come back on a raw connection.
+// Collects whatever frames come back on a raw lane: it listens, knocks at the server's door naming
+// its port, and takes the server's connection (which says hello with the door's ticket first).
 struct raw_client {
   ucx_worker w{"hostile"};
+  welcome pass;
   std::shared_ptr<connection> c;
+  std::vector<std::uint8_t> offered;  // the ticket the server's connection said hello with
   std::mutex mu;
   std::condition_variable cv;
   std::vector<message> got;
   raw_client(std::uint16_t port) {
-    w.on_frame([this](connection&, message m) {
+    w.on_frame([this](connection& cn, message m) {
       std::lock_guard l(mu);
-      got.push_back(std::move(m));
+      if (auto* h = std::get_if<hello>(&m.b); h && !c) {
+        c = cn.shared_from_this();
+        offered = h->ticket;
+      } else {
+        got.push_back(std::move(m));
+      }
       cv.notify_all();
     });
-    c = w.connect("127.0.0.1", port, clk::now() + std::chrono::seconds(5));
+    const auto lane = w.listen("127.0.0.1", 0, [](std::shared_ptr<connection>) {});
+    pass = store::detail::knock("127.0.0.1", port, "", {lane}, clk::now() + std::chrono::seconds(5));
+    std::unique_lock l(mu);
+    if (!cv.wait_for(l, std::chrono::seconds(5), [&] { return c != nullptr; }))
+      throw std::runtime_error("the server did not connect to the raw lane");
+  }
+  message hello_frame(std::uint64_t rid, std::vector<std::uint8_t> ticket = {}) {
+    return {rid, 0, hello{1, 1, 64, {}, 1, ticket.empty() ? pass.ticket : ticket, {}}};
   }
   // Sends raw bytes as a frame AM (bypassing the encoder).
   void send_raw(std::vector<std::byte> bytes) {
@@ -64,7 +80,7 @@ struct raw_client {
   }
   // The handshake (no secret): the server's welcome, or an empty one if none came.
   welcome greet() {
-    c->send_frame({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(32, 1)}});
+    c->send_frame(hello_frame(1));
     if (!wait_for(1)) return {};
     std::lock_guard l(mu);
     auto* wm = std::get_if<welcome>(&got[0].b);
@@ -112,7 +128,8 @@ TEST(StoreHostile, RequestsBeforeTheHandshakeOversizeAndOverCreditAreRefused) {
   ASSERT_TRUE(h.wait_for(1));
   ASSERT_TRUE(std::holds_alternative<error_reply>(h.got[0].b));
   EXPECT_THAT(std::get<error_reply>(h.got[0].b).message, HasSubstr("request before the handshake"));
-  h.c->send_frame({2, 0, hello{1, 1, 64, std::vector<std::uint8_t>(32, 1)}});
+  EXPECT_EQ(h.offered, h.pass.ticket) << "the server's connection names the door's ticket first";
+  h.c->send_frame(h.hello_frame(2));
   ASSERT_TRUE(h.wait_for(2));
   ASSERT_TRUE(std::holds_alternative<welcome>(h.got[1].b));
   EXPECT_EQ(std::get<welcome>(h.got[1].b).credits, 2u);
@@ -382,63 +399,17 @@ TEST(StoreHostile, ARefusalNamesItsCodeOnce) {
   EXPECT_EQ(t.find("[out_of_range]", first + 1), std::string::npos) << t;
 }
 
-// A stand-in server whose welcome names ports of our choosing for the client's further lanes.
-struct fake_server {
-  ucx_worker w{"fake-server"};
-  std::vector<std::uint16_t> lane_ports;
-  std::atomic<int> hellos{0};
-  std::vector<std::shared_ptr<connection>> conns;  // the worker's thread
-  std::uint16_t port = 0;
-  explicit fake_server(std::vector<std::uint16_t> ports) : lane_ports(std::move(ports)) {
-    w.on_frame([this](connection& c, message m) {
-      if (std::holds_alternative<hello>(m.b)) {
-        hellos++;
-        welcome wm;
-        wm.credits = 4;
-        wm.max_request = 1 << 20;
-        wm.instance = 7;
-        wm.ports = lane_ports;
-        c.send_frame({m.request_id, 4, wm});
-      } else if (std::holds_alternative<stat_req>(m.b)) {
-        c.send_frame({m.request_id, 0, stat_reply{123, 0100644, 0}});
-      } else {
-        c.send_frame({m.request_id, 0, error_reply{95, "not in this fake"}});
-      }
-    });
-    port = w.listen("127.0.0.1", 0, [this](std::shared_ptr<connection> c) { conns.push_back(std::move(c)); });
-  }
-};
-
-store::client_options two_lanes() {
-  store::client_options o;
-  o.lanes = 2;
-  o.map = false;
-  o.timeout = std::chrono::seconds(10);
-  return o;
-}
-
-TEST(StoreLanes, ALaneWhosePortCannotBeReachedUsesTheFirstPort) {
-  // A port nobody listens on (a NAT that forwards only the well-known port looks the same).
-  std::uint16_t closed;
-  {
-    ucx_worker probe{"probe"};
-    closed = probe.listen("127.0.0.1", 0, nullptr);
-  }
-  fake_server f({closed});
-  auto t0 = clk::now();
-  store::client c("127.0.0.1", f.port, two_lanes());
-  EXPECT_LT(clk::now() - t0, std::chrono::seconds(6)) << "the fallback waited out the whole deadline";
-  EXPECT_EQ(f.hellos.load(), 2) << "lane 1 came back to the first port";
-  EXPECT_EQ(c.stat("x").size, 123u);
-}
-
-TEST(StoreLanes, ALaneThatReachesAnotherServerUsesTheFirstPort) {
-  exported e;  // a real server: another instance than the fake one
-  fake_server f({e.srv->port()});
-  store::client c("127.0.0.1", f.port, two_lanes());
-  EXPECT_EQ(f.hellos.load(), 2);
-  EXPECT_EQ(e.srv->stats().connections, 1u) << "lane 1 tried the port it was given first";
-  EXPECT_EQ(c.stat("x").size, 123u);
+// A lane's hello with another ticket than the one its connection was made for is refused, and the
+// connection closed.
+TEST(StoreHostile, ALaneHelloWithAnotherTicketIsRefused) {
+  exported e;
+  raw_client h(e.srv->port());
+  h.c->send_frame(h.hello_frame(1, std::vector<std::uint8_t>(ticket_size, 0x42)));
+  ASSERT_TRUE(h.wait_for(1));
+  ASSERT_TRUE(std::holds_alternative<error_reply>(h.got[0].b));
+  EXPECT_THAT(std::get<error_reply>(h.got[0].b).message, HasSubstr("not the ticket this lane was connected for"));
+  for (int i = 0; i < 50 && h.c->alive(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(h.c->alive());
 }
 
 }  // namespace

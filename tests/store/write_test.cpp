@@ -568,7 +568,7 @@ TEST(StoreWrite, SharedMemoryWithoutTheLandingRegionMovesDataByMessages) {
   EXPECT_EQ(back, data);
 }
 
-TEST(StoreWrite, RmaIntoRegisteredMemoryRoundTrips) {
+TEST(StoreWrite, RmaIsUsedOnlyWhereTheLanesHaveRemoteMemoryAccess) {
   writable_server s;
   auto data = random_bytes((9 << 20) + 77, 31);
   {
@@ -582,36 +582,15 @@ TEST(StoreWrite, RmaIntoRegisteredMemoryRoundTrips) {
     EXPECT_FALSE(c.stats().rma);
     EXPECT_EQ(c.stats().rma_pieces, 0u);
   }
+  // Forced on where the lanes have no remote memory access (tcp here): the server refuses, naming why
+  // (an RMA request hands UCX the client's packed key to parse; only verbs lanes take them).
   runtime rt(sim_settings());
   auto o = s.opts_with(rt);
   o.rma = rma_use::on;
   o.map = false;  // a same-host server would map our memory instead (the path taken before RMA)
   store::client c("127.0.0.1", s.srv->port(), o);
   std::vector<unsigned char> buf(data.size() + 64);
-  EXPECT_EQ(c.read("out/src.bin", 0, buf.data() + 3, data.size()), data.size());
-  EXPECT_EQ(0, std::memcmp(buf.data() + 3, data.data(), data.size()));
-  // Again at other offsets: the registration is reused (and cut where earlier registrations end).
-  std::fill(buf.begin(), buf.end(), 0);
-  EXPECT_EQ(c.read("out/src.bin", 4096, buf.data() + 1000, data.size() - 4096), data.size() - 4096);
-  EXPECT_EQ(0, std::memcmp(buf.data() + 1000, data.data() + 4096, data.size() - 4096));
-  auto cs = c.stats();
-  EXPECT_TRUE(cs.rma);
-  EXPECT_GE(cs.rma_pieces, 10u);
-  EXPECT_THAT(cs.data_path, HasSubstr("RMA"));
-  // Writes: the server gets the data out of our memory.
-  auto back = random_bytes((5 << 20) + 5, 32);
-  c.put("out/rma.bin", back.data(), back.size());
-  EXPECT_EQ(slurp(s.root / "out" / "rma.bin"), back);
-  auto ss = s.srv->stats();
-  EXPECT_GE(ss.rma_puts, 10u);
-  EXPECT_GE(ss.rma_gets, 2u);
-  // Sim memory cannot be registered with UCX: staged as before.
-  device& dev = rt.devices().get("sim:0");
-  mapped_memory m = allocate_mapped(dev, 4 << 20);
-  EXPECT_EQ(c.read("out/src.bin", 0, m.data(), 3 << 20), 3u << 20);
-  auto st = dev.create_stream();
-  std::uint64_t sum = 0;
-  st->checksum(m.data(), 3 << 20, &sum);
-  st->synchronize();
-  EXPECT_EQ(sum, checksum64(data.data(), 3 << 20));
+  auto t = test::error_text([&] { c.read("out/src.bin", 0, buf.data() + 3, data.size()); });
+  EXPECT_THAT(t, HasSubstr("RMA needs a lane with remote memory access (verbs)"));
+  EXPECT_THAT(t, HasSubstr("[not_supported]"));
 }

@@ -45,12 +45,8 @@ int run_serve(runtime& rt, const serve_options& o) {
   so.writable = o.writable;
   so.insecure = o.insecure;
   store::server srv(rt.files(), so);
-  auto ports = srv.ports();
-  std::string more;
-  for (std::size_t i = 1; i < ports.size(); ++i) more += fmt::format("{}{}", i == 1 ? "" : ",", ports[i]);
-  fmt::print("ferry serve: {} on {}:{} ({}, {}){}\n", o.root, so.host, srv.port(), so.writable ? "writable" : "read-only",
-             so.secret.empty() ? "no authentication" : "clients must know the secret",
-             more.empty() ? "" : fmt::format("; further lanes on ports {}", more));
+  fmt::print("ferry serve: {} on {}:{} ({}, {})\n", o.root, so.host, srv.port(), so.writable ? "writable" : "read-only",
+             so.secret.empty() ? "no authentication" : "clients must know the secret");
   std::fflush(stdout);
   timespec tick{1, 0};
   for (;;) {

@@ -22,22 +22,23 @@ namespace ferry::net {
 inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
 // Raised whenever the wire format changes; both sides must speak the same one (a frame of another
 // version is refused, naming both).
-inline constexpr std::uint16_t protocol_version = 6;
+inline constexpr std::uint16_t protocol_version = 7;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
 inline constexpr std::size_t max_data = 4 << 20;     // largest data message a client may send (write data)
 inline constexpr std::size_t nonce_size = 32, mac_size = 32;
 inline constexpr std::size_t max_rkey = 4096;
-inline constexpr std::size_t max_ports = 64;  // worker ports a welcome may name
+inline constexpr std::size_t max_ports = 64;  // lane ports a hello may name
+inline constexpr std::size_t ticket_size = 16;
 inline constexpr std::size_t lend_token_size = 16;
 inline constexpr std::size_t max_socket_name = 100;  // an abstract Unix socket name (sun_path less its NUL)
 
 enum class msg_type : std::uint16_t {
-  hello = 1,      // client -> server: versions, client nonce, its number of lanes
+  hello = 1,      // versions, nonce, lanes; at the door the lanes' ports; on a lane the door's ticket
   challenge = 2,  // server -> client: server nonce, whether a secret is required
   auth = 3,       // client -> server: HMAC-SHA256(secret, server nonce | client nonce)
-  welcome = 4,    // server -> client: accepted; limits; where the client's further lanes connect
+  welcome = 4,    // server -> client: accepted; limits (from the door: a ticket)
   lend = 5,       // client -> server: a region of the client's memory the server may write/read directly (passed descriptor)
   read = 10,      // path, offset, length
   write = 11,     // path, offset, length (data follows outside the frame)
@@ -56,18 +57,31 @@ enum class msg_type : std::uint16_t {
 };
 
 // `lanes`: connections the client opens in all (the server spreads the further ones over its workers).
-struct hello { std::uint16_t min_version = 1, max_version = 1; std::uint32_t max_outstanding = 0; std::vector<std::uint8_t> nonce; std::uint16_t lanes = 1; };
+// At the server's door (its TCP port): the client's `nonce` (for the challenge) and `ports`, where the
+// client's lanes listen for the server's connections, one per lane, on the address the client
+// reaches the door from. On a lane: no nonce (a lane's first frames must stay small: UCX 1.13 loses
+// shared-memory messages over 100 bytes sent while an endpoint is still being wired) and the door's
+// `ticket` -- first from the server (so that the client knows the connection is its server's), then
+// from the client.
+struct hello {
+  std::uint16_t min_version = 1, max_version = 1;
+  std::uint32_t max_outstanding = 0;
+  std::vector<std::uint8_t> nonce;   // empty or nonce_size bytes
+  std::uint16_t lanes = 1;
+  std::vector<std::uint8_t> ticket;  // empty or ticket_size bytes
+  std::vector<std::uint16_t> ports;  // at most max_ports
+};
 struct challenge { std::vector<std::uint8_t> nonce; bool secret_required = false; };
 struct auth { std::vector<std::uint8_t> mac; };
 // `instance` tells server processes apart (random per start): a client's lanes must all reach the same
-// one. `ports`: where the client's lanes after the first connect, lane i to ports[(i - 1) % size]
-// (the server's other workers, in the order it wants them used; empty: all on the first port).
+// one. From the door: `ticket`, which the server's connections to the client's lanes present and which
+// is good for the client's lanes until the handshake deadline. On a lane: no ticket.
 struct welcome {
   std::uint32_t credits = 0;
   std::uint64_t max_request = 0;
   bool writable = false;
   std::uint64_t instance = 0;
-  std::vector<std::uint16_t> ports;
+  std::vector<std::uint8_t> ticket;
   // Where a same-host client passes the descriptors of regions it lends (an abstract Unix socket;
   // empty: the server maps none), and the token that ties them to this session.
   std::string lending;

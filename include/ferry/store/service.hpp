@@ -35,11 +35,11 @@ namespace ferry::store {
 struct server_options {
   std::string root;
   std::string host = "127.0.0.1";
-  std::uint16_t port = 0;  // 0: any free port (see server::port); worker i > 0 listens on port + i (or a free port)
+  std::uint16_t port = 0;  // the door's TCP port; 0: any free port (see server::port)
   std::uint32_t max_outstanding = 64;  // per connection (credits)
   std::uint64_t max_request = 1ull << 30;
   std::uint64_t chunk = 4ull << 20;    // bytes per data message (larger client data messages are refused)
-  int workers = settings::defaults().serve_workers;  // UCX workers (progress threads), each with its own port
+  int workers = settings::defaults().serve_workers;  // UCX workers (progress threads); clients spread their lanes over them
   bool map = settings::defaults().net_map;           // serve regions lent by same-host clients directly
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
   std::uint64_t max_write_buffer = 1ull << 30;  // write data buffered at once, all connections together
@@ -74,10 +74,10 @@ struct server_stats {
   std::uint64_t direct_reads = 0, direct_writes = 0;  // served straight into/out of a client's mapped region
   std::uint64_t mapped_sessions = 0;  // connections whose lent region is mapped here
   std::uint64_t rma_puts = 0, rma_gets = 0;  // requests served by RMA into / out of registered client memory
-  std::vector<std::uint64_t> worker_connections;  // connections each worker took (on its own port), the first worker first
-  std::uint64_t unauthenticated = 0;   // live connections still in their handshake
-  std::uint64_t refused = 0;           // connection requests refused (limits, banned addresses)
-  std::uint64_t closed_handshake = 0;  // closed for not completing the handshake in time (or displaced by newer ones)
+  std::vector<std::uint64_t> worker_connections;  // connections (lanes) each worker took, the first worker first
+  std::uint64_t unauthenticated = 0;   // connections at the door, in their handshake now
+  std::uint64_t refused = 0;           // lanes refused (the server at FERRY_SERVE_MAX_CONNECTIONS)
+  std::uint64_t closed_handshake = 0;  // door connections closed at the handshake deadline or displaced by newer ones
   std::uint64_t closed_idle = 0;       // closed after the idle timeout
   std::uint64_t auth_failures = 0;     // failed authentications
   std::uint64_t open_writes = 0;       // writes opened and not yet committed or aborted
@@ -93,8 +93,7 @@ class FERRY_API server {
   ~server();  // stops: refuses new work, closes connections
   server(const server&) = delete;
   server& operator=(const server&) = delete;
-  std::uint16_t port() const noexcept;  // the well-known port (the first worker's), the one clients are given
-  std::vector<std::uint16_t> ports() const;  // every worker's port, the first one first
+  std::uint16_t port() const noexcept;  // the door's TCP port, the one clients are given
   server_stats stats() const;
   struct impl;
 
