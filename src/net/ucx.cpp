@@ -906,9 +906,7 @@ std::shared_ptr<connection> ucx_worker::connect(const std::string& host, std::ui
   // The work owns what it uses: it may run after call() gave up waiting for it (the caller's
   // deadline passed while the progress thread was busy); then it makes no endpoint.
   auto gave_up = std::make_shared<std::atomic<bool>>(false);
-  try {
-    return call(
-        [this, ss, c, gave_up]() -> std::shared_ptr<connection> {
+  auto make = [this, ss, c, gave_up]() -> std::shared_ptr<connection> {
           if (gave_up->load()) fail(errc::timeout, "net.connect", c->peer(), "the caller stopped waiting");
           ucp_ep_params_t p{};
           p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
@@ -922,8 +920,11 @@ std::shared_ptr<connection> ucx_worker::connect(const std::string& host, std::ui
           ucp_ep_h ep = nullptr;
           check(ucp_ep_create(worker_, &p, &ep), "net.connect", c->peer());
           return adopt(ep, c);
-        },
-        until);
+  };
+  // Work posted to this worker (the holder) makes it at once; others hand it to the worker.
+  if (owner_.load(std::memory_order_relaxed) == std::this_thread::get_id()) return make();
+  try {
+    return call(make, until);
   } catch (...) {
     // The work may be running now and make an endpoint no one holds: a close posted after it (the
     // progress thread runs posted work in order) ends whatever it made.

@@ -280,7 +280,8 @@ class ucx_worker {
                        std::function<bool(const std::string& peer)> admit = {});
   // Stops listening: the listener goes, the connections it took stay. Idempotent.
   void stop_listening();
-  // Connects to host:port; the endpoint is usable once this returns.
+  // Connects to host:port; the endpoint is usable once this returns. Also from work running on this
+  // worker (post): then at once, without waiting for the worker.
   std::shared_ptr<connection> connect(const std::string& host, std::uint16_t port, std::chrono::steady_clock::time_point until);
 
   ucp_worker_h handle() const { return worker_; }

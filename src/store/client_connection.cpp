@@ -333,10 +333,10 @@ welcome client::impl::knock(const std::vector<lane*>& down, clk::time_point unti
                                fmt::format("no answer to the handshake within {} (FERRY_NET_CONNECT_TIMEOUT): {}",
                                            format_duration(o.connect_timeout), e.what()),
                                0, 0});
-      const auto pause = std::chrono::milliseconds(10 << attempt);
-      // Refused outright (nothing listens) is not worth another try; closed during the handshake is.
-      if (e.code() != errc::network_error || e.sys_errno() == ECONNREFUSED || attempt >= 4 || clk::now() + 2 * pause >= until)
-        throw;
+      // Refused outright (nothing listens) is not worth another try; closed during the handshake (a
+      // door full of strangers displaced it) is, until the deadline.
+      const auto pause = std::chrono::milliseconds(10 << std::min(attempt, 4));
+      if (e.code() != errc::network_error || e.sys_errno() == ECONNREFUSED || clk::now() + 2 * pause >= until) throw;
       std::this_thread::sleep_for(pause);
     }
   }

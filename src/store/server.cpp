@@ -627,7 +627,7 @@ struct server::impl {
   // For a client the door admitted: a ticket, and a connection from a worker to each of the ports its
   // lanes listen on (rotated over the workers so that all clients' lanes spread evenly), each told the
   // ticket first. A lane that cannot be reached is left out: the client's lane waits for it in vain and
-  // knocks again. Door thread.
+  // knocks again. Door thread (the connections are made on the workers' threads).
   welcome issue(const std::string& host, const std::string& peer, const std::vector<std::uint16_t>& lanes) {
     {
       std::lock_guard l(sess_mu);
@@ -644,21 +644,24 @@ struct server::impl {
     w.ticket.assign(t.begin(), t.begin() + ticket_size);
     const auto until = clk::now() + o.handshake_timeout;
     const std::size_t start = rotation.fetch_add(lanes.size());
+    // Each connection is made on its worker's thread: the door goes on with other clients meanwhile.
     for (std::size_t i = 0; i < lanes.size(); ++i) {
       auto& wk = *workers[(start + i) % workers.size()];
-      std::shared_ptr<connection> c;
-      try {
-        c = wk.connect(host, lanes[i], until);
-      } catch (const error& e) {
-        log::info("store", "cannot connect to a lane of {} at port {}: {}", peer, lanes[i], e.what());
-        continue;
-      }
-      adopt_session(c, w.ticket);
-      try {
-        c->send_frame({0, 0, hello{1, 1, 0, {}, 1, w.ticket, {}}});
-      } catch (const error& e) {
-        log::debug("store", "lane of {} lost before its hello: {}", peer, e.what());
-      }
+      wk.post([this, &wk, host, peer, lane = lanes[i], ticket = w.ticket, until] {
+        std::shared_ptr<connection> c;
+        try {
+          c = wk.connect(host, lane, until);
+        } catch (const error& e) {
+          log::info("store", "cannot connect to a lane of {} at port {}: {}", peer, lane, e.what());
+          return;
+        }
+        adopt_session(c, ticket);
+        try {
+          c->send_frame({0, 0, hello{1, 1, 0, {}, 1, ticket, {}}});
+        } catch (const error& e) {
+          log::debug("store", "lane of {} lost before its hello: {}", peer, e.what());
+        }
+      });
     }
     return w;
   }

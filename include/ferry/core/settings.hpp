@@ -91,7 +91,7 @@ struct FERRY_API settings {
   std::chrono::nanoseconds net_connect_timeout = std::chrono::seconds(5);  // one connection attempt's wait for the server's welcome
   int serve_workers = 1;                // UCX workers (progress threads) of `ferry serve`
   int serve_max_connections = 1024;     // connections a server keeps at once
-  int serve_max_unauthenticated = 64;   // of those, connections that have not completed the handshake
+  int serve_max_unauthenticated = 1024;  // connections at the door (4 KiB and a descriptor each)
   std::chrono::nanoseconds serve_handshake_timeout = std::chrono::seconds(5);  // hello..welcome
   std::chrono::nanoseconds serve_idle_timeout = std::chrono::minutes(10);      // no request for this long: closed
   int serve_auth_failures = 3;          // failed authentications per connection before it is closed
