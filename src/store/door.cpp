@@ -279,7 +279,7 @@ struct door::impl {
     if (n < 0) return;
     c.spoke = true;
     c.have += static_cast<std::size_t>(n);
-    while (c.have >= net::header_size && c.at != phase::judging) {
+    while (c.have >= net::header_size && c.at != phase::judging && c.at != phase::welcomed) {  // one welcome per connection
       std::size_t total = 0;
       net::message m;
       try {

@@ -410,6 +410,27 @@ TEST(StoreHardening, ConnectionsThatNeverSpeakAreClosedAndCannotLockOutAClient) 
   EXPECT_EQ(c.stats().reconnects, 0u);
 }
 
+// A door connection is welcomed once: more hellos in the same bytes (each would have the server
+// connect to the client's lanes again) are read and dropped, and the connection ends.
+TEST(StoreHardening, ADoorConnectionIsWelcomedOnce) {
+  served s;
+  ucx_worker lane("lane");
+  std::atomic<int> connected{0};
+  const auto port = lane.listen("127.0.0.1", 0, [&](std::shared_ptr<connection>) { connected++; });
+  door_socket d(s.srv->port());
+  auto one = encode({1, 0, hello{1, 1, 64, std::vector<std::uint8_t>(32, 1), 1, {}, {port}}});
+  std::vector<std::byte> many;
+  for (int i = 0; i < 20; ++i) many.insert(many.end(), one.begin(), one.end());
+  ASSERT_TRUE(d.send_bytes(many.data(), many.size()));
+  auto w = d.read();
+  ASSERT_TRUE(w && std::holds_alternative<welcome>(w->b));
+  EXPECT_FALSE(d.read(std::chrono::milliseconds(1000))) << "a second answer to the same connection";
+  EXPECT_TRUE(eventually([&] { return connected.load() >= 1; })) << "the server did not connect to the lane";
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // a second connection would come meanwhile
+  EXPECT_EQ(connected.load(), 1) << "the server connected to the lane once per welcome";
+  lane.stop_listening();
+}
+
 // 2,000 idle connections to a `ferry serve` process: a client's stat and 16 MiB read then succeed
 // within 2 s, the idle ones are closed by the handshake deadline (the server's descriptors back to
 // where they were), and SIGTERM ends the server cleanly.
