@@ -836,10 +836,6 @@ void ucx_worker::conn_cb(ucp_conn_request_h req, void* arg) {
   a.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
   std::string peer = "?";
   if (ucp_conn_request_query(req, &a) == UCS_OK) peer = addr_text(a.client_address);
-  if (self->admit_ && !self->admit_(peer)) {
-    ucp_listener_reject(self->listener_, req);
-    return;
-  }
   self->accept(req, std::move(peer));
 }
 
@@ -862,16 +858,14 @@ void ucx_worker::accept(ucp_conn_request_h req, std::string peer) {
 }
 
 std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
-                                 std::function<void(std::shared_ptr<connection>)> accepted,
-                                 std::function<bool(const std::string&)> admit) {
+                                 std::function<void(std::shared_ptr<connection>)> accepted) {
   sockaddr_storage ss = make_addr(host, port);
   // The work owns what it uses: it may run after call() gave up waiting for it.
   return call(
-      [this, ss, host, port, accepted = std::move(accepted), admit = std::move(admit)]() mutable -> std::uint16_t {
+      [this, ss, host, port, accepted = std::move(accepted)]() mutable -> std::uint16_t {
         if (listener_) ucp_listener_destroy(listener_);  // one listener per worker: a new one replaces it
         listener_ = nullptr;
         accepted_ = std::move(accepted);
-        admit_ = std::move(admit);
         ucp_listener_params_t lp{};
         lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
         lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
@@ -894,7 +888,6 @@ void ucx_worker::stop_listening() {
         if (listener_) ucp_listener_destroy(listener_);
         listener_ = nullptr;
         accepted_ = nullptr;
-        admit_ = nullptr;
       },
       std::chrono::steady_clock::now() + std::chrono::seconds(10));
 }

@@ -269,15 +269,9 @@ class ucx_worker {
   }
 
   // Listens on host:port (port 0: any); returns the port. New connections get `accepted`, on this
-  // worker's thread: a connection is served by the worker whose listener took it. (Handing the
-  // request to another worker moves UCX 1.13's handler for the connection's socket to that worker's
-  // async context while an event for it may still wait in this one's missed-event queue; UCX then
-  // aborts on an assertion, async.c:643, fixed upstream only in 1.17. So servers spread connections by
-  // giving each worker a listener of its own.)
-  // `admit(peer)` (optional), asked first on the same thread, may refuse a connection request
-  // before any endpoint exists (ucp_listener_reject): cheap enough to turn a flood away.
-  std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted,
-                       std::function<bool(const std::string& peer)> admit = {});
+  // worker's thread: a connection is served by the worker whose listener took it (handing it to
+  // another worker aborts UCX 1.13, async.c:643). One listener per worker: a new one replaces it.
+  std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted);
   // Stops listening: the listener goes, the connections it took stay. Idempotent.
   void stop_listening();
   // Connects to host:port; the endpoint is usable once this returns. Also from work running on this
@@ -351,7 +345,6 @@ class ucx_worker {
   data_sink sink_;
   data_done data_done_;
   std::function<void(std::shared_ptr<connection>)> accepted_;
-  std::function<bool(const std::string&)> admit_;
   std::unordered_map<ucp_ep_h, std::shared_ptr<connection>> conns_;  // progress thread
   std::thread thread_;
 };

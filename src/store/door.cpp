@@ -64,17 +64,8 @@ std::string host_of(const sockaddr_storage& ss) {
 }
 
 std::string text_of(const sockaddr_storage& ss) {
-  char buf[INET6_ADDRSTRLEN] = {};
-  if (ss.ss_family == AF_INET) {
-    auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
-    ::inet_ntop(AF_INET, &a->sin_addr, buf, sizeof buf);
-    return fmt::format("{}:{}", buf, ntohs(a->sin_port));
-  }
-  if (ss.ss_family == AF_INET6) {
-    auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
-    ::inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof buf);
-    return fmt::format("[{}]:{}", buf, ntohs(a->sin6_port));
-  }
+  if (ss.ss_family == AF_INET) return fmt::format("{}:{}", host_of(ss), ntohs(reinterpret_cast<const sockaddr_in*>(&ss)->sin_port));
+  if (ss.ss_family == AF_INET6) return fmt::format("[{}]:{}", host_of(ss), ntohs(reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_port));
   return "?";
 }
 
