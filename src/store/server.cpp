@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -66,15 +67,39 @@ error_reply to_reply(const error& e) {
   return error_reply{e.sys_errno() ? e.sys_errno() : errno_from_errc(e.code()), printable(format_error(e.info(), false), 1000)};
 }
 
+// Whether the file lives on a local disk or in memory, where a read waits at most for the disk: a
+// progress thread may read it itself. A network or FUSE file system may not answer for as long as
+// it likes (a hung mount, a daemon that stopped), which on a progress thread would stall every
+// client of that worker; such files are read only by file requests.
+bool local_file_system(int fd) {
+  struct ::statfs fs{};
+  if (::fstatfs(fd, &fs) != 0) return false;
+  switch (static_cast<unsigned long>(fs.f_type)) {
+    case 0xEF53:      // ext2/3/4
+    case 0x58465342:  // xfs
+    case 0x9123683E:  // btrfs
+    case 0xF2F52010:  // f2fs
+    case 0x2FC12FC1:  // zfs
+    case 0xCA451A4E:  // bcachefs
+    case 0x01021994:  // tmpfs
+    case 0x858458F6:  // ramfs
+    case 0x794C7630:  // overlayfs (container roots over the above)
+      return true;
+    default:
+      return false;
+  }
+}
+
 struct open_file {
   std::shared_ptr<ferry::file> f;  // the io layer's file: requests of the file engine name it
   int fd = -1;
   dev_t dev = 0;
   ino_t ino = 0;
-  mapped_file map;  // files opened for reading: small reads copy from here, no system call
+  bool local = false;  // on a local file system (local_file_system): small reads may run on a progress thread
+  mapped_file map;  // local files opened for reading: small reads copy from here, no system call
   open_file(std::shared_ptr<ferry::file> fl, const struct ::stat& st, bool mapped)
-      : f(std::move(fl)), fd(f->fd()), dev(st.st_dev), ino(st.st_ino) {
-    if (mapped) map = mapped_file(fd);
+      : f(std::move(fl)), fd(f->fd()), dev(st.st_dev), ino(st.st_ino), local(local_file_system(fd)) {
+    if (mapped && local) map = mapped_file(fd);
   }
 };
 
@@ -538,21 +563,26 @@ struct server::impl {
     s->passed.push_back({id, fd, pid});
     return true;
   }
-  ~impl() {
-    front.reset();  // no new client from here on
+  // No new client or request from here on; waits up to `wait` for the file requests in flight (their
+  // completions use this server). Returns how many are still in the file system.
+  std::size_t stop(std::chrono::nanoseconds wait) {
+    front.reset();
     {
       std::lock_guard l(mu);
       stopping = true;
     }
     cv_janitor.notify_all();
     if (lending) lending->wake();
-    janitor_thread.join();
-    // File requests end by their deadline; their completions use this server.
-    {
-      std::unique_lock l(mu);
-      while (!io_cv.wait_for(l, std::chrono::seconds(10), [&] { return io_in_flight.load() == 0; }))
-        log::error("store", "stopping: {} file requests still running", io_in_flight.load());
-    }
+    if (janitor_thread.joinable()) janitor_thread.join();
+    std::unique_lock l(mu);
+    io_cv.wait_for(l, wait, [&] { return io_in_flight.load() == 0; });
+    return static_cast<std::size_t>(io_in_flight.load());
+  }
+  ~impl() {
+    // File requests end by their deadline, or when their file system answers: one that never does
+    // keeps its buffer (the kernel may still write into it), and so this server.
+    while (std::size_t left = stop(std::chrono::seconds(10)))
+      log::error("store", "stopping: {} file requests still in the file system", left);
     // Sessions go while the workers still run: their mapped regions are released on those threads.
     std::map<connection*, std::shared_ptr<session>> gone;
     {
@@ -905,7 +935,7 @@ struct server::impl {
         n.reads.add();
         if (r->length > o.max_request)
           fail(errc::out_of_range, "store.read", r->path, fmt::format("request of {} bytes exceeds the limit {}", r->length, o.max_request));
-        if (r->length <= o.inline_max) return read_inline(c, *s, rid, *r);
+        if (r->length <= o.inline_max && read_inline(c, *s, rid, *r)) return;
       } else if (auto* wr = std::get_if<write_req>(&m.b)) {
         n.writes.add();
         return begin_write(c, *s, rid, *wr);
@@ -941,8 +971,8 @@ struct server::impl {
     if (sn.lent.empty()) fail(errc::protocol_error, op, c.peer(), "direct request without a mapped region (lend first)");
     auto* at = sn.lent_at(addr, length);
     if (!at) fail(errc::out_of_range, op, c.peer(), fmt::format("[{:#x}, +{}) is outside every region the client lent", addr, length));
-    if (write && length <= o.inline_max) {  // as a small read below: on this thread
-      auto t = txn(handle, path);
+    auto t = write ? txn(handle, path) : nullptr;
+    if (write && length <= o.inline_max && t->file()->local) {  // as a small read below: on this thread
       t->file()->f->write_here((*at)->base + (addr - (*at)->addr), length, offset);
       t->wrote(offset, length);
       bytes_received += length;
@@ -956,13 +986,12 @@ struct server::impl {
         if (!nm) fail(errc::out_of_range, op, c.peer(), fmt::format("notify record {:#x} is outside every region the client lent", notify));
         record = reinterpret_cast<std::uint64_t*>((*nm)->base + (notify - (*nm)->addr));
       }
-      return read_direct_here(c, sn, rid, path, offset, length, (*at)->base + (addr - (*at)->addr), record, version);
+      if (read_direct_here(c, sn, rid, path, offset, length, (*at)->base + (addr - (*at)->addr), record, version)) return;
     }
     // The request holds the session and the mapping (a plain reference suffices above, on this
     // thread; taking one costs two atomic operations per request).
     auto s = sn.shared_from_this();
     std::shared_ptr<lent_region> m = *at;
-    auto t = write ? txn(handle, path) : nullptr;
     auto f = write ? t->file() : same_version(files.get(path), version, path, offset);
     auto self = c.shared_from_this();
     auto cr = std::make_shared<credit>(s->outstanding);
@@ -1084,19 +1113,25 @@ struct server::impl {
     }
   }
 
-  void read_inline(connection& c, session& s, std::uint64_t rid, const read_req& r) {
+  // False: the file is not read on this thread (read_small); the request goes to the file engine.
+  bool read_inline(connection& c, session& s, std::uint64_t rid, const read_req& r) {
     // The file data is read straight into the worker's reply space, which the reply is sent from:
     // nothing allocated, one copy before UCX's.
     std::byte* buf = c.reply_space(r.length);
-    std::uint64_t got = read_small(s, r.path, buf, r.length, r.offset, r.version);
-    s.counts->bytes_sent.add(got);
+    auto got = read_small(s, r.path, buf, r.length, r.offset, r.version);
+    if (!got) return false;
+    s.counts->bytes_sent.add(*got);
     s.counts->inline_replies.add();
-    c.send_reply_space({rid, 0, complete{0, got}}, got);
+    c.send_reply_space({rid, 0, complete{0, *got}}, *got);
+    return true;
   }
-  // A small read straight into the client's lent memory: only the completion travels.
-  void read_direct_here(connection& c, session& s, std::uint64_t rid, const std::string& path, std::uint64_t offset,
+  // A small read straight into the client's lent memory: only the completion travels. False as
+  // read_inline.
+  bool read_direct_here(connection& c, session& s, std::uint64_t rid, const std::string& path, std::uint64_t offset,
                         std::uint64_t length, std::byte* dst, std::uint64_t* record, std::uint64_t version) {
-    std::uint64_t got = read_small(s, path, dst, length, offset, version);
+    auto opt = read_small(s, path, dst, length, offset, version);
+    if (!opt) return false;
+    std::uint64_t got = *opt;
     // A client that truncated its region under the record is told by the completion alone.
     if (record) {
       guarded_publish(record, rid, got);
@@ -1105,6 +1140,7 @@ struct server::impl {
     s.counts->bytes_sent.add(got);
     s.counts->direct_reads.add();
     c.send_frame({rid, 0, complete{0, got}});
+    return true;
   }
   // Reads a small range on the worker's thread. The session's last file first: a client reading
   // one file in small pieces costs no lock and no lookup in the shared cache per request. From the
@@ -1114,8 +1150,10 @@ struct server::impl {
   // Either way the file must still be linked (a deleted or replaced file is never served; one
   // fstat, no path lookup), and a read from the mapping counts only the bytes the file still has
   // after the copy: a page of the mapping past a shrunken file's end reads as zeros, not data.
-  std::uint64_t read_small(session& s, const std::string& path, std::byte* dst, std::uint64_t length, std::uint64_t offset,
-                           std::uint64_t version) {
+  // Nothing (and nothing read) for a file that is not on a local file system: it may never answer,
+  // and this thread serves other clients too.
+  std::optional<std::uint64_t> read_small(session& s, const std::string& path, std::byte* dst, std::uint64_t length,
+                                          std::uint64_t offset, std::uint64_t version) {
     auto reopen = [&] {
       clk::time_point opened;
       s.last_file.reset();
@@ -1126,6 +1164,7 @@ struct server::impl {
     };
     std::uint64_t size = 0;
     if (s.last_path != path || coarse_now() >= s.last_until) reopen();
+    if (!s.last_file->local) return std::nullopt;
     same_version(s.last_file, version, path, offset);
     if (s.last_file->map.read(dst, length, offset)) {
       if (fd_cache::still_linked(*s.last_file, &size)) {
@@ -1136,6 +1175,7 @@ struct server::impl {
     } else if (!fd_cache::still_linked(*s.last_file, &size)) {
       reopen();
     }
+    if (!s.last_file->local) return std::nullopt;
     return same_version(s.last_file, version, path, offset)->f->read_here(dst, length, offset);
   }
 
@@ -1210,7 +1250,7 @@ struct server::impl {
       return;
     }
     bytes_received += n;
-    if (n <= o.inline_max) {
+    if (n <= o.inline_max && ws->f->local) {
       // A small piece is written on this thread, as a small read is read here: the hand-off to the
       // file engine and back would cost more than the write.
       std::optional<error> err;
@@ -1464,6 +1504,7 @@ server_options server_options_from(const settings& s) {
 
 server::server(file_engine& io, server_options o) : impl_(std::make_unique<impl>(io, std::move(o))) {}
 server::~server() = default;
+std::size_t server::stop(std::chrono::nanoseconds wait) { return impl_->stop(wait); }
 std::uint16_t server::port() const noexcept { return impl_->port; }
 namespace {
 std::vector<std::uint64_t> per_worker(const server::impl& i) {

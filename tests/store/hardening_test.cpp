@@ -19,8 +19,10 @@
 #include <gtest/gtest.h>
 
 #include <deque>
+#include <functional>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/resource.h>
@@ -471,6 +473,139 @@ TEST(StoreHardening, TwoThousandIdleConnectionsNeverLockOutAClient) {
   const int status = srv.terminate();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "SIGTERM did not end the server cleanly (status " << status << ")";
   std::filesystem::remove_all(root);
+}
+
+// A file whose reads never answer (a FUSE file system standing in for a hung mount): its readers
+// wait -- by messages and through a lent region, small reads and large -- but every other client is
+// served at once on the same server, and SIGTERM still ends the server (the requests stuck in the file
+// system cannot be abandoned while the kernel may write into their buffers: the process exits).
+TEST(StoreHardening, ABlockedFileDelaysOnlyItsOwnClients) {
+#ifndef FERRY_TEST_STUCK_FS
+  GTEST_SKIP() << "built without libfuse3 (scripts/install-deps installs it)";
+#else
+  if (::access("/dev/fuse", R_OK | W_OK) != 0) GTEST_SKIP() << "no /dev/fuse here";
+  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-stuck-" + std::to_string(::getpid()));
+  const auto mnt = root / "hung";
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(mnt);
+  std::string data(16 << 20, '\0');
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 131 + 3);
+  std::ofstream(root / "big.bin", std::ios::binary) << data;
+  std::ofstream(root / "small.bin", std::ios::binary) << data.substr(0, 128 << 10);
+  // The double reads its release pipe (fd 3) until the test closes the other end.
+  int release[2];
+  ASSERT_EQ(::pipe2(release, O_CLOEXEC), 0);
+  pid_t fs = -1;
+  {
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, release[0], 3);
+    std::string prog = FERRY_TEST_STUCK_FS, m = mnt.string(), fd3 = "3";
+    char* argv[] = {prog.data(), m.data(), fd3.data(), nullptr};
+    ASSERT_EQ(::posix_spawn(&fs, prog.c_str(), &fa, nullptr, argv, environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(release[0]);
+  }
+  auto unmount = [&] {
+    if (release[1] >= 0) ::close(release[1]), release[1] = -1;  // stuck reads fail now
+    if (fs > 0) ::kill(fs, SIGTERM), ::waitpid(fs, nullptr, 0), fs = -1;  // it unmounts
+    ::umount2(mnt.c_str(), MNT_DETACH);  // (in case it could not)
+  };
+  struct ::stat st{};
+  if (!eventually([&] { return ::stat((mnt / "stuck").c_str(), &st) == 0; })) {
+    unmount();
+    std::filesystem::remove_all(root);
+    GTEST_SKIP() << "could not mount a FUSE file system here";
+  }
+  // The server gives up on requests stuck in a file system after FERRY_DEADLINE when it stops.
+  ::setenv("FERRY_DEADLINE", "5s", 1);
+  test::served_process srv(FERRY_TEST_CLI, root);
+  ::unsetenv("FERRY_DEADLINE");
+  // Stuck readers: by messages (no lent region) and through a lent region; 4 KiB reads (the kind a
+  // server may answer on its progress thread) and 8 MiB reads (file requests), on every lane. They
+  // end when the file system lets them go (or their server goes), at the latest at their deadline.
+  std::vector<std::unique_ptr<store::client>> stuck_clients;
+  std::vector<std::thread> stuck;
+  std::atomic<int> stuck_done{0};
+  struct joiner {
+    std::function<void()> f;
+    ~joiner() { f(); }
+  } release_and_join{[&] {
+    unmount();
+    srv.kill();
+    for (auto& t : stuck)
+      if (t.joinable()) t.join();
+  }};
+  for (bool map : {false, true}) {
+    store::client_options co;
+    co.timeout = std::chrono::seconds(5);
+    co.map = map;
+    stuck_clients.push_back(std::make_unique<store::client>("127.0.0.1", srv.port, co));
+    auto* c = stuck_clients.back().get();
+    for (int i = 0; i < 6; ++i)
+      stuck.emplace_back([c, i, &stuck_done] {
+        std::vector<char> b(i < 4 ? 4096 : 8 << 20);
+        try {
+          c->read("hung/stuck", static_cast<std::uint64_t>(i % 4) * b.size(), b.data(), b.size(), std::chrono::seconds(90));
+        } catch (const error&) {
+        }
+        ++stuck_done;
+      });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(stuck_done.load(), 0) << "the stuck file was read (is the double working?)";
+  // Everyone else, on the same server, meanwhile: fresh clients each time (lanes land on every worker).
+  for (int round = 0; round < 4; ++round) {
+    const auto t0 = clk::now();
+    const auto until = t0 + std::chrono::seconds(5);
+    try {
+      store::client_options co;
+      co.timeout = std::chrono::seconds(5);
+      co.map = round % 2 == 0;
+      store::client c("127.0.0.1", srv.port, co);
+      EXPECT_EQ(c.stat("big.bin", std::chrono::seconds(5)).size, data.size());
+      EXPECT_EQ(c.stat("hung/stuck", std::chrono::seconds(5)).size, 16u << 20) << "the hung file's attributes still answer";
+      int wrong = 0;
+      for (int i = 0; i < 64; ++i) {
+        char b[4096];
+        wrong += c.read("small.bin", static_cast<std::uint64_t>(i) * 1024, b, sizeof b, until) != sizeof b ||
+                 std::memcmp(b, data.data() + i * 1024, sizeof b) != 0;
+      }
+      EXPECT_EQ(wrong, 0);
+      std::string got(data.size(), '\0');
+      EXPECT_EQ(c.read("big.bin", 0, got.data(), got.size(), until), got.size());
+      EXPECT_TRUE(got == data);
+    } catch (const error& e) {
+      ADD_FAILURE() << "round " << round << ": " << e.what();
+    }
+    EXPECT_LT(clk::now() - t0, std::chrono::seconds(2)) << "round " << round << ": a client waited behind the hung file";
+  }
+  EXPECT_EQ(stuck_done.load(), 0);
+  // SIGTERM with reads still in the hung file system: the server exits (after FERRY_DEADLINE) instead
+  // of waiting for them forever. The kernel keeps the threads of its reads that FUSE already handed
+  // to the daemon until it answers (nothing ends such a wait), so the process is a zombie until the
+  // file system lets them go; then it is reaped with the status the server exited with.
+  ::kill(srv.pid, SIGTERM);
+  auto state = [&] {
+    std::ifstream f(fmt::format("/proc/{}/stat", srv.pid));
+    std::string line;
+    std::getline(f, line);
+    auto paren = line.rfind(')');
+    return paren == std::string::npos || paren + 2 >= line.size() ? '?' : line[paren + 2];
+  };
+  EXPECT_TRUE(eventually([&] { return state() == 'Z'; }, std::chrono::seconds(30)))
+      << "SIGTERM did not end a server with reads stuck in a hung file system (state " << state() << ")";
+  unmount();
+  int status = -1;
+  EXPECT_TRUE(eventually([&] { return ::waitpid(srv.pid, &status, WNOHANG) == srv.pid; }, std::chrono::seconds(10)));
+  srv.pid = -1;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << "status " << status;
+  release_and_join.f();
+  EXPECT_EQ(stuck_done.load(), 12);
+  stuck.clear();
+  unmount();
+  std::filesystem::remove_all(root);
+#endif
 }
 
 // 16 unauthenticated connections each sending a frame that claims 1 GiB (and then sending data): the

@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <charconv>
+#include <cstdlib>
 #include <csignal>
 #include <thread>
 
@@ -63,6 +64,14 @@ int run_serve(runtime& rt, const serve_options& o) {
   auto st = srv.stats();
   fmt::print("ferry serve: stopping; {} connections, {} requests, {} sent, {} received, {} errors\n", st.connections,
              st.requests, format_size(st.bytes_sent), format_size(st.bytes_received), st.errors);
+  std::fflush(stdout);
+  // Requests still in a file system that does not answer after the deadline hold their buffers
+  // until it does; the process exits without them (the kernel ends them with it).
+  if (std::size_t left = srv.stop(rt.config().deadline)) {
+    fmt::print(stderr, "ferry serve: {} file requests never came back from the file system (a hung mount?); exiting without them\n", left);
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
   return 0;
 }
 

@@ -90,7 +90,12 @@ class FERRY_API server {
   // File data moves through `io` (its threads, its staging pool), which must outlive the server.
   // Throws permission_denied for a writable server without a secret (unless insecure), and the root's errors.
   server(file_engine& io, server_options o);
-  ~server();  // stops: refuses new work, closes connections
+  ~server();  // stops: refuses new work, closes connections; waits for the file requests in flight
+  // Refuses new clients and requests, then waits up to `wait` for the file requests in flight.
+  // Returns how many are still in the file system: nonzero only where it does not answer (a hung
+  // mount), whose requests cannot be abandoned while the kernel may still write into their
+  // buffers -- the destructor would wait for them, a process that must go can only exit.
+  std::size_t stop(std::chrono::nanoseconds wait);
   server(const server&) = delete;
   server& operator=(const server&) = delete;
   std::uint16_t port() const noexcept;  // the door's TCP port, the one clients are given
