@@ -262,6 +262,12 @@ struct file_engine::impl {
       }
       arm_wake();
       if (io_uring_register_files_sparse(&ring, 32) == 0) regs.resize(32);
+      // The kernel's workers for this ring's I/O that cannot complete at once: as many as the ring
+      // holds, not its default of four per core. A file system that does not answer (a hung mount)
+      // keeps a worker per stuck read; on a small machine the default let a few of those stall
+      // every large read of the ring behind them. (Zero leaves the unbounded kind as it is.)
+      unsigned most[2] = {static_cast<unsigned>(std::max(8, 4 * e.cfg.io_depth)), 0};
+      io_uring_register_iowq_max_workers(&ring, most);
     }
     ~worker() {
       io_uring_queue_exit(&ring);
