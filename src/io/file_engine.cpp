@@ -170,8 +170,15 @@ struct file_engine::impl {
           &reads_missed_cache = st.get("reads.missed_cache"), &files_registered = st.get("files.registered");
   struct worker;
   std::atomic<bool> stop{false};
+  // Workers [0, live) run; the rest are made as the load asks for them (grow). A thread costs its
+  // creator a copy of every loaded library's thread-local storage, under the loader's lock: in a
+  // process that imported torch, a millisecond or more each, which a fresh process's first read
+  // paid for every thread it would never use. The vector is sized once and never moves.
   std::vector<std::unique_ptr<worker>> workers;
+  std::atomic<std::size_t> live{0};
+  std::mutex grow_mu;  // making workers, and their threads
   std::vector<std::thread> threads;
+  void grow(std::size_t want);
   bool inject_partial, inject_eintr;
   std::once_flag cufile_once;
   std::unique_ptr<cufile::backend> cufile_;
@@ -470,17 +477,47 @@ file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cac
   inject_eintr = s.io_inject.find("eintr") != std::string::npos;
   if (s.io_mapped) mapped_pages = read_only_pins::make(s.cuda_driver);
   const int n = s.io_threads > 0 ? s.io_threads : default_io_threads();
-  for (int i = 0; i < n; ++i) workers.push_back(std::make_unique<worker>(*this));
-  for (auto& w : workers)
-    threads.emplace_back([w = w.get()] {
-      ::pthread_setname_np(::pthread_self(), "ferry-io");  // for top, perf and debuggers
-      w->loop();
-    });
+  workers.resize(static_cast<std::size_t>(n));
+  // Two at first (one if that is all there may be): a first small read needs no more. The first
+  // worker's failure (no io_uring) is the engine's.
+  workers[0] = std::make_unique<worker>(*this);
+  threads.emplace_back([w = workers[0].get()] {
+    ::pthread_setname_np(::pthread_self(), "ferry-io");  // for top, perf and debuggers
+    w->loop();
+  });
+  live = 1;
+  st.get("workers.made").add(1);
+  grow(2);
+}
+
+// Makes workers up to `want` (at most the configured number). A worker that cannot be made (no
+// thread, no ring) leaves the engine with those it has.
+void file_engine::impl::grow(std::size_t want) {
+  want = std::min(want, workers.size());
+  if (live.load(std::memory_order_acquire) >= want) return;
+  std::lock_guard l(grow_mu);
+  for (std::size_t k = live.load(); k < want && !stop; ++k) {
+    try {
+      workers[k] = std::make_unique<worker>(*this);
+      threads.emplace_back([w = workers[k].get()] {
+        ::pthread_setname_np(::pthread_self(), "ferry-io");
+        w->loop();
+      });
+    } catch (const std::exception& e) {
+      workers[k].reset();
+      log::warn("io", "file engine: a worker more could not be made ({}); going on with {}", e.what(), k);
+      return;
+    }
+    live.store(k + 1, std::memory_order_release);
+    st.get("workers.made").add(1);
+  }
 }
 
 file_engine::impl::~impl() {
+  std::lock_guard g(grow_mu);
   stop = true;
-  for (auto& w : workers) {
+  for (std::size_t k = 0; k < live.load(); ++k) {
+    auto& w = workers[k];
     { std::lock_guard l(w->qmu); }  // a worker between its look at `stop` and its wait sees the wake
     w->wake();
   }
@@ -1027,6 +1064,19 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   file* sized = nullptr;
   std::uint64_t size = 0;
   const std::shared_ptr<file>* run = nullptr;  // the first request of the current run on one file
+  {
+    // More workers when the work asks for them: a worker for every FERRY_IO_DEPTH requests waiting
+    // or running, and for every four I/O chunks of this batch (the bytes a new worker's copies
+    // must cover to be worth its making; a 64 MiB first load takes two, a 4 GiB one all).
+    std::uint64_t bytes = 0;
+    for (auto& r : reqs) bytes += r.bytes;
+    std::size_t busy = reqs.size();
+    const std::size_t nl = I.live.load(std::memory_order_acquire);
+    for (std::size_t k = 0; k < nl; ++k) busy += I.workers[k]->queued.load() + I.workers[k]->running_now.load();
+    const auto depth = static_cast<std::size_t>(std::max(1, I.cfg.io_depth));
+    I.grow(std::max<std::size_t>((busy + depth - 1) / depth, static_cast<std::size_t>(bytes / (4 * I.cfg.io_chunk))));
+  }
+  const std::size_t nw = I.live.load(std::memory_order_acquire);
   for (std::size_t i = 0; i < reqs.size(); ++i) {
     const file_request& r = reqs[i];
     b->sizes[i] = r.bytes;
@@ -1079,7 +1129,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       // one copy, a few of them already worth spreading); into device memory, where each I/O takes a
       // staging buffer of its own, an I/O chunk.
       const std::uint64_t unit = !j.dev && I.cfg.io_inline >= 64 * 1024 ? std::min(I.cfg.io_inline, I.cfg.io_chunk) : I.cfg.io_chunk;
-      std::size_t pieces = std::min<std::uint64_t>(I.workers.size(), r.bytes / std::max<std::uint64_t>(unit, 4096));
+      std::size_t pieces = std::min<std::uint64_t>(nw, r.bytes / std::max<std::uint64_t>(unit, 4096));
       if (pieces >= 2 && (r.write || reads_direct(I.cfg, *r.f, r.offset, r.bytes))) pieces = 1;
       if (pieces < 2) {
         b->segs_left[i] = 1;
@@ -1115,7 +1165,6 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     // first of equals: requests that come together spread over the workers, one after another they
     // stay on the first few (awake, their rings' kernel threads warm). Then each worker's share
     // under its own lock, and a wake.
-    const std::size_t nw = I.workers.size();
     std::vector<std::size_t>& load = mine.load;
     load.resize(nw);
     for (std::size_t k = 0; k < nw; ++k) load[k] = I.workers[k]->queued.load() + I.workers[k]->running_now.load();

@@ -388,6 +388,28 @@ TEST(File, OneWorkerRunsSeveralRequestsAtOnce) {
   EXPECT_GT(rt.files().counters().get("requests.beside_others").value(), 0u);
 }
 
+// The engine's threads are made as the work asks for them: two for a first small read, more for a
+// batch of many I/O chunks (one per four), never more than FERRY_IO_THREADS.
+TEST(File, WorkersAreMadeAsTheWorkAsksForThem) {
+  settings s = io_settings();
+  s.io_threads = 8;
+  s.io_direct = direct_io::never;
+  s.io_chunk = 1 << 20;
+  runtime rt(s);
+  std::string p = temp_path("grow");
+  auto data = random_bytes(64 << 20, 23);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  std::vector<unsigned char> got(data.size());
+  EXPECT_EQ(rt.files().read(*f, 0, got.data(), 4096), 4096u);
+  EXPECT_EQ(rt.files().counters().get("workers.made").value(), 2u) << "a first small read";
+  EXPECT_EQ(rt.files().read(*f, 0, got.data(), 8 << 20), 8u << 20);
+  EXPECT_EQ(rt.files().counters().get("workers.made").value(), 2u) << "8 chunks";
+  EXPECT_EQ(rt.files().read(*f, 0, got.data(), got.size()), got.size());
+  EXPECT_EQ(got, data);
+  EXPECT_EQ(rt.files().counters().get("workers.made").value(), 8u) << "64 chunks: all there may be";
+}
+
 // Requests that come together go to different workers (a ring's kernel threads would copy a burst
 // of page-cache reads one after another): with four workers, four requests run one per worker.
 TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
@@ -397,17 +419,21 @@ TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
   s.io_chunk = 1 << 20;  // one I/O each: not cut into pieces
   runtime rt(s);
   std::string p = temp_path("spread");
-  auto data = random_bytes(4 << 20, 17);
+  auto data = random_bytes(16 << 20, 17);
   write_file(p, data);
   auto f = file::open(p, open_mode::read);
-  std::vector<unsigned char> got(4 << 20);
+  std::vector<unsigned char> got(16 << 20);
+  // The whole file first: 16 chunks make the four workers.
+  EXPECT_EQ(rt.files().read(*f, 0, got.data(), got.size()), got.size());
+  ASSERT_EQ(rt.files().counters().get("workers.made").value(), 4u);
+  const auto beside = rt.files().counters().get("requests.beside_others").value();
   std::vector<file_request> reqs;
   for (int i = 0; i < 4; ++i) reqs.push_back({f, std::uint64_t(i) << 20, got.data() + (i << 20), 1 << 20, false});
   transfer_batch b = rt.files().submit(reqs);
   ASSERT_TRUE(b.wait());
   b.check();
   EXPECT_EQ(got, data);
-  EXPECT_EQ(rt.files().counters().get("requests.beside_others").value(), 0u);
+  EXPECT_EQ(rt.files().counters().get("requests.beside_others").value(), beside);
 }
 
 // Into host memory the unit of those pieces is the inline size (the kernel copies straight into the
@@ -425,11 +451,22 @@ TEST(File, APageCacheReadIntoHostMemoryIsCutInPiecesOfTheInlineSize) {
     runtime rt(s);
     auto f = file::open(p, open_mode::read);
     std::vector<unsigned char> got(4 << 20);
+    // Four workers first (a batch of 16 I/O chunks), as a busy engine has them.
+    {
+      std::vector<unsigned char> big(128ull << 20);
+      std::vector<file_request> warm;
+      for (int i = 0; i < 16; ++i) warm.push_back({f, 0, big.data() + (std::size_t(i) << 23), 4ull << 20, false});
+      transfer_batch w = rt.files().submit(warm);
+      ASSERT_TRUE(w.wait());
+      w.check();
+    }
+    ASSERT_EQ(rt.files().counters().get("workers.made").value(), 4u);
+    const auto before = rt.files().counters().get("requests.pieces").value();
     EXPECT_EQ(rt.files().read(*f, 0, got.data(), got.size()), got.size());
     EXPECT_EQ(got, data);
-    EXPECT_EQ(rt.files().counters().get("requests.pieces").value(), inlining ? 4u : 0u) << "host memory, inline " << s.io_inline;
+    EXPECT_EQ(rt.files().counters().get("requests.pieces").value() - before, inlining ? 4u : 0u) << "host memory, inline " << s.io_inline;
     EXPECT_EQ(read_through_sim(rt, *f, data.size()), data);
-    EXPECT_EQ(rt.files().counters().get("requests.pieces").value(), inlining ? 4u : 0u) << "device memory: not cut below two I/O chunks";
+    EXPECT_EQ(rt.files().counters().get("requests.pieces").value() - before, inlining ? 4u : 0u) << "device memory: not cut below two I/O chunks";
   }
 }
 
