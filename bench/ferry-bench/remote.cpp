@@ -15,7 +15,8 @@
 
 #include <ferry/core/checksum.hpp>
 #include <ferry/core/units.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
+#include <ferry/store/server.hpp>
 
 #include <fcntl.h>
 #include <fmt/format.h>

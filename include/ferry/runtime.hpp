@@ -7,7 +7,7 @@
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
 #include <ferry/device/registry.hpp>
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/mem/registration.hpp>
 #include <ferry/xfer/engine.hpp>
 

@@ -3,6 +3,7 @@
 // device memory when the library loads, the driver opens, the file's handle registers and the first
 // read works; otherwise the file engine uses io_uring and says why.
 #include <ferry/core/settings.hpp>
+#include <ferry/device/device.hpp>
 #include <ferry/io/file.hpp>
 
 #include <functional>

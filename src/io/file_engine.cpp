@@ -1,7 +1,7 @@
 // The file engine: io_uring pipelines between files and any memory (see include/ferry/io/file.hpp).
 #include <ferry/core/error.hpp>
 #include <ferry/core/units.hpp>
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/io/probe.hpp>
 #include <ferry/mem/pinned_pool.hpp>
 #include <ferry/mem/registration.hpp>

@@ -4,6 +4,8 @@
 // deadline.
 #include "store/client_impl.hpp"
 
+#include <ferry/store/secret.hpp>
+
 #include "core/logging.hpp"
 
 #include <fmt/format.h>

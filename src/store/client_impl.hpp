@@ -12,7 +12,7 @@
 
 #include <ferry/mem/pinned_pool.hpp>
 #include <ferry/mem/registration.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
 #include <ferry/xfer/engine.hpp>
 
 #include "core/logging.hpp"

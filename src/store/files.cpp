@@ -1,6 +1,6 @@
 // ferry:// files for the file API: a file_source per opened URI, a shared client per host:port whose
 // own threads start and finish requests (so file_engine::submit never blocks on the network).
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/store/files.hpp>
 #include <ferry/store/uri.hpp>
 

@@ -10,10 +10,10 @@
 // one file request, no data message. Every per-connection resource lives in the session, which goes
 // when the connection does; buffers UCX may still write into are owned by the in-flight table until
 // UCX reports the receive finished (or failed).
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/io/mapped_file.hpp>
 #include <ferry/store/root.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/server.hpp>
 
 #include "core/logging.hpp"
 #include "net/ucx.hpp"

@@ -2,7 +2,8 @@
 // commit. A writer that dies leaves the target untouched, an overwrite leaves no stale tail, two
 // writers never interleave, and the client reports success only once the server committed.
 #include <ferry/core/checksum.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
+#include <ferry/store/server.hpp>
 
 #include "net/ucx.hpp"
 #include "support/errors.hpp"

@@ -1,9 +1,10 @@
 // ferry:// in the file API: file::open + file_engine batches against a loopback `ferry serve`.
 #include <ferry/core/checksum.hpp>
 #include <ferry/device/mapped_memory.hpp>
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/runtime.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
+#include <ferry/store/server.hpp>
 
 #include "support/data.hpp"
 #include "support/server_io.hpp"

@@ -2,9 +2,10 @@
 // underneath, connections that never speak, clients that guess secrets or go quiet. Each test fails
 // on a server without the defence it names.
 #include <ferry/device/mapped_memory.hpp>
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/runtime.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
+#include <ferry/store/server.hpp>
 
 #include "net/ucx.hpp"
 #include "store/auth.hpp"

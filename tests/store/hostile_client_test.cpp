@@ -1,7 +1,8 @@
 // A hostile client against a live storage server: garbage frames, oversize requests, more requests
 // than credits. The server refuses each with a clear error or drops that connection — and keeps
 // serving everyone else.
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
+#include <ferry/store/server.hpp>
 
 #include "net/ucx.hpp"
 #include "store/door.hpp"

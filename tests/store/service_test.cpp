@@ -1,6 +1,8 @@
 // The storage service over UCX on loopback: reads with checksums, stat, list, refusals, many clients.
 #include <ferry/core/checksum.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
+#include <ferry/store/secret.hpp>
+#include <ferry/store/server.hpp>
 
 #include "support/errors.hpp"
 #include "support/server_io.hpp"

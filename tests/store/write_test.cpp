@@ -2,7 +2,8 @@
 #include <ferry/core/checksum.hpp>
 #include <ferry/device/mapped_memory.hpp>
 #include <ferry/runtime.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
+#include <ferry/store/server.hpp>
 
 #include "support/data.hpp"
 #include "support/server_io.hpp"

@@ -10,7 +10,7 @@
 // With the phases, sockets are only opened while none are closed and the other way round. (ferry
 // itself never hands a connection between workers: see ucx_worker::listen.)
 #include <ferry/core/error.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
 
 #include <gtest/gtest.h>
 

@@ -2,7 +2,7 @@
 // The file engine test servers move their data through, one for the whole test process (as the
 // runtime's in `ferry serve`). Built from its parts rather than a ferry::runtime, so that it does
 // not register ferry:// for the tests' own clients. CPU only: servers read and write host memory.
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/mem/registration.hpp>
 
 namespace ferry::test {

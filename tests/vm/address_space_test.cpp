@@ -1,7 +1,7 @@
 // Unified memory on the sim backend: CPU faults (SIGSEGV -> service thread) from many threads,
 // migrations both ways, eviction under a small device cap, DONTNEED and READ_MOSTLY, with data checked.
 #include <ferry/core/checksum.hpp>
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/vm/address_space.hpp>
 

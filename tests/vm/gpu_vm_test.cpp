@@ -2,7 +2,7 @@
 // pointers, the fault path, host-resident pages read by kernels, oversubscription of a small cap.
 // The kernels are the device layer's pattern and checksum kernels, run on the unified pointers.
 #include <ferry/core/checksum.hpp>
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/vm/address_space.hpp>
 

@@ -1,7 +1,7 @@
 // GPU tests of the transfer engine and the registration cache (label "gpu"; exit 77 without a GPU).
 #include <ferry/core/checksum.hpp>
 #include <ferry/device/mapped_memory.hpp>
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/mem/dmabuf.hpp>
 #include <ferry/runtime.hpp>
 

@@ -1,7 +1,8 @@
 #pragma once
 // Sub-commands of the `ferry` CLI. Each returns the process exit code.
 #include <ferry/runtime.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
+#include <ferry/store/server.hpp>
 
 #include <string>
 #include <string_view>

@@ -3,7 +3,7 @@
 #include "commands.hpp"
 
 #include <ferry/core/units.hpp>
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 #include <ferry/io/probe.hpp>
 #include <ferry/mem/topology.hpp>
 #include <ferry/net/probe.hpp>

@@ -11,7 +11,8 @@
 
 #include <ferry/core/checksum.hpp>
 #include <ferry/core/units.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
+#include <ferry/store/server.hpp>
 
 #include <fmt/format.h>
 #include <stdlib.h>

@@ -2,7 +2,9 @@
 #include "commands.hpp"
 
 #include <ferry/core/units.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
+#include <ferry/store/secret.hpp>
+#include <ferry/store/server.hpp>
 #include <ferry/store/uri.hpp>
 
 #include <fmt/format.h>

@@ -9,7 +9,7 @@
 #include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
 #include <ferry/gpu/ring.hpp>
-#include <ferry/io/file.hpp>
+#include <ferry/io/file_engine.hpp>
 
 #include <chrono>
 #include <memory>

@@ -13,7 +13,7 @@
 // exist), read_write (the server must be writable; a missing file is created by the first write);
 // create is refused (the protocol has no truncate).
 #include <ferry/io/file_source.hpp>
-#include <ferry/store/service.hpp>
+#include <ferry/store/client.hpp>
 
 #include <functional>
 
