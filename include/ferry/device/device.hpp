@@ -15,6 +15,9 @@
 #include <ferry/core/error.hpp>
 #include <ferry/core/export.hpp>
 #include <ferry/core/stats.hpp>
+#include <ferry/device/event.hpp>
+#include <ferry/device/memory.hpp>
+#include <ferry/device/stream.hpp>
 #include <ferry/mem/memory.hpp>
 
 #include <atomic>
@@ -30,37 +33,6 @@
 #include <vector>
 
 namespace ferry {
-
-class device;
-class stream;
-
-using deadline = std::chrono::steady_clock::time_point;
-inline deadline deadline_after(std::chrono::nanoseconds d) { return std::chrono::steady_clock::now() + d; }
-
-// Where physical memory lives.
-enum class memory_kind { device, host };
-
-struct location {
-  memory_kind kind = memory_kind::device;
-  // device: ordinal of a device of the same backend (-1: the device asked); host: NUMA node (-1: any).
-  int id = -1;
-  static location on_device(int ordinal = -1) { return {memory_kind::device, ordinal}; }
-  static location on_host(int numa_node = -1) { return {memory_kind::host, numa_node}; }
-};
-
-// Who moves the bytes of a stream copy: the device's DMA copy engines (the default), or its SMs (a
-// copy kernel: both ends must be mapped in the device's ranges). SM copies reach about the same PCIe
-// bandwidth but occupy the SMs, and with CUDA every VMM map/set_access waits for running kernels, so
-// unified-memory migrations keep DMA (docs/design/unified-memory.md). The sim backend has one kind.
-enum class copy_engine { dma, sm };
-
-enum class access : unsigned { none = 0, read = 1, read_write = 3 };
-
-// Grants `who` (a device of this backend, or the host CPUs) access to a mapped range.
-struct access_desc {
-  location who;
-  access flags = access::read_write;
-};
 
 // What a device is. Fields a backend cannot know are 0 / empty / -1.
 struct device_info {
@@ -78,172 +50,6 @@ struct device_info {
   int copy_engines = 0;    // asynchronous copy engines
   // "cuda:0" / "sim:1": the canonical name used in URIs and errors.
   std::string id() const { return std::string(to_string(backend)) + ":" + std::to_string(ordinal); }
-};
-
-struct memory_usage {
-  std::uint64_t free = 0;
-  std::uint64_t total = 0;
-};
-
-// A chunk of physical memory. Move-only; freed when the last owner lets go. A chunk released
-// while still mapped stays alive until its last mapping is unmapped (as with cuMemRelease).
-class FERRY_API physical_chunk {
- public:
-  physical_chunk() = default;
-  physical_chunk(physical_chunk&& o) noexcept { *this = std::move(o); }
-  physical_chunk& operator=(physical_chunk&& o) noexcept;
-  physical_chunk(const physical_chunk&) = delete;
-  physical_chunk& operator=(const physical_chunk&) = delete;
-  ~physical_chunk() { reset(); }
-
-  explicit operator bool() const noexcept { return owner_ != nullptr; }
-  std::uint64_t size() const noexcept { return size_; }
-  location where() const noexcept { return where_; }
-  std::uint64_t handle() const noexcept { return handle_; }  // backend-specific
-  device* owner() const noexcept { return owner_; }
-  void reset() noexcept;
-
- private:
-  friend class device;
-  device* owner_ = nullptr;
-  std::uint64_t handle_ = 0;
-  std::uint64_t size_ = 0;
-  location where_;
-};
-
-// A reserved virtual address range: no memory behind it until chunks are mapped. Move-only; on
-// destruction every chunk still mapped in it is unmapped and the range is returned.
-class FERRY_API va_range {
- public:
-  va_range() = default;
-  va_range(va_range&& o) noexcept { *this = std::move(o); }
-  va_range& operator=(va_range&& o) noexcept;
-  va_range(const va_range&) = delete;
-  va_range& operator=(const va_range&) = delete;
-  ~va_range() { reset(); }
-
-  explicit operator bool() const noexcept { return owner_ != nullptr; }
-  void* base() const noexcept { return reinterpret_cast<void*>(base_); }
-  std::uintptr_t address() const noexcept { return base_; }
-  std::uint64_t size() const noexcept { return size_; }
-  template <typename T = std::byte>
-  T* at(std::uint64_t offset) const noexcept { return reinterpret_cast<T*>(base_ + offset); }
-  device* owner() const noexcept { return owner_; }
-  void reset() noexcept;
-
- private:
-  friend class device;
-  device* owner_ = nullptr;
-  std::uintptr_t base_ = 0;
-  std::uint64_t size_ = 0;
-};
-
-// A backend's own handle of a stream. For CUDA it is the CUstream (cudaStream_t is the same value):
-// 0 and legacy() name the legacy default stream, per_thread() the per-thread default stream. The
-// sim backend's streams have handles too, so that tests can play a user's streams without a GPU.
-struct native_stream {
-  std::uintptr_t handle = 0;
-  static constexpr native_stream legacy() noexcept { return {1}; }      // CU_STREAM_LEGACY
-  static constexpr native_stream per_thread() noexcept { return {2}; }  // CU_STREAM_PER_THREAD
-  friend bool operator==(native_stream, native_stream) = default;
-};
-
-// Completion marker recorded on a stream.
-class FERRY_API event {
- public:
-  virtual ~event();
-  // True once all work before the record point completed (successfully or not).
-  bool done() { return do_query(); }
-  // Waits until done or the deadline passes (then throws timeout naming the stream).
-  void wait(deadline until);
-
- protected:
-  event() = default;
-
- private:
-  virtual bool do_query() = 0;
-  virtual std::string do_describe() const = 0;
-};
-
-// An ordered queue of asynchronous work on one device. Work enqueued on one stream runs in order;
-// different streams run concurrently. Errors found at enqueue time throw; errors found while
-// running are reported by the next synchronize().
-class FERRY_API stream {
- public:
-  virtual ~stream();
-  device& owner() const noexcept { return *owner_; }
-
-  // Copies bytes between any two addresses this device can reach: its mapped ranges, host memory,
-  // and peers' ranges that granted it access.
-  void copy(void* dst, const void* src, std::size_t bytes, copy_engine by = copy_engine::dma);
-  // Many copies at once (a batch of scattered blocks): as copy() of each, in order, enqueued in one
-  // call where the backend has one (CUDA: cuMemcpyBatchAsync, driver 12.8+). On an error the
-  // copies before the refused one may be enqueued (not by CUDA's batch call, which takes all or none).
-  struct copy_desc {
-    void* dst;
-    const void* src;
-    std::size_t bytes;
-  };
-  void copy_batch(std::span<const copy_desc> copies);
-  // Writes ferry's data pattern (core/checksum.hpp) with `seed` to dst (8-byte aligned), on the device.
-  void fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed);
-  // Computes checksum64 of src (8-byte aligned) on the device; *result (host memory) is valid
-  // after the stream is synchronized.
-  void checksum(const void* src, std::size_t bytes, std::uint64_t* result);
-
-  // Stream memory operations on a 32-bit word of host memory the device can reach (pinned, or
-  // registered with the device) or of the device's own memory. write_value stores `value` once the
-  // work enqueued before it completed (and its writes are visible); wait_value holds the work
-  // enqueued after it until (int32_t)(*addr - value) >= 0 -- a sequence number that only grows, so
-  // wrap-around is harmless. Nothing runs on a CPU thread: how ferry orders its host-side work
-  // with a user's kernels (docs/design/stream-ordering.md).
-  void write_value(std::uint32_t* addr, std::uint32_t value);
-  void wait_value(const std::uint32_t* addr, std::uint32_t value);
-
-  // The backend's handle of this stream, for the user's own calls (a cudaStream_t).
-  native_stream native_handle() const noexcept { return do_native_handle(); }
-  // True for a view of a stream ferry did not make (device::wrap_stream).
-  bool is_view() const noexcept { return view_; }
-
-  // Records an event after the work enqueued so far.
-  std::unique_ptr<event> record();
-  // Work enqueued after this waits for `e` (which may belong to another stream of the same device).
-  void wait(event& e);
-  // True when all enqueued work completed.
-  bool idle();
-  // True while the stream captures a CUDA graph (a user's stream): work enqueued is recorded, not
-  // run, and the stream must be neither queried nor waited for until the capture ends.
-  bool capturing() { return do_capturing(); }
-  // Waits for all enqueued work; throws timeout at the deadline, or the first asynchronous error.
-  void synchronize(deadline until);
-  void synchronize();  // with the device's default deadline (FERRY_DEADLINE)
-
- protected:
-  explicit stream(device& owner, bool view = false);
-
- private:
-  virtual void do_copy(void* dst, const void* src, std::size_t bytes) = 0;
-  virtual void do_copy_sm(void* dst, const void* src, std::size_t bytes) { do_copy(dst, src, bytes); }
-  // Copies already split at mappings; by default one do_copy each.
-  virtual void do_copy_batch(std::span<const copy_desc> copies) {
-    for (auto& c : copies) do_copy(c.dst, c.src, c.bytes);
-  }
-  virtual void do_fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) = 0;
-  virtual void do_checksum(const void* src, std::size_t bytes, std::uint64_t* result) = 0;
-  virtual std::unique_ptr<event> do_record() = 0;
-  virtual void do_wait(event& e) = 0;
-  virtual bool do_idle() = 0;
-  virtual bool do_capturing() { return false; }
-  virtual void do_synchronize(deadline until) = 0;
-  virtual void do_write_value(std::uint32_t* addr, std::uint32_t value) = 0;
-  virtual void do_wait_value(const std::uint32_t* addr, std::uint32_t value) = 0;
-  virtual native_stream do_native_handle() const noexcept = 0;
-
-  device* owner_;
-  bool view_;
-  counter* c_copies_;  // the device's, looked up once: copy() runs per request
-  counter* c_copy_bytes_;
-  counter* c_copy_batches_;  // copy_batch calls (each one enqueue of many copies)
 };
 
 // Told of kernel launches on a device -- the user's own included (CUDA: CUPTI callbacks on the
