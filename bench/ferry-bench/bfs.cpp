@@ -221,7 +221,7 @@ int run_bench_bfs(runtime& rt, const bench_bfs_options& o) {
     gpu::cache_options co = gpu::cache_options::from(rt.config());
     co.bytes = cache_bytes;
     co.page_bytes = static_cast<std::uint32_t>(page);
-    gpu::cache c(rt, dev, co);
+    gpu::cache c(rt.files(), dev, co);
     auto offs = c.map<unsigned long long>(f, 0, vertices + 1);
     auto cols = c.map<unsigned>(f, g.cols_at / 4, g.edges);
     for (int pass = 0; pass < 2; ++pass) {

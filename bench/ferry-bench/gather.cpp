@@ -220,7 +220,7 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
           gpu::cache_options co = gpu::cache_options::from(rt.config());
           co.bytes = cache_bytes;
           co.page_bytes = static_cast<std::uint32_t>(page);
-          gpu::cache c(rt, dev, co);
+          gpu::cache c(rt.files(), dev, co);
           auto a = c.map_bytes(src, 0, bytes);
           gpu::array<words<2>> a2(c.view(), a);
           gpu::array<words<16>> a16(c.view(), a);

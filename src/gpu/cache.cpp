@@ -1,7 +1,9 @@
 // The host side of the GPU page cache (see include/ferry/gpu/cache.hpp).
 #include <ferry/core/error.hpp>
 #include <ferry/gpu/cache.hpp>
-#include <ferry/runtime.hpp>
+#include <ferry/io/file_engine.hpp>
+#include <ferry/mem/registration.hpp>
+#include <ferry/xfer/engine.hpp>
 
 #include "core/logging.hpp"
 #include "gpu/region.hpp"
@@ -51,7 +53,7 @@ struct cache::impl {
     region entries;
   };
 
-  runtime& rt;
+  file_engine& files;
   device& dev;
   cache_options o;
   region frames, meta;
@@ -87,7 +89,7 @@ struct cache::impl {
   std::unique_ptr<stream> st;  // the host's reads and writes of the cache's words
   std::unique_ptr<proxy> px;
 
-  impl(runtime& r, device& d, cache_options opt) : rt(r), dev(d), o(opt) {
+  impl(file_engine& fe, device& d, cache_options opt) : files(fe), dev(d), o(opt) {
     const std::uint32_t ps = o.page_bytes;
     expects(ps >= 4096 && ps <= (2u << 20) && (ps & (ps - 1)) == 0, "gpu.cache", fmt::format("page_bytes={}", ps),
             "a page must be a power of two from 4 KiB to 2 MiB");
@@ -107,11 +109,11 @@ struct cache::impl {
 
     v.landing_count = static_cast<std::uint32_t>(std::min<std::uint64_t>(o.landing_bytes / ps, v.frame_count));
     const std::uint64_t landing_bytes = std::uint64_t{v.landing_count} * ps;
-    landing.cache = &rt.registrations();
+    landing.cache = &files.registrations();
     landing.p = static_cast<unsigned char*>(std::aligned_alloc(ps, landing_bytes));
     if (!landing.p) fail(errc::out_of_memory, "gpu.cache", fmt::format("landing_bytes={}", o.landing_bytes), "no host memory for the landing area");
     landing.bytes = landing_bytes;
-    landing.reg = rt.registrations().acquire(landing.p, landing_bytes);
+    landing.reg = files.registrations().acquire(landing.p, landing_bytes);
     v.landing = landing.p;
 
     // The words: owner[frames], arrays[o.arrays], hand, counters, error, landing locks.
@@ -134,7 +136,7 @@ struct cache::impl {
     v.counters = meta.va.at<cache_counters>(at_counters);
     v.error = meta.va.at<std::uint32_t>(at_error);
     v.landing_lock = meta.va.at<std::uint32_t>(at_locks);
-    px = std::make_unique<proxy>(rt, dev, o.requests);
+    px = std::make_unique<proxy>(files, dev, o.requests);
     v.ring = px->view();
     v.landing_done = px->answer_words(v.landing_count).data();
   }
@@ -207,7 +209,7 @@ struct cache::impl {
       if (reqs.empty()) continue;
       transfer_options to;
       to.until = deadline_after(o.requests.deadline);
-      transfer_batch b = rt.files().submit(reqs, to);
+      transfer_batch b = files.submit(reqs, to);
       b.wait();
       b.check();
       for (std::uint64_t p : which) e[p] &= ~dirty;
@@ -235,7 +237,7 @@ struct cache::impl {
   }
 };
 
-cache::cache(runtime& rt, device& dev, cache_options o) : impl_(std::make_unique<impl>(rt, dev, o)) {}
+cache::cache(file_engine& files, device& dev, cache_options o) : impl_(std::make_unique<impl>(files, dev, o)) {}
 cache::~cache() = default;
 
 array_desc cache::map_bytes(std::shared_ptr<file> f, std::uint64_t offset, std::uint64_t bytes) {
@@ -281,10 +283,10 @@ array_desc cache::map_memory_bytes(void* p, std::uint64_t bytes, bool writable) 
   expects(p != nullptr, "gpu.cache.map_memory", "memory", "a null pointer");
   const std::string name = fmt::format("memory {}+{}", p, bytes);
   // Memory ferry does not know would fail at the first miss: refused here, naming it.
-  const memory_region m = impl_->rt.registrations().classify(p, bytes);
+  const memory_region m = impl_->files.registrations().classify(p, bytes);
   if (m.type == memory_type::unknown)
     fail(errc::bad_address, "gpu.cache.map_memory", name, "not memory ferry knows (freed, or never allocated?)");
-  auto f = file::over(std::make_shared<memory_source>(impl_->rt.engine(), static_cast<std::byte*>(p), bytes), name, writable);
+  auto f = file::over(std::make_shared<memory_source>(impl_->files.transfers(), static_cast<std::byte*>(p), bytes), name, writable);
   return impl_->map_bytes(std::move(f), 0, bytes);
 }
 cache_view cache::view() const noexcept { return impl_->v; }

@@ -1,7 +1,7 @@
 // The host proxy of GPU-initiated access (see include/ferry/gpu/proxy.hpp).
 #include <ferry/core/error.hpp>
 #include <ferry/gpu/proxy.hpp>
-#include <ferry/runtime.hpp>
+#include <ferry/io/file_engine.hpp>
 
 #include "core/logging.hpp"
 #include "gpu/region.hpp"
@@ -31,7 +31,7 @@ proxy_options proxy_options::from(const settings& s) {
 }
 
 struct proxy::impl {
-  runtime& rt;
+  file_engine& files;
   device& dev;
   proxy_options o;
   // The rings' memory: slots (and, for host requesters, each ring's tail and credits) in host memory
@@ -53,7 +53,7 @@ struct proxy::impl {
   std::atomic<bool> stop{false};
   std::vector<std::thread> th;  // one per ring
 
-  impl(runtime& r, device& d, proxy_options opt) : rt(r), dev(d), o(opt) {
+  impl(file_engine& fe, device& d, proxy_options opt) : files(fe), dev(d), o(opt) {
     expects(o.slots >= 2 && o.slots <= (1u << 24) && (o.slots & (o.slots - 1)) == 0, "gpu.proxy",
             fmt::format("{} slots", o.slots), "a ring's slots must be a power of two from 2 to 2^24");
     expects(o.batch >= 1, "gpu.proxy", "batch=0", "a batch takes at least one request");
@@ -217,7 +217,7 @@ struct proxy::impl {
       idle.notify_all();
     };
     try {
-      rt.files().submit(w.frs, to, finished);
+      files.submit(w.frs, to, finished);
       w.frs.clear();  // the batch holds what it needs of the files
     } catch (const std::exception& e) {
       // Refused before anything started (bad memory, a closed source): the batch again one by one,
@@ -275,12 +275,12 @@ struct proxy::impl {
   }
 };
 
-proxy::proxy(runtime& rt, device& dev, proxy_options o) : impl_(std::make_unique<impl>(rt, dev, o)) {}
+proxy::proxy(file_engine& files, device& dev, proxy_options o) : impl_(std::make_unique<impl>(files, dev, o)) {}
 proxy::~proxy() = default;
 
 std::uint32_t proxy::add(std::shared_ptr<file> f) {
   expects(f != nullptr, "gpu.proxy", "source", "a null file");
-  impl_->rt.files().prepare(*f, impl_->dev);
+  impl_->files.prepare(*f, impl_->dev);
   std::lock_guard l(impl_->mu);
   impl_->sources.push_back(std::move(f));
   return static_cast<std::uint32_t>(impl_->sources.size() - 1);

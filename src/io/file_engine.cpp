@@ -1001,6 +1001,8 @@ file_engine::file_engine(transfer_engine& x, device_registry& d, registration_ca
     : impl_(std::make_unique<impl>(x, d, c, s)) {}
 file_engine::~file_engine() = default;
 ferry::stats& file_engine::counters() noexcept { return impl_->st; }
+transfer_engine& file_engine::transfers() noexcept { return impl_->xfer; }
+registration_cache& file_engine::registrations() noexcept { return impl_->cache; }
 
 transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_options o) {
   auto b = make_batch_state(reqs.size(), o, impl_->cfg.deadline);

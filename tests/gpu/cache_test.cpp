@@ -76,7 +76,7 @@ void random_reads(gpu::cache& c, const data_file& d, std::uint64_t base, int per
 TEST(GpuCache, RequestersThatMissOnOnePageTogetherFillItOnce) {
   runtime rt(sim_cfg());
   data_file d("gpu-cache-one", 1 << 20, 1);
-  gpu::cache c(rt, rt.devices().get("sim:0"), host_cache(256 << 10, 64 << 10));
+  gpu::cache c(rt.files(), rt.devices().get("sim:0"), host_cache(256 << 10, 64 << 10));
   auto a = c.map<std::uint64_t>(file::open(d.path.string(), open_mode::read), 0, d.bytes.size() / 8);
   std::uint64_t want;
   std::memcpy(&want, d.bytes.data() + 8 * 1000, 8);
@@ -105,7 +105,7 @@ TEST(GpuCache, RequestersThatMissOnOnePageTogetherFillItOnce) {
 TEST(GpuCache, RandomReadsOfEveryElementSizeOverADatasetFourTimesTheCache) {
   runtime rt(sim_cfg());
   data_file d("gpu-cache-random", 4 << 20, 2);
-  gpu::cache c(rt, rt.devices().get("sim:0"), host_cache(1 << 20, 4096));
+  gpu::cache c(rt.files(), rt.devices().get("sim:0"), host_cache(1 << 20, 4096));
   random_reads<std::uint8_t>(c, d, 13, 2000);
   random_reads<std::uint16_t>(c, d, 13, 2000);
   random_reads<std::uint32_t>(c, d, 13, 2000);
@@ -129,7 +129,7 @@ TEST(GpuCache, RandomReadsOfEveryElementSizeOverADatasetFourTimesTheCache) {
 TEST(GpuCache, DirtyPagesAreWrittenBackOnEvictionAndByFlush) {
   runtime rt(sim_cfg());
   data_file d("gpu-cache-write", 1 << 20, 3);
-  gpu::cache c(rt, rt.devices().get("sim:0"), host_cache(256 << 10, 4096));
+  gpu::cache c(rt.files(), rt.devices().get("sim:0"), host_cache(256 << 10, 4096));
   auto a = c.map<std::uint32_t>(file::open(d.path.string(), open_mode::read_write), 0, d.bytes.size() / 4);
   auto value = [](std::uint64_t i) { return static_cast<std::uint32_t>(i * 2654435761u + 7); };
   std::atomic<int> not_ok{0};
@@ -176,7 +176,7 @@ TEST(GpuCache, UnifiedMemoryIsASourceReadAndWrittenBack) {
   auto after = [](std::uint64_t i) { return static_cast<std::uint32_t>(i * 2654435761u + 7); };
   for (std::uint64_t i = 0; i < n; ++i) p[i] = before(i);
   {
-    gpu::cache c(rt, dev, host_cache(256 << 10, 4096));
+    gpu::cache c(rt.files(), dev, host_cache(256 << 10, 4096));
     auto a = c.map_memory(p, n, true);
     std::atomic<int> not_ok{0}, wrong{0};
     std::vector<std::thread> ts;
@@ -208,7 +208,7 @@ TEST(GpuCache, UnifiedMemoryIsASourceReadAndWrittenBack) {
   std::uint64_t stale = 0;
   for (std::uint64_t i = 0; i < n; ++i) stale += p[i] != after(i);
   EXPECT_EQ(stale, 0u) << "every written element reached the unified memory";
-  gpu::cache c(rt, dev, host_cache(256 << 10, 4096));
+  gpu::cache c(rt.files(), dev, host_cache(256 << 10, 4096));
   std::vector<std::uint32_t> mine(16);
   EXPECT_NO_THROW(c.map_memory(mine.data(), mine.size())) << "host memory is memory ferry knows";
   EXPECT_THAT(test::error_text([&] { c.map_memory(reinterpret_cast<std::uint32_t*>(4096), 16); }), HasSubstr("not memory ferry knows"));
@@ -220,7 +220,7 @@ TEST(GpuCache, UnifiedMemoryIsASourceReadAndWrittenBack) {
 TEST(GpuCache, ASourceThatFailsIsAStatusInTheRequesterAndAnExceptionOnTheHost) {
   runtime rt(sim_cfg());
   data_file d("gpu-cache-fail", 1 << 20, 4);
-  gpu::cache c(rt, rt.devices().get("sim:0"), host_cache(256 << 10, 4096));
+  gpu::cache c(rt.files(), rt.devices().get("sim:0"), host_cache(256 << 10, 4096));
   auto f = file::open(d.path.string(), open_mode::read);
   auto a = c.map<std::uint64_t>(f, 0, d.bytes.size() / 8);
   std::filesystem::resize_file(d.path, 256 << 10);
@@ -244,7 +244,7 @@ TEST(GpuCache, ASourceThatFailsIsAStatusInTheRequesterAndAnExceptionOnTheHost) {
 TEST(GpuCache, AFullRingMakesRequestersWaitNotFail) {
   runtime rt(sim_cfg());
   data_file d("gpu-cache-ring", 2 << 20, 5);
-  gpu::cache c(rt, rt.devices().get("sim:0"), host_cache(512 << 10, 4096, 2));
+  gpu::cache c(rt.files(), rt.devices().get("sim:0"), host_cache(512 << 10, 4096, 2));
   random_reads<std::uint32_t>(c, d, 0, 1000);
   EXPECT_EQ(c.stats().counted.failures, 0u);
 }
@@ -256,7 +256,7 @@ TEST(GpuCache, RequestsThatGoUnansweredEndAtTheRequestersDeadline) {
   data_file d("gpu-cache-deadline", 1 << 20, 6);
   gpu::cache_options o = host_cache(256 << 10, 4096);
   o.wait = std::chrono::nanoseconds(1);
-  gpu::cache c(rt, rt.devices().get("sim:0"), o);
+  gpu::cache c(rt.files(), rt.devices().get("sim:0"), o);
   auto a = c.map<std::uint64_t>(file::open(d.path.string(), open_mode::read), 0, d.bytes.size() / 8);
   std::uint64_t v = 0;
   EXPECT_EQ(a.get(0, v), gpu::status::timed_out);
@@ -276,7 +276,7 @@ TEST(GpuCache, BadOptionsAreRefused) {
   runtime rt(sim_cfg());
   auto refused = [&](gpu::cache_options o, const char* what) {
     try {
-      gpu::cache c(rt, rt.devices().get("sim:0"), o);
+      gpu::cache c(rt.files(), rt.devices().get("sim:0"), o);
       ADD_FAILURE() << "accepted " << what;
     } catch (const error& e) {
       EXPECT_THAT(e.what(), HasSubstr(what));
@@ -285,7 +285,7 @@ TEST(GpuCache, BadOptionsAreRefused) {
   refused(host_cache(1 << 20, 3000), "page_bytes=3000");
   refused(host_cache(1 << 20, 4 << 20), "page_bytes=4194304");
   refused(host_cache(1000, 4096), "bytes=1000");
-  gpu::cache c(rt, rt.devices().get("sim:0"), host_cache(1 << 20, 4096));
+  gpu::cache c(rt.files(), rt.devices().get("sim:0"), host_cache(1 << 20, 4096));
   data_file d("gpu-cache-bad", 4096, 7);
   try {
     c.map_bytes(file::open(d.path.string(), open_mode::read), 10, 0);
@@ -303,7 +303,7 @@ TEST(GpuCache, DirtyPagesThatCannotBeWrittenBackDoNotFailOtherReads) {
   data_file d("gpu-cache-readonly", 1 << 20, 8);
   gpu::cache_options o = host_cache(64 << 10, 4096);  // 16 frames
   o.wait = std::chrono::seconds(5);
-  gpu::cache c(rt, rt.devices().get("sim:0"), o);
+  gpu::cache c(rt.files(), rt.devices().get("sim:0"), o);
   auto a = c.map<std::uint32_t>(file::open(d.path.string(), open_mode::read), 0, d.bytes.size() / 4);
   for (std::uint64_t p = 0; p < 8; ++p) ASSERT_EQ(a.set(p * 1024, 7u), gpu::status::ok) << "page " << p;
   std::mt19937_64 rng(3);

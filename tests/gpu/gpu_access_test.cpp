@@ -117,7 +117,7 @@ TEST(GpuAccess, OneWarpReadsOneChunk) {
   runtime rt(g_settings);
   user_program u;
   data_file d(1ull << 20, 20);
-  auto px = std::make_unique<gpu::proxy>(rt, rt.devices().get("cuda:0"));
+  auto px = std::make_unique<gpu::proxy>(rt.files(), rt.devices().get("cuda:0"));
   px->add(file::open(d.path.string(), open_mode::read));
   run_result r = run(u, px, d.bytes.size(), 4096, 1, 1, 3, false);
   ASSERT_EQ(r.statuses[0], static_cast<unsigned>(gpu::status::ok));
@@ -129,7 +129,7 @@ TEST(GpuAccess, WarpsReadRandomChunksOfAFileIntoDeviceMemory) {
   runtime rt(g_settings);
   user_program u;
   data_file d(64ull << 20, 21);
-  auto px = std::make_unique<gpu::proxy>(rt, rt.devices().get("cuda:0"));
+  auto px = std::make_unique<gpu::proxy>(rt.files(), rt.devices().get("cuda:0"));
   ASSERT_EQ(px->add(file::open(d.path.string(), open_mode::read)), 0u);
   const std::uint64_t chunk = 4096;
   const unsigned warps = 512, per = 16, seed = 5;
@@ -156,7 +156,7 @@ TEST(GpuAccess, ReadsPastTheEndAreStatusesInTheKernel) {
   runtime rt(g_settings);
   user_program u;
   data_file d(8ull << 20, 22);
-  auto px = std::make_unique<gpu::proxy>(rt, rt.devices().get("cuda:0"));
+  auto px = std::make_unique<gpu::proxy>(rt.files(), rt.devices().get("cuda:0"));
   px->add(file::open(d.path.string(), open_mode::read));
   const std::uint64_t chunk = 4096;
   const unsigned warps = 64, per = 8, seed = 6;
@@ -315,7 +315,7 @@ TEST(GpuCache, RandomReadsOfEveryElementSizeMatchTheFile) {
   runtime rt(g_settings);
   user_program u;
   data_file d(16ull << 20, 30);
-  gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
+  gpu::cache c(rt.files(), rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
   gather_matches_the_file<std::uint8_t>(u, c, d, "cache_gather_1");
   gather_matches_the_file<std::uint16_t>(u, c, d, "cache_gather_2");
   gather_matches_the_file<std::uint32_t>(u, c, d, "cache_gather_4");
@@ -342,7 +342,7 @@ TEST(GpuCache, TheUsersAllocationsAfterACacheIsGoneSucceed) {
   for (std::uint64_t cache_mib : {64, 136, 136, 136}) {
     unsigned char* landing = nullptr;
     {
-      gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(cache_mib << 20, 4096));
+      gpu::cache c(rt.files(), rt.devices().get("cuda:0"), small_cache(cache_mib << 20, 4096));
       gather_matches_the_file<std::uint64_t>(u, c, d, "cache_gather_8");
       landing = c.view().landing;
     }
@@ -383,7 +383,7 @@ TEST(GpuCache, AKernelGathersUnifiedMemoryThroughTheCache) {
   void* p = as.alloc(d.bytes.size());
   std::memcpy(p, d.bytes.data(), d.bytes.size());
   {
-    gpu::cache c(rt, dev, small_cache(4 << 20, 4096));
+    gpu::cache c(rt.files(), dev, small_cache(4 << 20, 4096));
     gather_matches<std::uint64_t>(u, c, c.map_memory(static_cast<std::uint64_t*>(p), d.bytes.size() / 8),
                                   d.bytes.data(), "cache_gather_8");
     auto s = c.stats();
@@ -401,7 +401,7 @@ TEST(GpuCache, ConcurrentWritersToOnePageThenFlushLandOnDisk) {
   runtime rt(g_settings);
   user_program u;
   data_file d(1ull << 20, 31);
-  gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 64 << 10));
+  gpu::cache c(rt.files(), rt.devices().get("cuda:0"), small_cache(4 << 20, 64 << 10));
   auto a = c.map<std::uint32_t>(file::open(d.path.string(), open_mode::read_write), 0, d.bytes.size() / 4);
   write_elements(u, c, a, 0, 16384);
   EXPECT_EQ(c.stats().counted.misses, 1u) << "one page, filled once";
@@ -418,7 +418,7 @@ TEST(GpuCache, WritesOverAFileFourTimesTheCacheAreWrittenBackOnEviction) {
   runtime rt(g_settings);
   user_program u;
   data_file d(16ull << 20, 32);
-  gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
+  gpu::cache c(rt.files(), rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
   auto a = c.map<std::uint32_t>(file::open(d.path.string(), open_mode::read_write), 0, d.bytes.size() / 4);
   write_elements(u, c, a, 0, a.size());
   auto s = c.stats();
@@ -438,7 +438,7 @@ TEST(GpuCache, AFileCutShortMidKernelIsAStatusInTheKernelAndAnExceptionOnTheHost
   runtime rt(g_settings);
   user_program u;
   data_file d(64ull << 20, 33);
-  gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
+  gpu::cache c(rt.files(), rt.devices().get("cuda:0"), small_cache(4 << 20, 4096));
   auto a = c.map<std::uint64_t>(file::open(d.path.string(), open_mode::read), 0, d.bytes.size() / 8);
   sweep k(u, a, d.bytes.size());
   const std::uint64_t pages = k.pages;
@@ -492,7 +492,7 @@ TEST(GpuCache, AFerryServerKilledMidKernelIsAStatusInTheKernelAndAnExceptionOnTh
   const std::string server = "127.0.0.1:" + std::to_string(srv.port);
   runtime rt(g_settings);
   user_program u;
-  gpu::cache c(rt, rt.devices().get("cuda:0"), small_cache(1 << 20, 4096));
+  gpu::cache c(rt.files(), rt.devices().get("cuda:0"), small_cache(1 << 20, 4096));
   auto a = c.map<std::uint64_t>(file::open("ferry://" + server + "/" + d.path.filename().string(), open_mode::read), 0,
                                 d.bytes.size() / 8);
   sweep k(u, a, d.bytes.size());

@@ -54,7 +54,7 @@ gpu::proxy_options host_requesters(std::uint32_t slots = 64) {
 TEST(GpuProxy, EightRequestersReadRandomRangesOfAFile) {
   runtime rt(sim_cfg());
   data_file d("gpu-proxy-read", 16 << 20, 7);
-  gpu::proxy px(rt, rt.devices().get("sim:0"), host_requesters(16));
+  gpu::proxy px(rt.files(), rt.devices().get("sim:0"), host_requesters(16));
   const std::uint32_t src = px.add(file::open(d.path.string(), open_mode::read));
   auto v = px.view();
   std::span<std::uint32_t> words = px.answer_words(8);
@@ -90,7 +90,7 @@ TEST(GpuProxy, EightRequestersReadRandomRangesOfAFile) {
 TEST(GpuProxy, WritesLandAndFailuresAreStatusesWithTheirReasons) {
   runtime rt(sim_cfg());
   data_file d("gpu-proxy-write", 1 << 20, 9);
-  gpu::proxy px(rt, rt.devices().get("sim:0"), host_requesters());
+  gpu::proxy px(rt.files(), rt.devices().get("sim:0"), host_requesters());
   const std::uint32_t src = px.add(file::open(d.path.string(), open_mode::read_write));
   auto v = px.view();
   std::uint32_t* done = px.answer_words(1).data();
@@ -139,7 +139,7 @@ TEST(GpuProxy, WritesLandAndFailuresAreStatusesWithTheirReasons) {
 TEST(GpuProxy, ARingSizeThatIsNotAPowerOfTwoIsRefused) {
   runtime rt(sim_cfg());
   try {
-    gpu::proxy px(rt, rt.devices().get("sim:0"), host_requesters(100));
+    gpu::proxy px(rt.files(), rt.devices().get("sim:0"), host_requesters(100));
     FAIL() << "accepted 100 slots";
   } catch (const error& e) {
     EXPECT_THAT(e.what(), HasSubstr("100 slots"));

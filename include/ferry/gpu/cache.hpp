@@ -18,10 +18,6 @@
 #include <chrono>
 #include <memory>
 
-namespace ferry {
-class runtime;
-}
-
 namespace ferry::gpu {
 
 struct FERRY_API cache_options {
@@ -46,7 +42,9 @@ struct cache_stats {
 
 class FERRY_API cache {
  public:
-  cache(runtime& rt, device& dev, cache_options o = {});
+  // Misses are read by `files` (and its transfer engine); `dev` runs the kernels that use it. Both
+  // must outlive the cache.
+  cache(file_engine& files, device& dev, cache_options o = {});
   // Writes dirty pages back (flush); failures are logged. No kernel may be using the cache.
   ~cache();
   cache(const cache&) = delete;

@@ -17,10 +17,6 @@
 #include <string>
 #include <vector>
 
-namespace ferry {
-class runtime;
-}
-
 namespace ferry::gpu {
 
 // Who fills the ring: kernels on the proxy's device (`tail` and the credits in device memory) or
@@ -54,8 +50,9 @@ struct proxy_stats {
 class FERRY_API proxy {
  public:
   // Starts serving at once. The device is where the requesters' kernels run (or, for host
-  // requesters, the device whose host memory holds the ring); both must outlive the proxy.
-  proxy(runtime& rt, device& dev, proxy_options o = {});
+  // requesters, the device whose host memory holds the ring); `files` serves the requests. Both
+  // must outlive the proxy.
+  proxy(file_engine& files, device& dev, proxy_options o = {});
   // Stops taking requests and waits (up to the deadline) for those under way; requests still in
   // the ring get no answer (their waits end at their own deadlines).
   ~proxy();

@@ -72,6 +72,10 @@ class FERRY_API file_engine {
   void prepare(file& f, const device& dev);
   file_backend_choice backend_for(const std::string& path);
   ferry::stats& counters() noexcept;
+  // What it moves device copies through and classifies memory with (those it was made with): the
+  // layers above that read files into device memory use the same.
+  transfer_engine& transfers() noexcept;
+  registration_cache& registrations() noexcept;
 
   struct impl;
 
