@@ -63,10 +63,12 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   {
     // More workers when the work asks for them: a worker for every FERRY_IO_DEPTH requests waiting
     // or running, and for every four I/O chunks of this batch (the bytes a new worker's copies
-    // must cover to be worth its making; a 64 MiB first load takes two, a 4 GiB one all).
+    // must cover to be worth its making; a 64 MiB first load takes two, a 4 GiB one all). Remote
+    // files' requests are their sources' work, not the workers'.
     std::uint64_t bytes = 0;
-    for (auto& r : reqs) bytes += r.bytes;
-    std::size_t busy = reqs.size();
+    std::size_t busy = 0;
+    for (auto& r : reqs)
+      if (r.f && !r.f->source()) bytes += r.bytes, ++busy;
     const std::size_t nl = I.live.load(std::memory_order_acquire);
     for (std::size_t k = 0; k < nl; ++k) busy += I.workers[k]->queued.load() + I.workers[k]->running_now.load();
     const auto depth = static_cast<std::size_t>(std::max(1, I.cfg.io_depth));
