@@ -81,6 +81,7 @@ bool pinned_pool::grow(std::unique_lock<std::mutex>& l) {
   const memory_region* r = &seg->reg.region();
   for (int i = n - 1; i >= 0; --i) free_.push_back({seg->base + static_cast<std::size_t>(i) * bytes_, r});
   allocated_ += n;
+  handed_ = 0;
   segments_.push_back(std::move(seg));
   cv_.notify_all();
   return true;
@@ -148,12 +149,19 @@ pinned_pool::buffer pinned_pool::get(std::chrono::steady_clock::time_point until
   }
   auto f = free_.back();
   free_.pop_back();
+  ++handed_;
   return buffer(this, f.data, f.region);
 }
 
 pinned_pool::buffer pinned_pool::try_get() {
   std::unique_lock l(mu_);
   if (free_.empty()) {
+    // The caller has buffers out that will come back. It makes a segment only once the pool has
+    // gone round eight times since it last grew: making and pinning a buffer takes about as long
+    // as one staged I/O, and the caller waits for it with its I/O in flight, so a short burst is
+    // done sooner with the buffers there are; the pinned memory a process holds follows the load
+    // it has carried, not its first burst.
+    if (handed_ < 8 * static_cast<std::uint64_t>(allocated_)) return {};
     try {
       if (growing_ || !grow(l) || free_.empty()) return {};
     } catch (const error& e) {
@@ -163,6 +171,7 @@ pinned_pool::buffer pinned_pool::try_get() {
   }
   auto f = free_.back();
   free_.pop_back();
+  ++handed_;
   return buffer(this, f.data, f.region);
 }
 

@@ -391,25 +391,44 @@ TEST(RegistrationCache, RememberedDeviceClassificationIsCheckedOnEveryHit) {
 }
 
 // The staging pool pins what is used: one buffer when made, then segments that double (up to 8
-// buffers of 64 KiB here) only while every buffer is out, never past its size; then a waiter gets a
-// timeout naming the pool, and a buffer given back is handed out again, with the region it was
-// registered in.
+// buffers of 64 KiB here) only while every buffer is out -- for try_get (a caller with buffers out
+// that come back) only once the pool has gone round eight times since it last grew -- never past its
+// size; then a waiter gets a timeout naming the pool, and a buffer given back is handed out again,
+// with the region it was registered in.
 TEST(PinnedPool, GrowsBySegmentsOnlyAsBuffersAreTakenAndNeverPastItsSize) {
   settings st;
   st.backend = backend_choice::sim;
   runtime rt(st);  // its cache knows host memory
   pinned_pool pool(rt.registrations(), 64 << 10, 20, -1);
+  const auto soon = [] { return std::chrono::steady_clock::now() + std::chrono::seconds(1); };
   EXPECT_EQ(pool.allocated(), 1) << "one buffer when made: a first transfer waits for no more";
   std::vector<pinned_pool::buffer> out;
   out.push_back(pool.try_get());
+  EXPECT_TRUE(out.back());
+  EXPECT_FALSE(pool.try_get()) << "a caller with a buffer out waits for it rather than grow a fresh pool";
   EXPECT_EQ(pool.allocated(), 1);
-  for (int want : {3, 7, 15}) {
+  out.push_back(pool.get(soon()));
+  EXPECT_EQ(pool.allocated(), 3) << "one with nothing out grows the pool";
+  while (static_cast<int>(out.size()) < pool.allocated()) out.push_back(pool.try_get());
+  EXPECT_FALSE(pool.try_get()) << "handed out 3 times since it grew to 3: not yet";
+  EXPECT_EQ(pool.allocated(), 3);
+  // Round and round: buffers given back and taken again until 8 x 3 have been handed out since it grew.
+  for (int i = 0; i < 22; ++i) {  // 2 handed out since it grew, and 22 more
+    out.front().reset();
+    out.front() = pool.try_get();
+    ASSERT_TRUE(out.front());
+  }
+  EXPECT_EQ(pool.allocated(), 3);
+  out.push_back(pool.try_get());
+  EXPECT_TRUE(out.back()) << "a pool used eight times over grows for try_get too";
+  EXPECT_EQ(pool.allocated(), 7);
+  for (int want : {15}) {
     while (static_cast<int>(out.size()) < pool.allocated()) out.push_back(pool.try_get());
-    out.push_back(pool.try_get());
+    out.push_back(pool.get(soon()));
     EXPECT_TRUE(out.back());
     EXPECT_EQ(pool.allocated(), want) << "grown by a segment twice the last when all were out";
   }
-  while (out.size() < 20) out.push_back(pool.get(std::chrono::steady_clock::now() + std::chrono::seconds(1)));
+  while (out.size() < 20) out.push_back(pool.get(soon()));
   EXPECT_EQ(pool.allocated(), 20) << "the last segment is the rest, not a whole one";
   EXPECT_FALSE(pool.try_get());
   EXPECT_THAT(test::error_text([&] { pool.get(std::chrono::steady_clock::now() + std::chrono::milliseconds(20)); }),

@@ -1,16 +1,18 @@
 #pragma once
 // Pinned staging buffers, the one staging pool of a process (per NUMA node): the transfer engine's
 // bounce and GPU-to-GPU paths, the file engine's I/O slots and ferry:// staging all take buffers
-// from it. Memory is allocated on the NUMA node (hwloc membind) in segments of one buffer, then two,
-// four..., the first when the pool is made and more only while every buffer is in use, up to `count`; each
-// segment is registered through the registration cache, where the pool keeps it held so it is never
-// evicted. A process that stages little pins little.
+// from it. Memory is allocated on the NUMA node (mbind) in segments of one buffer, then two, four...,
+// the first when the pool is made and more only while every buffer is in use (for try_get, only once
+// the pool has been used eight times over since it last grew), up to `count`; each segment is
+// registered through the registration cache, where the pool keeps it held so it is never evicted.
+// A process that stages little pins little.
 #include <ferry/core/export.hpp>
 #include <ferry/mem/registration.hpp>
 
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -51,7 +53,8 @@ class FERRY_API pinned_pool {
   // Waits for a free buffer until `until` (a new segment is made first while the pool may grow);
   // throws timeout naming the pool when none frees up.
   buffer get(std::chrono::steady_clock::time_point until);
-  // A free buffer now (growing the pool if it may), or an empty one.
+  // A free buffer now, or an empty one: for callers with buffers out, which come back. It grows
+  // the pool only once the pool has handed out eight times its buffers since it last grew.
   buffer try_get();
 
   std::size_t buffer_bytes() const noexcept { return bytes_; }
@@ -85,6 +88,7 @@ class FERRY_API pinned_pool {
   std::condition_variable cv_;
   std::vector<std::unique_ptr<segment>> segments_;
   int allocated_ = 0;
+  std::uint64_t handed_ = 0;  // buffers handed out since the pool last grew
   std::vector<free_buffer> free_;
 };
 
