@@ -79,12 +79,19 @@ struct transfer_engine::impl {
   registration_cache& cache;
   settings cfg;
   ferry::stats st;
-  int nworkers;
+  int nworkers;  // the most workers; they are made as the queue asks for them (grow)
   std::mutex mu;
   std::condition_variable cv;
   std::deque<work_item> queue;
   bool stop = false;
-  std::vector<std::thread> threads;
+  int idle = 0;  // with mu: workers waiting for an item
+  // Workers are made when an item is queued and no worker is idle, one per enqueue, up to
+  // nworkers: a thread costs its creator a copy of every loaded library's thread-local storage,
+  // under the loader's lock (in a process that imported torch, a millisecond or more), which a
+  // process's first small copy paid for every worker it would never use.
+  std::mutex grow_mu;
+  std::vector<std::thread> threads;  // with grow_mu
+  std::atomic<int> workers_made{0};
   std::mutex pools_mu;
   std::map<int, std::unique_ptr<pinned_pool>> pools;
   std::mutex peer_mu;
@@ -99,11 +106,11 @@ struct transfer_engine::impl {
   counter& c_requests = st.get("requests");  // per request: not looked up by name each time
   counter& c_bytes = st.get("bytes");
   counter& c_on_caller = st.get("copies_on_caller");
+  counter& c_made = st.get("workers.made");
   impl(device_registry& d, registration_cache& c, const settings& s) : devices(d), cache(c), cfg(s) {
     for (int p = 0; p <= static_cast<int>(transfer_path::host); ++p)
       path_count[p] = &st.get(fmt::format("path.{}", to_string(static_cast<transfer_path>(p))));
     nworkers = s.xfer_threads > 0 ? s.xfer_threads : default_xfer_threads();
-    for (int i = 0; i < nworkers; ++i) threads.emplace_back([this] { work(); });
   }
   ~impl() {
     {
@@ -111,7 +118,26 @@ struct transfer_engine::impl {
       stop = true;
     }
     cv.notify_all();
+    std::lock_guard g(grow_mu);
     for (auto& t : threads) t.join();
+  }
+  // One more worker, if the queue has items no idle worker will take and there are fewer than
+  // nworkers. A worker that cannot be made leaves the items to those there are; with none, to
+  // callers that help (wait()) and the batches' deadlines.
+  void grow() noexcept {
+    {
+      std::lock_guard l(mu);
+      if (stop || queue.size() <= static_cast<std::size_t>(idle) || workers_made.load() >= nworkers) return;
+    }
+    std::lock_guard g(grow_mu);
+    if (workers_made.load() >= nworkers) return;
+    try {
+      threads.emplace_back([this] { work(); });
+      workers_made.fetch_add(1);
+      c_made.add(1);
+    } catch (const std::exception& e) {
+      log::warn("xfer", "no more transfer workers ({}); {} run the copies", e.what(), workers_made.load());
+    }
   }
 
   // A stream-ordered batch: "started = k" then "wait finished >= k" on the stream; its items go to
@@ -210,6 +236,7 @@ struct transfer_engine::impl {
           std::lock_guard l(mu);
           queue.push_front(std::move(w));
         }
+        grow();
         cv.notify_one();
         return;
       }
@@ -256,7 +283,8 @@ struct transfer_engine::impl {
       std::lock_guard l(mu);
       for (auto& w : items) queue.push_back(std::move(w));
     }
-    for (std::size_t i = 0; i < items.size() && i < threads.size(); ++i) cv.notify_one();
+    grow();
+    for (std::size_t i = 0; i < items.size() && i < static_cast<std::size_t>(workers_made.load()); ++i) cv.notify_one();
   }
 
   void work() {
@@ -272,7 +300,9 @@ struct transfer_engine::impl {
       work_item w;
       {
         std::unique_lock l(mu);
+        ++idle;
         cv.wait(l, [&] { return stop || !queue.empty(); });
+        --idle;
         if (queue.empty()) return;
         w = std::move(queue.front());
         queue.pop_front();

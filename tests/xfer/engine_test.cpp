@@ -130,6 +130,32 @@ TEST(Engine, MixedBatchOverEveryPathWithRandomData) {
   EXPECT_EQ(rt.engine().counters().get("copies_on_caller").value(), on_caller + 3);
 }
 
+// Workers are made as the queue asks for them: none for copies the caller runs itself, then one
+// per enqueue that finds no worker idle, never more than FERRY_XFER_THREADS.
+TEST(Engine, WorkersAreMadeAsTheQueueAsksForThem) {
+  settings s = sim_settings();
+  s.xfer_threads = 3;
+  runtime rt(s);
+  auto made = [&] { return rt.engine().counters().get("workers.made").value(); };
+  device& d0 = rt.devices().get("sim:0");
+  region a(d0, 16 << 20);
+  auto src = random_bytes(16 << 20, 5);
+  rt.engine().copy(a.p(), src.data(), 4096);
+  EXPECT_EQ(made(), 0u) << "a copy the caller runs makes no worker";
+  std::vector<transfer_request> reqs;
+  for (int i = 0; i < 16; ++i) reqs.push_back({a.p(std::uint64_t(i) << 20), src.data() + (i << 20), 1 << 20});
+  for (int round = 0; round < 8; ++round) {
+    std::vector<transfer_batch> bs;
+    for (int k = 0; k < 4; ++k) bs.push_back(rt.engine().submit(reqs));
+    for (auto& b : bs) ASSERT_TRUE(b.wait());
+  }
+  EXPECT_GE(made(), 1u);
+  EXPECT_LE(made(), 3u) << "never more than FERRY_XFER_THREADS";
+  std::vector<unsigned char> back(16 << 20);
+  rt.engine().copy(back.data(), a.p(), back.size());
+  EXPECT_EQ(back, src);
+}
+
 // copy() from many threads: each runs its copy on a stream of its own until the engine holds 64
 // such streams; the copies of further threads go to the workers (a stream per thread ever seen would
 // pile up). The threads stay alive until all have copied, so that no thread id is reused.
