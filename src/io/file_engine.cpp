@@ -62,9 +62,10 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   const std::shared_ptr<file>* run = nullptr;  // the first request of the current run on one file
   {
     // More workers when the work asks for them: a worker for every FERRY_IO_DEPTH requests waiting
-    // or running, and for every four I/O chunks of this batch (the bytes a new worker's copies
-    // must cover to be worth its making; a 64 MiB first load takes two, a 4 GiB one all). Remote
-    // files' requests are their sources' work, not the workers'.
+    // or running, and for every 32 MiB of this batch (what a new worker's copies must cover to be
+    // worth its making, a thread costing a millisecond or more in a process that imported torch; a
+    // 64 MiB first load takes two, a 4 GiB one all). Remote files' requests are their sources'
+    // work, not the workers'.
     std::uint64_t bytes = 0;
     std::size_t busy = 0;
     for (auto& r : reqs)
@@ -72,7 +73,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     const std::size_t nl = I.live.load(std::memory_order_acquire);
     for (std::size_t k = 0; k < nl; ++k) busy += I.workers[k]->queued.load() + I.workers[k]->running_now.load();
     const auto depth = static_cast<std::size_t>(std::max(1, I.cfg.io_depth));
-    I.grow(std::max<std::size_t>((busy + depth - 1) / depth, static_cast<std::size_t>(bytes / (4 * I.cfg.io_chunk))));
+    I.grow(std::max<std::size_t>((busy + depth - 1) / depth, static_cast<std::size_t>(bytes / (32 * MiB))));
   }
   const std::size_t nw = I.live.load(std::memory_order_acquire);
   for (std::size_t i = 0; i < reqs.size(); ++i) {
@@ -159,25 +160,31 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     b->items_inflight = static_cast<int>(jobs.size() + remote.size());
   }
   if (!jobs.empty()) {
-    // Each to the worker with the least work (queued and running, as the workers last said), the
-    // first of equals: requests that come together spread over the workers, one after another they
-    // stay on the first few (awake, their rings' kernel threads warm). Then each worker's share
-    // under its own lock, and a wake.
+    // Each to the worker with the least work in bytes (what it has queued and running, as the
+    // workers last said, counted as an I/O chunk each), the first of equals, the largest jobs
+    // placed first: the batch ends when its last worker does, so the bytes are spread, not the
+    // requests (a checkpoint's requests run from a few KiB to hundreds of MiB). Requests that come
+    // together spread over the workers, one after another they stay on the first few (awake, their
+    // rings' kernel threads warm). Each worker runs its share in the batch's order; it is handed
+    // over under the worker's own lock, with a wake.
     std::vector<std::size_t>& load = mine.load;
     load.resize(nw);
-    for (std::size_t k = 0; k < nw; ++k) load[k] = I.workers[k]->queued.load() + I.workers[k]->running_now.load();
+    for (std::size_t k = 0; k < nw; ++k)
+      load[k] = (I.workers[k]->queued.load() + I.workers[k]->running_now.load()) * I.cfg.io_chunk;
+    std::vector<std::size_t>& order = mine.order;
+    order.resize(jobs.size());
+    for (std::size_t i = 0; i < jobs.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return jobs[x].r.bytes > jobs[y].r.bytes; });
     std::vector<std::uint32_t>& to = mine.to;
     to.resize(jobs.size());
     std::vector<std::size_t>& first = mine.first;  // worker k's jobs: order[first[k] .. first[k + 1])
     first.assign(nw + 1, 0);
-    for (std::size_t i = 0; i < jobs.size(); ++i) {
+    for (std::size_t i : order) {
       to[i] = static_cast<std::uint32_t>(std::min_element(load.begin(), load.end()) - load.begin());
-      ++load[to[i]];
+      load[to[i]] += jobs[i].r.bytes;
       ++first[to[i] + 1];
     }
     for (std::size_t k = 0; k < nw; ++k) first[k + 1] += first[k];
-    std::vector<std::size_t>& order = mine.order;
-    order.resize(jobs.size());
     {
       std::vector<std::size_t>& at = mine.at;
       at.assign(first.begin(), first.end() - 1);

@@ -390,24 +390,55 @@ TEST(File, OneWorkerRunsSeveralRequestsAtOnce) {
 
 // The engine's threads are made as the work asks for them: two for a first small read, more for a
 // batch of many I/O chunks (one per four), never more than FERRY_IO_THREADS.
+// Makes the file engine's workers up to `n`: FERRY_IO_DEPTH (`depth`) requests at once ask for one each.
+void make_workers(runtime& rt, const std::shared_ptr<file>& f, int n, int depth) {
+  std::vector<unsigned char> buf(4096);
+  std::vector<file_request> reqs(static_cast<std::size_t>(n * depth), file_request{f, 0, buf.data(), 4096, false});
+  transfer_batch b = rt.files().submit(reqs);
+  ASSERT_TRUE(b.wait());
+  ASSERT_EQ(rt.files().counters().get("workers.made").value(), static_cast<std::uint64_t>(n));
+}
+
 TEST(File, WorkersAreMadeAsTheWorkAsksForThem) {
   settings s = io_settings();
   s.io_threads = 8;
+  s.io_depth = 256;  // here only the bytes of a batch ask for workers
   s.io_direct = direct_io::never;
   s.io_chunk = 1 << 20;
   runtime rt(s);
   std::string p = temp_path("grow");
-  auto data = random_bytes(64 << 20, 23);
+  auto data = random_bytes(128 << 20, 23);
   write_file(p, data);
   auto f = file::open(p, open_mode::read);
   std::vector<unsigned char> got(data.size());
+  auto made = [&] { return rt.files().counters().get("workers.made").value(); };
   EXPECT_EQ(rt.files().read(*f, 0, got.data(), 4096), 4096u);
-  EXPECT_EQ(rt.files().counters().get("workers.made").value(), 2u) << "a first small read";
-  EXPECT_EQ(rt.files().read(*f, 0, got.data(), 8 << 20), 8u << 20);
-  EXPECT_EQ(rt.files().counters().get("workers.made").value(), 2u) << "8 chunks";
+  EXPECT_EQ(made(), 2u) << "a first small read";
+  EXPECT_EQ(rt.files().read(*f, 0, got.data(), 64 << 20), 64u << 20);
+  EXPECT_EQ(made(), 2u) << "64 MiB: a worker per 32 MiB, two there are";
   EXPECT_EQ(rt.files().read(*f, 0, got.data(), got.size()), got.size());
   EXPECT_EQ(got, data);
-  EXPECT_EQ(rt.files().counters().get("workers.made").value(), 8u) << "64 chunks: all there may be";
+  EXPECT_EQ(made(), 4u) << "128 MiB: four";
+}
+
+// Many requests at once ask for a worker per FERRY_IO_DEPTH of them, up to FERRY_IO_THREADS.
+TEST(File, ManyRequestsMakeAWorkerPerQueueDepth) {
+  settings s = io_settings();
+  s.io_threads = 8;
+  s.io_depth = 2;
+  s.io_direct = direct_io::never;
+  runtime rt(s);
+  std::string p = temp_path("grow-many");
+  auto data = random_bytes(1 << 20, 29);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  std::vector<unsigned char> got(data.size());
+  std::vector<file_request> reqs;
+  for (int i = 0; i < 32; ++i) reqs.push_back({f, std::uint64_t(i) << 15, got.data() + (i << 15), 1 << 15, false});
+  transfer_batch b = rt.files().submit(reqs);
+  ASSERT_TRUE(b.wait());
+  EXPECT_EQ(got, data);
+  EXPECT_EQ(rt.files().counters().get("workers.made").value(), 8u) << "32 requests, 2 per worker: all there may be";
 }
 
 // Requests that come together go to different workers (a ring's kernel threads would copy a burst
@@ -423,9 +454,8 @@ TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
   write_file(p, data);
   auto f = file::open(p, open_mode::read);
   std::vector<unsigned char> got(16 << 20);
-  // The whole file first: 16 chunks make the four workers.
+  make_workers(rt, f, 4, s.io_depth);
   EXPECT_EQ(rt.files().read(*f, 0, got.data(), got.size()), got.size());
-  ASSERT_EQ(rt.files().counters().get("workers.made").value(), 4u);
   const auto beside = rt.files().counters().get("requests.beside_others").value();
   std::vector<file_request> reqs;
   for (int i = 0; i < 4; ++i) reqs.push_back({f, std::uint64_t(i) << 20, got.data() + (i << 20), 1 << 20, false});
@@ -481,6 +511,7 @@ TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
   write_file(p, data);
   auto f = file::open(p, open_mode::read);
   std::vector<unsigned char> got(4 << 20, 0xee);
+  make_workers(rt, f, 4, s.io_depth);
   // From an unaligned offset to past the end of the file, into host and sim memory.
   EXPECT_EQ(rt.files().read(*f, 777, got.data(), 4 << 20), data.size() - 777);
   EXPECT_TRUE(std::equal(data.begin() + 777, data.end(), got.begin()));
