@@ -41,6 +41,7 @@ _DTYPES = {
 _CHECKSUMS = "ferry.checksum64"  # __metadata__ key: JSON object, tensor name -> hex checksum of its bytes
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the header's length
 _STAGE_WINDOW = 256 << 20  # device memory a load holds at once for slices cut on the device
+_EARLY_BYTES, _EARLY_COUNT = 64 << 20, 32  # a load's reads go out in batches of this many bytes or requests
 
 
 def _errors():
@@ -447,11 +448,16 @@ class _Plan:
     """Reads into final tensors: requests straight into the destination, and windows read as one span into a
     temporary on the device and cut there. Every request of a wave goes out as one batch."""
 
-    def __init__(self, torch, device):
+    def __init__(self, torch, device, *, timeout: float | None = None, early: bool = False):
         self.torch, self.device = torch, device
         self.direct = []  # (file, offset, uint8 view of the destination)
         self.windows = []  # (file, offset, nbytes, cut(temp uint8 tensor))
         self.bytes_read = 0  # what run() read from the files
+        # early: direct reads go out as they are planned, a batch per _EARLY_BYTES or _EARLY_COUNT of
+        # them, so that the files' first bytes move while the rest of the plan (a few tens of
+        # microseconds of Python per tensor) is made; run() then waits for them all.
+        self.timeout, self.early = timeout, early
+        self.started = []  # (batch, its requests)
 
     def read_to(self, e: _Entry, out, ranges) -> None:
         """Reads the elements ``ranges`` (per dim (start, stop, step)) of entry ``e`` into ``out`` (contiguous,
@@ -473,7 +479,7 @@ class _Plan:
                 k = d
         flat = out.reshape(-1).view(torch.uint8)
         if k < 0:
-            self.direct.append((e.file, e.begin, flat))
+            self._direct(e.file, e.begin, flat)
             return
         start_k, _, step_k = ranges[k]
         run = (counts[k] * strides[k]) if step_k == 1 else strides[k]
@@ -490,7 +496,7 @@ class _Plan:
                     off += (ranges[d][0] + i * ranges[d][2]) * strides[d]
                 if step_k == 1:
                     off += start_k * strides[k]
-                self.direct.append((e.file, off, flat[pos:pos + run]))
+                self._direct(e.file, off, flat[pos:pos + run])
                 pos += run
             return
         # Spans: along dim 0 of the selection, as many indices at a time as fit the window.
@@ -512,8 +518,29 @@ class _Plan:
 
             self.windows.append((e.file, first, span, cut))
 
+    def _direct(self, f, offset: int, buf) -> None:
+        self.direct.append((f, offset, buf))
+        self._held += buf.numel()
+        if self.early and (len(self.direct) >= _EARLY_COUNT or self._held >= _EARLY_BYTES):
+            self._start()
+
+    _held = 0  # bytes of self.direct
+
+    def _start(self) -> None:
+        import ferry
+
+        requests = [(f.file(), off, buf) for f, off, buf in self.direct]
+        self.direct, self._held = [], 0
+        self.started.append((ferry.read_batch(requests, timeout=self.timeout), requests))
+        self.bytes_read += sum(buf.numel() for _, _, buf in requests)
+
     def run(self, *, timeout: float | None, progress: "_Progress | None", what: str) -> None:
         torch = self.torch
+        if self.started:
+            if self.direct:
+                self._start()
+            _wait_all(self.started, progress=progress)
+            self.started = []
         waves, wave, held = [], [], 0
         for w in self.windows:
             if wave and held + w[2] > _STAGE_WINDOW:
@@ -549,20 +576,31 @@ def _read_all(requests, *, timeout, progress, what) -> None:
     """One batch of (ferry.File, offset, buffer) reads; fails when no byte moves for ``timeout`` seconds."""
     import ferry
 
-    with ferry.read_batch(requests, timeout=timeout) as batch:
+    _wait_all([(ferry.read_batch(requests, timeout=timeout), requests)], progress=progress)
+
+
+def _wait_all(started, *, progress) -> None:
+    """Waits for batches of reads already started, [(batch, its (file, offset, buffer) requests)]; raises the
+    first failure, or FormatError for a read cut short. Every batch is closed (waited for) on the way out."""
+    try:
         if progress is not None:
-            progress.add_total(batch.bytes_total)
-        while not batch.done():
-            batch.wait(0.1)  # False at the batch's deadline too, which check() then reports
-            if progress is not None:
-                progress.update(batch.bytes_done)
+            progress.add_total(sum(b.bytes_total for b, _ in started))
+        for batch, _ in started:
+            while not batch.done():
+                batch.wait(0.1)  # False at the batch's deadline too, which check() then reports
+                if progress is not None:
+                    progress.update(sum(b.bytes_done for b, _ in started))
         if progress is not None:
-            progress.update(batch.bytes_done, final=True)
-        batch.check()
-        for (f, off, buf), res in zip(requests, batch.results()):
-            want = buf.numel() * buf.element_size()
-            if res["bytes_done"] != want:  # the file was cut short after its header was read
-                raise _format_error(f.path, f"read {res['bytes_done']} of {want} bytes at offset {off}: the file is cut short")
+            progress.update(sum(b.bytes_done for b, _ in started), final=True)
+        for batch, requests in started:
+            batch.check()
+            for (f, off, buf), res in zip(requests, batch.results()):
+                want = buf.numel() * buf.element_size()
+                if res["bytes_done"] != want:  # the file was cut short after its header was read
+                    raise _format_error(f.path, f"read {res['bytes_done']} of {want} bytes at offset {off}: the file is cut short")
+    finally:
+        for batch, _ in started:
+            batch.close()
 
 
 class _Progress:
@@ -660,7 +698,7 @@ def _load(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None, mmap:
     torch = _torch()
     dev = torch.device(device)
     out = {}
-    plan = _Plan(torch, dev)
+    plan = _Plan(torch, dev, timeout=_timeout(timeout), early=True)
     for e in entries:
         dt = _dtype(torch, e)
         dim, ranges = _slice_of(e, shard)
@@ -731,7 +769,7 @@ def _whole_reads(torch, specs: list[tuple], world: int, *, mine, device_of, resu
     sizes = [e.end - e.begin for e, *_ in specs]
     for wave in _waves(sizes, world, _COOP_WINDOW):
         owner = dict(zip(wave, _owners([sizes[i] for i in wave], world)))
-        plan = _Plan(torch, device_of(0))  # whole tensors only: every request straight into its tensor
+        plan = _Plan(torch, device_of(0), timeout=_timeout(timeout), early=True)  # whole tensors, straight into each
         whole = {}
         for i in wave:
             e, dt, dim, _ = specs[i]

@@ -220,6 +220,27 @@ def test_a_folder_of_shards_loads_as_one(tmp_path, index):
         equal(f.get_tensor("lm_head.weight"), a["lm_head.weight"])
 
 
+def test_many_tensors_go_out_in_batches_as_they_are_planned(tmp_path, monkeypatch):
+    """A load's reads start while the rest of its plan is made: a batch per 32 tensors (or 64 MiB), every tensor
+    still equal, every byte read once."""
+    a = {f"layers.{i}.weight": rng.standard_normal((i % 7 + 1, 9)).astype(np.float32) for i in range(150)}
+    p = write_numpy(tmp_path / "many.safetensors", a)
+    batches = []
+    real = ferry.read_batch
+
+    def counting(requests, **kw):
+        batches.append(len(requests))
+        return real(requests, **kw)
+
+    monkeypatch.setattr(ferry, "read_batch", counting)
+    stats = {}
+    got = ferry.safetensors.load(p, progress=False, mmap=False, stats=stats)
+    assert batches == [32, 32, 32, 32, 22]
+    assert stats["bytes_read"] == sum(x.nbytes for x in a.values())
+    for n in a:
+        equal(got[n], a[n])
+
+
 def test_an_index_that_disagrees_with_its_shards_is_a_format_error(tmp_path):
     root = tmp_path / "model"
     a, wm = hf_folder(root)
