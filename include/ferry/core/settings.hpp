@@ -61,8 +61,8 @@ struct FERRY_API settings {
   bool sim_peer = true;
   // mem
   std::uint64_t pin_limit = 8ull << 30;
-  std::uint64_t staging_bytes = 8ull << 20;
-  int staging_buffers = 48;
+  std::uint64_t staging_bytes = 4ull << 20;
+  int staging_buffers = 32;
   int stream_slots = 8;  // staging buffers of one stream-ordered file request (its pipeline depth)
   // xfer
   int xfer_threads = 0;  // 0: default_xfer_threads()
@@ -78,7 +78,7 @@ struct FERRY_API settings {
   direct_io io_direct = direct_io::automatic;
   int io_threads = 0;  // 0: default_io_threads()
   int io_depth = 16;
-  std::uint64_t io_chunk = 8ull << 20;
+  std::uint64_t io_chunk = 4ull << 20;
   std::uint64_t io_mapped = 0;  // page-cache reads into a GPU: DMA from the file's pages (0: staged)
   std::uint64_t io_inline = 1ull << 20;  // buffered I/O up to this size is copied during submit
   std::string io_inject;               // test-only fault injection: "partial", "eintr", "partial,eintr"
