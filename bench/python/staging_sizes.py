@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""A warm 4 GiB checkpoint into a GPU under staging settings: ferry.safetensors.load and one read of the whole file.
+
+Each variant (a ';'-separated list of 'FERRY_X=v FERRY_Y=w' settings; the empty variant is the defaults) runs in a
+fresh process that loads the checkpoint 4 times (the first load makes the staging pool), printing GB/s per load,
+beside a pinned cudaMemcpy of the same size. The decision record docs/design/file-engine.md (staging size) cites it.
+
+    python3 bench/python/staging_sizes.py --variants ";FERRY_STAGING_BUFFERS=48 FERRY_STAGING_BYTES=8MiB FERRY_IO_CHUNK=8MiB"
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = r'''
+import os, sys, time, json, torch
+torch.empty(1, device=sys.argv[2]); torch.cuda.synchronize()
+import ferry
+path, device = sys.argv[1], sys.argv[2]
+def timed(fn):
+    torch.cuda.synchronize(); t0 = time.perf_counter(); r = fn(); torch.cuda.synchronize(); return r, time.perf_counter() - t0
+size = os.path.getsize(path)
+f = ferry.open(path)
+buf = torch.empty(size, dtype=torch.uint8, device=device)
+load, one = [], []
+for i in range(4):
+    sd, s = timed(lambda: ferry.safetensors.load(path, device=device, progress=False)); load.append(round(size / s / 1e9, 2)); del sd
+    _, s = timed(lambda: f.read_into(buf)); one.append(round(size / s / 1e9, 2))
+print(json.dumps({"load": load, "one read of the file": one}))
+'''
+
+PINNED = r'''
+import os, sys, time, torch
+size = os.path.getsize(sys.argv[1])
+p = torch.empty(size, dtype=torch.uint8, pin_memory=True); d = torch.empty(size, dtype=torch.uint8, device=sys.argv[2])
+best = 0
+for i in range(4):
+    torch.cuda.synchronize(); t0 = time.perf_counter(); d.copy_(p, non_blocking=True); torch.cuda.synchronize()
+    best = max(best, size / (time.perf_counter() - t0) / 1e9)
+print(f"pinned cudaMemcpy, same size: {best:.2f} GB/s")
+'''
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--variants", default=";FERRY_STAGING_BUFFERS=16;FERRY_IO_CHUNK=8MiB FERRY_STAGING_BYTES=8MiB "
+                    "FERRY_STAGING_BUFFERS=48;FERRY_IO_CHUNK=16MiB FERRY_STAGING_BYTES=16MiB")
+    a = ap.parse_args()
+    from load_checkpoint import make_checkpoint
+
+    path = os.path.join(a.dir, "ferry-bench-checkpoint.safetensors")
+    info = make_checkpoint(path, 4 << 30, a.device)
+    print(f"checkpoint {path}: {info['tensors']} tensors, {info['bytes']} bytes; warm (read once first)", flush=True)
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+    print(subprocess.run([sys.executable, "-c", PINNED, path, a.device], capture_output=True, text=True).stdout.strip())
+    fails = 0
+    for v in a.variants.split(";"):
+        env = dict(os.environ)
+        env.update(kv.split("=", 1) for kv in v.split())
+        r = subprocess.run([sys.executable, "-c", CHILD, path, a.device], capture_output=True, text=True, env=env)
+        print(f"  {v or 'defaults':<66} {r.stdout.strip()}" + (f" FAILED: {r.stderr.strip()[-300:]}" if r.returncode else ""),
+              flush=True)
+        fails += r.returncode != 0
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
