@@ -72,7 +72,7 @@ class write_txn {
   const std::string& path() const noexcept { return path_; }
   std::uint64_t id() const noexcept { return id_; }
   const std::shared_ptr<open_file>& file() const noexcept { return f_; }
-  // write_mode::keep of an existing file: its content is copied in first (server::impl::keep).
+  // write_mode::keep of an existing file: its content is copied in first (write_path::keep).
   bool keeps() const noexcept { return keep_; }
   void* owner = nullptr;  // the session that opened it (dropped with it)
 
