@@ -43,6 +43,21 @@ void file_engine::submit(std::span<const file_request> reqs, transfer_options o,
 }
 
 
+namespace {
+// Whether read `j` joins the job before it as a member of its group: both small reads into the
+// memory of one device (not unified memory, which stays pinned per request), the file range of `j`
+// right after that job's, and the whole a single I/O into one staging buffer (with room for the
+// alignment of its ends). A checkpoint's small tensors lie side by side in its file; read as one
+// range they cost one I/O and one batch of device copies instead of one of each per tensor.
+bool joins(const settings& cfg, const job& prev, const job& j) {
+  const std::uint64_t small = std::min(cfg.io_chunk, cfg.staging_bytes) / 4;
+  const std::uint64_t most = std::min(cfg.io_chunk, cfg.staging_bytes) - 2 * 8192;
+  return !j.r.write && !prev.r.write && j.dev && j.dev == prev.dev && j.where.type == memory_type::device &&
+         prev.where.type == memory_type::device && j.r.f == prev.r.f && prev.r.offset + prev.r.bytes == j.r.offset &&
+         j.r.bytes <= small && (prev.group || prev.r.bytes <= small) && prev.r.bytes + j.r.bytes <= most;
+}
+}  // namespace
+
 void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::span<const file_request> reqs) {
   impl& I = *impl_;
   // The thread's scratch vectors, borrowed (a completion run from inside this call may submit
@@ -54,6 +69,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   jobs.clear();
   jobs.reserve(reqs.size());
   std::vector<std::size_t> remote;
+  std::uint64_t grouped = 0;  // requests read as part of the job before them
   memory_region last_mem;
   // A read is cut at the file's size as of its submission (one look per file of the batch, not one
   // per request): a file cut short under it then fails the read instead of reading short.
@@ -132,13 +148,26 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       if (pieces >= 2 && (r.write || reads_direct(I.cfg, *r.f, r.offset, r.bytes))) pieces = 1;
       if (pieces < 2) {
         b->segs_left[i] = 1;
+        if (!jobs.empty() && joins(I.cfg, jobs.back(), j)) {
+          job& g = jobs.back();
+          if (!g.group)
+            g.group = std::make_shared<std::vector<member>>(
+                std::vector<member>{{g.idx, g.r.offset, g.r.bytes, static_cast<std::byte*>(g.r.mem), g.where}});
+          g.group->push_back({j.idx, j.r.offset, j.r.bytes, static_cast<std::byte*>(j.r.mem), j.where});
+          g.r.bytes += j.r.bytes;
+          ++grouped;
+          continue;
+        }
         jobs.push_back(std::move(j));
         continue;
       }
-      std::uint64_t step = (r.bytes + pieces - 1) / pieces, end = r.offset + r.bytes;
+      // Each piece a whole number of units from the request's first page (the last piece the rest):
+      // a piece of a unit and a bit would be two I/Os, the second one small.
+      const std::uint64_t u = std::max<std::uint64_t>(unit, 4096), units = (r.bytes + u - 1) / u;
+      const std::uint64_t step = (units + pieces - 1) / pieces * u, end = r.offset + r.bytes, first = align_down(r.offset, 4096);
       std::vector<std::uint64_t> cuts = {r.offset};
       for (std::size_t k = 1; k < pieces; ++k) {
-        std::uint64_t c = align_up(r.offset + k * step, 4096);
+        std::uint64_t c = first + k * step;
         if (c > cuts.back() && c < end) cuts.push_back(c);
       }
       cuts.push_back(end);
@@ -157,7 +186,9 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   }
   {
     std::lock_guard l(b->mu);
-    b->items_inflight = static_cast<int>(jobs.size() + remote.size());
+    std::size_t items = remote.size();
+    for (const job& j : jobs) items += j.group ? j.group->size() : 1;
+    b->items_inflight = static_cast<int>(items);
   }
   if (!jobs.empty()) {
     // Each to the worker with the least work in bytes (what it has queued and running, as the
@@ -221,6 +252,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     }
   }
   I.st.get("requests.remote").add(remote.size());
+  if (grouped) I.st.get("requests.grouped").add(grouped);
 }
 
 std::uint64_t file_engine::read(file& f, std::uint64_t offset, void* dst, std::uint64_t bytes, transfer_options o) {

@@ -72,10 +72,22 @@ struct job_request {
   bool write = false;
 };
 
+// A request of a group (job::group): its place in the batch, the file range it asks for and where
+// that goes.
+struct member {
+  std::size_t idx = 0;
+  std::uint64_t offset = 0, bytes = 0;
+  std::byte* mem = nullptr;
+  memory_region where;
+};
+
 struct job {
   std::shared_ptr<transfer_batch::state> b;
   std::size_t idx = 0;
   job_request r;
+  // Small reads of adjacent file ranges into one device's memory, read as one range (r) into one
+  // staging buffer and copied on to each member's memory; null for a request of its own.
+  std::shared_ptr<std::vector<member>> group;
   device* dev = nullptr;  // null: host memory
   memory_region where;    // the memory, as classified at submit (its device picks the staging pool)
   std::shared_ptr<registration> hold;  // unified memory: pinned in place until the job is done
@@ -421,11 +433,16 @@ struct file_engine::impl {
     void copy(slot& s, void* dst, const void* src, std::uint64_t n, const memory_region* dst_region,
               const memory_region* src_region) {
       transfer_request q{dst, src, n, dst_region, src_region};
+      copy(s, {&q, 1});
+    }
+    // Device copies of one slot (a group's members), one batch: one completion for them all.
+    void copy(slot& s, std::span<const transfer_request> qs) {
       std::size_t i = index(s);
-      e.xfer.submit({&q, 1}, {s.r->j.b->until()}, [this, i](std::span<const request_result> res) {
+      e.xfer.submit(qs, {s.r->j.b->until()}, [this, i](std::span<const request_result> res) {
         std::optional<error> err;
-        if (res[0].state != request_state::done)
-          err = res[0].err ? *res[0].err : error(errc::internal, "file.copy", "", "device copy did not finish");
+        for (const request_result& x : res)
+          if (!err && x.state != request_state::done)
+            err = x.err ? *x.err : error(errc::internal, "file.copy", "", "device copy did not finish");
         {
           std::lock_guard l(copied_mu);
           copied.emplace_back(i, std::move(err));
@@ -470,11 +487,23 @@ struct file_engine::impl {
     std::vector<job> took;     // admit()'s, kept for its capacity
     std::vector<std::pair<std::uint64_t, int>> completed;  // a round's completions (tag, result)
     std::vector<std::pair<std::size_t, std::optional<error>>> copies;  // a round's finished device copies
+    std::vector<transfer_request> group_copies;  // a group's device copies, as on_io makes them
     // Counted this round, added to the engine's counters at its end.
     struct {
       std::uint64_t beside = 0, direct = 0, in_place = 0, buffered = 0, mapped = 0, read = 0, written = 0, missed_cache = 0, registered = 0;
     } t;
-    void done(job& j, std::uint64_t len, const error* x) { ends.push_back({std::move(j.b), j.idx, len, x ? std::optional<error>(*x) : std::nullopt}); }
+    // A job ended: `len` bytes delivered (progress not yet told), or the error. A group's members
+    // each get the bytes of theirs below `hi`, the end of what was read, or the error.
+    void done(job& j, std::uint64_t len, const error* x, std::uint64_t hi = 0) {
+      if (j.group) {
+        for (const member& m : *j.group)
+          ends.push_back({j.b, m.idx, x || hi <= m.offset ? 0 : std::min(m.bytes, hi - m.offset),
+                          x ? std::optional<error>(*x) : std::nullopt});
+        j.b.reset();
+        return;
+      }
+      ends.push_back({std::move(j.b), j.idx, len, x ? std::optional<error>(*x) : std::nullopt});
+    }
     void report();
 
     void loop();

@@ -183,9 +183,10 @@ void file_engine::impl::worker::start(job j) {
     error c(errc::cancelled, "io.request", fmt::format("request {} {}", j.idx, j.r.f->path()), "batch cancelled before it ran");
     return done(j, 0, &c);
   }
-  // cuFile's calls block: a worker runs them one at a time, beside nothing else.
+  // cuFile's calls block: a worker runs them one at a time, beside nothing else. (Not for a group:
+  // its members are not one range of memory.)
   if (auto x = catching([&] {
-        if (!e.use_cufile(j)) return;
+        if (j.group || !e.use_cufile(j)) return;
         auto& b = *j.b;
         std::uint64_t moved = 0;
         auto progress = [&](std::uint64_t n) {
@@ -253,7 +254,7 @@ void file_engine::impl::worker::start(job j) {
       // Not a small read that asks the page cache first, nor a range the page cache lacks (this
       // thread would read it from the disk as it maps it); not a sim device, whose copies are the
       // CPU's and would fault on pages a truncation took away.
-      r.mapped = r.j.dev && r.j.dev->info().backend == device_kind::cuda && !direct && !nowait && e.mapped_pages &&
+      r.mapped = r.j.dev && r.j.dev->info().backend == device_kind::cuda && !direct && !nowait && e.mapped_pages && !r.j.group &&
                  ((e.cfg.io_direct == direct_io::automatic && f.direct_fd() >= 0) || cached_fraction(f.fd(), r.lo, r.hi - r.lo) >= 0.9);
       const std::uint64_t a = direct ? f.dio_align() : in_place ? 1 : 4096;
       r.add_part(align_down(r.lo, a), align_up(r.hi, a), direct, nowait);
@@ -294,7 +295,8 @@ void file_engine::impl::worker::plan_io(running& r) {
                        : r.pool ? std::min<std::uint64_t>(e.cfg.io_chunk, r.pool->buffer_bytes())
                                 : e.cfg.io_chunk;
   r.chunk = std::max<std::uint64_t>(4096, align_down(most, 4096));
-  r.one_io = r.parts == 1 && r.part_of[0].end - r.part_of[0].pos <= r.chunk;
+  // (A group tells its members' bytes when it ends: their progress is not the range's.)
+  r.one_io = (r.parts == 1 && r.part_of[0].end - r.part_of[0].pos <= r.chunk) || r.j.group;
 }
 
 // Issues the next I/O of `r` into a free slot; false when it has none to issue or no slot is free.
@@ -438,6 +440,16 @@ void file_engine::impl::worker::on_io(slot& s, int res) {
   std::uint64_t lo = std::max(s.off, r.lo), hi = std::min(have_hi, r.hi);
   if (lo >= hi) return release(s);
   auto* dst = static_cast<std::byte*>(r.j.r.mem) + (lo - r.lo);
+  if (r.j.group) {  // each member's part of [lo, hi) to its memory
+    group_copies.clear();
+    for (const member& m : *r.j.group) {
+      const std::uint64_t a = std::max(lo, m.offset), z = std::min(hi, m.offset + m.bytes);
+      if (a < z) group_copies.push_back({m.mem + (a - m.offset), s.buf + (a - s.off), z - a, &m.where, &s.held.region()});
+    }
+    s.deliver = hi - lo;
+    s.state = slot::copying;
+    return copy(s, group_copies);
+  }
   if (r.j.dev) {
     s.deliver = hi - lo;
     s.state = slot::copying;
@@ -498,7 +510,7 @@ void file_engine::impl::worker::abort(running& r, error x) {
 
 void file_engine::impl::worker::end(running& r) {
   if (!r.err) (r.j.r.write ? t.written : t.read) += r.delivered;
-  done(r.j, r.delivered - r.reported, r.err ? &*r.err : nullptr);
+  done(r.j, r.delivered - r.reported, r.err ? &*r.err : nullptr, r.hi);
 }
 
 // Tells the batches what this round ended, one lock per batch (the requests of a batch that end

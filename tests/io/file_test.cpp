@@ -500,6 +500,61 @@ TEST(File, APageCacheReadIntoHostMemoryIsCutInPiecesOfTheInlineSize) {
   }
 }
 
+// Small reads of adjacent file ranges into one device's memory are read as one range and copied on
+// to each request's memory: each request still gets exactly its bytes (short ones at the end of the
+// file, nothing past it), whatever the alignment of its offset, length and memory.
+TEST(File, AdjacentSmallReadsIntoADeviceAreReadTogether) {
+  for (direct_io direct : {direct_io::never, direct_io::always}) {
+    runtime rt(io_settings(direct));
+    std::string p = temp_path("grouped");
+    auto data = random_bytes(256 << 10, 31);
+    write_file(p, data);
+    auto f = file::open(p, open_mode::read);
+    device& sim = rt.devices().get("sim:0");
+    auto st = sim.create_stream();
+    auto read_back = [&](const mapped_memory& m, std::uint64_t at, std::uint64_t n) {
+      std::vector<unsigned char> v(n);
+      st->copy(v.data(), m.data() + at, n);
+      st->synchronize();
+      return v;
+    };
+    const std::vector<std::uint64_t> sizes = {1, 7, 4096, 5000, 8191, 1234, 16384, 3, 100, 9000, 4096, 777};
+    std::vector<mapped_memory> mem;
+    std::vector<file_request> reqs;
+    std::uint64_t off = 333;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      mem.push_back(allocate_mapped(sim, 64 << 10));
+      reqs.push_back({f, off, mem.back().data() + 5 + i, sizes[i], false});
+      off += sizes[i];
+    }
+    const auto grouped = rt.files().counters().get("requests.grouped").value();
+    transfer_batch b = rt.files().submit(reqs);
+    ASSERT_TRUE(b.wait());
+    EXPECT_GT(rt.files().counters().get("requests.grouped").value(), grouped) << "some were read with the one before";
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      EXPECT_EQ(b.results()[i].bytes_done, sizes[i]) << "request " << i;
+      auto want = std::vector<unsigned char>(data.begin() + static_cast<std::ptrdiff_t>(reqs[i].offset),
+                                             data.begin() + static_cast<std::ptrdiff_t>(reqs[i].offset + sizes[i]));
+      EXPECT_EQ(read_back(mem[i], 5 + i, sizes[i]), want) << "request " << i;
+    }
+    // At the end of the file: the one across it reads what there is, the one past it nothing.
+    const std::uint64_t end = data.size();
+    const std::vector<std::pair<std::uint64_t, std::uint64_t>> tail = {{end - 5000, 3000}, {end - 2000, 1500}, {end - 500, 1000}, {end + 500, 200}};
+    std::vector<file_request> last;
+    for (std::size_t i = 0; i < tail.size(); ++i) last.push_back({f, tail[i].first, mem[i].data(), tail[i].second, false});
+    transfer_batch t = rt.files().submit(last);
+    ASSERT_TRUE(t.wait());
+    const std::vector<std::uint64_t> got = {3000, 1500, 500, 0};
+    for (std::size_t i = 0; i < tail.size(); ++i) {
+      EXPECT_EQ(t.results()[i].bytes_done, got[i]) << "tail request " << i;
+      if (!got[i]) continue;
+      auto want = std::vector<unsigned char>(data.begin() + static_cast<std::ptrdiff_t>(tail[i].first),
+                                             data.begin() + static_cast<std::ptrdiff_t>(tail[i].first + got[i]));
+      EXPECT_EQ(read_back(mem[i], 0, got[i]), want) << "tail request " << i;
+    }
+  }
+}
+
 // A read of many I/O chunks from the page cache is cut into pieces for several workers; the pieces
 // are one request: its bytes, its short read at the end of the file. Writes are not cut.
 TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
