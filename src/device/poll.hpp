@@ -3,9 +3,9 @@
 // cannot honour a deadline and could hang forever on a wedged device, so every wait polls.
 #include <ferry/device/device.hpp>
 
-#include <algorithm>
+#include "core/backoff.hpp"
+
 #include <chrono>
-#include <thread>
 
 namespace ferry::detail {
 
@@ -15,17 +15,11 @@ namespace ferry::detail {
 // batches -- then sleeps with a back-off of at most 50 us.
 template <typename F>
 bool poll_until(deadline until, F&& ready) {
-  auto start = std::chrono::steady_clock::now();
-  auto sleep = std::chrono::microseconds(2);
+  using namespace std::chrono_literals;
+  backoff wait({.yield = 2ms, .nap = 2us, .most = 50us});
   while (!ready()) {
-    auto now = std::chrono::steady_clock::now();
-    if (now >= until) return false;
-    if (now - start < std::chrono::milliseconds(2)) {
-      std::this_thread::yield();
-      continue;
-    }
-    std::this_thread::sleep_for(sleep);
-    sleep = std::min(sleep * 2, std::chrono::microseconds(50));
+    if (std::chrono::steady_clock::now() >= until) return false;
+    wait.pause();
   }
   return true;
 }

@@ -3,6 +3,7 @@
 #include <ferry/gpu/proxy.hpp>
 #include <ferry/io/file_engine.hpp>
 
+#include "core/backoff.hpp"
 #include "core/logging.hpp"
 #include "gpu/region.hpp"
 
@@ -243,7 +244,8 @@ struct proxy::impl {
     const ring_view mine = v.ring(k);
     const std::uint64_t ring_bits = std::uint64_t{k} << ring_shift;
     std::uint64_t head = 0;
-    auto last = std::chrono::steady_clock::now();
+    using namespace std::chrono_literals;
+    ferry::detail::backoff quiet({.yield = 1ms, .nap = 50us, .most = 50us, .long_after = 100ms, .long_nap = 1ms});
     scratch w;
     std::vector<request>& rs = w.rs;
     std::vector<std::uint64_t>& tickets = w.tickets;
@@ -263,14 +265,11 @@ struct proxy::impl {
           s.batches++;
         }
         serve_batch(k, w, rs, tickets, t0);
-        last = std::chrono::steady_clock::now();
-        busy_ns += static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(last - t0).count());
+        busy_ns += static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+        quiet.reset();
         continue;
       }
-      const auto quiet = std::chrono::steady_clock::now() - last;
-      if (quiet < std::chrono::milliseconds(1)) std::this_thread::yield();
-      else if (quiet < std::chrono::milliseconds(100)) std::this_thread::sleep_for(std::chrono::microseconds(50));
-      else std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      quiet.pause();
     }
   }
 };

@@ -2,6 +2,8 @@
 
 #include <ferry/core/error.hpp>
 
+#include "core/backoff.hpp"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
@@ -92,9 +94,10 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
   } c{s};
   socklen_t len = 0;
   auto a = abstract_address(socket_name, len);
+  ferry::detail::backoff busy({.nap = std::chrono::milliseconds(1), .most = std::chrono::milliseconds(1)});
   while (::connect(s, reinterpret_cast<sockaddr*>(&a), len) != 0) {
-    if (errno == EAGAIN && lending_clock::now() < until) {
-      ::usleep(1000);
+    if (errno == EAGAIN && lending_clock::now() < until) {  // its backlog is full: the server takes it soon
+      busy.pause();
       continue;
     }
     why = errno == EAGAIN ? std::string("the server's lending socket stayed busy until the deadline")

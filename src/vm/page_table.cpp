@@ -2,6 +2,7 @@
 #include <ferry/core/error.hpp>
 #include <ferry/vm/page_table.hpp>
 
+#include "core/backoff.hpp"
 #include "core/logging.hpp"
 
 #include <fmt/format.h>
@@ -278,11 +279,13 @@ struct page_table::impl {
   // Waits (page unlocked meanwhile) until nobody pins the page.
   void wait_unpinned(std::uint64_t p, std::unique_lock<std::mutex>& l, deadline until) {
     if (pg[p].pins.load() != 0) log::debug("vm", "page {} is pinned ({}): waiting for the unpin", p, pg[p].pins.load());
+    using namespace std::chrono_literals;
+    ferry::detail::backoff wait({.nap = 50us, .most = 50us});  // a transfer's pin lasts a copy: no hurry
     while (pg[p].pins.load() != 0) {
       if (std::chrono::steady_clock::now() >= until)
         fail(errc::timeout, "vm.migrate", fmt::format("page {}", p), "pinned by a transfer past the deadline");
       l.unlock();
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      wait.pause();
       l.lock();
     }
   }

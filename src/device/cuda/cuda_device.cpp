@@ -555,7 +555,8 @@ class cuda_stream final : public stream {
     // giving up the CPU only now and then, by time: each takes the driver's locks or a system call,
     // and calling them every few hundred looks cost a small copy more than the look itself saves.
     using namespace std::chrono_literals;
-    auto start = std::chrono::steady_clock::now(), queried = start;
+    auto queried = std::chrono::steady_clock::now();
+    ferry::detail::backoff wait({.spin = 100us, .yield = 2ms, .nap = 20us, .most = 20us});
     for (unsigned i = 1;; ++i) {
       if (reached()) return;
       if (i % 64 == 0) {
@@ -565,8 +566,7 @@ class cuda_stream final : public stream {
           if (do_idle() || reached()) return;  // throws the stream's error, if it failed
         }
         if (now >= until) fail(errc::timeout, "stream.synchronize", name_, "deadline expired before the stream's work completed");
-        if (now - start > 2ms) std::this_thread::sleep_for(20us);
-        else if (now - start > 100us) std::this_thread::yield();
+        wait.pause();
       }
     }
   }
