@@ -659,4 +659,8 @@ client_options client_options_from(const settings& s, registration_cache* cache,
   return o;
 }
 
+std::string_view data_route(const client_stats& s) {
+  return s.direct_pieces ? "mapped landing region" : s.rma_pieces ? "RMA" : "messages";
+}
+
 }  // namespace ferry::store

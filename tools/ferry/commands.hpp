@@ -50,7 +50,6 @@ struct serve_options {
 std::string client_secret(runtime& rt);
 // How a client's data moved, for summaries: through the landing region a same-host server mapped,
 // by RMA, or in messages.
-std::string_view data_route(const store::client_stats& s);
 int run_serve(runtime& rt, const serve_options& o);
 int run_ls(runtime& rt, const std::string& uri, bool stat_only);
 

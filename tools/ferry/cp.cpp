@@ -85,26 +85,24 @@ std::string engine_path(const file& f, const transfer_batch& b) {
 
 }  // namespace
 
-// ferry://host:port/path -> a memory endpoint. The client splits the read into pieces served in
-// parallel; GPU and sim memory are staged through pinned buffers it lends (unless UCX registers
-// CUDA memory itself). Verified by reading the range again into host memory.
+// ferry://host:port/path -> a memory endpoint, through the file API as every other user of ferry://
+// reads it: one file engine request, which the file's source (the shared store client) splits into
+// pieces served in parallel; GPU and sim memory are staged through pinned buffers it lends (unless
+// UCX registers CUDA memory itself). Verified by reading the range again into host memory.
 int cp_from_remote(runtime& rt, const cp_options& o) {
-  remote_uri u = parse_uri(o.src);
-  store::client c(u.host, u.port, store::client_options_from(rt.config(), &rt.registrations(), &rt.engine()));
-  std::uint64_t size = c.stat(u.path).size;
+  auto f = file::open(o.src, open_mode::read);
+  std::uint64_t size = f->size();
   std::uint64_t bytes = o.size.empty() ? size : std::min<std::uint64_t>(parse_size(o.size, "--size"), size);
   expects(bytes > 0, "cp", o.src, "nothing to copy (empty file)");
   endpoint dst(rt, o.dst, bytes);
   auto t0 = std::chrono::steady_clock::now();
-  std::uint64_t moved = c.read(u.path, 0, dst.data(), bytes, rt.config().deadline);
+  std::uint64_t moved = rt.files().read(*f, 0, dst.data(), bytes);
   if (moved < bytes) source_shrank(o.src, moved, bytes);  // never a copy of less reported as success
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  bool ok = !o.verify || dst.checksum(moved) == remote_checksum(rt, c, u.path, moved);
-  auto st = c.stats();
-  // Where the bytes went, then, when they did not land in place, one copy on by the transfer engine.
-  fmt::print("{} -> {}: {} in {:.3f} s ({}), path UCX [{}], data by {} -> {}{}, checksum {}\n", o.src, o.dst, format_size(moved),
-             secs, format_rate(static_cast<double>(moved) / secs), st.transports, data_route(st),
-             st.staged_bytes ? "copy on (transfer engine) -> " : "", o.dst, !o.verify ? "not checked" : ok ? "verified" : "MISMATCH");
+  bool ok = !o.verify || dst.checksum(moved) == file_checksum(rt, *f, moved);
+  fmt::print("{} -> {}: {} in {:.3f} s ({}), path {} -> {}, checksum {}\n", o.src, o.dst, format_size(moved), secs,
+             format_rate(static_cast<double>(moved) / secs), f->source()->describe(), o.dst,
+             !o.verify ? "not checked" : ok ? "verified" : "MISMATCH");
   if (!ok) fail(errc::internal, "cp", o.src + " -> " + o.dst, "destination checksum does not match what the server holds");
   return 0;
 }

@@ -130,7 +130,7 @@ int run_job(runtime& rt, const job_options& o) {
     fmt::print("  {:<52} {:>10} {:>9.3f} {:>12}\n", what, format_size(b), s, format_rate(static_cast<double>(b) / s));
   };
   row("generate + write files (io_uring)", total, t_gen);
-  row(fmt::format("ferry:// -> {}, from disk ({})", dev.id(), data_route(cs)), total, t_net);
+  row(fmt::format("ferry:// -> {}, from disk ({})", dev.id(), store::data_route(cs)), total, t_net);
   row(fmt::format("checksum on {}", dev.id()), total, t_verify);
   row(fmt::format("ferry:// -> {}, page cache (best of 3)", dev.id()), total, t_net_warm);
   row(fmt::format("file -> {}, local, page cache (best of 3)", dev.id()), total, t_local_warm);

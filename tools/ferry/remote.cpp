@@ -26,10 +26,6 @@ std::string client_secret(runtime& rt) {
   return rt.config().secret_file.empty() ? std::string() : store::read_secret_file(rt.config().secret_file);
 }
 
-std::string_view data_route(const store::client_stats& s) {
-  return s.direct_pieces ? "mapped landing region" : s.rma_pieces ? "RMA" : "messages";
-}
-
 int run_serve(runtime& rt, const serve_options& o) {
   // SIGTERM / SIGINT stop the server gracefully: handled synchronously with sigtimedwait.
   sigset_t set;

@@ -22,6 +22,8 @@ class FERRY_API file_source {
   virtual ~file_source();
   virtual std::uint64_t size() = 0;
   virtual void sync() {}
+  // How its data has been moving, for a person to read (a summary line): the transport and the route.
+  virtual std::string describe() { return {}; }
   // Starts moving [offset, offset+bytes) from the file into `mem` (or from `mem` into the file when
   // `write`); `mem` may be any memory ferry knows. `done(bytes, err)` runs exactly once, on any
   // thread, with the bytes moved (short at end of file) or the error; it runs no later than shortly

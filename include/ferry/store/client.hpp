@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace ferry {
@@ -77,6 +78,9 @@ struct client_stats {
   std::uint64_t staged_pieces = 0, copy_out_ns = 0;
   std::uint64_t landing_renewals = 0;  // landing regions replaced after half their slots were quarantined
 };
+
+// How a client's data moved, in words: "mapped landing region", "RMA" or "messages".
+FERRY_API std::string_view data_route(const client_stats& s);
 
 class FERRY_API client {
  public:
