@@ -48,11 +48,14 @@ namespace {
 // memory of one device (not unified memory, which stays pinned per request), the file range of `j`
 // right after that job's, and the whole a single I/O into one staging buffer (with room for the
 // alignment of its ends). A checkpoint's small tensors lie side by side in its file; read as one
-// range they cost one I/O and one batch of device copies instead of one of each per tensor.
+// range they cost one I/O and one batch of device copies instead of one of each per tensor. (Not
+// under FERRY_FILE_BACKEND=cufile, where each request must go through cuFile.) A group fails as a
+// whole: an I/O or device copy that fails fails every member.
 bool joins(const settings& cfg, const job& prev, const job& j) {
   const std::uint64_t small = std::min(cfg.io_chunk, cfg.staging_bytes) / 4;
   const std::uint64_t most = std::min(cfg.io_chunk, cfg.staging_bytes) - 2 * 8192;
-  return !j.r.write && !prev.r.write && j.dev && j.dev == prev.dev && j.where.type == memory_type::device &&
+  return cfg.file_backend != file_backend_kind::cufile && !j.r.write && !prev.r.write && j.dev && j.dev == prev.dev &&
+         j.where.type == memory_type::device &&
          prev.where.type == memory_type::device && j.r.f == prev.r.f && prev.r.offset + prev.r.bytes == j.r.offset &&
          j.r.bytes <= small && (prev.group || prev.r.bytes <= small) && prev.r.bytes + j.r.bytes <= most;
 }
@@ -163,8 +166,9 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       }
       // Each piece a whole number of units from the request's first page (the last piece the rest):
       // a piece of a unit and a bit would be two I/Os, the second one small.
-      const std::uint64_t u = std::max<std::uint64_t>(unit, 4096), units = (r.bytes + u - 1) / u;
-      const std::uint64_t step = (units + pieces - 1) / pieces * u, end = r.offset + r.bytes, first = align_down(r.offset, 4096);
+      const std::uint64_t u = align_up(std::max<std::uint64_t>(unit, 4096), 4096), end = r.offset + r.bytes;
+      const std::uint64_t first = align_down(r.offset, 4096), units = (end - first + u - 1) / u;
+      const std::uint64_t step = (units + pieces - 1) / pieces * u;
       std::vector<std::uint64_t> cuts = {r.offset};
       for (std::size_t k = 1; k < pieces; ++k) {
         std::uint64_t c = first + k * step;

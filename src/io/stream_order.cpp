@@ -198,7 +198,7 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
       std::size_t nslots = std::min<std::size_t>(op->n, static_cast<std::size_t>(I.cfg.stream_slots));
       op->slots.push_back(pool.get(b->until()));
       while (op->slots.size() < nslots) {
-        auto more = pool.try_get();
+        auto more = pool.try_get(pinned_pool::growth::now);  // asked once per request: not "when used"
         if (!more) break;
         op->slots.push_back(std::move(more));
       }

@@ -153,7 +153,7 @@ pinned_pool::buffer pinned_pool::get(std::chrono::steady_clock::time_point until
   return buffer(this, f.data, f.region);
 }
 
-pinned_pool::buffer pinned_pool::try_get() {
+pinned_pool::buffer pinned_pool::try_get(growth g) {
   std::unique_lock l(mu_);
   if (free_.empty()) {
     // The caller has buffers out that will come back. It makes a segment only once the pool has
@@ -161,7 +161,7 @@ pinned_pool::buffer pinned_pool::try_get() {
     // as one staged I/O, and the caller waits for it with its I/O in flight, so a short burst is
     // done sooner with the buffers there are; the pinned memory a process holds follows the load
     // it has carried, not its first burst.
-    if (handed_ < 8 * static_cast<std::uint64_t>(allocated_)) return {};
+    if (g == growth::when_used && handed_ < 8 * static_cast<std::uint64_t>(allocated_)) return {};
     try {
       if (growing_ || !grow(l) || free_.empty()) return {};
     } catch (const error& e) {

@@ -118,25 +118,56 @@ struct transfer_engine::impl {
       stop = true;
     }
     cv.notify_all();
-    std::lock_guard g(grow_mu);
-    for (auto& t : threads) t.join();
+    // Joined outside grow_mu: a worker finishing a batch may submit again (and so call grow).
+    std::vector<std::thread> all;
+    {
+      std::lock_guard g(grow_mu);
+      all.swap(threads);
+    }
+    for (auto& t : all) t.join();
   }
-  // One more worker, if the queue has items no idle worker will take and there are fewer than
-  // nworkers. A worker that cannot be made leaves the items to those there are; with none, to
-  // callers that help (wait()) and the batches' deadlines.
+  // Workers for the queued items no idle worker will take, up to nworkers. One that cannot be made
+  // leaves the items to those there are; with none at all, the queued items fail (nothing else
+  // would run them: a batch with a completion has no waiter that helps).
   void grow() noexcept {
+    std::size_t want = 0;
     {
       std::lock_guard l(mu);
-      if (stop || queue.size() <= static_cast<std::size_t>(idle) || workers_made.load() >= nworkers) return;
+      if (stop || queue.size() <= static_cast<std::size_t>(idle)) return;
+      want = queue.size() - static_cast<std::size_t>(idle);
     }
-    std::lock_guard g(grow_mu);
-    if (workers_made.load() >= nworkers) return;
-    try {
-      threads.emplace_back([this] { work(); });
-      workers_made.fetch_add(1);
-      c_made.add(1);
-    } catch (const std::exception& e) {
-      log::warn("xfer", "no more transfer workers ({}); {} run the copies", e.what(), workers_made.load());
+    std::optional<error> none;  // no worker at all could be made
+    {
+      std::lock_guard g(grow_mu);
+      for (; want > 0 && workers_made.load() < nworkers; --want) {
+        {
+          std::lock_guard l(mu);
+          if (stop) return;
+        }
+        try {
+          threads.emplace_back([this] { work(); });
+          workers_made.fetch_add(1);
+          c_made.add(1);
+        } catch (const std::exception& e) {
+          log::warn("xfer", "no more transfer workers ({}); {} run the copies", e.what(), workers_made.load());
+          if (workers_made.load() == 0) none = error(errc::unavailable, "xfer.worker", "thread", e.what());
+          break;
+        }
+      }
+    }
+    // Outside grow_mu: the batches' completions may submit again.
+    if (none) fail_queued(*none);
+  }
+  // Ends every queued item with `e` (no worker could be made to run them).
+  void fail_queued(const error& e) noexcept {
+    std::deque<work_item> gone;
+    {
+      std::lock_guard l(mu);
+      gone.swap(queue);
+    }
+    for (auto& w : gone) {
+      for (auto& sg : w.segs) w.b->finish(sg.req, sg.len, &e);
+      w.b->item_done();
     }
   }
 

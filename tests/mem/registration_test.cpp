@@ -448,4 +448,17 @@ TEST(PinnedPool, GrowsBySegmentsOnlyAsBuffersAreTakenAndNeverPastItsSize) {
   EXPECT_EQ(pool.allocated(), 20);
 }
 
+// A caller that asks once (a stream-ordered read's pipeline depth) grows the pool at once.
+TEST(PinnedPool, TryGetNowGrowsWithoutWaitingForRounds) {
+  settings st;
+  st.backend = backend_choice::sim;
+  runtime rt(st);
+  pinned_pool pool(rt.registrations(), 64 << 10, 8, -1);
+  auto a = pool.try_get();
+  EXPECT_FALSE(pool.try_get()) << "when_used: not before the pool went round";
+  auto b = pool.try_get(pinned_pool::growth::now);
+  EXPECT_TRUE(b);
+  EXPECT_EQ(pool.allocated(), 3);
+}
+
 }  // namespace

@@ -53,9 +53,12 @@ class FERRY_API pinned_pool {
   // Waits for a free buffer until `until` (a new segment is made first while the pool may grow);
   // throws timeout naming the pool when none frees up.
   buffer get(std::chrono::steady_clock::time_point until);
-  // A free buffer now, or an empty one: for callers with buffers out, which come back. It grows
-  // the pool only once the pool has handed out eight times its buffers since it last grew.
-  buffer try_get();
+  // A free buffer now, or an empty one. `when_used`: for callers with buffers out, which come back
+  // and ask again -- the pool grows only once it has handed out eight times its buffers since it
+  // last grew. `now`: for callers that ask once (a pipeline's depth, set when it starts) -- the pool
+  // grows while it may.
+  enum class growth { when_used, now };
+  buffer try_get(growth g = growth::when_used);
 
   std::size_t buffer_bytes() const noexcept { return bytes_; }
   int count() const noexcept { return count_; }
