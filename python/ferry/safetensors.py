@@ -446,7 +446,8 @@ def _ranges_count(r) -> int:
 
 class _Plan:
     """Reads into final tensors: requests straight into the destination, and windows read as one span into a
-    temporary on the device and cut there. Every request of a wave goes out as one batch."""
+    temporary on the device and cut there. Every request of a wave goes out as one batch; with ``early``,
+    direct reads go out in batches as they are planned."""
 
     def __init__(self, torch, device, *, timeout: float | None = None, early: bool = False):
         self.torch, self.device = torch, device
@@ -458,6 +459,7 @@ class _Plan:
         # microseconds of Python per tensor) is made; run() then waits for them all.
         self.timeout, self.early = timeout, early
         self.started = []  # (batch, its requests)
+        self._held = 0  # bytes of self.direct
 
     def read_to(self, e: _Entry, out, ranges) -> None:
         """Reads the elements ``ranges`` (per dim (start, stop, step)) of entry ``e`` into ``out`` (contiguous,
@@ -523,8 +525,6 @@ class _Plan:
         self._held += buf.numel()
         if self.early and (len(self.direct) >= _EARLY_COUNT or self._held >= _EARLY_BYTES):
             self._start()
-
-    _held = 0  # bytes of self.direct
 
     def _start(self) -> None:
         import ferry
