@@ -526,6 +526,11 @@ class _Plan:
         if self.early and (len(self.direct) >= _EARLY_COUNT or self._held >= _EARLY_BYTES):
             self._start()
 
+    def flush(self) -> None:
+        """Sends the direct reads not yet sent (an early plan's last batch) without waiting for them."""
+        if self.direct:
+            self._start()
+
     def _start(self) -> None:
         import ferry
 
@@ -537,8 +542,7 @@ class _Plan:
     def run(self, *, timeout: float | None, progress: "_Progress | None", what: str) -> None:
         torch = self.torch
         if self.started:
-            if self.direct:
-                self._start()
+            self.flush()
             _wait_all(self.started, progress=progress)
             self.started = []
         waves, wave, held = [], [], 0
@@ -723,7 +727,7 @@ def _load(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None, mmap:
     return out
 
 
-_COOP_WINDOW = 1 << 30  # bytes of whole tensors a rank holds at once while it hands out their slices
+_COOP_WINDOW = 512 << 20  # a wave's tensor bytes per rank; a rank holds at most two waves' whole tensors
 
 
 def _owners(sizes: list[int], world: int) -> list[int]:
@@ -761,32 +765,119 @@ def _shard_specs(torch, entries: list[_Entry], shard: Shard) -> list[tuple]:
     return specs
 
 
+def _own_slice(e: _Entry, dim: int | None, world: int) -> bool:
+    """Whether every rank reads its own slice of ``e`` itself: its slices along ``dim`` are contiguous in the file
+    (dim 0, or only dims of size 1 before it), so reading them is reading the tensor once between the ranks."""
+    return dim is not None and math.prod(e.shape[:dim]) == 1
+
+
+def _deadline_s(timeout) -> float:
+    t = _timeout(timeout)
+    if t is None:
+        import ferry
+
+        t = _ferry.parse_duration(ferry.settings()["FERRY_DEADLINE"])
+    return t
+
+
+def _wait_events(events, timeout: float, label: str) -> None:
+    """Waits for CUDA events (the devices' exchange of a wave), polling: a ferry.Error (code "timeout") when they
+    are not all done ``timeout`` seconds after the last one that was."""
+    deadline, nap = time.monotonic() + timeout, 1e-5
+    for ev in events:
+        while not ev.query():
+            if time.monotonic() > deadline:
+                e = _errors().Error(f"{label}: the devices' exchange of a wave made no progress for {timeout:g} s")
+                e.code, e.op, e.resource = "timeout", "safetensors", label
+                raise e
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+        deadline, nap = time.monotonic() + timeout, 1e-5
+
+
 def _whole_reads(torch, specs: list[tuple], world: int, *, mine, device_of, result_of, timeout, bar, label: str):
-    """The plan of both tensor-parallel loads, wave by wave: tensors in waves of at most world x _COOP_WINDOW
-    bytes, each with one reader (_owners); those whose reader ``mine(reader)`` says this process reads are read
-    whole in one batch per wave, straight into ``result_of(reader, i)`` when every rank keeps the tensor whole,
-    else into a temporary on ``device_of(reader)``. Yields (wave, owner by index, {index: whole tensor}, bytes read)."""
+    """The read plan of both tensor-parallel loads, a generator of waves (consecutive tensors, at most world x
+    _COOP_WINDOW bytes). A tensor whose slices are contiguous in the file (_own_slice) is read by every rank
+    ``mine(rank)`` says this process reads, its own slice straight into ``result_of(rank, i)``; any other tensor
+    has one reader (_owners over the wave's other tensors), which reads it whole, straight into its result when
+    every rank keeps it whole, else into a temporary on ``device_of(reader)``. Yields, per wave, (the indices to
+    exchange, owner by index, {index: whole tensor} of those this process read, bytes read) once the wave's reads
+    are done. The consumer queues the exchange on the devices' current streams and need not wait for it: the next
+    wave's reads run meanwhile, and a wave's temporaries are dropped once its exchange is done, before the wave
+    after next is read, so at most two waves' are held. The temporaries come from a side stream of each device
+    on which nothing runs, so the allocator never hands them memory the current streams' queued work still uses
+    and ferry's reads need not wait for that work; the current streams are waited for once, at the start (the
+    caller's results are made before, on them). Returns when every wave's exchange is done."""
+    import contextlib
+
     sizes = [e.end - e.begin for e, *_ in specs]
-    for wave in _waves(sizes, world, _COOP_WINDOW):
-        owner = dict(zip(wave, _owners([sizes[i] for i in wave], world)))
-        plan = _Plan(torch, device_of(0), timeout=_timeout(timeout), early=True)  # whole tensors, straight into each
+    gpus = {device_of(r) for r in range(world) if mine(r)}
+    gpus = [d for d in gpus if d.type == "cuda"]
+    side = [torch.cuda.Stream(d) for d in gpus]
+    for d in gpus:
+        torch.cuda.current_stream(d).synchronize()
+    waves = _waves(sizes, world, _COOP_WINDOW)
+    limit = _deadline_s(timeout)
+
+    def start(wave):
+        shared = [i for i in wave if sizes[i] and not _own_slice(specs[i][0], specs[i][2], world)]
+        owner = dict(zip(shared, _owners([sizes[i] for i in shared], world)))
+        plan = _Plan(torch, device_of(0), timeout=_timeout(timeout), early=True)
         whole = {}
-        for i in wave:
-            e, dt, dim, _ = specs[i]
-            if not sizes[i] or not mine(owner[i]):
-                continue
-            whole[i] = result_of(owner[i], i) if dim is None else torch.empty(e.shape, dtype=dt, device=device_of(owner[i]))
-            plan.read_to(e, whole[i], [(0, n, 1) for n in e.shape])
-        plan.run(timeout=_timeout(timeout), progress=bar if bar.enabled else None, what=label)
-        yield wave, owner, whole, plan.bytes_read
+        with contextlib.ExitStack() as on_side:
+            for s in side:
+                on_side.enter_context(torch.cuda.stream(s))
+            for i in wave:
+                e, dt, dim, _ = specs[i]
+                if not sizes[i]:
+                    continue
+                if i not in owner:
+                    part = e.shape[dim] // world
+                    for r in range(world):
+                        if mine(r):
+                            ranges = [(0, n, 1) for n in e.shape]
+                            ranges[dim] = (r * part, (r + 1) * part, 1)
+                            plan.read_to(e, result_of(r, i), ranges)
+                    continue
+                if not mine(owner[i]):
+                    continue
+                whole[i] = result_of(owner[i], i) if dim is None else torch.empty(e.shape, dtype=dt, device=device_of(owner[i]))
+                plan.read_to(e, whole[i], [(0, n, 1) for n in e.shape])
+            plan.flush()
+        return shared, owner, whole, plan
+
+    behind = []  # events after the exchange of the wave yielded last
+    nxt = start(waves[0]) if waves else None
+    try:
+        for k in range(len(waves)):
+            shared, owner, whole, plan = nxt
+            nxt = None
+            plan.run(timeout=_timeout(timeout), progress=bar if bar.enabled else None, what=label)
+            if k + 1 < len(waves):
+                _wait_events(behind, limit, label)  # wave k-1's temporaries may go now
+                behind = []
+                nxt = start(waves[k + 1])
+            yield shared, owner, whole, plan.bytes_read
+            behind = []
+            for d in gpus:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(d))
+                behind.append(ev)
+            del whole
+        _wait_events(behind, limit, label)
+    finally:
+        if nxt is not None:  # the consumer failed: the reads already sent end before their buffers can go
+            for batch, _ in nxt[3].started:
+                batch.cancel()
+                batch.close()
 
 
 def _cooperative(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None, group, timeout, progress: bool,
                  label: str, stats: dict | None) -> dict:
-    """The ranks of ``group`` read every tensor once between them (each its share, whole, into its device memory)
-    and hand each other the slices their shard rule gives them: a broadcast of the owner's tensor, of which each rank
-    keeps its slice along the split dimension (or all of it). Collectives go in the same order on every rank:
-    the plan depends only on the checkpoint and the rule."""
+    """The ranks of ``group`` read every tensor once between them and hand each other what they need: a tensor
+    split into contiguous slices (along dim 0) each rank reads its own slice of; any other tensor one rank reads
+    whole and broadcasts, each rank keeping its slice along the split dimension (or all of it). Collectives go in
+    the same order on every rank: the plan depends only on the checkpoint and the rule."""
     import torch.distributed as dist
 
     torch = _torch()
@@ -806,18 +897,15 @@ def _cooperative(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None
 
     specs = _shard_specs(torch, entries, shard)
     out = {e.name: torch.empty(local, dtype=dt, device=dev) for e, dt, _, local in specs}
-    sizes = [e.end - e.begin for e in entries]
     bar = _Progress(label, progress)
     read = 0
     try:
-        for wave, owner, whole, n in _whole_reads(torch, specs, world, mine=lambda r: r == me, device_of=lambda r: dev,
-                                                  result_of=lambda r, i: out[specs[i][0].name], timeout=timeout,
-                                                  bar=bar, label=label):
+        for shared, owner, whole, n in _whole_reads(torch, specs, world, mine=lambda r: r == me,
+                                                    device_of=lambda r: dev, result_of=lambda r, i: out[specs[i][0].name],
+                                                    timeout=timeout, bar=bar, label=label):
             read += n
-            for i in wave:
+            for i in shared:
                 e, dt, dim, local = specs[i]
-                if not sizes[i]:
-                    continue
                 src = global_rank(owner[i])
                 mine = out[e.name].reshape(-1).view(torch.uint8)
                 if dim is None:
@@ -873,10 +961,11 @@ def load_shards(path: Any, devices: Iterable[Any], dim: int | Callable[[str], in
                 strict: bool = True, stats: dict | None = None) -> list[dict]:
     """One process, several devices: the tensor-parallel slices of a checkpoint for each of ``devices`` (device r
     gets what ``Shard(r, len(devices), dim)`` gives rank r), one ``{name: tensor}`` per device. Every byte is read
-    once: each tensor whole into one device (the largest first, to the device with the fewest bytes so far; all
-    of a wave's reads in one batch, so every device's link is busy at once), then its slices, or the whole tensor
-    where ``dim`` gives None, are copied device to device. Whole tensors are held at most ``len(devices)`` x 1 GiB
-    at a time. ``stats`` gets ``bytes_read``."""
+    once: a tensor split along dim 0 as each device's slice straight into it; any other tensor whole into one
+    device (the largest first, to the device with the fewest bytes so far), then its slices, or the whole tensor
+    where ``dim`` gives None, are copied device to device while the next wave is read. A wave's reads go out
+    together, so every device's link is busy at once. Each device holds at most two waves' whole tensors (about
+    1 GiB). ``stats`` gets ``bytes_read``."""
     if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
         raise _argument_error(f"devices must be a list of devices, not {type(devices).__name__}")
     torch = _torch()
@@ -904,9 +993,6 @@ def load_shards(path: Any, devices: Iterable[Any], dim: int | Callable[[str], in
                     for r in range(world):
                         if outs[r][e.name] is not t:
                             outs[r][e.name].copy_(parts[r], non_blocking=True)
-                for dev in devs:  # the wave's whole tensors go once every copy from them is done
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize(dev)
                 del whole
         finally:
             bar.close()

@@ -16,13 +16,19 @@ RANK = r"""
 import json, os, sys, torch, torch.distributed as dist
 import ferry
 from ferry.safetensors import Shard
-path, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+import ferry.safetensors as st
+path, rank, world, port, gpu, window = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1", int(sys.argv[6])
+if window:
+    st._COOP_WINDOW = window  # many waves: each wave's reads overlap the previous one's exchange
+device = f"cuda:{rank}" if gpu else "cpu"
+if gpu:
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 dims = {"embed": 0, "o_proj": 1, "down": -1, "odd": None}
 rule = Shard(rank, world, lambda name: dims.get(name.split(".")[0], 0))
 stats = {}
-got = ferry.safetensors.load(path, device="cpu", shard=rule, group=dist.group.WORLD, progress=False, stats=stats)
-own = ferry.safetensors.load(path, device="cpu", shard=rule, progress=False)
+got = ferry.safetensors.load(path, device=device, shard=rule, group=dist.group.WORLD, progress=False, stats=stats)
+own = ferry.safetensors.load(path, device=device, shard=rule, progress=False)
 same = sorted(got) == sorted(own) and all(torch.equal(got[k], own[k]) and got[k].dtype == own[k].dtype for k in own)
 try:
     ferry.safetensors.load(path, shard=Shard((rank + 1) % world, world, 0), group=dist.group.WORLD, progress=False)
@@ -40,8 +46,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_read_every_byte_once_and_get_their_slices(tmp_path, world):
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+@pytest.mark.parametrize("world,gpu,window", [(2, False, 0), (3, False, 0), (3, False, 512),
+                                              (2, True, 0), (2, True, 512)])
+def test_ranks_read_every_byte_once_and_get_their_slices(tmp_path, world, gpu, window):
+    if gpu and _gpus() < world:
+        pytest.skip(f"needs {world} GPUs (NCCL)")
     rng = np.random.default_rng(5)
     n = 6 * world
     arrays = {
@@ -58,7 +76,7 @@ def test_ranks_read_every_byte_once_and_get_their_slices(tmp_path, world):
     data_bytes = sum(a.nbytes for a in arrays.values())
     port = str(free_port())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, path, str(r), str(world), port], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, path, str(r), str(world), port, str(int(gpu)), str(window)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     results = []
     for p in procs:
@@ -128,3 +146,74 @@ def test_one_process_several_devices_refuses_bad_arguments(tmp_path):
             load_shards(path, devices, progress=False)
     with pytest.raises(ferry.ArgumentError, match="'down.weight' dim 0 of size 3 does not split into 2"):
         load_shards(path, ["cpu", "cpu"], 0, progress=False)
+
+
+def test_contiguous_slices_are_read_by_their_own_rank():
+    from ferry.safetensors import _own_slice
+
+    class E:
+        def __init__(self, shape):
+            self.shape = shape
+
+    assert _own_slice(E((8, 4)), 0, 2), "dim 0: each rank's slice is one range of the file"
+    assert _own_slice(E((1, 8)), 1, 2), "only a dim of size 1 before the split"
+    assert not _own_slice(E((2, 8)), 1, 2), "rows: slices interleave, one reader and an exchange"
+    assert not _own_slice(E((8, 4)), None, 2), "kept whole: one reader"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_many_small_waves_give_the_same_slices_and_stop_cleanly(tmp_path, monkeypatch, world):
+    """Waves far smaller than the tensors: each wave's reads overlap the previous wave's exchange; every device
+    still gets its slices, every byte is read once, and a consumer that stops early leaves nothing running."""
+    import torch
+
+    import ferry
+    import ferry.safetensors as st
+    from ferry.safetensors import Shard, load_shards
+
+    monkeypatch.setattr(st, "_COOP_WINDOW", 256)
+    arrays = _arrays(world)
+    path = write_numpy(tmp_path / "m.safetensors", arrays)
+    rule = {"embed.weight": 0, "o_proj.weight": 1, "down.weight": -1}
+    dim = lambda name: rule.get(name)  # noqa: E731
+    stats = {}
+    outs = load_shards(path, ["cpu"] * world, dim, progress=False, stats=stats)
+    for r, got in enumerate(outs):
+        want = ferry.safetensors.load(path, "cpu", shard=Shard(r, world, dim), progress=False, mmap=False)
+        assert all(got[k].equal(want[k]) for k in want), r
+    assert stats["bytes_read"] == sum(a.nbytes for a in arrays.values())
+    ck = st._Set(path, True)
+    try:
+        specs = st._shard_specs(torch, ck.pick(None), Shard(0, world, dim))
+        outs = [{e.name: torch.empty(local, dtype=dt) for e, dt, _, local in specs} for _ in range(world)]
+        gen = st._whole_reads(torch, specs, world, mine=lambda r: True, device_of=lambda r: torch.device("cpu"),
+                              result_of=lambda r, i: outs[r][specs[i][0].name], timeout=10,
+                              bar=st._Progress("t", False), label="t")
+        assert len(st._waves([e.end - e.begin for e, *_ in specs], world, 256)) > 2
+        next(gen)
+        gen.close()  # the next wave's reads were sent: closing waits for them instead of leaving them running
+    finally:
+        ck.close()
+
+
+@pytest.mark.parametrize("window", [0, 512])
+def test_one_process_several_gpus_gets_the_slices(tmp_path, monkeypatch, window):
+    """load_shards on CUDA devices: the exchange runs on the devices' streams while the next wave is read."""
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    import torch
+
+    import ferry
+    import ferry.safetensors as st
+    from ferry.safetensors import Shard, load_shards
+
+    if window:
+        monkeypatch.setattr(st, "_COOP_WINDOW", window)
+    arrays = _arrays(2)
+    path = write_numpy(tmp_path / "m.safetensors", arrays)
+    rule = {"embed.weight": 0, "o_proj.weight": 1, "down.weight": -1}
+    dim = lambda name: rule.get(name)  # noqa: E731
+    outs = load_shards(path, ["cuda:0", "cuda:1"], dim, progress=False)
+    for r, got in enumerate(outs):
+        want = ferry.safetensors.load(path, "cpu", shard=Shard(r, 2, dim), progress=False, mmap=False)
+        assert all(got[k].device == torch.device(f"cuda:{r}") and got[k].cpu().equal(want[k]) for k in want), r
