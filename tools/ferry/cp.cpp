@@ -1,13 +1,12 @@
 // `ferry cp SRC DST`: copy between any two endpoints -- memory (host, pinned, gpu:N, sim:N), local
 // files (file:PATH) and remote files (ferry://host:port/path) -- through the transfer and file
-// engines and the store client, with a progress bar on long copies, verified by checksums
+// engines (ferry:// through the file API), with a progress bar on long copies, verified by checksums
 // (computed where the data lies for memory, by reading the data back for files and ferry://).
 #include "commands.hpp"
 #include "endpoint.hpp"
 
 #include <ferry/core/checksum.hpp>
 #include <ferry/core/units.hpp>
-#include <ferry/store/client.hpp>
 #include <ferry/store/server.hpp>
 
 #include <fmt/format.h>
@@ -31,19 +30,6 @@ namespace {
 bool is_file(const std::string& s) { return s.starts_with("file:"); }
 bool is_remote(const std::string& s) { return s.starts_with("ferry://"); }
 bool is_memory(const std::string& s) { return !is_file(s) && !is_remote(s); }
-
-// Reads the first `bytes` of a remote file again into host memory, piece by piece, to checksum them.
-std::uint64_t remote_checksum(runtime& rt, store::client& c, const std::string& path, std::uint64_t bytes) {
-  std::vector<std::byte> buf(std::min<std::uint64_t>(bytes, 64ull << 20));
-  checksum64_stream cs;
-  for (std::uint64_t off = 0; off < bytes; off += buf.size()) {
-    std::uint64_t n = std::min<std::uint64_t>(buf.size(), bytes - off);
-    std::uint64_t got = c.read(path, off, buf.data(), n, rt.config().deadline);
-    cs.update(buf.data(), got);
-    if (got < n) break;
-  }
-  return cs.value();
-}
 
 // Streams a file through host memory to checksum it.
 std::uint64_t file_checksum(runtime& rt, file& f, std::uint64_t bytes) {
@@ -107,52 +93,50 @@ int cp_from_remote(runtime& rt, const cp_options& o) {
   return 0;
 }
 
-// Any source -> ferry://host:port/path on a writable server, in one write request of the whole
-// range (the server then replaces the file as a whole). A memory source is filled with a pattern; a
-// file or ferry:// source is first read whole into the --via endpoint (host by default), so the
-// data must fit there. Verified by the server's size and by reading the written range back.
+// Any source -> ferry://host:port/path on a writable server, through the file API as Python writes
+// ferry://: one file engine write request of the whole range, which the file's source (the shared
+// store client) splits into pieces; syncing the file replaces the server's file as a whole, and a
+// failed write leaves it as it was. A memory source is filled with a pattern; a file or ferry://
+// source is first read whole into the --via endpoint (host by default), so the data must fit there.
+// Verified by the file's size and by reading the written range back.
 int cp_to_remote(runtime& rt, const cp_options& o) {
-  remote_uri u = parse_uri(o.dst);
-  store::client_options opts = store::client_options_from(rt.config(), &rt.registrations(), &rt.engine());
-  store::client c(u.host, u.port, opts);
-  // Before reading anything: a read-only server would refuse the write only at the end.
-  if (!c.writable()) fail(errc::permission_denied, "cp", o.dst, "the server is read-only (start it with ferry serve --writable)");
+  // Before reading anything, a read-only server is refused: opening for read_write asks the server
+  // (and names a directory) without opening a write.
+  file::open(o.dst, open_mode::read_write);
   std::shared_ptr<file> fin;
-  std::unique_ptr<store::client> rin;
-  remote_uri su;
-  std::uint64_t size = 0;
-  if (is_file(o.src)) {
-    fin = file::open(o.src.substr(5), open_mode::read);
-    size = fin->size();
-  } else if (is_remote(o.src)) {
-    su = parse_uri(o.src);
-    rin = std::make_unique<store::client>(su.host, su.port, opts);
-    size = rin->stat(su.path).size;
-  }
-  bool from_data = fin || rin;
-  std::uint64_t bytes = o.size.empty() ? (from_data ? size : 64ull << 20) : parse_size(o.size, "--size");
-  if (from_data) bytes = std::min(bytes, size);
-  expects(bytes > 0, "cp", o.src, from_data ? "nothing to copy (empty file)" : "nothing to copy");
+  if (is_file(o.src)) fin = file::open(o.src.substr(5), open_mode::read);
+  else if (is_remote(o.src)) fin = file::open(o.src, open_mode::read);
+  const std::uint64_t size = fin ? fin->size() : 0;
+  std::uint64_t bytes = o.size.empty() ? (fin ? size : 64ull << 20) : parse_size(o.size, "--size");
+  if (fin) bytes = std::min(bytes, size);
+  expects(bytes > 0, "cp", o.src, fin ? "nothing to copy (empty file)" : "nothing to copy");
   std::string via = o.via.empty() ? "host" : o.via;
-  endpoint src(rt, from_data ? via : o.src, bytes);
+  endpoint src(rt, fin ? via : o.src, bytes);
   auto t0 = std::chrono::steady_clock::now();
-  if (fin) bytes = rt.files().read(*fin, 0, src.data(), bytes);
-  else if (rin) bytes = rin->read(su.path, 0, src.data(), bytes, rt.config().deadline);
-  else src.fill(bytes, 0xF0E1);
-  expects(bytes > 0, "cp", o.src, "nothing to copy (the file is empty now)");
-  c.put(u.path, src.data(), bytes, rt.config().deadline);
+  if (fin) {
+    std::uint64_t want = bytes;
+    bytes = rt.files().read(*fin, 0, src.data(), bytes);
+    if (bytes < want) source_shrank(o.src, bytes, want);
+  } else {
+    src.fill(bytes, 0xF0E1);
+  }
+  std::string route;
+  {
+    auto fout = file::open(o.dst, open_mode::create);
+    rt.files().write(*fout, 0, src.data(), bytes, true);
+    route = fout->source()->describe();
+  }
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::string why;
   if (o.verify) {
-    std::uint64_t held = c.stat(u.path).size;
+    auto back = file::open(o.dst, open_mode::read);
+    std::uint64_t held = back->size();
     if (held != bytes) why = fmt::format("the server's file holds {} bytes, not the {} written", held, bytes);
-    else if (src.checksum(bytes) != remote_checksum(rt, c, u.path, bytes)) why = "what the server holds does not match the source";
+    else if (src.checksum(bytes) != file_checksum(rt, *back, bytes)) why = "what the server holds does not match the source";
   }
-  std::string path = fin ? fmt::format("file -> {} -> UCX", via)
-                     : rin ? fmt::format("UCX [{}] -> {} -> UCX", rin->stats().transports, via)
-                           : o.src + " -> UCX";
-  fmt::print("{} -> {}: {} in {:.3f} s ({}), path {} [{}], checksum {}\n", o.src, o.dst, format_size(bytes), secs,
-             format_rate(static_cast<double>(bytes) / secs), path, c.stats().transports,
+  std::string from = !fin ? o.src : fin->source() ? fin->source()->describe() + " -> " + via : "file -> " + via;
+  fmt::print("{} -> {}: {} in {:.3f} s ({}), path {} -> {}, checksum {}\n", o.src, o.dst, format_size(bytes), secs,
+             format_rate(static_cast<double>(bytes) / secs), from, route,
              !o.verify ? "not checked" : why.empty() ? "verified" : "MISMATCH");
   if (!why.empty()) fail(errc::internal, "cp", o.src + " -> " + o.dst, why);
   return 0;
