@@ -191,7 +191,23 @@ struct address_space::impl final : page_mover, launch_observer {
   space_options o;
   std::uint64_t page = 0, npages = 0;
   std::vector<std::uint64_t> cap;           // per page-table location: pages it may hold (0, the host: unused)
-  va_range shared, host_mirror;             // host mirror: per page
+  // The pages' addresses: `shared`, inside a reservation with a page more at each end. Those two
+  // pages are always mapped (to host chunks of their own, every device and the CPU may read and write
+  // them), so that a small out-of-bounds access before the first allocation or after the last one
+  // touches memory, as it does next to a cudaMalloc or managed allocation, instead of killing the
+  // process; what is written there is never read back as anyone's data.
+  struct view {
+    std::uintptr_t base_ = 0;
+    std::uint64_t size_ = 0;
+    void* base() const noexcept { return reinterpret_cast<void*>(base_); }
+    std::uintptr_t address() const noexcept { return base_; }
+    std::uint64_t size() const noexcept { return size_; }
+    template <typename T = std::byte>
+    T* at(std::uint64_t offset) const noexcept { return reinterpret_cast<T*>(base_ + offset); }
+  };
+  va_range padded;
+  view shared;
+  va_range host_mirror;                     // host mirror: per page
   // Per device k: its pool of slots (device chunks, mapped in pool[k] at their index) and which slot
   // each page uses there (-1: none; the page's lock). A page may have copies on several devices
   // (READ_MOSTLY).
@@ -216,6 +232,7 @@ struct address_space::impl final : page_mover, launch_observer {
   std::unique_ptr<std::atomic<std::uint8_t>[]> cpu;
   std::mutex slot_mu;
   physical_chunk zero;                      // a zeroed host chunk at the end of the host mirror
+  physical_chunk pad_before, pad_after;     // mapped on each side of `shared`
   std::unique_ptr<page_table> table;
   std::mutex streams_mu;
   std::vector<stream*> streams;  // attached: migrations wait for their work
@@ -287,7 +304,8 @@ struct address_space::impl final : page_mover, launch_observer {
     npages = (bytes + page - 1) / page;
     expects(npages > 0, "vm.space", dev.id(), "an address space needs at least one page");
     expects(o.batch > 0 && o.fault_ahead > 0, "vm.space", dev.id(), "batch and fault_ahead must be positive");
-    shared = dev.reserve(npages * page);
+    padded = dev.reserve((npages + 2) * page);
+    shared = {padded.address() + page, npages * page};
     host_mirror = dev.reserve((npages + 1) * page);
     for (std::size_t k = 0; k < devs.size(); ++k) {
       auto m = std::make_unique<devmem>();
@@ -305,6 +323,10 @@ struct address_space::impl final : page_mover, launch_observer {
     for (std::uint64_t i = 0; i < npages; ++i) cpu[i] = 0;
     zero = dev.allocate(page, ferry::location::on_host());
     map_mirror(host_mirror.at(npages * page), zero, true);
+    pad_before = dev.allocate(page, ferry::location::on_host());
+    pad_after = dev.allocate(page, ferry::location::on_host());
+    map_mirror(padded.at(0), pad_before, true);
+    map_mirror(padded.at((npages + 1) * page), pad_after, true);
     std::memset(host_mirror.at(npages * page), 0, page);
     cap.push_back(0);
     for (auto* d : devs) {
@@ -370,7 +392,7 @@ struct address_space::impl final : page_mover, launch_observer {
         log::error("vm", "{}: unified address space destroyed with failed copies: {}", m->st->owner().id(), e.what());
       }
     }
-    shared.reset();
+    padded.reset();
     host_mirror.reset();
     for (auto& m : dm) m->pool.reset();
   }

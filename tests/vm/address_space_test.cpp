@@ -300,6 +300,42 @@ TEST(VmSpace, ADeviceMayTouchFreshMemoryFirst) {
   as.detach_stream(*st);
 }
 
+// A program that reads a little before its first allocation or after its last (a benchmark's
+// off-by-some loop) touches mapped memory, as next to cudaMalloc's, instead of ending: the space's
+// first and last pages have a mapped page beside them, for the CPU and every device. What lands
+// there is never anyone's data.
+TEST(VmSpace, ReadsJustOutsideTheSpaceTouchMappedMemory) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as(dev, 4 * (64 << 10), placed());
+  const std::size_t pg = as.page_bytes();
+  auto* p = static_cast<std::byte*>(as.alloc(as.size()));
+  ASSERT_EQ(p, as.base()) << "the first allocation starts the space";
+  fill(p, as.size(), 9);
+  const std::uint64_t want = sum(p, as.size());
+  auto* before = p - pg;
+  auto* after = p + as.size();
+  std::vector<std::byte> seen(4096);
+  std::memcpy(seen.data(), p - seen.size(), seen.size());  // the CPU reads before the first byte
+  std::memcpy(seen.data(), after, seen.size());            // and after the last
+  std::memset(before, 0x5a, pg);                           // writes there land somewhere harmless
+  std::memset(after, 0xa5, pg);
+  auto st = dev.create_stream();
+  as.attach_stream(*st);
+  std::uint64_t got = 0;
+  st->checksum(before, pg, &got);  // the device reads them too
+  st->synchronize();
+  std::vector<std::byte> pattern(pg, std::byte{0x5a});
+  EXPECT_EQ(got, checksum64(pattern.data(), pg)) << "the device sees what the CPU wrote before the space";
+  st->checksum(after, pg, &got);
+  st->synchronize();
+  std::fill(pattern.begin(), pattern.end(), std::byte{0xa5});
+  EXPECT_EQ(got, checksum64(pattern.data(), pg));
+  EXPECT_EQ(sum(p, as.size()), want) << "the space's own bytes are untouched";
+  as.detach_stream(*st);
+  as.free(p);
+}
+
 // An allocator's free comes as soon as the last work on the memory is queued, not done (torch frees a
 // tensor that way): memory allocated again is zeroed only after the attached streams' earlier work,
 // which still reads the old bytes.

@@ -91,6 +91,26 @@ TEST(GpuVm, KernelWritesThroughTheUnifiedPointerAndTheCpuReadsIt) {
   EXPECT_EQ(as.stats().migrations_d2h, 8u);
 }
 
+// A kernel reading a few KiB before the first allocation (a benchmark's off-by-some loop): the page
+// beside the space is mapped for the GPU, as memory next to a cudaMalloc is, so the kernel ends
+// without an illegal address and the space's own data stays as it was.
+TEST(GpuVm, AKernelReadingJustBeforeTheFirstAllocationEnds) {
+  runtime rt(g_settings);
+  device& dev = rt.devices().get("cuda:0");
+  vm::address_space as(dev, 4 * dev.granularity());
+  const std::size_t n = as.size();
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  ASSERT_EQ(p, as.base());
+  fill_random(p, n, 5);
+  const std::uint64_t want = checksum64(p, n);
+  auto s = dev.create_stream();
+  as.attach_stream(*s);
+  (void)gpu_sum(*s, p - 8192, 8192);  // before the first byte
+  (void)gpu_sum(*s, p + n, 8192);     // after the last
+  EXPECT_EQ(gpu_sum(*s, p, n), want) << "the kernels ended; the space reads as before";
+  as.detach_stream(*s);
+}
+
 // The user's kernel, on the user's stream, is the first to touch fresh memory -- no PREFETCH, no CPU
 // touch before it: alloc mapped and zeroed every page (on the device up to the space's cap, in host
 // memory past it), so the kernel writes without an illegal address and the CPU reads its words.
