@@ -190,16 +190,18 @@ def _fspath(path: Any) -> str:
     raise e
 
 
-def _submit(reqs, spans, stream, timeout) -> Batch:
+def _submit(reqs, spans, stream, timeout, after_torch: bool = True) -> Batch:
     handle = stream_handle(stream)
-    if handle is None:
+    if handle is None and after_torch:
         sync_torch(spans)  # without a stream, after what torch already queued
     device = (stream_device(stream) or _device_of(spans)) if handle is not None else ""
     impl = runtime().submit(reqs, handle, device, timeout)
     return Batch(impl, list(spans))
 
 
-def _batch(requests: Iterable[tuple], write: bool, stream: Any, timeout: float | None) -> Batch:
+def _batch(requests: Iterable[tuple], write: bool, stream: Any, timeout: float | None, after_torch: bool = True) -> Batch:
+    """``after_torch=False``: the caller knows no work torch queued uses the buffers (the loader's own buffers,
+    made and waited for once), so the requests do not wait for torch's current streams first."""
     what = "write_batch" if write else "read_batch"
     reqs, spans = [], []
     for r in requests:
@@ -210,7 +212,7 @@ def _batch(requests: Iterable[tuple], write: bool, stream: Any, timeout: float |
         s = span_of(buf, writable=not write, what=f"{what} request {len(reqs)}")
         reqs.append(_ferry.Request(f._impl, offset, s.ptr, _length(s, nbytes), write))
         spans.append(s)
-    return _submit(reqs, spans, stream, timeout)
+    return _submit(reqs, spans, stream, timeout, after_torch)
 
 
 def read_batch(requests: Iterable[tuple], *, stream: Any = None, timeout: float | None = None) -> Batch:

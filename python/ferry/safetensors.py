@@ -449,8 +449,9 @@ class _Plan:
     temporary on the device and cut there. Every request of a wave goes out as one batch; with ``early``,
     direct reads go out in batches as they are planned."""
 
-    def __init__(self, torch, device, *, timeout: float | None = None, early: bool = False):
+    def __init__(self, torch, device, *, timeout: float | None = None, early: bool = False, after_torch: bool = True):
         self.torch, self.device = torch, device
+        self.after_torch = after_torch  # False: the buffers are the caller's own, no torch work on them queued
         self.direct = []  # (file, offset, uint8 view of the destination)
         self.windows = []  # (file, offset, nbytes, cut(temp uint8 tensor))
         self.bytes_read = 0  # what run() read from the files
@@ -536,7 +537,7 @@ class _Plan:
 
         requests = [(f.file(), off, buf) for f, off, buf in self.direct]
         self.direct, self._held = [], 0
-        self.started.append((ferry.read_batch(requests, timeout=self.timeout), requests))
+        self.started.append((ferry._batch(requests, False, None, self.timeout, self.after_torch), requests))
         self.bytes_read += sum(buf.numel() for _, _, buf in requests)
 
     def run(self, *, timeout: float | None, progress: "_Progress | None", what: str) -> None:
@@ -795,38 +796,60 @@ def _wait_events(events, timeout: float, label: str) -> None:
         deadline, nap = time.monotonic() + timeout, 1e-5
 
 
+def _close_started(plan) -> None:
+    """Cancels and waits for the batches a plan sent (their buffers may go afterwards), every one of them."""
+    for batch, _ in plan.started:
+        try:
+            batch.cancel()
+            batch.close()
+        except Exception:  # noqa: BLE001 - the load is failing already; this only ends the reads
+            pass
+    plan.started = []
+
+
 def _whole_reads(torch, specs: list[tuple], world: int, *, mine, device_of, result_of, timeout, bar, label: str):
     """The read plan of both tensor-parallel loads, a generator of waves (consecutive tensors, at most world x
     _COOP_WINDOW bytes). A tensor whose slices are contiguous in the file (_own_slice) is read by every rank
     ``mine(rank)`` says this process reads, its own slice straight into ``result_of(rank, i)``; any other tensor
     has one reader (_owners over the wave's other tensors), which reads it whole, straight into its result when
-    every rank keeps it whole, else into a temporary on ``device_of(reader)``. Yields, per wave, (the indices to
-    exchange, owner by index, {index: whole tensor} of those this process read, bytes read) once the wave's reads
-    are done. The consumer queues the exchange on the devices' current streams and need not wait for it: the next
-    wave's reads run meanwhile, and a wave's temporaries are dropped once its exchange is done, before the wave
-    after next is read, so at most two waves' are held. The temporaries come from a side stream of each device
-    on which nothing runs, so the allocator never hands them memory the current streams' queued work still uses
-    and ferry's reads need not wait for that work; the current streams are waited for once, at the start (the
-    caller's results are made before, on them). Returns when every wave's exchange is done."""
-    import contextlib
+    every rank keeps it whole, else into a slot of its device. Yields, per wave, (the indices to exchange, owner
+    by index, {index: whole tensor} of those this process read, bytes read) once the wave's reads are done.
 
+    The consumer queues the exchange on the devices' current streams and need not wait for it: the next wave's
+    reads run meanwhile. Whole tensors go into two slots per device, allocated once (each the most one wave puts
+    on that device) and used by waves in turn; a slot is read into again only after the exchange of the wave
+    that used it is done (events on the current streams). The slots and the results are made on the current
+    streams, which are waited for once, at the start; after that nothing torch queues uses the memory ferry
+    reads into except the exchange, which the events order, so the reads do not wait for the current streams
+    (they would wait for the exchange under way). Returns when every wave's exchange is done."""
     sizes = [e.end - e.begin for e, *_ in specs]
-    gpus = {device_of(r) for r in range(world) if mine(r)}
-    gpus = [d for d in gpus if d.type == "cuda"]
-    side = [torch.cuda.Stream(d) for d in gpus]
-    for d in gpus:
-        torch.cuda.current_stream(d).synchronize()
-    waves = _waves(sizes, world, _COOP_WINDOW)
-    limit = _deadline_s(timeout)
-
-    def start(wave):
+    plans = []  # per wave: (tensors, the shared ones, owner by index, {index: (device, offset in its slot)})
+    need = {}  # device -> the most one wave puts in its slot
+    for wave in _waves(sizes, world, _COOP_WINDOW):
         shared = [i for i in wave if sizes[i] and not _own_slice(specs[i][0], specs[i][2], world)]
         owner = dict(zip(shared, _owners([sizes[i] for i in shared], world)))
-        plan = _Plan(torch, device_of(0), timeout=_timeout(timeout), early=True)
+        at, used = {}, {}
+        for i in shared:
+            if specs[i][2] is None or not mine(owner[i]):
+                continue  # kept whole by every rank: read straight into the result
+            d = device_of(owner[i])
+            at[i] = (d, used.get(d, 0))
+            used[d] = used.get(d, 0) + (sizes[i] + 4095) // 4096 * 4096
+        for d, n in used.items():
+            need[d] = max(need.get(d, 0), n)
+        plans.append((wave, shared, owner, at))
+    slots = {d: [torch.empty(n, dtype=torch.uint8, device=d) for _ in range(2)] for d, n in need.items()}
+    gpus = {device_of(r) for r in range(world) if mine(r)}
+    gpus = [d for d in gpus if d.type == "cuda"]
+    for d in gpus:
+        torch.cuda.current_stream(d).synchronize()
+    limit = _deadline_s(timeout)
+
+    def start(k):
+        wave, shared, owner, at = plans[k]
+        plan = _Plan(torch, device_of(0), timeout=_timeout(timeout), early=True, after_torch=False)
         whole = {}
-        with contextlib.ExitStack() as on_side:
-            for s in side:
-                on_side.enter_context(torch.cuda.stream(s))
+        try:
             for i in wave:
                 e, dt, dim, _ = specs[i]
                 if not sizes[i]:
@@ -841,35 +864,39 @@ def _whole_reads(torch, specs: list[tuple], world: int, *, mine, device_of, resu
                     continue
                 if not mine(owner[i]):
                     continue
-                whole[i] = result_of(owner[i], i) if dim is None else torch.empty(e.shape, dtype=dt, device=device_of(owner[i]))
+                if i in at:
+                    d, off = at[i]
+                    whole[i] = slots[d][k % 2][off:off + sizes[i]].view(dt).view(e.shape)
+                else:
+                    whole[i] = result_of(owner[i], i)
                 plan.read_to(e, whole[i], [(0, n, 1) for n in e.shape])
             plan.flush()
+        except BaseException:
+            _close_started(plan)
+            raise
         return shared, owner, whole, plan
 
     behind = []  # events after the exchange of the wave yielded last
-    nxt = start(waves[0]) if waves else None
+    nxt = None
     try:
-        for k in range(len(waves)):
+        nxt = start(0) if plans else None
+        for k in range(len(plans)):
             shared, owner, whole, plan = nxt
             nxt = None
             plan.run(timeout=_timeout(timeout), progress=bar if bar.enabled else None, what=label)
-            if k + 1 < len(waves):
-                _wait_events(behind, limit, label)  # wave k-1's temporaries may go now
+            if k + 1 < len(plans):
+                _wait_events(behind, limit, label)  # wave k-1's exchange: its slot is wave k+1's
                 behind = []
-                nxt = start(waves[k + 1])
+                nxt = start(k + 1)
             yield shared, owner, whole, plan.bytes_read
-            behind = []
             for d in gpus:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(d))
                 behind.append(ev)
-            del whole
         _wait_events(behind, limit, label)
     finally:
-        if nxt is not None:  # the consumer failed: the reads already sent end before their buffers can go
-            for batch, _ in nxt[3].started:
-                batch.cancel()
-                batch.close()
+        if nxt is not None:  # the consumer failed: the reads already sent end before the slots can go
+            _close_started(nxt[3])
 
 
 def _cooperative(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None, group, timeout, progress: bool,
@@ -897,6 +924,11 @@ def _cooperative(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None
 
     specs = _shard_specs(torch, entries, shard)
     out = {e.name: torch.empty(local, dtype=dt, device=dev) for e, dt, _, local in specs}
+    # Another reader's split tensor arrives here, one at a time: the next broadcast into it is queued after
+    # the copy out of it (the collective's stream waits for the current one), so one buffer serves them all.
+    biggest = max((e.end - e.begin for e, _, dim, _ in specs if dim is not None and not _own_slice(e, dim, world)),
+                  default=0)
+    recv = torch.empty(biggest, dtype=torch.uint8, device=dev) if biggest else None
     bar = _Progress(label, progress)
     read = 0
     try:
@@ -914,11 +946,9 @@ def _cooperative(ck: _Set, entries: list[_Entry], device, *, shard: Shard | None
                     # The whole tensor to every rank, each keeping its slice: a broadcast runs on the rings the
                     # group already has, where a scatter (sends and receives) makes NCCL connect every pair of
                     # ranks first -- a second and more on a process's first load, far more than the bytes cost.
-                    full = whole[i] if owner[i] == me else torch.empty(e.shape, dtype=dt, device=dev)
+                    full = whole[i] if owner[i] == me else recv[:e.end - e.begin].view(dt).view(e.shape)
                     dist.broadcast(full.reshape(-1).view(torch.uint8), src=src, group=group)
                     out[e.name].copy_(full.chunk(world, dim)[me])
-                    del full
-            del whole
     finally:
         bar.close()
     if stats is not None:
@@ -964,8 +994,8 @@ def load_shards(path: Any, devices: Iterable[Any], dim: int | Callable[[str], in
     once: a tensor split along dim 0 as each device's slice straight into it; any other tensor whole into one
     device (the largest first, to the device with the fewest bytes so far), then its slices, or the whole tensor
     where ``dim`` gives None, are copied device to device while the next wave is read. A wave's reads go out
-    together, so every device's link is busy at once. Each device holds at most two waves' whole tensors (about
-    1 GiB). ``stats`` gets ``bytes_read``."""
+    together, so every device's link is busy at once. Each device holds two slots for whole tensors, each the
+    most one wave puts there (about 512 MiB). ``stats`` gets ``bytes_read``."""
     if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
         raise _argument_error(f"devices must be a list of devices, not {type(devices).__name__}")
     torch = _torch()
@@ -993,7 +1023,6 @@ def load_shards(path: Any, devices: Iterable[Any], dim: int | Callable[[str], in
                     for r in range(world):
                         if outs[r][e.name] is not t:
                             outs[r][e.name].copy_(parts[r], non_blocking=True)
-                del whole
         finally:
             bar.close()
         if stats is not None:

@@ -1,5 +1,6 @@
-"""Cooperative loads: the ranks of a process group (gloo, one process per rank, CPU tensors here) read every
-tensor once between them and end with exactly the slices a load of their own would give."""
+"""Cooperative loads: the ranks of a process group (one process per rank: gloo with CPU tensors, and NCCL with
+CUDA tensors where two GPUs are here) read every tensor once between them and end with exactly the slices a load
+of their own would give; load_shards does the same for several devices of one process."""
 import json
 import os
 import socket
@@ -19,7 +20,7 @@ from ferry.safetensors import Shard
 import ferry.safetensors as st
 path, rank, world, port, gpu, window = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1", int(sys.argv[6])
 if window:
-    st._COOP_WINDOW = window  # many waves: each wave's reads overlap the previous one's exchange
+    st._COOP_WINDOW = window  # many waves, the two slots used in turn
 device = f"cuda:{rank}" if gpu else "cpu"
 if gpu:
     torch.cuda.set_device(device)
@@ -190,8 +191,13 @@ def test_many_small_waves_give_the_same_slices_and_stop_cleanly(tmp_path, monkey
                               result_of=lambda r, i: outs[r][specs[i][0].name], timeout=10,
                               bar=st._Progress("t", False), label="t")
         assert len(st._waves([e.end - e.begin for e, *_ in specs], world, 256)) > 2
+        cancelled = []
+        real_cancel = ferry.Batch.cancel
+        monkeypatch.setattr(ferry.Batch, "cancel", lambda b: (cancelled.append(b), real_cancel(b))[1])
         next(gen)
-        gen.close()  # the next wave's reads were sent: closing waits for them instead of leaving them running
+        assert not cancelled
+        gen.close()  # the next wave's reads were sent: closing ends them instead of leaving them running
+        assert cancelled, "the next wave's batches were cancelled and waited for"
     finally:
         ck.close()
 

@@ -226,13 +226,14 @@ def test_many_tensors_go_out_in_batches_as_they_are_planned(tmp_path, monkeypatc
     a = {f"layers.{i}.weight": rng.standard_normal((i % 7 + 1, 9)).astype(np.float32) for i in range(150)}
     p = write_numpy(tmp_path / "many.safetensors", a)
     batches = []
-    real = ferry.read_batch
+    real = ferry._batch
 
-    def counting(requests, **kw):
+    def counting(requests, *args, **kw):
+        requests = list(requests)
         batches.append(len(requests))
-        return real(requests, **kw)
+        return real(requests, *args, **kw)
 
-    monkeypatch.setattr(ferry, "read_batch", counting)
+    monkeypatch.setattr(ferry, "_batch", counting)
     stats = {}
     got = ferry.safetensors.load(p, progress=False, mmap=False, stats=stats)
     assert batches == [32, 32, 32, 32, 22]
