@@ -191,9 +191,9 @@ struct address_space::impl final : page_mover, launch_observer {
   space_options o;
   std::uint64_t page = 0, npages = 0;
   std::vector<std::uint64_t> cap;           // per page-table location: pages it may hold (0, the host: unused)
-  // The pages' addresses: `shared`, inside a reservation with a page more at each end. Those two
-  // pages are always mapped (to host chunks of their own, every device and the CPU may read and write
-  // them), so that a small out-of-bounds access before the first allocation or after the last one
+  // The pages' addresses: `shared`, inside a reservation with `pad` bytes more at each end (the device
+  // granularity, what CUDA's own allocations are rounded to). Those two pads are always mapped (to
+  // host chunks of their own, every device and the CPU may read and write them), so that a small out-of-bounds access before the first allocation or after the last one
   // touches memory, as it does next to a cudaMalloc or managed allocation, instead of killing the
   // process; what is written there is never read back as anyone's data.
   struct view {
@@ -206,6 +206,7 @@ struct address_space::impl final : page_mover, launch_observer {
     T* at(std::uint64_t offset) const noexcept { return reinterpret_cast<T*>(base_ + offset); }
   };
   va_range padded;
+  std::uint64_t pad = 0;
   view shared;
   va_range host_mirror;                     // host mirror: per page
   // Per device k: its pool of slots (device chunks, mapped in pool[k] at their index) and which slot
@@ -304,8 +305,9 @@ struct address_space::impl final : page_mover, launch_observer {
     npages = (bytes + page - 1) / page;
     expects(npages > 0, "vm.space", dev.id(), "an address space needs at least one page");
     expects(o.batch > 0 && o.fault_ahead > 0, "vm.space", dev.id(), "batch and fault_ahead must be positive");
-    padded = dev.reserve((npages + 2) * page);
-    shared = {padded.address() + page, npages * page};
+    pad = gran;
+    padded = dev.reserve(npages * page + 2 * pad);
+    shared = {padded.address() + pad, npages * page};
     host_mirror = dev.reserve((npages + 1) * page);
     for (std::size_t k = 0; k < devs.size(); ++k) {
       auto m = std::make_unique<devmem>();
@@ -323,10 +325,10 @@ struct address_space::impl final : page_mover, launch_observer {
     for (std::uint64_t i = 0; i < npages; ++i) cpu[i] = 0;
     zero = dev.allocate(page, ferry::location::on_host());
     map_mirror(host_mirror.at(npages * page), zero, true);
-    pad_before = dev.allocate(page, ferry::location::on_host());
-    pad_after = dev.allocate(page, ferry::location::on_host());
+    pad_before = dev.allocate(pad, ferry::location::on_host());
+    pad_after = dev.allocate(pad, ferry::location::on_host());
     map_mirror(padded.at(0), pad_before, true);
-    map_mirror(padded.at((npages + 1) * page), pad_after, true);
+    map_mirror(padded.at(pad + npages * page), pad_after, true);
     std::memset(host_mirror.at(npages * page), 0, page);
     cap.push_back(0);
     for (auto* d : devs) {

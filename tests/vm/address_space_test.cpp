@@ -308,29 +308,29 @@ TEST(VmSpace, ReadsJustOutsideTheSpaceTouchMappedMemory) {
   runtime rt(sim_cfg());
   device& dev = rt.devices().get("sim:0");
   vm::address_space as(dev, 4 * (64 << 10), placed());
-  const std::size_t pg = as.page_bytes();
   auto* p = static_cast<std::byte*>(as.alloc(as.size()));
   ASSERT_EQ(p, as.base()) << "the first allocation starts the space";
   fill(p, as.size(), 9);
   const std::uint64_t want = sum(p, as.size());
-  auto* before = p - pg;
+  const std::size_t n = 8192;  // within the pads (at least the device granularity)
+  auto* before = p - n;
   auto* after = p + as.size();
-  std::vector<std::byte> seen(4096);
-  std::memcpy(seen.data(), p - seen.size(), seen.size());  // the CPU reads before the first byte
-  std::memcpy(seen.data(), after, seen.size());            // and after the last
-  std::memset(before, 0x5a, pg);                           // writes there land somewhere harmless
-  std::memset(after, 0xa5, pg);
+  std::vector<std::byte> seen(n);
+  std::memcpy(seen.data(), before, n);  // the CPU reads before the first byte
+  std::memcpy(seen.data(), after, n);   // and after the last
+  std::memset(before, 0x5a, n);         // writes there land somewhere harmless
+  std::memset(after, 0xa5, n);
   auto st = dev.create_stream();
   as.attach_stream(*st);
   std::uint64_t got = 0;
-  st->checksum(before, pg, &got);  // the device reads them too
+  st->checksum(before, n, &got);  // the device reads them too
   st->synchronize();
-  std::vector<std::byte> pattern(pg, std::byte{0x5a});
-  EXPECT_EQ(got, checksum64(pattern.data(), pg)) << "the device sees what the CPU wrote before the space";
-  st->checksum(after, pg, &got);
+  std::vector<std::byte> pattern(n, std::byte{0x5a});
+  EXPECT_EQ(got, checksum64(pattern.data(), n)) << "the device sees what the CPU wrote before the space";
+  st->checksum(after, n, &got);
   st->synchronize();
   std::fill(pattern.begin(), pattern.end(), std::byte{0xa5});
-  EXPECT_EQ(got, checksum64(pattern.data(), pg));
+  EXPECT_EQ(got, checksum64(pattern.data(), n));
   EXPECT_EQ(sum(p, as.size()), want) << "the space's own bytes are untouched";
   as.detach_stream(*st);
   as.free(p);
