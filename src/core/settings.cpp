@@ -342,6 +342,9 @@ const setting_def table[] = {
   {"FERRY_VM_RETURN_HOLD", "A page the CPU takes again within this time of its return to the device is one the CPU keeps using: it stays on the host this long, twice as long each further time (at most 64 times). Also how long the background return leaves the pages moved ahead of the last CPU fault (the CPU is on its way to them).",
    [](settings& s, std::string_view v) { s.vm_return_hold = parse_duration_in(v, std::chrono::nanoseconds::zero(), std::chrono::hours(1)); },
    [](const settings& s) { return format_duration(s.vm_return_hold); }},
+  {"FERRY_VM_REPORT", "1: each unified address space prints to stderr, when it ends (for a program on ferry's managed memory, at its exit), where its time went: CPU faults and the time serving them, migrations each way with their bytes, evictions, prefetches and returns, and the time in new chunks, remaps, waits for the program's streams and for copies, the largest named with what usually helps. 0 = off.",
+   [](settings& s, std::string_view v) { s.vm_report = parse_bool(v); },
+   [](const settings& s) { return std::string(s.vm_report ? "1" : "0"); }},
 };
 // clang-format on
 

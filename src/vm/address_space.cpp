@@ -1,6 +1,7 @@
 // A unified address space on ferry's device interface: page_mover hooks (chunks, mirrors, remaps)
 // and the CPU fault path (SIGSEGV handler -> service thread). See include/ferry/vm/address_space.hpp.
 #include <ferry/core/error.hpp>
+#include <ferry/core/units.hpp>
 #include <ferry/vm/address_space.hpp>
 
 #include "core/logging.hpp"
@@ -264,8 +265,9 @@ struct address_space::impl final : page_mover, launch_observer {
   std::thread service;
   std::unique_ptr<unified_client> client;
   struct {
-    std::atomic<std::uint64_t> quiesce{0}, allocate{0}, unmap{0}, map{0}, access{0}, copy_wait{0};
+    std::atomic<std::uint64_t> quiesce{0}, allocate{0}, unmap{0}, map{0}, access{0}, copy_wait{0}, cpu_fault{0};
   } t;
+  const std::chrono::steady_clock::time_point made = std::chrono::steady_clock::now();
   // Batches between start() and finish().
   struct flight {
     std::vector<step> steps;
@@ -824,6 +826,7 @@ struct address_space::impl final : page_mover, launch_observer {
       try {
         // Read before the fault is served: a launch while it is served stops the moves ahead too.
         const std::uint64_t launches_before = launches.load();
+        timed tm{t.cpu_fault};
         table->fault_range(pg, pg + 1, host, r->write, o.batch, o.deadline, [&] { grant_cpu(pg); });
         cpu_faults++;
         bool in_sequence = last != ~0ull && pg > last && pg <= ahead_end;
@@ -914,7 +917,15 @@ address_space::address_space(device& dev, std::uint64_t bytes, space_options o)
     : impl_(std::make_unique<impl>(std::vector<device*>{&dev}, bytes, o)) {}
 address_space::address_space(std::span<device* const> devs, std::uint64_t bytes, space_options o)
     : impl_(std::make_unique<impl>(std::vector<device*>(devs.begin(), devs.end()), bytes, o)) {}
-address_space::~address_space() = default;
+address_space::~address_space() {
+  if (impl_ && impl_->o.report) {
+    try {
+      std::fputs(report().c_str(), stderr);
+    } catch (const std::exception& e) {
+      log::warn("vm", "no report of the unified address space: {}", e.what());
+    }
+  }
+}
 
 void* address_space::alloc(std::uint64_t bytes) {
   auto& I = *impl_;
@@ -1015,7 +1026,45 @@ std::uint64_t address_space::cpu_faults() const noexcept { return impl_->cpu_fau
 bool address_space::returns_pages() const noexcept { return impl_->watching; }
 space_timings address_space::timings() const noexcept {
   auto& t = impl_->t;
-  return {t.quiesce.load(), t.allocate.load(), t.unmap.load(), t.map.load(), t.access.load(), t.copy_wait.load()};
+  return {t.quiesce.load(), t.allocate.load(), t.unmap.load(), t.map.load(), t.access.load(), t.copy_wait.load(),
+          t.cpu_fault.load()};
+}
+
+std::string address_space::report() const {
+  auto& I = *impl_;
+  const vm_stats st = stats();
+  const space_timings t = timings();
+  auto sec = [](std::uint64_t ns) { return static_cast<double>(ns) / 1e9; };
+  const double alive = std::chrono::duration<double>(std::chrono::steady_clock::now() - I.made).count();
+  std::string r = fmt::format("ferry unified memory on {}: {} in pages of {}, up to {} on the device; {:.3f} s since it was made\n",
+                              I.device_list(), format_size(size()), format_size(I.page), format_size(device_capacity()), alive);
+  r += fmt::format("  CPU faults {} (serving them {:.3f} s, their migrations included), pages moved ahead of them {}\n", cpu_faults(), sec(t.cpu_fault),
+                   st.fault_ahead);
+  r += fmt::format("  migrations: to a device {} ({}), to the host {} ({}), between devices {} ({})\n", st.migrations_h2d,
+                   format_size(st.bytes_h2d), st.migrations_d2h, format_size(st.bytes_d2h), st.migrations_d2d, format_size(st.bytes_d2d));
+  r += fmt::format("  evictions {} ({} written back, {} dropped clean), prefetches {}, returned to a device {}, held on the host "
+                   "{} (thrashing) and {} (taken back by the CPU)\n",
+                   st.evictions, st.writebacks, st.clean_drops, st.prefetches, st.returns, st.thrash_holds, st.return_holds);
+  const std::uint64_t remap = t.unmap + t.map + t.access;
+  r += fmt::format("  time: new chunks {:.3f} s, remapping {:.3f} s, waiting for the program's streams {:.3f} s, waiting for "
+                   "copies {:.3f} s\n", sec(t.allocate), sec(remap), sec(t.quiesce), sec(t.copy_wait));
+  // The largest part, and what usually makes it smaller.
+  const std::pair<std::uint64_t, const char*> parts[] = {
+      {t.cpu_fault, "serving CPU faults: the CPU touches pages a device holds; a prefetch to the host "
+                    "(cudaMemPrefetchAsync to cudaCpuDeviceId) before the CPU reads them moves them in batches"},
+      {t.allocate, "making memory for pages used the first time somewhere; larger pages (FERRY_VM_PAGE) mean fewer"},
+      {remap, "remapping pages as they move; larger pages (FERRY_VM_PAGE) mean fewer remaps"},
+      {t.quiesce, "waiting for the program's work on its streams before pages move; prefetches before the kernels "
+                  "that need the pages move them while nothing runs"},
+      {t.copy_wait, st.evictions > st.migrations_h2d / 2 ? "copying pages, many of them evicted and brought back: the "
+                                                            "working set is larger than the device capacity (FERRY_VM_CAPACITY)"
+                                                          : "copying pages over the link; prefetches move them in larger batches"},
+  };
+  const auto* top = &parts[0];
+  for (const auto& p : parts)
+    if (p.first > top->first) top = &p;
+  if (top->first > 0) r += fmt::format("  most of it: {:.3f} s {}\n", sec(top->first), top->second);
+  return r;
 }
 std::uint64_t address_space::device_capacity() const noexcept { return impl_->cap[loc_of(0)] * impl_->page; }
 std::uint64_t address_space::device_capacity(const device& d) const {
@@ -1044,6 +1093,7 @@ space_options space_options::from(const settings& s) {
   o.return_at_launch = s.vm_return_at_launch;
   o.return_quiet = s.vm_return_quiet;
   o.return_hold = s.vm_return_hold;
+  o.report = s.vm_report;
   return o;
 }
 

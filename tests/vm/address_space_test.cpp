@@ -1,6 +1,7 @@
 // Unified memory on the sim backend: CPU faults (SIGSEGV -> service thread) from many threads,
 // migrations both ways, eviction under a small device cap, DONTNEED and READ_MOSTLY, with data checked.
 #include <ferry/core/checksum.hpp>
+#include <ferry/core/units.hpp>
 #include <ferry/io/file_engine.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/vm/address_space.hpp>
@@ -80,6 +81,40 @@ TEST(VmSpace, CpuFaultsFromEightThreadsMoveTheirPagesBothWays) {
   EXPECT_EQ(s.migrations_h2d, 16u);
   EXPECT_EQ(s.migrations_d2h, 32u);  // twice: the first touches, then the reads
   EXPECT_EQ(s.populated, 16u);  // by alloc, on the device
+}
+
+// FERRY_VM_REPORT: a space says, when it ends, where its time went -- its counts are the space's own,
+// and the largest part of the time is named.
+TEST(VmSpace, TheReportAtTheEndSaysWhereTheTimeWent) {
+  settings cfg = sim_cfg();
+  cfg.vm_report = true;
+  runtime rt(cfg);
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o = vm::space_options::from(cfg);
+  o.return_quiet = std::chrono::nanoseconds::zero();
+  o.page_bytes = 0;
+  o.fault_ahead = 1;
+  EXPECT_TRUE(o.report) << "FERRY_VM_REPORT reaches the space's options";
+  std::string said, printed;
+  {
+    vm::address_space as(dev, 8 * (64 << 10), o);
+    const std::size_t pg = as.page_bytes();
+    auto* p = static_cast<std::byte*>(as.alloc(4 * pg));
+    fill(p, 4 * pg, 3);  // CPU first touch: faults move the pages to the host
+    as.advise(p, 4 * pg, vm::advice::prefetch, memory_kind::device);
+    said = as.report();
+    auto s = as.stats();
+    EXPECT_THAT(said, HasSubstr("CPU faults " + std::to_string(as.cpu_faults()) + " "));
+    EXPECT_THAT(said, HasSubstr("to a device " + std::to_string(s.migrations_h2d) + " (" + format_size(s.bytes_h2d) + ")"));
+    EXPECT_THAT(said, HasSubstr("to the host " + std::to_string(s.migrations_d2h) + " (" + format_size(s.bytes_d2h) + ")"));
+    EXPECT_GE(s.migrations_h2d, 4u);
+    EXPECT_GT(as.timings().cpu_fault, 0u) << "the time serving CPU faults is counted";
+    EXPECT_THAT(said, HasSubstr("most of it: "));
+    testing::internal::CaptureStderr();
+  }
+  printed = testing::internal::GetCapturedStderr();
+  EXPECT_THAT(printed, HasSubstr("ferry unified memory on sim:0"));
+  EXPECT_THAT(printed, HasSubstr("migrations: to a device")) << "printed when the space ends";
 }
 
 // CPU first touch of fresh memory from 8 threads at once, each writing its own stretch, with the

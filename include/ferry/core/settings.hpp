@@ -119,6 +119,7 @@ struct FERRY_API settings {
   bool vm_return_at_launch = true;
   std::chrono::nanoseconds vm_return_quiet = std::chrono::milliseconds(200);
   std::chrono::nanoseconds vm_return_hold = std::chrono::seconds(1);  // a page the CPU takes back this soon stays (doubling)
+  bool vm_report = false;                     // each unified address space prints where its time went when it ends
 
   // Looks a variable up by name ("FERRY_LOG"); std::nullopt when unset.
   using lookup_fn = std::function<std::optional<std::string>(std::string_view)>;

@@ -43,6 +43,7 @@
 
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace ferry::vm {
@@ -72,6 +73,7 @@ struct FERRY_API space_options {
   bool return_at_launch = true;
   std::chrono::nanoseconds return_quiet = std::chrono::milliseconds(200);
   std::chrono::nanoseconds return_hold = std::chrono::seconds(1);
+  bool report = false;  // print report() to stderr when the space ends (FERRY_VM_REPORT)
   // FERRY_VM_* and FERRY_DEADLINE (docs/settings.md).
   static space_options from(const settings& s);
 };
@@ -82,6 +84,7 @@ struct space_timings {
   std::uint64_t allocate = 0; // new physical chunks (first use of a page or device slot)
   std::uint64_t unmap = 0, map = 0, access = 0;  // shared-range remaps
   std::uint64_t copy_wait = 0;  // waiting for a batch's copies
+  std::uint64_t cpu_fault = 0;  // serving CPU faults, each from its message to its page mapped (the faulting thread waits)
 };
 
 class FERRY_API address_space {
@@ -121,6 +124,9 @@ class FERRY_API address_space {
   // Whether pages the CPU took go back to the devices (launch callbacks seen on every device).
   bool returns_pages() const noexcept;
   space_timings timings() const noexcept;
+  // Where the space's time went, in words for its user: faults, migrations, evictions, the time in
+  // each part of a migration, and the largest part named with what usually helps.
+  std::string report() const;
   std::uint64_t device_capacity() const noexcept;  // bytes, of the first device
   std::uint64_t device_capacity(const device& d) const;  // bytes, of one of the space's devices
   std::vector<device*> devices() const;  // the first one first
