@@ -26,11 +26,13 @@ runtime::runtime(settings s) : devices_((set_log_level(s.log), std::move(s))) {
   // Connections are made on the first open; the client then classifies memory through this
   // runtime's cache and stages GPU/sim data through its engine.
   ferry_files_ = store::register_ferry_files([this] { return store::client_options_from(config(), &registrations(), &engine()); });
+  http_files_ = store::register_http_files([this] { return store::http_options_from(config(), &registrations(), &engine()); });
 }
 
 // The engine first (its workers hold streams), then the cache (pools hold registrations), then devices.
 runtime::~runtime() {
   ferry_files_ = {};  // its clients use the engine and the cache
+  http_files_ = {};
   files_.reset();
   engine_.reset();
   cache_.reset();

@@ -9,6 +9,7 @@
 #include <ferry/device/registry.hpp>
 #include <ferry/io/file_engine.hpp>
 #include <ferry/mem/registration.hpp>
+#include <ferry/store/http.hpp>
 #include <ferry/xfer/engine.hpp>
 
 #include <memory>
@@ -39,6 +40,7 @@ class FERRY_API runtime {
   std::unique_ptr<transfer_engine> engine_;
   std::unique_ptr<file_engine> files_;
   scheme_registration ferry_files_;  // file::open("ferry://...") while this runtime lives
+  store::http_registration http_files_;  // and "http://...", "https://..."
 };
 
 // Version of the library ("0.1.0") and whether it was built with CUDA.

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <span>
+#include <string>
 
 namespace ferry {
 
@@ -15,6 +16,8 @@ struct transfer_batch::state {
   std::condition_variable cv;
   std::vector<request_result> results;
   std::vector<std::uint64_t> sizes;
+  // Per request, where known (remote files'): what a timeout names instead of the request's index.
+  std::vector<std::string> labels;
   std::vector<int> segs_left;
   std::size_t unfinished = 0;
   int items_inflight = 0;  // queued or running work items

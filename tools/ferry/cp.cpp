@@ -1,6 +1,6 @@
 // `ferry cp SRC DST`: copy between any two endpoints -- memory (host, pinned, gpu:N, sim:N), local
-// files (file:PATH) and remote files (ferry://host:port/path) -- through the transfer and file
-// engines (ferry:// through the file API), with a progress bar on long copies, verified by checksums
+// files (file:PATH) and remote files (ferry://host:port/path, http:// and https:// to read) -- through
+// the transfer and file engines (remote files through the file API), with a progress bar on long copies, verified by checksums
 // (computed where the data lies for memory, by reading the data back for files and ferry://).
 #include "commands.hpp"
 #include "endpoint.hpp"
@@ -28,7 +28,8 @@ namespace {
 }
 
 bool is_file(const std::string& s) { return s.starts_with("file:"); }
-bool is_remote(const std::string& s) { return s.starts_with("ferry://"); }
+// A URI the file API opens (ferry://, http://, https://): `file:` marks a local path.
+bool is_remote(const std::string& s) { return !s.starts_with("file:") && s.find("://") != std::string::npos; }
 bool is_memory(const std::string& s) { return !is_file(s) && !is_remote(s); }
 
 // Streams a file through host memory to checksum it.
@@ -65,7 +66,7 @@ double follow(transfer_batch& b, bool show, std::chrono::steady_clock::time_poin
 
 // How the file engine moved a file's data, for the summary line.
 std::string engine_path(const file& f, const transfer_batch& b) {
-  if (f.source()) return "file engine (ferry://, UCX)";
+  if (f.source()) return fmt::format("file engine ({})", f.source()->describe());
   return b.results()[0].path == transfer_path::direct ? "file engine (cuFile)" : "file engine (io_uring)";
 }
 
@@ -196,7 +197,7 @@ int run_cp(runtime& rt, const cp_options& o) {
     }
     fout->sync();
     secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    path_used = fmt::format("{} -> {} -> file", fin->source() ? "ferry:// (UCX)" : "file", via);
+    path_used = fmt::format("{} -> {} -> file", fin->source() ? fin->source()->describe() : "file", via);
     if (o.verify) {
       want_sum = file_checksum(rt, *fin, moved);
       got_sum = file_checksum(rt, *fout, moved);

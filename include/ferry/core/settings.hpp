@@ -97,6 +97,11 @@ struct FERRY_API settings {
   int serve_auth_failures = 3;          // failed authentications per connection before it is closed
   int serve_auth_rate = 20;  // secret proofs `ferry serve` checks per second, all connections together
   int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
+  // http://, https:// sources
+  std::uint64_t http_piece = 8ull << 20;   // bytes per range request
+  int http_connections = 8;                // connections per host
+  int http_retries = 5;                    // attempts after the first, for a piece that failed on the way
+  std::string http_ca_file;                // certificates to trust for https (empty: the system's)
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host
   rma_use net_rma = rma_use::automatic;
   // vm

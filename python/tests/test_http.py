@@ -1,0 +1,284 @@
+"""http:// and https:// sources, against servers the tests start on loopback: nginx (HTTP/1.1, and HTTPS with a
+certificate made for the test; byte ranges) and small Python servers for answers nginx does not give (5xx first,
+a stall after the headers). Scenarios that need their own settings (a CA file, short deadlines, small pieces) run
+in a fresh process, as the settings apply when a process's runtime is made."""
+import http.server
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ferry
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, up: bool = True, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            if up:
+                return
+        except OSError:
+            if not up:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"port {port} not {'up' if up else 'down'} after {timeout} s")
+
+
+class Nginx:
+    def __init__(self, d):
+        self.d, self.root = d, d / "root"
+        self.root.mkdir()
+        (self.root / "slow").mkdir()
+        rng = np.random.default_rng(1)
+        self.data = rng.integers(0, 256, 20_000_003, dtype=np.uint8)
+        (self.root / "data.bin").write_bytes(self.data.tobytes())
+        (self.root / "slow" / "data.bin").write_bytes(self.data[:6_000_000].tobytes())
+        self.cert, key = d / "cert.pem", d / "key.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                        str(self.cert), "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)
+        self.port, self.tls = free_port(), free_port()
+        temp = " ".join(f"{k}_temp_path {d}/{k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        # Started by root, nginx's workers would run as nobody, who cannot read the test's private directory.
+        user = "user root;" if os.geteuid() == 0 else ""
+        (d / "nginx.conf").write_text(f"""
+{user}
+daemon off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log;
+events {{ worker_connections 256; }}
+http {{
+  access_log off;
+  {temp}
+  server {{ listen 127.0.0.1:{self.port}; root {self.root}; location /slow/ {{ limit_rate 1m; }} }}
+  server {{ listen 127.0.0.1:{self.tls} ssl; ssl_certificate {self.cert}; ssl_certificate_key {key}; root {self.root}; }}
+}}
+""")
+        self.proc = None
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen([NGINX, "-c", str(self.d / "nginx.conf"), "-p", str(self.d)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_port(self.port)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # fast shutdown: its connections are closed
+            self.proc.wait(timeout=10)
+        wait_port(self.port, up=False)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def https(self):
+        return f"https://127.0.0.1:{self.tls}"
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory):
+    if not os.path.exists(NGINX) or not shutil.which("openssl"):
+        pytest.skip("nginx and openssl are not installed (scripts/install-deps installs them)")
+    n = Nginx(tmp_path_factory.mktemp("web"))
+    yield n
+    n.stop()
+
+
+def in_fresh_process(code: str, env: dict, timeout: float = 60) -> dict:
+    """Runs ``code`` (which prints one JSON line last) in a new Python with ``env`` added; returns that line."""
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env},
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+READ = r"""
+import json, sys, time, numpy as np, ferry
+url = sys.argv[1] if len(sys.argv) > 1 else None
+"""
+
+
+def test_reads_are_exact_at_odd_offsets_and_sizes(web):
+    url = f"{web.url}/data.bin"
+    n = len(web.data)
+    with ferry.open(url) as f:
+        assert f.size == n
+        for off, size in [(0, 1), (1, 4095), (4097, 1 << 20), (12_345, 9_000_001), (n - 5, 5), (0, n)]:
+            buf = np.zeros(size, dtype=np.uint8)
+            assert f.read_into(buf, off) == size
+            assert np.array_equal(buf, web.data[off:off + size]), (off, size)
+        buf = np.zeros(10, dtype=np.uint8)
+        assert f.read_into(buf, n - 3) == 3, "short at the end of the file"
+        assert np.array_equal(buf[:3], web.data[-3:])
+        assert f.read_into(buf, n) == 0
+
+
+def test_reads_into_device_memory_go_through_staging(web):
+    n = len(web.data)
+    dev = ferry.empty(n, "sim:0")
+    with ferry.open(f"{web.url}/data.bin") as f:
+        assert f.read_into(dev) == n
+    back = ferry.empty(n, "pinned")
+    ferry.copy(back, dev)
+    assert np.array_equal(np.from_dlpack(back), web.data)
+
+
+def test_a_checkpoint_loads_from_a_web_server(web):
+    torch = pytest.importorskip("torch")
+    t = {"a": torch.arange(1000, dtype=torch.float32).reshape(10, 100), "b": torch.ones(7, dtype=torch.int64)}
+    ferry.safetensors.save(t, web.root / "m.safetensors")
+    got = ferry.safetensors.load(f"{web.url}/m.safetensors", progress=False)
+    assert set(got) == set(t) and all(torch.equal(got[k], t[k]) for k in t)
+
+
+def test_bad_requests_are_clear_errors(web):
+    with pytest.raises(ferry.Error, match=r"127\.0\.0\.1:\d+/missing\.bin.*HTTP 404") as e:
+        ferry.open(f"{web.url}/missing.bin")
+    assert e.value.code == "not_found"
+    with pytest.raises(ferry.Error, match="read-only") as e:
+        ferry.open(f"{web.url}/data.bin", "w")
+    assert e.value.code == "not_supported"
+    port = free_port()  # nothing listens there
+    with pytest.raises(ferry.Error, match=f"127.0.0.1:{port}/x.bin") as e:
+        ferry.open(f"http://127.0.0.1:{port}/x.bin")
+    assert e.value.code == "network_error"
+
+
+def test_a_file_replaced_after_it_was_opened_fails_its_reads(web):
+    p = web.root / "changing.bin"
+    p.write_bytes(b"a" * 100_000)
+    f = ferry.open(f"{web.url}/changing.bin")
+    time.sleep(1.1)  # nginx's ETag is the modification time (seconds) and the size
+    p.write_bytes(b"b" * 100_000)
+    buf = np.zeros(100_000, dtype=np.uint8)
+    with pytest.raises(ferry.Error, match="changed since it was opened"):
+        f.read_into(buf)
+    f.close()
+
+
+def test_https_checks_the_certificate(web):
+    code = READ + "f = ferry.open(url); b = np.zeros(1 << 20, dtype=np.uint8); f.read_into(b, 7)\n" \
+                  "print(json.dumps({'sum': int(b.astype(np.uint64).sum())}))"
+    got = in_fresh_process(code.replace("url = sys.argv[1] if len(sys.argv) > 1 else None", f"url = '{web.https}/data.bin'"),
+                           {"FERRY_HTTP_CA_FILE": str(web.cert)})
+    assert got["sum"] == int(web.data[7:7 + (1 << 20)].astype(np.uint64).sum())
+    with pytest.raises(ferry.Error, match="certificate|SSL") as e:
+        ferry.open(f"{web.https}/data.bin")  # this process trusts the system's certificates only
+    assert e.value.code == "network_error"
+
+
+class _Ranges(http.server.BaseHTTPRequestHandler):
+    """A file with byte ranges, HEAD and an ETag; the first ``fail`` GETs answered 503, or every GET stalled
+    after its headers."""
+    data, fail, stall, gets = b"", 0, False, 0
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def _head(self, code, length, extra=()):
+        self.send_response(code)
+        self.send_header("Content-Length", str(length))
+        self.send_header("ETag", '"v1"')
+        self.send_header("Accept-Ranges", "bytes")
+        for k, v in extra:
+            self.send_header(k, v)
+        self.end_headers()
+
+    def do_HEAD(self):
+        self._head(200, len(self.data))
+
+    def do_GET(self):
+        cls = type(self)
+        cls.gets += 1
+        if cls.gets <= cls.fail:
+            self._head(503, 5)
+            self.wfile.write(b"later")
+            return
+        first, last = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
+        self._head(206, last - first + 1, [("Content-Range", f"bytes {first}-{last}/{len(self.data)}")])
+        if cls.stall:
+            time.sleep(30)
+            return
+        self.wfile.write(self.data[first:last + 1])
+
+
+@pytest.fixture
+def ranges():
+    handler = type("H", (_Ranges,), {"data": np.random.default_rng(3).integers(0, 256, 3_000_000, dtype=np.uint8).tobytes(),
+                                     "fail": 0, "stall": False, "gets": 0})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield handler, f"http://127.0.0.1:{srv.server_address[1]}/f.bin"
+    srv.shutdown()
+
+
+SUM = READ + ("t0 = time.monotonic()\nf = ferry.open(url); b = np.zeros(f.size, dtype=np.uint8)\n"
+              "try:\n    f.read_into(b); out = {'sum': int(b.astype(np.uint64).sum())}\n"
+              "except ferry.Error as e:\n    out = {'error': str(e), 'code': e.code}\n"
+              "out['seconds'] = time.monotonic() - t0\nprint(json.dumps(out))")
+
+
+def test_5xx_answers_are_tried_again(ranges):
+    handler, url = ranges
+    handler.fail = 3
+    got = in_fresh_process(SUM.replace("url = sys.argv[1] if len(sys.argv) > 1 else None", f"url = {url!r}"),
+                           {"FERRY_HTTP_PIECE": "1MiB"})
+    assert got.get("sum") == sum(handler.data), got
+    assert handler.gets >= 3 + 3, "the three pieces, after three 503s"
+    handler.fail, handler.gets = 10**6, 0
+    got = in_fresh_process(SUM.replace("url = sys.argv[1] if len(sys.argv) > 1 else None", f"url = {url!r}"),
+                           {"FERRY_HTTP_RETRIES": "2"})
+    assert got["code"] == "io_error" and "HTTP 503" in got["error"] and re.search(r"/f\.bin offset \d+", got["error"]), got
+
+
+def test_a_server_that_stalls_after_its_headers_fails_within_the_deadline(ranges):
+    handler, url = ranges
+    handler.stall = True
+    got = in_fresh_process(SUM.replace("url = sys.argv[1] if len(sys.argv) > 1 else None", f"url = {url!r}"),
+                           {"FERRY_DEADLINE": "2s"})
+    assert got["code"] == "timeout" and "/f.bin offset" in got["error"], got
+    assert got["seconds"] < 10, got
+
+
+def test_a_server_restarted_mid_read_is_read_on_from_where_it_stopped(web):
+    code = SUM.replace("url = sys.argv[1] if len(sys.argv) > 1 else None", f"url = '{web.url}/slow/data.bin'")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "FERRY_HTTP_PIECE": "1MiB",
+                              "FERRY_HTTP_RETRIES": "8", "FERRY_LOG": "info"})
+    try:
+        time.sleep(0.6)  # six pieces at 1 MB/s each: under way
+        web.stop()
+        time.sleep(0.5)
+        web.start()
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        if web.proc.poll() is not None:
+            web.start()
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got.get("sum") == int(web.data[:6_000_000].astype(np.uint64).sum()), (got, err[-2000:])
+    assert "trying again from offset" in err, "the pieces under way were resumed"

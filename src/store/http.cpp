@@ -1,0 +1,537 @@
+// http:// and https:// files (include/ferry/store/http.hpp): a file_source per opened URL, and one
+// engine per registration -- a libcurl multi handle and the thread that drives it -- that runs every
+// range request, lands each piece and reports it.
+#include <ferry/store/http.hpp>
+
+#include <ferry/io/file.hpp>
+#include <ferry/mem/pinned_pool.hpp>
+#include <ferry/mem/registration.hpp>
+#include <ferry/xfer/engine.hpp>
+
+#include "core/logging.hpp"
+
+#include <curl/curl.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+namespace ferry::store {
+
+http_options http_options_from(const settings& s, registration_cache* cache, transfer_engine* engine) {
+  http_options o;
+  o.cache = cache;
+  o.engine = engine;
+  o.piece = s.http_piece;
+  o.connections = s.http_connections;
+  o.retries = s.http_retries;
+  o.deadline = s.deadline;
+  o.ca_file = s.http_ca_file;
+  return o;
+}
+
+namespace {
+
+using clk = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+void global_init() {
+  static std::once_flag once;
+  static CURLcode rc = CURLE_OK;
+  std::call_once(once, [] { rc = curl_global_init(CURL_GLOBAL_DEFAULT); });
+  if (rc != CURLE_OK) fail(errc::unavailable, "http.init", "libcurl", curl_easy_strerror(rc));
+}
+
+// A URL as messages show it: no user:password@, no query (signed URLs carry their secrets there).
+std::string shown(const std::string& url) {
+  std::string s = url;
+  if (auto q = s.find('?'); q != std::string::npos) s = s.substr(0, q) + "?...";
+  const auto scheme = s.find("://");
+  if (scheme == std::string::npos) return s;
+  const auto slash = s.find('/', scheme + 3), at = s.find('@', scheme + 3);
+  if (at != std::string::npos && (slash == std::string::npos || at < slash)) s = s.substr(0, scheme + 3) + s.substr(at + 1);
+  return s;
+}
+
+errc code_of(CURLcode rc) {
+  switch (rc) {
+    case CURLE_OPERATION_TIMEDOUT: return errc::timeout;
+    case CURLE_UNSUPPORTED_PROTOCOL:
+    case CURLE_URL_MALFORMAT: return errc::invalid_argument;
+    case CURLE_OUT_OF_MEMORY: return errc::out_of_memory;
+    default: return errc::network_error;
+  }
+}
+
+// On the way, not final: the next attempt may get through (from the byte this one reached).
+bool retriable(CURLcode rc) {
+  switch (rc) {
+    case CURLE_COULDNT_CONNECT:
+    case CURLE_SEND_ERROR:
+    case CURLE_RECV_ERROR:
+    case CURLE_PARTIAL_FILE:
+    case CURLE_GOT_NOTHING:
+    case CURLE_HTTP2:
+    case CURLE_HTTP2_STREAM: return true;
+    default: return false;
+  }
+}
+bool retriable(long status) { return status >= 500 || status == 429 || status == 408; }
+
+error status_error(long status, const char* op, const std::string& url, std::uint64_t offset) {
+  errc c = status == 404 || status == 410   ? errc::not_found
+           : status == 401 || status == 403 ? errc::permission_denied
+           : status == 416                  ? errc::out_of_range
+           : status >= 500 || status == 412 ? errc::io_error
+                                            : errc::protocol_error;
+  std::string detail = fmt::format("the server answered HTTP {}", status);
+  if (status == 412) detail += " (the file changed since it was opened)";
+  return error(c, op, fmt::format("{} offset {}", shown(url), offset), detail);
+}
+
+error curl_error(CURLcode rc, const char* errbuf, const char* op, const std::string& url, std::uint64_t offset) {
+  std::string detail = curl_easy_strerror(rc);
+  if (errbuf && *errbuf) detail += std::string(": ") + errbuf;
+  return error(code_of(rc), op, fmt::format("{} offset {}", shown(url), offset), detail);
+}
+
+// What every request of ours says: only http and https (also after a redirect), a deadline for
+// connecting and one for moving no byte, certificates always checked.
+void common(CURL* c, const std::string& url, const http_options& o, char* errbuf) {
+  const long secs = std::max<long>(1, static_cast<long>(std::chrono::duration_cast<std::chrono::seconds>(o.deadline).count()));
+  curl_easy_setopt(c, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 1L);
+  curl_easy_setopt(c, CURLOPT_MAXREDIRS, 8L);
+  curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+  curl_easy_setopt(c, CURLOPT_REDIR_PROTOCOLS_STR, "http,https");
+  curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT, secs);
+  curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
+  curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, secs);
+  curl_easy_setopt(c, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_2TLS));
+  curl_easy_setopt(c, CURLOPT_USERAGENT, "ferry");
+  curl_easy_setopt(c, CURLOPT_ERRORBUFFER, errbuf);
+  if (!o.ca_file.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, o.ca_file.c_str());
+}
+
+struct head_result {
+  std::uint64_t size = 0;
+  std::string etag;  // strong ETags only: ranges must come from the version seen here (If-Match)
+  std::string url;   // where the redirects led
+};
+
+std::size_t on_head_line(char* b, std::size_t sz, std::size_t n, void* ud) {
+  auto& etag = *static_cast<std::string*>(ud);
+  std::string_view line(b, sz * n);
+  if (line.size() > 5 && strncasecmp(line.data(), "etag:", 5) == 0) {
+    line.remove_prefix(5);
+    while (!line.empty() && (line.front() == ' ' || line.front() == '\t')) line.remove_prefix(1);
+    while (!line.empty() && (line.back() == '\r' || line.back() == '\n' || line.back() == ' ')) line.remove_suffix(1);
+    etag = line.starts_with("W/") ? std::string() : std::string(line);  // a weak one cannot be matched
+  } else if (line.starts_with("HTTP/")) {
+    etag.clear();  // a new answer (after a redirect): its own headers count
+  }
+  return sz * n;
+}
+
+head_result head(const std::string& url, const http_options& o) {
+  global_init();
+  std::unique_ptr<CURL, void (*)(CURL*)> c(curl_easy_init(), curl_easy_cleanup);
+  if (!c) fail(errc::out_of_memory, "http.open", shown(url), "curl_easy_init failed");
+  char err[CURL_ERROR_SIZE] = {};
+  common(c.get(), url, o, err);
+  head_result h;
+  curl_easy_setopt(c.get(), CURLOPT_NOBODY, 1L);
+  curl_easy_setopt(c.get(), CURLOPT_HEADERFUNCTION, on_head_line);
+  curl_easy_setopt(c.get(), CURLOPT_HEADERDATA, &h.etag);
+  CURLcode rc = curl_easy_perform(c.get());
+  if (rc != CURLE_OK) throw curl_error(rc, err, "http.open", url, 0);
+  long status = 0;
+  curl_easy_getinfo(c.get(), CURLINFO_RESPONSE_CODE, &status);
+  if (status < 200 || status >= 300) throw status_error(status, "http.open", url, 0);
+  curl_off_t len = -1;
+  curl_easy_getinfo(c.get(), CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len);
+  if (len < 0) fail(errc::not_supported, "http.open", shown(url), "the server gives no size for it (no Content-Length)");
+  char* at = nullptr;
+  curl_easy_getinfo(c.get(), CURLINFO_EFFECTIVE_URL, &at);
+  h.size = static_cast<std::uint64_t>(len);
+  h.url = at ? at : url;
+  return h;
+}
+
+class http_engine {
+ public:
+  explicit http_engine(http_options o) : o_(std::move(o)) {
+    global_init();
+    multi_ = curl_multi_init();
+    if (!multi_) fail(errc::out_of_memory, "http.engine", "libcurl", "curl_multi_init failed");
+    curl_multi_setopt(multi_, CURLMOPT_MAX_HOST_CONNECTIONS, static_cast<long>(o_.connections));
+    curl_multi_setopt(multi_, CURLMOPT_PIPELINING, static_cast<long>(CURLPIPE_MULTIPLEX));
+    // One thread runs every transfer: libcurl's multi interface is driven from one thread, which
+    // waits in curl_multi_poll (woken by curl_multi_wakeup when requests come or buffers return).
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~http_engine() {
+    {
+      std::lock_guard l(mu_);
+      stop_ = true;
+    }
+    curl_multi_wakeup(multi_);
+    thread_.join();  // fails what is left, after the copies under way
+    curl_multi_cleanup(multi_);
+  }
+  http_engine(const http_engine&) = delete;
+  http_engine& operator=(const http_engine&) = delete;
+
+  const http_options& options() const noexcept { return o_; }
+
+  std::string describe() const {
+    return fmt::format("HTTP (libcurl {}): {} range requests, {} tried again{}", curl_version_info(CURLVERSION_NOW)->version,
+                       n_pieces_.load(), n_retries_.load(), n_staged_.load() ? " -> copy on (transfer engine)" : "");
+  }
+
+  void read(const head_result& h, std::uint64_t offset, std::byte* mem, std::uint64_t bytes, clk::time_point until,
+            file_source::completion done) {
+    if (offset >= h.size || bytes == 0) return done(0, nullptr);
+    bytes = std::min(bytes, h.size - offset);  // short at the end of the file
+    memory_region user;
+    pinned_pool* pool = nullptr;
+    if (o_.cache) {
+      user = o_.cache->classify(mem, bytes);
+      if (user.type == memory_type::unknown)
+        fail(errc::bad_address, "http.read", fmt::format("{}+{}", static_cast<void*>(mem), bytes), "not memory ferry knows (freed, or never mapped?)");
+      if (user.type == memory_type::device || user.type == memory_type::unified) {
+        if (!o_.engine) fail(errc::invalid_argument, "http.read", user.device_id(), "device memory needs a transfer engine for staging");
+        pool = &o_.engine->staging_for(user);
+      }
+    }
+    const std::uint64_t step = pool ? std::min<std::uint64_t>(o_.piece, pool->buffer_bytes()) : o_.piece;
+    auto req = std::make_shared<request>();
+    req->bytes = bytes;
+    req->done = std::move(done);
+    req->left = static_cast<int>((bytes + step - 1) / step);
+    std::vector<std::shared_ptr<piece>> ps;
+    for (std::uint64_t off = 0; off < bytes; off += step) {
+      auto p = std::make_shared<piece>();
+      p->req = req;
+      p->url = h.url;
+      p->etag = h.etag;
+      p->offset = offset + off;
+      p->len = std::min(step, bytes - off);
+      p->dst = mem + off;
+      p->user = user;
+      p->pool = pool;
+      p->until = until;
+      ps.push_back(std::move(p));
+    }
+    {
+      std::lock_guard l(mu_);
+      if (stop_) fail(errc::cancelled, "http.read", shown(h.url), "the runtime is going");
+      for (auto& p : ps) incoming_.push_back(std::move(p));
+    }
+    n_pieces_ += ps.size();
+    curl_multi_wakeup(multi_);
+  }
+
+ private:
+  struct request {
+    std::mutex mu;
+    int left = 0;
+    std::uint64_t bytes = 0;
+    std::optional<error> err;
+    file_source::completion done;
+  };
+  struct piece {
+    std::shared_ptr<request> req;
+    std::string url, etag;
+    std::uint64_t offset = 0, len = 0, got = 0;  // the file's [offset, offset + len); got: bytes landed
+    std::byte* dst = nullptr;                    // the caller's memory for byte `offset`
+    memory_region user;                          // staged: the destination, classified once
+    pinned_pool* pool = nullptr;                 // staged: where the landing buffer comes from
+    pinned_pool::buffer slot;
+    clk::time_point until, not_before{};
+    int attempts = 0;
+    long status = 0;
+    bool enough = false;                         // a 200 answer (the whole file) cut off once the range was in
+    std::optional<error> bad;                    // the answer cannot be used (set by on_data)
+    CURL* easy = nullptr;
+    curl_slist* headers = nullptr;
+    char errbuf[CURL_ERROR_SIZE] = {};
+  };
+
+  // The body of an answer, as it comes: into the caller's memory or the staging buffer, never more
+  // than the range, and nothing of an error page.
+  static std::size_t on_data(char* b, std::size_t sz, std::size_t n, void* ud) {
+    auto& p = *static_cast<piece*>(ud);
+    const std::size_t bytes = sz * n;
+    if (!p.status) curl_easy_getinfo(p.easy, CURLINFO_RESPONSE_CODE, &p.status);
+    if (p.status < 200 || p.status >= 300) return bytes;  // an error's page: see ended()
+    if (p.status == 200 && p.offset + p.got != 0) {
+      p.bad = error(errc::not_supported, "http.read", fmt::format("{} offset {}", shown(p.url), p.offset + p.got),
+                    "the server ignored the byte range (answered 200, not 206): it cannot serve parts of a file");
+      return 0;
+    }
+    const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(bytes, p.len - p.got));
+    std::memcpy((p.slot ? p.slot.data() : p.dst) + p.got, b, take);
+    p.got += take;
+    if (take == bytes) return bytes;
+    if (p.status == 200) {
+      p.enough = true;  // the whole file came; the range is in
+      return 0;
+    }
+    p.bad = error(errc::protocol_error, "http.read", fmt::format("{} offset {}", shown(p.url), p.offset),
+                  fmt::format("the server sent more than the {} bytes asked for", p.len));
+    return 0;
+  }
+
+  void begin(piece& p) {
+    if (!p.easy && !(p.easy = curl_easy_init())) fail(errc::out_of_memory, "http.read", shown(p.url), "curl_easy_init failed");
+    curl_easy_reset(p.easy);
+    p.errbuf[0] = 0;
+    p.status = 0;
+    p.enough = false;
+    common(p.easy, p.url, o_, p.errbuf);
+    const std::string range = fmt::format("{}-{}", p.offset + p.got, p.offset + p.len - 1);
+    curl_easy_setopt(p.easy, CURLOPT_RANGE, range.c_str());
+    if (!p.headers && !p.etag.empty()) p.headers = curl_slist_append(nullptr, ("If-Match: " + p.etag).c_str());
+    if (p.headers) curl_easy_setopt(p.easy, CURLOPT_HTTPHEADER, p.headers);
+    curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, on_data);
+    curl_easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
+    curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
+    if (curl_multi_add_handle(multi_, p.easy) != CURLM_OK) fail(errc::internal, "http.read", shown(p.url), "curl_multi_add_handle failed");
+  }
+
+  // The piece is off libcurl for good (curl thread only).
+  static void let_go(piece& p) {
+    if (p.easy) curl_easy_cleanup(p.easy);
+    p.easy = nullptr;
+    if (p.headers) curl_slist_free_all(p.headers);
+    p.headers = nullptr;
+  }
+
+  // The piece's end, on any thread: its buffer back, its request told when it was the last.
+  void finish(const std::shared_ptr<piece>& p, const error* e) {
+    if (p->slot) {
+      p->slot = {};
+      curl_multi_wakeup(multi_);  // pieces may be waiting for a buffer
+    }
+    request& r = *p->req;
+    file_source::completion done;
+    std::optional<error> err;
+    {
+      std::lock_guard l(r.mu);
+      if (e && !r.err) r.err = *e;
+      if (--r.left > 0) return;
+      done = std::move(r.done);
+      err = r.err;
+    }
+    done(err ? 0 : r.bytes, err ? &*err : nullptr);
+  }
+
+  // An answer ended (curl thread): landed, tried again later, or failed.
+  void ended(std::shared_ptr<piece> p, CURLcode rc, std::vector<std::shared_ptr<piece>>& waiting) {
+    long status = p->status;
+    if (!status) curl_easy_getinfo(p->easy, CURLINFO_RESPONSE_CODE, &status);
+    const std::uint64_t at = p->offset + p->got;
+    if (p->bad) {
+      let_go(*p);
+      return finish(p, &*p->bad);
+    }
+    if ((rc == CURLE_OK || (rc == CURLE_WRITE_ERROR && p->enough)) && p->got == p->len && (status == 206 || status == 200)) {
+      let_go(*p);
+      return landed(std::move(p));
+    }
+    bool again;
+    std::optional<error> e;
+    if (rc != CURLE_OK) {
+      e = curl_error(rc, p->errbuf, "http.read", p->url, at);
+      again = retriable(rc);
+    } else if (status < 200 || status >= 300) {
+      e = status_error(status, "http.read", p->url, at);
+      again = retriable(status);
+    } else {
+      e = error(errc::io_error, "http.read", fmt::format("{} offset {}", shown(p->url), at),
+                fmt::format("the answer ended after {} of the {} bytes asked for", p->got, p->len));
+      again = true;
+    }
+    const auto now = clk::now();
+    if (again && p->attempts < o_.retries && now < p->until) {
+      const auto pause = std::min<std::chrono::milliseconds>(2000ms, 100ms * (1 << std::min(p->attempts, 5)));
+      ++p->attempts;
+      ++n_retries_;
+      p->not_before = now + pause;
+      log::info("http", "{}; trying again from offset {} in {} ms (attempt {} of {})", e->what(), at, pause.count(),
+                p->attempts + 1, o_.retries + 1);
+      waiting.push_back(std::move(p));
+      return;
+    }
+    let_go(*p);
+    finish(p, &*e);
+  }
+
+  // Every byte of the piece is in: done, or (staged) copied on by the transfer engine first.
+  void landed(std::shared_ptr<piece> p) {
+    if (!p->slot) return finish(p, nullptr);
+    transfer_request r{p->dst, p->slot.data(), p->len, &p->user, &p->slot.region()};
+    {
+      std::lock_guard l(mu_);
+      ++copies_;
+    }
+    n_staged_ += p->len;
+    o_.engine->submit({&r, 1}, {p->until}, [this, p](std::span<const request_result> res) {
+      finish(p, res[0].err ? &*res[0].err : nullptr);
+      std::lock_guard l(mu_);
+      if (--copies_ == 0) copies_cv_.notify_all();
+    });
+  }
+
+  void loop() {
+    std::vector<std::shared_ptr<piece>> waiting, running;
+    for (;;) {
+      {
+        std::lock_guard l(mu_);
+        if (stop_) break;
+        for (auto& p : incoming_) waiting.push_back(std::move(p));
+        incoming_.clear();
+      }
+      const auto now = clk::now();
+      // Start what may: its pause over, a staging buffer had, a connection's worth of room.
+      for (auto it = waiting.begin(); it != waiting.end();) {
+        auto& p = *it;
+        if (now > p->until) {
+          error e(errc::timeout, "http.read", fmt::format("{} offset {}", shown(p->url), p->offset + p->got),
+                  "the request's deadline passed before it could be sent");
+          let_go(*p);
+          finish(p, &e);
+          it = waiting.erase(it);
+          continue;
+        }
+        if (p->not_before > now || running.size() >= static_cast<std::size_t>(o_.connections)) {
+          ++it;
+          continue;
+        }
+        if (p->pool && !p->slot && !(p->slot = p->pool->try_get(pinned_pool::growth::now))) {
+          ++it;
+          continue;
+        }
+        try {
+          begin(*p);
+        } catch (const error& e) {
+          let_go(*p);
+          finish(p, &e);
+          it = waiting.erase(it);
+          continue;
+        }
+        running.push_back(std::move(p));
+        it = waiting.erase(it);
+      }
+      int still = 0;
+      curl_multi_perform(multi_, &still);
+      int left = 0;
+      while (CURLMsg* m = curl_multi_info_read(multi_, &left)) {
+        if (m->msg != CURLMSG_DONE) continue;
+        CURL* easy = m->easy_handle;
+        const CURLcode rc = m->data.result;
+        curl_multi_remove_handle(multi_, easy);
+        auto it = std::find_if(running.begin(), running.end(), [&](auto& q) { return q->easy == easy; });
+        if (it == running.end()) continue;
+        auto p = std::move(*it);
+        running.erase(it);
+        ended(std::move(p), rc, waiting);
+      }
+      // A piece past its request's deadline ends now (one that stalls ends by libcurl's low-speed limit).
+      for (auto it = running.begin(); it != running.end();) {
+        if (clk::now() <= (*it)->until) {
+          ++it;
+          continue;
+        }
+        curl_multi_remove_handle(multi_, (*it)->easy);
+        error e(errc::timeout, "http.read", fmt::format("{} offset {}", shown((*it)->url), (*it)->offset + (*it)->got),
+                "the request's deadline passed");
+        let_go(**it);
+        finish(*it, &e);
+        it = running.erase(it);
+      }
+      curl_multi_poll(multi_, nullptr, 0, waiting.empty() ? 1000 : 20, nullptr);
+    }
+    // Going: what is left fails; the engine's copies under way end first (they use this engine).
+    error gone(errc::cancelled, "http.read", "http", "the runtime is going");
+    for (auto& p : running) {
+      curl_multi_remove_handle(multi_, p->easy);
+      let_go(*p);
+      finish(p, &gone);
+    }
+    std::vector<std::shared_ptr<piece>> rest;
+    {
+      std::lock_guard l(mu_);
+      rest.swap(incoming_);
+    }
+    for (auto* list : {&waiting, &rest})
+      for (auto& p : *list) {
+        let_go(*p);
+        finish(p, &gone);
+      }
+    std::unique_lock l(mu_);
+    copies_cv_.wait(l, [&] { return copies_ == 0; });
+  }
+
+  http_options o_;
+  CURLM* multi_ = nullptr;
+  std::mutex mu_;
+  std::condition_variable copies_cv_;
+  std::vector<std::shared_ptr<piece>> incoming_;  // mu_
+  bool stop_ = false;                             // mu_
+  std::uint64_t copies_ = 0;                      // mu_
+  std::atomic<std::uint64_t> n_pieces_{0}, n_retries_{0}, n_staged_{0};
+  std::thread thread_;
+};
+
+class http_file final : public file_source {
+ public:
+  http_file(std::shared_ptr<http_engine> e, head_result h) : e_(std::move(e)), h_(std::move(h)) {}
+  std::uint64_t size() override { return h_.size; }
+  std::string describe() override { return e_->describe(); }
+  void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, clk::time_point until, completion done) override {
+    if (write) fail(errc::not_supported, "http.write", shown(h_.url), "http:// and https:// files are read-only");
+    e_->read(h_, offset, static_cast<std::byte*>(mem), bytes, until, std::move(done));
+  }
+
+ private:
+  std::shared_ptr<http_engine> e_;
+  head_result h_;
+};
+
+struct http_registry {
+  std::function<http_options()> options;
+  std::mutex mu;
+  std::shared_ptr<http_engine> engine;  // made on the first open
+
+  std::shared_ptr<file_source> open(const std::string& url, open_mode mode) {
+    if (mode != open_mode::read) fail(errc::not_supported, "file.open", shown(url), "http:// and https:// files are read-only (open them for reading)");
+    std::shared_ptr<http_engine> e;
+    {
+      std::lock_guard l(mu);
+      if (!engine) engine = std::make_shared<http_engine>(options());
+      e = engine;
+    }
+    auto h = head(url, e->options());
+    return std::make_shared<http_file>(std::move(e), std::move(h));
+  }
+};
+
+}  // namespace
+
+http_registration register_http_files(std::function<http_options()> options) {
+  auto reg = std::make_shared<http_registry>();
+  reg->options = std::move(options);
+  auto open = [reg](const std::string& url, open_mode mode) { return reg->open(url, mode); };
+  return {register_file_scheme("http", open), register_file_scheme("https", open)};
+}
+
+}  // namespace ferry::store
