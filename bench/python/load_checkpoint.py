@@ -5,17 +5,22 @@ A synthetic checkpoint shaped like an LLM's (transformer layers of bf16 weights,
 int64 tensor per layer; --size bytes, >= 200 tensors) is written once. Then, cold (page cache dropped) and
 warm, in turns: ferry.safetensors.load(path, device), safetensors.torch.load_file(path, device=...), and
 safe_open(path, framework="pt", device=...) with get_tensor per tensor; the disk's ceiling (O_DIRECT reads
-of the file by 16 threads, 8 MiB blocks); and the same file through `ferry serve` on loopback (ferry://).
+of the file by 16 threads, 8 MiB blocks); the same file through `ferry serve` on loopback (ferry://); and, where
+nginx is installed, through nginx on loopback (http://) next to a download with urllib and safetensors.torch.load.
 Every tensor of every ferry load is compared with safetensors' on the GPU. Prints the rows and the issue's
 targets (warm >= 5x safetensors, cold >= 0.95x the ceiling and >= 1.2x safetensors, ferry:// >= 0.8x local warm,
-warm >= 0.8x a pinned cudaMemcpy of the same size measured in the same run).
+warm >= 0.8x a pinned cudaMemcpy of the same size measured in the same run; http:// >= 0.8x local warm and >= 3x
+the download).
 """
 import argparse
 import json
 import mmap
 import os
 import re
+import shutil
+import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -117,6 +122,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ferry-binary", default=os.environ.get("FERRY_BINARY", ""), help="ferry, for the ferry:// row")
+    ap.add_argument("--nginx", default="", help="nginx, for the http:// rows (default: the one on PATH, if any)")
     ap.add_argument("--json-out", default="")
     a = ap.parse_args()
     from safetensors import safe_open
@@ -199,6 +205,54 @@ def main() -> int:
             srv.wait()
         remote = best[("ferry.safetensors.load over ferry://", "warm")]
 
+    web = 0.0
+    nginx = next((n for n in (a.nginx, shutil.which("nginx"), "/usr/sbin/nginx") if n and os.path.exists(n)), "")
+    if nginx:
+        import urllib.request
+
+        from safetensors.torch import load as st_load
+
+        # nginx on loopback serving the checkpoint's folder: ferry's ranges in parallel, against what a user of
+        # requests does (download the file into memory, safetensors.torch.load, then each tensor to the device).
+        conf_dir = tempfile.mkdtemp(prefix="ferry-bench-nginx-")
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        temp = " ".join(f"{k}_temp_path {conf_dir}/{k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        with open(os.path.join(conf_dir, "nginx.conf"), "w") as f:
+            f.write(f"{'user root;' if os.geteuid() == 0 else ''} daemon off; worker_processes 4; pid {conf_dir}/pid; "
+                    f"error_log {conf_dir}/error.log; events {{ worker_connections 256; }} http {{ access_log off; {temp} "
+                    f"sendfile on; server {{ listen 127.0.0.1:{port}; root {a.dir}; }} }}")
+        srv = subprocess.Popen([nginx, "-c", os.path.join(conf_dir, "nginx.conf"), "-p", conf_dir],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(200):
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            url = f"http://127.0.0.1:{port}/{os.path.basename(path)}"
+
+            def download_then_load():
+                data = urllib.request.urlopen(url).read()
+                return {k: v.to(a.device) for k, v in st_load(data).items()}
+
+            for r in range(a.rounds):
+                got, s = timed(lambda: ferry.safetensors.load(url, device=a.device, progress=False))
+                ok = same(got)
+                all_ok &= ok
+                row("ferry.safetensors.load over http://", "warm", s, "every tensor equal" if ok else "TENSORS DIFFER")
+                del got
+                got, s = timed(download_then_load)
+                row("urllib download + safetensors.torch.load", "warm", s)
+                del got
+        finally:
+            srv.terminate()
+            srv.wait()
+            shutil.rmtree(conf_dir, ignore_errors=True)
+        web = best[("ferry.safetensors.load over http://", "warm")]
+
     def b(what, kind):
         return best.get((what, kind), 0)
 
@@ -213,6 +267,9 @@ def main() -> int:
     ]
     if remote:
         targets.append(("ferry:// warm vs local warm", remote / fw, 0.8))
+    if web:
+        targets.append(("http:// (nginx, loopback) warm vs local warm", web / fw, 0.8))
+        targets.append(("http:// vs download + safetensors.torch.load", web / b("urllib download + safetensors.torch.load", "warm"), 3.0))
     print()
     for name, ratio, want in targets:
         print(f"target {name:<50} {ratio:5.2f}x (want >= {want:.2f}x): {'PASS' if ratio >= want else 'FAIL'}")
