@@ -282,3 +282,94 @@ def test_a_server_restarted_mid_read_is_read_on_from_where_it_stopped(web):
     got = json.loads(out.strip().splitlines()[-1])
     assert got.get("sum") == int(web.data[:6_000_000].astype(np.uint64).sum()), (got, err[-2000:])
     assert "trying again from offset" in err, "the pieces under way were resumed"
+
+
+S3RVER_VERSION = "3.7.1"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """s3rver (an S3-compatible server, from npm's registry) on loopback with bucket "test"; objects put with the
+    curl program (its own SigV4)."""
+    npm, curl = shutil.which("npm"), shutil.which("curl")
+    if not npm or not curl:
+        pytest.skip("npm and curl are not installed (scripts/install-deps installs them)")
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "ferry-tests", f"s3rver-{S3RVER_VERSION}")
+    server = os.path.join(cache, "node_modules", ".bin", "s3rver")
+    if not os.path.exists(server):
+        os.makedirs(cache, exist_ok=True)
+        subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", cache, f"s3rver@{S3RVER_VERSION}"],
+                       check=True, capture_output=True, timeout=300)
+    d = tmp_path_factory.mktemp("s3")
+    port = free_port()
+    proc = subprocess.Popen([server, "-d", str(d), "-a", "127.0.0.1", "-p", str(port), "--silent", "--configure-bucket", "test"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_port(port)
+    endpoint = f"http://127.0.0.1:{port}"
+
+    def put(key: str, data: bytes):
+        src = d / "upload.bin"
+        src.write_bytes(data)
+        subprocess.run([curl, "-sSf", "--aws-sigv4", "aws:amz:us-east-1:s3", "--user", "S3RVER:S3RVER", "-H",
+                        "x-amz-content-sha256: UNSIGNED-PAYLOAD", "-T", str(src), f"{endpoint}/test/{key}"],
+                       check=True, capture_output=True)
+
+    yield endpoint, put
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_s3_objects_read_with_credentials_from_the_environment_or_the_file(s3, monkeypatch, tmp_path):
+    endpoint, put = s3
+    data = np.random.default_rng(9).integers(0, 256, 5_000_011, dtype=np.uint8)
+    put("dir/an%20object.bin", data.tobytes())
+    for k in ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "S3RVER")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "S3RVER")
+    with ferry.open("s3://test/dir/an object.bin") as f:
+        assert f.size == len(data)
+        for off, size in [(0, len(data)), (3, 1_000_003), (len(data) - 7, 7)]:
+            buf = np.zeros(size, dtype=np.uint8)
+            assert f.read_into(buf, off) == size
+            assert np.array_equal(buf, data[off:off + size]), (off, size)
+    with pytest.raises(ferry.Error, match=r"s3://test/missing\.bin.*HTTP 404") as e:
+        ferry.open("s3://test/missing.bin")
+    assert e.value.code == "not_found"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "NOT-A-KEY")
+    with pytest.raises(ferry.Error, match=r"s3://test/dir/an object\.bin.*HTTP 403") as e:
+        ferry.open("s3://test/dir/an object.bin")
+    assert e.value.code == "permission_denied"
+    # Without the environment's keys, the shared credentials file's profile signs (a wrong key there: refused).
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    creds = tmp_path / "credentials"
+    creds.write_text("[default]\naws_access_key_id = S3RVER\naws_secret_access_key = S3RVER\n"
+                     "[other]\naws_access_key_id = NOT-A-KEY\naws_secret_access_key = x\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    assert ferry.open("s3://test/dir/an object.bin").size == len(data)
+    monkeypatch.setenv("AWS_PROFILE", "other")
+    with pytest.raises(ferry.Error, match="HTTP 403"):
+        ferry.open("s3://test/dir/an object.bin")
+    with pytest.raises(ferry.Error, match="expected s3://bucket/key") as e:
+        ferry.open("s3://test")
+    assert e.value.code == "invalid_argument"
+
+
+def test_a_checkpoint_loads_from_s3(s3, monkeypatch):
+    torch = pytest.importorskip("torch")
+    endpoint, put = s3
+    t = {"w": torch.randn(64, 32), "n": torch.arange(10)}
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ferry-s3-{os.getpid()}.safetensors")
+    ferry.safetensors.save(t, path)
+    try:
+        put("m.safetensors", open(path, "rb").read())
+    finally:
+        os.unlink(path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "S3RVER")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "S3RVER")
+    got = ferry.safetensors.load("s3://test/m.safetensors", progress=False)
+    assert set(got) == set(t) and all(torch.equal(got[k], t[k]) for k in t)

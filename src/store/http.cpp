@@ -14,6 +14,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -84,7 +88,8 @@ bool retriable(CURLcode rc) {
 }
 bool retriable(long status) { return status >= 500 || status == 429 || status == 408; }
 
-error status_error(long status, const char* op, const std::string& url, std::uint64_t offset) {
+// `name`: the file as messages show it (shown(url), or the s3:// URI).
+error status_error(long status, const char* op, const std::string& name, std::uint64_t offset) {
   errc c = status == 404 || status == 410   ? errc::not_found
            : status == 401 || status == 403 ? errc::permission_denied
            : status == 416                  ? errc::out_of_range
@@ -92,18 +97,24 @@ error status_error(long status, const char* op, const std::string& url, std::uin
                                             : errc::protocol_error;
   std::string detail = fmt::format("the server answered HTTP {}", status);
   if (status == 412) detail += " (the file changed since it was opened)";
-  return error(c, op, fmt::format("{} offset {}", shown(url), offset), detail);
+  if (status == 403) detail += " (no access: the credentials, or the object's permissions)";
+  return error(c, op, fmt::format("{} offset {}", name, offset), detail);
 }
 
-error curl_error(CURLcode rc, const char* errbuf, const char* op, const std::string& url, std::uint64_t offset) {
+error curl_error(CURLcode rc, const char* errbuf, const char* op, const std::string& name, std::uint64_t offset) {
   std::string detail = curl_easy_strerror(rc);
   if (errbuf && *errbuf) detail += std::string(": ") + errbuf;
-  return error(code_of(rc), op, fmt::format("{} offset {}", shown(url), offset), detail);
+  return error(code_of(rc), op, fmt::format("{} offset {}", name, offset), detail);
 }
+
+// An S3 request's signature (AWS SigV4, made by libcurl) and the headers it needs.
+struct s3_signing {
+  std::string region, userpwd, token;
+};
 
 // What every request of ours says: only http and https (also after a redirect), a deadline for
 // connecting and one for moving no byte, certificates always checked.
-void common(CURL* c, const std::string& url, const http_options& o, char* errbuf) {
+void common(CURL* c, const std::string& url, const http_options& o, char* errbuf, const s3_signing* sign) {
   const long secs = std::max<long>(1, static_cast<long>(std::chrono::duration_cast<std::chrono::seconds>(o.deadline).count()));
   curl_easy_setopt(c, CURLOPT_URL, url.c_str());
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
@@ -118,12 +129,34 @@ void common(CURL* c, const std::string& url, const http_options& o, char* errbuf
   curl_easy_setopt(c, CURLOPT_USERAGENT, "ferry");
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, errbuf);
   if (!o.ca_file.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, o.ca_file.c_str());
+  if (sign) {
+    const std::string how = "aws:amz:" + sign->region + ":s3";
+    curl_easy_setopt(c, CURLOPT_AWS_SIGV4, how.c_str());
+    curl_easy_setopt(c, CURLOPT_USERPWD, sign->userpwd.c_str());
+  }
 }
 
-struct head_result {
+// The headers of a request: the version the ranges must come from, and what S3 signs.
+curl_slist* headers_for(const std::string& etag, const s3_signing* sign) {
+  curl_slist* h = nullptr;
+  if (!etag.empty()) h = curl_slist_append(h, ("If-Match: " + etag).c_str());
+  if (sign) {
+    // A GET or HEAD has no body: the SHA-256 of nothing.
+    h = curl_slist_append(h, "x-amz-content-sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    if (!sign->token.empty()) h = curl_slist_append(h, ("x-amz-security-token: " + sign->token).c_str());
+  }
+  return h;
+}
+
+// What a file's requests go to, and what its messages call it.
+struct target {
+  std::string url, name;
+  std::shared_ptr<const s3_signing> sign;  // null: unsigned
+};
+
+struct head_result : target {
   std::uint64_t size = 0;
   std::string etag;  // strong ETags only: ranges must come from the version seen here (If-Match)
-  std::string url;   // where the redirects led
 };
 
 std::size_t on_head_line(char* b, std::size_t sz, std::size_t n, void* ud) {
@@ -140,28 +173,31 @@ std::size_t on_head_line(char* b, std::size_t sz, std::size_t n, void* ud) {
   return sz * n;
 }
 
-head_result head(const std::string& url, const http_options& o) {
+head_result head(const target& t, const http_options& o) {
   global_init();
   std::unique_ptr<CURL, void (*)(CURL*)> c(curl_easy_init(), curl_easy_cleanup);
-  if (!c) fail(errc::out_of_memory, "http.open", shown(url), "curl_easy_init failed");
+  if (!c) fail(errc::out_of_memory, "http.open", t.name, "curl_easy_init failed");
   char err[CURL_ERROR_SIZE] = {};
-  common(c.get(), url, o, err);
+  common(c.get(), t.url, o, err, t.sign.get());
+  std::unique_ptr<curl_slist, void (*)(curl_slist*)> hdr(headers_for({}, t.sign.get()), curl_slist_free_all);
+  if (hdr) curl_easy_setopt(c.get(), CURLOPT_HTTPHEADER, hdr.get());
   head_result h;
+  static_cast<target&>(h) = t;
   curl_easy_setopt(c.get(), CURLOPT_NOBODY, 1L);
   curl_easy_setopt(c.get(), CURLOPT_HEADERFUNCTION, on_head_line);
   curl_easy_setopt(c.get(), CURLOPT_HEADERDATA, &h.etag);
   CURLcode rc = curl_easy_perform(c.get());
-  if (rc != CURLE_OK) throw curl_error(rc, err, "http.open", url, 0);
+  if (rc != CURLE_OK) throw curl_error(rc, err, "http.open", t.name, 0);
   long status = 0;
   curl_easy_getinfo(c.get(), CURLINFO_RESPONSE_CODE, &status);
-  if (status < 200 || status >= 300) throw status_error(status, "http.open", url, 0);
+  if (status < 200 || status >= 300) throw status_error(status, "http.open", t.name, 0);
   curl_off_t len = -1;
   curl_easy_getinfo(c.get(), CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len);
-  if (len < 0) fail(errc::not_supported, "http.open", shown(url), "the server gives no size for it (no Content-Length)");
+  if (len < 0) fail(errc::not_supported, "http.open", t.name, "the server gives no size for it (no Content-Length)");
   char* at = nullptr;
   curl_easy_getinfo(c.get(), CURLINFO_EFFECTIVE_URL, &at);
   h.size = static_cast<std::uint64_t>(len);
-  h.url = at ? at : url;
+  if (at) h.url = at;
   return h;
 }
 
@@ -196,10 +232,10 @@ class http_engine {
                        n_pieces_.load(), n_retries_.load(), n_staged_.load() ? " -> copy on (transfer engine)" : "");
   }
 
-  void read(const head_result& h, std::uint64_t offset, std::byte* mem, std::uint64_t bytes, clk::time_point until,
-            file_source::completion done) {
-    if (offset >= h.size || bytes == 0) return done(0, nullptr);
-    bytes = std::min(bytes, h.size - offset);  // short at the end of the file
+  void read(const std::shared_ptr<const head_result>& h, std::uint64_t offset, std::byte* mem, std::uint64_t bytes,
+            clk::time_point until, file_source::completion done) {
+    if (offset >= h->size || bytes == 0) return done(0, nullptr);
+    bytes = std::min(bytes, h->size - offset);  // short at the end of the file
     memory_region user;
     pinned_pool* pool = nullptr;
     if (o_.cache) {
@@ -220,8 +256,7 @@ class http_engine {
     for (std::uint64_t off = 0; off < bytes; off += step) {
       auto p = std::make_shared<piece>();
       p->req = req;
-      p->url = h.url;
-      p->etag = h.etag;
+      p->h = h;
       p->offset = offset + off;
       p->len = std::min(step, bytes - off);
       p->dst = mem + off;
@@ -232,7 +267,7 @@ class http_engine {
     }
     {
       std::lock_guard l(mu_);
-      if (stop_) fail(errc::cancelled, "http.read", shown(h.url), "the runtime is going");
+      if (stop_) fail(errc::cancelled, "http.read", h->name, "the runtime is going");
       for (auto& p : ps) incoming_.push_back(std::move(p));
     }
     n_pieces_ += ps.size();
@@ -249,7 +284,7 @@ class http_engine {
   };
   struct piece {
     std::shared_ptr<request> req;
-    std::string url, etag;
+    std::shared_ptr<const head_result> h;
     std::uint64_t offset = 0, len = 0, got = 0;  // the file's [offset, offset + len); got: bytes landed
     std::byte* dst = nullptr;                    // the caller's memory for byte `offset`
     memory_region user;                          // staged: the destination, classified once
@@ -273,7 +308,7 @@ class http_engine {
     if (!p.status) curl_easy_getinfo(p.easy, CURLINFO_RESPONSE_CODE, &p.status);
     if (p.status < 200 || p.status >= 300) return bytes;  // an error's page: see ended()
     if (p.status == 200 && p.offset + p.got != 0) {
-      p.bad = error(errc::not_supported, "http.read", fmt::format("{} offset {}", shown(p.url), p.offset + p.got),
+      p.bad = error(errc::not_supported, "http.read", fmt::format("{} offset {}", p.h->name, p.offset + p.got),
                     "the server ignored the byte range (answered 200, not 206): it cannot serve parts of a file");
       return 0;
     }
@@ -285,26 +320,26 @@ class http_engine {
       p.enough = true;  // the whole file came; the range is in
       return 0;
     }
-    p.bad = error(errc::protocol_error, "http.read", fmt::format("{} offset {}", shown(p.url), p.offset),
+    p.bad = error(errc::protocol_error, "http.read", fmt::format("{} offset {}", p.h->name, p.offset),
                   fmt::format("the server sent more than the {} bytes asked for", p.len));
     return 0;
   }
 
   void begin(piece& p) {
-    if (!p.easy && !(p.easy = curl_easy_init())) fail(errc::out_of_memory, "http.read", shown(p.url), "curl_easy_init failed");
+    if (!p.easy && !(p.easy = curl_easy_init())) fail(errc::out_of_memory, "http.read", p.h->name, "curl_easy_init failed");
     curl_easy_reset(p.easy);
     p.errbuf[0] = 0;
     p.status = 0;
     p.enough = false;
-    common(p.easy, p.url, o_, p.errbuf);
+    common(p.easy, p.h->url, o_, p.errbuf, p.h->sign.get());
     const std::string range = fmt::format("{}-{}", p.offset + p.got, p.offset + p.len - 1);
     curl_easy_setopt(p.easy, CURLOPT_RANGE, range.c_str());
-    if (!p.headers && !p.etag.empty()) p.headers = curl_slist_append(nullptr, ("If-Match: " + p.etag).c_str());
+    if (!p.headers) p.headers = headers_for(p.h->etag, p.h->sign.get());
     if (p.headers) curl_easy_setopt(p.easy, CURLOPT_HTTPHEADER, p.headers);
     curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, on_data);
     curl_easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
     curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
-    if (curl_multi_add_handle(multi_, p.easy) != CURLM_OK) fail(errc::internal, "http.read", shown(p.url), "curl_multi_add_handle failed");
+    if (curl_multi_add_handle(multi_, p.easy) != CURLM_OK) fail(errc::internal, "http.read", p.h->name, "curl_multi_add_handle failed");
   }
 
   // The piece is off libcurl for good (curl thread only).
@@ -350,13 +385,13 @@ class http_engine {
     bool again;
     std::optional<error> e;
     if (rc != CURLE_OK) {
-      e = curl_error(rc, p->errbuf, "http.read", p->url, at);
+      e = curl_error(rc, p->errbuf, "http.read", p->h->name, at);
       again = retriable(rc);
     } else if (status < 200 || status >= 300) {
-      e = status_error(status, "http.read", p->url, at);
+      e = status_error(status, "http.read", p->h->name, at);
       again = retriable(status);
     } else {
-      e = error(errc::io_error, "http.read", fmt::format("{} offset {}", shown(p->url), at),
+      e = error(errc::io_error, "http.read", fmt::format("{} offset {}", p->h->name, at),
                 fmt::format("the answer ended after {} of the {} bytes asked for", p->got, p->len));
       again = true;
     }
@@ -405,7 +440,7 @@ class http_engine {
       for (auto it = waiting.begin(); it != waiting.end();) {
         auto& p = *it;
         if (now > p->until) {
-          error e(errc::timeout, "http.read", fmt::format("{} offset {}", shown(p->url), p->offset + p->got),
+          error e(errc::timeout, "http.read", fmt::format("{} offset {}", p->h->name, p->offset + p->got),
                   "the request's deadline passed before it could be sent");
           let_go(*p);
           finish(p, &e);
@@ -452,7 +487,7 @@ class http_engine {
           continue;
         }
         curl_multi_remove_handle(multi_, (*it)->easy);
-        error e(errc::timeout, "http.read", fmt::format("{} offset {}", shown((*it)->url), (*it)->offset + (*it)->got),
+        error e(errc::timeout, "http.read", fmt::format("{} offset {}", (*it)->h->name, (*it)->offset + (*it)->got),
                 "the request's deadline passed");
         let_go(**it);
         finish(*it, &e);
@@ -494,33 +529,112 @@ class http_engine {
 
 class http_file final : public file_source {
  public:
-  http_file(std::shared_ptr<http_engine> e, head_result h) : e_(std::move(e)), h_(std::move(h)) {}
-  std::uint64_t size() override { return h_.size; }
+  http_file(std::shared_ptr<http_engine> e, head_result h) : e_(std::move(e)), h_(std::make_shared<const head_result>(std::move(h))) {}
+  std::uint64_t size() override { return h_->size; }
   std::string describe() override { return e_->describe(); }
   void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, clk::time_point until, completion done) override {
-    if (write) fail(errc::not_supported, "http.write", shown(h_.url), "http:// and https:// files are read-only");
+    if (write) fail(errc::not_supported, "http.write", h_->name, "read-only here");
     e_->read(h_, offset, static_cast<std::byte*>(mem), bytes, until, std::move(done));
   }
 
  private:
   std::shared_ptr<http_engine> e_;
-  head_result h_;
+  std::shared_ptr<const head_result> h_;
 };
+
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+// An S3 key in a URL path: every byte but the unreserved ones and '/' percent-encoded (what SigV4
+// canonicalizes, once).
+std::string encode_key(std::string_view key) {
+  std::string out;
+  for (unsigned char ch : key) {
+    if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~' || ch == '/') out += static_cast<char>(ch);
+    else out += fmt::format("%{:02X}", ch);
+  }
+  return out;
+}
+
+// The shared credentials file's profile (AWS_SHARED_CREDENTIALS_FILE, else ~/.aws/credentials;
+// AWS_PROFILE, else "default"): key id, secret, session token.
+std::array<std::string, 3> credentials_file() {
+  std::string path = env("AWS_SHARED_CREDENTIALS_FILE");
+  if (path.empty() && !env("HOME").empty()) path = env("HOME") + "/.aws/credentials";
+  std::string profile = env("AWS_PROFILE").empty() ? "default" : env("AWS_PROFILE");
+  std::array<std::string, 3> got;
+  std::FILE* f = path.empty() ? nullptr : std::fopen(path.c_str(), "r");
+  if (!f) return got;
+  char buf[4096];
+  bool in = false;
+  auto trim = [](std::string_view v) {
+    while (!v.empty() && std::isspace(static_cast<unsigned char>(v.front()))) v.remove_prefix(1);
+    while (!v.empty() && std::isspace(static_cast<unsigned char>(v.back()))) v.remove_suffix(1);
+    return v;
+  };
+  while (std::fgets(buf, sizeof buf, f)) {
+    std::string_view line = trim(buf);
+    if (line.starts_with("[")) {
+      in = trim(line.substr(1, line.find(']') - 1)) == profile;
+      continue;
+    }
+    auto eq = line.find('=');
+    if (!in || eq == std::string_view::npos) continue;
+    std::string_view k = trim(line.substr(0, eq)), v = trim(line.substr(eq + 1));
+    if (k == "aws_access_key_id") got[0] = v;
+    else if (k == "aws_secret_access_key") got[1] = v;
+    else if (k == "aws_session_token") got[2] = v;
+  }
+  std::fclose(f);
+  return got;
+}
+
+// s3://bucket/key: the URL (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, path-style; else AWS's
+// virtual-host style in AWS_REGION) and the signature (the AWS_* environment, else the shared
+// credentials file; neither: unsigned, for public objects).
+target resolve_s3(const std::string& uri) {
+  std::string_view s = uri;
+  s.remove_prefix(5);
+  const auto slash = s.find('/');
+  if (slash == std::string_view::npos || slash == 0 || slash + 1 >= s.size())
+    fail(errc::invalid_argument, "file.open", uri, "expected s3://bucket/key");
+  const std::string bucket(s.substr(0, slash)), key = encode_key(s.substr(slash + 1));
+  std::string region = env("AWS_REGION");
+  if (region.empty()) region = env("AWS_DEFAULT_REGION");
+  if (region.empty()) region = "us-east-1";
+  std::string endpoint = env("AWS_ENDPOINT_URL_S3");
+  if (endpoint.empty()) endpoint = env("AWS_ENDPOINT_URL");
+  while (!endpoint.empty() && endpoint.back() == '/') endpoint.pop_back();
+  target t;
+  t.name = uri;
+  if (!endpoint.empty()) t.url = endpoint + "/" + bucket + "/" + key;
+  else if (bucket.find('.') != std::string::npos) t.url = "https://s3." + region + ".amazonaws.com/" + bucket + "/" + key;
+  else t.url = "https://" + bucket + ".s3." + region + ".amazonaws.com/" + key;
+  std::array<std::string, 3> c{env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY"), env("AWS_SESSION_TOKEN")};
+  if (c[0].empty() || c[1].empty()) c = credentials_file();
+  if (!c[0].empty() && !c[1].empty()) t.sign = std::make_shared<const s3_signing>(s3_signing{region, c[0] + ":" + c[1], c[2]});
+  return t;
+}
 
 struct http_registry {
   std::function<http_options()> options;
   std::mutex mu;
   std::shared_ptr<http_engine> engine;  // made on the first open
 
-  std::shared_ptr<file_source> open(const std::string& url, open_mode mode) {
-    if (mode != open_mode::read) fail(errc::not_supported, "file.open", shown(url), "http:// and https:// files are read-only (open them for reading)");
+  std::shared_ptr<file_source> open(const std::string& uri, open_mode mode) {
+    const bool s3 = uri.starts_with("s3://");
+    target t = s3 ? resolve_s3(uri) : target{uri, shown(uri), nullptr};
+    if (mode != open_mode::read) fail(errc::not_supported, "file.open", t.name, "read-only here (open it for reading)");
     std::shared_ptr<http_engine> e;
     {
       std::lock_guard l(mu);
       if (!engine) engine = std::make_shared<http_engine>(options());
       e = engine;
     }
-    auto h = head(url, e->options());
+    auto h = head(t, e->options());
+    if (!s3) h.name = shown(h.url);  // where the redirects led
     return std::make_shared<http_file>(std::move(e), std::move(h));
   }
 };
@@ -531,7 +645,7 @@ http_registration register_http_files(std::function<http_options()> options) {
   auto reg = std::make_shared<http_registry>();
   reg->options = std::move(options);
   auto open = [reg](const std::string& url, open_mode mode) { return reg->open(url, mode); };
-  return {register_file_scheme("http", open), register_file_scheme("https", open)};
+  return {register_file_scheme("http", open), register_file_scheme("https", open), register_file_scheme("s3", open)};
 }
 
 }  // namespace ferry::store

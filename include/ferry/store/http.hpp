@@ -1,5 +1,5 @@
 #pragma once
-// http:// and https:// files in the file API (docs/design/remote-sources.md). While the returned
+// http://, https:// and s3:// files in the file API (docs/design/remote-sources.md). While the returned
 // registration lives, file::open("https://host/path") gives a read-only file that file_engine
 // batches, the synchronous helpers and everything built on them (ferry cp, ferry.open,
 // ferry.safetensors.load) read like a local one, into any memory ferry knows (host, pinned, GPU,
@@ -13,6 +13,8 @@
 // host memory directly. A piece whose connection is reset or closed, or that gets a 5xx or 429
 // answer, is tried again from the byte it reached (`retries` times, pausing 0.1 s doubling to 2 s);
 // one that moves no byte for `deadline` fails. Errors name the URL and the byte offset.
+// s3://bucket/key is such a request to the bucket's endpoint, signed (SigV4, by libcurl) with the
+// standard AWS environment or the shared credentials file; anonymous without either.
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
 #include <ferry/io/file_source.hpp>
@@ -41,9 +43,9 @@ struct http_options {
 
 FERRY_API http_options http_options_from(const settings& s, registration_cache* cache, transfer_engine* engine);
 
-// Registers "http" and "https" with the file API; the options are taken on the first open.
+// Registers "http", "https" and "s3" with the file API; the options are taken on the first open.
 struct http_registration {
-  scheme_registration http, https;
+  scheme_registration http, https, s3;
 };
 FERRY_API http_registration register_http_files(std::function<http_options()> options);
 
