@@ -373,3 +373,25 @@ def test_a_checkpoint_loads_from_s3(s3, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "S3RVER")
     got = ferry.safetensors.load("s3://test/m.safetensors", progress=False)
     assert set(got) == set(t) and all(torch.equal(got[k], t[k]) for k in t)
+
+
+def test_a_large_read_into_device_memory_holds_no_more_host_memory_than_the_staging_pool(web):
+    """256 MiB over http:// into sim device memory: the process's peak resident memory grows by the staging pool
+    (and libcurl's buffers) at most, not by the file."""
+    n = 256 << 20
+    with open(web.root / "big.bin", "wb") as f:
+        f.write(np.random.default_rng(4).integers(0, 256, n, dtype=np.uint8).tobytes())
+    code = READ + f"""
+def rss(key):
+    return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) << 10
+dev = ferry.empty({n}, 'sim:0')
+ferry.copy(dev, np.zeros({n}, dtype=np.uint8))  # the destination's pages made before
+before = rss('VmRSS:')
+open('/proc/self/clear_refs', 'w').write('5')  # the peak from now on
+f = ferry.open('{web.url}/big.bin')
+assert f.read_into(dev) == {n}
+print(json.dumps({{'grew': rss('VmHWM:') - before, 'pool': (4 << 20) * int(ferry.settings()['FERRY_STAGING_BUFFERS'])}}))
+"""
+    got = in_fresh_process(code, {"FERRY_SIM_CAPACITY": "1GiB", "FERRY_STAGING_BYTES": "4MiB"})
+    os.unlink(web.root / "big.bin")
+    assert got["grew"] <= got["pool"] + (48 << 20), got  # 48 MiB: libcurl's buffers, the interpreter's own
