@@ -395,3 +395,101 @@ print(json.dumps({{'grew': rss('VmHWM:') - before, 'pool': (4 << 20) * int(ferry
     got = in_fresh_process(code, {"FERRY_SIM_CAPACITY": "1GiB", "FERRY_STAGING_BYTES": "4MiB"})
     os.unlink(web.root / "big.bin")
     assert got["grew"] <= got["pool"] + (48 << 20), got  # 48 MiB: libcurl's buffers, the interpreter's own
+
+
+class _SigV4(http.server.BaseHTTPRequestHandler):
+    """S3's GET and HEAD of one object, each request's AWS Signature Version 4 computed again here from AWS's
+    specification (canonical request, string to sign, signing key) and compared: a wrong one is 403. s3rver
+    checks only the key id; this checks the signature itself."""
+    protocol_version = "HTTP/1.1"
+    key, secret, region = "AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", "eu-west-3"
+    objects: dict = {}
+    seen: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def _signature_ok(self) -> bool:
+        import hashlib
+        import hmac
+        import urllib.parse
+
+        auth = self.headers.get("Authorization", "")
+        m = re.fullmatch(r"AWS4-HMAC-SHA256 Credential=([^/]+)/(\d{8})/([^/]+)/s3/aws4_request, ?"
+                         r"SignedHeaders=([^,]+), ?Signature=([0-9a-f]{64})", auth)
+        if not m or m.group(1) != self.key or m.group(3) != self.region:
+            return False
+        day, signed, got = m.group(2), m.group(4).split(";"), m.group(5)
+        if "host" not in signed or "x-amz-date" not in signed or "x-amz-content-sha256" not in signed:
+            return False
+        path, _, query = self.path.partition("?")
+        pairs = sorted(urllib.parse.parse_qsl(query, keep_blank_values=True))
+        canonical_query = "&".join(f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}" for k, v in pairs)
+        headers = "".join(f"{h}:{' '.join(self.headers.get(h, '').split())}\n" for h in signed)
+        canonical = "\n".join([self.command, path, canonical_query, headers, ";".join(signed),
+                               self.headers["x-amz-content-sha256"]])
+        scope = f"{day}/{self.region}/s3/aws4_request"
+        to_sign = "\n".join(["AWS4-HMAC-SHA256", self.headers["x-amz-date"], scope,
+                             hashlib.sha256(canonical.encode()).hexdigest()])
+        k = ("AWS4" + self.secret).encode()
+        for part in (day, self.region, "s3", "aws4_request"):
+            k = hmac.new(k, part.encode(), hashlib.sha256).digest()
+        return hmac.compare_digest(hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest(), got)
+
+    def _answer(self, body: bool):
+        type(self).seen.append((self.command, self.path, self.headers.get("Authorization", "")[:16]))
+        if not self._signature_ok():
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = self.objects.get(self.path)
+        if data is None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        first, last = 0, len(data) - 1
+        if "Range" in self.headers:
+            first, last = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
+        self.send_response(206 if "Range" in self.headers else 200)
+        self.send_header("Content-Length", str(last - first + 1 if body else len(data)))
+        self.send_header("ETag", '"e1"')
+        self.end_headers()
+        if body:
+            self.wfile.write(data[first:last + 1])
+
+    def do_HEAD(self):
+        self._answer(False)
+
+    def do_GET(self):
+        self._answer(True)
+
+
+def test_s3_signatures_are_aws_signature_version_4(monkeypatch):
+    handler = type("S", (_SigV4,), {"objects": {}, "seen": []})
+    data = np.random.default_rng(11).integers(0, 256, 3_000_001, dtype=np.uint8)
+    handler.objects["/bkt/a%20dir/w%2Bx.bin"] = data.tobytes()
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        for k in ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION"):
+            monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{srv.server_address[1]}")
+        monkeypatch.setenv("AWS_REGION", _SigV4.region)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", _SigV4.key)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", _SigV4.secret)
+        with ferry.open("s3://bkt/a dir/w+x.bin") as f:
+            buf = np.zeros(len(data) - 5, dtype=np.uint8)
+            assert f.read_into(buf, 5) == len(buf)
+            assert np.array_equal(buf, data[5:])
+        assert {c for c, _, _ in handler.seen} == {"HEAD", "GET"}
+        assert all(a == "AWS4-HMAC-SHA256" for _, _, a in handler.seen), "every request signed"
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        with pytest.raises(ferry.Error, match=r"s3://bkt/a dir/w\+x\.bin.*HTTP 403") as e:
+            ferry.open("s3://bkt/a dir/w+x.bin")
+        assert e.value.code == "permission_denied"
+    finally:
+        srv.shutdown()
