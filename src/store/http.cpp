@@ -208,7 +208,9 @@ class http_engine {
     multi_ = curl_multi_init();
     if (!multi_) fail(errc::out_of_memory, "http.engine", "libcurl", "curl_multi_init failed");
     curl_multi_setopt(multi_, CURLMOPT_MAX_HOST_CONNECTIONS, static_cast<long>(o_.connections));
-    curl_multi_setopt(multi_, CURLMOPT_PIPELINING, static_cast<long>(CURLPIPE_MULTIPLEX));
+    // Each piece on a connection of its own, HTTP/2 too: bulk data moves faster over several TCP
+    // connections than as streams of one.
+    curl_multi_setopt(multi_, CURLMOPT_PIPELINING, static_cast<long>(CURLPIPE_NOTHING));
     // One thread runs every transfer: libcurl's multi interface is driven from one thread, which
     // waits in curl_multi_poll (woken by curl_multi_wakeup when requests come or buffers return).
     thread_ = std::thread([this] { loop(); });
@@ -469,6 +471,7 @@ class http_engine {
       int still = 0;
       curl_multi_perform(multi_, &still);
       int left = 0;
+      bool freed = false;  // a piece ended: one waiting may start now, not after the poll's timeout
       while (CURLMsg* m = curl_multi_info_read(multi_, &left)) {
         if (m->msg != CURLMSG_DONE) continue;
         CURL* easy = m->easy_handle;
@@ -479,6 +482,7 @@ class http_engine {
         auto p = std::move(*it);
         running.erase(it);
         ended(std::move(p), rc, waiting);
+        freed = true;
       }
       // A piece past its request's deadline ends now (one that stalls ends by libcurl's low-speed limit).
       for (auto it = running.begin(); it != running.end();) {
@@ -493,7 +497,7 @@ class http_engine {
         finish(*it, &e);
         it = running.erase(it);
       }
-      curl_multi_poll(multi_, nullptr, 0, waiting.empty() ? 1000 : 20, nullptr);
+      curl_multi_poll(multi_, nullptr, 0, freed && !waiting.empty() ? 0 : waiting.empty() ? 1000 : 20, nullptr);
     }
     // Going: what is left fails; the engine's copies under way end first (they use this engine).
     error gone(errc::cancelled, "http.read", "http", "the runtime is going");
