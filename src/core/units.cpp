@@ -19,6 +19,12 @@ int default_xfer_threads() noexcept {
   return static_cast<int>(std::clamp(n / 2, 2u, 16u));
 }
 
+int default_http_threads() noexcept {
+  // Each libcurl thread receives and copies its connections' bytes: a quarter of the cores, 1..8.
+  unsigned n = std::thread::hardware_concurrency();
+  return static_cast<int>(std::clamp(n / 4, 1u, 8u));
+}
+
 int default_io_threads() noexcept {
   // A buffered read that hits the page cache is a copy by the CPU, made on an io thread or by its
   // ring's io-wq worker, which runs a burst of such copies one after another (it adds a worker only

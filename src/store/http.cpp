@@ -34,6 +34,7 @@ http_options http_options_from(const settings& s, registration_cache* cache, tra
   o.engine = engine;
   o.piece = s.http_piece;
   o.connections = s.http_connections;
+  o.threads = s.http_threads > 0 ? s.http_threads : default_http_threads();
   o.retries = s.http_retries;
   o.deadline = s.deadline;
   o.ca_file = s.http_ca_file;
@@ -205,29 +206,47 @@ class http_engine {
  public:
   explicit http_engine(http_options o) : o_(std::move(o)) {
     global_init();
-    multi_ = curl_multi_init();
-    if (!multi_) fail(errc::out_of_memory, "http.engine", "libcurl", "curl_multi_init failed");
-    curl_multi_setopt(multi_, CURLMOPT_MAX_HOST_CONNECTIONS, static_cast<long>(o_.connections));
-    // Each piece on a connection of its own, HTTP/2 too: bulk data moves faster over several TCP
-    // connections than as streams of one.
-    curl_multi_setopt(multi_, CURLMOPT_PIPELINING, static_cast<long>(CURLPIPE_NOTHING));
-    // One thread runs every transfer: libcurl's multi interface is driven from one thread, which
-    // waits in curl_multi_poll (woken by curl_multi_wakeup when requests come or buffers return).
-    thread_ = std::thread([this] { loop(); });
-  }
-  ~http_engine() {
-    {
-      std::lock_guard l(mu_);
-      stop_ = true;
+    const int k = std::max(1, o_.threads);
+    per_lane_ = static_cast<std::size_t>(std::max(1, o_.connections / k));
+    // Lanes: a libcurl multi handle each, driven by a thread of its own that waits in
+    // curl_multi_poll (woken by curl_multi_wakeup when requests come or buffers return); a read's
+    // pieces are spread over them, since one thread's receiving and copying is one core's.
+    try {
+      for (int i = 0; i < k; ++i) {
+        auto l = std::make_unique<lane>();
+        l->multi = curl_multi_init();
+        if (!l->multi) fail(errc::out_of_memory, "http.engine", "libcurl", "curl_multi_init failed");
+        curl_multi_setopt(l->multi, CURLMOPT_MAX_HOST_CONNECTIONS, static_cast<long>(per_lane_));
+        // Each piece on a connection of its own, HTTP/2 too: bulk data moves faster over several
+        // TCP connections than as streams of one.
+        curl_multi_setopt(l->multi, CURLMOPT_PIPELINING, static_cast<long>(CURLPIPE_NOTHING));
+        lanes_.push_back(std::move(l));
+      }
+      for (auto& l : lanes_) l->thread = std::thread([this, p = l.get()] { loop(*p); });
+    } catch (...) {
+      end();
+      throw;
     }
-    curl_multi_wakeup(multi_);
-    thread_.join();  // fails what is left, after the copies under way
-    curl_multi_cleanup(multi_);
   }
+  ~http_engine() { end(); }
   http_engine(const http_engine&) = delete;
   http_engine& operator=(const http_engine&) = delete;
 
   const http_options& options() const noexcept { return o_; }
+
+  void end() noexcept {
+    {
+      std::lock_guard l(mu_);
+      stop_ = true;
+    }
+    for (auto& l : lanes_)
+      if (l->multi) curl_multi_wakeup(l->multi);
+    for (auto& l : lanes_)
+      if (l->thread.joinable()) l->thread.join();  // each fails what is left, after the copies under way
+    for (auto& l : lanes_)
+      if (l->multi) curl_multi_cleanup(l->multi);
+    lanes_.clear();
+  }
 
   std::string describe() const {
     return fmt::format("HTTP (libcurl {}): {} range requests, {} tried again{}", curl_version_info(CURLVERSION_NOW)->version,
@@ -267,13 +286,15 @@ class http_engine {
       p->until = until;
       ps.push_back(std::move(p));
     }
+    const std::size_t first = next_lane_.fetch_add(ps.size());
+    const std::size_t n = ps.size();
     {
       std::lock_guard l(mu_);
       if (stop_) fail(errc::cancelled, "http.read", h->name, "the runtime is going");
-      for (auto& p : ps) incoming_.push_back(std::move(p));
+      for (std::size_t i = 0; i < n; ++i) lanes_[(first + i) % lanes_.size()]->incoming.push_back(std::move(ps[i]));
     }
-    n_pieces_ += ps.size();
-    curl_multi_wakeup(multi_);
+    n_pieces_ += n;
+    for (std::size_t i = 0; i < std::min(n, lanes_.size()); ++i) curl_multi_wakeup(lanes_[(first + i) % lanes_.size()]->multi);
   }
 
  private:
@@ -327,7 +348,13 @@ class http_engine {
     return 0;
   }
 
-  void begin(piece& p) {
+  struct lane {
+    CURLM* multi = nullptr;
+    std::vector<std::shared_ptr<piece>> incoming;  // mu_
+    std::thread thread;
+  };
+
+  void begin(lane& L, piece& p) {
     if (!p.easy && !(p.easy = curl_easy_init())) fail(errc::out_of_memory, "http.read", p.h->name, "curl_easy_init failed");
     curl_easy_reset(p.easy);
     p.errbuf[0] = 0;
@@ -341,7 +368,7 @@ class http_engine {
     curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, on_data);
     curl_easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
     curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
-    if (curl_multi_add_handle(multi_, p.easy) != CURLM_OK) fail(errc::internal, "http.read", p.h->name, "curl_multi_add_handle failed");
+    if (curl_multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.read", p.h->name, "curl_multi_add_handle failed");
   }
 
   // The piece is off libcurl for good (curl thread only).
@@ -356,7 +383,7 @@ class http_engine {
   void finish(const std::shared_ptr<piece>& p, const error* e) {
     if (p->slot) {
       p->slot = {};
-      curl_multi_wakeup(multi_);  // pieces may be waiting for a buffer
+      for (auto& l : lanes_) curl_multi_wakeup(l->multi);  // pieces may be waiting for a buffer
     }
     request& r = *p->req;
     file_source::completion done;
@@ -428,14 +455,14 @@ class http_engine {
     });
   }
 
-  void loop() {
+  void loop(lane& L) {
     std::vector<std::shared_ptr<piece>> waiting, running;
     for (;;) {
       {
         std::lock_guard l(mu_);
         if (stop_) break;
-        for (auto& p : incoming_) waiting.push_back(std::move(p));
-        incoming_.clear();
+        for (auto& p : L.incoming) waiting.push_back(std::move(p));
+        L.incoming.clear();
       }
       const auto now = clk::now();
       // Start what may: its pause over, a staging buffer had, a connection's worth of room.
@@ -449,7 +476,7 @@ class http_engine {
           it = waiting.erase(it);
           continue;
         }
-        if (p->not_before > now || running.size() >= static_cast<std::size_t>(o_.connections)) {
+        if (p->not_before > now || running.size() >= per_lane_) {
           ++it;
           continue;
         }
@@ -458,7 +485,7 @@ class http_engine {
           continue;
         }
         try {
-          begin(*p);
+          begin(L, *p);
         } catch (const error& e) {
           let_go(*p);
           finish(p, &e);
@@ -469,14 +496,14 @@ class http_engine {
         it = waiting.erase(it);
       }
       int still = 0;
-      curl_multi_perform(multi_, &still);
+      curl_multi_perform(L.multi, &still);
       int left = 0;
       bool freed = false;  // a piece ended: one waiting may start now, not after the poll's timeout
-      while (CURLMsg* m = curl_multi_info_read(multi_, &left)) {
+      while (CURLMsg* m = curl_multi_info_read(L.multi, &left)) {
         if (m->msg != CURLMSG_DONE) continue;
         CURL* easy = m->easy_handle;
         const CURLcode rc = m->data.result;
-        curl_multi_remove_handle(multi_, easy);
+        curl_multi_remove_handle(L.multi, easy);
         auto it = std::find_if(running.begin(), running.end(), [&](auto& q) { return q->easy == easy; });
         if (it == running.end()) continue;
         auto p = std::move(*it);
@@ -490,26 +517,26 @@ class http_engine {
           ++it;
           continue;
         }
-        curl_multi_remove_handle(multi_, (*it)->easy);
+        curl_multi_remove_handle(L.multi, (*it)->easy);
         error e(errc::timeout, "http.read", fmt::format("{} offset {}", (*it)->h->name, (*it)->offset + (*it)->got),
                 "the request's deadline passed");
         let_go(**it);
         finish(*it, &e);
         it = running.erase(it);
       }
-      curl_multi_poll(multi_, nullptr, 0, freed && !waiting.empty() ? 0 : waiting.empty() ? 1000 : 20, nullptr);
+      curl_multi_poll(L.multi, nullptr, 0, freed && !waiting.empty() ? 0 : waiting.empty() ? 1000 : 20, nullptr);
     }
     // Going: what is left fails; the engine's copies under way end first (they use this engine).
     error gone(errc::cancelled, "http.read", "http", "the runtime is going");
     for (auto& p : running) {
-      curl_multi_remove_handle(multi_, p->easy);
+      curl_multi_remove_handle(L.multi, p->easy);
       let_go(*p);
       finish(p, &gone);
     }
     std::vector<std::shared_ptr<piece>> rest;
     {
       std::lock_guard l(mu_);
-      rest.swap(incoming_);
+      rest.swap(L.incoming);
     }
     for (auto* list : {&waiting, &rest})
       for (auto& p : *list) {
@@ -521,14 +548,14 @@ class http_engine {
   }
 
   http_options o_;
-  CURLM* multi_ = nullptr;
+  std::vector<std::unique_ptr<lane>> lanes_;
+  std::size_t per_lane_ = 1;                      // pieces under way per lane
+  std::atomic<std::size_t> next_lane_{0};
   std::mutex mu_;
   std::condition_variable copies_cv_;
-  std::vector<std::shared_ptr<piece>> incoming_;  // mu_
   bool stop_ = false;                             // mu_
   std::uint64_t copies_ = 0;                      // mu_
   std::atomic<std::uint64_t> n_pieces_{0}, n_retries_{0}, n_staged_{0};
-  std::thread thread_;
 };
 
 class http_file final : public file_source {

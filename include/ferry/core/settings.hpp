@@ -44,6 +44,7 @@ FERRY_API std::string_view to_string(page_replacement v) noexcept;
 
 FERRY_API int default_xfer_threads() noexcept;  // half the hardware threads, 2..16
 FERRY_API int default_io_threads() noexcept;    // three quarters of the hardware threads, 2..16
+FERRY_API int default_http_threads() noexcept;  // a quarter of the hardware threads, 1..8
 
 struct FERRY_API settings {
   // core
@@ -99,7 +100,8 @@ struct FERRY_API settings {
   int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
   // http://, https:// sources
   std::uint64_t http_piece = 8ull << 20;   // bytes per range request
-  int http_connections = 8;                // connections per host
+  int http_connections = 16;               // pieces under way at once (each its connection)
+  int http_threads = 0;                    // libcurl threads (0: default_http_threads())
   int http_retries = 5;                    // attempts after the first, for a piece that failed on the way
   std::string http_ca_file;                // certificates to trust for https (empty: the system's)
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host

@@ -6,8 +6,8 @@
 // sim), with the same per-request results and deadlines. A ferry::runtime registers it for itself.
 //
 // Opening asks the server for the file's size and version (HEAD: Content-Length, ETag). A read is cut
-// into range requests of at most `piece` bytes, served in parallel over at most `connections`
-// connections per host by libcurl, all driven by one thread; each range must come from the version
+// into range requests of at most `piece` bytes, at most `connections` under way at once, each on
+// a connection of its own, spread over `threads` libcurl threads; each range must come from the version
 // seen at open (If-Match), so a file replaced under a read fails it instead of mixing two. GPU and
 // sim memory is landed in the transfer engine's pinned staging buffers and copied on by the engine;
 // host memory directly. A piece whose connection is reset or closed, or that gets a 5xx or 429
@@ -36,6 +36,7 @@ struct http_options {
   transfer_engine* engine = nullptr;
   std::uint64_t piece = settings::defaults().http_piece;       // FERRY_HTTP_PIECE
   int connections = settings::defaults().http_connections;     // FERRY_HTTP_CONNECTIONS
+  int threads = 1;                                             // FERRY_HTTP_THREADS (resolved)
   int retries = settings::defaults().http_retries;             // FERRY_HTTP_RETRIES
   std::chrono::nanoseconds deadline = settings::defaults().deadline;  // no byte for this long: fail
   std::string ca_file = settings::defaults().http_ca_file;     // FERRY_HTTP_CA_FILE
