@@ -177,7 +177,7 @@ def _length(s: Span, nbytes: int | None) -> int:
 
 def open(path: str | os.PathLike, mode: str = "r") -> File:  # noqa: A001 - the package's open, like io.open
     """Opens a local file (str or os.PathLike), ``ferry://host:port/path``, or an ``http://``, ``https://`` or
-    ``s3://bucket/key`` URL (read only); mode 'r', 'r+' or 'w' (create or truncate). Only regular files: a FIFO, socket or device is refused
+    ``s3://bucket/key`` URL (read, or 'w': put whole by one write); mode 'r', 'r+' or 'w' (create or truncate). Only regular files: a FIFO, socket or device is refused
     without blocking."""
     return File(runtime().open(_fspath(path), mode))
 

@@ -69,7 +69,8 @@ events {{ worker_connections 256; }}
 http {{
   access_log off;
   {temp}
-  server {{ listen 127.0.0.1:{self.port}; root {self.root}; location /slow/ {{ limit_rate 1m; }} }}
+  server {{ listen 127.0.0.1:{self.port}; root {self.root}; location /slow/ {{ limit_rate 1m; }}
+            location /up/ {{ dav_methods PUT; create_full_put_path on; client_max_body_size 0; }} }}
   server {{ listen 127.0.0.1:{self.tls} ssl; ssl_certificate {self.cert}; ssl_certificate_key {key}; root {self.root}; }}
 }}
 """)
@@ -156,8 +157,8 @@ def test_bad_requests_are_clear_errors(web):
     with pytest.raises(ferry.Error, match=r"127\.0\.0\.1:\d+/missing\.bin.*HTTP 404") as e:
         ferry.open(f"{web.url}/missing.bin")
     assert e.value.code == "not_found"
-    with pytest.raises(ferry.Error, match="read-only") as e:
-        ferry.open(f"{web.url}/data.bin", "w")
+    with pytest.raises(ferry.Error, match="not in place") as e:
+        ferry.open(f"{web.url}/data.bin", "r+")
     assert e.value.code == "not_supported"
     port = free_port()  # nothing listens there
     with pytest.raises(ferry.Error, match=f"127.0.0.1:{port}/x.bin") as e:
@@ -186,6 +187,31 @@ def test_https_checks_the_certificate(web):
     with pytest.raises(ferry.Error, match="certificate|SSL") as e:
         ferry.open(f"{web.https}/data.bin")  # this process trusts the system's certificates only
     assert e.value.code == "network_error"
+
+
+def test_a_file_opened_for_writing_is_put_whole(web):
+    data = np.random.default_rng(12).integers(0, 256, 9_000_017, dtype=np.uint8)
+    url = f"{web.url}/up/dir/a.bin"
+    with ferry.open(url, "w") as f:
+        f.write_from(data)
+        with pytest.raises(ferry.Error, match="one write of the whole file") as e:
+            f.write_from(data[:10])
+        assert e.value.code == "not_supported"
+    assert (web.root / "up" / "dir" / "a.bin").read_bytes() == data.tobytes()
+    back = np.zeros(len(data), dtype=np.uint8)
+    assert ferry.open(url).read_into(back) == len(data) and np.array_equal(back, data)
+    dev = ferry.empty(len(data), "sim:0")  # from device memory: through a staging buffer
+    ferry.copy(dev, data[::-1].copy())
+    with ferry.open(f"{web.url}/up/b.bin", "w") as f:
+        f.write_from(dev)
+    assert (web.root / "up" / "b.bin").read_bytes() == data[::-1].tobytes()
+    with pytest.raises(ferry.Error, match="offset 0") as e:
+        ferry.open(f"{web.url}/up/c.bin", "w").write_from(data[:10], 5)
+    with pytest.raises(ferry.Error, match="not in place") as e:
+        ferry.open(f"{web.url}/up/b.bin", "r+")
+    assert e.value.code == "not_supported"
+    with pytest.raises(ferry.Error, match="HTTP 405") as e:  # nginx takes no PUT outside /up/
+        ferry.open(f"{web.url}/elsewhere.bin", "w").write_from(data[:10])
 
 
 class _Ranges(http.server.BaseHTTPRequestHandler):
@@ -358,6 +384,19 @@ def test_s3_objects_read_with_credentials_from_the_environment_or_the_file(s3, m
     assert e.value.code == "invalid_argument"
 
 
+def test_s3_objects_are_put_whole(s3, monkeypatch):
+    endpoint, _ = s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "S3RVER")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "S3RVER")
+    data = np.random.default_rng(13).integers(0, 256, 6_000_001, dtype=np.uint8)
+    with ferry.open("s3://test/put/x y.bin", "w") as f:
+        f.write_from(data)
+    back = np.zeros(len(data), dtype=np.uint8)
+    assert ferry.open("s3://test/put/x y.bin").read_into(back) == len(data)
+    assert np.array_equal(back, data)
+
+
 def test_a_checkpoint_loads_from_s3(s3, monkeypatch):
     torch = pytest.importorskip("torch")
     endpoint, put = s3
@@ -465,6 +504,16 @@ class _SigV4(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self._answer(True)
 
+    def do_PUT(self):
+        type(self).seen.append((self.command, self.path, self.headers.get("Authorization", "")[:16]))
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        ok = self._signature_ok()
+        if ok:
+            self.objects[self.path] = body
+        self.send_response(200 if ok else 403)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
 
 def test_s3_signatures_are_aws_signature_version_4(monkeypatch):
     handler = type("S", (_SigV4,), {"objects": {}, "seen": []})
@@ -485,7 +534,10 @@ def test_s3_signatures_are_aws_signature_version_4(monkeypatch):
             buf = np.zeros(len(data) - 5, dtype=np.uint8)
             assert f.read_into(buf, 5) == len(buf)
             assert np.array_equal(buf, data[5:])
-        assert {c for c, _, _ in handler.seen} == {"HEAD", "GET"}
+        with ferry.open("s3://bkt/new/obj.bin", "w") as f:
+            f.write_from(data[:1000])
+        assert handler.objects["/bkt/new/obj.bin"] == data[:1000].tobytes()
+        assert {c for c, _, _ in handler.seen} == {"HEAD", "GET", "PUT"}
         assert all(a == "AWS4-HMAC-SHA256" for _, _, a in handler.seen), "every request signed"
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
         with pytest.raises(ferry.Error, match=r"s3://bkt/a dir/w\+x\.bin.*HTTP 403") as e:

@@ -138,12 +138,14 @@ void common(CURL* c, const std::string& url, const http_options& o, char* errbuf
 }
 
 // The headers of a request: the version the ranges must come from, and what S3 signs.
-curl_slist* headers_for(const std::string& etag, const s3_signing* sign) {
+curl_slist* headers_for(const std::string& etag, const s3_signing* sign, bool put = false) {
   curl_slist* h = nullptr;
   if (!etag.empty()) h = curl_slist_append(h, ("If-Match: " + etag).c_str());
+  if (put) h = curl_slist_append(h, "Expect:");  // no 100-continue round trip
   if (sign) {
-    // A GET or HEAD has no body: the SHA-256 of nothing.
-    h = curl_slist_append(h, "x-amz-content-sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    // A GET or HEAD has no body: the SHA-256 of nothing; a PUT's body is not hashed (S3 allows it).
+    h = curl_slist_append(h, put ? "x-amz-content-sha256: UNSIGNED-PAYLOAD"
+                                 : "x-amz-content-sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
     if (!sign->token.empty()) h = curl_slist_append(h, ("x-amz-security-token: " + sign->token).c_str());
   }
   return h;
@@ -249,7 +251,7 @@ class http_engine {
   }
 
   std::string describe() const {
-    return fmt::format("HTTP (libcurl {}): {} range requests, {} tried again{}", curl_version_info(CURLVERSION_NOW)->version,
+    return fmt::format("HTTP (libcurl {}): {} requests, {} tried again{}", curl_version_info(CURLVERSION_NOW)->version,
                        n_pieces_.load(), n_retries_.load(), n_staged_.load() ? " -> copy on (transfer engine)" : "");
   }
 
@@ -297,6 +299,40 @@ class http_engine {
     for (std::size_t i = 0; i < std::min(n, lanes_.size()); ++i) curl_multi_wakeup(lanes_[(first + i) % lanes_.size()]->multi);
   }
 
+  // The whole file from [mem, mem + bytes), in one PUT (device memory through a staging buffer).
+  void write(const std::shared_ptr<const head_result>& h, const std::byte* mem, std::uint64_t bytes, clk::time_point until,
+             file_source::completion done) {
+    auto p = std::make_shared<piece>();
+    if (o_.cache && bytes) {
+      p->user = o_.cache->classify(mem, bytes);
+      if (p->user.type == memory_type::unknown)
+        fail(errc::bad_address, "http.write", fmt::format("{}+{}", static_cast<const void*>(mem), bytes), "not memory ferry knows (freed, or never mapped?)");
+      if (p->user.type == memory_type::device || p->user.type == memory_type::unified) {
+        if (!o_.engine) fail(errc::invalid_argument, "http.write", p->user.device_id(), "device memory needs a transfer engine for staging");
+        p->pool = &o_.engine->staging_for(p->user);
+        p->eng = o_.engine;
+      }
+    }
+    auto req = std::make_shared<request>();
+    req->bytes = bytes;
+    req->done = std::move(done);
+    req->left = 1;
+    p->req = req;
+    p->h = h;
+    p->put = true;
+    p->len = bytes;
+    p->dst = const_cast<std::byte*>(mem);  // read from, never written
+    p->until = until;
+    const std::size_t at = next_lane_.fetch_add(1) % lanes_.size();
+    {
+      std::lock_guard l(mu_);
+      if (stop_) fail(errc::cancelled, "http.write", h->name, "the runtime is going");
+      lanes_[at]->incoming.push_back(std::move(p));
+    }
+    n_pieces_ += 1;
+    curl_multi_wakeup(lanes_[at]->multi);
+  }
+
  private:
   struct request {
     std::mutex mu;
@@ -317,6 +353,9 @@ class http_engine {
     int attempts = 0;
     long status = 0;
     bool enough = false;                         // a 200 answer (the whole file) cut off once the range was in
+    bool put = false;                            // an upload of [dst, dst + len) as the whole file (got: bytes sent)
+    std::uint64_t slot_at = 0, slot_len = 0;     // put from device memory: the source's bytes in the slot
+    transfer_engine* eng = nullptr;              // put from device memory: copies the source into the slot
     std::optional<error> bad;                    // the answer cannot be used (set by on_data)
     CURL* easy = nullptr;
     curl_slist* headers = nullptr;
@@ -354,6 +393,35 @@ class http_engine {
     std::thread thread;
   };
 
+  // An upload's body, as libcurl asks for it: from the caller's host memory, or from device memory a
+  // staging buffer at a time (copied by the transfer engine on this lane's thread).
+  static std::size_t on_send(char* b, std::size_t sz, std::size_t n, void* ud) {
+    auto& p = *static_cast<piece*>(ud);
+    const std::size_t room = sz * n;
+    if (p.got == p.len) return 0;
+    if (!p.slot) {
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, p.len - p.got));
+      std::memcpy(b, p.dst + p.got, k);
+      p.got += k;
+      return k;
+    }
+    if (p.got == p.slot_at + p.slot_len) {  // the slot is sent: the source's next stretch into it
+      p.slot_at = p.got;
+      p.slot_len = std::min<std::uint64_t>(p.slot.size(), p.len - p.got);
+      try {
+        p.eng->copy(transfer_request{p.slot.data(), p.dst + p.slot_at, p.slot_len, &p.slot.region(), &p.user}, {p.until});
+      } catch (const error& e) {
+        p.bad = e;
+        return CURL_READFUNC_ABORT;
+      }
+    }
+    const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, p.slot_at + p.slot_len - p.got));
+    std::memcpy(b, p.slot.data() + (p.got - p.slot_at), k);
+    p.got += k;
+    return k;
+  }
+  static std::size_t discard(char*, std::size_t sz, std::size_t n, void*) { return sz * n; }
+
   void begin(lane& L, piece& p) {
     if (!p.easy && !(p.easy = curl_easy_init())) fail(errc::out_of_memory, "http.read", p.h->name, "curl_easy_init failed");
     curl_easy_reset(p.easy);
@@ -361,10 +429,21 @@ class http_engine {
     p.status = 0;
     p.enough = false;
     common(p.easy, p.h->url, o_, p.errbuf, p.h->sign.get());
+    if (!p.headers) p.headers = headers_for(p.put ? std::string() : p.h->etag, p.h->sign.get(), p.put);
+    if (p.headers) curl_easy_setopt(p.easy, CURLOPT_HTTPHEADER, p.headers);
+    if (p.put) {
+      p.got = p.slot_at = p.slot_len = 0;  // an upload starts again from its first byte
+      curl_easy_setopt(p.easy, CURLOPT_UPLOAD, 1L);
+      curl_easy_setopt(p.easy, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(p.len));
+      curl_easy_setopt(p.easy, CURLOPT_READFUNCTION, on_send);
+      curl_easy_setopt(p.easy, CURLOPT_READDATA, &p);
+      curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, discard);
+      curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
+      if (curl_multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.write", p.h->name, "curl_multi_add_handle failed");
+      return;
+    }
     const std::string range = fmt::format("{}-{}", p.offset + p.got, p.offset + p.len - 1);
     curl_easy_setopt(p.easy, CURLOPT_RANGE, range.c_str());
-    if (!p.headers) p.headers = headers_for(p.h->etag, p.h->sign.get());
-    if (p.headers) curl_easy_setopt(p.easy, CURLOPT_HTTPHEADER, p.headers);
     curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, on_data);
     curl_easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
     curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
@@ -407,21 +486,27 @@ class http_engine {
       let_go(*p);
       return finish(p, &*p->bad);
     }
-    if ((rc == CURLE_OK || (rc == CURLE_WRITE_ERROR && p->enough)) && p->got == p->len && (status == 206 || status == 200)) {
+    if (p->put && rc == CURLE_OK && status >= 200 && status < 300 && p->got == p->len) {
+      let_go(*p);
+      return finish(p, nullptr);
+    }
+    if (!p->put && (rc == CURLE_OK || (rc == CURLE_WRITE_ERROR && p->enough)) && p->got == p->len && (status == 206 || status == 200)) {
       let_go(*p);
       return landed(std::move(p));
     }
     bool again;
     std::optional<error> e;
+    const char* op = p->put ? "http.write" : "http.read";
     if (rc != CURLE_OK) {
-      e = curl_error(rc, p->errbuf, "http.read", p->h->name, at);
+      e = curl_error(rc, p->errbuf, op, p->h->name, at);
       again = retriable(rc);
     } else if (status < 200 || status >= 300) {
-      e = status_error(status, "http.read", p->h->name, at);
+      e = status_error(status, op, p->h->name, at);
       again = retriable(status);
     } else {
-      e = error(errc::io_error, "http.read", fmt::format("{} offset {}", p->h->name, at),
-                fmt::format("the answer ended after {} of the {} bytes asked for", p->got, p->len));
+      e = error(errc::io_error, p->put ? "http.write" : "http.read", fmt::format("{} offset {}", p->h->name, at),
+                p->put ? fmt::format("the server answered before all {} bytes were sent", p->len)
+                       : fmt::format("the answer ended after {} of the {} bytes asked for", p->got, p->len));
       again = true;
     }
     const auto now = clk::now();
@@ -558,19 +643,34 @@ class http_engine {
   std::atomic<std::uint64_t> n_pieces_{0}, n_retries_{0}, n_staged_{0};
 };
 
+// A file opened for reading (its size and version from the HEAD), or created: then it takes one
+// write of the whole file, from offset 0, sent as one PUT (what `ferry cp` and a save write).
 class http_file final : public file_source {
  public:
-  http_file(std::shared_ptr<http_engine> e, head_result h) : e_(std::move(e)), h_(std::make_shared<const head_result>(std::move(h))) {}
-  std::uint64_t size() override { return h_->size; }
+  http_file(std::shared_ptr<http_engine> e, head_result h, bool create)
+      : e_(std::move(e)), h_(std::make_shared<const head_result>(std::move(h))), create_(create) {}
+  std::uint64_t size() override { return create_ ? written_.load() : h_->size; }
   std::string describe() override { return e_->describe(); }
   void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, clk::time_point until, completion done) override {
-    if (write) fail(errc::not_supported, "http.write", h_->name, "read-only here");
-    e_->read(h_, offset, static_cast<std::byte*>(mem), bytes, until, std::move(done));
+    if (write != create_)
+      fail(errc::not_supported, write ? "http.write" : "http.read", h_->name,
+           write ? "opened for reading: open it for writing (create) to put it" : "opened for writing: it is read once written, opened again");
+    if (!write) return e_->read(h_, offset, static_cast<std::byte*>(mem), bytes, until, std::move(done));
+    if (offset != 0 || started_.exchange(true))
+      fail(errc::not_supported, "http.write", h_->name,
+           "an http://, https:// or s3:// file takes one write of the whole file, from offset 0 (sent as one PUT)");
+    e_->write(h_, static_cast<const std::byte*>(mem), bytes, until, [this, bytes, d = std::move(done)](std::uint64_t n, const error* e) {
+      if (!e) written_ = bytes;
+      d(n, e);
+    });
   }
 
  private:
   std::shared_ptr<http_engine> e_;
   std::shared_ptr<const head_result> h_;
+  bool create_;
+  std::atomic<bool> started_{false};
+  std::atomic<std::uint64_t> written_{0};
 };
 
 std::string env(const char* name) {
@@ -657,16 +757,22 @@ struct http_registry {
   std::shared_ptr<file_source> open(const std::string& uri, open_mode mode) {
     const bool s3 = uri.starts_with("s3://");
     target t = s3 ? resolve_s3(uri) : target{uri, shown(uri), nullptr};
-    if (mode != open_mode::read) fail(errc::not_supported, "file.open", t.name, "read-only here (open it for reading)");
+    if (mode == open_mode::read_write)
+      fail(errc::not_supported, "file.open", t.name, "not in place: open it for reading, or for writing (create) to put it whole");
     std::shared_ptr<http_engine> e;
     {
       std::lock_guard l(mu);
       if (!engine) engine = std::make_shared<http_engine>(options());
       e = engine;
     }
+    if (mode == open_mode::create) {
+      head_result h;
+      static_cast<target&>(h) = t;
+      return std::make_shared<http_file>(std::move(e), std::move(h), true);
+    }
     auto h = head(t, e->options());
     if (!s3) h.name = shown(h.url);  // where the redirects led
-    return std::make_shared<http_file>(std::move(e), std::move(h));
+    return std::make_shared<http_file>(std::move(e), std::move(h), false);
   }
 };
 

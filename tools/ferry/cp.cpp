@@ -94,16 +94,16 @@ int cp_from_remote(runtime& rt, const cp_options& o) {
   return 0;
 }
 
-// Any source -> ferry://host:port/path on a writable server, through the file API as Python writes
-// ferry://: one file engine write request of the whole range, which the file's source (the shared
-// store client) splits into pieces; syncing the file replaces the server's file as a whole, and a
-// failed write leaves it as it was. A memory source is filled with a pattern; a file or ferry://
+// Any source -> ferry://host:port/path on a writable server (or an http://, https:// or s3:// URL,
+// put whole), through the file API as Python writes them: one file engine write request of the
+// whole range, which the file's source splits into pieces (ferry://) or sends as one PUT; syncing the
+// file replaces the server's file as a whole, and a failed write leaves it as it was. A memory source is filled with a pattern; a file or ferry://
 // source is first read whole into the --via endpoint (host by default), so the data must fit there.
 // Verified by the file's size and by reading the written range back.
 int cp_to_remote(runtime& rt, const cp_options& o) {
-  // Before reading anything, a read-only server is refused: opening for read_write asks the server
-  // (and names a directory) without opening a write.
-  file::open(o.dst, open_mode::read_write);
+  // Before reading anything, a read-only ferry:// server is refused: opening for read_write asks the
+  // server (and names a directory) without opening a write.
+  if (o.dst.starts_with("ferry://")) file::open(o.dst, open_mode::read_write);
   std::shared_ptr<file> fin;
   if (is_file(o.src)) fin = file::open(o.src.substr(5), open_mode::read);
   else if (is_remote(o.src)) fin = file::open(o.src, open_mode::read);

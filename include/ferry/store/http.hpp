@@ -1,6 +1,6 @@
 #pragma once
 // http://, https:// and s3:// files in the file API (docs/design/remote-sources.md). While the returned
-// registration lives, file::open("https://host/path") gives a read-only file that file_engine
+// registration lives, file::open("https://host/path") gives a file that file_engine
 // batches, the synchronous helpers and everything built on them (ferry cp, ferry.open,
 // ferry.safetensors.load) read like a local one, into any memory ferry knows (host, pinned, GPU,
 // sim), with the same per-request results and deadlines. A ferry::runtime registers it for itself.
@@ -13,6 +13,7 @@
 // host memory directly. A piece whose connection is reset or closed, or that gets a 5xx or 429
 // answer, is tried again from the byte it reached (`retries` times, pausing 0.1 s doubling to 2 s);
 // one that moves no byte for `deadline` fails. Errors name the URL and the byte offset.
+// A file opened for writing (create) takes one write of the whole file, sent as one PUT.
 // s3://bucket/key is such a request to the bucket's endpoint, signed (SigV4, by libcurl) with the
 // standard AWS environment or the shared credentials file; anonymous without either.
 #include <ferry/core/export.hpp>
