@@ -1163,8 +1163,8 @@ def checksum(t) -> int:
 
 def save(tensors: Mapping[str, Any], path: Any, metadata: Mapping[str, str] | None = None, *,
          timeout: float | str | None = None) -> None:
-    """Writes ``{name: tensor}`` as safetensors (local, os.PathLike or ferry://), with a checksum of every tensor in
-    the metadata. Metadata keys and values must be strings, as safetensors requires."""
+    """Writes ``{name: tensor}`` as safetensors (local, os.PathLike, ferry://, or http(s):// and s3://, put whole from
+    host memory), with a checksum of every tensor in the metadata. Metadata keys and values must be strings, as safetensors requires."""
     import ferry
 
     torch = _torch()
@@ -1194,8 +1194,17 @@ def save(tensors: Mapping[str, Any], path: Any, metadata: Mapping[str, str] | No
     raw += b" " * (-len(raw) % 8)
     head = struct.pack("<Q", len(raw)) + raw
     with ferry.open(path, "w") as f:
-        f.write_from(head, 0, timeout=timeout)
-        for t, off, n in parts:
-            if n:
-                f.write_from(t, len(head) + off, timeout=timeout)
+        if path.startswith(("http://", "https://", "s3://")):
+            # These take one write of the whole file (one PUT): the file is put together in host memory first.
+            whole = torch.empty(len(head) + offset, dtype=torch.uint8)
+            whole[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            for t, off, n in parts:
+                if n:
+                    whole[len(head) + off:len(head) + off + n] = t.reshape(-1).view(torch.uint8).cpu()
+            f.write_from(whole, 0, timeout=timeout)
+        else:
+            f.write_from(head, 0, timeout=timeout)
+            for t, off, n in parts:
+                if n:
+                    f.write_from(t, len(head) + off, timeout=timeout)
         f.sync()  # durable (and, for ferry://, committed) before save returns

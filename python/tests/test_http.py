@@ -384,6 +384,14 @@ def test_s3_objects_read_with_credentials_from_the_environment_or_the_file(s3, m
     assert e.value.code == "invalid_argument"
 
 
+def test_a_checkpoint_saved_to_a_url_loads_back(web):
+    torch = pytest.importorskip("torch")
+    t = {"a": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int32), "e": torch.empty(0)}
+    ferry.safetensors.save(t, f"{web.url}/up/saved.safetensors")
+    got = ferry.safetensors.load(f"{web.url}/up/saved.safetensors", progress=False, verify=True)
+    assert set(got) == set(t) and all(torch.equal(got[k], t[k]) for k in t)
+
+
 def test_s3_objects_are_put_whole(s3, monkeypatch):
     endpoint, _ = s3
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
