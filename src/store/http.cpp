@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <array>
 #include <cctype>
 #include <cstdio>
@@ -162,45 +163,86 @@ struct head_result : target {
   std::string etag;  // strong ETags only: ranges must come from the version seen here (If-Match)
 };
 
+// What an answer's headers say of the file: its version (a strong ETag) and, for a range, its size.
+struct head_lines {
+  std::string etag;
+  std::int64_t total = -1;  // from "Content-Range: bytes a-b/total"
+};
+
 std::size_t on_head_line(char* b, std::size_t sz, std::size_t n, void* ud) {
-  auto& etag = *static_cast<std::string*>(ud);
+  auto& h = *static_cast<head_lines*>(ud);
   std::string_view line(b, sz * n);
+  while (!line.empty() && (line.back() == '\r' || line.back() == '\n' || line.back() == ' ')) line.remove_suffix(1);
+  auto value = [&](std::size_t skip) {
+    std::string_view v = line.substr(skip);
+    while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
+    return v;
+  };
   if (line.size() > 5 && strncasecmp(line.data(), "etag:", 5) == 0) {
-    line.remove_prefix(5);
-    while (!line.empty() && (line.front() == ' ' || line.front() == '\t')) line.remove_prefix(1);
-    while (!line.empty() && (line.back() == '\r' || line.back() == '\n' || line.back() == ' ')) line.remove_suffix(1);
-    etag = line.starts_with("W/") ? std::string() : std::string(line);  // a weak one cannot be matched
+    std::string_view v = value(5);
+    h.etag = v.starts_with("W/") ? std::string() : std::string(v);  // a weak one cannot be matched
+  } else if (line.size() > 14 && strncasecmp(line.data(), "content-range:", 14) == 0) {
+    std::string_view v = value(14);
+    if (auto slash = v.rfind('/'); slash != std::string_view::npos && v.substr(slash + 1) != "*") {
+      std::int64_t t = 0;
+      auto [p, ec] = std::from_chars(v.data() + slash + 1, v.data() + v.size(), t);
+      if (ec == std::errc() && p == v.data() + v.size()) h.total = t;
+    }
   } else if (line.starts_with("HTTP/")) {
-    etag.clear();  // a new answer (after a redirect): its own headers count
+    h = {};  // a new answer (after a redirect): its own headers count
   }
   return sz * n;
 }
 
+// The body of the first-byte GET: one byte expected; a server that sends the whole file instead is
+// cut off (its Content-Length still says the size).
+std::size_t discard_body(char*, std::size_t sz, std::size_t n, void* ud) {
+  auto& seen = *static_cast<std::uint64_t*>(ud);
+  seen += sz * n;
+  return seen <= 1 ? sz * n : 0;
+}
+
 head_result head(const target& t, const http_options& o) {
   global_init();
-  std::unique_ptr<CURL, void (*)(CURL*)> c(curl_easy_init(), curl_easy_cleanup);
-  if (!c) fail(errc::out_of_memory, "http.open", t.name, "curl_easy_init failed");
-  char err[CURL_ERROR_SIZE] = {};
-  common(c.get(), t.url, o, err, t.sign.get());
-  std::unique_ptr<curl_slist, void (*)(curl_slist*)> hdr(headers_for({}, t.sign.get()), curl_slist_free_all);
-  if (hdr) curl_easy_setopt(c.get(), CURLOPT_HTTPHEADER, hdr.get());
   head_result h;
   static_cast<target&>(h) = t;
-  curl_easy_setopt(c.get(), CURLOPT_NOBODY, 1L);
-  curl_easy_setopt(c.get(), CURLOPT_HEADERFUNCTION, on_head_line);
-  curl_easy_setopt(c.get(), CURLOPT_HEADERDATA, &h.etag);
-  CURLcode rc = curl_easy_perform(c.get());
-  if (rc != CURLE_OK) throw curl_error(rc, err, "http.open", t.name, 0);
-  long status = 0;
-  curl_easy_getinfo(c.get(), CURLINFO_RESPONSE_CODE, &status);
-  if (status < 200 || status >= 300) throw status_error(status, "http.open", t.name, 0);
-  curl_off_t len = -1;
-  curl_easy_getinfo(c.get(), CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len);
-  if (len < 0) fail(errc::not_supported, "http.open", t.name, "the server gives no size for it (no Content-Length)");
-  char* at = nullptr;
-  curl_easy_getinfo(c.get(), CURLINFO_EFFECTIVE_URL, &at);
-  h.size = static_cast<std::uint64_t>(len);
-  if (at) h.url = at;
+  // HEAD; where the server refuses it (a presigned URL is signed for GET only, some servers take no
+  // HEAD), the first byte by GET, whose Content-Range says the size.
+  for (const bool by_get : {false, true}) {
+    std::unique_ptr<CURL, void (*)(CURL*)> c(curl_easy_init(), curl_easy_cleanup);
+    if (!c) fail(errc::out_of_memory, "http.open", t.name, "curl_easy_init failed");
+    char err[CURL_ERROR_SIZE] = {};
+    common(c.get(), t.url, o, err, t.sign.get());
+    std::unique_ptr<curl_slist, void (*)(curl_slist*)> hdr(headers_for({}, t.sign.get()), curl_slist_free_all);
+    if (hdr) curl_easy_setopt(c.get(), CURLOPT_HTTPHEADER, hdr.get());
+    head_lines lines;
+    std::uint64_t seen = 0;
+    if (by_get) {
+      curl_easy_setopt(c.get(), CURLOPT_RANGE, "0-0");
+      curl_easy_setopt(c.get(), CURLOPT_WRITEFUNCTION, discard_body);
+      curl_easy_setopt(c.get(), CURLOPT_WRITEDATA, &seen);
+    } else {
+      curl_easy_setopt(c.get(), CURLOPT_NOBODY, 1L);
+    }
+    curl_easy_setopt(c.get(), CURLOPT_HEADERFUNCTION, on_head_line);
+    curl_easy_setopt(c.get(), CURLOPT_HEADERDATA, &lines);
+    CURLcode rc = curl_easy_perform(c.get());
+    if (rc != CURLE_OK && !(by_get && rc == CURLE_WRITE_ERROR)) throw curl_error(rc, err, "http.open", t.name, 0);
+    long status = 0;
+    curl_easy_getinfo(c.get(), CURLINFO_RESPONSE_CODE, &status);
+    if (!by_get && (status == 403 || status == 405 || status == 501)) continue;
+    if (status < 200 || status >= 300) throw status_error(status, "http.open", t.name, 0);
+    curl_off_t len = -1;
+    curl_easy_getinfo(c.get(), CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len);
+    if (by_get && status == 206) len = lines.total;
+    if (len < 0) fail(errc::not_supported, "http.open", t.name, "the server gives no size for it (no Content-Length)");
+    char* at = nullptr;
+    curl_easy_getinfo(c.get(), CURLINFO_EFFECTIVE_URL, &at);
+    h.size = static_cast<std::uint64_t>(len);
+    h.etag = lines.etag;
+    if (at) h.url = at;
+    break;
+  }
   return h;
 }
 
