@@ -217,7 +217,7 @@ def test_a_file_opened_for_writing_is_put_whole(web):
 class _Ranges(http.server.BaseHTTPRequestHandler):
     """A file with byte ranges, HEAD and an ETag; the first ``fail`` GETs answered 503, or every GET stalled
     after its headers."""
-    data, fail, stall, gets, no_head = b"", 0, False, 0, False
+    data, fail, stall, gets, no_head, shift = b"", 0, False, 0, False, 0
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *a):
@@ -246,6 +246,7 @@ class _Ranges(http.server.BaseHTTPRequestHandler):
             self.wfile.write(b"later")
             return
         first, last = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
+        first, last = first + cls.shift, last + cls.shift  # shift: a server that answers another range
         self._head(206, last - first + 1, [("Content-Range", f"bytes {first}-{last}/{len(self.data)}")])
         if cls.stall:
             time.sleep(30)
@@ -256,7 +257,7 @@ class _Ranges(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def ranges():
     handler = type("H", (_Ranges,), {"data": np.random.default_rng(3).integers(0, 256, 3_000_000, dtype=np.uint8).tobytes(),
-                                     "fail": 0, "stall": False, "gets": 0, "no_head": False})
+                                     "fail": 0, "stall": False, "gets": 0, "no_head": False, "shift": 0})
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -281,6 +282,15 @@ def test_a_server_that_refuses_head_is_sized_by_a_one_byte_get(ranges):
     with pytest.raises(ferry.Error) as e:  # messages leave out the query, where a signature is
         ferry.open(f"http://user:pass@127.0.0.1:{free_port()}/x.bin?X-Amz-Signature=secret")
     assert "secret" not in str(e.value) and "pass" not in str(e.value) and "/x.bin" in str(e.value)
+
+
+def test_an_answer_for_another_range_is_refused(ranges):
+    handler, url = ranges
+    handler.shift = 10
+    buf = np.zeros(1000, dtype=np.uint8)
+    with pytest.raises(ferry.Error, match="answered a range from byte 10") as e:
+        ferry.open(url).read_into(buf)
+    assert e.value.code == "protocol_error" and not buf.any(), "nothing of it lands in the buffer"
 
 
 def test_5xx_answers_are_tried_again(ranges):
@@ -517,6 +527,8 @@ class _SigV4(http.server.BaseHTTPRequestHandler):
             first, last = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
         self.send_response(206 if "Range" in self.headers else 200)
         self.send_header("Content-Length", str(last - first + 1 if body else len(data)))
+        if "Range" in self.headers:
+            self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
         self.send_header("ETag", '"e1"')
         self.end_headers()
         if body:

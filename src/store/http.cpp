@@ -100,6 +100,8 @@ error status_error(long status, const char* op, const std::string& name, std::ui
   std::string detail = fmt::format("the server answered HTTP {}", status);
   if (status == 412) detail += " (the file changed since it was opened)";
   if (status == 403) detail += " (no access: the credentials, or the object's permissions)";
+  if (status >= 300 && status < 400 && name.starts_with("s3://"))
+    detail += " (a redirect, not followed with credentials: the bucket's region is not AWS_REGION?)";
   return error(c, op, fmt::format("{} offset {}", name, offset), detail);
 }
 
@@ -120,10 +122,12 @@ void common(CURL* c, const std::string& url, const http_options& o, char* errbuf
   const long secs = std::max<long>(1, static_cast<long>(std::chrono::duration_cast<std::chrono::seconds>(o.deadline).count()));
   curl_easy_setopt(c, CURLOPT_URL, url.c_str());
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 1L);
+  // Redirects: never for a signed (S3) request, whose session token would go to the next host too;
+  // from https only to https.
+  curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, sign ? 0L : 1L);
   curl_easy_setopt(c, CURLOPT_MAXREDIRS, 8L);
   curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
-  curl_easy_setopt(c, CURLOPT_REDIR_PROTOCOLS_STR, "http,https");
+  curl_easy_setopt(c, CURLOPT_REDIR_PROTOCOLS_STR, url.starts_with("https:") ? "https" : "http,https");
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT, secs);
   curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
   curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, secs);
@@ -213,6 +217,8 @@ head_result head(const target& t, const http_options& o) {
     if (!c) fail(errc::out_of_memory, "http.open", t.name, "curl_easy_init failed");
     char err[CURL_ERROR_SIZE] = {};
     common(c.get(), t.url, o, err, t.sign.get());
+    // Headers only (and a byte): the whole answer within the deadline, not just some progress.
+    curl_easy_setopt(c.get(), CURLOPT_TIMEOUT_MS, static_cast<long>(std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline).count()));
     std::unique_ptr<curl_slist, void (*)(curl_slist*)> hdr(headers_for({}, t.sign.get()), curl_slist_free_all);
     if (hdr) curl_easy_setopt(c.get(), CURLOPT_HTTPHEADER, hdr.get());
     head_lines lines;
@@ -396,6 +402,7 @@ class http_engine {
     long status = 0;
     bool enough = false;                         // a 200 answer (the whole file) cut off once the range was in
     bool put = false;                            // an upload of [dst, dst + len) as the whole file (got: bytes sent)
+    std::int64_t range_start = -1;               // the answer's Content-Range start
     std::uint64_t slot_at = 0, slot_len = 0;     // put from device memory: the source's bytes in the slot
     transfer_engine* eng = nullptr;              // put from device memory: copies the source into the slot
     std::optional<error> bad;                    // the answer cannot be used (set by on_data)
@@ -409,8 +416,15 @@ class http_engine {
   static std::size_t on_data(char* b, std::size_t sz, std::size_t n, void* ud) {
     auto& p = *static_cast<piece*>(ud);
     const std::size_t bytes = sz * n;
-    if (!p.status) curl_easy_getinfo(p.easy, CURLINFO_RESPONSE_CODE, &p.status);
-    if (p.status < 200 || p.status >= 300) return bytes;  // an error's page: see ended()
+    if (!p.status) {
+      curl_easy_getinfo(p.easy, CURLINFO_RESPONSE_CODE, &p.status);
+      if (p.status == 206 && p.range_start >= 0 && p.range_start != static_cast<std::int64_t>(p.offset + p.got)) {
+        p.bad = error(errc::protocol_error, "http.read", fmt::format("{} offset {}", p.h->name, p.offset + p.got),
+                      fmt::format("the server answered a range from byte {} instead", p.range_start));
+        return 0;
+      }
+    }
+    if (p.status != 200 && p.status != 206) return bytes;  // not the file's bytes (an error's page): see ended()
     if (p.status == 200 && p.offset + p.got != 0) {
       p.bad = error(errc::not_supported, "http.read", fmt::format("{} offset {}", p.h->name, p.offset + p.got),
                     "the server ignored the byte range (answered 200, not 206): it cannot serve parts of a file");
@@ -463,6 +477,20 @@ class http_engine {
     return k;
   }
   static std::size_t discard(char*, std::size_t sz, std::size_t n, void*) { return sz * n; }
+  // A range answer's first byte (Content-Range: bytes a-b/total), checked against the one asked for.
+  static std::size_t on_header(char* b, std::size_t sz, std::size_t n, void* ud) {
+    auto& p = *static_cast<piece*>(ud);
+    std::string_view line(b, sz * n);
+    if (line.starts_with("HTTP/")) p.range_start = -1;
+    if (line.size() > 14 && strncasecmp(line.data(), "content-range:", 14) == 0) {
+      std::string_view v = line.substr(14);
+      auto at = v.find("bytes ");
+      std::int64_t first = -1;
+      if (at != std::string_view::npos) std::from_chars(v.data() + at + 6, v.data() + v.size(), first);
+      p.range_start = first;
+    }
+    return sz * n;
+  }
 
   void begin(lane& L, piece& p) {
     if (!p.easy && !(p.easy = curl_easy_init())) fail(errc::out_of_memory, "http.read", p.h->name, "curl_easy_init failed");
@@ -486,6 +514,9 @@ class http_engine {
     }
     const std::string range = fmt::format("{}-{}", p.offset + p.got, p.offset + p.len - 1);
     curl_easy_setopt(p.easy, CURLOPT_RANGE, range.c_str());
+    p.range_start = -1;
+    curl_easy_setopt(p.easy, CURLOPT_HEADERFUNCTION, on_header);
+    curl_easy_setopt(p.easy, CURLOPT_HEADERDATA, &p);
     curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, on_data);
     curl_easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
     curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
@@ -575,11 +606,19 @@ class http_engine {
       ++copies_;
     }
     n_staged_ += p->len;
-    o_.engine->submit({&r, 1}, {p->until}, [this, p](std::span<const request_result> res) {
-      finish(p, res[0].err ? &*res[0].err : nullptr);
-      std::lock_guard l(mu_);
-      if (--copies_ == 0) copies_cv_.notify_all();
-    });
+    try {
+      o_.engine->submit({&r, 1}, {p->until}, [this, p](std::span<const request_result> res) {
+        finish(p, res[0].err ? &*res[0].err : nullptr);
+        std::lock_guard l(mu_);
+        if (--copies_ == 0) copies_cv_.notify_all();
+      });
+    } catch (const error& e) {
+      {
+        std::lock_guard l(mu_);
+        if (--copies_ == 0) copies_cv_.notify_all();
+      }
+      finish(p, &e);
+    }
   }
 
   void loop(lane& L) {
@@ -645,8 +684,8 @@ class http_engine {
           continue;
         }
         curl_multi_remove_handle(L.multi, (*it)->easy);
-        error e(errc::timeout, "http.read", fmt::format("{} offset {}", (*it)->h->name, (*it)->offset + (*it)->got),
-                "the request's deadline passed");
+        error e(errc::timeout, (*it)->put ? "http.write" : "http.read",
+                fmt::format("{} offset {}", (*it)->h->name, (*it)->offset + (*it)->got), "the request's deadline passed");
         let_go(**it);
         finish(*it, &e);
         it = running.erase(it);
@@ -691,7 +730,7 @@ class http_file final : public file_source {
  public:
   http_file(std::shared_ptr<http_engine> e, head_result h, bool create)
       : e_(std::move(e)), h_(std::make_shared<const head_result>(std::move(h))), create_(create) {}
-  std::uint64_t size() override { return create_ ? written_.load() : h_->size; }
+  std::uint64_t size() override { return create_ ? written_->load() : h_->size; }
   std::string describe() override { return e_->describe(); }
   void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, clk::time_point until, completion done) override {
     if (write != create_)
@@ -701,8 +740,9 @@ class http_file final : public file_source {
     if (offset != 0 || started_.exchange(true))
       fail(errc::not_supported, "http.write", h_->name,
            "an http://, https:// or s3:// file takes one write of the whole file, from offset 0 (sent as one PUT)");
-    e_->write(h_, static_cast<const std::byte*>(mem), bytes, until, [this, bytes, d = std::move(done)](std::uint64_t n, const error* e) {
-      if (!e) written_ = bytes;
+    // The completion may come after the caller let go of this file: it holds the count, not the file.
+    e_->write(h_, static_cast<const std::byte*>(mem), bytes, until, [w = written_, bytes, d = std::move(done)](std::uint64_t n, const error* e) {
+      if (!e) *w = bytes;
       d(n, e);
     });
   }
@@ -712,7 +752,7 @@ class http_file final : public file_source {
   std::shared_ptr<const head_result> h_;
   bool create_;
   std::atomic<bool> started_{false};
-  std::atomic<std::uint64_t> written_{0};
+  std::shared_ptr<std::atomic<std::uint64_t>> written_ = std::make_shared<std::atomic<std::uint64_t>>(0);
 };
 
 std::string env(const char* name) {
