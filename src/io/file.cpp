@@ -173,6 +173,16 @@ scheme_registration::~scheme_registration() {
   std::erase_if(schemes, [&](const scheme_entry& e) { return e.id == id_; });
 }
 
+std::string uri_for_messages(const std::string& uri) {
+  std::string s = uri;
+  if (auto q = s.find('?'); q != std::string::npos) s = s.substr(0, q) + "?...";
+  const auto scheme = s.find("://");
+  if (scheme == std::string::npos) return s;
+  const auto slash = s.find('/', scheme + 3), at = s.find('@', scheme + 3);
+  if (at != std::string::npos && (slash == std::string::npos || at < slash)) s.erase(scheme + 3, at - scheme - 2);
+  return s;
+}
+
 file_opener find_file_scheme(const std::string& path) {
   auto sep = path.find("://");
   if (sep == std::string::npos || sep == 0) return {};

@@ -103,12 +103,9 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     try {
       check_request(r, i);
       if (r.f->source()) {  // a remote file: its source moves the data (and classifies the memory)
-        // A timeout names it: its URI without a query or user:password@ (either may carry a secret).
+        // A timeout names it.
         if (b->labels.empty()) b->labels.resize(reqs.size());
-        std::string uri = r.f->path().substr(0, r.f->path().find('?'));
-        if (auto s = uri.find("://"), at = uri.find('@'); s != std::string::npos && at != std::string::npos && at < uri.find('/', s + 3))
-          uri.erase(s + 3, at - s - 2);
-        b->labels[i] = fmt::format("{} offset {}", uri, r.offset);
+        b->labels[i] = fmt::format("{} offset {}", uri_for_messages(r.f->path()), r.offset);
         b->segs_left[i] = 1;
         b->results[i].path = transfer_path::none;
         remote.push_back(i);

@@ -54,17 +54,6 @@ void global_init() {
   if (rc != CURLE_OK) fail(errc::unavailable, "http.init", "libcurl", curl_easy_strerror(rc));
 }
 
-// A URL as messages show it: no user:password@, no query (signed URLs carry their secrets there).
-std::string shown(const std::string& url) {
-  std::string s = url;
-  if (auto q = s.find('?'); q != std::string::npos) s = s.substr(0, q) + "?...";
-  const auto scheme = s.find("://");
-  if (scheme == std::string::npos) return s;
-  const auto slash = s.find('/', scheme + 3), at = s.find('@', scheme + 3);
-  if (at != std::string::npos && (slash == std::string::npos || at < slash)) s = s.substr(0, scheme + 3) + s.substr(at + 1);
-  return s;
-}
-
 errc code_of(CURLcode rc) {
   switch (rc) {
     case CURLE_OPERATION_TIMEDOUT: return errc::timeout;
@@ -90,7 +79,7 @@ bool retriable(CURLcode rc) {
 }
 bool retriable(long status) { return status >= 500 || status == 429 || status == 408; }
 
-// `name`: the file as messages show it (shown(url), or the s3:// URI).
+// `name`: the file as messages show it (uri_for_messages(url), or the s3:// URI).
 error status_error(long status, const char* op, const std::string& name, std::uint64_t offset) {
   errc c = status == 404 || status == 410   ? errc::not_found
            : status == 401 || status == 403 ? errc::permission_denied
@@ -838,7 +827,7 @@ struct http_registry {
 
   std::shared_ptr<file_source> open(const std::string& uri, open_mode mode) {
     const bool s3 = uri.starts_with("s3://");
-    target t = s3 ? resolve_s3(uri) : target{uri, shown(uri), nullptr};
+    target t = s3 ? resolve_s3(uri) : target{uri, uri_for_messages(uri), nullptr};
     if (mode == open_mode::read_write)
       fail(errc::not_supported, "file.open", t.name, "not in place: open it for reading, or for writing (create) to put it whole");
     std::shared_ptr<http_engine> e;
@@ -853,7 +842,7 @@ struct http_registry {
       return std::make_shared<http_file>(std::move(e), std::move(h), true);
     }
     auto h = head(t, e->options());
-    if (!s3) h.name = shown(h.url);  // where the redirects led
+    if (!s3) h.name = uri_for_messages(h.url);  // where the redirects led
     return std::make_shared<http_file>(std::move(e), std::move(h), false);
   }
 };

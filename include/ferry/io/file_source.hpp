@@ -52,6 +52,10 @@ class FERRY_API scheme_registration {
 // (two runtimes), the newest live registration serves it.
 FERRY_API scheme_registration register_file_scheme(const std::string& scheme, file_opener open);
 
+// A URI as messages show it: without user:password@ and with its query cut ("?..."), since either
+// may carry a secret (a password, a signature).
+FERRY_API std::string uri_for_messages(const std::string& uri);
+
 // The opener for `path` ("scheme://..."), or null when the path has no scheme; throws not_supported
 // naming the path when the scheme is not registered.
 FERRY_API file_opener find_file_scheme(const std::string& path);
