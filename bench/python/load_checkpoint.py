@@ -173,20 +173,20 @@ def main() -> int:
             all_ok &= ok
             row(name, "cold", s, ("every tensor equal" if ok else "TENSORS DIFFER") if name.startswith("ferry") else "")
             del got
-    # The copy engine's own rate in this run: one pinned host buffer of the checkpoint's size to the device.
+    # The copy engine's own rate in this run: one pinned host buffer of the checkpoint's size to the device,
+    # in turns with the loads (a machine whose rate drifts moves both alike).
     pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     dev_buf = torch.empty(size, dtype=torch.uint8, device=a.device)
     for r in range(a.rounds):
         _, s = timed(lambda: dev_buf.copy_(pinned, non_blocking=True))
         row("pinned cudaMemcpy (torch copy_), same size", "warm", s)
-    del pinned, dev_buf
-    for r in range(a.rounds):
         for name, fn in ways.items():
             got, s = timed(fn)
             ok = same(got) if name.startswith("ferry") else True
             all_ok &= ok
             row(name, "warm", s, ("every tensor equal" if ok else "TENSORS DIFFER") if name.startswith("ferry") else "")
             del got
+    del pinned, dev_buf
     remote = 0.0
     if a.ferry_binary:
         srv = subprocess.Popen([a.ferry_binary, "serve", "--root", a.dir, "--listen", "127.0.0.1:0"],
@@ -220,7 +220,7 @@ def main() -> int:
             port = sk.getsockname()[1]
         temp = " ".join(f"{k}_temp_path {conf_dir}/{k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         with open(os.path.join(conf_dir, "nginx.conf"), "w") as f:
-            f.write(f"{'user root;' if os.geteuid() == 0 else ''} daemon off; worker_processes 4; pid {conf_dir}/pid; "
+            f.write(f"{'user root;' if os.geteuid() == 0 else ''} daemon off; worker_processes auto; pid {conf_dir}/pid; "
                     f"error_log {conf_dir}/error.log; events {{ worker_connections 256; }} http {{ access_log off; {temp} "
                     f"sendfile on; server {{ listen 127.0.0.1:{port}; root {a.dir}; }} }}")
         srv = subprocess.Popen([nginx, "-c", os.path.join(conf_dir, "nginx.conf"), "-p", conf_dir],

@@ -20,9 +20,9 @@ int default_xfer_threads() noexcept {
 }
 
 int default_http_threads() noexcept {
-  // Each libcurl thread receives and copies its connections' bytes: a quarter of the cores, 1..8.
+  // Each libcurl thread receives and copies its connections' bytes: a quarter of the cores, 1..16.
   unsigned n = std::thread::hardware_concurrency();
-  return static_cast<int>(std::clamp(n / 4, 1u, 8u));
+  return static_cast<int>(std::clamp(n / 4, 1u, 16u));
 }
 
 int default_io_threads() noexcept {
