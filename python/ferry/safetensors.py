@@ -1195,7 +1195,8 @@ def save(tensors: Mapping[str, Any], path: Any, metadata: Mapping[str, str] | No
     head = struct.pack("<Q", len(raw)) + raw
     with ferry.open(path, "w") as f:
         if path.startswith(("http://", "https://", "s3://")):
-            # These take one write of the whole file (one PUT): the file is put together in host memory first.
+            # These take one write of the whole file (one PUT, or S3's parts): the file is put together in host
+            # memory first.
             whole = torch.empty(len(head) + offset, dtype=torch.uint8)
             whole[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
             for t, off, n in parts:

@@ -277,7 +277,7 @@ const setting_def table[] = {
   {"FERRY_NET_LANES", "Connections a ferry:// client opens to a server, each with its own UCX worker and progress thread; pieces are spread over them (one tcp connection is bound by one thread's copies).",
    [](settings& s, std::string_view v) { s.net_lanes = static_cast<int>(parse_int(v, 1, 64)); },
    [](const settings& s) { return std::to_string(s.net_lanes); }},
-  {"FERRY_HTTP_PIECE", "http:// and https:// reads are split into range requests of at most this size, served in parallel over FERRY_HTTP_CONNECTIONS connections; a piece into GPU or sim memory is also at most one staging buffer (FERRY_STAGING_BYTES).",
+  {"FERRY_HTTP_PIECE", "http:// and https:// reads are split into range requests of at most this size, served in parallel over FERRY_HTTP_CONNECTIONS connections; a piece into GPU or sim memory is also at most one staging buffer (FERRY_STAGING_BYTES). An s3:// write larger than this goes up as a multipart upload in parts of this size (at least 5 MiB, and at most 10,000 parts).",
    [](settings& s, std::string_view v) { s.http_piece = parse_size_in(v, 64 * KiB, 1ull << 30); },
    [](const settings& s) { return format_size(s.http_piece); }},
   {"FERRY_HTTP_CONNECTIONS", "Range requests of http://, https:// and s3:// reads under way at once, each on a connection of its own (kept for the next), shared by FERRY_HTTP_THREADS.",

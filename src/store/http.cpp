@@ -325,18 +325,11 @@ class http_engine {
       p->until = until;
       ps.push_back(std::move(p));
     }
-    const std::size_t first = next_lane_.fetch_add(ps.size());
-    const std::size_t n = ps.size();
-    {
-      std::lock_guard l(mu_);
-      if (stop_) fail(errc::cancelled, "http.read", h->name, "the runtime is going");
-      for (std::size_t i = 0; i < n; ++i) lanes_[(first + i) % lanes_.size()]->incoming.push_back(std::move(ps[i]));
-    }
-    n_pieces_ += n;
-    for (std::size_t i = 0; i < std::min(n, lanes_.size()); ++i) curl_multi_wakeup(lanes_[(first + i) % lanes_.size()]->multi);
+    enqueue(ps, "http.read");
   }
 
-  // The whole file from [mem, mem + bytes), in one PUT (device memory through a staging buffer).
+  // The whole file from [mem, mem + bytes): one PUT, or for s3:// beyond one part a multipart
+  // upload (device memory through staging buffers).
   void write(const std::shared_ptr<const head_result>& h, const std::byte* mem, std::uint64_t bytes, clk::time_point until,
              file_source::completion done) {
     auto p = std::make_shared<piece>();
@@ -350,24 +343,19 @@ class http_engine {
         p->eng = o_.engine;
       }
     }
-    auto req = std::make_shared<request>();
-    req->bytes = bytes;
-    req->done = std::move(done);
-    req->left = 1;
-    p->req = req;
     p->h = h;
     p->put = true;
     p->len = bytes;
     p->dst = const_cast<std::byte*>(mem);  // read from, never written
     p->until = until;
-    const std::size_t at = next_lane_.fetch_add(1) % lanes_.size();
-    {
-      std::lock_guard l(mu_);
-      if (stop_) fail(errc::cancelled, "http.write", h->name, "the runtime is going");
-      lanes_[at]->incoming.push_back(std::move(p));
-    }
-    n_pieces_ += 1;
-    curl_multi_wakeup(lanes_[at]->multi);
+    const std::uint64_t part = part_bytes(bytes);
+    if (h->name.starts_with("s3://") && bytes > part) return multipart(std::move(p), part, std::move(done));
+    auto req = std::make_shared<request>();
+    req->bytes = bytes;
+    req->done = std::move(done);
+    req->left = 1;
+    p->req = req;
+    enqueue({std::move(p)}, "http.write");
   }
 
  private:
@@ -395,10 +383,154 @@ class http_engine {
     std::uint64_t slot_at = 0, slot_len = 0;     // put from device memory: the source's bytes in the slot
     transfer_engine* eng = nullptr;              // put from device memory: copies the source into the slot
     std::optional<error> bad;                    // the answer cannot be used (set by on_data)
+    std::string url;                             // where it goes, when not the file's URL (a part, a POST)
+    const char* method = nullptr;                // POST or DELETE: `body` out, the answer into `answer`
+    std::string body;
+    std::shared_ptr<std::string> answer;
+    std::string* etag_out = nullptr;             // a part: its answer's ETag (in `etags`, held here)
+    std::shared_ptr<std::vector<std::string>> etags;
     CURL* easy = nullptr;
     curl_slist* headers = nullptr;
     char errbuf[CURL_ERROR_SIZE] = {};
   };
+
+  // Pieces onto the lanes, spread round robin; each lane's thread starts them.
+  void enqueue(std::vector<std::shared_ptr<piece>> ps, const char* op) {
+    const std::size_t first = next_lane_.fetch_add(ps.size());
+    const std::size_t n = ps.size();
+    {
+      std::lock_guard l(mu_);
+      if (stop_) fail(errc::cancelled, op, ps.empty() ? std::string("http") : ps[0]->h->name, "the runtime is going");
+      for (std::size_t i = 0; i < n; ++i) lanes_[(first + i) % lanes_.size()]->incoming.push_back(std::move(ps[i]));
+    }
+    n_pieces_ += n;
+    for (std::size_t i = 0; i < std::min(n, lanes_.size()); ++i) curl_multi_wakeup(lanes_[(first + i) % lanes_.size()]->multi);
+  }
+
+  // A multipart upload's part: FERRY_HTTP_PIECE, at least S3's smallest part (5 MiB) and large
+  // enough that the object takes at most S3's 10,000 parts.
+  std::uint64_t part_bytes(std::uint64_t bytes) const {
+    constexpr std::uint64_t mib = 1 << 20, least = 5 * mib, most_parts = 10000;
+    const std::uint64_t need = (bytes + most_parts - 1) / most_parts;
+    return std::max({o_.piece, least, (need + mib - 1) / mib * mib});
+  }
+
+  // One request with a small body and answer (the multipart upload's POSTs and DELETE), its answer
+  // handed to `then` on a lane's thread.
+  void exchange(const std::shared_ptr<const head_result>& h, const char* method, std::string query, std::string body,
+                clk::time_point until, std::function<void(const std::string& answer, const error*)> then) {
+    auto p = std::make_shared<piece>();
+    auto answer = std::make_shared<std::string>();
+    p->h = h;
+    p->method = method;
+    p->url = h->url + "?" + query;
+    p->body = std::move(body);
+    p->answer = answer;
+    p->until = until;
+    auto req = std::make_shared<request>();
+    req->left = 1;
+    req->done = [answer, then = std::move(then)](std::uint64_t, const error* e) { then(*answer, e); };
+    p->req = req;
+    enqueue({std::move(p)}, "http.write");
+  }
+
+  // S3's multipart upload (CreateMultipartUpload, UploadPart for each part in parallel, each tried
+  // again on its own, CompleteMultipartUpload; AbortMultipartUpload when a part failed). Runs from
+  // the lanes' threads: each step starts the next from its completion.
+  void multipart(std::shared_ptr<piece> whole, std::uint64_t part, file_source::completion done) {
+    auto h = whole->h;
+    const clk::time_point until = whole->until;
+    exchange(h, "POST", "uploads=", {}, until, [this, whole, part, done](const std::string& answer, const error* e) mutable {
+      if (e) return done(0, e);
+      std::string id = xml_text(answer, "UploadId");
+      if (id.empty()) {
+        error bad(errc::protocol_error, "http.write", whole->h->name, "the server started no multipart upload (no UploadId in its answer)");
+        return done(0, &bad);
+      }
+      try {
+        upload_parts(std::move(whole), part, encode_query(id), done);
+      } catch (const error& e2) {
+        done(0, &e2);
+      }
+    });
+  }
+
+  void upload_parts(std::shared_ptr<piece> whole, std::uint64_t part, std::string id, file_source::completion done) {
+    const std::uint64_t n = (whole->len + part - 1) / part;
+    auto etags = std::make_shared<std::vector<std::string>>(n);
+    auto h = whole->h;
+    const clk::time_point until = whole->until;
+    auto req = std::make_shared<request>();
+    req->bytes = whole->len;
+    req->left = static_cast<int>(n);
+    req->done = [this, h, id, etags, until, done = std::move(done)](std::uint64_t bytes, const error* e) mutable {
+      if (e) {
+        // The parts the server holds are let go (an upload left open costs its owner storage);
+        // the write fails with its own error whatever the abort answers.
+        auto err = std::make_shared<error>(*e);
+        try {
+          exchange(h, "DELETE", "uploadId=" + id, {}, until, [err, done](const std::string&, const error*) { done(0, err.get()); });
+        } catch (const error&) {
+          done(0, err.get());
+        }
+        return;
+      }
+      std::string xml = "<CompleteMultipartUpload>";
+      for (std::size_t i = 0; i < etags->size(); ++i) xml += fmt::format("<Part><PartNumber>{}</PartNumber><ETag>{}</ETag></Part>", i + 1, (*etags)[i]);
+      xml += "</CompleteMultipartUpload>";
+      auto complete = [h, bytes, done](const std::string& answer, const error* failed) {
+        if (failed) return done(0, failed);
+        // S3 may answer 200 and then an error in the body (the upload failed while it assembled it).
+        if (answer.find("<Error>") != std::string::npos) {
+          error bad(errc::io_error, "http.write", h->name,
+                    fmt::format("the server could not complete the multipart upload: {} {}", xml_text(answer, "Code"), xml_text(answer, "Message")));
+          return done(0, &bad);
+        }
+        done(bytes, nullptr);
+      };
+      try {
+        exchange(h, "POST", "uploadId=" + id, std::move(xml), until, complete);
+      } catch (const error& e2) {
+        done(0, &e2);
+      }
+    };
+    std::vector<std::shared_ptr<piece>> ps;
+    for (std::uint64_t i = 0; i < n; ++i) {
+      auto p = std::make_shared<piece>();
+      p->req = req;
+      p->h = h;
+      p->put = true;
+      p->url = fmt::format("{}?partNumber={}&uploadId={}", h->url, i + 1, id);
+      p->etag_out = &(*etags)[i];
+      p->etags = etags;
+      p->offset = i * part;
+      p->len = std::min(part, whole->len - i * part);
+      p->dst = whole->dst + i * part;
+      p->user = whole->user;
+      p->pool = whole->pool;
+      p->eng = whole->eng;
+      p->until = until;
+      ps.push_back(std::move(p));
+    }
+    enqueue(std::move(ps), "http.write");
+  }
+
+  // The text of the first <tag>...</tag> in a small XML answer ("" when there is none).
+  static std::string xml_text(const std::string& xml, const std::string& tag) {
+    const auto a = xml.find("<" + tag + ">");
+    if (a == std::string::npos) return {};
+    const auto from = a + tag.size() + 2, b = xml.find("</" + tag + ">", from);
+    return b == std::string::npos ? std::string() : xml.substr(from, b - from);
+  }
+  // A query value: every byte but the unreserved ones percent-encoded (as SigV4 canonicalizes it).
+  static std::string encode_query(std::string_view v) {
+    std::string out;
+    for (unsigned char ch : v) {
+      if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~') out += static_cast<char>(ch);
+      else out += fmt::format("%{:02X}", ch);
+    }
+    return out;
+  }
 
   // The body of an answer, as it comes: into the caller's memory or the staging buffer, never more
   // than the range, and nothing of an error page.
@@ -466,6 +598,21 @@ class http_engine {
     return k;
   }
   static std::size_t discard(char*, std::size_t sz, std::size_t n, void*) { return sz * n; }
+  // A POST's or DELETE's answer: kept (a small XML document; more than a MiB is not one of S3's).
+  static std::size_t on_answer(char* b, std::size_t sz, std::size_t n, void* ud) {
+    auto& p = *static_cast<piece*>(ud);
+    if (p.answer->size() + sz * n > (1u << 20)) return 0;
+    p.answer->append(b, sz * n);
+    return sz * n;
+  }
+  // A part's ETag, which the upload's completion lists.
+  static std::size_t on_part_header(char* b, std::size_t sz, std::size_t n, void* ud) {
+    auto& p = *static_cast<piece*>(ud);
+    head_lines h;
+    on_head_line(b, sz, n, &h);
+    if (!h.etag.empty()) *p.etag_out = h.etag;
+    return sz * n;
+  }
   // A range answer's first byte (Content-Range: bytes a-b/total), checked against the one asked for.
   static std::size_t on_header(char* b, std::size_t sz, std::size_t n, void* ud) {
     auto& p = *static_cast<piece*>(ud);
@@ -487,9 +634,24 @@ class http_engine {
     p.errbuf[0] = 0;
     p.status = 0;
     p.enough = false;
-    common(p.easy, p.h->url, o_, p.errbuf, p.h->sign.get());
-    if (!p.headers) p.headers = headers_for(p.put ? std::string() : p.h->etag, p.h->sign.get(), p.put);
+    common(p.easy, p.url.empty() ? p.h->url : p.url, o_, p.errbuf, p.h->sign.get());
+    const bool sends = p.put || p.method;
+    if (!p.headers) p.headers = headers_for(sends ? std::string() : p.h->etag, p.h->sign.get(), sends);
     if (p.headers) curl_easy_setopt(p.easy, CURLOPT_HTTPHEADER, p.headers);
+    if (p.method) {
+      p.answer->clear();
+      if (std::string_view(p.method) == "POST") {
+        curl_easy_setopt(p.easy, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(p.body.size()));
+        curl_easy_setopt(p.easy, CURLOPT_POSTFIELDS, p.body.c_str());
+      } else {
+        curl_easy_setopt(p.easy, CURLOPT_CUSTOMREQUEST, p.method);
+      }
+      curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, on_answer);
+      curl_easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
+      curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
+      if (curl_multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.write", p.h->name, "curl_multi_add_handle failed");
+      return;
+    }
     if (p.put) {
       p.got = p.slot_at = p.slot_len = 0;  // an upload starts again from its first byte
       curl_easy_setopt(p.easy, CURLOPT_UPLOAD, 1L);
@@ -497,6 +659,10 @@ class http_engine {
       curl_easy_setopt(p.easy, CURLOPT_READFUNCTION, on_send);
       curl_easy_setopt(p.easy, CURLOPT_READDATA, &p);
       curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, discard);
+      if (p.etag_out) {
+        curl_easy_setopt(p.easy, CURLOPT_HEADERFUNCTION, on_part_header);
+        curl_easy_setopt(p.easy, CURLOPT_HEADERDATA, &p);
+      }
       curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
       if (curl_multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.write", p.h->name, "curl_multi_add_handle failed");
       return;
@@ -546,12 +712,21 @@ class http_engine {
   void ended(std::shared_ptr<piece> p, CURLcode rc, std::vector<std::shared_ptr<piece>>& waiting) {
     long status = p->status;
     if (!status) curl_easy_getinfo(p->easy, CURLINFO_RESPONSE_CODE, &status);
-    const std::uint64_t at = p->offset + p->got;
+    const std::uint64_t at = p->offset + (p->put ? 0 : p->got);  // an upload (a part) is sent again whole
     if (p->bad) {
       let_go(*p);
       return finish(p, &*p->bad);
     }
     if (p->put && rc == CURLE_OK && status >= 200 && status < 300 && p->got == p->len) {
+      let_go(*p);
+      if (p->etag_out && p->etag_out->empty()) {
+        error e(errc::protocol_error, "http.write", fmt::format("{} offset {}", p->h->name, p->offset),
+                "the server kept a part of the multipart upload without naming it (no ETag)");
+        return finish(p, &e);
+      }
+      return finish(p, nullptr);
+    }
+    if (p->method && rc == CURLE_OK && status >= 200 && status < 300) {
       let_go(*p);
       return finish(p, nullptr);
     }
@@ -561,7 +736,7 @@ class http_engine {
     }
     bool again;
     std::optional<error> e;
-    const char* op = p->put ? "http.write" : "http.read";
+    const char* op = p->put || p->method ? "http.write" : "http.read";
     if (rc != CURLE_OK) {
       e = curl_error(rc, p->errbuf, op, p->h->name, at);
       again = retriable(rc);
@@ -569,7 +744,7 @@ class http_engine {
       e = status_error(status, op, p->h->name, at);
       again = retriable(status);
     } else {
-      e = error(errc::io_error, p->put ? "http.write" : "http.read", fmt::format("{} offset {}", p->h->name, at),
+      e = error(errc::io_error, op, fmt::format("{} offset {}", p->h->name, at),
                 p->put ? fmt::format("the server answered before all {} bytes were sent", p->len)
                        : fmt::format("the answer ended after {} of the {} bytes asked for", p->got, p->len));
       again = true;
@@ -717,7 +892,7 @@ class http_engine {
 };
 
 // A file opened for reading (its size and version from the HEAD), or created: then it takes one
-// write of the whole file, from offset 0, sent as one PUT (what `ferry cp` and a save write).
+// write of the whole file, from offset 0 (what `ferry cp` and a save write): one PUT, or S3's parts.
 class http_file final : public file_source {
  public:
   http_file(std::shared_ptr<http_engine> e, head_result h, bool create)
@@ -731,7 +906,7 @@ class http_file final : public file_source {
     if (!write) return e_->read(h_, offset, static_cast<std::byte*>(mem), bytes, until, std::move(done));
     if (offset != 0 || started_.exchange(true))
       fail(errc::not_supported, "http.write", h_->name,
-           "an http://, https:// or s3:// file takes one write of the whole file, from offset 0 (sent as one PUT)");
+           "an http://, https:// or s3:// file takes one write of the whole file, from offset 0 (the server replaces it whole)");
     // The completion may come after the caller let go of this file: it holds the count, not the file.
     e_->write(h_, static_cast<const std::byte*>(mem), bytes, until, [w = written_, bytes, d = std::move(done)](std::uint64_t n, const error* e) {
       if (!e) *w = bytes;

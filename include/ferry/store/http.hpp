@@ -13,7 +13,8 @@
 // host memory directly. A piece whose connection is reset or closed, or that gets a 5xx or 429
 // answer, is tried again from the byte it reached (`retries` times, pausing 0.1 s doubling to 2 s);
 // one that moves no byte for `deadline` fails. Errors name the URL and the byte offset.
-// A file opened for writing (create) takes one write of the whole file, sent as one PUT. As with
+// A file opened for writing (create) takes one write of the whole file, sent as one PUT (s3:// larger
+// than a part: a multipart upload, its parts in parallel, aborted when one fails). As with
 // ferry://, files opened through a runtime are closed before the runtime goes.
 // s3://bucket/key is such a request to the bucket's endpoint, signed (SigV4, by libcurl) with the
 // standard AWS environment or the shared credentials file; anonymous without either.
