@@ -316,11 +316,15 @@ def test_a_server_that_stalls_after_its_headers_fails_within_the_deadline(ranges
 
 
 def test_a_server_restarted_mid_read_is_read_on_from_where_it_stopped(web):
+    # The reader says when it has opened the file; the server stops once its pieces are under way (not
+    # before the open, which a loaded machine may reach later than the pause).
     code = SUM.replace("url = sys.argv[1] if len(sys.argv) > 1 else None", f"url = '{web.url}/slow/data.bin'")
+    code = code.replace("f = ferry.open(url); ", "f = ferry.open(url); print('opened', flush=True); ")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "FERRY_HTTP_PIECE": "1MiB",
                               "FERRY_HTTP_RETRIES": "8", "FERRY_LOG": "info"})
     try:
+        assert p.stdout.readline().strip() == "opened", p.stderr.read()[-2000:] if p.wait(60) is not None else ""
         time.sleep(0.6)  # six pieces at 1 MB/s each: under way
         web.stop()
         time.sleep(0.5)
@@ -331,6 +335,7 @@ def test_a_server_restarted_mid_read_is_read_on_from_where_it_stopped(web):
             p.kill()
         if web.proc.poll() is not None:
             web.start()
+    assert out.strip(), f"the reader printed nothing (exit {p.returncode}): {err[-3000:]}"
     got = json.loads(out.strip().splitlines()[-1])
     assert got.get("sum") == int(web.data[:6_000_000].astype(np.uint64).sum()), (got, err[-2000:])
     assert "trying again from offset" in err, "the pieces under way were resumed"

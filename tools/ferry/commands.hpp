@@ -6,6 +6,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace ferry::cli {
 
@@ -30,6 +31,10 @@ struct cp_options {
   bool verify = true;
 };
 int run_cp(runtime& rt, const cp_options& o);
+
+// `ferry run -- PROGRAM [ARGS...]`: execs PROGRAM with libferry_preload.so in LD_PRELOAD; returns only
+// when it could not (126/127, as a shell). Needs no runtime.
+int run_program(std::vector<std::string> args);
 
 struct remote_uri {
   std::string host;

@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <string_view>
+#include <vector>
 
 int main(int argc, char** argv) {
   CLI::App app{"ferry: direct data paths between GPU memory, host memory, files and remote storage"};
@@ -56,6 +58,25 @@ int main(int argc, char** argv) {
   job_cmd->add_option("--device", job.device, "Device (default: a GPU if present, else sim:0)");
   job_cmd->add_option("--files", job.files, "Number of files")->capture_default_str();
   job_cmd->add_option("--size", job.size, "Size of each file")->capture_default_str();
+
+  // `ferry run` takes everything after it as the program's command line (handled before parsing,
+  // so that the program's own options and a `--` reach it as they are); listed here for --help.
+  auto* run_cmd = app.add_subcommand("run", "Run an unmodified program with its reads and writes of GPU memory through ferry: "
+                                                  "ferry run -- PROGRAM [ARGS...]");
+  run_cmd->allow_extras();
+  if (argc >= 2 && std::string_view(argv[1]) == "run") {
+    std::vector<std::string> args(argv + 2, argv + argc);
+    if (args.empty() || args[0] == "-h" || args[0] == "--help") {
+      std::printf("%s\nUsage: ferry run [--] PROGRAM [ARGS...]\n", run_cmd->get_description().c_str());
+      return args.empty() ? 2 : 0;
+    }
+    try {
+      return ferry::cli::run_program(std::move(args));
+    } catch (const ferry::error& e) {
+      std::fprintf(stderr, "ferry: error: %s\n", e.what());
+      return 1;
+    }
+  }
 
   try {
     app.parse(argc, argv);
