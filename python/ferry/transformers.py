@@ -3,15 +3,44 @@
     model = ferry.transformers.from_pretrained("path/to/model", device="cuda:0", dtype=torch.bfloat16)
 
 builds the model the way ``AutoModelForCausalLM.from_pretrained(path, device_map=device, dtype=dtype)`` does (its
-config, its class, on the device) while ferry reads the checkpoint's shards into their final device memory on its
-own threads, then hands the model those tensors (no copy). The logits equal ``from_pretrained``'s. transformers is
+config, its class; its parameters empty, on the meta device, as from_pretrained makes them, its buffers on the
+device) while ferry reads the checkpoint's shards into their final device memory on its own threads, then hands
+the model those tensors (no copy). The logits equal ``from_pretrained``'s. transformers is
 imported only when this is called.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Any
+
+
+@contextlib.contextmanager
+def _empty_parameters():
+    """Parameters that modules made on this thread register go to the meta device: neither their memory nor their
+    random initialization is paid for, since the checkpoint's tensors replace them. Buffers (a rotary
+    embedding's frequencies, computed when the module is made) stay where they were made. Modules made on other
+    threads meanwhile are left alone."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+    me = threading.get_ident()
+
+    def register_empty(module, name, param):
+        register(module, name, param)
+        if param is not None and threading.get_ident() == me and param.device.type != "meta":
+            empty = param.to("meta")
+            try:  # the parameter's own class (and what it carries), as transformers and accelerate keep it
+                module._parameters[name] = type(param)(empty, requires_grad=param.requires_grad)
+            except TypeError:
+                module._parameters[name] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register_empty
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
 
 
 def from_pretrained(path: str | os.PathLike, *, device: Any = "cuda:0", dtype: Any = None, model_class: Any = None,
@@ -39,7 +68,7 @@ def from_pretrained(path: str | os.PathLike, *, device: Any = "cuda:0", dtype: A
     reader = threading.Thread(target=read, name="ferry-from_pretrained")
     reader.start()
     try:
-        with torch.device(device):
+        with torch.device(device), _empty_parameters():
             model = cls.from_config(config, dtype=dtype) if dtype is not None else cls.from_config(config)
     finally:
         reader.join()
