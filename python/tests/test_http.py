@@ -583,6 +583,8 @@ class _SigV4(http.server.BaseHTTPRequestHandler):
             self.uploads[upload] = {}
             return self._reply(200, f"<InitiateMultipartUploadResult><UploadId>{upload}</UploadId>"
                                     f"</InitiateMultipartUploadResult>".encode())
+        if self.refuse_complete:
+            return self._reply(400)
         parts = self.uploads.pop(q.get("uploadId"), None)
         listed = re.findall(r"<Part><PartNumber>(\d+)</PartNumber><ETag>([^<]*)</ETag></Part>", body.decode())
         if parts is None or [(int(n), e) for n, e in listed] != [(n, f'"part{n}"') for n in sorted(parts)]:
@@ -598,7 +600,7 @@ class _SigV4(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def sigv4(monkeypatch):
     """A _SigV4 server of its own on loopback, and the AWS environment that points s3:// at it."""
-    handler = type("S", (_SigV4,), {"objects": {}, "seen": [], "uploads": {}, "fail_parts": set()})
+    handler = type("S", (_SigV4,), {"objects": {}, "seen": [], "uploads": {}, "fail_parts": set(), "refuse_complete": False})
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -648,12 +650,20 @@ def test_s3_objects_larger_than_a_part_go_up_in_signed_parts(sigv4):
     assert ferry.open("s3://bkt/big/obj.bin").read_into(back) == len(data) and np.array_equal(back, data)
 
     sigv4.fail_parts = {"2"}
-    with pytest.raises(ferry.Error, match=r"s3://bkt/big/other\.bin offset 8388608.*HTTP 403"):
+    with pytest.raises(ferry.Error, match=r"s3://bkt/big/other\.bin \(part 2 of 3, offset 8388608\).*HTTP 403"):
         with ferry.open("s3://bkt/big/other.bin", "w") as f:
             f.write_from(data)
     assert "/bkt/big/other.bin" not in sigv4.objects
     assert sigv4.uploads == {}, "the failed upload was aborted"
     assert "DELETE" in [c for c, _, _ in sigv4.seen]
+
+    # A completion the server refuses: the write fails naming the step, and the upload is aborted too.
+    sigv4.fail_parts, sigv4.refuse_complete, sigv4.seen[:] = set(), True, []
+    with pytest.raises(ferry.Error, match=r"s3://bkt/big/third\.bin \(completing the multipart upload\).*HTTP 400"):
+        with ferry.open("s3://bkt/big/third.bin", "w") as f:
+            f.write_from(data)
+    assert "/bkt/big/third.bin" not in sigv4.objects and sigv4.uploads == {}
+    assert [c for c, _, _ in sigv4.seen][-1] == "DELETE"
 
 
 def test_s3_multipart_from_device_memory(s3, monkeypatch):

@@ -84,8 +84,8 @@ bool backend::usable(file& f, std::string& why) {
     return false;
   }
   std::lock_guard l(mu_);
-  if (handles_.count(&f)) return true;
-  if (auto it = refused_.find(&f); it != refused_.end()) {
+  if (handles_.count(f.id())) return true;
+  if (auto it = refused_.find(f.id()); it != refused_.end()) {
     why = it->second;
     return false;
   }
@@ -97,34 +97,34 @@ bool backend::usable(file& f, std::string& why) {
   if (known_fs)
     if (auto it = refused_fs_.find(static_cast<unsigned long>(st.st_dev)); it != refused_fs_.end()) {
       why = it->second;
-      refused_[&f] = why;
+      refused_[f.id()] = why;
       return false;
     }
   void* h = nullptr;
   cu_error e = api_->handle_register(&h, &d);
   if (e.err != 0) {
     why = fmt::format("cuFileHandleRegister failed on {} (cuFile error {})", f.path(), e.err);
-    refused_[&f] = why;
+    refused_[f.id()] = why;
     if (known_fs) refused_fs_[static_cast<unsigned long>(st.st_dev)] = why + ", and so on its file system";
     return false;
   }
-  handles_[&f] = h;
+  handles_[f.id()] = h;
   return true;
 }
 
 void backend::forget(file& f) {
   std::lock_guard l(mu_);
-  if (auto it = handles_.find(&f); it != handles_.end()) {
+  if (auto it = handles_.find(f.id()); it != handles_.end()) {
     api_->handle_deregister(it->second);
     handles_.erase(it);
   }
-  refused_.erase(&f);
+  refused_.erase(f.id());
 }
 
 void backend::refuse(file& f, const std::string& why) {
   forget(f);
   std::lock_guard l(mu_);
-  refused_[&f] = why;
+  refused_[f.id()] = why;
 }
 
 namespace {
@@ -157,7 +157,7 @@ std::uint64_t backend::transfer(file& f, [[maybe_unused]] int ordinal, bool writ
   void* h = nullptr;
   {
     std::lock_guard l(mu_);
-    h = handles_.at(&f);
+    h = handles_.at(f.id());
   }
   const char* op = write ? "file.write" : "file.read";
   std::uint64_t done = 0;

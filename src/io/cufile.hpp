@@ -58,8 +58,8 @@ class backend {
   api* api_ = nullptr;
   std::string why_;  // why the library/driver is unusable, empty if usable
   std::mutex mu_;
-  std::map<file*, void*> handles_;
-  std::map<file*, std::string> refused_;
+  std::map<std::uint64_t, void*> handles_;  // by file::id(): a later file may get a dead one's address
+  std::map<std::uint64_t, std::string> refused_;
   std::map<unsigned long, std::string> refused_fs_;  // st_dev -> why handle registration failed there
   std::string lib_, driver_;
 };

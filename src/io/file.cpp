@@ -83,6 +83,18 @@ std::shared_ptr<file> file::adopt(int fd, std::string path, bool writable, bool 
   return f;
 }
 
+std::shared_ptr<file> file::borrow(int fd, std::string path, bool writable) {
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) fail_errno(errno, "file.borrow", path, "fstat failed");
+  if (!S_ISREG(st.st_mode)) fail(errc::invalid_argument, "file.borrow", path, "not a regular file");
+  auto f = std::shared_ptr<file>(new file());
+  f->fd_ = fd;
+  f->owned_ = false;
+  f->path_ = std::move(path);
+  f->writable_ = writable;
+  return f;
+}
+
 std::uint64_t file::read_here(void* dst, std::uint64_t bytes, std::uint64_t offset) const {
   if (source_) fail(errc::not_supported, "file.read", path_, "a remote file is read through the file engine");
   auto* p = static_cast<std::byte*>(dst);
@@ -113,7 +125,7 @@ void file::write_here(const void* src, std::uint64_t bytes, std::uint64_t offset
 
 file::~file() {
   if (dfd_ >= 0) ::close(dfd_);
-  if (fd_ >= 0) ::close(fd_);
+  if (fd_ >= 0 && owned_) ::close(fd_);
 }
 
 std::uint64_t file::size() const {

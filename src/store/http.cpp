@@ -79,8 +79,9 @@ bool retriable(CURLcode rc) {
 }
 bool retriable(long status) { return status >= 500 || status == 429 || status == 408; }
 
-// `name`: the file as messages show it (uri_for_messages(url), or the s3:// URI).
-error status_error(long status, const char* op, const std::string& name, std::uint64_t offset) {
+// `where`: the file as messages show it (uri_for_messages(url), or the s3:// URI), and the byte
+// offset or the step.
+error status_error(long status, const char* op, const std::string& where) {
   errc c = status == 404 || status == 410   ? errc::not_found
            : status == 401 || status == 403 ? errc::permission_denied
            : status == 416                  ? errc::out_of_range
@@ -89,15 +90,15 @@ error status_error(long status, const char* op, const std::string& name, std::ui
   std::string detail = fmt::format("the server answered HTTP {}", status);
   if (status == 412) detail += " (the file changed since it was opened)";
   if (status == 403) detail += " (no access: the credentials, or the object's permissions)";
-  if (status >= 300 && status < 400 && name.starts_with("s3://"))
+  if (status >= 300 && status < 400 && where.starts_with("s3://"))
     detail += " (a redirect, not followed with credentials: the bucket's region is not AWS_REGION?)";
-  return error(c, op, fmt::format("{} offset {}", name, offset), detail);
+  return error(c, op, where, detail);
 }
 
-error curl_error(CURLcode rc, const char* errbuf, const char* op, const std::string& name, std::uint64_t offset) {
+error curl_error(CURLcode rc, const char* errbuf, const char* op, const std::string& where) {
   std::string detail = curl_easy_strerror(rc);
   if (errbuf && *errbuf) detail += std::string(": ") + errbuf;
-  return error(code_of(rc), op, fmt::format("{} offset {}", name, offset), detail);
+  return error(code_of(rc), op, where, detail);
 }
 
 // An S3 request's signature (AWS SigV4, made by libcurl) and the headers it needs.
@@ -222,11 +223,11 @@ head_result head(const target& t, const http_options& o) {
     curl_easy_setopt(c.get(), CURLOPT_HEADERFUNCTION, on_head_line);
     curl_easy_setopt(c.get(), CURLOPT_HEADERDATA, &lines);
     CURLcode rc = curl_easy_perform(c.get());
-    if (rc != CURLE_OK && !(by_get && rc == CURLE_WRITE_ERROR)) throw curl_error(rc, err, "http.open", t.name, 0);
+    if (rc != CURLE_OK && !(by_get && rc == CURLE_WRITE_ERROR)) throw curl_error(rc, err, "http.open", t.name + " offset 0");
     long status = 0;
     curl_easy_getinfo(c.get(), CURLINFO_RESPONSE_CODE, &status);
     if (!by_get && (status == 403 || status == 405 || status == 501)) continue;
-    if (status < 200 || status >= 300) throw status_error(status, "http.open", t.name, 0);
+    if (status < 200 || status >= 300) throw status_error(status, "http.open", t.name + " offset 0");
     curl_off_t len = -1;
     curl_easy_getinfo(c.get(), CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len);
     if (by_get && status == 206) len = lines.total;
@@ -384,6 +385,7 @@ class http_engine {
     transfer_engine* eng = nullptr;              // put from device memory: copies the source into the slot
     std::optional<error> bad;                    // the answer cannot be used (set by on_data)
     std::string url;                             // where it goes, when not the file's URL (a part, a POST)
+    std::string step;                            // a multipart upload's step or part, for messages
     const char* method = nullptr;                // POST or DELETE: `body` out, the answer into `answer`
     std::string body;
     std::shared_ptr<std::string> answer;
@@ -410,19 +412,20 @@ class http_engine {
   // A multipart upload's part: FERRY_HTTP_PIECE, at least S3's smallest part (5 MiB) and large
   // enough that the object takes at most S3's 10,000 parts.
   std::uint64_t part_bytes(std::uint64_t bytes) const {
-    constexpr std::uint64_t mib = 1 << 20, least = 5 * mib, most_parts = 10000;
+    constexpr std::uint64_t mib = 1 << 20, least = 5 * mib, most_parts = 10000, largest = 5ull << 30;
     const std::uint64_t need = (bytes + most_parts - 1) / most_parts;
-    return std::max({o_.piece, least, (need + mib - 1) / mib * mib});
+    return std::min(largest, std::max({o_.piece, least, (need + mib - 1) / mib * mib}));
   }
 
   // One request with a small body and answer (the multipart upload's POSTs and DELETE), its answer
   // handed to `then` on a lane's thread.
-  void exchange(const std::shared_ptr<const head_result>& h, const char* method, std::string query, std::string body,
-                clk::time_point until, std::function<void(const std::string& answer, const error*)> then) {
+  void exchange(const std::shared_ptr<const head_result>& h, const char* method, std::string step, std::string query,
+                std::string body, clk::time_point until, std::function<void(const std::string& answer, const error*)> then) {
     auto p = std::make_shared<piece>();
     auto answer = std::make_shared<std::string>();
     p->h = h;
     p->method = method;
+    p->step = std::move(step);
     p->url = h->url + "?" + query;
     p->body = std::move(body);
     p->answer = answer;
@@ -440,7 +443,10 @@ class http_engine {
   void multipart(std::shared_ptr<piece> whole, std::uint64_t part, file_source::completion done) {
     auto h = whole->h;
     const clk::time_point until = whole->until;
-    exchange(h, "POST", "uploads=", {}, until, [this, whole, part, done](const std::string& answer, const error* e) mutable {
+    if (whole->len > (5ull << 40))
+      fail(errc::invalid_argument, "http.write", h->name, fmt::format("{} bytes: an S3 object holds at most 5 TiB", whole->len));
+    exchange(h, "POST", "starting the multipart upload", "uploads=", {}, until,
+             [this, whole, part, done](const std::string& answer, const error* e) mutable {
       if (e) return done(0, e);
       std::string id = xml_text(answer, "UploadId");
       if (id.empty()) {
@@ -451,6 +457,9 @@ class http_engine {
         upload_parts(std::move(whole), part, encode_query(id), done);
       } catch (const error& e2) {
         done(0, &e2);
+      } catch (...) {
+        error bad(errc::internal, "http.write", whole->h->name, "the parts could not be started");
+        done(0, &bad);
       }
     });
   }
@@ -463,35 +472,40 @@ class http_engine {
     auto req = std::make_shared<request>();
     req->bytes = whole->len;
     req->left = static_cast<int>(n);
-    req->done = [this, h, id, etags, until, done = std::move(done)](std::uint64_t bytes, const error* e) mutable {
-      if (e) {
-        // The parts the server holds are let go (an upload left open costs its owner storage);
-        // the write fails with its own error whatever the abort answers.
-        auto err = std::make_shared<error>(*e);
-        try {
-          exchange(h, "DELETE", "uploadId=" + id, {}, until, [err, done](const std::string&, const error*) { done(0, err.get()); });
-        } catch (const error&) {
-          done(0, err.get());
-        }
-        return;
+    // The parts the server holds are let go when the upload fails (an upload left open costs its
+    // owner storage), with a deadline of its own (the write's may be what passed); the write fails
+    // with its own error whatever the abort answers.
+    auto abort = [this, h, id](const error& why, file_source::completion& then) {
+      auto err = std::make_shared<error>(why);
+      try {
+        exchange(h, "DELETE", "aborting the multipart upload", "uploadId=" + id, {}, clk::now() + o_.deadline,
+                 [err, then](const std::string&, const error*) { then(0, err.get()); });
+      } catch (...) {
+        then(0, err.get());
       }
+    };
+    req->done = [this, h, id, etags, until, abort, done = std::move(done)](std::uint64_t bytes, const error* e) mutable {
+      if (e) return abort(*e, done);
       std::string xml = "<CompleteMultipartUpload>";
       for (std::size_t i = 0; i < etags->size(); ++i) xml += fmt::format("<Part><PartNumber>{}</PartNumber><ETag>{}</ETag></Part>", i + 1, (*etags)[i]);
       xml += "</CompleteMultipartUpload>";
-      auto complete = [h, bytes, done](const std::string& answer, const error* failed) {
-        if (failed) return done(0, failed);
+      auto complete = [h, bytes, abort, done](const std::string& answer, const error* failed) mutable {
+        if (failed) return abort(*failed, done);
         // S3 may answer 200 and then an error in the body (the upload failed while it assembled it).
         if (answer.find("<Error>") != std::string::npos) {
-          error bad(errc::io_error, "http.write", h->name,
-                    fmt::format("the server could not complete the multipart upload: {} {}", xml_text(answer, "Code"), xml_text(answer, "Message")));
-          return done(0, &bad);
+          error bad(errc::io_error, "http.write", h->name + " (completing the multipart upload)",
+                    fmt::format("the server could not complete it: {} {}", xml_text(answer, "Code"), xml_text(answer, "Message")));
+          return abort(bad, done);
         }
         done(bytes, nullptr);
       };
       try {
-        exchange(h, "POST", "uploadId=" + id, std::move(xml), until, complete);
+        exchange(h, "POST", "completing the multipart upload", "uploadId=" + id, std::move(xml), until, complete);
       } catch (const error& e2) {
         done(0, &e2);
+      } catch (...) {
+        error bad(errc::internal, "http.write", h->name, "the multipart upload could not be completed");
+        done(0, &bad);
       }
     };
     std::vector<std::shared_ptr<piece>> ps;
@@ -501,6 +515,7 @@ class http_engine {
       p->h = h;
       p->put = true;
       p->url = fmt::format("{}?partNumber={}&uploadId={}", h->url, i + 1, id);
+      p->step = fmt::format("part {} of {}, offset {}", i + 1, n, i * part);
       p->etag_out = &(*etags)[i];
       p->etags = etags;
       p->offset = i * part;
@@ -514,6 +529,13 @@ class http_engine {
     }
     enqueue(std::move(ps), "http.write");
   }
+
+  // Where a piece is, for messages: the file and the byte offset, or the multipart step or part.
+  static std::string where(const piece& p) {
+    if (!p.step.empty()) return fmt::format("{} ({})", p.h->name, p.step);
+    return fmt::format("{} offset {}", p.h->name, p.offset + (p.put ? 0 : p.got));
+  }
+  static const char* op_of(const piece& p) { return p.put || p.method ? "http.write" : "http.read"; }
 
   // The text of the first <tag>...</tag> in a small XML answer ("" when there is none).
   static std::string xml_text(const std::string& xml, const std::string& tag) {
@@ -654,6 +676,7 @@ class http_engine {
     }
     if (p.put) {
       p.got = p.slot_at = p.slot_len = 0;  // an upload starts again from its first byte
+      if (p.etag_out) p.etag_out->clear();  // this attempt's answer names it
       curl_easy_setopt(p.easy, CURLOPT_UPLOAD, 1L);
       curl_easy_setopt(p.easy, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(p.len));
       curl_easy_setopt(p.easy, CURLOPT_READFUNCTION, on_send);
@@ -713,6 +736,7 @@ class http_engine {
     long status = p->status;
     if (!status) curl_easy_getinfo(p->easy, CURLINFO_RESPONSE_CODE, &status);
     const std::uint64_t at = p->offset + (p->put ? 0 : p->got);  // an upload (a part) is sent again whole
+    const std::string here = where(*p);
     if (p->bad) {
       let_go(*p);
       return finish(p, &*p->bad);
@@ -720,8 +744,7 @@ class http_engine {
     if (p->put && rc == CURLE_OK && status >= 200 && status < 300 && p->got == p->len) {
       let_go(*p);
       if (p->etag_out && p->etag_out->empty()) {
-        error e(errc::protocol_error, "http.write", fmt::format("{} offset {}", p->h->name, p->offset),
-                "the server kept a part of the multipart upload without naming it (no ETag)");
+        error e(errc::protocol_error, "http.write", where(*p), "the server kept the part without naming it (no ETag)");
         return finish(p, &e);
       }
       return finish(p, nullptr);
@@ -738,13 +761,13 @@ class http_engine {
     std::optional<error> e;
     const char* op = p->put || p->method ? "http.write" : "http.read";
     if (rc != CURLE_OK) {
-      e = curl_error(rc, p->errbuf, op, p->h->name, at);
+      e = curl_error(rc, p->errbuf, op, here);
       again = retriable(rc);
     } else if (status < 200 || status >= 300) {
-      e = status_error(status, op, p->h->name, at);
+      e = status_error(status, op, here);
       again = retriable(status);
     } else {
-      e = error(errc::io_error, op, fmt::format("{} offset {}", p->h->name, at),
+      e = error(errc::io_error, op, here,
                 p->put ? fmt::format("the server answered before all {} bytes were sent", p->len)
                        : fmt::format("the answer ended after {} of the {} bytes asked for", p->got, p->len));
       again = true;
@@ -802,10 +825,21 @@ class http_engine {
       for (auto it = waiting.begin(); it != waiting.end();) {
         auto& p = *it;
         if (now > p->until) {
-          error e(errc::timeout, "http.read", fmt::format("{} offset {}", p->h->name, p->offset + p->got),
-                  "the request's deadline passed before it could be sent");
+          error e(errc::timeout, op_of(*p), where(*p), "the request's deadline passed before it could be sent");
           let_go(*p);
           finish(p, &e);
+          it = waiting.erase(it);
+          continue;
+        }
+        // A part of an upload another part of which failed for good is not sent: the upload is aborted.
+        bool given_up = false;
+        if (p->etag_out) {
+          std::lock_guard rl(p->req->mu);
+          given_up = p->req->err.has_value();
+        }
+        if (given_up) {
+          let_go(*p);
+          finish(p, nullptr);
           it = waiting.erase(it);
           continue;
         }
@@ -851,8 +885,7 @@ class http_engine {
           continue;
         }
         curl_multi_remove_handle(L.multi, (*it)->easy);
-        error e(errc::timeout, (*it)->put ? "http.write" : "http.read",
-                fmt::format("{} offset {}", (*it)->h->name, (*it)->offset + (*it)->got), "the request's deadline passed");
+        error e(errc::timeout, op_of(**it), where(**it), "the request's deadline passed");
         let_go(**it);
         finish(*it, &e);
         it = running.erase(it);
@@ -860,7 +893,7 @@ class http_engine {
       curl_multi_poll(L.multi, nullptr, 0, freed && !waiting.empty() ? 0 : waiting.empty() ? 1000 : 20, nullptr);
     }
     // Going: what is left fails; the engine's copies under way end first (they use this engine).
-    error gone(errc::cancelled, "http.read", "http", "the runtime is going");
+    error gone(errc::cancelled, "http", "http", "the runtime is going");
     for (auto& p : running) {
       curl_multi_remove_handle(L.multi, p->easy);
       let_go(*p);

@@ -10,6 +10,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -182,6 +183,37 @@ TEST(Preload, WhatIsNotRoutedKeepsTheKernelsAnswer) {
   errno = 0;
   EXPECT_EQ(::pread(-1, dev.data(), 4096, 0), -1);
   EXPECT_EQ(errno, EBADF);
+  ::close(fd);
+}
+
+TEST(Preload, TheProgramsRecordLocksStayAndAForkedChildKeepsEfault) {
+  auto data = pattern(2 << 20, 6);
+  temp_file f(data);
+  auto dev = allocate_mapped(rt().devices().get("sim:0"), 2 << 20);
+  int fd = ::open(f.path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  struct flock lk {};
+  lk.l_type = F_WRLCK;
+  lk.l_whence = SEEK_SET;
+  ASSERT_EQ(::fcntl(fd, F_SETLK, &lk), 0);
+  EXPECT_EQ(::pread(fd, dev.data(), 1 << 20, 0), 1 << 20);  // routed
+  EXPECT_EQ(::pwrite(fd, dev.data(), 4096, 0), 4096);         // routed
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Another process sees the parent's lock still held; its own read of device memory keeps EFAULT.
+    struct flock q {};
+    q.l_type = F_WRLCK;
+    q.l_whence = SEEK_SET;
+    const bool locked = ::fcntl(fd, F_GETLK, &q) == 0 && q.l_type == F_WRLCK && q.l_pid == ::getppid();
+    errno = 0;
+    const bool efault = ::pread(fd, dev.data(), 4096, 0) == -1 && errno == EFAULT;
+    ::_exit(locked && efault ? 0 : (locked ? 2 : 1));
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: the lock was dropped by a routed call; 2: the child's read was routed";
   ::close(fd);
 }
 

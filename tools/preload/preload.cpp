@@ -7,14 +7,15 @@
 // CPU cannot reach) on a regular file is looked at again: when ferry's registration cache knows the
 // buffer as device or unified memory, the file engine moves the bytes, with the syscall's results
 // (the count, short at the end of the file; errno on failure; read and write move the descriptor's
-// offset, write honours O_APPEND). Anything else keeps the kernel's EFAULT. A program that never
-// passes such memory never starts ferry's runtime.
+// offset, write honours O_APPEND) on the caller's own descriptor. Anything else keeps the kernel's
+// EFAULT. A program that never passes such memory never starts ferry's runtime.
 #include <ferry/core/error.hpp>
 #include <ferry/core/log.hpp>
 #include <ferry/io/file.hpp>
 #include <ferry/runtime.hpp>
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -22,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -52,17 +54,27 @@ const next_calls& next() {
   return n;
 }
 
-// The process's runtime, made on the first call that needs it and ended before the library goes
-// (the runtime's threads must stop before libferry's own globals do).
+// The process's runtime, made on the first call that needs it. It ends at exit, from an atexit
+// handler registered once it is made (so before the statics it made are destroyed), unless a call
+// is still under way on another thread (then it is left to the process's end). A child forked
+// after it was made has none of its threads: there calls keep the kernel's EFAULT (as a forked
+// child of a UVM program cannot use the parent's managed memory either).
 std::once_flag made;
 std::atomic<ferry::runtime*> rt{nullptr};
-std::atomic<bool> ending{false};
+std::atomic<bool> ending{false}, forked{false};
+std::atomic<int> in_flight{0};
+
+void teardown() {
+  ending = true;
+  if (in_flight.load() == 0 && !forked.load()) delete rt.exchange(nullptr);
+}
 
 ferry::runtime* runtime() {
-  if (ending.load()) return nullptr;
+  if (ending.load() || forked.load()) return nullptr;
   std::call_once(made, [] {
     try {
       rt = new ferry::runtime();
+      std::atexit(teardown);
     } catch (const std::exception& e) {
       ferry::log_message(ferry::log_level::error, "preload",
                          std::string("ferry's runtime did not start; reads and writes of GPU memory keep failing with EFAULT: ") + e.what());
@@ -71,22 +83,34 @@ ferry::runtime* runtime() {
   return rt.load();
 }
 
-[[gnu::constructor]] void on_load() { (void)next(); }
-[[gnu::destructor]] void on_unload() {
-  ending = true;
-  delete rt.exchange(nullptr);
+// A routed call in progress (counted before the runtime is asked for, see teardown).
+struct call {
+  call() { in_flight.fetch_add(1); }
+  ~call() { in_flight.fetch_sub(1); }
+  call(const call&) = delete;
+  call& operator=(const call&) = delete;
+};
+
+[[gnu::constructor]] void on_load() {
+  (void)next();
+  ::pthread_atfork(nullptr, nullptr, [] {
+    if (rt.load()) forked = true;
+  });
 }
 
 // Whether `fd` is a regular file and the buffer memory ferry moves (device or unified, one
 // allocation): the cases that are routed. Everything else keeps the kernel's answer. A read at
 // `read_at` needs only the bytes the file still holds there, as the kernel writes no more: `n` is cut
-// to those (0 at the end of the file).
+// to those. (At or past the end the kernel answers 0 without touching the buffer, so a read that
+// got EFAULT there is of a file whose size says nothing, as /proc's: not routed.)
 ferry::runtime* routable(int fd, const void* buf, size_t& n, off_t read_at = -1) {
   struct stat st {};
   if (n == 0 || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return nullptr;
-  if (read_at >= 0) n = read_at < st.st_size ? std::min<size_t>(n, static_cast<size_t>(st.st_size - read_at)) : 0;
+  if (read_at >= 0) {
+    if (read_at >= st.st_size) return nullptr;
+    n = std::min<size_t>(n, static_cast<size_t>(st.st_size - read_at));
+  }
   ferry::runtime* r = runtime();
-  if (n == 0) return r;
   if (!r) return nullptr;
   try {
     const auto m = r->registrations().classify(buf, n);
@@ -97,25 +121,28 @@ ferry::runtime* routable(int fd, const void* buf, size_t& n, off_t read_at = -1)
   }
 }
 
-// The descriptor's file as a ferry file: opened again through /proc (the same file, also when it
-// was unlinked or renamed since) with the descriptor's access but without O_APPEND, whose writes
-// would all go to the end; the offsets are positional and the caller's own.
-std::shared_ptr<ferry::file> adopt(int fd, bool writable) {
+// The descriptor as a ferry file: the caller's own, borrowed (positional I/O leaves its offset
+// alone, and closing nothing keeps the process's record locks on the file). A write to an O_APPEND
+// descriptor, whose every write the kernel puts at the end, goes through the file opened again
+// through /proc (the same file, also when unlinked or renamed since) without O_APPEND, keeping
+// O_SYNC/O_DSYNC; closing that one drops the process's record locks on the file.
+std::shared_ptr<ferry::file> as_file(int fd, bool writable) {
   char link[64], path[4096];
   std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
   const ssize_t k = ::readlink(link, path, sizeof path - 1);
   std::string name = k > 0 ? std::string(path, static_cast<std::size_t>(k)) : std::string(link);
   const int fl = ::fcntl(fd, F_GETFL);
-  if (fl < 0) ferry::fail_errno(errno, "preload.adopt", name, "fcntl");
-  const int again = ::open(link, (writable ? (fl & O_ACCMODE) : O_RDONLY) | O_CLOEXEC);
-  if (again < 0) ferry::fail_errno(errno, "preload.adopt", name, "opening it again");
-  return ferry::file::adopt(again, name, writable);
+  if (fl < 0) ferry::fail_errno(errno, "preload.file", name, "fcntl");
+  if (!writable || !(fl & O_APPEND)) return ferry::file::borrow(fd, name, writable);
+  const int again = ::open(link, (fl & (O_ACCMODE | O_SYNC | O_DSYNC)) | O_CLOEXEC);
+  if (again < 0) ferry::fail_errno(errno, "preload.file", name, "opening it again without O_APPEND");
+  return ferry::file::adopt(again, name, writable, false);
 }
 
 // A routed call's failure as the syscall's: -1, errno from ferry's error, the message in the log
 // (errno alone does not say which file or why).
 ssize_t failed(const std::exception& e) {
-  int err = EIO;
+  int err = EIO;  // what is not ferry's error (an allocation failed)
   if (const auto* fe = dynamic_cast<const ferry::error*>(&e)) err = fe->sys_errno() ? fe->sys_errno() : ferry::errno_from_errc(fe->code());
   ferry::log_message(ferry::log_level::warn, "preload", e.what());
   errno = err;
@@ -124,20 +151,26 @@ ssize_t failed(const std::exception& e) {
 
 ssize_t routed_read(ferry::runtime& r, int fd, void* buf, size_t n, off_t offset) {
   try {
-    auto f = adopt(fd, false);
+    auto f = as_file(fd, false);
     return static_cast<ssize_t>(r.files().read(*f, static_cast<std::uint64_t>(offset), buf, n));
   } catch (const std::exception& e) {
     return failed(e);
+  } catch (...) {
+    errno = EIO;
+    return -1;
   }
 }
 
 ssize_t routed_write(ferry::runtime& r, int fd, const void* buf, size_t n, off_t offset) {
   try {
-    auto f = adopt(fd, true);
+    auto f = as_file(fd, true);
     r.files().write(*f, static_cast<std::uint64_t>(offset), buf, n);
     return static_cast<ssize_t>(n);
   } catch (const std::exception& e) {
     return failed(e);
+  } catch (...) {
+    errno = EIO;
+    return -1;
   }
 }
 
@@ -152,18 +185,20 @@ extern "C" {
 [[gnu::visibility("default")]] ssize_t pread64(int fd, void* buf, size_t n, off_t offset) {
   const ssize_t got = next().pread(fd, buf, n, offset);
   if (got >= 0 || errno != EFAULT) return got;
+  call in;
   ferry::runtime* r = routable(fd, buf, n, offset);
   if (!r) {
     errno = EFAULT;
     return -1;
   }
-  return n ? routed_read(*r, fd, buf, n, offset) : 0;
+  return routed_read(*r, fd, buf, n, offset);
 }
 [[gnu::visibility("default")]] ssize_t pread(int fd, void* buf, size_t n, off_t offset) { return pread64(fd, buf, n, offset); }
 
 [[gnu::visibility("default")]] ssize_t pwrite64(int fd, const void* buf, size_t n, off_t offset) {
   const ssize_t put = next().pwrite(fd, buf, n, offset);
   if (put >= 0 || errno != EFAULT) return put;
+  call in;
   ferry::runtime* r = routable(fd, buf, n);
   if (!r) {
     errno = EFAULT;
@@ -182,13 +217,14 @@ extern "C" {
 [[gnu::visibility("default")]] ssize_t read(int fd, void* buf, size_t n) {
   const ssize_t got = next().read(fd, buf, n);
   if (got >= 0 || errno != EFAULT) return got;
+  call in;
   const off_t at = ::lseek(fd, 0, SEEK_CUR);
   ferry::runtime* r = at >= 0 ? routable(fd, buf, n, at) : nullptr;
   if (!r) {
     errno = EFAULT;
     return -1;
   }
-  const ssize_t moved = n ? routed_read(*r, fd, buf, n, at) : 0;
+  const ssize_t moved = routed_read(*r, fd, buf, n, at);
   if (moved > 0) ::lseek(fd, at + moved, SEEK_SET);
   return moved;
 }
@@ -196,6 +232,7 @@ extern "C" {
 [[gnu::visibility("default")]] ssize_t write(int fd, const void* buf, size_t n) {
   const ssize_t put = next().write(fd, buf, n);
   if (put >= 0 || errno != EFAULT) return put;
+  call in;
   ferry::runtime* r = routable(fd, buf, n);
   const int fl = r ? ::fcntl(fd, F_GETFL) : -1;
   struct stat st {};

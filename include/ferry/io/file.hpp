@@ -37,6 +37,10 @@ class FERRY_API file {
   // errors. With `direct`, an O_DIRECT descriptor is opened again from this one (large cold ranges
   // then bypass the page cache); without, all I/O goes through the page cache.
   static std::shared_ptr<file> adopt(int fd, std::string path, bool writable, bool direct = true);
+  // A descriptor the caller keeps (and closes): used as it is, never closed here, and no O_DIRECT
+  // descriptor opened beside it, since closing any descriptor of a file drops the process's record
+  // locks on it (fcntl F_SETLK); all I/O goes through the page cache.
+  static std::shared_ptr<file> borrow(int fd, std::string path, bool writable);
   // A file whose bytes `source` moves (what a scheme's opener returns, or memory presented as a
   // file): file engine batches and the GPU page cache take it like any other. `name` names it in
   // errors; writes need `writable`.
@@ -71,6 +75,7 @@ class FERRY_API file {
   int fd_ = -1, dfd_ = -1;
   std::uint32_t align_ = 4096;
   bool writable_ = false;
+  bool owned_ = true;  // fd_ is closed with the file (not when borrowed)
   std::shared_ptr<file_source> source_;
 };
 
