@@ -52,10 +52,10 @@ class CMakeBuild(build_ext):
             run(cmake, "-S", ROOT, "-B", CMAKE_BUILD, *generator, "-DCMAKE_BUILD_TYPE=Release",
                 "-DFERRY_BUILD_TESTS=OFF", "-DFERRY_PYTHON_REQUIRED=ON", f"-DPython3_EXECUTABLE={sys.executable}",
                 *shlex.split(os.environ.get("CMAKE_ARGS", "")))
-        run(cmake, "--build", CMAKE_BUILD, "--target", "_ferry", "ferry_cli")
+        run(cmake, "--build", CMAKE_BUILD, "--target", "_ferry", "ferry_cli", "ferry_preload")
         package = Path(self.build_lib).resolve() / "ferry"
         # What an earlier install put here (another Python's extension, another soname) must not ship.
-        for old in [*package.glob("_ferry*.so"), *package.glob("libferry.so*")]:
+        for old in [*package.glob("_ferry*.so"), *package.glob("libferry.so*"), *package.glob("libferry_preload.so")]:
             old.unlink()
         shutil.rmtree(package / "bin", ignore_errors=True)
         run(cmake, "--install", CMAKE_BUILD, "--component", "python", "--prefix", package.parent)

@@ -43,12 +43,18 @@ check() {  # FILE (in the package) RUNPATH
 check "$(cd "$pkg" && ls _ferry*.so)" '$ORIGIN'
 check bin/ferry '$ORIGIN/..'
 check "$lib" ''
+check libferry_preload.so '$ORIGIN'
 
 # `python -m ferry info` is the ferry program's `ferry info`.
 "$py" -m ferry info > module.txt || fail "python -m ferry info: exit code $?"
 "$program" info > program.txt
 diff <(head -3 module.txt) <(head -3 program.txt) || fail "python -m ferry info differs from ferry info"
 echo "python -m ferry info: exit 0, $(head -1 module.txt)"
+
+# `python -m ferry run` puts the package's preload library into the program's LD_PRELOAD.
+preload=$("$py" -m ferry run -- sh -c 'echo "$LD_PRELOAD"') || fail "python -m ferry run: exit code $?"
+[ "$preload" = "$pkg/libferry_preload.so" ] || fail "python -m ferry run: LD_PRELOAD '$preload', want $pkg/libferry_preload.so"
+echo "python -m ferry run: LD_PRELOAD $preload"
 
 "$py" - <<'PY' || fail "a read into a numpy array"
 import numpy as np

@@ -20,7 +20,10 @@ std::string preload_library() {
   Dl_info di{};
   if (!::dladdr(reinterpret_cast<void*>(&ferry::version), &di) || !di.dli_fname)
     fail(errc::not_found, "ferry run", "libferry", "cannot tell where libferry was loaded from");
-  const auto path = std::filesystem::path(di.dli_fname).parent_path() / "libferry_preload.so";
+  std::error_code ec;
+  auto dir = std::filesystem::weakly_canonical(std::filesystem::path(di.dli_fname).parent_path(), ec);
+  if (ec) dir = std::filesystem::path(di.dli_fname).parent_path();
+  const auto path = dir / "libferry_preload.so";
   if (::access(path.c_str(), R_OK) != 0)
     fail_errno(errno, "ferry run", path.string(), "libferry_preload.so must be installed beside libferry");
   return path.string();
