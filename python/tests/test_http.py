@@ -315,6 +315,15 @@ def test_a_server_that_stalls_after_its_headers_fails_within_the_deadline(ranges
     assert got["seconds"] < 10, got
 
 
+def test_a_read_slower_than_the_deadline_still_finishes_while_bytes_move(web):
+    """FERRY_DEADLINE is the time without progress, not a budget for the whole read: one range request of 6 MB
+    at nginx's 1 MB/s takes about 6 s, three times a deadline of 2 s, and completes."""
+    got = in_fresh_process(SUM.replace("url = sys.argv[1] if len(sys.argv) > 1 else None", f"url = '{web.url}/slow/data.bin'"),
+                           {"FERRY_DEADLINE": "2s", "FERRY_HTTP_PIECE": "8MiB"})
+    assert got.get("sum") == int(web.data[:6_000_000].astype(np.uint64).sum()), got
+    assert got["seconds"] > 4, got
+
+
 def test_a_server_restarted_mid_read_is_read_on_from_where_it_stopped(web):
     # The reader says when it has opened the file; the server stops once its pieces are under way (not
     # before the open, which a loaded machine may reach later than the pause).
@@ -567,6 +576,9 @@ class _SigV4(http.server.BaseHTTPRequestHandler):
         if ok and "uploadId" in q:  # a part of a multipart upload
             if q["partNumber"] in self.fail_parts or q["uploadId"] not in self.uploads:
                 return self._reply(403)
+            if q["partNumber"] in self.stall_parts:  # takes the part, then answers nothing for a minute
+                time.sleep(60)
+                return
             self.uploads[q["uploadId"]][int(q["partNumber"])] = body
             return self._reply(200, etag=f'"part{q["partNumber"]}"')
         if ok:
@@ -600,7 +612,8 @@ class _SigV4(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def sigv4(monkeypatch):
     """A _SigV4 server of its own on loopback, and the AWS environment that points s3:// at it."""
-    handler = type("S", (_SigV4,), {"objects": {}, "seen": [], "uploads": {}, "fail_parts": set(), "refuse_complete": False})
+    handler = type("S", (_SigV4,), {"objects": {}, "seen": [], "uploads": {}, "fail_parts": set(), "refuse_complete": False,
+                                    "stall_parts": set()})
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -664,6 +677,27 @@ def test_s3_objects_larger_than_a_part_go_up_in_signed_parts(sigv4):
             f.write_from(data)
     assert "/bkt/big/third.bin" not in sigv4.objects and sigv4.uploads == {}
     assert [c for c, _, _ in sigv4.seen][-1] == "DELETE"
+
+
+def test_a_part_the_server_never_answers_fails_the_upload_within_the_deadline(sigv4):
+    """A server that takes a part and then says nothing: the write fails within FERRY_DEADLINE (no progress for
+    that long), naming the object and the part, and the upload is aborted; nothing hangs."""
+    sigv4.stall_parts = {"2"}
+    code = READ + ("data = np.random.default_rng(3).integers(0, 256, 20_000_001, dtype=np.uint8)\n"
+                   "t0 = time.monotonic()\n"
+                   "try:\n"
+                   "    f = ferry.open('s3://bkt/big/stalled.bin', 'w')\n"
+                   "    f.write_from(data)\n"
+                   "    f.close()\n"
+                   "    out = {'ok': True}\n"
+                   "except ferry.Error as e:\n"
+                   "    out = {'error': str(e), 'code': e.code}\n"
+                   "out['seconds'] = time.monotonic() - t0\n"
+                   "print(json.dumps(out))")
+    got = in_fresh_process(code, {"FERRY_DEADLINE": "2s"})
+    assert got.get("code") == "timeout" and "s3://bkt/big/stalled.bin (part 2 of 3" in got["error"], got
+    assert got["seconds"] < 10, got
+    assert "/bkt/big/stalled.bin" not in sigv4.objects and sigv4.uploads == {}, "aborted"
 
 
 def test_s3_multipart_from_device_memory(s3, monkeypatch):

@@ -251,13 +251,13 @@ class memory_source final : public file_source {
  public:
   memory_source(transfer_engine& x, std::byte* base, std::uint64_t bytes) : x_(x), base_(base), bytes_(bytes) {}
   std::uint64_t size() override { return bytes_; }
-  void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, std::chrono::steady_clock::time_point until,
+  void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, const source_deadline& until,
              completion done) override {
     const std::uint64_t n = offset >= bytes_ ? 0 : std::min(bytes, bytes_ - offset);  // short at the end, like a file
     if (!n) return done(0, nullptr);
     const transfer_request q = write ? transfer_request{base_ + offset, mem, n} : transfer_request{mem, base_ + offset, n};
     transfer_options o;
-    o.until = until;
+    o.until = until.at();
     // Exactly once: a completion that ran inside submit and then threw must not be told again.
     auto told = std::make_shared<std::atomic<bool>>(false);
     try {

@@ -250,7 +250,10 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       b->item_done();
     };
     try {
-      r.f->source()->start(r.write, r.offset, r.mem, r.bytes, b->until(), done);
+      const source_deadline until = b->idle.count()
+                                        ? source_deadline(std::shared_ptr<std::atomic<source_deadline::clock::rep>>(b, &b->until_ticks), b->idle)
+                                        : source_deadline(b->until());
+      r.f->source()->start(r.write, r.offset, r.mem, r.bytes, until, done);
     } catch (const error& e) {
       done(0, &e);
     } catch (const std::exception& e) {

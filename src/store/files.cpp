@@ -233,7 +233,8 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
     }
     ep_->c().commit(*h, std::nullopt, ep_->timeout());
   }
-  void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, clk::time_point until, completion done) override {
+  // A ferry:// request's deadline is fixed when it starts (the client's waits take a time point).
+  void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, const source_deadline& until, completion done) override {
     std::function<client::write_handle()> h;
     if (write) {
       // Runs on the endpoint's starter thread: file_engine::submit never waits for the network. The
@@ -252,7 +253,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         d(n, e);
       };
     }
-    ep_->submit({write, std::move(h), path_, offset, mem, bytes, until, std::move(done), 0, write ? 0 : version_});
+    ep_->submit({write, std::move(h), path_, offset, mem, bytes, until.at(), std::move(done), 0, write ? 0 : version_});
   }
 
  private:

@@ -294,7 +294,7 @@ class http_engine {
   }
 
   void read(const std::shared_ptr<const head_result>& h, std::uint64_t offset, std::byte* mem, std::uint64_t bytes,
-            clk::time_point until, file_source::completion done) {
+            const source_deadline& until, file_source::completion done) {
     if (offset >= h->size || bytes == 0) return done(0, nullptr);
     bytes = std::min(bytes, h->size - offset);  // short at the end of the file
     memory_region user;
@@ -331,7 +331,7 @@ class http_engine {
 
   // The whole file from [mem, mem + bytes): one PUT, or for s3:// beyond one part a multipart
   // upload (device memory through staging buffers).
-  void write(const std::shared_ptr<const head_result>& h, const std::byte* mem, std::uint64_t bytes, clk::time_point until,
+  void write(const std::shared_ptr<const head_result>& h, const std::byte* mem, std::uint64_t bytes, const source_deadline& until,
              file_source::completion done) {
     auto p = std::make_shared<piece>();
     if (o_.cache && bytes) {
@@ -375,7 +375,8 @@ class http_engine {
     memory_region user;                          // staged: the destination, classified once
     pinned_pool* pool = nullptr;                 // staged: where the landing buffer comes from
     pinned_pool::buffer slot;
-    clk::time_point until, not_before{};
+    source_deadline until;                       // moved on as bytes land (a batch that follows progress)
+    clk::time_point not_before{};
     int attempts = 0;
     long status = 0;
     bool enough = false;                         // a 200 answer (the whole file) cut off once the range was in
@@ -420,7 +421,7 @@ class http_engine {
   // One request with a small body and answer (the multipart upload's POSTs and DELETE), its answer
   // handed to `then` on a lane's thread.
   void exchange(const std::shared_ptr<const head_result>& h, const char* method, std::string step, std::string query,
-                std::string body, clk::time_point until, std::function<void(const std::string& answer, const error*)> then) {
+                std::string body, source_deadline until, std::function<void(const std::string& answer, const error*)> then) {
     auto p = std::make_shared<piece>();
     auto answer = std::make_shared<std::string>();
     p->h = h;
@@ -442,7 +443,7 @@ class http_engine {
   // the lanes' threads: each step starts the next from its completion.
   void multipart(std::shared_ptr<piece> whole, std::uint64_t part, file_source::completion done) {
     auto h = whole->h;
-    const clk::time_point until = whole->until;
+    const source_deadline until = whole->until;
     if (whole->len > (5ull << 40))
       fail(errc::invalid_argument, "http.write", h->name, fmt::format("{} bytes: an S3 object holds at most 5 TiB", whole->len));
     exchange(h, "POST", "starting the multipart upload", "uploads=", {}, until,
@@ -468,7 +469,7 @@ class http_engine {
     const std::uint64_t n = (whole->len + part - 1) / part;
     auto etags = std::make_shared<std::vector<std::string>>(n);
     auto h = whole->h;
-    const clk::time_point until = whole->until;
+    const source_deadline until = whole->until;
     auto req = std::make_shared<request>();
     req->bytes = whole->len;
     req->left = static_cast<int>(n);
@@ -478,7 +479,7 @@ class http_engine {
     auto abort = [this, h, id](const error& why, file_source::completion& then) {
       auto err = std::make_shared<error>(why);
       try {
-        exchange(h, "DELETE", "aborting the multipart upload", "uploadId=" + id, {}, clk::now() + o_.deadline,
+        exchange(h, "DELETE", "aborting the multipart upload", "uploadId=" + id, {}, source_deadline(clk::now() + o_.deadline),
                  [err, then](const std::string&, const error*) { then(0, err.get()); });
       } catch (...) {
         then(0, err.get());
@@ -576,6 +577,7 @@ class http_engine {
     const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(bytes, p.len - p.got));
     std::memcpy((p.slot ? p.slot.data() : p.dst) + p.got, b, take);
     p.got += take;
+    p.until.moved();
     if (take == bytes) return bytes;
     if (p.status == 200) {
       p.enough = true;  // the whole file came; the range is in
@@ -602,13 +604,14 @@ class http_engine {
       const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, p.len - p.got));
       std::memcpy(b, p.dst + p.got, k);
       p.got += k;
+      p.until.moved();
       return k;
     }
     if (p.got == p.slot_at + p.slot_len) {  // the slot is sent: the source's next stretch into it
       p.slot_at = p.got;
       p.slot_len = std::min<std::uint64_t>(p.slot.size(), p.len - p.got);
       try {
-        p.eng->copy(transfer_request{p.slot.data(), p.dst + p.slot_at, p.slot_len, &p.slot.region(), &p.user}, {p.until});
+        p.eng->copy(transfer_request{p.slot.data(), p.dst + p.slot_at, p.slot_len, &p.slot.region(), &p.user}, {p.until.at()});
       } catch (const error& e) {
         p.bad = e;
         return CURL_READFUNC_ABORT;
@@ -617,6 +620,7 @@ class http_engine {
     const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, p.slot_at + p.slot_len - p.got));
     std::memcpy(b, p.slot.data() + (p.got - p.slot_at), k);
     p.got += k;
+    p.until.moved();
     return k;
   }
   static std::size_t discard(char*, std::size_t sz, std::size_t n, void*) { return sz * n; }
@@ -773,7 +777,7 @@ class http_engine {
       again = true;
     }
     const auto now = clk::now();
-    if (again && p->attempts < o_.retries && now < p->until) {
+    if (again && p->attempts < o_.retries && now < p->until.at()) {
       const auto pause = std::min<std::chrono::milliseconds>(2000ms, 100ms * (1 << std::min(p->attempts, 5)));
       ++p->attempts;
       ++n_retries_;
@@ -797,7 +801,7 @@ class http_engine {
     }
     n_staged_ += p->len;
     try {
-      o_.engine->submit({&r, 1}, {p->until}, [this, p](std::span<const request_result> res) {
+      o_.engine->submit({&r, 1}, {p->until.at()}, [this, p](std::span<const request_result> res) {
         finish(p, res[0].err ? &*res[0].err : nullptr);
         std::lock_guard l(mu_);
         if (--copies_ == 0) copies_cv_.notify_all();
@@ -824,7 +828,7 @@ class http_engine {
       // Start what may: its pause over, a staging buffer had, a connection's worth of room.
       for (auto it = waiting.begin(); it != waiting.end();) {
         auto& p = *it;
-        if (now > p->until) {
+        if (now > p->until.at()) {
           error e(errc::timeout, op_of(*p), where(*p), "the request's deadline passed before it could be sent");
           let_go(*p);
           finish(p, &e);
@@ -878,19 +882,26 @@ class http_engine {
         ended(std::move(p), rc, waiting);
         freed = true;
       }
-      // A piece past its request's deadline ends now (one that stalls ends by libcurl's low-speed limit).
+      // A piece whose request's deadline is about to pass ends now, a little before the batch's own
+      // wait gives up, so that the error names the piece (the part, the byte offset) and an upload's
+      // abort is on its way. A deadline that follows progress has not moved: nothing of the request
+      // landed for that long. (A piece that stalls may end sooner, by libcurl's low-speed limit.)
+      const auto margin = std::min<std::chrono::nanoseconds>(o_.deadline / 10, 500ms);
+      int wait_ms = freed && !waiting.empty() ? 0 : waiting.empty() ? 1000 : 20;
       for (auto it = running.begin(); it != running.end();) {
-        if (clk::now() <= (*it)->until) {
+        const auto remaining = (*it)->until.at() - margin - clk::now();
+        if (remaining > 0ns) {
+          wait_ms = static_cast<int>(std::min<std::int64_t>(wait_ms, std::chrono::ceil<std::chrono::milliseconds>(remaining).count()));
           ++it;
           continue;
         }
         curl_multi_remove_handle(L.multi, (*it)->easy);
-        error e(errc::timeout, op_of(**it), where(**it), "the request's deadline passed");
+        error e(errc::timeout, op_of(**it), where(**it), "the request's deadline passed (nothing of it moved for that long)");
         let_go(**it);
         finish(*it, &e);
         it = running.erase(it);
       }
-      curl_multi_poll(L.multi, nullptr, 0, freed && !waiting.empty() ? 0 : waiting.empty() ? 1000 : 20, nullptr);
+      curl_multi_poll(L.multi, nullptr, 0, wait_ms, nullptr);
     }
     // Going: what is left fails; the engine's copies under way end first (they use this engine).
     error gone(errc::cancelled, "http", "http", "the runtime is going");
@@ -932,7 +943,7 @@ class http_file final : public file_source {
       : e_(std::move(e)), h_(std::make_shared<const head_result>(std::move(h))), create_(create) {}
   std::uint64_t size() override { return create_ ? written_->load() : h_->size; }
   std::string describe() override { return e_->describe(); }
-  void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, clk::time_point until, completion done) override {
+  void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, const source_deadline& until, completion done) override {
     if (write != create_)
       fail(errc::not_supported, write ? "http.write" : "http.read", h_->name,
            write ? "opened for reading: open it for writing (create) to put it" : "opened for writing: it is read once written, opened again");

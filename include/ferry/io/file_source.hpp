@@ -6,6 +6,7 @@
 #include <ferry/core/error.hpp>
 #include <ferry/core/export.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -17,6 +18,36 @@ namespace ferry {
 
 enum class open_mode;
 
+// A request's deadline as its source sees it: at() is when the request fails for want of progress.
+// A batch whose deadline follows progress (no fixed transfer_options::until: the default) moves it
+// on whenever its source says bytes moved (moved()), so a large request fails only when no byte has
+// moved for the window, never because it takes longer than one; a fixed one never moves. Copies
+// share the batch's (cheap: a reference).
+class FERRY_API source_deadline {
+ public:
+  using clock = std::chrono::steady_clock;
+  source_deadline() = default;
+  explicit source_deadline(clock::time_point fixed) : fixed_(fixed) {}
+  // `ticks`: the batch's deadline (clock ticks since the epoch), moved on by `idle` from now.
+  source_deadline(std::shared_ptr<std::atomic<clock::rep>> ticks, std::chrono::nanoseconds idle)
+      : moving_(std::move(ticks)), idle_(idle) {}
+  clock::time_point at() const noexcept {
+    return moving_ ? clock::time_point(clock::duration(moving_->load(std::memory_order_relaxed))) : fixed_;
+  }
+  void moved() const noexcept {
+    if (!moving_ || idle_.count() == 0) return;
+    const clock::rep t = (clock::now() + idle_).time_since_epoch().count();
+    clock::rep cur = moving_->load(std::memory_order_relaxed);
+    while (cur < t && !moving_->compare_exchange_weak(cur, t, std::memory_order_relaxed)) {
+    }
+  }
+
+ private:
+  clock::time_point fixed_{};
+  std::shared_ptr<std::atomic<clock::rep>> moving_;
+  std::chrono::nanoseconds idle_{0};
+};
+
 class FERRY_API file_source {
  public:
   virtual ~file_source();
@@ -27,10 +58,11 @@ class FERRY_API file_source {
   // Starts moving [offset, offset+bytes) from the file into `mem` (or from `mem` into the file when
   // `write`); `mem` may be any memory ferry knows. `done(bytes, err)` runs exactly once, on any
   // thread, with the bytes moved (short at end of file) or the error; it runs no later than shortly
-  // after `until` (the source's own deadline handling), so a batch can always be waited for.
+  // after `until.at()` (the source's own deadline handling), so a batch can always be waited for. A
+  // source that moves a request in parts says so as they land (`until.moved()`).
   using completion = std::function<void(std::uint64_t bytes, const error* err)>;
-  virtual void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes,
-                     std::chrono::steady_clock::time_point until, completion done) = 0;
+  virtual void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, const source_deadline& until,
+                     completion done) = 0;
 };
 
 using file_opener = std::function<std::shared_ptr<file_source>(const std::string& uri, open_mode mode)>;
