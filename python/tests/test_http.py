@@ -324,6 +324,15 @@ def test_a_read_slower_than_the_deadline_still_finishes_while_bytes_move(web):
     assert got["seconds"] > 4, got
 
 
+def test_a_short_timeout_is_a_window_without_progress_not_a_margin_to_lose(web):
+    """A timeout well under half a second still reads from a fast server: the piece ends only a tenth of the
+    caller's window before it (not of FERRY_DEADLINE's)."""
+    buf = np.zeros(len(web.data), dtype=np.uint8)
+    with ferry.open(f"{web.url}/data.bin") as f:
+        assert f.read_into(buf, timeout=0.3) == len(buf)
+    assert np.array_equal(buf, web.data)
+
+
 def test_a_server_restarted_mid_read_is_read_on_from_where_it_stopped(web):
     # The reader says when it has opened the file; the server stops once its pieces are under way (not
     # before the open, which a loaded machine may reach later than the pause).

@@ -376,6 +376,7 @@ class http_engine {
     pinned_pool* pool = nullptr;                 // staged: where the landing buffer comes from
     pinned_pool::buffer slot;
     source_deadline until;                       // moved on as bytes land (a batch that follows progress)
+    clk::time_point last_moved{};                // the piece's own last byte (or its start)
     clk::time_point not_before{};
     int attempts = 0;
     long status = 0;
@@ -537,6 +538,17 @@ class http_engine {
     return fmt::format("{} offset {}", p.h->name, p.offset + (p.put ? 0 : p.got));
   }
   static const char* op_of(const piece& p) { return p.put || p.method ? "http.write" : "http.read"; }
+  // How long before its deadline a piece ends (so that its own error, naming it, and an upload's
+  // abort come before the batch's wait gives up): a tenth of a moving deadline's window, at most half
+  // a second; none for a fixed deadline (the caller's whole budget).
+  static std::chrono::nanoseconds margin(const piece& p) {
+    return std::min<std::chrono::nanoseconds>(p.until.idle() / 10, std::chrono::milliseconds(500));
+  }
+  // Bytes of the piece moved: its batch's deadline and its own stall clock go on.
+  static void progressed(piece& p) {
+    p.until.moved();
+    p.last_moved = clk::now();
+  }
 
   // The text of the first <tag>...</tag> in a small XML answer ("" when there is none).
   static std::string xml_text(const std::string& xml, const std::string& tag) {
@@ -577,7 +589,7 @@ class http_engine {
     const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(bytes, p.len - p.got));
     std::memcpy((p.slot ? p.slot.data() : p.dst) + p.got, b, take);
     p.got += take;
-    p.until.moved();
+    progressed(p);
     if (take == bytes) return bytes;
     if (p.status == 200) {
       p.enough = true;  // the whole file came; the range is in
@@ -604,7 +616,7 @@ class http_engine {
       const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, p.len - p.got));
       std::memcpy(b, p.dst + p.got, k);
       p.got += k;
-      p.until.moved();
+      progressed(p);
       return k;
     }
     if (p.got == p.slot_at + p.slot_len) {  // the slot is sent: the source's next stretch into it
@@ -620,7 +632,7 @@ class http_engine {
     const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, p.slot_at + p.slot_len - p.got));
     std::memcpy(b, p.slot.data() + (p.got - p.slot_at), k);
     p.got += k;
-    p.until.moved();
+    progressed(p);
     return k;
   }
   static std::size_t discard(char*, std::size_t sz, std::size_t n, void*) { return sz * n; }
@@ -629,6 +641,7 @@ class http_engine {
     auto& p = *static_cast<piece*>(ud);
     if (p.answer->size() + sz * n > (1u << 20)) return 0;
     p.answer->append(b, sz * n);
+    progressed(p);  // S3 keeps a long CompleteMultipartUpload alive with whitespace
     return sz * n;
   }
   // A part's ETag, which the upload's completion lists.
@@ -656,6 +669,7 @@ class http_engine {
 
   void begin(lane& L, piece& p) {
     if (!p.easy && !(p.easy = curl_easy_init())) fail(errc::out_of_memory, "http.read", p.h->name, "curl_easy_init failed");
+    p.last_moved = clk::now();  // its stall clock starts with each attempt
     curl_easy_reset(p.easy);
     p.errbuf[0] = 0;
     p.status = 0;
@@ -777,8 +791,8 @@ class http_engine {
       again = true;
     }
     const auto now = clk::now();
-    if (again && p->attempts < o_.retries && now < p->until.at()) {
-      const auto pause = std::min<std::chrono::milliseconds>(2000ms, 100ms * (1 << std::min(p->attempts, 5)));
+    const auto pause = std::min<std::chrono::milliseconds>(2000ms, 100ms * (1 << std::min(p->attempts, 5)));
+    if (again && p->attempts < o_.retries && now + pause < p->until.at() - margin(*p)) {
       ++p->attempts;
       ++n_retries_;
       p->not_before = now + pause;
@@ -828,7 +842,7 @@ class http_engine {
       // Start what may: its pause over, a staging buffer had, a connection's worth of room.
       for (auto it = waiting.begin(); it != waiting.end();) {
         auto& p = *it;
-        if (now > p->until.at()) {
+        if (now > p->until.at() - margin(*p)) {
           error e(errc::timeout, op_of(*p), where(*p), "the request's deadline passed before it could be sent");
           let_go(*p);
           finish(p, &e);
@@ -882,21 +896,25 @@ class http_engine {
         ended(std::move(p), rc, waiting);
         freed = true;
       }
-      // A piece whose request's deadline is about to pass ends now, a little before the batch's own
-      // wait gives up, so that the error names the piece (the part, the byte offset) and an upload's
-      // abort is on its way. A deadline that follows progress has not moved: nothing of the request
-      // landed for that long. (A piece that stalls may end sooner, by libcurl's low-speed limit.)
-      const auto margin = std::min<std::chrono::nanoseconds>(o_.deadline / 10, 500ms);
+      // A piece ends a little before its batch's deadline (margin: its own error then names it, and
+      // an upload's abort is on its way), and, under a deadline that follows progress, when nothing
+      // of it has moved for the window while other requests of the batch kept the deadline going.
       int wait_ms = freed && !waiting.empty() ? 0 : waiting.empty() ? 1000 : 20;
       for (auto it = running.begin(); it != running.end();) {
-        const auto remaining = (*it)->until.at() - margin - clk::now();
+        piece& q = **it;
+        const auto idle = q.until.idle();
+        const auto now2 = clk::now();
+        auto remaining = q.until.at() - margin(q) - now2;
+        if (idle > 0ns) remaining = std::min<std::chrono::nanoseconds>(remaining, q.last_moved + idle - margin(q) - now2);
         if (remaining > 0ns) {
           wait_ms = static_cast<int>(std::min<std::int64_t>(wait_ms, std::chrono::ceil<std::chrono::milliseconds>(remaining).count()));
           ++it;
           continue;
         }
-        curl_multi_remove_handle(L.multi, (*it)->easy);
-        error e(errc::timeout, op_of(**it), where(**it), "the request's deadline passed (nothing of it moved for that long)");
+        curl_multi_remove_handle(L.multi, q.easy);
+        error e(errc::timeout, op_of(q), where(q),
+                idle > 0ns ? fmt::format("nothing of it moved for {} ms", std::chrono::duration_cast<std::chrono::milliseconds>(idle).count())
+                           : std::string("the request's deadline passed"));
         let_go(**it);
         finish(*it, &e);
         it = running.erase(it);

@@ -18,11 +18,12 @@ namespace ferry {
 
 enum class open_mode;
 
-// A request's deadline as its source sees it: at() is when the request fails for want of progress.
-// A batch whose deadline follows progress (no fixed transfer_options::until: the default) moves it
-// on whenever its source says bytes moved (moved()), so a large request fails only when no byte has
-// moved for the window, never because it takes longer than one; a fixed one never moves. Copies
-// share the batch's (cheap: a reference).
+// A request's deadline as its source sees it: the deadline of the batch it belongs to. at() is when
+// it fails. A batch whose deadline follows progress (no fixed transfer_options::until: the default)
+// moves it on whenever bytes of any of its requests move (a source says so with moved()), so a
+// large request fails only when nothing of the batch has moved for the window (idle()), never
+// because it takes longer than one; a fixed one never moves (idle() is 0). Copies share the batch's
+// (cheap: a reference).
 class FERRY_API source_deadline {
  public:
   using clock = std::chrono::steady_clock;
@@ -34,6 +35,8 @@ class FERRY_API source_deadline {
   clock::time_point at() const noexcept {
     return moving_ ? clock::time_point(clock::duration(moving_->load(std::memory_order_relaxed))) : fixed_;
   }
+  // The window a moving deadline keeps ahead of the last progress; 0 for a fixed one.
+  std::chrono::nanoseconds idle() const noexcept { return moving_ ? idle_ : std::chrono::nanoseconds(0); }
   void moved() const noexcept {
     if (!moving_ || idle_.count() == 0) return;
     const clock::rep t = (clock::now() + idle_).time_since_epoch().count();
