@@ -61,7 +61,7 @@ const next_calls& next() {
 // child of a UVM program cannot use the parent's managed memory either).
 std::once_flag made;
 std::atomic<ferry::runtime*> rt{nullptr};
-std::atomic<bool> ending{false}, forked{false};
+std::atomic<bool> ending{false}, forked{false}, making{false};
 std::atomic<int> in_flight{0};
 
 void teardown() {
@@ -72,6 +72,7 @@ void teardown() {
 ferry::runtime* runtime() {
   if (ending.load() || forked.load()) return nullptr;
   std::call_once(made, [] {
+    making = true;
     try {
       rt = new ferry::runtime();
       std::atexit(teardown);
@@ -79,6 +80,7 @@ ferry::runtime* runtime() {
       ferry::log_message(ferry::log_level::error, "preload",
                          std::string("ferry's runtime did not start; reads and writes of GPU memory keep failing with EFAULT: ") + e.what());
     }
+    making = false;
   });
   return rt.load();
 }
@@ -93,8 +95,10 @@ struct call {
 
 [[gnu::constructor]] void on_load() {
   (void)next();
+  // (Also when the fork came while another thread was making the runtime: the child's call_once
+  // would wait for a thread it does not have.)
   ::pthread_atfork(nullptr, nullptr, [] {
-    if (rt.load()) forked = true;
+    if (rt.load() || making.load()) forked = true;
   });
 }
 
