@@ -1097,4 +1097,10 @@ space_options space_options::from(const settings& s) {
   return o;
 }
 
+std::uint64_t whole_memory_size(device& dev) {
+  const auto host_bytes = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t g = dev.granularity();
+  return (dev.memory().total + host_bytes + g - 1) / g * g;
+}
+
 }  // namespace ferry::vm

@@ -9,6 +9,10 @@
 // (the count, short at the end of the file; errno on failure; read and write move the descriptor's
 // offset, write honours O_APPEND) on the caller's own descriptor. Anything else keeps the kernel's
 // EFAULT. A program that never passes such memory never starts ferry's runtime.
+//
+// The managed memory of such a program is ferry's too (managed.cpp, driver_hook.cpp).
+#include "preload.hpp"
+
 #include <ferry/core/error.hpp>
 #include <ferry/core/log.hpp>
 #include <ferry/io/file.hpp>
@@ -56,7 +60,8 @@ const next_calls& next() {
 
 // The process's runtime, made on the first call that needs it. It ends at exit, from an atexit
 // handler registered once it is made (so before the statics it made are destroyed), unless a call
-// is still under way on another thread (then it is left to the process's end). A child forked
+// is still under way on another thread or the program has managed memory on it (then it is left to
+// the process's end). A child forked
 // after it was made has none of its threads: there calls keep the kernel's EFAULT (as a forked
 // child of a UVM program cannot use the parent's managed memory either).
 std::once_flag made;
@@ -66,10 +71,15 @@ std::atomic<int> in_flight{0};
 
 void teardown() {
   ending = true;
+#if FERRY_PRELOAD_MANAGED
+  if (ferry::preload::managed_at_exit()) return;
+#endif
   if (in_flight.load() == 0 && !forked.load()) delete rt.exchange(nullptr);
 }
 
-ferry::runtime* runtime() {
+}  // namespace
+
+ferry::runtime* ferry::preload::get_runtime() {
   if (ending.load() || forked.load()) return nullptr;
   std::call_once(made, [] {
     making = true;
@@ -85,6 +95,8 @@ ferry::runtime* runtime() {
   return rt.load();
 }
 
+namespace {
+
 // A routed call in progress (counted before the runtime is asked for, see teardown).
 struct call {
   call() { in_flight.fetch_add(1); }
@@ -95,6 +107,12 @@ struct call {
 
 [[gnu::constructor]] void on_load() {
   (void)next();
+  // FERRY_LOG's level from the start (a runtime sets it when made; the driver's entry points are
+  // handed out before).
+  try {
+    ferry::set_log_level(ferry::settings::from_env().log);
+  } catch (const std::exception&) {
+  }
   // (Also when the fork came while another thread was making the runtime: the child's call_once
   // would wait for a thread it does not have.)
   ::pthread_atfork(nullptr, nullptr, [] {
@@ -114,7 +132,7 @@ ferry::runtime* routable(int fd, const void* buf, size_t& n, off_t read_at = -1)
     if (read_at >= st.st_size) return nullptr;
     n = std::min<size_t>(n, static_cast<size_t>(st.st_size - read_at));
   }
-  ferry::runtime* r = runtime();
+  ferry::runtime* r = ferry::preload::get_runtime();
   if (!r) return nullptr;
   try {
     const auto m = r->registrations().classify(buf, n);
@@ -184,7 +202,7 @@ extern "C" {
 
 // For programs that use ferry themselves under the preload library: the runtime it routes through
 // (made now if it was not yet), so that both share one. Null when it could not start.
-[[gnu::visibility("default")]] ferry::runtime* ferry_preload_runtime() { return runtime(); }
+[[gnu::visibility("default")]] ferry::runtime* ferry_preload_runtime() { return ferry::preload::get_runtime(); }
 
 [[gnu::visibility("default")]] ssize_t pread64(int fd, void* buf, size_t n, off_t offset) {
   const ssize_t got = next().pread(fd, buf, n, offset);

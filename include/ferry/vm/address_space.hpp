@@ -87,6 +87,10 @@ struct space_timings {
   std::uint64_t cpu_fault = 0;  // serving CPU faults, each from its message to its page mapped (the faulting thread waits)
 };
 
+// The size of a space that can hold all the memory a program could have with `dev`: the device's
+// memory plus the host's, rounded up to the device granularity (what managed memory is sized by).
+FERRY_API std::uint64_t whole_memory_size(device& dev);
+
 class FERRY_API address_space {
  public:
   // Reserves `bytes` (rounded up to the device granularity) of shared address space on `dev`.

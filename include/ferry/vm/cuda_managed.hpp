@@ -24,7 +24,6 @@
 #include <ferry/vm/address_space.hpp>
 
 #include <cuda_runtime.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -44,13 +43,8 @@ struct heap {
   std::mutex mu;
   std::vector<std::pair<cudaStream_t, std::unique_ptr<stream>>> attached;
 
-  static std::uint64_t size_for(device& d) {
-    std::uint64_t host = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-    std::uint64_t g = d.granularity();
-    return (d.memory().total + host + g - 1) / g * g;
-  }
   explicit heap(int ordinal)
-      : rt(settings::from_env()), dev(rt.devices().get(device_kind::cuda, ordinal)), space(dev, size_for(dev), vm::space_options::from(rt.config())) {
+      : rt(settings::from_env()), dev(rt.devices().get(device_kind::cuda, ordinal)), space(dev, vm::whole_memory_size(dev), vm::space_options::from(rt.config())) {
     attach(nullptr);  // the legacy default stream
   }
   bool owns(const void* p) const {

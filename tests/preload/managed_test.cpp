@@ -1,0 +1,153 @@
+// libferry_preload.so's managed memory (tools/preload/managed.cpp, driver_hook.cpp), as an unmodified
+// program's CUDA runtime meets it: the program dlopens "the driver" (here a stand-in,
+// fake_cuda.cpp, that counts the calls reaching it), finds cuGetProcAddress with dlsym and gets
+// every entry point from it. ferry serves its managed memory on the sim device (no GPU here); what
+// is not ferry's must reach the driver untouched. Run with the library in LD_PRELOAD (ctest sets it).
+#include <gtest/gtest.h>
+
+#include <cuda.h>
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using get_proc = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
+
+struct fake_driver {
+  void* handle = nullptr;
+  get_proc get = nullptr;
+  int (*calls)(const char*) = nullptr;
+  void* (*own)(const char*, int, cuuint64_t) = nullptr;
+
+  fake_driver() {
+    handle = ::dlopen(FERRY_FAKE_CUDA, RTLD_NOW | RTLD_LOCAL);
+    if (!handle) throw std::runtime_error(std::string("cannot load the fake driver: ") + ::dlerror());
+    get = reinterpret_cast<get_proc>(::dlsym(handle, "cuGetProcAddress_v2"));
+    calls = reinterpret_cast<int (*)(const char*)>(::dlsym(handle, "fake_cuda_calls"));
+    own = reinterpret_cast<void* (*)(const char*, int, cuuint64_t)>(::dlsym(handle, "fake_cuda_entry"));
+  }
+  template <typename Fn>
+  Fn entry(const char* name, int version = 13000, cuuint64_t flags = CU_GET_PROC_ADDRESS_DEFAULT) {
+    void* fn = nullptr;
+    CUdriverProcAddressQueryResult found{};
+    if (get(name, &fn, version, flags, &found) != CUDA_SUCCESS) return nullptr;
+    return reinterpret_cast<Fn>(fn);
+  }
+};
+
+fake_driver& driver() {
+  static fake_driver d;
+  return d;
+}
+
+std::vector<unsigned char> pattern(std::size_t n, unsigned seed) {
+  std::vector<unsigned char> v(n);
+  std::uint32_t x = seed * 2654435761u + 7;
+  for (auto& b : v) {
+    x = x * 1664525u + 1013904223u;
+    b = static_cast<unsigned char>(x >> 24);
+  }
+  return v;
+}
+
+TEST(PreloadManaged, TheProgramsGetterIsWrappedAndHandsOutFerrysEntryPointsOnly) {
+  auto& d = driver();
+  ASSERT_NE(d.get, nullptr);
+  EXPECT_NE(reinterpret_cast<void*>(d.get), d.own("cuGetProcAddress_v2", 0, 0)) << "dlsym gave the driver's own getter";
+  // Served: a wrapper, not the driver's function; per ABI version and per default-stream flavour.
+  void* alloc = d.entry<void*>("cuMemAllocManaged");
+  EXPECT_NE(alloc, nullptr);
+  EXPECT_NE(alloc, d.own("cuMemAllocManaged", 13000, 0));
+  EXPECT_NE(d.entry<void*>("cuMemAdvise", 13000), d.entry<void*>("cuMemAdvise", 11000));
+  EXPECT_NE(d.entry<void*>("cuMemPrefetchAsync"),
+            d.entry<void*>("cuMemPrefetchAsync", 13000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM));
+  // Not served: the driver's own function, untouched.
+  EXPECT_EQ(d.entry<void*>("cuCtxSynchronize"), d.own("cuCtxSynchronize", 13000, 0));
+  EXPECT_EQ(d.entry<void*>("cuCtxGetDevice", 2000), d.own("cuCtxGetDevice", 2000, 0));
+}
+
+TEST(PreloadManaged, ManagedMemoryIsFerrysAndEverythingElseReachesTheDriver) {
+  auto& d = driver();
+  auto alloc = d.entry<CUresult (*)(CUdeviceptr*, size_t, unsigned)>("cuMemAllocManaged");
+  auto free = d.entry<CUresult (*)(CUdeviceptr)>("cuMemFree");
+  auto attribute = d.entry<CUresult (*)(void*, CUpointer_attribute, CUdeviceptr)>("cuPointerGetAttribute");
+  auto attributes = d.entry<CUresult (*)(unsigned, CUpointer_attribute*, void**, CUdeviceptr)>("cuPointerGetAttributes");
+  auto prefetch = d.entry<CUresult (*)(CUdeviceptr, size_t, CUmemLocation, unsigned, CUstream)>("cuMemPrefetchAsync");
+  auto advise = d.entry<CUresult (*)(CUdeviceptr, size_t, CUmem_advise, CUmemLocation)>("cuMemAdvise");
+  auto attach = d.entry<CUresult (*)(CUstream, CUdeviceptr, size_t, unsigned)>("cuStreamAttachMemAsync");
+  auto launch = d.entry<CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                                     void**, void**)>("cuLaunchKernel");
+  ASSERT_TRUE(alloc && free && attribute && attributes && prefetch && advise && attach && launch);
+
+  const std::size_t n = (6u << 20) + 12345;
+  CUdeviceptr p = 0;
+  ASSERT_EQ(alloc(&p, n, CU_MEM_ATTACH_GLOBAL), CUDA_SUCCESS);
+  ASSERT_NE(p, 0u);
+  EXPECT_EQ(d.calls("cuMemAllocManaged"), 0) << "the allocation reached the driver";
+  EXPECT_EQ(alloc(&p, 0, CU_MEM_ATTACH_GLOBAL), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(alloc(&p, 1, 77), CUDA_ERROR_INVALID_VALUE);
+
+  // The pointer says it is managed, as UVM's do, although the driver does not know it.
+  bool managed = false;
+  EXPECT_EQ(attribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, p + 100), CUDA_SUCCESS);
+  EXPECT_TRUE(managed);
+  CUpointer_attribute as[] = {CU_POINTER_ATTRIBUTE_IS_MANAGED, CU_POINTER_ATTRIBUTE_DEVICE_POINTER, CU_POINTER_ATTRIBUTE_MEMORY_TYPE};
+  bool m2 = false;
+  CUdeviceptr dp = 0;
+  unsigned type = 0;
+  void* data[] = {&m2, &dp, &type};
+  EXPECT_EQ(attributes(3, as, data, p), CUDA_SUCCESS);
+  EXPECT_TRUE(m2);
+  EXPECT_EQ(dp, p);
+  EXPECT_EQ(type, static_cast<unsigned>(CU_MEMORYTYPE_DEVICE));
+  // Another pointer: the driver's answer.
+  bool other = true;
+  EXPECT_EQ(attribute(&other, CU_POINTER_ATTRIBUTE_IS_MANAGED, 0x1000), CUDA_ERROR_INVALID_VALUE);
+
+  // The CPU writes and reads it; a pread (which the kernel refuses for memory on the device) and a
+  // pwrite move a file's bytes in and out of it through the preload library's routing.
+  auto* bytes = reinterpret_cast<unsigned char*>(p);
+  std::memset(bytes, 0x5a, n);
+  EXPECT_EQ(bytes[n - 1], 0x5a);
+  const auto data_in = pattern(n, 3);
+  char tmpl[] = "/tmp/ferry-preload-managed-XXXXXX";
+  const int fd = ::mkstemp(tmpl);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::pwrite(fd, data_in.data(), n, 0), static_cast<ssize_t>(n));
+  CUmemLocation on_device{CU_MEM_LOCATION_TYPE_DEVICE, 0};
+  EXPECT_EQ(prefetch(p, n, on_device, 0, nullptr), CUDA_SUCCESS);
+  EXPECT_EQ(::pread(fd, bytes + 1, n - 1, 1), static_cast<ssize_t>(n - 1)) << std::strerror(errno);
+  EXPECT_EQ(std::memcmp(bytes + 1, data_in.data() + 1, n - 1), 0);
+  EXPECT_EQ(bytes[0], 0x5a);
+  ::unlink(tmpl);
+  ::close(fd);
+
+  // Hints, attach and launches are served (or seen) for ferry's memory; the driver gets the rest.
+  CUmemLocation host{CU_MEM_LOCATION_TYPE_HOST, 0};
+  EXPECT_EQ(advise(p, n, CU_MEM_ADVISE_SET_READ_MOSTLY, on_device), CUDA_SUCCESS);
+  EXPECT_EQ(advise(p, n, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, host), CUDA_SUCCESS);
+  EXPECT_EQ(prefetch(p, n, host, 0, nullptr), CUDA_SUCCESS);
+  EXPECT_EQ(attach(nullptr, p, 0, CU_MEM_ATTACH_SINGLE), CUDA_SUCCESS);
+  EXPECT_EQ(d.calls("cuMemPrefetchAsync") + d.calls("cuMemAdvise") + d.calls("cuStreamAttachMemAsync"), 0);
+  EXPECT_EQ(advise(0x1000, 4096, CU_MEM_ADVISE_SET_READ_MOSTLY, on_device), CUDA_SUCCESS);
+  EXPECT_EQ(d.calls("cuMemAdvise"), 1);
+  EXPECT_EQ(launch(nullptr, 1, 1, 1, 1, 1, 1, 0, nullptr, nullptr, nullptr), CUDA_SUCCESS);
+  EXPECT_EQ(d.calls("cuLaunchKernel"), 1);
+
+  // Free: ferry's goes back to its space (after the context's work, as cuMemFree waits for it),
+  // another pointer to the driver.
+  EXPECT_EQ(free(p), CUDA_SUCCESS);
+  EXPECT_EQ(d.calls("cuMemFree"), 0);
+  EXPECT_GE(d.calls("cuCtxSynchronize"), 1);
+  EXPECT_EQ(free(0x1000), CUDA_SUCCESS);
+  EXPECT_EQ(d.calls("cuMemFree"), 1);
+}
+
+}  // namespace
