@@ -204,7 +204,7 @@ const setting_def table[] = {
   {"FERRY_IO_DIRECT", "O_DIRECT for file reads: auto (unless the range is in the page cache; a small read asks the page cache first) | always | never.",
    [](settings& s, std::string_view v) { s.io_direct = parse_enum(v, direct_ios); },
    [](const settings& s) { return std::string(to_string(s.io_direct)); }},
-  {"FERRY_IO_THREADS", "Most file engine threads, each with its own io_uring, 0..64; 0 = three quarters of the hardware threads, 2..16. They are started as the work asks for them: two at first, then one more for every FERRY_IO_DEPTH requests waiting or running and for every four FERRY_IO_CHUNKs of a batch. A request goes to the thread with the least work, so requests that come together (a server's clients, the pieces of a ferry:// read) run in parallel.",
+  {"FERRY_IO_THREADS", "Most file engine threads, each with its own io_uring, 0..64; 0 = three quarters of the hardware threads, 2..16. They are started as the work asks for them: two at first, then one more for every FERRY_IO_DEPTH requests waiting or running and for every 32 MiB asked of them since the process began. A request goes to the thread with the least work, so requests that come together (a server's clients, the pieces of a ferry:// read) run in parallel.",
    [](settings& s, std::string_view v) { s.io_threads = static_cast<int>(parse_int(v, 0, 64)); },
    [](const settings& s) { return std::to_string(s.io_threads); }},
   {"FERRY_IO_DEPTH", "File reads/writes in flight per file engine thread (its queue depth), shared by the requests it runs at once: each issues into a free slot in turn; staged ones take a buffer of the staging pool per I/O, those free at the time, 1..256.",

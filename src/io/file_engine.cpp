@@ -79,20 +79,22 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   file* sized = nullptr;
   std::uint64_t size = 0;
   const std::shared_ptr<file>* run = nullptr;  // the first request of the current run on one file
+  // More workers when the work asks for them: a worker for every FERRY_IO_DEPTH requests waiting
+  // or running, and for every 32 MiB asked of the engine so far (what a new worker's copies must
+  // cover to be worth its making, a thread costing a millisecond or more in a process that imported
+  // torch; a 64 MiB first load takes two, a 4 GiB one all, and so does a program reading 4 GiB in
+  // 16 MiB calls, one batch after another). Remote files' requests are their sources' work, not
+  // the workers'.
+  std::uint64_t batch_bytes = 0;
   {
-    // More workers when the work asks for them: a worker for every FERRY_IO_DEPTH requests waiting
-    // or running, and for every 32 MiB of this batch (what a new worker's copies must cover to be
-    // worth its making, a thread costing a millisecond or more in a process that imported torch; a
-    // 64 MiB first load takes two, a 4 GiB one all). Remote files' requests are their sources'
-    // work, not the workers'.
-    std::uint64_t bytes = 0;
     std::size_t busy = 0;
     for (auto& r : reqs)
-      if (r.f && !r.f->source()) bytes += r.bytes, ++busy;
+      if (r.f && !r.f->source()) batch_bytes += r.bytes, ++busy;
     const std::size_t nl = I.live.load(std::memory_order_acquire);
     for (std::size_t k = 0; k < nl; ++k) busy += I.workers[k]->queued.load() + I.workers[k]->running_now.load();
     const auto depth = static_cast<std::size_t>(std::max(1, I.cfg.io_depth));
-    I.grow(std::max<std::size_t>((busy + depth - 1) / depth, static_cast<std::size_t>(bytes / (32 * MiB))));
+    const std::uint64_t asked = I.asked.fetch_add(batch_bytes, std::memory_order_relaxed) + batch_bytes;
+    I.grow(std::max<std::size_t>((busy + depth - 1) / depth, static_cast<std::size_t>(asked / (32 * MiB))));
   }
   const std::size_t nw = I.live.load(std::memory_order_acquire);
   for (std::size_t i = 0; i < reqs.size(); ++i) {
@@ -148,8 +150,12 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       // Each piece is a segment of the request. The unit: into host memory, where the kernel copies
       // straight into the destination and the copy is the whole cost, the inline size (a piece is
       // one copy, a few of them already worth spreading); into device memory, where each I/O takes a
-      // staging buffer of its own, an I/O chunk.
-      const std::uint64_t unit = !j.dev && I.cfg.io_inline >= 64 * 1024 ? std::min(I.cfg.io_inline, I.cfg.io_chunk) : I.cfg.io_chunk;
+      // staging buffer of its own, an I/O chunk -- or less, down to the inline size, when the batch
+      // is too small to give every worker a chunk (a program's single 16 MiB read then runs on all
+      // of them, not on four).
+      const std::uint64_t least = I.cfg.io_inline >= 64 * 1024 ? std::min(I.cfg.io_inline, I.cfg.io_chunk) : I.cfg.io_chunk;
+      const std::uint64_t unit =
+          !j.dev ? least : std::clamp<std::uint64_t>(align_up(batch_bytes / std::max<std::size_t>(nw, 1), 4096), least, I.cfg.io_chunk);
       std::size_t pieces = std::min<std::uint64_t>(nw, r.bytes / std::max<std::uint64_t>(unit, 4096));
       if (pieces >= 2 && (r.write || reads_direct(I.cfg, *r.f, r.offset, r.bytes))) pieces = 1;
       if (pieces < 2) {

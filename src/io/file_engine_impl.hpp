@@ -208,6 +208,7 @@ struct file_engine::impl {
   // paid for every thread it would never use. The vector is sized once and never moves.
   std::vector<std::unique_ptr<worker>> workers;
   std::atomic<std::size_t> live{0};
+  std::atomic<std::uint64_t> asked{0};  // bytes of local files' requests so far (how many workers the work is worth)
   std::mutex grow_mu;  // making workers, and their threads
   std::vector<std::thread> threads;
   void grow(std::size_t want);
