@@ -74,6 +74,19 @@ std::uint64_t fill(std::byte* p, std::uint64_t n, std::uint64_t seed) {
   }
   return firsts;
 }
+// The same from `threads` threads, each writing one contiguous share (a program's parallel first
+// touch: OpenMP's static schedule).
+void fill_by(std::byte* p, std::uint64_t n, std::uint64_t seed, unsigned threads) {
+  if (threads <= 1) return (void)fill(p, n, seed);
+  const std::uint64_t words = n / 8, share = (words + threads - 1) / threads;
+  std::vector<std::thread> ts;
+  for (unsigned t = 0; t < threads; ++t)
+    ts.emplace_back([=] {
+      auto* w = reinterpret_cast<std::uint64_t*>(p);
+      for (std::uint64_t i = t * share; i < std::min(words, (t + 1) * share); ++i) w[i] = word(i, seed);
+    });
+  for (auto& t : ts) t.join();
+}
 // The CPU touch: one read per 4 KiB page.
 std::uint64_t touch(const std::byte* p, std::uint64_t n) {
   std::uint64_t s = 0;
@@ -510,17 +523,23 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   // ---- first touch of fresh memory, no hints: by the CPU (it writes everything), and by a kernel
   // (it writes everything, then the CPU reads it all). Allocation included: ferry maps and zeroes
   // every page in alloc, UVM on each first touch. ----
-  row cpu_first{"alloc + CPU first touch (writes)", "UVM cudaMallocManaged", {}, {}, 1.0};
+  // The CPU's first touch by 1, 8 and 32 threads.
+  const unsigned touchers[] = {1, 8, 32};
+  std::vector<row> cpu_first;
+  for (unsigned t : touchers)
+    cpu_first.push_back({fmt::format("alloc + CPU first touch (writes), {} thread{}", t, t > 1 ? "s" : ""), "UVM cudaMallocManaged", {}, {}, 1.0});
   row gpu_first{"alloc + kernel first touch + CPU reads all", "UVM cudaMallocManaged", {}, {}, 1.0};
   const std::uint64_t gpu_first_sum = pattern_checksum(n, 5);
   if (uvm) {
     for (int r = 0; r < o.rounds; ++r) {
       void* f = nullptr;
-      cpu_first.base.push_back(gbps(n, timed([&] {
-        cr.check(cr.malloc_managed(&f, n, 1), "cudaMallocManaged");
-        fill(static_cast<std::byte*>(f), n, 2);
-      })));
-      cr.check(cr.free_(f), "cudaFree(managed)");
+      for (std::size_t k = 0; k < cpu_first.size(); ++k) {
+        cpu_first[k].base.push_back(gbps(n, timed([&] {
+          cr.check(cr.malloc_managed(&f, n, 1), "cudaMallocManaged");
+          fill_by(static_cast<std::byte*>(f), n, 2, touchers[k]);
+        })));
+        cr.check(cr.free_(f), "cudaFree(managed)");
+      }
       std::uint64_t got = 0;
       gpu_first.base.push_back(gbps(n, timed([&] {
         cr.check(cr.malloc_managed(&f, n, 1), "cudaMallocManaged");
@@ -534,23 +553,24 @@ int run_bench_vm(runtime& rt, const bench_vm_options& o) {
   }
   for (int r = 0; r < o.rounds; ++r) {
     auto so = vm::space_options::from(rt.config());
-    for (bool by_gpu : {false, true}) {
+    for (std::size_t k = 0; k <= cpu_first.size(); ++k) {
+      const bool by_gpu = k == cpu_first.size();
       vm::address_space as(dev, n, so);
       as.attach_stream(*st);
       std::uint64_t got = 0;
       double t = timed([&] {
         auto* f = static_cast<std::byte*>(as.alloc(n));
-        if (!by_gpu) return (void)fill(f, n, 2);
+        if (!by_gpu) return fill_by(f, n, 2, touchers[k]);
         st->fill_pattern(f, n, 5);
         st->synchronize();
         got = checksum64(f, n);
       });
-      (by_gpu ? gpu_first : cpu_first).ferry.push_back(gbps(n, t));
+      (by_gpu ? gpu_first : cpu_first[k]).ferry.push_back(gbps(n, t));
       if (by_gpu) check_sum("ferry kernel first touch", got, gpu_first_sum);
       as.detach_stream(*st);
     }
   }
-  rows.push_back(cpu_first);
+  rows.insert(rows.end(), cpu_first.begin(), cpu_first.end());
   rows.push_back(gpu_first);
 
   // ---- the CPU fills, then PREFETCH to the GPU (returns off: the PREFETCH moves every page); the
