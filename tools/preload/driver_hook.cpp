@@ -99,15 +99,19 @@ extern "C" {
 
 }  // extern "C"
 
-namespace {
-[[gnu::constructor]] void find_libc_dlsym() {
-  // dlvsym is the C library's own (this library does not define it): the version glibc 2.34+ gives
-  // new programs, else the old one.
+extern "C" {
+
+// Finds the C library's dlsym (before main, or at the first lookup if that comes first: from a
+// constructor that runs before ours, or a sanitizer's runtime before it is ready -- hence no
+// instrumentation here). dlvsym is the C library's own (this library does not define it): the
+// version glibc 2.34+ gives new programs, else the old one.
+[[gnu::visibility("hidden"), gnu::no_sanitize_address, gnu::constructor]] void ferry_preload_find_libc_dlsym() {
   void* f = ::dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
   if (!f) f = ::dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
   ferry_preload_libc_dlsym = reinterpret_cast<void* (*)(void*, const char*)>(f);
 }
-}  // namespace
+
+}  // extern "C"
 
 extern "C" {
 
@@ -115,7 +119,6 @@ extern "C" {
 // driver's, or null to go on to the C library's dlsym.
 [[gnu::visibility("hidden")]] void* ferry_preload_dlsym_pick(void* handle, const char* name, void* caller) {
   using namespace ferry::preload;
-  if (!ferry_preload_libc_dlsym) find_libc_dlsym();
   if (!name || std::strncmp(name, "cuGetProcAddress", 16) != 0 || from_ferry(caller)) return nullptr;
   const bool v2 = std::strcmp(name, "cuGetProcAddress_v2") == 0;
   if (!v2 && std::strcmp(name, "cuGetProcAddress") != 0) return nullptr;
@@ -126,8 +129,10 @@ extern "C" {
 }  // extern "C"
 
 #if defined(__x86_64__)
-// dlsym(handle, name): pick(handle, name, return address); its answer when not null, else a jump
-// (not a call: the C library sees the caller's return address) to the C library's dlsym.
+// dlsym(handle, name): a name that does not begin "cuGetPro" goes straight to the C library's dlsym
+// (a jump, not a call: it sees the caller's return address, which it needs for RTLD_NEXT), touching
+// nothing else of this library but the finder above the first time. Otherwise pick(handle, name,
+// return address): its answer when not null, else the same jump.
 __asm__(R"(
   .text
   .globl dlsym
@@ -136,6 +141,24 @@ __asm__(R"(
 dlsym:
   .cfi_startproc
   endbr64
+  testq %rsi, %rsi
+  jz 1f
+  cmpb $0x63, 0(%rsi)
+  jne 1f
+  cmpb $0x75, 1(%rsi)
+  jne 1f
+  cmpb $0x47, 2(%rsi)
+  jne 1f
+  cmpb $0x65, 3(%rsi)
+  jne 1f
+  cmpb $0x74, 4(%rsi)
+  jne 1f
+  cmpb $0x50, 5(%rsi)
+  jne 1f
+  cmpb $0x72, 6(%rsi)
+  jne 1f
+  cmpb $0x6f, 7(%rsi)
+  jne 1f
   pushq %rdi
   .cfi_adjust_cfa_offset 8
   pushq %rsi
@@ -154,6 +177,22 @@ dlsym:
   jz 1f
   ret
 1:
+  cmpq $0, ferry_preload_libc_dlsym(%rip)
+  jne 2f
+  pushq %rdi
+  .cfi_adjust_cfa_offset 8
+  pushq %rsi
+  .cfi_adjust_cfa_offset 8
+  pushq %rdx
+  .cfi_adjust_cfa_offset 8
+  call ferry_preload_find_libc_dlsym
+  popq %rdx
+  .cfi_adjust_cfa_offset -8
+  popq %rsi
+  .cfi_adjust_cfa_offset -8
+  popq %rdi
+  .cfi_adjust_cfa_offset -8
+2:
   jmp *ferry_preload_libc_dlsym(%rip)
   .cfi_endproc
   .size dlsym, .-dlsym
