@@ -826,8 +826,10 @@ struct address_space::impl final : page_mover, launch_observer {
       try {
         // Read before the fault is served: a launch while it is served stops the moves ahead too.
         const std::uint64_t launches_before = launches.load();
+        const std::uint64_t waited_before = t.quiesce.load();
         timed tm{t.cpu_fault};
         table->fault_range(pg, pg + 1, host, r->write, o.batch, o.deadline, [&] { grant_cpu(pg); });
+        tell_concurrent_use(r->addr, t.quiesce.load() - waited_before);
         cpu_faults++;
         bool in_sequence = last != ~0ull && pg > last && pg <= ahead_end;
         window = in_sequence ? std::min(window * 2, o.fault_ahead * 8) : o.fault_ahead;
@@ -845,6 +847,21 @@ struct address_space::impl final : page_mover, launch_observer {
       futex(&r->state, FUTEX_WAKE_PRIVATE, 1, nullptr);
     }
   }
+
+  // A CPU fault that waited long for the program's streams touched memory while its kernels ran.
+  // Said once per space: such a program may share memory between the CPU and a running kernel
+  // (flags, system-scope atomics), which a space without GPU faults serves only by waiting -- and
+  // not at all while the page stays on the host (no atomicity with the CPU over PCIe).
+  void tell_concurrent_use(std::uintptr_t addr, std::uint64_t waited_ns) {
+    if (waited_ns < 10'000'000 || told_concurrent.exchange(true)) return;
+    log::warn("vm",
+              "{}: the CPU touched unified memory at {:#x} while the program's work on its streams ran, and waited {:.1f} ms "
+              "for it (pages move only between kernels); a program whose CPU and GPU use the same memory at the same time "
+              "(flags, system-scope atomics) is not served by this space: it may wait until the deadline or get wrong "
+              "results (said once)",
+              dev.id(), addr, static_cast<double>(waited_ns) / 1e6);
+  }
+  std::atomic<bool> told_concurrent{false};
 
   // The end of the fault-ahead window of page p: at most `ahead` pages, inside p's allocation.
   std::uint64_t allocation_end(std::uint64_t p, std::uint64_t ahead) {

@@ -701,6 +701,41 @@ TEST(VmSpace, AttachedStreamsAndTheirErrors) {
   EXPECT_THAT(test::error_text([&] { as.attach_stream(*other); }), HasSubstr("another device"));
 }
 
+// A CPU touch of a device page while the program's stream still runs work waits for that work (a
+// space without GPU faults moves pages only between kernels), and the space says once that the
+// program may be using the same memory from the CPU and a running kernel at the same time.
+TEST(VmSpace, ACpuTouchWhileAStreamRunsWaitsAndIsToldOnce) {
+  settings c = sim_cfg();
+  c.sim_granularity = 1 << 20;
+  runtime rt(c);
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as(dev, 8 << 20);
+  auto* p = static_cast<std::byte*>(as.alloc(4 << 20));
+  auto s = dev.create_stream();
+  as.attach_stream(*s);
+  alignas(4) std::uint32_t hold = 0;
+  std::string said;
+  for (int round = 0; round < 2; ++round) {
+    as.advise(p, 4 << 20, vm::advice::prefetch, memory_kind::device);
+    s->wait_value(&hold, static_cast<std::uint32_t>(round + 1));  // a long kernel of the program's
+    std::thread release([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::atomic_ref<std::uint32_t>(hold).store(static_cast<std::uint32_t>(round + 1));
+    });
+    ::testing::internal::CaptureStderr();
+    const auto t0 = std::chrono::steady_clock::now();
+    p[round] = std::byte{7};  // the CPU faults while the stream waits
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    said += ::testing::internal::GetCapturedStderr();
+    release.join();
+    EXPECT_GE(waited, std::chrono::milliseconds(80)) << "the fault did not wait for the stream's work";
+    EXPECT_EQ(p[round], std::byte{7});
+  }
+  as.detach_stream(*s);
+  EXPECT_THAT(said, HasSubstr("while the program's work on its streams ran"));
+  EXPECT_EQ(said.find("while the program's work"), said.rfind("while the program's work")) << "said more than once:\n" << said;
+}
+
 // Unified memory as a DMA target: file reads into a unified pointer while another thread keeps
 // moving its pages between host and device. The space is a peer-memory client of the runtime's
 // registration cache: each request pins the pages it uses (in place, exclusive) only while it runs.
