@@ -31,8 +31,6 @@ std::atomic<get_proc_v2> driver_v2{nullptr};
 CUresult hooked_v2(const char* symbol, void** pfn, int version, cuuint64_t flags, CUdriverProcAddressQueryResult* found);
 CUresult hooked_v1(const char* symbol, void** pfn, int version, cuuint64_t flags);
 
-// What a lookup through the driver's getter gives the program: the getter itself (the runtime may
-// ask the getter for it) or ferry's wrapper.
 // The hooked getter of one ABI in place of the driver's `fn` (kept, the first one seen).
 void* getter_instead_of(void* fn, bool v2) {
   if (v2) {
@@ -45,6 +43,8 @@ void* getter_instead_of(void* fn, bool v2) {
   return reinterpret_cast<void*>(&hooked_v1);
 }
 
+// What a lookup through the driver's getter gives the program: the getter itself (the runtime may
+// ask the getter for it) or ferry's wrapper.
 void* handed_out(const char* symbol, void* fn, int version, cuuint64_t flags) {
   if (std::strcmp(symbol, "cuGetProcAddress") == 0) return getter_instead_of(fn, version >= 12000);
   return managed_entry(symbol, fn, version, flags);
@@ -97,10 +97,6 @@ extern "C" {
 // The C library's dlsym, found before main (or at the first lookup, if that comes earlier).
 [[gnu::visibility("hidden")]] void* (*ferry_preload_libc_dlsym)(void*, const char*) = nullptr;
 
-}  // extern "C"
-
-extern "C" {
-
 // Finds the C library's dlsym (before main, or at the first lookup if that comes first: from a
 // constructor that runs before ours, or a sanitizer's runtime before it is ready -- hence no
 // instrumentation here). dlvsym is the C library's own (this library does not define it): the
@@ -111,14 +107,11 @@ extern "C" {
   ferry_preload_libc_dlsym = reinterpret_cast<void* (*)(void*, const char*)>(f);
 }
 
-}  // extern "C"
-
-extern "C" {
-
 // Called by the dlsym below with the caller's return address: the getter to give instead of the
 // driver's, or null to go on to the C library's dlsym.
 [[gnu::visibility("hidden")]] void* ferry_preload_dlsym_pick(void* handle, const char* name, void* caller) {
   using namespace ferry::preload;
+  if (!ferry_preload_libc_dlsym) ferry_preload_find_libc_dlsym();
   if (!name || std::strncmp(name, "cuGetProcAddress", 16) != 0 || from_ferry(caller)) return nullptr;
   const bool v2 = std::strcmp(name, "cuGetProcAddress_v2") == 0;
   if (!v2 && std::strcmp(name, "cuGetProcAddress") != 0) return nullptr;
