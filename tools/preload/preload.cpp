@@ -61,9 +61,9 @@ const next_calls& next() {
 // The process's runtime, made on the first call that needs it. It ends at exit, from an atexit
 // handler registered once it is made (so before the statics it made are destroyed), unless a call
 // is still under way on another thread or the program has managed memory on it (then it is left to
-// the process's end). A child forked
-// after it was made has none of its threads: there calls keep the kernel's EFAULT (as a forked
-// child of a UVM program cannot use the parent's managed memory either).
+// the process's end). A child forked after it was made has none of its threads: there calls keep
+// the kernel's EFAULT (as a forked child of a UVM program cannot use the parent's managed memory
+// either).
 std::once_flag made;
 std::atomic<ferry::runtime*> rt{nullptr};
 std::atomic<bool> ending{false}, forked{false}, making{false};
