@@ -136,22 +136,18 @@ dlsym:
   endbr64
   testq %rsi, %rsi
   jz 1f
-  cmpb $0x63, 0(%rsi)
+  leaq ferry_preload_prefix(%rip), %rax
+  movq %rsi, %r11
+3:
+  movb (%rax), %cl
+  testb %cl, %cl
+  jz 4f
+  cmpb %cl, (%r11)
   jne 1f
-  cmpb $0x75, 1(%rsi)
-  jne 1f
-  cmpb $0x47, 2(%rsi)
-  jne 1f
-  cmpb $0x65, 3(%rsi)
-  jne 1f
-  cmpb $0x74, 4(%rsi)
-  jne 1f
-  cmpb $0x50, 5(%rsi)
-  jne 1f
-  cmpb $0x72, 6(%rsi)
-  jne 1f
-  cmpb $0x6f, 7(%rsi)
-  jne 1f
+  incq %rax
+  incq %r11
+  jmp 3b
+4:
   pushq %rdi
   .cfi_adjust_cfa_offset 8
   pushq %rsi
@@ -189,5 +185,9 @@ dlsym:
   jmp *ferry_preload_libc_dlsym(%rip)
   .cfi_endproc
   .size dlsym, .-dlsym
+  .section .rodata
+ferry_preload_prefix:
+  .asciz "cuGetPro"
+  .text
 )");
 #endif
