@@ -3,6 +3,8 @@
 // fake_cuda.cpp, that counts the calls reaching it), finds cuGetProcAddress with dlsym and gets
 // every entry point from it. ferry serves its managed memory on the sim device (no GPU here); what
 // is not ferry's must reach the driver untouched. Run with the library in LD_PRELOAD (ctest sets it).
+#include "support/data.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cuda.h>
@@ -17,6 +19,8 @@
 #include <vector>
 
 namespace {
+
+namespace test = ferry::test;
 
 using get_proc = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
 
@@ -45,16 +49,6 @@ struct fake_driver {
 fake_driver& driver() {
   static fake_driver d;
   return d;
-}
-
-std::vector<unsigned char> pattern(std::size_t n, unsigned seed) {
-  std::vector<unsigned char> v(n);
-  std::uint32_t x = seed * 2654435761u + 7;
-  for (auto& b : v) {
-    x = x * 1664525u + 1013904223u;
-    b = static_cast<unsigned char>(x >> 24);
-  }
-  return v;
 }
 
 TEST(PreloadManaged, TheProgramsGetterIsWrappedAndHandsOutFerrysEntryPointsOnly) {
@@ -116,7 +110,7 @@ TEST(PreloadManaged, ManagedMemoryIsFerrysAndEverythingElseReachesTheDriver) {
   auto* bytes = reinterpret_cast<unsigned char*>(p);
   std::memset(bytes, 0x5a, n);
   EXPECT_EQ(bytes[n - 1], 0x5a);
-  const auto data_in = pattern(n, 3);
+  const auto data_in = test::random_bytes(n, 3);
   char tmpl[] = "/tmp/ferry-preload-managed-XXXXXX";
   const int fd = ::mkstemp(tmpl);
   ASSERT_GE(fd, 0);

@@ -5,6 +5,8 @@
 #include <ferry/device/mapped_memory.hpp>
 #include <ferry/runtime.hpp>
 
+#include "support/data.hpp"
+
 #include <gtest/gtest.h>
 
 #include <dlfcn.h>
@@ -32,16 +34,6 @@ runtime& rt() {
   return *r;
 }
 
-std::vector<unsigned char> pattern(std::size_t n, unsigned seed) {
-  std::vector<unsigned char> v(n);
-  std::uint32_t x = seed * 2654435761u + 1;
-  for (auto& b : v) {
-    x = x * 1664525u + 1013904223u;
-    b = static_cast<unsigned char>(x >> 24);
-  }
-  return v;
-}
-
 struct temp_file {
   std::string path;
   explicit temp_file(const std::vector<unsigned char>& data) {
@@ -52,15 +44,7 @@ struct temp_file {
     ::close(fd);
   }
   ~temp_file() { ::unlink(path.c_str()); }
-  std::vector<unsigned char> contents() const {
-    std::vector<unsigned char> v;
-    if (std::FILE* f = std::fopen(path.c_str(), "rb")) {
-      unsigned char buf[65536];
-      for (std::size_t k; (k = std::fread(buf, 1, sizeof buf, f)) > 0;) v.insert(v.end(), buf, buf + k);
-      std::fclose(f);
-    }
-    return v;
-  }
+  std::vector<unsigned char> contents() const { return test::slurp(path); }
 };
 
 // Where two byte strings first differ ("" when equal), for messages that say more than gtest's dump.
@@ -78,7 +62,7 @@ std::vector<unsigned char> back(const mapped_memory& m, std::size_t at, std::siz
 }
 
 TEST(Preload, PreadIntoDeviceMemoryAtOddOffsetsAndSizes) {
-  auto data = pattern(9'000'001, 1);
+  auto data = test::random_bytes(9'000'001, 1);
   temp_file f(data);
   auto dev = allocate_mapped(rt().devices().get("sim:0"), 16 << 20);
   auto* p = reinterpret_cast<unsigned char*>(dev.data());
@@ -97,7 +81,7 @@ TEST(Preload, PreadIntoDeviceMemoryAtOddOffsetsAndSizes) {
 }
 
 TEST(Preload, ReadMovesTheOffsetAsTheKernelWould) {
-  auto data = pattern(3 << 20, 2);
+  auto data = test::random_bytes(3 << 20, 2);
   temp_file f(data);
   auto dev = allocate_mapped(rt().devices().get("sim:0"), 4 << 20);
   auto* p = reinterpret_cast<unsigned char*>(dev.data());
@@ -113,8 +97,8 @@ TEST(Preload, ReadMovesTheOffsetAsTheKernelWould) {
 }
 
 TEST(Preload, WritesFromDeviceMemoryLandInTheFile) {
-  auto data = pattern(6 << 20, 3);
-  auto before = pattern(1 << 20, 4);
+  auto data = test::random_bytes(6 << 20, 3);
+  auto before = test::random_bytes(1 << 20, 4);
   temp_file f(before);
   auto dev = allocate_mapped(rt().devices().get("sim:0"), 6 << 20);
   rt().engine().copy(dev.data(), data.data(), data.size());
@@ -145,7 +129,7 @@ TEST(Preload, WritesFromDeviceMemoryLandInTheFile) {
 }
 
 TEST(Preload, WhatIsNotRoutedKeepsTheKernelsAnswer) {
-  auto data = pattern(1 << 20, 5);
+  auto data = test::random_bytes(1 << 20, 5);
   temp_file f(data);
   auto dev = allocate_mapped(rt().devices().get("sim:0"), 2 << 20);
   int fd = ::open(f.path.c_str(), O_RDONLY);
@@ -187,7 +171,7 @@ TEST(Preload, WhatIsNotRoutedKeepsTheKernelsAnswer) {
 }
 
 TEST(Preload, TheProgramsRecordLocksStayAndAForkedChildKeepsEfault) {
-  auto data = pattern(2 << 20, 6);
+  auto data = test::random_bytes(2 << 20, 6);
   temp_file f(data);
   auto dev = allocate_mapped(rt().devices().get("sim:0"), 2 << 20);
   int fd = ::open(f.path.c_str(), O_RDWR);
