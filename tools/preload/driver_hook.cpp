@@ -128,6 +128,24 @@ extern "C" {
 // return address): its answer when not null, else the same jump.
 __asm__(R"(
   .text
+  # calls a function with dlsym's arguments kept (the third instruction may set its third argument;
+  # the stack stays 16-byte aligned: the return address and three registers)
+  .macro ferry_preload_keeping_args call_what, third
+  pushq %rdi
+  .cfi_adjust_cfa_offset 8
+  pushq %rsi
+  .cfi_adjust_cfa_offset 8
+  pushq %rdx
+  .cfi_adjust_cfa_offset 8
+  \third
+  call \call_what
+  popq %rdx
+  .cfi_adjust_cfa_offset -8
+  popq %rsi
+  .cfi_adjust_cfa_offset -8
+  popq %rdi
+  .cfi_adjust_cfa_offset -8
+  .endm
   .globl dlsym
   .type dlsym, @function
   .p2align 4
@@ -148,39 +166,14 @@ dlsym:
   incq %r11
   jmp 3b
 4:
-  pushq %rdi
-  .cfi_adjust_cfa_offset 8
-  pushq %rsi
-  .cfi_adjust_cfa_offset 8
-  pushq %rdx
-  .cfi_adjust_cfa_offset 8
-  movq 24(%rsp), %rdx
-  call ferry_preload_dlsym_pick
-  popq %rdx
-  .cfi_adjust_cfa_offset -8
-  popq %rsi
-  .cfi_adjust_cfa_offset -8
-  popq %rdi
-  .cfi_adjust_cfa_offset -8
+  ferry_preload_keeping_args ferry_preload_dlsym_pick, "movq 24(%rsp), %rdx"
   testq %rax, %rax
   jz 1f
   ret
 1:
   cmpq $0, ferry_preload_libc_dlsym(%rip)
   jne 2f
-  pushq %rdi
-  .cfi_adjust_cfa_offset 8
-  pushq %rsi
-  .cfi_adjust_cfa_offset 8
-  pushq %rdx
-  .cfi_adjust_cfa_offset 8
-  call ferry_preload_find_libc_dlsym
-  popq %rdx
-  .cfi_adjust_cfa_offset -8
-  popq %rsi
-  .cfi_adjust_cfa_offset -8
-  popq %rdi
-  .cfi_adjust_cfa_offset -8
+  ferry_preload_keeping_args ferry_preload_find_libc_dlsym, ""
 2:
   jmp *ferry_preload_libc_dlsym(%rip)
   .cfi_endproc
