@@ -3,8 +3,8 @@
     model = ferry.transformers.from_pretrained("path/to/model", device="cuda:0", dtype=torch.bfloat16)
 
 builds the model the way ``AutoModelForCausalLM.from_pretrained(path, device_map=device, dtype=dtype)`` does (its
-config, its class; its parameters empty, on the meta device, as from_pretrained makes them, its buffers on the
-device) while ferry reads the checkpoint's shards into their final device memory on its own threads, then hands
+config, its class; its parameters empty, on the meta device, and its buffers computed on the CPU, as
+from_pretrained makes them, the buffers then moved to the device) while ferry reads the checkpoint's shards into their final device memory on its own threads, then hands
 the model those tensors (no copy). The logits equal ``from_pretrained``'s. transformers is
 imported only when this is called.
 """
@@ -21,7 +21,8 @@ def _empty_parameters():
     """Parameters that modules made on this thread register go to the meta device: neither their memory nor their
     random initialization is paid for, since the checkpoint's tensors replace them. Buffers (a rotary
     embedding's frequencies, computed when the module is made) stay where they were made. Modules made on other
-    threads meanwhile are left alone."""
+    threads meanwhile are left alone. Made on the CPU (no device context), a parameter's tensor before it goes
+    to meta is an untouched allocation; on a GPU it would be a device allocation per parameter."""
     import torch
 
     register = torch.nn.Module.register_parameter
@@ -41,6 +42,17 @@ def _empty_parameters():
         yield
     finally:
         torch.nn.Module.register_parameter = register
+
+
+def _buffers_to(model, device) -> None:
+    """Every buffer of `model` onto `device` (from_pretrained computes them on the CPU too and moves them)."""
+    import torch
+
+    device = torch.device(device)
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
 
 
 def from_pretrained(path: str | os.PathLike, *, device: Any = "cuda:0", dtype: Any = None, model_class: Any = None,
@@ -68,8 +80,9 @@ def from_pretrained(path: str | os.PathLike, *, device: Any = "cuda:0", dtype: A
     reader = threading.Thread(target=read, name="ferry-from_pretrained")
     reader.start()
     try:
-        with torch.device(device), _empty_parameters():
+        with _empty_parameters():
             model = cls.from_config(config, dtype=dtype) if dtype is not None else cls.from_config(config)
+        _buffers_to(model, device)
     finally:
         reader.join()
     if "error" in loaded:

@@ -15,8 +15,8 @@ def transformers():
 
 def test_models_are_made_with_empty_parameters_and_real_buffers():
     """What from_pretrained builds the model with: parameters on the meta device (no memory, no initialization),
-    buffers computed on the device as the module makes them; modules made by other threads meanwhile untouched,
-    and nothing patched afterwards."""
+    buffers computed as the module makes them (then moved to the device); modules made by other threads meanwhile
+    untouched, and nothing patched afterwards."""
 
     class Rotary(torch.nn.Module):
         def __init__(self):
@@ -43,6 +43,9 @@ def test_models_are_made_with_empty_parameters_and_real_buffers():
     assert not m.inv_freq.is_meta and torch.equal(m.inv_freq, 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
     assert not other["m"].weight.is_meta, "another thread's module keeps its parameters"
     assert not torch.nn.Linear(2, 2).weight.is_meta, "the patch is gone afterwards"
+    meta = torch.device("meta")  # a device every torch has: the buffers move, the parameters stay as they are
+    ferry.transformers._buffers_to(m, meta)
+    assert m.inv_freq.is_meta and m.proj.weight.is_meta and m._buffers.keys() == {"inv_freq"}
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else []))
