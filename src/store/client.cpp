@@ -160,7 +160,7 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
     // that lane's worker while it waits, so their replies are handled on this thread, without
     // waking the other lanes' progress threads (spread over four lanes, 4 KiB reads at queue
     // depth 4 took longer than one at a time). Large pieces spread for bandwidth.
-    lane* home = p->len <= (64u << 10) && lanes.size() > 1 ? lanes[home_lane()].get() : nullptr;
+    lane* home = p->len <= small_piece && lanes.size() > 1 ? lanes[home_lane()].get() : nullptr;
     // Credit comes back with the answers of a lane that is up. With every lane down none will come,
     // and only a request reconnects (ensure_connected): the request fails at once with what the
     // connection died of, and the caller's retry reconnects -- waiting for credit here held it (and
@@ -307,7 +307,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
         // A slot of the landing region. A spent region (half its slots lost to requests the server
         // never answered) is replaced; where not every lane maps its successor yet, the rest of the
         // request moves data by messages.
-        while ((p->land_slot = lr->take_slot(until, peer)) < 0) {
+        while ((p->land_slot = lr->take_slot(n, until, peer)) < 0) {
           renew_landing(lr, until);
           lr = current_landing();
           if (!direct_available()) {

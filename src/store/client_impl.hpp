@@ -41,6 +41,8 @@ using clk = std::chrono::steady_clock;
 
 struct client::impl {
   struct piece;
+  // A small piece: kept on the caller's home lane (send), landed in a small slot (make_landing).
+  static constexpr std::uint64_t small_piece = 64u << 10;
   // One connection to the server with its own UCX worker (progress thread) and credits.
   struct lane {
     int index = 0;
@@ -246,9 +248,14 @@ struct client::impl {
   // lane that is up, and has the servers forget the spent one; lanes that are down lend the fresh
   // one when they reconnect. Requests move data by messages until every lane maps it.
   void renew_landing(const std::shared_ptr<detail::landing_region>& spent, clk::time_point until);
-  // A landing region of FERRY_NET_LANDING / FERRY_NET_PIECE slots (at least 2) and 256 notify records.
+  // A landing region of FERRY_NET_LANDING / FERRY_NET_PIECE slots (at least 2), a quarter as much again
+  // in slots of the small-piece size (64 KiB, where a piece is larger) for small reads, as many of
+  // them as notify records, and 256 notify records.
   std::shared_ptr<detail::landing_region> make_landing() const {
-    return std::make_shared<detail::landing_region>(o.piece, static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece)), 256);
+    const std::uint64_t small = o.piece > small_piece ? small_piece : 0;
+    const int n_small = small ? static_cast<int>(std::clamp<std::uint64_t>(o.landing / 4 / small, 1, 256)) : 0;
+    return std::make_shared<detail::landing_region>(o.piece, static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece)), 256,
+                                                    small, n_small);
   }
   void* allocate(std::uint64_t bytes);
   void deallocate(void* p);

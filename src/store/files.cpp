@@ -84,7 +84,7 @@ class remote_endpoint {
       std::lock_guard l(k_->mu);
       k_->stop = true;
     }
-    k_->cv.notify_all();
+    k_->start_cv.notify_all();
     // Each drains its queue first; every wait in them has a deadline.
     settle(starter_);
     settle(finisher_);
@@ -96,11 +96,13 @@ class remote_endpoint {
   std::chrono::nanoseconds timeout() const { return k_->timeout; }
 
   void submit(op o) {
+    bool wake;
     {
       std::lock_guard l(k_->mu);
+      wake = k_->to_start.empty();  // else the starter has yet to take the queue, and will see this one
       k_->to_start.push_back(std::move(o));
     }
-    k_->cv.notify_all();
+    if (wake) k_->start_cv.notify_one();
   }
 
  private:
@@ -109,7 +111,7 @@ class remote_endpoint {
     std::chrono::nanoseconds timeout;
     client c;
     std::mutex mu;
-    std::condition_variable cv;
+    std::condition_variable start_cv, finish_cv;  // the starter's and the finisher's: each wakes only its thread
     std::deque<op> to_start, to_finish;
     bool stop = false, starter_done = false;
   };
@@ -119,34 +121,40 @@ class remote_endpoint {
     else t.join();
   }
 
+  // Takes the whole queue at each wake-up: one lock and one hand-over per batch of requests, not per
+  // request (a GPU cache's misses come hundreds at a time).
   static void start_loop(core& k) {
+    std::deque<op> batch;
     for (;;) {
-      op o;
       {
         std::unique_lock l(k.mu);
-        k.cv.wait(l, [&] { return k.stop || !k.to_start.empty(); });
+        k.start_cv.wait(l, [&] { return k.stop || !k.to_start.empty(); });
         if (k.to_start.empty()) {
           k.starter_done = true;  // the finisher ends once it has nothing left either
           l.unlock();
-          k.cv.notify_all();
+          k.finish_cv.notify_all();
           return;
         }
-        o = std::move(k.to_start.front());
-        k.to_start.pop_front();
+        batch.swap(k.to_start);
       }
-      try {
-        o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until, o.version);
-      } catch (const error& e) {
-        o.handle = nullptr;
-        complete_after_error(k, o, e);
-        continue;
+      for (auto& o : batch) {
+        try {
+          o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until, o.version);
+        } catch (const error& e) {
+          o.handle = nullptr;
+          complete_after_error(k, o, e);
+          continue;
+        }
+        o.handle = nullptr;  // used: only the completion holds the file now (see remote_file::start)
+        bool wake;
+        {
+          std::lock_guard l(k.mu);
+          wake = k.to_finish.empty();
+          k.to_finish.push_back(std::move(o));
+        }
+        if (wake) k.finish_cv.notify_one();
       }
-      o.handle = nullptr;  // used: only the completion holds the file now (see remote_file::start)
-      {
-        std::lock_guard l(k.mu);
-        k.to_finish.push_back(std::move(o));
-      }
-      k.cv.notify_all();
+      batch.clear();
     }
   }
   static void finish_loop(core& k) {
@@ -154,7 +162,7 @@ class remote_endpoint {
       op o;
       {
         std::unique_lock l(k.mu);
-        k.cv.wait(l, [&] { return k.starter_done || !k.to_finish.empty(); });
+        k.finish_cv.wait(l, [&] { return k.starter_done || !k.to_finish.empty(); });
         if (k.to_finish.empty()) return;
         o = std::move(k.to_finish.front());
         k.to_finish.pop_front();

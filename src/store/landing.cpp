@@ -8,29 +8,33 @@
 
 namespace ferry::store::detail {
 
-landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records)
-    : slot_bytes_(slot_bytes), slots_(slots), records_n_(records) {
-  std::size_t slot_area = static_cast<std::size_t>(slots) * slot_bytes;
+landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records, std::uint64_t small_bytes, int small_slots)
+    : slot_bytes_(slot_bytes), small_bytes_(small_bytes), slots_(slots), small_slots_(small_bytes ? small_slots : 0), records_n_(records) {
+  std::size_t slot_area = static_cast<std::size_t>(slots) * slot_bytes + static_cast<std::size_t>(small_slots_) * small_bytes;
   std::size_t record_area = (static_cast<std::size_t>(records) * 64 + 4095) & ~std::size_t{4095};
   mem_ = std::make_unique<shared_region>(slot_area + record_area);
   records_ = mem_->data() + slot_area;
   for (int i = slots - 1; i >= 0; --i) free_slots_.push_back(i);
+  for (int i = slots + small_slots_ - 1; i >= slots; --i) free_small_.push_back(i);
   for (int i = records - 1; i >= 0; --i) free_records_.push_back(i);
 }
 
-int landing_region::take_slot(lending_clock::time_point until, const std::string& peer) {
+int landing_region::take_slot(std::uint64_t bytes, lending_clock::time_point until, const std::string& peer) {
+  const bool small = small_slots_ && bytes <= small_bytes_;
   std::unique_lock l(mu_);
-  if (!cv_.wait_until(l, until, [&] { return !free_slots_.empty() || spent(); }))
+  if (!cv_.wait_until(l, until, [&] { return !free_slots_.empty() || (small && !free_small_.empty()) || spent(); }))
     fail(errc::timeout, "store.request", peer, "no free landing slot before the deadline");
   if (spent()) return -1;
-  int s = free_slots_.back();
-  free_slots_.pop_back();
+  auto& from = small && !free_small_.empty() ? free_small_ : free_slots_;
+  int s = from.back();
+  from.pop_back();
   return s;
 }
 
 int landing_region::in_use() const {
   std::lock_guard l(mu_);
-  return slots_ - static_cast<int>(free_slots_.size()) - static_cast<int>(quarantined_slots_.load(std::memory_order_relaxed)) +
+  return slots_ + small_slots_ - static_cast<int>(free_slots_.size() + free_small_.size()) -
+         static_cast<int>(quarantined_slots_.load(std::memory_order_relaxed) + quarantined_small_.load(std::memory_order_relaxed)) +
          records_n_ - static_cast<int>(free_records_.size()) - static_cast<int>(quarantined_records_.load(std::memory_order_relaxed));
 }
 
@@ -48,9 +52,10 @@ void landing_region::give_back(std::vector<int>& to, int i, bool answered, std::
     if (answered) to.push_back(i);
     else quarantined.fetch_add(1, std::memory_order_relaxed);
   }
-  // Slot waiters (records are never waited for): a slot is free, or the region may be spent now.
-  if (answered) cv_.notify_one();
-  else cv_.notify_all();
+  // Slot waiters (records are never waited for): a slot is free, or the region may be spent now. All
+  // of them: one woken alone might take another slot than the one freed (a small piece prefers a
+  // small slot) and leave a waiter that this one would serve asleep.
+  cv_.notify_all();
 }
 
 const memory_region* landing_region::pinned(registration_cache& cache, const std::string& peer) {

@@ -1,5 +1,7 @@
 // The client's landing region: shared memory (a sealed memfd) lent to a same-host server, cut into
-// slots of one piece where reads land and writes are staged, plus notify records that a server
+// slots of one piece where reads land and writes are staged, small slots for small pieces (a 4 KiB
+// read holding a slot of a whole piece left a few slots for many small reads in flight, and they
+// queued for them), plus notify records that a server
 // answering a small read at once writes after the data (the waiting caller polls its record instead
 // of taking the completion off the queue). A slot or record is given back once the server answered
 // for it; one whose request was abandoned while the server might still write is never reused
@@ -23,29 +25,42 @@ namespace ferry::store::detail {
 
 class landing_region {
  public:
-  // `slots` slots of `slot_bytes` and `records` notify records. Throws when no shared memory can be made.
-  landing_region(std::uint64_t slot_bytes, int slots, int records);
+  // `slots` slots of `slot_bytes`, `small_slots` of `small_bytes` and `records` notify records. Throws
+  // when no shared memory can be made.
+  landing_region(std::uint64_t slot_bytes, int slots, int records, std::uint64_t small_bytes = 0, int small_slots = 0);
 
   const shared_region& region() const { return *mem_; }
-  std::byte* slot(int i) const { return mem_->data() + static_cast<std::size_t>(i) * slot_bytes_; }
+  // Slots 0 .. slots-1 are of a piece, slots from `slots` on small ones.
+  std::byte* slot(int i) const {
+    return i < slots_ ? mem_->data() + static_cast<std::size_t>(i) * slot_bytes_
+                      : mem_->data() + static_cast<std::size_t>(slots_) * slot_bytes_ + static_cast<std::size_t>(i - slots_) * small_bytes_;
+  }
   const std::uint64_t* record(int i) const { return reinterpret_cast<const std::uint64_t*>(records_ + 64 * static_cast<std::size_t>(i)); }
 
-  // A free slot, waiting for one until `until` (then a timeout naming `peer`); -1 once the region is
-  // spent (at once, or while waiting): the caller replaces it.
-  int take_slot(lending_clock::time_point until, const std::string& peer);
+  // A free slot for `bytes` (at most a piece), waiting for one until `until` (then a timeout naming
+  // `peer`); -1 once the region is spent (at once, or while waiting): the caller replaces it. A piece
+  // that fits a small slot takes one, or a large one when none is free.
+  int take_slot(std::uint64_t bytes, lending_clock::time_point until, const std::string& peer);
   // Slots and records taken and not given back (in flight, or held by a request about to send).
   int in_use() const;
-  // Half the slots or more are quarantined.
-  bool spent() const { return 2 * quarantined_slots_.load(std::memory_order_relaxed) >= static_cast<std::uint64_t>(slots_); }
+  // Half the slots of either size or more are quarantined.
+  bool spent() const {
+    return 2 * quarantined_slots_.load(std::memory_order_relaxed) >= static_cast<std::uint64_t>(slots_) ||
+           (small_slots_ && 2 * quarantined_small_.load(std::memory_order_relaxed) >= static_cast<std::uint64_t>(small_slots_));
+  }
   // A free notify record at once, or -1 (the read then waits for its completion message); none from
   // a spent region.
   int try_take_record();
   // `answered`: the server answered for it, so it may be used again; else it is quarantined.
-  void give_back_slot(int i, bool answered) { give_back(free_slots_, i, answered, quarantined_slots_); }
+  void give_back_slot(int i, bool answered) {
+    if (i < slots_) give_back(free_slots_, i, answered, quarantined_slots_);
+    else give_back(free_small_, i, answered, quarantined_small_);
+  }
   void give_back_record(int i, bool answered) { give_back(free_records_, i, answered, quarantined_records_); }
   // Slots and records quarantined.
   std::uint64_t quarantined() const {
-    return quarantined_slots_.load(std::memory_order_relaxed) + quarantined_records_.load(std::memory_order_relaxed);
+    return quarantined_slots_.load(std::memory_order_relaxed) + quarantined_small_.load(std::memory_order_relaxed) +
+           quarantined_records_.load(std::memory_order_relaxed);
   }
 
   // The region as pinned for DMA (GPU copies to and from slots), pinned on the first call through
@@ -55,15 +70,15 @@ class landing_region {
   const memory_region* pinned() const { return pinned_region_.load(std::memory_order_acquire); }
 
  private:
-  std::uint64_t slot_bytes_;
-  int slots_, records_n_;
+  std::uint64_t slot_bytes_, small_bytes_;
+  int slots_, small_slots_, records_n_;
   std::unique_ptr<shared_region> mem_;
   std::byte* records_ = nullptr;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   void give_back(std::vector<int>& to, int i, bool answered, std::atomic<std::uint64_t>& quarantined);
-  std::vector<int> free_slots_, free_records_;  // mu_; the most recently freed last (likeliest still cached)
-  std::atomic<std::uint64_t> quarantined_slots_{0}, quarantined_records_{0};
+  std::vector<int> free_slots_, free_small_, free_records_;  // mu_; the most recently freed last (likeliest still cached)
+  std::atomic<std::uint64_t> quarantined_slots_{0}, quarantined_small_{0}, quarantined_records_{0};
   std::mutex pin_mu_;
   bool pin_tried_ = false;  // pin_mu_
   registration pin_;

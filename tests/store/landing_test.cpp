@@ -23,12 +23,12 @@ auto soon() { return std::chrono::steady_clock::now() + std::chrono::millisecond
 // timeout naming the peer, not a hang; a region that lost half its slots hands out nothing more.
 TEST(StoreLanding, SlotsComeBackOnlyWhenAnsweredAndASpentRegionHandsOutNothing) {
   landing_region lr(64 << 10, 2, 3);
-  int a = lr.take_slot(soon(), "peer-x"), b = lr.take_slot(soon(), "peer-x");
+  int a = lr.take_slot(64 << 10, soon(), "peer-x"), b = lr.take_slot(64 << 10, soon(), "peer-x");
   ASSERT_NE(a, b);
   EXPECT_EQ(std::abs(lr.slot(a) - lr.slot(b)), 64 << 10);
   EXPECT_GE(lr.slot(a), lr.region().data());
   try {
-    lr.take_slot(soon(), "peer-x");
+    lr.take_slot(64 << 10, soon(), "peer-x");
     FAIL() << "a third slot out of two";
   } catch (const error& e) {
     EXPECT_EQ(e.code(), errc::timeout);
@@ -39,9 +39,9 @@ TEST(StoreLanding, SlotsComeBackOnlyWhenAnsweredAndASpentRegionHandsOutNothing) 
   EXPECT_EQ(lr.quarantined(), 1u);
   // One of two slots lost: the region is spent, and a caller is told so (-1) instead of waiting.
   EXPECT_TRUE(lr.spent());
-  EXPECT_EQ(lr.take_slot(soon(), "peer-x"), -1) << "a spent region handed out a slot";
+  EXPECT_EQ(lr.take_slot(64 << 10, soon(), "peer-x"), -1) << "a spent region handed out a slot";
   lr.give_back_slot(b, true);
-  EXPECT_EQ(lr.take_slot(soon(), "peer-x"), -1) << "a spent region handed out a slot";
+  EXPECT_EQ(lr.take_slot(64 << 10, soon(), "peer-x"), -1) << "a spent region handed out a slot";
   EXPECT_EQ(lr.try_take_record(), -1) << "a spent region handed out a record";
 }
 
@@ -73,21 +73,52 @@ TEST(StoreLanding, RecordsLieInsideTheRegionAndComeBackOnlyWhenAnswered) {
 TEST(StoreLanding, AQuarantinedSlotIsNeverReusedAndHalfLostSpendsTheRegion) {
   landing_region lr(64 << 10, 4, 1);
   std::vector<int> s;
-  for (int i = 0; i < 4; ++i) s.push_back(lr.take_slot(soon(), "peer-y"));
+  for (int i = 0; i < 4; ++i) s.push_back(lr.take_slot(64 << 10, soon(), "peer-y"));
   lr.give_back_slot(s[0], false);
   EXPECT_FALSE(lr.spent());
-  EXPECT_THROW(lr.take_slot(soon(), "peer-y"), error) << "a quarantined slot was handed out again";
+  EXPECT_THROW(lr.take_slot(64 << 10, soon(), "peer-y"), error) << "a quarantined slot was handed out again";
   lr.give_back_slot(s[1], true);
-  EXPECT_EQ(lr.take_slot(soon(), "peer-y"), s[1]);
+  EXPECT_EQ(lr.take_slot(64 << 10, soon(), "peer-y"), s[1]);
   // A waiter (no slot free) is woken by the loss that spends the region.
   std::thread later([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     lr.give_back_slot(s[2], false);
   });
   auto t0 = std::chrono::steady_clock::now();
-  EXPECT_EQ(lr.take_slot(std::chrono::steady_clock::now() + std::chrono::seconds(10), "peer-y"), -1);
+  EXPECT_EQ(lr.take_slot(64 << 10, std::chrono::steady_clock::now() + std::chrono::seconds(10), "peer-y"), -1);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
   later.join();
+  EXPECT_TRUE(lr.spent());
+  EXPECT_EQ(lr.quarantined(), 2u);
+}
+
+// Small pieces take small slots, past the large ones, while there are any, then large ones; a large
+// piece never takes a small slot, and waits for a large one while small ones are free. Small slots
+// lost spend the region as large ones do (half of them).
+TEST(StoreLanding, SmallPiecesTakeSmallSlotsAndLargeOnesNever) {
+  landing_region lr(1 << 20, 2, 4, 64 << 10, 4);
+  EXPECT_GE(lr.region().size(), 2u * (1 << 20) + 4u * (64 << 10) + 4 * 64);
+  std::set<int> small;
+  for (int i = 0; i < 4; ++i) {
+    int s = lr.take_slot(4096, soon(), "peer-z");
+    ASSERT_GE(s, 2) << "a 4 KiB piece took a large slot while small ones were free";
+    EXPECT_EQ(lr.slot(s), lr.slot(0) + 2 * (1 << 20) + static_cast<std::ptrdiff_t>(s - 2) * (64 << 10));
+    small.insert(s);
+  }
+  EXPECT_EQ(small.size(), 4u);
+  int big = lr.take_slot(64 << 10, soon(), "peer-z");
+  EXPECT_LT(big, 2) << "no small slot free: a small piece takes a large one";
+  int big2 = lr.take_slot(1 << 20, soon(), "peer-z");
+  EXPECT_LT(big2, 2);
+  EXPECT_EQ(lr.in_use(), 6);
+  lr.give_back_slot(*small.begin(), true);
+  EXPECT_THROW(lr.take_slot((64 << 10) + 1, soon(), "peer-z"), error) << "a large piece took a small slot";
+  EXPECT_EQ(lr.take_slot(100, soon(), "peer-z"), *small.begin());
+  // Half the small slots lost: spent, though every large slot is fine.
+  auto it = small.begin();
+  lr.give_back_slot(*it++, false);
+  EXPECT_FALSE(lr.spent());
+  lr.give_back_slot(*it++, false);
   EXPECT_TRUE(lr.spent());
   EXPECT_EQ(lr.quarantined(), 2u);
 }
