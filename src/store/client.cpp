@@ -84,7 +84,11 @@ void client::impl::copy_out(std::shared_ptr<piece> pp) {
     q.done.store(true, std::memory_order_release);
     cv.notify_all();
   };
-  if (here || !o.engine) {
+  // A small piece for host memory is a short memcpy: cheaper right here than the hand-off to an
+  // engine worker and back (a GPU cache's misses land hundreds at a time in pinned host memory).
+  const bool small_host = p.received <= small_piece && (p.user.type == memory_type::unknown || p.user.type == memory_type::host_pageable ||
+                                                        p.user.type == memory_type::host_pinned);
+  if (here || !o.engine || small_host) {
     if (here) n_copied_by_waiter.fetch_add(1, std::memory_order_relaxed);
     try {
       copy_bytes(p.final_dst, p.land, p.received, true, p.user, buffer_region(p), p.until);

@@ -374,7 +374,8 @@ struct client::impl {
   // copy runs right here (engine.copy runs one copy on its caller's thread; into host memory, a
   // memcpy): that thread would only wait for another to do it. Settled elsewhere (a progress
   // thread), it goes to an engine worker as a batch with a completion, so that the progress thread
-  // goes on. Without an engine every destination is host memory: a memcpy here.
+  // goes on -- unless it is a small piece for host memory, a memcpy shorter than that hand-off.
+  // Without an engine every destination is host memory: a memcpy here.
   void copy_out(std::shared_ptr<piece> pp);
   // A finished piece gives back whatever buffer it borrowed (staging buffer, landing slot). mu held.
   void release_buffers(piece& p);
