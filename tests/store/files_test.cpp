@@ -1,6 +1,7 @@
 // ferry:// in the file API: file::open + file_engine batches against a loopback `ferry serve`.
 #include <ferry/core/checksum.hpp>
 #include <ferry/device/mapped_memory.hpp>
+#include <ferry/gpu/cache.hpp>
 #include <ferry/io/file_engine.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/store/client.hpp>
@@ -268,4 +269,44 @@ TEST(RemoteFiles, ServerGoneFailsTheBatchWithinItsDeadline) {
   EXPECT_FALSE(b.wait());
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
   EXPECT_THAT(test::error_text([&] { b.check(); }), HasSubstr(peer));
+}
+
+// The GPU page cache over a ferry:// source, its requesters 8 host threads standing in for warps:
+// random elements of a dataset four times the cache, every value the file's, misses served by the
+// server (many at once: the proxy hands them over in batches), pages evicted, nothing failed.
+TEST(RemoteFiles, TheGpuCacheReadsThroughAFerrySource) {
+  fixture fx(false);
+  auto data = random_bytes((4 << 20) + 77, 43);
+  spill(fx.root / "d" / "data.bin", data);
+  runtime rt(fx.cfg());
+  gpu::cache_options o;
+  o.bytes = 1 << 20;
+  o.page_bytes = 4096;
+  o.requests.by = gpu::requesters::host;
+  o.requests.slots = 64;
+  gpu::cache c(rt.files(), rt.devices().get("sim:0"), o);
+  auto a = c.map<std::uint64_t>(file::open(fx.uri("d/data.bin"), open_mode::read), 5, data.size() / 8 - 5);  // from element 5
+  std::atomic<int> not_ok{0}, wrong{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 8; ++t)
+    ts.emplace_back([&, t] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(t) * 17 + 1);
+      for (int k = 0; k < 1500; ++k) {
+        const std::uint64_t i = rng() % a.size();
+        std::uint64_t v = 0;
+        if (a.get(i, v) != gpu::status::ok) {
+          not_ok++;
+          continue;
+        }
+        if (std::memcmp(&v, data.data() + 8 * (5 + i), 8) != 0) wrong++;
+      }
+    });
+  for (auto& x : ts) x.join();
+  EXPECT_EQ(not_ok.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  auto s = c.stats();
+  EXPECT_GT(s.counted.evictions, 0u);
+  EXPECT_EQ(s.counted.failures, 0u);
+  EXPECT_GT(fx.srv->stats().requests, 100u) << "the misses were the server's to serve";
+  EXPECT_NO_THROW(c.check());
 }
