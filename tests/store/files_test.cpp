@@ -17,6 +17,12 @@
 #include <mutex>
 #include <condition_variable>
 #include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <cstring>
@@ -73,6 +79,87 @@ struct fixture {
     return c;
   }
 };
+
+// nginx from Debian on loopback serving `root` (HTTP/1.1, byte ranges), in a process of its own
+// (ended with the object); `port` 0 when nginx is not installed or did not start.
+struct nginx_process {
+  pid_t pid = -1;
+  std::uint16_t port = 0;
+  nginx_process(const std::filesystem::path& dir, const std::filesystem::path& root) {
+    std::string bin;
+    for (const char* b : {"/usr/sbin/nginx", "/usr/bin/nginx"})
+      if (::access(b, X_OK) == 0) bin = b;
+    if (bin.empty()) return;
+    int s = ::socket(AF_INET, SOCK_STREAM, 0);  // a free port: bound, read back, let go
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t n = sizeof a;
+    ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &n);
+    ::close(s);
+    const auto p = ntohs(a.sin_port);
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir / "nginx.conf") << (::geteuid() == 0 ? "user root;\n" : "") << "daemon off; worker_processes 1; pid " << (dir / "nginx.pid").string()
+                                      << "; error_log " << (dir / "error.log").string() << ";\nevents { worker_connections 256; }\nhttp { access_log off; "
+                                      << "client_body_temp_path " << (dir / "body").string() << "; server { listen 127.0.0.1:" << p << "; root "
+                                      << root.string() << "; } }\n";
+    std::vector<std::string> args = {bin, "-c", (dir / "nginx.conf").string(), "-p", dir.string()};
+    std::vector<char*> argv;
+    for (auto& x : args) argv.push_back(x.data());
+    argv.push_back(nullptr);
+    if (::posix_spawn(&pid, bin.c_str(), nullptr, nullptr, argv.data(), environ) != 0) {
+      pid = -1;
+      return;
+    }
+    for (int i = 0; i < 200 && !port; ++i) {  // listening within 10 s
+      int c = ::socket(AF_INET, SOCK_STREAM, 0);
+      a.sin_port = htons(p);
+      if (::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) port = p;
+      ::close(c);
+      if (!port) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  ~nginx_process() {
+    if (pid <= 0) return;
+    ::kill(pid, SIGTERM);
+    ::waitpid(pid, nullptr, 0);
+  }
+};
+
+// The GPU page cache (sim, its requesters 8 host threads standing in for warps) over `uri`: random
+// elements of a dataset four times the cache, from element 5 on, each equal to `data`'s; no failure.
+void cache_reads(runtime& rt, const std::string& uri, const std::vector<unsigned char>& data) {
+  gpu::cache_options o;
+  o.bytes = 1 << 20;
+  o.page_bytes = 4096;
+  o.requests.by = gpu::requesters::host;
+  o.requests.slots = 64;
+  gpu::cache c(rt.files(), rt.devices().get("sim:0"), o);
+  auto a = c.map<std::uint64_t>(file::open(uri, open_mode::read), 5, data.size() / 8 - 5);  // from element 5
+  std::atomic<int> not_ok{0}, wrong{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 8; ++t)
+    ts.emplace_back([&, t] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(t) * 17 + 1);
+      for (int k = 0; k < 1500; ++k) {
+        const std::uint64_t i = rng() % a.size();
+        std::uint64_t v = 0;
+        if (a.get(i, v) != gpu::status::ok) {
+          not_ok++;
+          continue;
+        }
+        if (std::memcmp(&v, data.data() + 8 * (5 + i), 8) != 0) wrong++;
+      }
+    });
+  for (auto& x : ts) x.join();
+  EXPECT_EQ(not_ok.load(), 0) << uri;
+  EXPECT_EQ(wrong.load(), 0) << uri;
+  auto st = c.stats();
+  EXPECT_GT(st.counted.evictions, 0u);
+  EXPECT_EQ(st.counted.failures, 0u);
+  EXPECT_NO_THROW(c.check());
+}
 
 }  // namespace
 
@@ -271,42 +358,35 @@ TEST(RemoteFiles, ServerGoneFailsTheBatchWithinItsDeadline) {
   EXPECT_THAT(test::error_text([&] { b.check(); }), HasSubstr(peer));
 }
 
-// The GPU page cache over a ferry:// source, its requesters 8 host threads standing in for warps:
-// random elements of a dataset four times the cache, every value the file's, misses served by the
-// server (many at once: the proxy hands them over in batches), pages evicted, nothing failed.
+// The GPU page cache over a ferry:// source: the misses are the server's to serve (many at once:
+// the proxy hands them over in batches).
 TEST(RemoteFiles, TheGpuCacheReadsThroughAFerrySource) {
   fixture fx(false);
   auto data = random_bytes((4 << 20) + 77, 43);
   spill(fx.root / "d" / "data.bin", data);
   runtime rt(fx.cfg());
-  gpu::cache_options o;
-  o.bytes = 1 << 20;
-  o.page_bytes = 4096;
-  o.requests.by = gpu::requesters::host;
-  o.requests.slots = 64;
-  gpu::cache c(rt.files(), rt.devices().get("sim:0"), o);
-  auto a = c.map<std::uint64_t>(file::open(fx.uri("d/data.bin"), open_mode::read), 5, data.size() / 8 - 5);  // from element 5
-  std::atomic<int> not_ok{0}, wrong{0};
-  std::vector<std::thread> ts;
-  for (int t = 0; t < 8; ++t)
-    ts.emplace_back([&, t] {
-      std::mt19937_64 rng(static_cast<std::uint64_t>(t) * 17 + 1);
-      for (int k = 0; k < 1500; ++k) {
-        const std::uint64_t i = rng() % a.size();
-        std::uint64_t v = 0;
-        if (a.get(i, v) != gpu::status::ok) {
-          not_ok++;
-          continue;
-        }
-        if (std::memcmp(&v, data.data() + 8 * (5 + i), 8) != 0) wrong++;
-      }
-    });
-  for (auto& x : ts) x.join();
-  EXPECT_EQ(not_ok.load(), 0);
-  EXPECT_EQ(wrong.load(), 0);
-  auto s = c.stats();
-  EXPECT_GT(s.counted.evictions, 0u);
-  EXPECT_EQ(s.counted.failures, 0u);
+  cache_reads(rt, fx.uri("d/data.bin"), data);
   EXPECT_GT(fx.srv->stats().requests, 100u) << "the misses were the server's to serve";
-  EXPECT_NO_THROW(c.check());
+}
+
+// The same over http:// from nginx: range requests land in the cache.
+TEST(RemoteFiles, TheGpuCacheReadsThroughAWebServer) {
+  const auto dir = std::filesystem::path(::testing::TempDir()) / ("ferry-cache-http-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "root");
+  auto data = random_bytes((4 << 20) + 77, 44);
+  spill(dir / "root" / "data.bin", data);
+  {
+    nginx_process web(dir / "nginx", dir / "root");
+    if (!web.port) {
+      std::filesystem::remove_all(dir);
+      GTEST_SKIP() << "nginx is not installed or did not start (scripts/install-deps installs it)";
+    }
+    settings cfg = settings::defaults();
+    cfg.backend = backend_choice::sim;
+    cfg.sim_capacity = 64ull << 20;
+    cfg.deadline = std::chrono::seconds(10);
+    runtime rt(cfg);
+    cache_reads(rt, "http://127.0.0.1:" + std::to_string(web.port) + "/data.bin", data);
+  }
+  std::filesystem::remove_all(dir);
 }
