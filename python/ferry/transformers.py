@@ -82,13 +82,11 @@ def from_pretrained(path: str | os.PathLike, *, device: Any = "cuda:0", dtype: A
     try:
         with _empty_parameters():
             model = cls.from_config(config, dtype=dtype) if dtype is not None else cls.from_config(config)
+        _buffers_to(model, device)
     finally:
         reader.join()
     if "error" in loaded:
         raise loaded["error"]
-    # Once the shards are in: under ferry's unified memory (ferry.torch) a small buffer may share a page with
-    # a tensor being read, and torch's copy into it would wait for that read's transfer.
-    _buffers_to(model, device)
     tensors = loaded["tensors"]
     if dtype is not None:  # as from_pretrained does: floating-point weights in the asked dtype
         tensors = {k: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for k, t in tensors.items()}
