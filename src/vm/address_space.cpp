@@ -840,7 +840,12 @@ struct address_space::impl final : page_mover, launch_observer {
         cpu_heading = {ahead, ahead_end};
         cpu_heading_since = std::chrono::steady_clock::now();
       } catch (const std::exception& e) {
-        log::error("vm", "{}: CPU fault at {:#x} (page {}, {}) failed: {}", dev.id(), r->addr, pg, r->write ? "write" : "read", e.what());
+        // The page's state too (its copies, where it is mapped, what the CPU may do there, its pins):
+        // a failure here ends the process, and that is what tells its cause.
+        const page_snapshot sn = table->snapshot(pg);
+        log::error("vm", "{}: CPU fault at {:#x} (page {}, {}) failed: {} [page: valid {:#x}, mapped at {}, CPU access {}, pins {}]",
+                   dev.id(), r->addr, pg, r->write ? "write" : "read", e.what(), sn.valid, sn.mapped,
+                   static_cast<unsigned>(cpu[pg].load()), sn.pins);
         result = -1;
       }
       r->state.store(result, std::memory_order_release);
