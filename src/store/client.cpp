@@ -34,10 +34,10 @@ void client::impl::release_land(piece& p, bool server_may_write) {
 
 void client::impl::copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t n, bool to_user, const memory_region& user,
                               const memory_region* buf, clk::time_point until) {
-  const bool user_on_host = user.type == memory_type::unknown || user.type == memory_type::host_pageable ||
-                            user.type == memory_type::host_pinned;
+  // Memory never classified (no registration cache) is the engine's to classify: it may be a GPU's.
+  const bool user_on_host = user.type == memory_type::host_pageable || user.type == memory_type::host_pinned;
   if (!o.engine || user_on_host) return void(std::memcpy(dst, src, n));
-  const memory_region* u = &user;
+  const memory_region* u = user.type == memory_type::unknown ? nullptr : &user;
   transfer_request r{dst, src, n, to_user ? u : buf, to_user ? buf : u};
   o.engine->copy(r, {until});
 }
@@ -86,8 +86,8 @@ void client::impl::copy_out(std::shared_ptr<piece> pp) {
   };
   // A small piece for host memory is a short memcpy: cheaper right here than the hand-off to an
   // engine worker and back (a GPU cache's misses land hundreds at a time in pinned host memory).
-  const bool small_host = p.received <= small_piece && (p.user.type == memory_type::unknown || p.user.type == memory_type::host_pageable ||
-                                                        p.user.type == memory_type::host_pinned);
+  const bool small_host =
+      p.received <= small_piece && (p.user.type == memory_type::host_pageable || p.user.type == memory_type::host_pinned);
   if (here || !o.engine || small_host) {
     if (here) n_copied_by_waiter.fetch_add(1, std::memory_order_relaxed);
     try {

@@ -85,9 +85,16 @@ class remote_endpoint {
       k_->stop = true;
     }
     k_->start_cv.notify_all();
-    // Each drains its queue first; every wait in them has a deadline.
-    settle(starter_);
-    settle(finisher_);
+    // Each drains its queue first; every wait in them has a deadline. Destroyed on one of them, both
+    // are let go: the finisher waits for the starter, which cannot end while it runs this.
+    const auto me = std::this_thread::get_id();
+    if (me == starter_.get_id() || me == finisher_.get_id()) {
+      starter_.detach();
+      finisher_.detach();
+      return;
+    }
+    starter_.join();
+    finisher_.join();
   }
   remote_endpoint(const remote_endpoint&) = delete;
   remote_endpoint& operator=(const remote_endpoint&) = delete;
@@ -115,11 +122,6 @@ class remote_endpoint {
     std::deque<op> to_start, to_finish;
     bool stop = false, starter_done = false;
   };
-
-  static void settle(std::thread& t) {
-    if (t.get_id() == std::this_thread::get_id()) t.detach();  // ends by itself (see above)
-    else t.join();
-  }
 
   // Takes the whole queue at each wake-up: one lock and one hand-over per batch of requests, not per
   // request (a GPU cache's misses come hundreds at a time).

@@ -224,6 +224,33 @@ TEST(StoreWrite, SimDeviceMemoryIsStagedBothWays) {
               HasSubstr("not memory ferry knows"));
 }
 
+// A client given the transfer engine but no registration cache never classified the caller's memory:
+// reads into sim (GPU-like) memory, small ones too, are copied on by the engine, which classifies it
+// -- never by a memcpy into device memory.
+TEST(StoreWrite, ReadsIntoDeviceMemoryWithoutACacheAreCopiedOnByTheEngine) {
+  writable_server s;
+  runtime rt(sim_settings());
+  auto o = s.opts();
+  o.engine = &rt.engine();
+  store::client c("127.0.0.1", s.srv->port(), o);
+  auto data = random_bytes(256 << 10, 17);
+  {
+    std::ofstream f(s.root / "out" / "few.bin", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+  }
+  device& dev = rt.devices().get("sim:0");
+  mapped_memory m = allocate_mapped(dev, 1 << 20);
+  auto st = dev.create_stream();
+  for (int i = 0; i < 24; ++i) {
+    const std::uint64_t off = (static_cast<std::uint64_t>(i) * 9973) % (data.size() - 70000), n = i % 3 ? 100 + i * 191 : 70000;
+    ASSERT_EQ(c.read("out/few.bin", off, m.data(), n), n) << i;
+    std::uint64_t sum = 0;
+    st->checksum(m.data(), n, &sum);
+    st->synchronize();
+    ASSERT_EQ(sum, checksum64(data.data() + off, n)) << i << ": " << off << "+" << n;
+  }
+}
+
 // With no settings a same-host client's data goes through the landing region the server maps, and
 // a staged request classifies the caller's memory once: the engine's copies on (one per piece) tell the
 // transfer engine what both sides are instead of having them classified again.

@@ -70,13 +70,13 @@ struct client_stats {
   bool rma = false;                    // RMA in use for bulk data (FERRY_NET_RMA and the transports)
   std::uint64_t lent_pieces = 0;       // pieces the server moved straight into / out of buffers from allocate()
   std::uint64_t noticed_reads = 0;     // reads into a landing slot their waiter saw done by the slot's notify record (no message taken)
-  std::uint64_t copied_by_waiter = 0;  // landed pieces copied on by the thread waiting for them (the others by engine workers)
+  std::uint64_t copied_by_waiter = 0;  // landed pieces copied on by the thread waiting for them (the others where they settle -- small ones into host memory -- or by engine workers)
   // Staged pieces (landed in pinned staging or the landing region, then copied on to their
   // destination -- GPU/sim memory, or host memory read through the landing region -- by the transfer
   // engine): how many, and the summed time from landing to copied; where a slow GPU read's time goes
   // on this side.
   std::uint64_t staged_pieces = 0, copy_out_ns = 0;
-  std::uint64_t landing_renewals = 0;  // landing regions replaced after half their slots were quarantined
+  std::uint64_t landing_renewals = 0;  // landing regions replaced after half their slots (of either size) were quarantined
 };
 
 // How a client's data moved, in words: "mapped landing region", "RMA" or "messages".
