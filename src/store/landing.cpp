@@ -21,11 +21,11 @@ landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records,
 
 int landing_region::take_slot(std::uint64_t bytes, lending_clock::time_point until, const std::string& peer) {
   const bool small = small_slots_ && bytes <= small_bytes_;
+  auto& from = small ? free_small_ : free_slots_;
   std::unique_lock l(mu_);
-  if (!cv_.wait_until(l, until, [&] { return !free_slots_.empty() || (small && !free_small_.empty()) || spent(); }))
+  if (!cv_.wait_until(l, until, [&] { return !from.empty() || spent(); }))
     fail(errc::timeout, "store.request", peer, "no free landing slot before the deadline");
   if (spent()) return -1;
-  auto& from = small && !free_small_.empty() ? free_small_ : free_slots_;
   int s = from.back();
   from.pop_back();
   return s;

@@ -39,7 +39,8 @@ class landing_region {
 
   // A free slot for `bytes` (at most a piece), waiting for one until `until` (then a timeout naming
   // `peer`); -1 once the region is spent (at once, or while waiting): the caller replaces it. A piece
-  // that fits a small slot takes one, or a large one when none is free.
+  // that fits a small slot takes one of those only (many small reads never hold the large slots a
+  // large read waits for).
   int take_slot(std::uint64_t bytes, lending_clock::time_point until, const std::string& peer);
   // Slots and records taken and not given back (in flight, or held by a request about to send).
   int in_use() const;

@@ -92,27 +92,28 @@ TEST(StoreLanding, AQuarantinedSlotIsNeverReusedAndHalfLostSpendsTheRegion) {
   EXPECT_EQ(lr.quarantined(), 2u);
 }
 
-// Small pieces take small slots, past the large ones, while there are any, then large ones; a large
-// piece never takes a small slot, and waits for a large one while small ones are free. Small slots
-// lost spend the region as large ones do (half of them).
+// Small pieces take small slots, past the large ones, and only those; a large piece never takes a
+// small slot, and waits for a large one while small ones are free. Small slots lost spend the region
+// as large ones do (half of them).
 TEST(StoreLanding, SmallPiecesTakeSmallSlotsAndLargeOnesNever) {
   landing_region lr(1 << 20, 2, 4, 64 << 10, 4);
   EXPECT_GE(lr.region().size(), 2u * (1 << 20) + 4u * (64 << 10) + 4 * 64);
   std::set<int> small;
   for (int i = 0; i < 4; ++i) {
     int s = lr.take_slot(4096, soon(), "peer-z");
-    ASSERT_GE(s, 2) << "a 4 KiB piece took a large slot while small ones were free";
+    ASSERT_GE(s, 2) << "a 4 KiB piece took a large slot";
     EXPECT_EQ(lr.slot(s), lr.slot(0) + 2 * (1 << 20) + static_cast<std::ptrdiff_t>(s - 2) * (64 << 10));
     small.insert(s);
   }
   EXPECT_EQ(small.size(), 4u);
-  int big = lr.take_slot(64 << 10, soon(), "peer-z");
-  EXPECT_LT(big, 2) << "no small slot free: a small piece takes a large one";
-  int big2 = lr.take_slot(1 << 20, soon(), "peer-z");
+  EXPECT_THROW(lr.take_slot(64 << 10, soon(), "peer-z"), error) << "no small slot free: a small piece took a large one";
+  int big = lr.take_slot((64 << 10) + 1, soon(), "peer-z"), big2 = lr.take_slot(1 << 20, soon(), "peer-z");
+  EXPECT_LT(big, 2);
   EXPECT_LT(big2, 2);
   EXPECT_EQ(lr.in_use(), 6);
   lr.give_back_slot(*small.begin(), true);
-  EXPECT_THROW(lr.take_slot((64 << 10) + 1, soon(), "peer-z"), error) << "a large piece took a small slot";
+  lr.give_back_slot(big, true);
+  EXPECT_EQ(lr.take_slot((64 << 10) + 1, soon(), "peer-z"), big) << "a large piece takes the large slot, not the small one";
   EXPECT_EQ(lr.take_slot(100, soon(), "peer-z"), *small.begin());
   // Half the small slots lost: spent, though every large slot is fine.
   auto it = small.begin();
