@@ -220,10 +220,10 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
   }
   std::uint64_t size() override { return ep_->c().stat(path_, ep_->timeout()).size; }
   // The shared client's: its transports, how the data came (landing region, RMA, messages) and
-  // whether the transfer engine copied it on.
+  // whether it was copied on from where it landed (by the transfer engine, or a memcpy for small host pieces).
   std::string describe() override {
     auto st = ep_->c().stats();
-    return fmt::format("UCX [{}], data by {}{}", st.transports, data_route(st), st.staged_bytes ? " -> copy on (transfer engine)" : "");
+    return fmt::format("UCX [{}], data by {}{}", st.transports, data_route(st), st.staged_bytes ? " -> copied on from where it landed" : "");
   }
   void sync() override {
     std::optional<client::write_handle> h;
