@@ -53,8 +53,8 @@ void landing_region::give_back(std::vector<int>& to, int i, bool answered, std::
     else quarantined.fetch_add(1, std::memory_order_relaxed);
   }
   // Slot waiters (records are never waited for): a slot is free, or the region may be spent now. All
-  // of them: one woken alone might take another slot than the one freed (a small piece prefers a
-  // small slot) and leave a waiter that this one would serve asleep.
+  // of them: a slot of one size serves only the waiters for that size, and one woken alone might be
+  // waiting for the other.
   cv_.notify_all();
 }
 
