@@ -4,9 +4,9 @@
 
 builds the model the way ``AutoModelForCausalLM.from_pretrained(path, device_map=device, dtype=dtype)`` does (its
 config, its class; its parameters empty, on the meta device, and its buffers computed on the CPU, as
-from_pretrained makes them, the buffers then moved to the device) while ferry reads the checkpoint's shards into their final device memory on its own threads, then hands
-the model those tensors (no copy). The logits equal ``from_pretrained``'s. transformers is
-imported only when this is called.
+from_pretrained makes them, the buffers then moved to the device) while ferry reads the checkpoint's shards into
+their final device memory on its own threads, then hands the model those tensors (no copy). The logits equal
+``from_pretrained``'s. transformers is imported only when this is called.
 """
 from __future__ import annotations
 
