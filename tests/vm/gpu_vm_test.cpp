@@ -465,6 +465,53 @@ TEST(GpuVm, FileReadsIntoUnifiedMemoryWhilePagesMigrate) {
               static_cast<unsigned long long>(as.stats().migrations_h2d), static_cast<unsigned long long>(as.stats().migrations_d2h));
 }
 
+// What a checkpoint loader does into unified memory (the offload abort of bench/results/offload): reads
+// of a file and copies from host memory that start 1016 bytes before a page boundary, so that their
+// first piece is a small one alone in its page, into pages placed on the device, on the host, and
+// both in one request; every byte must arrive, and no copy may fault on a page its own request holds
+// (the space's deadline is short: such a fault ends the process within it, naming the page).
+TEST(GpuVm, UnalignedReadsAndCopiesIntoDeviceAndHostPages) {
+  runtime rt(g_settings);
+  device& dev = rt.devices().get("cuda:0");
+  vm::space_options o;
+  o.deadline = std::chrono::seconds(5);
+  vm::address_space as(dev, 16 * dev.granularity(), o);
+  const std::size_t pg = as.page_bytes(), n = pg + 2032;
+  auto* p = static_cast<std::byte*>(as.alloc(4 * pg));
+  auto* at = p + pg - 1016;  // pages 0 (1016 bytes), 1 (all of it) and 2 (1016 bytes)
+  auto path = std::filesystem::path("/tmp") / ("ferry-gpu-vm-unaligned-" + std::to_string(::getpid()) + ".bin");
+  std::vector<std::byte> data(2 * n);
+  fill_random(data.data(), data.size(), 23);
+  ferry::test::write_file(path, data.data(), data.size());
+  auto f = file::open(path.string(), open_mode::read);
+  std::vector<std::byte> src(n), back(n);
+  fill_random(src.data(), n, 29);
+  const memory_kind placements[][3] = {{memory_kind::device, memory_kind::device, memory_kind::device},
+                                       {memory_kind::host, memory_kind::host, memory_kind::host},
+                                       {memory_kind::device, memory_kind::host, memory_kind::device},
+                                       {memory_kind::host, memory_kind::device, memory_kind::host}};
+  for (const auto& place : placements) {
+    auto put = [&] {
+      for (int i = 0; i < 3; ++i) as.advise(p + i * pg, pg, vm::advice::prefetch, place[i]);
+    };
+    std::string where;
+    for (int i = 0; i < 3; ++i) where += place[i] == memory_kind::device ? (i ? ",device" : "device") : (i ? ",host" : "host");
+    put();
+    file_request r{f, 1016, at, n, false};
+    auto b = rt.files().submit({&r, 1});
+    ASSERT_TRUE(b.wait()) << where;
+    b.check();
+    rt.engine().copy(back.data(), at, n);
+    EXPECT_EQ(std::memcmp(back.data(), data.data() + 1016, n), 0) << "file -> unified, pages " << where;
+    put();
+    rt.engine().copy(at, src.data(), 1016);  // the small piece alone, from pageable host memory
+    rt.engine().copy(at + 1016, src.data() + 1016, n - 1016);
+    rt.engine().copy(back.data(), at, n);
+    EXPECT_EQ(std::memcmp(back.data(), src.data(), n), 0) << "host -> unified, pages " << where;
+  }
+  std::filesystem::remove(path);
+}
+
 // The race attach_stream prevents (run explicitly, in its own process: a kernel whose page is
 // remapped under it may leave the CUDA context unusable). Reports what it saw; asserts nothing.
 TEST(GpuVm, DISABLED_RaceWithoutAttachedStreams) {
