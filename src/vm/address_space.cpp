@@ -12,6 +12,8 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <execinfo.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -85,6 +87,20 @@ const char* hex(std::uintptr_t v, char (&buf)[20]) {
   return p;
 }
 
+// Where the faulting access came from, on the way to abort(): which code touched a page it could
+// not get (the process's, a library's, or ferry's own). backtrace() is primed in install_handler so
+// that here it loads nothing.
+void print_faulting_stack() {
+  void* frames[48];
+  int n = ::backtrace(frames, 48);
+  char name[17] = {0};
+  ::prctl(PR_GET_NAME, name);
+  write_str("ferry: the faulting thread (");
+  write_str(name);
+  write_str(")'s stack:\n");
+  ::backtrace_symbols_fd(frames, n, 2);
+}
+
 // Async-signal-safe: table lookup, write(2) to a pipe, futex wait.
 void on_segv(int sig, siginfo_t* si, void* uc) {
   auto a = reinterpret_cast<std::uintptr_t>(si->si_addr);
@@ -125,6 +141,7 @@ void on_segv(int sig, siginfo_t* si, void* uc) {
         write_str("ferry: a unified-memory fault at ");
         write_str(hex(a, h));
         write_str(" was not served within the space's deadline (its service thread is stuck); aborting\n");
+        print_faulting_stack();
         ::abort();
       }
       timespec ts{0, 100'000'000};
@@ -133,6 +150,7 @@ void on_segv(int sig, siginfo_t* si, void* uc) {
     }
     if (r.state.load() < 0) {
       write_str("ferry: unified-memory fault could not be resolved (see the log); aborting\n");
+      print_faulting_stack();
       ::abort();
     }
     return;  // the access is retried
@@ -157,6 +175,8 @@ void after_fork_in_child() {
 
 void install_handler() {
   std::call_once(g_handler_once, [] {
+    void* prime[1];
+    ::backtrace(prime, 1);  // loads the unwinder now, not inside the signal handler
     ::pthread_atfork(nullptr, nullptr, after_fork_in_child);
     struct sigaction sa{};
     sa.sa_sigaction = on_segv;
