@@ -10,6 +10,7 @@
 #include "support/sim.hpp"
 #include "support/errors.hpp"
 #include "support/fork_touch.hpp"
+#include "support/loader_churn.hpp"
 #include "support/prefetch_mover.hpp"
 
 #include <gmock/gmock.h>
@@ -836,4 +837,16 @@ TEST(VmSpace, EveryRegistrationCacheKnowsASpaceAndItsCopiesAreRight) {
   EXPECT_EQ(wrong.load(), 0) << "pages copied wrong of " << threads * rounds * per_round;
   for (std::uint64_t i = 0; i < (words * 4 + as.page_bytes() - 1) / as.page_bytes(); ++i)
     EXPECT_EQ(as.pages().snapshot(i).pins, 0u) << "page " << i << " unpinned after the copies";
+}
+
+// The loader of a model larger than its device cap while the model's code churns the space
+// (tests/support/loader_churn.hpp; on a GPU, GpuVm.LoaderReadsWhileOtherAllocationsComeAndGoOverTheCap).
+TEST(AddressSpace, LoaderReadsWhileOtherAllocationsComeAndGoOverTheCap) {
+  runtime rt(test::sim_settings(512ull << 20, 2ull << 20));
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o;
+  o.deadline = std::chrono::seconds(5);
+  o.device_capacity = 8 * dev.granularity();
+  vm::address_space as(dev, 96 * dev.granularity(), o);
+  std::printf("%s\n", test::loader_under_churn(rt, as, 2).c_str());
 }

@@ -10,6 +10,7 @@
 #include "support/cuda_user.hpp"
 #include "support/data.hpp"
 #include "support/fork_touch.hpp"
+#include "support/loader_churn.hpp"
 #include "support/prefetch_mover.hpp"
 
 #include <gtest/gtest.h>
@@ -17,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <thread>
 #include <unistd.h>
 
@@ -510,6 +512,20 @@ TEST(GpuVm, UnalignedReadsAndCopiesIntoDeviceAndHostPages) {
     EXPECT_EQ(std::memcmp(back.data(), src.data(), n), 0) << "host -> unified, pages " << where;
   }
   std::filesystem::remove(path);
+}
+
+// The offload abort under the conditions it happened in (bench/results/offload: a transfer-engine
+// worker's cuMemcpyAsync into a pinned device page wrote through the CPU): tests/support/loader_churn.hpp
+// over a space at 8 pages of device memory with a 5 s deadline -- a fault the space cannot resolve ends
+// the process within it, with the page's state and the faulting stack.
+TEST(GpuVm, LoaderReadsWhileOtherAllocationsComeAndGoOverTheCap) {
+  runtime rt(g_settings);
+  device& dev = rt.devices().get("cuda:0");
+  vm::space_options o;
+  o.deadline = std::chrono::seconds(5);
+  o.device_capacity = 8 * dev.granularity();
+  vm::address_space as(dev, 96 * dev.granularity(), o);
+  std::printf("%s\n", ferry::test::loader_under_churn(rt, as, 3).c_str());
 }
 
 // The race attach_stream prevents (run explicitly, in its own process: a kernel whose page is
