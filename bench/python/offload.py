@@ -95,6 +95,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--ways", default="accelerate,ferry", help="which ways to run (a comma list)")
     a = ap.parse_args()
+    unknown = set(a.ways.split(",")) - {"accelerate", "ferry"}
+    if unknown:
+        ap.error(f"--ways: unknown {', '.join(sorted(unknown))} (accelerate, ferry)")
     size = size_of(a.size)
     cap = size_of(a.cap) if a.cap else size // 2
     path = os.path.join(a.dir, a.size)

@@ -88,9 +88,12 @@ const char* hex(std::uintptr_t v, char (&buf)[20]) {
 }
 
 // Where the faulting access came from, on the way to abort(): which code touched a page it could
-// not get (the process's, a library's, or ferry's own). backtrace() is primed in install_handler so
-// that here it loads nothing.
+// not get (the process's, a library's, or ferry's own). Not async-signal-safe, unlike the rest of
+// the handler: backtrace() is primed in install_handler so that here it loads nothing, but
+// backtrace_symbols_fd() takes the dynamic loader's lock, which another thread may hold (a dlopen);
+// the alarm ends the process then, as the abort would have.
 void print_faulting_stack() {
+  ::alarm(5);
   void* frames[48];
   int n = ::backtrace(frames, 48);
   char name[17] = {0};
@@ -101,7 +104,8 @@ void print_faulting_stack() {
   ::backtrace_symbols_fd(frames, n, 2);
 }
 
-// Async-signal-safe: table lookup, write(2) to a pipe, futex wait.
+// Async-signal-safe: table lookup, write(2) to a pipe, futex wait (and, on the way to abort(), the
+// stack print above).
 void on_segv(int sig, siginfo_t* si, void* uc) {
   auto a = reinterpret_cast<std::uintptr_t>(si->si_addr);
   for (auto& s : g_spaces) {

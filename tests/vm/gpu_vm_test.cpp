@@ -18,7 +18,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <random>
 #include <thread>
 #include <unistd.h>
 
@@ -524,6 +523,7 @@ TEST(GpuVm, LoaderReadsWhileOtherAllocationsComeAndGoOverTheCap) {
   vm::space_options o;
   o.deadline = std::chrono::seconds(5);
   o.device_capacity = 8 * dev.granularity();
+  o.thrash_lapse = std::chrono::nanoseconds(0);
   vm::address_space as(dev, 96 * dev.granularity(), o);
   std::printf("%s\n", ferry::test::loader_under_churn(rt, as, 3).c_str());
 }
