@@ -76,6 +76,30 @@ struct py_request {
   bool write;
 };
 
+// Waits for `b` until `until` (none: until it is over), without the GIL, a tenth of a second at a
+// time: in between, the interpreter's signal handlers run (Ctrl-C's KeyboardInterrupt). When one
+// raises, the batch is cancelled -- remote requests under way end as well -- and waited for, so
+// nothing touches the buffers any more, and the exception goes to the caller. True: the batch is over.
+bool wait_interruptibly(transfer_batch& b, std::optional<std::chrono::steady_clock::time_point> until = std::nullopt) {
+  using clk = std::chrono::steady_clock;
+  for (;;) {
+    const auto slice = clk::now() + std::chrono::milliseconds(100);
+    {
+      py::gil_scoped_release nogil;
+      if (b.wait(until ? std::min(*until, slice) : slice) || b.poll()) return true;
+    }
+    if (until && clk::now() >= *until) return false;
+    if (PyErr_CheckSignals() != 0) {
+      {
+        py::gil_scoped_release nogil;
+        b.cancel();
+        b.wait();
+      }
+      throw py::error_already_set();
+    }
+  }
+}
+
 struct py_batch {
   transfer_batch b;
   std::unique_ptr<stream> view;  // the user's stream, for a stream-ordered batch
@@ -90,18 +114,15 @@ struct py_batch {
   void open_or_fail() const {
     if (closed) fail(errc::invalid_argument, "ferry.Batch", "batch", "closed: its results went with it");
   }
+  // A bounded look with `timeout`; without one, until the batch is over or its deadline passes.
   bool wait(std::optional<double> timeout) {
     open_or_fail();
+    std::optional<std::chrono::steady_clock::time_point> until;
+    if (timeout)
+      until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(*timeout));
+    if (!wait_interruptibly(b, until)) return false;
     py::gil_scoped_release nogil;
-    if (!timeout) return b.wait();
-    // A bounded look: wait() itself waits until the batch's deadline.
-    auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(*timeout);
-    while (!b.poll()) {
-      if (b.expired()) return b.wait();  // settles what the deadline left unfinished
-      if (std::chrono::steady_clock::now() >= until) return false;
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    return b.wait();
+    return b.wait();  // over: at once
   }
   py::list results() const {
     open_or_fail();
@@ -282,17 +303,31 @@ struct py_runtime {
     out->b = rt->files().submit(fr, o);
     return out;
   }
-  std::uint64_t read(py_file& f, std::uint64_t offset, std::uintptr_t ptr, std::uint64_t bytes, std::optional<double> timeout) {
+  // One request, waited for as a batch is (Ctrl-C ends it): a remote file may keep it for long.
+  std::uint64_t transfer(py_file& f, std::uint64_t offset, std::uintptr_t ptr, std::uint64_t bytes, bool write,
+                         std::optional<double> timeout) {
     transfer_options o;
     o.idle = idle_of(timeout);
+    file_request r{f.f, offset, as_ptr(ptr), bytes, write};
+    transfer_batch b;
+    {
+      py::gil_scoped_release nogil;
+      b = rt->files().submit({&r, 1}, o);
+    }
+    wait_interruptibly(b);
     py::gil_scoped_release nogil;
-    return rt->files().read(*f.f, offset, as_ptr(ptr), bytes, o);
+    b.wait();
+    b.check();
+    return b.results()[0].bytes_done;
+  }
+  std::uint64_t read(py_file& f, std::uint64_t offset, std::uintptr_t ptr, std::uint64_t bytes, std::optional<double> timeout) {
+    return transfer(f, offset, ptr, bytes, false, timeout);
   }
   void write(py_file& f, std::uint64_t offset, std::uintptr_t ptr, std::uint64_t bytes, bool sync, std::optional<double> timeout) {
-    transfer_options o;
-    o.idle = idle_of(timeout);
+    transfer(f, offset, ptr, bytes, true, timeout);
+    if (!sync) return;
     py::gil_scoped_release nogil;
-    rt->files().write(*f.f, offset, as_ptr(ptr), bytes, sync, o);
+    f.f->sync();
   }
   void copy(std::uintptr_t dst, std::uintptr_t src, std::uint64_t bytes, std::optional<double> timeout) {
     transfer_options o;

@@ -3,6 +3,7 @@ files changing underneath, ferry:// served by a `ferry serve` process, and bad i
 import gc
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import ferry
+import procs
 from ferry.safetensors import Shard
 from st_files import write_numpy
 
@@ -275,9 +277,14 @@ def test_save_load_verify_and_shards(tmp_path):
         ferry.safetensors.load(p, verify=True, progress=False)
 
 
+class _Served(tuple):
+    """(root, ferry:// prefix), and the server's pid."""
+    pid = 0
+
+
 @pytest.fixture
 def served(tmp_path):
-    """`ferry serve` over tmp_path/root as a process of its own; yields its ferry:// prefix."""
+    """`ferry serve` over tmp_path/root as a process of its own; yields (root, its ferry:// prefix)."""
     binary = os.environ.get("FERRY_BINARY")
     if not binary:
         pytest.skip("FERRY_BINARY (the ferry program) not given")
@@ -289,7 +296,9 @@ def served(tmp_path):
         line = proc.stdout.readline()
         m = re.search(r"127\.0\.0\.1:(\d+)", line)
         assert m, f"ferry serve said: {line!r}"
-        yield root, f"ferry://127.0.0.1:{m.group(1)}"
+        out = _Served((root, f"ferry://127.0.0.1:{m.group(1)}"))
+        out.pid = proc.pid
+        yield out
     finally:
         proc.kill()
         proc.wait()
@@ -313,6 +322,23 @@ def test_ferry_uri_read_write_and_checkpoint(served):
     got = ferry.safetensors.load(f"{uri}/ckpt.safetensors", verify=True, progress=False)
     for k, t in tensors.items():
         assert torch.equal(got[k], t), k
+
+
+def test_ctrl_c_ends_a_read_from_a_stopped_server_at_once(served):
+    """The user's Ctrl-C during a ferry:// read of a server that stopped answering (SIGSTOP):
+    KeyboardInterrupt now, not at the deadline (30 s)."""
+    root, uri = served
+    random_file(root / "big.bin", 32 << 20)
+    code = ("import json, os, signal, numpy as np, ferry\n"
+            f"f = ferry.open({uri + '/big.bin'!r}); b = np.zeros(f.size, dtype=np.uint8)\n"
+            "print('ready', flush=True)\n"
+            "try:\n    f.read_into(b); print(json.dumps({'interrupted': False}))\n"
+            "except KeyboardInterrupt:\n    print(json.dumps({'interrupted': True}))\n")
+    try:
+        got = procs.ctrl_c(code, after=1.0, on_ready=lambda: os.kill(served.pid, signal.SIGSTOP))
+    finally:
+        os.kill(served.pid, signal.SIGCONT)
+    assert got["interrupted"] and got["after_signal"] < 5, got
 
 
 @cuda

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import ferry
+import procs
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
@@ -313,6 +314,27 @@ def test_a_server_that_stalls_after_its_headers_fails_within_the_deadline(ranges
                            {"FERRY_DEADLINE": "2s"})
     assert got["code"] == "timeout" and "/f.bin offset" in got["error"], got
     assert got["seconds"] < 10, got
+
+
+CTRL_C = r"""
+import json, sys, numpy as np, ferry, ferry.safetensors
+f = ferry.open(URL); b = np.zeros(f.size, dtype=np.uint8)
+print("ready", flush=True)
+try:
+    ferry.safetensors.load(URL, progress=False) if WHOLE else f.read_into(b)
+    print(json.dumps({"interrupted": False}))
+except KeyboardInterrupt:
+    print(json.dumps({"interrupted": True}))
+"""
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["read_into", "safetensors.load"])
+def test_ctrl_c_ends_a_read_from_a_stalled_server_at_once(ranges, whole):
+    """The user's Ctrl-C during a read the server stalls: KeyboardInterrupt now, not at the deadline (30 s)."""
+    handler, url = ranges
+    handler.stall = True
+    got = procs.ctrl_c(CTRL_C.replace("URL", repr(url)).replace("WHOLE", str(whole)))
+    assert got["interrupted"] and got["after_signal"] < 5, got
 
 
 def test_a_read_slower_than_the_deadline_still_finishes_while_bytes_move(web):

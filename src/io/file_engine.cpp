@@ -256,9 +256,9 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       b->item_done();
     };
     try {
-      const source_deadline until = b->idle.count()
-                                        ? source_deadline(std::shared_ptr<std::atomic<source_deadline::clock::rep>>(b, &b->until_ticks), b->idle)
-                                        : source_deadline(b->until());
+      // The batch's own deadline and cancel flag, shared (a fixed deadline never moves: idle 0).
+      const source_deadline until(std::shared_ptr<std::atomic<source_deadline::clock::rep>>(b, &b->until_ticks), b->idle,
+                                  std::shared_ptr<const std::atomic<bool>>(b, &b->cancelled));
       r.f->source()->start(r.write, r.offset, r.mem, r.bytes, until, done);
     } catch (const error& e) {
       done(0, &e);

@@ -418,7 +418,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   return t;
 }
 
-std::uint64_t client::impl::finish(ticket t) {
+std::uint64_t client::impl::finish(ticket t, const std::function<bool()>* cancelled) {
   op x;
   {
     std::lock_guard l(mu);
@@ -427,15 +427,15 @@ std::uint64_t client::impl::finish(ticket t) {
     x = std::move(it->second);
     ops.erase(it);
   }
-  return finish(x);
+  return finish(x, cancelled);
 }
 
-std::uint64_t client::impl::finish(op& x) {
+std::uint64_t client::impl::finish(op& x, const std::function<bool()>* cancelled) {
   const char* opname = x.write ? "store.write" : "store.read";
   std::optional<error> first;
   x.pieces.each([&](const std::shared_ptr<piece>& p) {
     try {
-      wait_piece(p, x.until, [&] { return fmt::format("{} {} offset {}", opname, printable(x.path), x.offset); });
+      wait_piece(p, x.until, [&] { return fmt::format("{} {} offset {}", opname, printable(x.path), x.offset); }, cancelled);
     } catch (const error& e) {
       if (!first) first = e;
     }
@@ -486,6 +486,7 @@ client::ticket client::start_write(const write_handle& h, std::uint64_t offset, 
   return impl_->start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id);
 }
 std::uint64_t client::finish(ticket t) { return impl_->finish(t); }
+std::uint64_t client::finish(ticket t, const std::function<bool()>& cancelled) { return impl_->finish(t, &cancelled); }
 void* client::allocate(std::uint64_t bytes) { return impl_->allocate(bytes); }
 void client::deallocate(void* buffer) { impl_->deallocate(buffer); }
 

@@ -24,6 +24,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -270,8 +271,8 @@ struct client::impl {
   // `handle`: a write's open write; for a read, the file version it must come from (0: any).
   ticket start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
                clk::time_point until, std::uint64_t handle = 0, op* keep = nullptr);
-  std::uint64_t finish(ticket t);
-  std::uint64_t finish(op& x);
+  std::uint64_t finish(ticket t, const std::function<bool()>* cancelled = nullptr);
+  std::uint64_t finish(op& x, const std::function<bool()>* cancelled = nullptr);
   // Does [p, p+n) need host staging (GPU or sim memory UCX cannot reach)? `r` gets what it is: the
   // one classification of the caller's memory for the whole request.
   bool needs_staging(const void* p, std::uint64_t n, const char* what, memory_region& r);
@@ -291,9 +292,11 @@ struct client::impl {
                               op* whole = nullptr, ticket* t = nullptr);
   // Waits for one piece until `until`; on timeout closes its connection so that nothing lands later.
   // `what` names the request in errors; it is built only when one is raised (formatting a string
-  // per request would cost more than a shared-memory round trip).
+  // per request would cost more than a shared-memory round trip). `cancelled` (when given, looked at
+  // every tenth of a second): the caller gave up -- as at the deadline, but a `cancelled` error.
   template <typename What>
-  void wait_piece(const std::shared_ptr<piece>& pp, clk::time_point until, const What& what) {
+  void wait_piece(const std::shared_ptr<piece>& pp, clk::time_point until, const What& what,
+                  const std::function<bool()>* cancelled = nullptr) {
     piece& p = *pp;
     p.waiter.store(std::this_thread::get_id(), std::memory_order_release);
     // Drive the worker from this thread for a while: a small request then completes without any
@@ -318,10 +321,19 @@ struct client::impl {
     };
     if (p.ln->w->drive(finished, until, o.spin)) return;
     std::unique_lock l(mu);
-    if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
+    bool gave_up = false;
+    if (!cancelled) {
+      if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
+    } else {
+      for (;;) {  // in slices: a cancel is a flag, not a notification
+        if (cv.wait_until(l, std::min(until, clk::now() + std::chrono::milliseconds(100)), [&] { return p.done.load(); })) return;
+        if (clk::now() >= until) break;
+        if ((gave_up = (*cancelled)())) break;
+      }
+    }
     auto cn = p.ln->c;
     l.unlock();
-    log::warn("store", "{}: {} timed out; closing the connection", peer, what());
+    log::warn("store", "{}: {} {}; closing the connection", peer, what(), gave_up ? "cancelled" : "timed out");
     // An RMA piece's memory may still be written by the server: revoke its network key.
     if (p.rma && net_cache) net_cache->invalidate(reinterpret_cast<std::uintptr_t>(p.rma_mem), p.len);
     if (cn) {
@@ -333,8 +345,9 @@ struct client::impl {
     }
     l.lock();
     cv.wait_until(l, clk::now() + std::chrono::seconds(5), [&] { return p.done.load(); });
+    if (gave_up) fail(errc::cancelled, "store.request", peer, fmt::format("{}: cancelled", what()));
     fail(errc::timeout, "store.request", peer, fmt::format("{}: no answer before the deadline", what()));
-  } 
+  }
   // A settled piece's bytes, or the error it ended with (naming the peer and path).
   std::uint64_t outcome(const piece& p, const char* opname, const std::string& path);
 

@@ -70,6 +70,7 @@ class remote_endpoint {
     void* mem = nullptr;
     std::uint64_t bytes = 0;
     clk::time_point until;
+    source_deadline deadline;  // the batch's: its cancel ends the request
     file_source::completion done;
     client::ticket t = 0;
     std::uint64_t version = 0;  // reads: the file they must come from (0: any)
@@ -140,6 +141,13 @@ class remote_endpoint {
         batch.swap(k.to_start);
       }
       for (auto& o : batch) {
+        if (o.deadline.cancelled()) {
+          error e(errc::cancelled, o.write ? "store.write" : "store.read", fmt::format("{} {}", k.c.peer(), printable(o.path)),
+                  "the batch was cancelled before the request was sent");
+          o.handle = nullptr;
+          o.done(0, &e);
+          continue;
+        }
         try {
           o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until, o.version);
         } catch (const error& e) {
@@ -170,7 +178,8 @@ class remote_endpoint {
         k.to_finish.pop_front();
       }
       try {
-        std::uint64_t n = k.c.finish(o.t);
+        const std::function<bool()> cancelled = [&o] { return o.deadline.cancelled(); };
+        std::uint64_t n = k.c.finish(o.t, cancelled);
         o.done(n, nullptr);
       } catch (const error& e) {
         complete_after_error(k, o, e);
@@ -263,7 +272,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         d(n, e);
       };
     }
-    ep_->submit({write, std::move(h), path_, offset, mem, bytes, until.at(), std::move(done), 0, write ? 0 : version_});
+    ep_->submit({write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_});
   }
 
  private:

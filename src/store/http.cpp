@@ -843,7 +843,8 @@ class http_engine {
       for (auto it = waiting.begin(); it != waiting.end();) {
         auto& p = *it;
         if (now > p->until.at() - margin(*p)) {
-          error e(errc::timeout, op_of(*p), where(*p), "the request's deadline passed before it could be sent");
+          error e = p->until.cancelled() ? error(errc::cancelled, op_of(*p), where(*p), "the batch was cancelled before it was sent")
+                                         : error(errc::timeout, op_of(*p), where(*p), "the request's deadline passed before it could be sent");
           let_go(*p);
           finish(p, &e);
           it = waiting.erase(it);
@@ -912,9 +913,11 @@ class http_engine {
           continue;
         }
         curl_multi_remove_handle(L.multi, q.easy);
-        error e(errc::timeout, op_of(q), where(q),
-                idle > 0ns ? fmt::format("nothing of it moved for {} ms", std::chrono::duration_cast<std::chrono::milliseconds>(idle).count())
-                           : std::string("the request's deadline passed"));
+        error e = q.until.cancelled()
+                      ? error(errc::cancelled, op_of(q), where(q), "the batch was cancelled")
+                      : error(errc::timeout, op_of(q), where(q),
+                              idle > 0ns ? fmt::format("nothing of it moved for {} ms", std::chrono::duration_cast<std::chrono::milliseconds>(idle).count())
+                                         : std::string("the request's deadline passed"));
         let_go(**it);
         finish(*it, &e);
         it = running.erase(it);

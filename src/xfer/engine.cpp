@@ -526,6 +526,20 @@ bool transfer_batch::wait() {
   return true;
 }
 
+bool transfer_batch::wait(deadline t) {
+  {
+    std::unique_lock l(s_->mu);
+    for (;;) {
+      const deadline until = s_->until();
+      if (s_->cv.wait_until(l, std::min(t, until), [&] { return s_->unfinished == 0; })) break;
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= s_->until()) break;  // the batch's own deadline: wait() settles it
+      if (now >= t) return false;
+    }
+  }
+  return wait();
+}
+
 bool transfer_batch::expired() const { return std::chrono::steady_clock::now() >= s_->until(); }
 void transfer_batch::cancel() { s_->cancelled = true; }
 std::uint64_t transfer_batch::bytes_done() const { return s_->bytes_done.load(); }

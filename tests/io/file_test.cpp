@@ -791,3 +791,63 @@ TEST(File, AnAdoptedDescriptorIsReadLikeAnOpenedFile) {
 }
 
 }  // namespace
+
+// A remote file whose requests end only when their deadline passes (a server that stalls), as a
+// source must: by watching source_deadline::at(). Each request waits on a thread of its own.
+class stalled_source final : public file_source {
+ public:
+  ~stalled_source() override {
+    for (auto& t : threads_) t.join();
+  }
+  std::uint64_t size() override { return 1 << 20; }
+  void start(bool, std::uint64_t, void*, std::uint64_t, const source_deadline& until, completion done) override {
+    threads_.emplace_back([until, done = std::move(done)] {
+      while (std::chrono::steady_clock::now() < until.at()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      error e = until.cancelled() ? error(errc::cancelled, "stalled.read", "stalled://x", "cancelled")
+                                  : error(errc::timeout, "stalled.read", "stalled://x", "deadline passed");
+      done(0, &e);
+    });
+  }
+
+ private:
+  std::vector<std::thread> threads_;
+};
+
+// cancel() ends a remote file's requests under way (its source sees the batch's deadline passed),
+// so a batch over a stalled server ends at once, not at its deadline; wait(t) returns at t meanwhile.
+TEST(File, CancelEndsRemoteRequestsUnderWay) {
+  runtime rt(io_settings());
+  auto reg = register_file_scheme("stalled", [](const std::string&, open_mode) { return std::make_shared<stalled_source>(); });
+  auto f = file::open("stalled://x", open_mode::read);
+  std::vector<std::byte> buf(4096);
+  file_request r{f, 0, buf.data(), buf.size(), false};
+  transfer_options o;
+  o.idle = std::chrono::seconds(30);
+  using clk = std::chrono::steady_clock;
+  {
+    transfer_batch b = rt.files().submit({&r, 1}, o);
+    auto t0 = clk::now();
+    EXPECT_FALSE(b.wait(t0 + std::chrono::milliseconds(50)));
+    EXPECT_GE(clk::now() - t0, std::chrono::milliseconds(50));
+    EXPECT_FALSE(b.poll());
+    b.cancel();
+    EXPECT_FALSE(b.wait());
+    EXPECT_LT(clk::now() - t0, std::chrono::seconds(5)) << "the cancel did not reach the request under way";
+    EXPECT_EQ(b.results()[0].state, request_state::cancelled);
+    EXPECT_EQ(b.results()[0].err->code(), errc::cancelled);
+  }
+  {
+    auto t0 = clk::now();
+    {
+      transfer_batch b = rt.files().submit({&r, 1}, o);  // destroyed unfinished: cancelled, waited for
+    }
+    EXPECT_LT(clk::now() - t0, std::chrono::seconds(5)) << "a batch destroyed unfinished waited for its deadline";
+  }
+  {
+    transfer_options fixed;  // a fixed deadline is seen by the source, as a moving one
+    fixed.until = clk::now() + std::chrono::milliseconds(100);
+    transfer_batch b = rt.files().submit({&r, 1}, fixed);
+    EXPECT_FALSE(b.wait());
+    EXPECT_EQ(b.results()[0].state, request_state::timed_out);
+  }
+}

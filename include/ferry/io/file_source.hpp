@@ -23,18 +23,23 @@ enum class open_mode;
 // moves it on whenever bytes of any of its requests move (a source says so with moved()), so a
 // large request fails only when nothing of the batch has moved for the window (idle()), never
 // because it takes longer than one; a fixed one never moves (idle() is 0). Copies share the batch's
-// (cheap: a reference).
+// (cheap: a reference). Once the batch is cancelled, at() is past (the clock's epoch) and
+// cancelled() true: a source that watches at() ends its requests under way then.
 class FERRY_API source_deadline {
  public:
   using clock = std::chrono::steady_clock;
   source_deadline() = default;
   explicit source_deadline(clock::time_point fixed) : fixed_(fixed) {}
   // `ticks`: the batch's deadline (clock ticks since the epoch), moved on by `idle` from now.
-  source_deadline(std::shared_ptr<std::atomic<clock::rep>> ticks, std::chrono::nanoseconds idle)
-      : moving_(std::move(ticks)), idle_(idle) {}
+  // `cancelled`: the batch's flag, when it may be cancelled.
+  source_deadline(std::shared_ptr<std::atomic<clock::rep>> ticks, std::chrono::nanoseconds idle,
+                  std::shared_ptr<const std::atomic<bool>> cancelled = nullptr)
+      : moving_(std::move(ticks)), idle_(idle), cancelled_(std::move(cancelled)) {}
   clock::time_point at() const noexcept {
+    if (cancelled()) return clock::time_point{};
     return moving_ ? clock::time_point(clock::duration(moving_->load(std::memory_order_relaxed))) : fixed_;
   }
+  bool cancelled() const noexcept { return cancelled_ && cancelled_->load(std::memory_order_relaxed); }
   // The window a moving deadline keeps ahead of the last progress; 0 for a fixed one.
   std::chrono::nanoseconds idle() const noexcept { return moving_ ? idle_ : std::chrono::nanoseconds(0); }
   void moved() const noexcept {
@@ -49,6 +54,7 @@ class FERRY_API source_deadline {
   clock::time_point fixed_{};
   std::shared_ptr<std::atomic<clock::rep>> moving_;
   std::chrono::nanoseconds idle_{0};
+  std::shared_ptr<const std::atomic<bool>> cancelled_;
 };
 
 class FERRY_API file_source {

@@ -85,10 +85,16 @@ class FERRY_API transfer_batch {
   // piece already running may still touch the buffers until it stops at its own deadline: keep
   // the buffers until the batch is destroyed (the destructor waits for running pieces).
   bool wait();
+  // As wait(), but returns false at `t` if the batch is not over by then (nothing changes then: wait
+  // again, or cancel). For a caller that must look up now and then (a Python thread lets its signal
+  // handlers run: Ctrl-C).
+  bool wait(deadline t);
   // True once the batch's deadline has passed (a deadline that follows progress: no byte moved for
   // its window); wait() then returns at once. Never blocks.
   bool expired() const;
-  // Requests not yet started become cancelled; started chunks finish.
+  // Requests not yet started become cancelled; started chunks finish; remote files' requests under
+  // way end now (their source sees the batch's deadline pulled to the past), failing as cancelled.
+  // wait() then returns as soon as the work under way has stopped.
   void cancel();
   std::uint64_t bytes_done() const;
   std::uint64_t bytes_total() const;
