@@ -37,6 +37,20 @@ class ArgumentError(Error, ValueError):
 
 _lock = threading.Lock()
 _runtime: _ferry.Runtime | None = None
+# Runtimes of the processes this one was forked from: their threads did not come along, so they are kept
+# (never ended, which would wait for those threads) and a fresh one is made here on first use.
+_inherited: list = []
+
+
+def _forked() -> None:
+    global _lock, _runtime
+    _lock = threading.Lock()  # another thread of the parent may have held it
+    if _runtime is not None:
+        _inherited.append(_runtime)
+        _runtime = None
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def runtime(**overrides: str) -> _ferry.Runtime:

@@ -104,8 +104,18 @@ struct py_batch {
   transfer_batch b;
   std::unique_ptr<stream> view;  // the user's stream, for a stream-ordered batch
   bool closed = false;
-  // The handle's end waits for work still running: not with the GIL held.
-  ~py_batch() { end(); }
+  pid_t owner = ::getpid();
+  // The handle's end waits for work still running: not with the GIL held. In a process forked from
+  // the one that made it, the work and the threads that run it stayed behind: nothing to wait for,
+  // and the handle's end would wait forever -- it is left as it is.
+  ~py_batch() {
+    if (::getpid() != owner) {
+      new transfer_batch(std::move(b));  // never ended, on purpose
+      (void)view.release();
+      return;
+    }
+    end();
+  }
   void end() {
     py::gil_scoped_release nogil;
     b = transfer_batch{};
@@ -268,11 +278,25 @@ py::tuple buffer_address(py::object obj, bool writable) {
 
 struct py_runtime {
   std::unique_ptr<runtime> rt;
+  pid_t owner = ::getpid();
   explicit py_runtime(const std::optional<std::map<std::string, std::string>>& overrides) {
     settings s = settings::from_env();
     if (overrides)
       for (auto& [k, v] : *overrides) s.set(k, v, "ferry.Runtime(settings=...)");
     rt = std::make_unique<runtime>(s);
+  }
+  // A runtime's threads do not come along into a process forked from its own (a data loader's
+  // workers): in such a child it is left as it is -- its end would wait for them forever -- and
+  // refuses work with an error that says what to use instead (ferry.runtime() makes one per process).
+  ~py_runtime() {
+    if (::getpid() != owner) (void)rt.release();
+  }
+  runtime& live() const {
+    if (::getpid() != owner)
+      fail(errc::invalid_argument, "ferry.Runtime", "runtime of process " + std::to_string(owner),
+           "this process (" + std::to_string(::getpid()) +
+               ") was forked from the one that made it, and its threads did not come along; ferry.runtime() makes one for this process");
+    return *rt;
   }
   std::shared_ptr<py_file> open(const std::string& path, const std::string& mode) {
     open_mode m = mode == "r"   ? open_mode::read
@@ -281,6 +305,7 @@ struct py_runtime {
                                  : (fail(errc::invalid_argument, "ferry.open", path,
                                          "mode must be 'r' (read), 'r+' (read and write) or 'w' (create or truncate), not '" + mode + "'"),
                                     open_mode::read);
+    live();
     py::gil_scoped_release nogil;
     return std::make_shared<py_file>(py_file{file::open(path, m)});
   }
@@ -296,11 +321,11 @@ struct py_runtime {
     transfer_options o;
     o.idle = idle_of(timeout);
     if (stream_handle) {
-      out->view = rt->devices().get(device).wrap_stream(native_stream{*stream_handle});
+      out->view = live().devices().get(device).wrap_stream(native_stream{*stream_handle});
       o.on = out->view.get();
     }
     py::gil_scoped_release nogil;
-    out->b = rt->files().submit(fr, o);
+    out->b = live().files().submit(fr, o);
     return out;
   }
   // One request, waited for as a batch is (Ctrl-C ends it): a remote file may keep it for long.
@@ -312,7 +337,7 @@ struct py_runtime {
     transfer_batch b;
     {
       py::gil_scoped_release nogil;
-      b = rt->files().submit({&r, 1}, o);
+      b = live().files().submit({&r, 1}, o);
     }
     wait_interruptibly(b);
     py::gil_scoped_release nogil;
@@ -333,7 +358,7 @@ struct py_runtime {
     transfer_options o;
     o.idle = idle_of(timeout);
     py::gil_scoped_release nogil;
-    rt->engine().copy(as_ptr(dst), as_ptr(src), bytes, o);
+    live().engine().copy(as_ptr(dst), as_ptr(src), bytes, o);
   }
   py::list settings_rows() const {
     py::list out;
@@ -347,28 +372,28 @@ struct py_runtime {
   }
   std::unique_ptr<py_host_buffer> alloc_pinned(std::uint64_t bytes) {
     py::gil_scoped_release nogil;
-    return std::make_unique<py_host_buffer>(*rt, bytes);
+    return std::make_unique<py_host_buffer>(live(), bytes);
   }
   std::unique_ptr<py_device_buffer> alloc(const std::string& dev, std::uint64_t bytes) {
-    device& d = rt->devices().get(dev);
+    device& d = live().devices().get(dev);
     py::gil_scoped_release nogil;
     return std::make_unique<py_device_buffer>(py_device_buffer{allocate_mapped(d, bytes)});
   }
   // ferry's checksum of memory anywhere: on the CPU for host memory, by a kernel on the device.
   std::uint64_t checksum(std::uintptr_t ptr, std::uint64_t bytes) {
-    memory_region m = rt->registrations().classify(as_ptr(ptr), bytes);
+    memory_region m = live().registrations().classify(as_ptr(ptr), bytes);
     if (m.type == memory_type::unknown)
       fail(errc::bad_address, "ferry.checksum", describe_range(as_ptr(ptr), bytes), "not memory ferry knows");
     py::gil_scoped_release nogil;
     if (m.device == device_kind::none) return checksum64(as_ptr(ptr), bytes);
-    auto s = rt->devices().get(m.device, m.ordinal).create_stream();
+    auto s = live().devices().get(m.device, m.ordinal).create_stream();
     std::uint64_t out = 0;
     s->checksum(as_ptr(ptr), bytes, &out);
     s->synchronize();
     return out;
   }
   std::string classify(std::uintptr_t ptr, std::uint64_t bytes) {
-    memory_region m = rt->registrations().classify(as_ptr(ptr), bytes);
+    memory_region m = live().registrations().classify(as_ptr(ptr), bytes);
     if (m.type == memory_type::unknown) return "unknown";
     if (m.device == device_kind::none) return std::string(to_string(m.type));
     return m.device_id();
@@ -550,7 +575,7 @@ PYBIND11_MODULE(_ferry, m) {
         std::lock_guard l(g_unified_mu);
         if (g_unified.load()) fail(errc::busy, "ferry.torch", dev, "unified memory is set up already (once per process)");
         py::gil_scoped_release nogil;
-        g_unified.store(new unified_heap(r.rt->config(), dev, capacity));
+        g_unified.store(new unified_heap(r.live().config(), dev, capacity));
       }, py::arg("device"), py::arg("capacity"));
   m.def("unified_prefetch", [](std::uintptr_t ptr, std::uint64_t bytes, bool to_device) {
     unified_heap* h = g_unified.load();

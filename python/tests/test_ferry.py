@@ -1,6 +1,7 @@
 """The Python package as a user calls it: numpy arrays, torch tensors (CPU here; CUDA where a GPU is),
 files changing underneath, ferry:// served by a `ferry serve` process, and bad input."""
 import gc
+import json
 import os
 import re
 import signal
@@ -322,6 +323,61 @@ def test_ferry_uri_read_write_and_checkpoint(served):
     got = ferry.safetensors.load(f"{uri}/ckpt.safetensors", verify=True, progress=False)
     for k, t in tensors.items():
         assert torch.equal(got[k], t), k
+
+
+FORKED = r"""
+import json, os, sys, time, numpy as np, ferry
+local, remote, parent_remote = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+want = np.fromfile(local, dtype=np.uint8)
+got = np.zeros_like(want); ferry.open(local).read_into(got)  # the parent's runtime and its threads exist
+inherited = ferry.open(remote) if parent_remote else None
+old = ferry.runtime()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # a data loader's worker: ends the way a Python program does (no os._exit)
+    os.close(r)
+    out, t0 = {}, time.monotonic()
+    b = np.zeros_like(want); ferry.open(local).read_into(b); out["local"] = bool((b == want).all())
+    calls = [("remote", lambda: ferry.open(remote).read_into(b)), ("old_runtime", lambda: old.open(local, "r"))]
+    if inherited:
+        calls.append(("inherited", lambda: inherited.read_into(np.zeros(16, dtype=np.uint8))))
+    for name, call in calls:
+        try:
+            b[:] = 0; call(); out[name] = bool((b == want).all()) if name == "remote" else "worked"
+        except ferry.Error as e:
+            out[name] = str(e)
+    out["seconds"] = time.monotonic() - t0
+    os.write(w, json.dumps(out).encode()); os.close(w)
+    sys.exit(0)
+os.close(w)
+child = json.loads(os.read(r, 1 << 16).decode())
+_, status = os.waitpid(pid, 0)
+child["status"] = status
+b = np.zeros_like(want); ferry.open(remote).read_into(b); child["parent_after"] = bool((b == want).all())
+print(json.dumps(child))
+"""
+
+
+@pytest.mark.parametrize("parent_remote", [False, True], ids=["parent-local", "parent-remote"])
+def test_a_forked_child_gets_a_runtime_of_its_own(served, parent_remote):
+    """A process forked after ferry was used (a data loader's workers): ferry.runtime() makes it a runtime of its
+    own and local files read right. ferry:// works there when the parent had no ferry:// connection at the fork;
+    otherwise (UCX does not survive fork) it fails at once saying so, as does a remote file the parent opened;
+    the parent's runtime says what to use instead. Nothing waits for threads that stayed behind; the child ends
+    normally and the parent reads on."""
+    root, uri = served
+    random_file(root / "f.bin", (1 << 20) + 77)
+    p = subprocess.run([sys.executable, "-c", FORKED, str(root / "f.bin"), f"{uri}/f.bin", str(int(parent_remote))],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["local"] and got["parent_after"] and got["status"] == 0 and got["seconds"] < 5, got
+    assert "was forked from the one that made it" in got["old_runtime"], got
+    if parent_remote:
+        assert "which this one was forked from" in got["inherited"] and "open the file again here" in got["inherited"], got
+        assert "does not survive fork" in got["remote"], got
+    else:
+        assert got["remote"] is True, got
 
 
 def test_ctrl_c_ends_a_read_from_a_stopped_server_at_once(served):

@@ -148,6 +148,7 @@ void file::sync() {
 
 // ---- schemes ----------------------------------------------------------------------------------
 
+file_source::file_source() : pid_(::getpid()) {}
 file_source::~file_source() = default;
 
 namespace {
@@ -155,9 +156,19 @@ struct scheme_entry {
   std::uint64_t id;
   std::string scheme;
   file_opener open;
+  long pid;  // the process that registered it
+};
+// The openers' state (connections, threads) belongs to the process that registered them. In a process
+// forked from it they serve nothing, and at its exit they are left as they are: ending them would wait
+// for threads that did not come along.
+struct scheme_table : std::vector<scheme_entry> {
+  ~scheme_table() {
+    for (auto& e : *this)
+      if (e.pid != ::getpid()) new file_opener(std::move(e.open));
+  }
 };
 std::mutex schemes_mu;
-std::vector<scheme_entry> schemes;  // newest last
+scheme_table schemes;  // newest last
 std::uint64_t next_scheme_id = 1;
 }  // namespace
 
@@ -167,7 +178,7 @@ scheme_registration register_file_scheme(const std::string& scheme, file_opener 
   std::lock_guard l(schemes_mu);
   scheme_registration r;
   r.id_ = next_scheme_id++;
-  schemes.push_back({r.id_, scheme, std::move(open)});
+  schemes.push_back({r.id_, scheme, std::move(open), ::getpid()});
   return r;
 }
 
@@ -203,11 +214,16 @@ file_opener find_file_scheme(const std::string& path) {
   for (char ch : scheme)
     if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '+' && ch != '-' && ch != '.') return {};
   std::lock_guard l(schemes_mu);
+  bool inherited = false;
   for (auto it = schemes.rbegin(); it != schemes.rend(); ++it)
-    if (it->scheme == scheme) return it->open;
+    if (it->scheme == scheme) {
+      if (it->pid == ::getpid()) return it->open;
+      inherited = true;
+    }
   fail(errc::not_supported, "file.open", path,
-       fmt::format("no handler for {}:// here ({} is served by a ferry::runtime, which registers it while it lives)",
-                   scheme, scheme == "ferry" ? "ferry://" : "this scheme"));
+       fmt::format("no handler for {}:// here ({} is served by a ferry::runtime, which registers it while it lives{})", scheme,
+                   scheme == "ferry" ? "ferry://" : "this scheme",
+                   inherited ? "; the one registered belongs to the process this one was forked from: make a runtime here" : ""));
 }
 
 }  // namespace ferry

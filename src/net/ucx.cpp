@@ -11,6 +11,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -325,7 +326,25 @@ std::string interface_for(const std::string& host, bool local) {
   return name;
 }
 
+namespace {
+// UCX's global state -- its async thread, which takes connections -- does not survive fork: a process
+// forked from one with live UCX contexts gets connections that never complete. So: the live contexts,
+// and the process they belong to.
+std::mutex g_ucx_mu;
+long g_ucx_process = 0;
+int g_ucx_contexts = 0;
+}  // namespace
+
 ucx_context::ucx_context(const std::string& net_device) {
+  {
+    std::lock_guard l(g_ucx_mu);
+    if (g_ucx_contexts > 0 && g_ucx_process != ::getpid())
+      fail(errc::not_supported, "net.init", "UCX",
+           fmt::format("this process ({}) was forked from process {} while that one used UCX, which does not survive fork; "
+                       "ferry:// and ferry serve work in a process that starts UCX itself (a child started by spawn or "
+                       "forkserver, or forked while its parent had no ferry:// connection or server)",
+                       ::getpid(), g_ucx_process));
+  }
   // A restarted server must get its well-known port back while the old connections sit in
   // TIME_WAIT (UCX's default is not to set SO_REUSEADDR). UCX reads this transport setting only
   // from the environment (ucp_config_modify accepts it but the worker rejects it), so it is set
@@ -369,9 +388,16 @@ ucx_context::ucx_context(const std::string& net_device) {
   ucp_context_attr_t ca{};
   ca.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
   if (ucp_context_query(ctx_, &ca) == UCS_OK) cuda_memory_ = (ca.memory_types & (1ull << UCS_MEMORY_TYPE_CUDA)) != 0;
+  std::lock_guard l(g_ucx_mu);
+  g_ucx_process = ::getpid();
+  ++g_ucx_contexts;
 }
 
-ucx_context::~ucx_context() { ucp_cleanup(ctx_); }
+ucx_context::~ucx_context() {
+  ucp_cleanup(ctx_);
+  std::lock_guard l(g_ucx_mu);
+  --g_ucx_contexts;
+}
 
 remote_key::~remote_key() {
   if (rkey) w->run_or_post([r = rkey] { ucp_rkey_destroy(r); });

@@ -59,7 +59,11 @@ class FERRY_API source_deadline {
 
 class FERRY_API file_source {
  public:
+  file_source();
   virtual ~file_source();
+  // The process that opened it: its connections and threads stay with that process, so a process
+  // forked from it cannot use the file (the file engine refuses, naming the file) -- it opens it again.
+  long opened_by() const noexcept { return pid_; }
   virtual std::uint64_t size() = 0;
   virtual void sync() {}
   // How its data has been moving, for a person to read (a summary line): the transport and the route.
@@ -72,6 +76,9 @@ class FERRY_API file_source {
   using completion = std::function<void(std::uint64_t bytes, const error* err)>;
   virtual void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, const source_deadline& until,
                      completion done) = 0;
+
+ private:
+  long pid_;
 };
 
 using file_opener = std::function<std::shared_ptr<file_source>(const std::string& uri, open_mode mode)>;
