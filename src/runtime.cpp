@@ -5,6 +5,9 @@
 #include "core/logging.hpp"
 #include "device/sim/sim_device.hpp"
 
+#include <fmt/format.h>
+#include <unistd.h>
+
 #include <chrono>
 
 namespace ferry {
@@ -22,7 +25,7 @@ void timed(const char* what, F&& make) {
 
 runtime::runtime() : runtime(settings::from_env()) {}
 
-runtime::runtime(settings s) : devices_((set_log_level(s.log), std::move(s))) {
+runtime::runtime(settings s) : pid_(::getpid()), devices_((set_log_level(s.log), std::move(s))) {
   // Connections are made on the first open; the client then classifies memory through this
   // runtime's cache and stages GPU/sim data through its engine.
   ferry_files_ = store::register_ferry_files([this] { return store::client_options_from(config(), &registrations(), &engine()); });
@@ -31,6 +34,16 @@ runtime::runtime(settings s) : devices_((set_log_level(s.log), std::move(s))) {
 
 // The engine first (its workers hold streams), then the cache (pools hold registrations), then devices.
 runtime::~runtime() {
+  if (pid_ != ::getpid()) {  // a forked child's copy: its threads are not here to be ended
+    new scheme_registration(std::move(ferry_files_));
+    new store::http_registration(std::move(http_files_));
+    (void)files_.release();
+    (void)engine_.release();
+    (void)cache_.release();
+    for (auto& c : clients_) (void)c.release();
+    devices_.abandon();
+    return;
+  }
   ferry_files_ = {};  // its clients use the engine and the cache
   http_files_ = {};
   files_.reset();
@@ -38,7 +51,16 @@ runtime::~runtime() {
   cache_.reset();
 }
 
+void runtime::check_process(const char* part) const {
+  if (pid_ != ::getpid())
+    fail(errc::invalid_argument, "runtime", fmt::format("{} of the runtime of process {}", part, pid_),
+         fmt::format("this process ({}) was forked from the one that made the runtime, and its threads did not come along; "
+                     "make a runtime in this process",
+                     ::getpid()));
+}
+
 registration_cache& runtime::registrations() {
+  check_process("registrations");
   std::call_once(mem_once_, [&] { timed("registration cache", [&] {
     if (devices_.cuda_status().available)
       if (auto c = make_cuda_client(config().cuda_driver)) clients_.push_back(std::move(c));
@@ -52,6 +74,7 @@ registration_cache& runtime::registrations() {
 }
 
 transfer_engine& runtime::engine() {
+  check_process("engine");
   std::call_once(engine_once_, [&] {
     registrations();
     timed("transfer engine", [&] { engine_ = std::make_unique<transfer_engine>(devices_, registrations(), config()); });
@@ -60,6 +83,7 @@ transfer_engine& runtime::engine() {
 }
 
 file_engine& runtime::files() {
+  check_process("files");
   std::call_once(files_once_, [&] {
     engine();
     timed("file engine", [&] { files_ = std::make_unique<file_engine>(engine(), devices_, registrations(), config()); });

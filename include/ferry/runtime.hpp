@@ -3,7 +3,9 @@
 // everything built from it: devices, the registration cache with its memory clients, and the
 // transfer engine. Parts are created on first use, so a CPU-only tool never loads the CUDA driver.
 // While it lives, file::open accepts ferry://host:port/path (see ferry/store/files.hpp); close such
-// files before the runtime goes.
+// files before the runtime goes. A runtime belongs to the process that made it: its threads do not
+// come along into a forked child, where registrations(), engine() and files() throw (make a runtime
+// there) and its end leaves its parts as they are (ending them would wait for those threads).
 #include <ferry/core/export.hpp>
 #include <ferry/core/settings.hpp>
 #include <ferry/device/registry.hpp>
@@ -33,6 +35,8 @@ class FERRY_API runtime {
   file_engine& files();
 
  private:
+  void check_process(const char* part) const;  // throws in a process forked from the one that made it
+  long pid_;
   device_registry devices_;
   std::once_flag mem_once_, engine_once_, files_once_;
   std::vector<std::unique_ptr<peer_memory_client>> clients_;

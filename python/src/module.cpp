@@ -286,11 +286,8 @@ struct py_runtime {
     rt = std::make_unique<runtime>(s);
   }
   // A runtime's threads do not come along into a process forked from its own (a data loader's
-  // workers): in such a child it is left as it is -- its end would wait for them forever -- and
-  // refuses work with an error that says what to use instead (ferry.runtime() makes one per process).
-  ~py_runtime() {
-    if (::getpid() != owner) (void)rt.release();
-  }
+  // workers): there it refuses work with an error that says what to use instead (ferry.runtime()
+  // makes one per process); its end there leaves it as it is (ferry::runtime's own rule).
   runtime& live() const {
     if (::getpid() != owner)
       fail(errc::invalid_argument, "ferry.Runtime", "runtime of process " + std::to_string(owner),

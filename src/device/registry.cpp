@@ -20,6 +20,11 @@ device_registry::device_registry(settings s) : settings_(std::move(s)) {
 // Streams and ranges held by callers must be gone before this; devices go in reverse order.
 device_registry::~device_registry() = default;
 
+void device_registry::abandon() noexcept {
+  for (auto* v : {&cuda_, &sim_})
+    for (auto& d : *v) (void)d.release();
+}
+
 backend_status device_registry::cuda_status() {
   backend_status b;
   b.name = "cuda";

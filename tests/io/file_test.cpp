@@ -14,7 +14,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <condition_variable>
+#include <filesystem>
 #include <cstring>
 #include <mutex>
 #include <fstream>
@@ -850,4 +852,49 @@ TEST(File, CancelEndsRemoteRequestsUnderWay) {
     EXPECT_FALSE(b.wait());
     EXPECT_EQ(b.results()[0].state, request_state::timed_out);
   }
+}
+
+// A runtime used, then the process forks (a data loader's worker): in the child the parent's runtime
+// refuses work with an error naming both processes and ends without waiting for threads that are
+// not there; a runtime made in the child reads; the parent reads on.
+TEST(File, AForkedChildMakesARuntimeOfItsOwn) {
+  auto path = std::filesystem::temp_directory_path() / ("ferry-fork-" + std::to_string(::getpid()) + ".bin");
+  std::vector<std::byte> data(1 << 20);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::byte>(i * 7 + 3);
+  { std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size())); }
+  auto parent = std::make_unique<runtime>(io_settings());
+  std::vector<std::byte> got(data.size());
+  auto f = file::open(path.string(), open_mode::read);
+  ASSERT_EQ(parent->files().read(*f, 0, got.data(), got.size()), got.size());  // its threads run now
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    int code = 0;
+    try {
+      parent->files();
+      code = 1;  // the parent's runtime took work
+    } catch (const error& e) {
+      if (std::string(e.what()).find("was forked from the one that made the runtime") == std::string::npos) code = 2;
+    }
+    parent.reset();  // must neither wait for the parent's threads nor terminate
+    {
+      runtime mine(io_settings());
+      std::vector<std::byte> b(data.size());
+      if (mine.files().read(*f, 0, b.data(), b.size()) != b.size() || b != data) code = code ? code : 3;
+    }
+    ::_exit(code);
+  }
+  int status = -1;
+  for (int i = 0; i < 1000 && ::waitpid(child, &status, WNOHANG) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (!WIFEXITED(status) && !WIFSIGNALED(status)) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, &status, 0);
+    FAIL() << "the child did not end within 10 s (it waited for threads of the parent's runtime)";
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status
+                                                              << " (1: the parent's runtime took work, 2: its error, 3: the child's read)";
+  std::fill(got.begin(), got.end(), std::byte{0});
+  EXPECT_EQ(parent->files().read(*f, 0, got.data(), got.size()), got.size());
+  EXPECT_EQ(got, data);
+  std::filesystem::remove(path);
 }

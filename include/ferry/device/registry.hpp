@@ -51,6 +51,9 @@ class FERRY_API device_registry {
   backend_status sim_status() const;
   peer_info peer(device& a, device& b);
   const settings& config() const noexcept { return settings_; }
+  // Lets go of every device without ending it: in a process forked from the one that opened them,
+  // whose threads and driver state stayed behind (the runtime's end there).
+  void abandon() noexcept;
 
  private:
   device& lookup(device_kind kind, int index, std::string_view name);
