@@ -37,17 +37,14 @@ class ArgumentError(Error, ValueError):
 
 _lock = threading.Lock()
 _runtime: _ferry.Runtime | None = None
-# Runtimes of the processes this one was forked from: their threads did not come along, so they are kept
-# (never ended, which would wait for those threads) and a fresh one is made here on first use.
-_inherited: list = []
+_runtime_pid = 0
+# A runtime belongs to the process that made it (its threads do not come along into a forked child):
+# in a child, a fresh one is made on first use. The parent's, ended there, leaves its parts alone.
 
 
 def _forked() -> None:
-    global _lock, _runtime
+    global _lock
     _lock = threading.Lock()  # another thread of the parent may have held it
-    if _runtime is not None:
-        _inherited.append(_runtime)
-        _runtime = None
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -56,10 +53,11 @@ os.register_at_fork(after_in_child=_forked)
 def runtime(**overrides: str) -> _ferry.Runtime:
     """The process's runtime, made on first use from the FERRY_* environment; ``overrides`` (FERRY_NAME="value")
     apply only to that first call."""
-    global _runtime
+    global _runtime, _runtime_pid
     with _lock:
-        if _runtime is None:
+        if _runtime is None or _runtime_pid != os.getpid():  # none yet, or the parent's (a forked child)
             _runtime = _ferry.Runtime({k: str(v) for k, v in overrides.items()} if overrides else None)
+            _runtime_pid = os.getpid()
         elif overrides:
             raise RuntimeError("ferry.runtime(): the runtime exists already; settings apply when it is made")
         return _runtime

@@ -108,27 +108,29 @@ struct py_batch {
   // The handle's end waits for work still running: not with the GIL held. In a process forked from
   // the one that made it, the work and the threads that run it stayed behind: nothing to wait for,
   // and the handle's end would wait forever -- it is left as it is.
-  ~py_batch() {
+  ~py_batch() { end(); }
+  void end() {
     if (::getpid() != owner) {
       new transfer_batch(std::move(b));  // never ended, on purpose
       (void)view.release();
       return;
     }
-    end();
-  }
-  void end() {
     py::gil_scoped_release nogil;
     b = transfer_batch{};
     view.reset();
   }
   void open_or_fail() const {
+    if (::getpid() != owner)
+      fail(errc::invalid_argument, "ferry.Batch", "batch of process " + std::to_string(owner),
+           "this process was forked from the one that made the batch, whose work stayed there");
     if (closed) fail(errc::invalid_argument, "ferry.Batch", "batch", "closed: its results went with it");
   }
   // A bounded look with `timeout`; without one, until the batch is over or its deadline passes.
   bool wait(std::optional<double> timeout) {
     open_or_fail();
     std::optional<std::chrono::steady_clock::time_point> until;
-    if (timeout)
+    if (timeout && !(*timeout >= 0)) fail(errc::invalid_argument, "ferry.Batch.wait", "timeout", "must be >= 0 seconds");
+    if (timeout && *timeout < 1e9)  // longer (inf included): until the batch is over, as without one
       until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(*timeout));
     if (!wait_interruptibly(b, until)) return false;
     py::gil_scoped_release nogil;
@@ -332,9 +334,18 @@ struct py_runtime {
     o.idle = idle_of(timeout);
     file_request r{f.f, offset, as_ptr(ptr), bytes, write};
     transfer_batch b;
+    // The batch ends without the GIL however this returns (its end waits for work still running).
+    struct ender {
+      transfer_batch& b;
+      ~ender() {
+        py::gil_scoped_release nogil;
+        b = transfer_batch{};
+      }
+    } end_it{b};
+    runtime& here = live();
     {
       py::gil_scoped_release nogil;
-      b = live().files().submit({&r, 1}, o);
+      b = here.files().submit({&r, 1}, o);
     }
     wait_interruptibly(b);
     py::gil_scoped_release nogil;

@@ -8,17 +8,20 @@ import time
 
 
 def ctrl_c(code: str, env: dict | None = None, after: float = 0.5, timeout: float = 60, on_ready=None) -> dict:
-    """Runs ``code`` in a new Python; once it prints ``ready`` (just before its long call), calls ``on_ready``
-    (if given), waits ``after`` seconds and sends SIGINT, as Ctrl-C does. ``code`` must print one JSON line when the call ends (the
+    """Runs ``code`` in a new Python; once it prints ``ready``, calls ``on_ready`` (if given) and writes ``go`` to
+    its standard input (``code`` reads that line right before its long call), waits ``after`` seconds and sends
+    SIGINT, as Ctrl-C does. ``code`` must print one JSON line when the call ends (the
     KeyboardInterrupt caught). Returns that line's object with ``after_signal``, the seconds from the
     signal to the process's end."""
     p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()
         assert line.strip() == "ready", (line, p.stderr.read() if p.poll() is not None else "")
         if on_ready:
             on_ready()
+        p.stdin.write("go\n")
+        p.stdin.flush()
         time.sleep(after)
         p.send_signal(signal.SIGINT)
         t0 = time.monotonic()

@@ -153,11 +153,14 @@ def test_a_batch_of_reads_and_its_results(tmp_path):
     offsets = rng.integers(0, want.size - 65536, 64)
     bufs = [np.empty(65536, dtype=np.uint8) for _ in offsets]
     with ferry.read_batch([(f, int(o), b) for o, b in zip(offsets, bufs)]) as batch:
-        assert batch.wait()
+        assert batch.wait(float("inf"))  # a timeout past any deadline: until it is over, as without one
+        assert batch.wait(0) and batch.wait()
         assert batch.bytes_done == batch.bytes_total == 64 * 65536
         assert all(r["state"] == "done" for r in batch.results())
     for o, b in zip(offsets, bufs):
         np.testing.assert_array_equal(b, want[o:o + 65536])
+    with pytest.raises(ferry.Error, match="timeout"):
+        ferry.read_batch([(f, 0, bufs[0])]).wait(-1)
     # A request into a buffer that is too small for nbytes is refused before anything runs.
     with pytest.raises(ValueError, match="outside the buffer"):
         ferry.read_batch([(f, 0, bufs[0], 1 << 20)])
@@ -385,9 +388,9 @@ def test_ctrl_c_ends_a_read_from_a_stopped_server_at_once(served):
     KeyboardInterrupt now, not at the deadline (30 s)."""
     root, uri = served
     random_file(root / "big.bin", 32 << 20)
-    code = ("import json, os, signal, numpy as np, ferry\n"
+    code = ("import json, os, signal, sys, numpy as np, ferry\n"
             f"f = ferry.open({uri + '/big.bin'!r}); b = np.zeros(f.size, dtype=np.uint8)\n"
-            "print('ready', flush=True)\n"
+            "print('ready', flush=True); sys.stdin.readline()\n"
             "try:\n    f.read_into(b); print(json.dumps({'interrupted': False}))\n"
             "except KeyboardInterrupt:\n    print(json.dumps({'interrupted': True}))\n")
     try:

@@ -319,7 +319,7 @@ def test_a_server_that_stalls_after_its_headers_fails_within_the_deadline(ranges
 CTRL_C = r"""
 import json, sys, numpy as np, ferry, ferry.safetensors
 f = ferry.open(URL); b = np.zeros(f.size, dtype=np.uint8)
-print("ready", flush=True)
+print("ready", flush=True); sys.stdin.readline()
 try:
     ferry.safetensors.load(URL, progress=False) if WHOLE else f.read_into(b)
     print(json.dumps({"interrupted": False}))

@@ -128,8 +128,21 @@ file::~file() {
   if (fd_ >= 0 && owned_) ::close(fd_);
 }
 
+namespace {
+// A remote file's connections belong to the process that opened it (file_source::opened_by).
+void check_opener(const file_source& src, const std::string& path, const char* op) {
+  if (src.opened_by() != ::getpid())
+    fail(errc::invalid_argument, op, uri_for_messages(path),
+         fmt::format("opened by process {}, which this one was forked from: its connections stayed there; open the file again here",
+                     src.opened_by()));
+}
+}  // namespace
+
 std::uint64_t file::size() const {
-  if (source_) return source_->size();
+  if (source_) {
+    check_opener(*source_, path_, "file.size");
+    return source_->size();
+  }
   struct stat st{};
   if (::fstat(fd_, &st) != 0) fail_errno(errno, "file.size", path_);
   return static_cast<std::uint64_t>(st.st_size);
@@ -142,7 +155,10 @@ void file::resize(std::uint64_t bytes) {
 }
 
 void file::sync() {
-  if (source_) return source_->sync();
+  if (source_) {
+    check_opener(*source_, path_, "file.sync");
+    return source_->sync();
+  }
   if (::fsync(fd_) != 0) fail_errno(errno, "file.sync", path_);
 }
 
@@ -193,7 +209,11 @@ scheme_registration& scheme_registration::operator=(scheme_registration&& o) noe
 scheme_registration::~scheme_registration() {
   if (!id_) return;
   std::lock_guard l(schemes_mu);
-  std::erase_if(schemes, [&](const scheme_entry& e) { return e.id == id_; });
+  std::erase_if(schemes, [&](scheme_entry& e) {
+    if (e.id != id_) return false;
+    if (e.pid != ::getpid()) new file_opener(std::move(e.open));  // the parent's, in a forked child: left alone
+    return true;
+  });
 }
 
 std::string uri_for_messages(const std::string& uri) {

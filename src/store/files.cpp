@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <charconv>
 #include <condition_variable>
@@ -190,6 +191,13 @@ class remote_endpoint {
   // its deadline. A write is not: its open write went with the connection (the file's commit then
   // fails, and the target stays as it was). Other errors are final.
   static void complete_after_error(core& k, op& o, const error& e) {
+    if (o.deadline.cancelled() && e.code() != errc::cancelled) {
+      // Its batch was cancelled (another request's cancel closed the lane under it): not retried.
+      error c(errc::cancelled, o.write ? "store.write" : "store.read", fmt::format("{} {}", k.c.peer(), printable(o.path)),
+              std::string("the batch was cancelled: ") + e.what());
+      o.done(0, &c);
+      return;
+    }
     auto left = o.until - clk::now();
     if (!o.write && e.code() == errc::network_error && left > std::chrono::milliseconds(1)) {
       try {
@@ -221,6 +229,10 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
     if (mode_ == open_mode::create) handle();  // the file is created (empty) even if nothing is written
   }
   ~remote_file() override {
+    if (opened_by() != ::getpid()) {  // a forked child's copy: the connection and its threads are the parent's
+      new std::shared_ptr<remote_endpoint>(std::move(ep_));
+      return;
+    }
     try {
       sync();
     } catch (const error& e) {

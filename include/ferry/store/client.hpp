@@ -134,9 +134,9 @@ class FERRY_API client {
   // Throws an error naming the peer and the path; after a timeout the connection is closed first,
   // so nothing lands in the buffer afterwards (the next request reconnects).
   std::uint64_t finish(ticket t);
-  // The same, giving up when `cancelled()` turns true (looked at every tenth of a second): as at the
-  // deadline, the connection is closed first (the lane's other requests fail and reconnect), and the
-  // error is `cancelled`.
+  // The same, giving up when `cancelled()` turns true (looked at every tenth of a second, under the
+  // client's lock: it must not block or call the client): as at the deadline, the connection is
+  // closed first (the lane's other requests fail and reconnect), and the error is `cancelled`.
   std::uint64_t finish(ticket t, const std::function<bool()>& cancelled);
 
   // Host memory that this client's server can reach directly, for buffers used again and again (as

@@ -85,8 +85,10 @@ class FERRY_API transfer_batch {
   // piece already running may still touch the buffers until it stops at its own deadline: keep
   // the buffers until the batch is destroyed (the destructor waits for running pieces).
   bool wait();
-  // As wait(), but returns false at `t` if the batch is not over by then (nothing changes then: wait
-  // again, or cancel). For a caller that must look up now and then (a Python thread lets its signal
+  // As wait() -- the same result, and the batch settled if its own deadline passes first -- but it
+  // also returns false at `t` if the batch is not over by then (nothing changes then: wait again, or
+  // cancel); poll() tells the two falses apart. Unlike wait() it runs none of the batch's queued work
+  // on this thread. For a caller that must look up now and then (a Python thread lets its signal
   // handlers run: Ctrl-C).
   bool wait(deadline t);
   // True once the batch's deadline has passed (a deadline that follows progress: no byte moved for
