@@ -128,19 +128,9 @@ file::~file() {
   if (fd_ >= 0 && owned_) ::close(fd_);
 }
 
-namespace {
-// A remote file's connections belong to the process that opened it (file_source::opened_by).
-void check_opener(const file_source& src, const std::string& path, const char* op) {
-  if (src.opened_by() != ::getpid())
-    fail(errc::invalid_argument, op, uri_for_messages(path),
-         fmt::format("opened by process {}, which this one was forked from: its connections stayed there; open the file again here",
-                     src.opened_by()));
-}
-}  // namespace
-
 std::uint64_t file::size() const {
   if (source_) {
-    check_opener(*source_, path_, "file.size");
+    source_->check_process("file.size", uri_for_messages(path_));
     return source_->size();
   }
   struct stat st{};
@@ -156,7 +146,7 @@ void file::resize(std::uint64_t bytes) {
 
 void file::sync() {
   if (source_) {
-    check_opener(*source_, path_, "file.sync");
+    source_->check_process("file.sync", uri_for_messages(path_));
     return source_->sync();
   }
   if (::fsync(fd_) != 0) fail_errno(errno, "file.sync", path_);
@@ -165,6 +155,12 @@ void file::sync() {
 // ---- schemes ----------------------------------------------------------------------------------
 
 file_source::file_source() : pid_(::getpid()) {}
+
+void file_source::check_process(const char* op, const std::string& resource) const {
+  if (pid_ != ::getpid())
+    fail(errc::invalid_argument, op, resource,
+         fmt::format("opened by process {}, which this one was forked from: its connections stayed there; open the file again here", pid_));
+}
 file_source::~file_source() = default;
 
 namespace {

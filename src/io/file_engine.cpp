@@ -105,10 +105,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     try {
       check_request(r, i);
       if (r.f->source()) {  // a remote file: its source moves the data (and classifies the memory)
-        if (r.f->source()->opened_by() != ::getpid())
-          fail(errc::invalid_argument, "file.submit", describe(r, i),
-               fmt::format("opened by process {}, which this one was forked from: its connections stayed there; open the file again here",
-                           r.f->source()->opened_by()));  // as file::size and sync say
+        r.f->source()->check_process("file.submit", describe(r, i));
         // A timeout names it.
         if (b->labels.empty()) b->labels.resize(reqs.size());
         b->labels[i] = fmt::format("{} offset {}", uri_for_messages(r.f->path()), r.offset);

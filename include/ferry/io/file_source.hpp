@@ -64,6 +64,8 @@ class FERRY_API file_source {
   // The process that opened it: its connections and threads stay with that process, so a process
   // forked from it cannot use the file (the file engine refuses, naming the file) -- it opens it again.
   long opened_by() const noexcept { return pid_; }
+  // Throws invalid_argument (operation `op`, naming `resource`) in a process other than that one.
+  void check_process(const char* op, const std::string& resource) const;
   virtual std::uint64_t size() = 0;
   virtual void sync() {}
   // How its data has been moving, for a person to read (a summary line): the transport and the route.
