@@ -27,6 +27,7 @@ struct stream_op {
   std::size_t n = 0;
   std::vector<pinned_pool::buffer> slots;
   std::shared_ptr<registration> hold;  // pageable memory pinned for the stream's copies, or unified memory kept in place
+  peer_memory_client* places = nullptr;  // unified memory: a copy covers pages mapped in one place only (one_place)
   std::mutex mu;
   std::optional<error> err;     // the first failure: later chunks are not read or written
   std::vector<bool> released;   // chunk k's number was released
@@ -193,6 +194,7 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
       // unified memory stays where it is.
       if ((m.type == memory_type::host_pageable && dev.info().backend == device_kind::cuda) || m.type == memory_type::unified)
         op->hold = std::make_shared<registration>(I.cache.acquire(r.mem, r.bytes));
+      if (m.type == memory_type::unified) op->places = m.client;
       // One buffer at least (waiting for it is the back-pressure of a busy pool), the rest of the
       // pipeline's depth as far as the pool has them now.
       std::size_t nslots = std::min<std::size_t>(op->n, static_cast<std::size_t>(I.cfg.stream_slots));
@@ -225,8 +227,12 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
         try {
           auto* user = static_cast<std::byte*>(op->r.mem) + k * op->chunk;
           s.wait_value(o.finished(), q);
-          if (op->r.write) s.copy(op->slot(k), user, op->len(k));
-          else s.copy(user, op->slot(k), op->len(k));
+          for (std::uint64_t at = 0, n = 0; at < op->len(k); at += n) {
+            n = op->len(k) - at;
+            if (op->places) n = std::max<std::uint64_t>(1, std::min(n, op->places->one_place(reinterpret_cast<std::uintptr_t>(user + at), n)));
+            if (op->r.write) s.copy(op->slot(k) + at, user + at, n);
+            else s.copy(user + at, op->slot(k) + at, n);
+          }
           s.write_value(o.started(), q);
           ++enqueued;
         } catch (const error& e) {

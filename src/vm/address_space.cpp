@@ -4,6 +4,7 @@
 #include <ferry/core/units.hpp>
 #include <ferry/vm/address_space.hpp>
 
+#include "core/fault_note.hpp"
 #include "core/logging.hpp"
 #include "device/poll.hpp"
 
@@ -102,6 +103,18 @@ void print_faulting_stack() {
   write_str(name);
   write_str(")'s stack:\n");
   ::backtrace_symbols_fd(frames, n, 2);
+  if (const auto& c = fault_note::current; c.what) {  // the library call it was in, as ferry made it
+    char h[20];
+    write_str("ferry: the faulting thread was in ");
+    write_str(c.what);
+    write_str(": dst ");
+    write_str(hex(c.dst, h));
+    write_str(", src ");
+    write_str(hex(c.src, h));
+    write_str(", bytes ");
+    write_str(hex(c.bytes, h));
+    write_str("\n");
+  }
 }
 
 // Async-signal-safe: table lookup, write(2) to a pipe, futex wait (and, on the way to abort(), the
@@ -200,6 +213,7 @@ class unified_client final : public peer_memory_client {
   std::optional<memory_region> acquire(const void* p, std::uint64_t n) override;
   std::uint64_t pin(const memory_region& r, std::uintptr_t base, std::uint64_t size) override;
   void unpin(std::uint64_t cookie, std::uintptr_t base, std::uint64_t size) noexcept override;
+  std::uint64_t one_place(std::uintptr_t p, std::uint64_t n) override;
   bool still_valid(const memory_region&) override { return true; }
   bool keep_cached() const noexcept override { return false; }
   bool host_mappings() const noexcept override { return false; }
@@ -947,6 +961,15 @@ std::uint64_t unified_client::pin(const memory_region&, std::uintptr_t base, std
     throw;
   }
   return 0;
+}
+
+std::uint64_t unified_client::one_place(std::uintptr_t p, std::uint64_t n) {
+  auto [first, end] = s_.pages_of(reinterpret_cast<void*>(p), n, "vm.one_place");
+  const location at = s_.table->snapshot(first).mapped;
+  std::uint64_t k = first + 1;
+  while (k < end && s_.table->snapshot(k).mapped == at) ++k;
+  if (k == end) return n;
+  return s_.shared.address() + k * s_.page - p;  // up to the first page mapped elsewhere
 }
 
 void unified_client::unpin(std::uint64_t, std::uintptr_t base, std::uint64_t size) noexcept {

@@ -359,6 +359,12 @@ struct transfer_engine::impl {
       }
       return false;
     };
+    // The item's holds go before its last segment is reported: a caller woken by the completion
+    // finds the pages free to move (and pageable memory unpinned when the cache keeps none).
+    auto let_go = [&] {
+      w.unified.clear();
+      w.hold.reset();
+    };
     auto fail_with = [&](const segment& sg, const std::exception& ex) {
       const error* fe = dynamic_cast<const error*>(&ex);
       error e = fe ? fe->with_context(fmt::format("request {} ({} path)", sg.req, to_string(w.path)))
@@ -411,8 +417,10 @@ struct transfer_engine::impl {
       }
       try {
         s.synchronize(b.until());
+        let_go();
         for (const segment* sg : enqueued) b.finish(sg->req, sg->len, nullptr);
       } catch (const std::exception& ex) {
+        let_go();  // as the end of the item would, a moment later
         for (const segment* sg : enqueued) fail_with(*sg, ex);
       }
       return;
@@ -458,8 +466,10 @@ struct transfer_engine::impl {
           default:
             fail(errc::internal, "xfer.run", fmt::format("request {}", sg.req), "no path");
         }
+        if (&sg == &w.segs.back()) let_go();
         b.finish(sg.req, sg.len, nullptr);
       } catch (const std::exception& ex) {
+        if (&sg == &w.segs.back()) let_go();
         fail_with(sg, ex);
       }
     }
@@ -725,8 +735,19 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
 
       auto* dp = static_cast<std::byte*>(r.dst);
       auto* sp = static_cast<const std::byte*>(r.src);
+      // Unified memory: one copy covers pages mapped in one place only (asked now that they are
+      // pinned). The driver decides how to copy a range from what it finds there: a range from a
+      // device-mapped page on into host-mapped ones was copied by the CPU, which cannot reach the
+      // device page, and the process ended in the fault.
+      auto one_place = [&](std::uint64_t off) {
+        std::uint64_t n = r.bytes - off;
+        if (src.type == memory_type::unified && src.client) n = std::min(n, src.client->one_place(s + off, n));
+        if (dst.type == memory_type::unified && dst.client) n = std::min(n, dst.client->one_place(d + off, n));
+        return std::max<std::uint64_t>(n, 1);
+      };
+      const bool unified = !w.unified.empty();
       bool groupable = w.path == transfer_path::direct || w.path == transfer_path::peer || w.path == transfer_path::host;
-      if (groupable && r.bytes <= I.cfg.xfer_batch_small) {
+      if (groupable && r.bytes <= I.cfg.xfer_batch_small && (!unified || one_place(0) == r.bytes)) {
         auto g = std::find_if(open_groups.begin(), open_groups.end(), [&](const group& x) {
           return x.dev == w.dev && x.path == w.path && x.to_device == w.to_device;
         });
@@ -751,7 +772,9 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       std::uint64_t piece = I.cfg.xfer_split ? std::max<std::uint64_t>(I.cfg.xfer_split, 1 * MiB) : r.bytes;
       if (w.path == transfer_path::bounce || w.path == transfer_path::staged) piece = chunk;
       if (w.path == transfer_path::host) piece = std::min(piece, chunk);
-      for (std::uint64_t off = 0; off < r.bytes; off += piece) {
+      for (std::uint64_t off = 0, len = 0; off < r.bytes; off += len) {
+        len = std::min(piece, r.bytes - off);
+        if (unified) len = std::min(len, one_place(off));
         work_item c;
         c.b = w.b;
         c.path = w.path;
@@ -761,7 +784,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
         c.pool = w.pool;
         c.hold = w.hold;
         c.unified = w.unified;  // every piece holds the pages in place until it is done
-        c.segs.push_back({i, dp + off, sp + off, std::min(piece, r.bytes - off)});
+        c.segs.push_back({i, dp + off, sp + off, len});
         items.push_back(std::move(c));
         b.segs_left[i]++;
       }

@@ -3,6 +3,7 @@
 #include <ferry/core/checksum.hpp>
 #include <ferry/core/units.hpp>
 #include <ferry/io/file_engine.hpp>
+#include <ferry/mem/registration.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/vm/address_space.hpp>
 
@@ -22,6 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include <thread>
+#include <tuple>
 
 using namespace ferry;
 using ::testing::HasSubstr;
@@ -849,4 +851,48 @@ TEST(VmSpace, LoaderReadsWhileOtherAllocationsComeAndGoOverTheCap) {
   o.thrash_lapse = std::chrono::nanoseconds(0);
   vm::address_space as(dev, 96 * dev.granularity(), o);
   std::printf("%s\n", test::loader_under_churn(rt, as, 2).c_str());
+}
+
+// A copy into unified memory covers pages mapped in one place only: the driver decides how to copy
+// a range from what it finds there (the offload abort: a copy from a device page on into host pages
+// was done by the CPU). one_place says where a range's first place ends; the engine's copies across
+// places are cut there and every byte arrives.
+TEST(VmSpace, ACopyIsCutWherePagesAreMappedElsewhere) {
+  runtime rt(test::sim_settings(64ull << 20, 2ull << 20));
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as(dev, 8 * dev.granularity());
+  const std::size_t pg = as.page_bytes();
+  auto* p = static_cast<std::byte*>(as.alloc(3 * pg));
+  auto put = [&](memory_kind a, memory_kind b, memory_kind c) {
+    as.advise(p, pg, vm::advice::prefetch, a);
+    as.advise(p + pg, pg, vm::advice::prefetch, b);
+    as.advise(p + 2 * pg, pg, vm::advice::prefetch, c);
+  };
+  auto* at = p + pg - 1016;
+  const std::size_t n = 2 * pg;  // 1016 bytes of page 0, page 1, all but 1016 bytes of page 2
+  const memory_region m = rt.registrations().classify(at, n);
+  ASSERT_EQ(m.type, memory_type::unified);
+  ASSERT_NE(m.client, nullptr);
+  auto one_place = [&](const std::byte* q, std::uint64_t k) { return m.client->one_place(reinterpret_cast<std::uintptr_t>(q), k); };
+
+  put(memory_kind::device, memory_kind::host, memory_kind::host);
+  EXPECT_EQ(one_place(at, n), 1016u) << "the device page's part alone";
+  EXPECT_EQ(one_place(at + 1016, n - 1016), n - 1016) << "the two host pages together";
+  put(memory_kind::host, memory_kind::host, memory_kind::device);
+  EXPECT_EQ(one_place(at, n), 1016u + pg) << "the host pages, up to the device one";
+  EXPECT_EQ(one_place(p + 10, 100), 100u) << "within one page";
+
+  std::vector<std::byte> src(n), back(n);
+  for (const auto& [a, b, c] : {std::tuple{memory_kind::device, memory_kind::host, memory_kind::host},
+                                 std::tuple{memory_kind::host, memory_kind::device, memory_kind::host},
+                                 std::tuple{memory_kind::device, memory_kind::host, memory_kind::device}}) {
+    put(a, b, c);
+    test::fill_random(src.data(), n, static_cast<std::uint64_t>(a) * 9 + static_cast<std::uint64_t>(b) * 3 + static_cast<std::uint64_t>(c));
+    std::memset(back.data(), 0, n);
+    rt.engine().copy(at, src.data(), n);
+    rt.engine().copy(back.data(), at, n);
+    EXPECT_EQ(std::memcmp(back.data(), src.data(), n), 0);
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(as.pages().snapshot(static_cast<std::uint64_t>(i)).pins, 0u) << "page " << i;
+  as.free(p);
 }

@@ -3,6 +3,7 @@
 // The kernels are the device layer's pattern and checksum kernels, run on the unified pointers.
 #include <ferry/core/checksum.hpp>
 #include <ferry/io/file_engine.hpp>
+#include <ferry/mem/pinned_pool.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/vm/address_space.hpp>
 
@@ -13,6 +14,7 @@
 #include "support/loader_churn.hpp"
 #include "support/prefetch_mover.hpp"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -468,47 +470,60 @@ TEST(GpuVm, FileReadsIntoUnifiedMemoryWhilePagesMigrate) {
 
 // What a checkpoint loader does into unified memory (the offload abort of bench/results/offload): reads
 // of a file and copies from host memory that start 1016 bytes before a page boundary, so that their
-// first piece is a small one alone in its page, into pages placed on the device, on the host, and
-// both in one request; every byte must arrive, and no copy may fault on a page its own request holds
-// (the space's deadline is short: such a fault ends the process within it, naming the page).
+// first piece is a small one alone in its page, into pages placed on the device and on the host in
+// every combination, over three pages (the abort's copy: 4 MiB from 1016 bytes before the end of a
+// device page, on into the next two) and over two and a bit. Every byte must arrive, and no copy may
+// fault on a page its own request holds (the space's deadline is short: such a fault ends the process
+// within it, naming the page and the copy).
 TEST(GpuVm, UnalignedReadsAndCopiesIntoDeviceAndHostPages) {
   runtime rt(g_settings);
   device& dev = rt.devices().get("cuda:0");
   vm::space_options o;
   o.deadline = std::chrono::seconds(5);
   vm::address_space as(dev, 16 * dev.granularity(), o);
-  const std::size_t pg = as.page_bytes(), n = pg + 2032;
+  const std::size_t pg = as.page_bytes();
   auto* p = static_cast<std::byte*>(as.alloc(4 * pg));
-  auto* at = p + pg - 1016;  // pages 0 (1016 bytes), 1 (all of it) and 2 (1016 bytes)
+  auto* at = p + pg - 1016;  // pages 0 (1016 bytes), 1 (all of it) and 2 (the rest)
   auto path = std::filesystem::path("/tmp") / ("ferry-gpu-vm-unaligned-" + std::to_string(::getpid()) + ".bin");
-  std::vector<std::byte> data(2 * n);
+  std::vector<std::byte> data(4 * pg);
   fill_random(data.data(), data.size(), 23);
   ferry::test::write_file(path, data.data(), data.size());
   auto f = file::open(path.string(), open_mode::read);
-  std::vector<std::byte> src(n), back(n);
-  fill_random(src.data(), n, 29);
-  const memory_kind placements[][3] = {{memory_kind::device, memory_kind::device, memory_kind::device},
-                                       {memory_kind::host, memory_kind::host, memory_kind::host},
-                                       {memory_kind::device, memory_kind::host, memory_kind::device},
-                                       {memory_kind::host, memory_kind::device, memory_kind::host}};
-  for (const auto& place : placements) {
-    auto put = [&] {
-      for (int i = 0; i < 3; ++i) as.advise(p + i * pg, pg, vm::advice::prefetch, place[i]);
-    };
-    std::string where;
-    for (int i = 0; i < 3; ++i) where += place[i] == memory_kind::device ? (i ? ",device" : "device") : (i ? ",host" : "host");
-    put();
-    file_request r{f, 1016, at, n, false};
-    auto b = rt.files().submit({&r, 1});
-    ASSERT_TRUE(b.wait()) << where;
-    b.check();
-    rt.engine().copy(back.data(), at, n);
-    EXPECT_EQ(std::memcmp(back.data(), data.data() + 1016, n), 0) << "file -> unified, pages " << where;
-    put();
-    rt.engine().copy(at, src.data(), 1016);  // the small piece alone, from pageable host memory
-    rt.engine().copy(at + 1016, src.data() + 1016, n - 1016);
-    rt.engine().copy(back.data(), at, n);
-    EXPECT_EQ(std::memcmp(back.data(), src.data(), n), 0) << "host -> unified, pages " << where;
+  for (const std::size_t n : {pg + 2032, 2 * pg}) {
+    std::vector<std::byte> src(n), back(n);
+    fill_random(src.data(), n, 29 + n);
+    for (int bits = 0; bits < 8; ++bits) {
+      memory_kind place[3];
+      std::string where;
+      for (int i = 0; i < 3; ++i) {
+        place[i] = bits & (1 << i) ? memory_kind::device : memory_kind::host;
+        where += std::string(i ? "," : "") + (place[i] == memory_kind::device ? "device" : "host");
+      }
+      where += fmt::format(" ({} bytes)", n);
+      auto put = [&] {
+        for (int i = 0; i < 3; ++i) as.advise(p + i * pg, pg, vm::advice::prefetch, place[i]);
+      };
+      put();
+      file_request r{f, 1016, at, n, false};
+      auto b = rt.files().submit({&r, 1});
+      ASSERT_TRUE(b.wait()) << where;
+      b.check();
+      rt.engine().copy(back.data(), at, n);
+      EXPECT_EQ(std::memcmp(back.data(), data.data() + 1016, n), 0) << "file -> unified, pages " << where;
+      put();
+      rt.engine().copy(at, src.data(), 1016);  // the small piece alone, from pageable host memory
+      rt.engine().copy(at + 1016, src.data() + 1016, n - 1016);
+      rt.engine().copy(back.data(), at, n);
+      EXPECT_EQ(std::memcmp(back.data(), src.data(), n), 0) << "host -> unified, pages " << where;
+      put();
+      auto pinned = rt.engine().staging_for(memory_region{}).get(std::chrono::steady_clock::now() + std::chrono::seconds(5));
+      ASSERT_GE(pinned.size(), n) << "a staging buffer holds the whole copy";
+      std::memcpy(pinned.data(), src.data(), n);
+      std::memset(back.data(), 0, n);
+      rt.engine().copy(at, pinned.data(), n);  // one copy from pinned memory, as the file engine's staging does
+      rt.engine().copy(back.data(), at, n);
+      EXPECT_EQ(std::memcmp(back.data(), src.data(), n), 0) << "pinned -> unified, pages " << where;
+    }
   }
   std::filesystem::remove(path);
 }

@@ -69,6 +69,10 @@ class FERRY_API peer_memory_client {
   // True: its memory is ordinary process mappings, and an munmap over it (seen by the memory hooks)
   // means the memory is gone. False for memory remapped in place as its pages move (unified memory).
   virtual bool host_mappings() const noexcept { return true; }
+  // Bytes from p (at most n, at least 1) that one copy may cover: memory in one place, which the
+  // copy engines and the driver see as one kind. Unified memory: the pages from p's on that are
+  // mapped where p's is (asked while they are pinned, so that the answer holds for the copy).
+  virtual std::uint64_t one_place(std::uintptr_t p, std::uint64_t n) { return (void)p, n; }
 };
 
 }  // namespace ferry

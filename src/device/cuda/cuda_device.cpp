@@ -1,5 +1,6 @@
 #include "device/cuda/cuda_device.hpp"
 
+#include "core/fault_note.hpp"
 #include "core/logging.hpp"
 #include "mem/cuda/driver.hpp"
 #include "device/cuda/cupti.hpp"
@@ -438,6 +439,7 @@ class cuda_stream final : public stream {
     dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.copy", "dst");
     dev_.check_access(src, bytes, false, dev_.info().ordinal, "stream.copy", "src");
     auto cs = dev_.make_current();
+    fault_note::scope note("cuMemcpyAsync", dst, src, bytes);
     // The resource text only on failure: formatting it costs more than enqueueing a small copy.
     if (CUresult r = api_.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes, s_);
         r != CUDA_SUCCESS)
@@ -462,6 +464,7 @@ class cuda_stream final : public stream {
     attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;  // as cuMemcpyAsync: after the stream's earlier work
     size_t first = 0;
     auto cs = dev_.make_current();
+    fault_note::scope note("cuMemcpyBatchAsync (the first copy)", copies[0].dst, copies[0].src, copies[0].bytes);
     if (CUresult r = api_.cuMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), copies.size(), &attr, &first, 1, s_);
         r != CUDA_SUCCESS)
       check(r, "stream.copy_batch", fmt::format("{} {} copies, the first dst={} src={}", name_, copies.size(),
