@@ -105,6 +105,39 @@ def ceiling(path: str, threads: int = 16, block: int = 8 << 20) -> float:
     return size / (time.perf_counter() - t0) / 1e9
 
 
+def find_nginx(given: str = "") -> str:
+    return next((n for n in (given, shutil.which("nginx"), "/usr/sbin/nginx") if n and os.path.exists(n)), "")
+
+
+def start_nginx(nginx: str, root: str):
+    """nginx on a free loopback port serving `root` (sendfile on, a worker per core); (process, port, its
+    folder). Returns once the port accepts connections."""
+    conf_dir = tempfile.mkdtemp(prefix="ferry-bench-nginx-")
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    temp = " ".join(f"{k}_temp_path {conf_dir}/{k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    with open(os.path.join(conf_dir, "nginx.conf"), "w") as f:
+        f.write(f"{'user root;' if os.geteuid() == 0 else ''} daemon off; worker_processes auto; pid {conf_dir}/pid; "
+                f"error_log {conf_dir}/error.log; events {{ worker_connections 256; }} http {{ access_log off; {temp} "
+                f"sendfile on; server {{ listen 127.0.0.1:{port}; root {root}; }} }}")
+    srv = subprocess.Popen([nginx, "-c", os.path.join(conf_dir, "nginx.conf"), "-p", conf_dir],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return srv, port, conf_dir
+
+
+def stop_nginx(srv, conf_dir: str) -> None:
+    srv.terminate()
+    srv.wait()
+    shutil.rmtree(conf_dir, ignore_errors=True)
+
+
 def timed(fn):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -206,7 +239,7 @@ def main() -> int:
         remote = best[("ferry.safetensors.load over ferry://", "warm")]
 
     web = 0.0
-    nginx = next((n for n in (a.nginx, shutil.which("nginx"), "/usr/sbin/nginx") if n and os.path.exists(n)), "")
+    nginx = find_nginx(a.nginx)
     if nginx:
         import urllib.request
 
@@ -214,24 +247,8 @@ def main() -> int:
 
         # nginx on loopback serving the checkpoint's folder: ferry's ranges in parallel, against what a user of
         # requests does (download the file into memory, safetensors.torch.load, then each tensor to the device).
-        conf_dir = tempfile.mkdtemp(prefix="ferry-bench-nginx-")
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            port = sk.getsockname()[1]
-        temp = " ".join(f"{k}_temp_path {conf_dir}/{k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-        with open(os.path.join(conf_dir, "nginx.conf"), "w") as f:
-            f.write(f"{'user root;' if os.geteuid() == 0 else ''} daemon off; worker_processes auto; pid {conf_dir}/pid; "
-                    f"error_log {conf_dir}/error.log; events {{ worker_connections 256; }} http {{ access_log off; {temp} "
-                    f"sendfile on; server {{ listen 127.0.0.1:{port}; root {a.dir}; }} }}")
-        srv = subprocess.Popen([nginx, "-c", os.path.join(conf_dir, "nginx.conf"), "-p", conf_dir],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        srv, port, conf_dir = start_nginx(nginx, a.dir)
         try:
-            for _ in range(200):
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                    break
-                except OSError:
-                    time.sleep(0.05)
             url = f"http://127.0.0.1:{port}/{os.path.basename(path)}"
 
             def download_then_load():
@@ -248,9 +265,7 @@ def main() -> int:
                 row("urllib download + safetensors.torch.load", "warm", s)
                 del got
         finally:
-            srv.terminate()
-            srv.wait()
-            shutil.rmtree(conf_dir, ignore_errors=True)
+            stop_nginx(srv, conf_dir)
         web = best[("ferry.safetensors.load over http://", "warm")]
 
     def b(what, kind):

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""A warm 4 GiB checkpoint into a GPU under staging settings: ferry.safetensors.load and one read of the whole file.
+"""A warm 4 GiB checkpoint into a GPU under settings: ferry.safetensors.load and one read of the whole file.
 
 Each variant (a ';'-separated list of 'FERRY_X=v FERRY_Y=w' settings; the empty variant is the defaults) runs in a
 fresh process that loads the checkpoint 4 times (the first load makes the staging pool), printing GB/s per load,
-beside a pinned cudaMemcpy of the same size. The decision record docs/design/file-engine.md (staging size) cites it.
+beside a pinned cudaMemcpy of the same size. Also per variant: one read of the file into pinned host memory (the
+CPU's copy out of the page cache alone, no device copy: what bounds the staged path), and with --nginx the load
+over http:// from nginx on loopback. The decision records docs/design/file-engine.md (staging size) and
+docs/design/remote-sources.md (http threads) cite it.
 
     python3 bench/python/staging_sizes.py --variants ";FERRY_STAGING_BUFFERS=48 FERRY_STAGING_BYTES=8MiB FERRY_IO_CHUNK=8MiB"
 """
@@ -24,11 +27,20 @@ def timed(fn):
 size = os.path.getsize(path)
 f = ferry.open(path)
 buf = torch.empty(size, dtype=torch.uint8, device=device)
-load, one = [], []
+host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+url = sys.argv[3] if len(sys.argv) > 3 else ""
+rows = {"load": [], "one read of the file": [], "one read into pinned host memory": []}
+if url:
+    rows["load over http://"] = []
+def gbps(s):
+    return round(size / s / 1e9, 2)
 for i in range(4):
-    sd, s = timed(lambda: ferry.safetensors.load(path, device=device, progress=False)); load.append(round(size / s / 1e9, 2)); del sd
-    _, s = timed(lambda: f.read_into(buf)); one.append(round(size / s / 1e9, 2))
-print(json.dumps({"load": load, "one read of the file": one}))
+    sd, s = timed(lambda: ferry.safetensors.load(path, device=device, progress=False)); rows["load"].append(gbps(s)); del sd
+    _, s = timed(lambda: f.read_into(buf)); rows["one read of the file"].append(gbps(s))
+    _, s = timed(lambda: f.read_into(host)); rows["one read into pinned host memory"].append(gbps(s))
+    if url:
+        sd, s = timed(lambda: ferry.safetensors.load(url, device=device, progress=False)); rows["load over http://"].append(gbps(s)); del sd
+print(json.dumps(rows))
 '''
 
 PINNED = r'''
@@ -49,8 +61,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--variants", default=";FERRY_STAGING_BUFFERS=16;FERRY_IO_CHUNK=8MiB FERRY_STAGING_BYTES=8MiB "
                     "FERRY_STAGING_BUFFERS=48;FERRY_IO_CHUNK=16MiB FERRY_STAGING_BYTES=16MiB")
+    ap.add_argument("--nginx", default="", help="nginx, for a load over http:// per variant (default: none)")
     a = ap.parse_args()
-    from load_checkpoint import make_checkpoint
+    from load_checkpoint import make_checkpoint, find_nginx, start_nginx, stop_nginx
 
     path = os.path.join(a.dir, "ferry-bench-checkpoint.safetensors")
     info = make_checkpoint(path, 4 << 30, a.device)
@@ -60,13 +73,20 @@ def main() -> int:
             pass
     print(subprocess.run([sys.executable, "-c", PINNED, path, a.device], capture_output=True, text=True).stdout.strip())
     fails = 0
-    for v in a.variants.split(";"):
-        env = dict(os.environ)
-        env.update(kv.split("=", 1) for kv in v.split())
-        r = subprocess.run([sys.executable, "-c", CHILD, path, a.device], capture_output=True, text=True, env=env)
-        print(f"  {v or 'defaults':<66} {r.stdout.strip()}" + (f" FAILED: {r.stderr.strip()[-300:]}" if r.returncode else ""),
-              flush=True)
-        fails += r.returncode != 0
+    nginx = find_nginx(a.nginx) if a.nginx else ""
+    web = start_nginx(nginx, a.dir) if nginx else None
+    url = [f"http://127.0.0.1:{web[1]}/{os.path.basename(path)}"] if web else []
+    try:
+        for v in a.variants.split(";"):
+            env = dict(os.environ)
+            env.update(kv.split("=", 1) for kv in v.split())
+            r = subprocess.run([sys.executable, "-c", CHILD, path, a.device] + url, capture_output=True, text=True, env=env)
+            print(f"  {v or 'defaults':<66} {r.stdout.strip()}" + (f" FAILED: {r.stderr.strip()[-300:]}" if r.returncode else ""),
+                  flush=True)
+            fails += r.returncode != 0
+    finally:
+        if web:
+            stop_nginx(web[0], web[2])
     return 1 if fails else 0
 
 
