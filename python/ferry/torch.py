@@ -7,8 +7,9 @@
 Every tensor torch makes on the device then lives in one ferry address space (docs/design/unified-memory.md):
 the first `device_capacity` bytes of it in GPU memory, the rest in host memory that kernels read and write in
 place over PCIe (GPUs cannot fault, so nothing migrates on a kernel's access). PREFETCH through
-`prefetch(tensor)` moves a tensor's pages to the GPU (evicting others past the cap). Each allocation takes whole
-pages (2 MiB), so this suits models of large tensors, not many small ones.
+`prefetch(tensor)` moves a tensor's pages to the GPU (evicting others past the cap). As torch's own allocator
+does, freed tensors' memory is kept for the next tensors on the same stream (small tensors share 2 MiB pages,
+larger ones take whole pages); `empty_cache()` gives what is kept back to the space.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from . import _ferry, runtime
 
-__all__ = ["use_unified_memory", "info", "prefetch"]
+__all__ = ["use_unified_memory", "info", "prefetch", "empty_cache"]
 
 _installed = False
 
@@ -64,9 +65,16 @@ def use_unified_memory(device_capacity: int | str | None = None, device: int = 0
 
 
 def info() -> dict[str, Any]:
-    """The unified space behind torch's tensors: device, capacity, bytes resident on the GPU, page moves, and the
-    last allocation error ferry saw (torch reports only 'out of memory')."""
+    """The unified space behind torch's tensors: device, capacity, bytes resident on the GPU, page moves, bytes
+    of tensors allocated and kept for reuse, and the last allocation error ferry saw (torch reports only 'out of
+    memory')."""
     return dict(_ferry.unified_info())
+
+
+def empty_cache() -> int:
+    """Gives the memory kept from freed tensors back to the unified space (as ``torch.cuda.empty_cache`` does for
+    torch's allocator); returns the bytes given back. An allocation that does not fit does this by itself."""
+    return int(_ferry.unified_release())
 
 
 def prefetch(tensor: Any, to: str = "cuda") -> None:

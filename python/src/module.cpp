@@ -8,6 +8,7 @@
 #include <ferry/runtime.hpp>
 #include <ferry/store/files.hpp>
 #include <ferry/vm/address_space.hpp>
+#include <ferry/vm/block_pool.hpp>
 
 #include <dlpack/dlpack.h>
 #include <pybind11/pybind11.h>
@@ -416,6 +417,9 @@ struct unified_heap {
   runtime rt;  // its own, never destroyed: torch's last frees come after Python's teardown of ferry.runtime()
   device& dev;
   vm::address_space space;
+  // torch's pluggable allocator asks for every tensor and gives every one back (torch's own caching
+  // is bypassed): blocks are kept per stream for reuse, small ones share pages.
+  vm::block_pool pool{space};
   std::mutex mu;
   std::vector<std::pair<std::uintptr_t, std::unique_ptr<stream>>> attached;  // streams torch allocated on
   std::string last_error;
@@ -454,7 +458,7 @@ extern "C" __attribute__((visibility("default"))) void* ferry_torch_malloc(ssize
   if (!h || size <= 0) return nullptr;
   try {
     h->attach(reinterpret_cast<std::uintptr_t>(stream));
-    return h->space.alloc(static_cast<std::uint64_t>(size));
+    return h->pool.alloc(static_cast<std::uint64_t>(size), reinterpret_cast<std::uintptr_t>(stream));
   } catch (const std::exception& e) {
     std::lock_guard l(h->mu);
     h->last_error = e.what();
@@ -465,7 +469,7 @@ extern "C" __attribute__((visibility("default"))) void ferry_torch_free(void* p,
   unified_heap* h = g_unified.load();
   if (!h || !p) return;
   try {
-    h->space.free(p);
+    h->pool.free(p);
   } catch (const std::exception& e) {
     std::lock_guard l(h->mu);
     h->last_error = e.what();
@@ -591,6 +595,12 @@ PYBIND11_MODULE(_ferry, m) {
     py::gil_scoped_release nogil;
     h->space.advise(as_ptr(ptr), bytes, vm::advice::prefetch, to_device ? memory_kind::device : memory_kind::host);
   }, py::arg("ptr"), py::arg("nbytes"), py::arg("to_device"));
+  m.def("unified_release", []() -> std::uint64_t {
+    unified_heap* h = g_unified.load();
+    if (!h) return 0;
+    py::gil_scoped_release nogil;
+    return h->pool.release();
+  });
   m.def("unified_info", []() {
         unified_heap* h = g_unified.load();
         py::dict out;
@@ -602,6 +612,9 @@ PYBIND11_MODULE(_ferry, m) {
         out["migrations_h2d"] = st.migrations_h2d;
         out["migrations_d2h"] = st.migrations_d2h;
         out["evictions"] = st.evictions;
+        auto ps = h->pool.stats();
+        out["allocated_bytes"] = ps.in_use;
+        out["kept_bytes"] = ps.kept;
         std::lock_guard l(h->mu);
         out["last_error"] = h->last_error;
         return out;

@@ -283,7 +283,7 @@ const setting_def table[] = {
   {"FERRY_HTTP_CONNECTIONS", "Range requests of http://, https:// and s3:// reads under way at once, each on a connection of its own (kept for the next), shared by FERRY_HTTP_THREADS.",
    [](settings& s, std::string_view v) { s.http_connections = static_cast<int>(parse_int(v, 1, 256)); },
    [](const settings& s) { return std::to_string(s.http_connections); }},
-  {"FERRY_HTTP_THREADS", "Threads that run http://, https:// and s3:// requests (each a libcurl multi handle; a read's pieces are spread over them), made on the first open; 0 = a quarter of the hardware threads, 1..16. Each receives and copies its connections' bytes, so one is bound by one core.",
+  {"FERRY_HTTP_THREADS", "Threads that run http://, https:// and s3:// requests (each a libcurl multi handle; a read's pieces are spread over them), made on the first open; 0 = half the hardware threads, 1..16. Each receives and copies its connections' bytes, so one is bound by one core.",
    [](settings& s, std::string_view v) { s.http_threads = static_cast<int>(parse_int(v, 0, 64)); },
    [](const settings& s) { return std::to_string(s.http_threads); }},
   {"FERRY_HTTP_RETRIES", "Times a range request of an http:// or https:// read is tried again after a connection reset, a closed connection or a 5xx/429 answer, from the byte it reached, after a pause that doubles (0.1 s to 2 s); 0 = never. A request that moves no byte for FERRY_DEADLINE fails.",

@@ -20,9 +20,10 @@ int default_xfer_threads() noexcept {
 }
 
 int default_http_threads() noexcept {
-  // Each libcurl thread receives and copies its connections' bytes: a quarter of the cores, 1..16.
+  // Each libcurl thread receives and copies its connections' bytes, so one is bound by one core: half
+  // the cores, 1..16 (docs/design/remote-sources.md).
   unsigned n = std::thread::hardware_concurrency();
-  return static_cast<int>(std::clamp(n / 4, 1u, 16u));
+  return static_cast<int>(std::clamp(n / 2, 1u, 16u));
 }
 
 int default_io_threads() noexcept {

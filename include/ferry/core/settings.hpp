@@ -44,7 +44,7 @@ FERRY_API std::string_view to_string(page_replacement v) noexcept;
 
 FERRY_API int default_xfer_threads() noexcept;  // half the hardware threads, 2..16
 FERRY_API int default_io_threads() noexcept;    // three quarters of the hardware threads, 2..16
-FERRY_API int default_http_threads() noexcept;  // a quarter of the hardware threads, 1..16
+FERRY_API int default_http_threads() noexcept;  // half the hardware threads, 1..16
 
 struct FERRY_API settings {
   // core

@@ -1,0 +1,76 @@
+#pragma once
+// Blocks of a unified address space for a caller that makes many small, short-lived allocations, one
+// stream each (torch's tensors through its pluggable allocator, which bypasses torch's own caching):
+// the space's alloc maps and zeroes whole pages (2 MiB) and free discards them, which a tensor per
+// operation cannot afford, and a page per small tensor would fill the device with padding.
+//
+//  - Small requests (at most a quarter of a page) take a block of their power-of-two class (512 B
+//    up) carved from a page of that class and stream; larger ones take whole pages, rounded up.
+//  - A freed block is kept for the next allocation of its class (or page count) on the stream it was
+//    allocated on: the stream's order makes that reuse safe without events, another stream's would
+//    not be. Reused memory is not zeroed (as cudaMalloc's is not); fresh pages are.
+//  - Kept blocks go back to the space by release(): whole-page blocks, and pages of small blocks all
+//    of whose blocks are free. An allocation the space cannot make releases them and tries once more.
+#include <ferry/core/export.hpp>
+#include <ferry/vm/address_space.hpp>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace ferry::vm {
+
+struct block_pool_stats {
+  std::uint64_t in_use = 0;       // bytes of blocks handed out (as rounded)
+  std::uint64_t kept = 0;         // bytes of freed blocks kept for reuse
+  std::uint64_t pages = 0;        // pages taken from the space
+  std::uint64_t reused = 0;       // allocations served by a kept block
+  std::uint64_t from_space = 0;   // allocations that took pages from the space
+};
+
+class FERRY_API block_pool {
+ public:
+  explicit block_pool(address_space& space) : space_(space) {}
+  ~block_pool();  // gives every page back to the space (blocks still handed out included)
+  block_pool(const block_pool&) = delete;
+  block_pool& operator=(const block_pool&) = delete;
+
+  // A block of at least `bytes` (> 0) for work on `stream` (any value naming it; 0 is a stream too).
+  // Throws what the space's alloc throws when it cannot make the pages even after release().
+  void* alloc(std::uint64_t bytes, std::uintptr_t stream);
+  // A block alloc returned; kept for the next allocation like it on its stream. Throws
+  // invalid_argument for a pointer this pool did not hand out (or handed back already).
+  void free(void* p);
+  // Kept blocks back to the space (see above); returns the bytes given back.
+  std::uint64_t release();
+  block_pool_stats stats() const;
+
+  // The largest request served from shared pages: a quarter of a page.
+  std::uint64_t small_max() const noexcept { return space_.page_bytes() / 4; }
+
+ private:
+  struct slab {  // a page of small blocks of one class, for one stream
+    std::uint64_t klass = 0;
+    std::uintptr_t stream = 0;
+    std::uint64_t used = 0;  // blocks handed out
+  };
+  struct live_block {
+    std::uintptr_t stream = 0;
+    std::uint64_t size = 0;       // small: the class; large: whole pages' bytes
+    std::uintptr_t slab = 0;      // small: its page; 0: a large block
+  };
+  using key = std::pair<std::uintptr_t, std::uint64_t>;  // stream, class or bytes
+
+  void* space_alloc(std::uint64_t bytes);  // releases kept blocks and retries once when the space is full
+  std::uint64_t release_locked();
+
+  address_space& space_;
+  mutable std::mutex mu_;
+  std::map<key, std::vector<void*>> kept_;       // freed blocks by stream and class / size
+  std::map<std::uintptr_t, live_block> live_;    // handed out, by address
+  std::map<std::uintptr_t, slab> slabs_;         // pages of small blocks, by address
+  block_pool_stats st_;
+};
+
+}  // namespace ferry::vm
