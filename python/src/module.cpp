@@ -419,7 +419,7 @@ struct unified_heap {
   vm::address_space space;
   // torch's pluggable allocator asks for every tensor and gives every one back (torch's own caching
   // is bypassed): blocks are kept per stream for reuse, small ones share pages.
-  vm::block_pool pool{space};
+  vm::block_pool pool;
   std::mutex mu;
   std::vector<std::pair<std::uintptr_t, std::unique_ptr<stream>>> attached;  // streams torch allocated on
   std::string last_error;
@@ -434,7 +434,20 @@ struct unified_heap {
     return o;
   }
   unified_heap(const settings& s, const std::string& d, std::uint64_t capacity)
-      : rt(s), dev(rt.devices().get(d)), space(dev, size_for(dev), options(rt, capacity)) {}
+      : rt(s), dev(rt.devices().get(d)), space(dev, size_for(dev), options(rt, capacity)), pool(space, s.vm_keep, [this](std::uintptr_t on) {
+          return fences(on);
+        }) {}
+  // Markers on every stream torch allocated on but `on`: a tensor freed on its stream may still be in
+  // use on them (torch's record_stream does not reach a pluggable allocator). A stream capturing a
+  // graph is left alone (what it enqueues does not run).
+  std::vector<std::unique_ptr<event>> fences(std::uintptr_t on) {
+    std::vector<std::unique_ptr<event>> out;
+    std::lock_guard l(mu);
+    if (attached.size() < 2) return out;
+    for (auto& [h, v] : attached)
+      if (h != on && !v->capturing()) out.push_back(v->record());
+    return out;
+  }
   // A stream torch allocates on may run kernels on the memory: page moves wait for its work.
   void attach(std::uintptr_t handle) {
     std::lock_guard l(mu);

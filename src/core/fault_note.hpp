@@ -2,7 +2,10 @@
 // What a thread is doing inside a library call that may fault on memory ferry manages (the CUDA
 // driver copying into unified memory): set around the call, printed by the unified-memory fault
 // handler when the fault ends the process, so that the message names the copy and not only the page.
-// Plain thread-local words: reading them in a signal handler on the faulting thread is safe.
+// Plain thread-local words. libferry is often dlopen'ed (Python), so they are dynamic TLS: on a thread
+// that has set them once (every thread a driver copy faults on) reading them in the signal handler
+// touches no allocator; on another thread the first read may allocate, which the handler only does on
+// its way to abort (bounded by its alarm).
 #include <cstdint>
 
 namespace ferry::fault_note {

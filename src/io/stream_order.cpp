@@ -27,7 +27,10 @@ struct stream_op {
   std::size_t n = 0;
   std::vector<pinned_pool::buffer> slots;
   std::shared_ptr<registration> hold;  // pageable memory pinned for the stream's copies, or unified memory kept in place
-  peer_memory_client* places = nullptr;  // unified memory: a copy covers pages mapped in one place only (one_place)
+  // Unified memory: where in the request its pages' place changes (one_place, asked before the gate's
+  // lock: the answer takes page locks, which a migration holds while it waits for the stream). A copy
+  // covers pages mapped in one place only.
+  std::vector<std::uint64_t> cuts;
   std::mutex mu;
   std::optional<error> err;     // the first failure: later chunks are not read or written
   std::vector<bool> released;   // chunk k's number was released
@@ -194,7 +197,11 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
       // unified memory stays where it is.
       if ((m.type == memory_type::host_pageable && dev.info().backend == device_kind::cuda) || m.type == memory_type::unified)
         op->hold = std::make_shared<registration>(I.cache.acquire(r.mem, r.bytes));
-      if (m.type == memory_type::unified) op->places = m.client;
+      if (m.type == memory_type::unified && m.client)  // pinned by the hold: the places stay as found
+        for (std::uint64_t at = 0; at < r.bytes;) {
+          at += std::max<std::uint64_t>(1, m.client->one_place(reinterpret_cast<std::uintptr_t>(r.mem) + at, r.bytes - at));
+          if (at < r.bytes) op->cuts.push_back(at);
+        }
       // One buffer at least (waiting for it is the back-pressure of a busy pool), the rest of the
       // pipeline's depth as far as the pool has them now.
       std::size_t nslots = std::min<std::size_t>(op->n, static_cast<std::size_t>(I.cfg.stream_slots));
@@ -224,19 +231,32 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
         std::uint32_t q = o.take();
         if (k == 0) op->seq0 = q;
         if (refused) continue;  // numbers still taken for every chunk: released below
+        bool copying = false;  // a copy of this chunk is on the stream
         try {
           auto* user = static_cast<std::byte*>(op->r.mem) + k * op->chunk;
           s.wait_value(o.finished(), q);
-          for (std::uint64_t at = 0, n = 0; at < op->len(k); at += n) {
-            n = op->len(k) - at;
-            if (op->places) n = std::max<std::uint64_t>(1, std::min(n, op->places->one_place(reinterpret_cast<std::uintptr_t>(user + at), n)));
-            if (op->r.write) s.copy(op->slot(k) + at, user + at, n);
-            else s.copy(user + at, op->slot(k) + at, n);
+          const std::uint64_t lo = k * op->chunk, hi = lo + op->len(k);
+          auto cut = std::upper_bound(op->cuts.begin(), op->cuts.end(), lo);
+          for (std::uint64_t at = lo; at < hi;) {
+            const std::uint64_t to = cut != op->cuts.end() && *cut < hi ? *cut++ : hi;
+            if (op->r.write) s.copy(op->slot(k) + (at - lo), user + (at - lo), to - at);
+            else s.copy(user + (at - lo), op->slot(k) + (at - lo), to - at);
+            copying = true;
+            at = to;
           }
           s.write_value(o.started(), q);
           ++enqueued;
         } catch (const error& e) {
           refused = e.with_context(op->where(k));
+          // Copies of the chunk already on the stream use its buffer: the chunk counts as enqueued, so
+          // that the buffers wait for the stream to pass it.
+          if (copying) {
+            try {
+              s.write_value(o.started(), q);
+            } catch (const error&) {
+            }
+            ++enqueued;
+          }
         }
       }
     }

@@ -15,15 +15,28 @@ namespace {
 constexpr std::uint64_t least_class = 512;
 }
 
+block_pool::block_pool(address_space& space, std::uint64_t keep, fence_fn fences)
+    : space_(space), page_(space.page_bytes()), keep_(keep ? keep : space.device_capacity() / 4), fences_(std::move(fences)) {}
+
 block_pool::~block_pool() {
-  std::lock_guard l(mu_);
   std::vector<std::uintptr_t> pages;
-  for (auto& [p, b] : live_)
-    if (!b.slab) pages.push_back(p);
-  for (auto& [k, v] : kept_)
-    if (k.second > small_max())
-      for (void* p : v) pages.push_back(reinterpret_cast<std::uintptr_t>(p));
-  for (auto& [p, s] : slabs_) pages.push_back(p);
+  {
+    std::lock_guard l(mu_);
+    for (auto& [p, b] : live_)
+      if (!b.slab) pages.push_back(p);
+    for (auto& [p, k] : kept_order_) pages.push_back(reinterpret_cast<std::uintptr_t>(p));
+    for (auto& f : fenced_)
+      if (!f.b.slab) pages.push_back(reinterpret_cast<std::uintptr_t>(f.p));
+    for (auto& [p, s] : slabs_) pages.push_back(p);
+  }
+  give_back(pages);  // the space's free waits for its attached streams before the pages go
+}
+
+std::uint64_t block_pool::small_max() const noexcept { return std::bit_floor(std::max<std::uint64_t>(page_ / 4, least_class)); }
+
+void block_pool::give_back(const std::vector<std::uintptr_t>& pages) {
+  // The pool has forgotten them already: a page the space cannot take back (a transfer still pins it
+  // past the deadline) stays the space's problem, never handed out again from here.
   for (std::uintptr_t p : pages) {
     try {
       space_.free(reinterpret_cast<void*>(p));
@@ -44,15 +57,30 @@ void* block_pool::space_alloc(std::uint64_t bytes) {
 
 void* block_pool::alloc(std::uint64_t bytes, std::uintptr_t stream) {
   if (bytes == 0) fail(errc::invalid_argument, "vm.block_alloc", "0 bytes", "an allocation takes at least one byte");
-  const std::uint64_t page = space_.page_bytes();
   const bool small = bytes <= small_max();
-  const std::uint64_t size = small ? std::max(least_class, std::bit_ceil(bytes)) : (bytes + page - 1) / page * page;
+  if (!small && bytes > ~std::uint64_t{0} - page_)
+    fail(errc::out_of_memory, "vm.block_alloc", fmt::format("{} bytes", bytes), "larger than any address space");
+  const std::uint64_t size = small ? std::max(least_class, std::bit_ceil(bytes)) : (bytes + page_ - 1) / page_ * page_;
+  std::vector<std::uintptr_t> spare;  // kept blocks past the bound, from fenced ones kept now
+  void* p = nullptr;
+  try {
+    p = alloc_locked(size, small, stream, spare);
+  } catch (...) {
+    give_back(spare);
+    throw;
+  }
+  give_back(spare);
+  return p;
+}
+
+void* block_pool::alloc_locked(std::uint64_t size, bool small, std::uintptr_t stream, std::vector<std::uintptr_t>& spare) {
   std::lock_guard l(mu_);
+  reap_locked(spare);
   auto found = kept_.find({stream, size});
   if (found == kept_.end() || found->second.empty()) {
-    void* fresh = space_alloc(small ? page : size);  // may release kept blocks (and erase their lists)
+    void* fresh = space_alloc(small ? page_ : size);  // may release kept blocks (and erase their lists)
     ++st_.from_space;
-    st_.pages += (small ? page : size) / page;
+    st_.pages += (small ? page_ : size) / page_;
     if (!small) {
       live_[reinterpret_cast<std::uintptr_t>(fresh)] = {stream, size, 0};
       st_.in_use += size;
@@ -62,8 +90,8 @@ void* block_pool::alloc(std::uint64_t bytes, std::uintptr_t stream) {
     auto base = reinterpret_cast<std::uintptr_t>(fresh);
     slabs_[base] = {size, stream, 0};
     found = kept_.try_emplace({stream, size}).first;
-    for (std::uint64_t off = page; off >= size; off -= size) found->second.push_back(reinterpret_cast<void*>(base + off - size));
-    st_.kept += page;
+    for (std::uint64_t off = page_ / size * size; off >= size; off -= size) found->second.push_back(reinterpret_cast<void*>(base + off - size));
+    st_.kept += page_ / size * size;
   } else {
     ++st_.reused;
   }
@@ -78,63 +106,124 @@ void* block_pool::alloc(std::uint64_t bytes, std::uintptr_t stream) {
     auto it = std::prev(slabs_.upper_bound(a));
     it->second.used++;
     page_of = it->first;
+  } else {
+    kept_large_ -= size;
+    auto o = std::find_if(kept_order_.begin(), kept_order_.end(), [&](const auto& x) { return x.first == p; });
+    if (o != kept_order_.end()) kept_order_.erase(o);
   }
   live_[a] = {stream, size, page_of};
   return p;
 }
 
 void block_pool::free(void* p) {
-  std::lock_guard l(mu_);
-  auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
-  if (it == live_.end()) fail(errc::invalid_argument, "vm.block_free", fmt::format("{}", p), "not a block of this pool in use");
-  const live_block b = it->second;
-  live_.erase(it);
-  if (b.slab) slabs_[b.slab].used--;
-  kept_[{b.stream, b.size}].push_back(p);
-  st_.in_use -= b.size;
-  st_.kept += b.size;
+  std::vector<std::uintptr_t> pages;
+  {
+    std::lock_guard l(mu_);
+    auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == live_.end()) fail(errc::invalid_argument, "vm.block_free", fmt::format("{}", p), "not a block of this pool in use");
+    const live_block b = it->second;
+    live_.erase(it);
+    st_.in_use -= b.size;
+    std::vector<std::unique_ptr<event>> markers;
+    bool fenced = true;
+    try {
+      if (fences_) markers = fences_(b.stream);
+    } catch (const std::exception& e) {
+      // Unknown whether other streams still use it: not kept. Whole pages go back to the space,
+      // whose free waits for its streams; a small block stays out of use with its page.
+      log::warn("vm", "block pool: {} not kept (the other streams could not be fenced: {})", p, e.what());
+      fenced = false;
+      if (!b.slab) {
+        st_.pages -= b.size / page_;
+        pages.push_back(reinterpret_cast<std::uintptr_t>(p));
+      }
+    }
+    if (fenced && markers.empty()) {
+      keep_locked(p, b.stream, b.size, b.slab, pages);
+    } else if (fenced) {
+      fenced_.push_back({p, b, std::move(markers)});
+      st_.fenced += b.size;
+    }
+    reap_locked(pages);
+  }
+  give_back(pages);
+}
+
+void block_pool::keep_locked(void* p, std::uintptr_t stream, std::uint64_t size, std::uintptr_t in_page, std::vector<std::uintptr_t>& out) {
+  kept_[{stream, size}].push_back(p);
+  st_.kept += size;
+  if (in_page) {
+    slabs_[in_page].used--;
+    return;
+  }
+  kept_order_.emplace_back(p, key{stream, size});
+  kept_large_ += size;
+  // Past the bound: the blocks freed longest ago go (this one last).
+  while (kept_large_ > keep_ && !kept_order_.empty()) {
+    auto [q, k] = kept_order_.front();
+    kept_order_.pop_front();
+    auto& v = kept_[k];
+    std::erase(v, q);
+    if (v.empty()) kept_.erase(k);
+    kept_large_ -= k.second;
+    st_.kept -= k.second;
+    st_.pages -= k.second / page_;
+    out.push_back(reinterpret_cast<std::uintptr_t>(q));
+  }
+}
+
+void block_pool::reap_locked(std::vector<std::uintptr_t>& out) {
+  // In the order freed: a block whose markers have not all passed stops the look (the later ones
+  // were fenced later, their markers are behind).
+  while (!fenced_.empty()) {
+    auto& f = fenced_.front();
+    if (!std::all_of(f.markers.begin(), f.markers.end(), [](const auto& m) { return m->done(); })) return;
+    st_.fenced -= f.b.size;
+    keep_locked(f.p, f.b.stream, f.b.size, f.b.slab, out);
+    fenced_.pop_front();
+  }
 }
 
 std::uint64_t block_pool::release() {
-  std::lock_guard l(mu_);
+  std::unique_lock l(mu_);
   return release_locked();
 }
 
 std::uint64_t block_pool::release_locked() {
-  const std::uint64_t page = space_.page_bytes();
+  // The pool forgets what it gives back before the space takes it (see give_back).
+  std::vector<std::uintptr_t> pages;
   std::uint64_t given = 0;
-  auto give = [&](std::uintptr_t p, std::uint64_t n) {
-    space_.free(reinterpret_cast<void*>(p));
-    given += n;
-    st_.pages -= n / page;
-  };
-  for (auto k = kept_.begin(); k != kept_.end();) {
-    auto& [stream, size] = k->first;
-    auto& v = k->second;
-    if (size > small_max()) {
-      for (void* p : v) give(reinterpret_cast<std::uintptr_t>(p), size);
-      st_.kept -= size * v.size();
-      v.clear();
-    } else {
-      // Pages of this class whose every block is kept: their blocks leave the list, the page the pool.
-      std::erase_if(v, [&](void* p) {
-        auto s = std::prev(slabs_.upper_bound(reinterpret_cast<std::uintptr_t>(p)));
-        if (s->second.used) return false;
-        st_.kept -= size;
-        return true;
-      });
-      (void)stream;
-    }
-    k = v.empty() ? kept_.erase(k) : std::next(k);
+  for (auto& [p, k] : kept_order_) {
+    pages.push_back(reinterpret_cast<std::uintptr_t>(p));
+    given += k.second;
+    kept_.erase(k);
   }
+  kept_order_.clear();
+  st_.kept -= kept_large_;
+  kept_large_ = 0;
   for (auto s = slabs_.begin(); s != slabs_.end();) {
     if (s->second.used) {
       ++s;
       continue;
     }
-    give(s->first, page);
+    // Every block of this page is kept: they leave their list, the page the pool.
+    const std::uintptr_t base = s->first;
+    const std::uint64_t klass = s->second.klass;
+    auto k = kept_.find({s->second.stream, klass});
+    if (k != kept_.end()) {
+      std::erase_if(k->second, [&](void* b) {
+        auto a = reinterpret_cast<std::uintptr_t>(b);
+        return a >= base && a < base + page_;
+      });
+      if (k->second.empty()) kept_.erase(k);
+    }
+    st_.kept -= page_ / klass * klass;
+    pages.push_back(base);
+    given += page_;
     s = slabs_.erase(s);
   }
+  st_.pages -= given / page_;
+  give_back(pages);  // under the lock: an allocation that made room waits for it anyway
   return given;
 }
 

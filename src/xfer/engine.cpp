@@ -107,6 +107,7 @@ struct transfer_engine::impl {
   counter& c_bytes = st.get("bytes");
   counter& c_on_caller = st.get("copies_on_caller");
   counter& c_made = st.get("workers.made");
+  counter& c_cut = st.get("copies.cut_at_place");  // unified memory: pieces a place boundary cut short
   impl(device_registry& d, registration_cache& c, const settings& s) : devices(d), cache(c), cfg(s) {
     for (int p = 0; p <= static_cast<int>(transfer_path::host); ++p)
       path_count[p] = &st.get(fmt::format("path.{}", to_string(static_cast<transfer_path>(p))));
@@ -739,15 +740,14 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       // pinned). The driver decides how to copy a range from what it finds there: a range from a
       // device-mapped page on into host-mapped ones was copied by the CPU, which cannot reach the
       // device page, and the process ended in the fault.
-      auto one_place = [&](std::uint64_t off) {
-        std::uint64_t n = r.bytes - off;
+      auto one_place = [&](std::uint64_t off, std::uint64_t n) {  // of [off, off + n): asked no further than the piece
         if (src.type == memory_type::unified && src.client) n = std::min(n, src.client->one_place(s + off, n));
         if (dst.type == memory_type::unified && dst.client) n = std::min(n, dst.client->one_place(d + off, n));
         return std::max<std::uint64_t>(n, 1);
       };
       const bool unified = !w.unified.empty();
       bool groupable = w.path == transfer_path::direct || w.path == transfer_path::peer || w.path == transfer_path::host;
-      if (groupable && r.bytes <= I.cfg.xfer_batch_small && (!unified || one_place(0) == r.bytes)) {
+      if (groupable && r.bytes <= I.cfg.xfer_batch_small && (!unified || one_place(0, r.bytes) == r.bytes)) {
         auto g = std::find_if(open_groups.begin(), open_groups.end(), [&](const group& x) {
           return x.dev == w.dev && x.path == w.path && x.to_device == w.to_device;
         });
@@ -774,7 +774,11 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       if (w.path == transfer_path::host) piece = std::min(piece, chunk);
       for (std::uint64_t off = 0, len = 0; off < r.bytes; off += len) {
         len = std::min(piece, r.bytes - off);
-        if (unified) len = std::min(len, one_place(off));
+        if (unified) {
+          const std::uint64_t whole = len;
+          len = one_place(off, len);
+          if (len < whole) I.c_cut.add();
+        }
         work_item c;
         c.b = w.b;
         c.path = w.path;

@@ -36,6 +36,7 @@ struct served {
   std::unique_ptr<store::server> srv;
   served() {
     base = std::filesystem::path(::testing::TempDir()) / ("ferry-serve-" + std::to_string(::getpid()));
+    std::filesystem::remove_all(base);  // left by an earlier process of the same id that did not end cleanly
     root = base / "export";
     std::filesystem::create_directories(root / "data");
     data.resize((9 << 20) + 12345);

@@ -883,6 +883,15 @@ TEST(VmSpace, ACopyIsCutWherePagesAreMappedElsewhere) {
   EXPECT_EQ(one_place(p + 10, 100), 100u) << "within one page";
 
   std::vector<std::byte> src(n), back(n);
+  counter& cut = rt.engine().counters().get("copies.cut_at_place");
+  put(memory_kind::device, memory_kind::host, memory_kind::host);
+  std::uint64_t before = cut.value();
+  rt.engine().copy(at, src.data(), n);
+  EXPECT_EQ(cut.value() - before, 1u) << "the copy is cut once: after the device page's 1016 bytes";
+  put(memory_kind::host, memory_kind::host, memory_kind::host);
+  before = cut.value();
+  rt.engine().copy(at, src.data(), n);
+  EXPECT_EQ(cut.value(), before) << "pages in one place: one copy";
   for (const auto& [a, b, c] : {std::tuple{memory_kind::device, memory_kind::host, memory_kind::host},
                                  std::tuple{memory_kind::host, memory_kind::device, memory_kind::host},
                                  std::tuple{memory_kind::device, memory_kind::host, memory_kind::device}}) {

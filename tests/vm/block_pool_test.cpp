@@ -23,7 +23,7 @@ struct fixture {
   runtime rt{test::sim_settings(64ull << 20, 2ull << 20)};
   device& dev = rt.devices().get("sim:0");
   vm::address_space as{dev, 16 * dev.granularity()};
-  vm::block_pool pool{as};
+  vm::block_pool pool{as, 16 * dev.granularity()};  // keeps all it is given back (the bound has a test of its own)
   std::uint64_t pg = as.page_bytes();
 };
 }  // namespace
@@ -86,4 +86,105 @@ TEST(VmBlockPool, PointersItDidNotHandOutAreRefused) {
   EXPECT_THAT(test::error_text([&] { f.pool.free(a); }), HasSubstr("not a block of this pool in use")) << "freed twice";
   EXPECT_THAT(test::error_text([&] { f.pool.alloc(0, 0); }), HasSubstr("at least one byte"));
   EXPECT_THROW(f.pool.alloc(32 * f.pg, 0), error) << "more than the space holds";
+}
+
+// A page that is not a power of two (FERRY_VM_PAGE=6MiB over 2 MiB granularity): small classes stop at
+// 1 MiB (a quarter of the page, rounded down to a power of two), a request above that takes whole pages,
+// and release() gives back exactly the pages of small blocks whose every block is free.
+TEST(VmBlockPool, APageThatIsNotAPowerOfTwoKeepsSmallAndWholePageBlocksApart) {
+  runtime rt{test::sim_settings(64ull << 20, 2ull << 20)};
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o;
+  o.page_bytes = 3 * dev.granularity();
+  vm::address_space as{dev, 8 * o.page_bytes, o};
+  vm::block_pool pool{as};
+  const std::uint64_t pg = as.page_bytes();
+  ASSERT_EQ(pg, 6ull << 20);
+  EXPECT_EQ(pool.small_max(), 1ull << 20);
+  void* big = pool.alloc((1ull << 20) + (200 << 10), 0);  // above the small classes: one whole page
+  EXPECT_EQ(pool.stats().pages, 1u);
+  std::vector<void*> mib;
+  for (int i = 0; i < 7; ++i) mib.push_back(pool.alloc(1ull << 20, 0));  // six per page: two pages
+  EXPECT_EQ(pool.stats().pages, 3u);
+  for (int i = 0; i < 6; ++i) pool.free(mib[static_cast<std::size_t>(i)]);  // the first page's six: all free
+  pool.free(big);
+  EXPECT_EQ(pool.release(), 2 * pg) << "the whole-page block and the small page whose blocks are all free";
+  EXPECT_EQ(pool.stats().pages, 1u) << "the page with a block in use stays";
+  std::memset(mib[6], 7, 1ull << 20);  // still usable
+  pool.free(mib[6]);
+  EXPECT_EQ(pool.release(), pg);
+  void* all = as.alloc(8 * pg);  // every page is the space's again
+  as.free(all);
+}
+
+// Kept whole-page blocks stay within `keep`: past it the blocks freed longest ago go back to the space.
+TEST(VmBlockPool, KeptWholePageBlocksStayWithinTheBound) {
+  fixture f;
+  vm::block_pool pool{f.as, 2 * f.pg};
+  std::vector<void*> b;
+  for (int i = 0; i < 4; ++i) b.push_back(pool.alloc(f.pg, 0));
+  for (void* p : b) pool.free(p);
+  EXPECT_EQ(pool.stats().kept, 2 * f.pg);
+  EXPECT_EQ(pool.stats().pages, 2u) << "the two freed first went back";
+  EXPECT_EQ(pool.alloc(f.pg, 0), b[3]) << "the last freed is reused first";
+  EXPECT_EQ(pool.alloc(f.pg, 0), b[2]);
+}
+
+// A pool that goes gives every page back to its space: blocks in use, kept blocks and small pages.
+TEST(VmBlockPool, APoolThatGoesGivesEveryPageBack) {
+  fixture f;
+  {
+    vm::block_pool pool{f.as};
+    pool.alloc(3 * f.pg, 0);
+    pool.free(pool.alloc(2 * f.pg, 1));
+    pool.alloc(100, 0);
+    pool.free(pool.alloc(70000, 2));
+    EXPECT_EQ(pool.stats().pages, 3u + 2u + 1u + 1u);
+  }
+  void* all = f.as.alloc(16 * f.pg);
+  f.as.free(all);
+}
+
+namespace {
+// A marker the test passes by hand.
+class hand_marker final : public event {
+ public:
+  explicit hand_marker(const bool& passed) : passed_(passed) {}
+
+ private:
+  bool do_query() override { return passed_; }
+  std::string do_describe() const override { return "a test's marker"; }
+  const bool& passed_;
+};
+}  // namespace
+
+// A block freed while other streams may still use it is kept only once the markers recorded on them at
+// the free have passed; until then an allocation like it gets another block.
+TEST(VmBlockPool, ABlockOtherStreamsMayUseIsKeptOnceTheirMarkersPass) {
+  runtime rt{test::sim_settings(64ull << 20, 2ull << 20)};
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as{dev, 16 * dev.granularity()};
+  bool passed = false;
+  int asked = 0;
+  vm::block_pool pool{as, 0, [&](std::uintptr_t) {
+                        ++asked;
+                        std::vector<std::unique_ptr<event>> m;
+                        m.push_back(std::make_unique<hand_marker>(passed));
+                        return m;
+                      }};
+  void* small = pool.alloc(4000, 1);
+  void* big = pool.alloc(3 << 20, 1);
+  pool.free(small);
+  pool.free(big);
+  EXPECT_EQ(asked, 2);
+  EXPECT_EQ(pool.stats().fenced, 4096u + (4u << 20));
+  void* small2 = pool.alloc(4000, 1);
+  void* big2 = pool.alloc(3 << 20, 1);
+  EXPECT_NE(small2, small) << "fenced: not handed out again";
+  EXPECT_NE(big2, big);
+  EXPECT_EQ(pool.release(), 0u) << "fenced blocks are not kept yet, so not released either";
+  passed = true;
+  EXPECT_EQ(pool.alloc(4000, 1), small) << "its marker passed: kept, then reused";
+  EXPECT_EQ(pool.alloc(3 << 20, 1), big);
+  EXPECT_EQ(pool.stats().fenced, 0u);
 }

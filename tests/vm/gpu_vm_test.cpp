@@ -515,11 +515,13 @@ TEST(GpuVm, UnalignedReadsAndCopiesIntoDeviceAndHostPages) {
       rt.engine().copy(at + 1016, src.data() + 1016, n - 1016);
       rt.engine().copy(back.data(), at, n);
       EXPECT_EQ(std::memcmp(back.data(), src.data(), n), 0) << "host -> unified, pages " << where;
-      put();
       auto pinned = rt.engine().staging_for(memory_region{}).get(std::chrono::steady_clock::now() + std::chrono::seconds(5));
-      ASSERT_GE(pinned.size(), n) << "a staging buffer holds the whole copy";
+      if (pinned.size() < n) continue;  // FERRY_STAGING_BYTES below 4 MiB: no pinned buffer of the whole copy
+      std::vector<std::byte> zeros(n);
+      rt.engine().copy(at, zeros.data(), n);  // what the pinned copy must overwrite
+      put();
       std::memcpy(pinned.data(), src.data(), n);
-      std::memset(back.data(), 0, n);
+      std::memset(back.data(), 0xff, n);
       rt.engine().copy(at, pinned.data(), n);  // one copy from pinned memory, as the file engine's staging does
       rt.engine().copy(back.data(), at, n);
       EXPECT_EQ(std::memcmp(back.data(), src.data(), n), 0) << "pinned -> unified, pages " << where;

@@ -109,6 +109,7 @@ struct FERRY_API settings {
   // vm
   std::uint64_t vm_capacity = 0;              // device bytes a unified address space may use (0: free minus reserve)
   std::uint64_t vm_reserve = 1ull << 30;      // left free on the device when vm_capacity is 0
+  std::uint64_t vm_keep = 0;                 // a block pool's kept whole-page blocks, at most (0: a quarter of the device capacity)
   std::uint64_t vm_page = 32ull << 20;        // unified-memory page (0: the device granularity)
   page_replacement vm_policy = page_replacement::lru;
   int vm_batch = 16;                          // pages per batched migration
