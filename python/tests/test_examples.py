@@ -79,3 +79,55 @@ def test_unified_memory_runs_a_workload_twice_its_cap(tmp_path):
     assert over["digest"] == ref["digest"] == under["digest"]
     print(f"\nlive tensors 512 MiB: torch's allocator {ref['seconds']} s, ferry at 2x the cap {over['seconds']} s, "
           f"at 0.5x the cap {under['seconds']} s")
+
+
+TORCH_BLOCKS = r"""
+import json, torch, ferry.torch
+ferry.torch.use_unified_memory(device_capacity="512MiB")
+out = {}
+a = torch.empty(1000, device="cuda")                  # a small block (4 KiB class)
+pa = a.data_ptr()
+del a
+b = torch.empty(1000, device="cuda")
+out["small_reused"] = b.data_ptr() == pa              # the same stream, the same class: the kept block
+many = [torch.empty(256, device="cuda") for _ in range(100)]
+ptrs = sorted(t.data_ptr() for t in many)
+out["small_share_pages"] = ptrs[-1] - ptrs[0] < (2 << 20)  # 100 x 1 KiB in one 2 MiB page
+del many
+big = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+pbig = big.data_ptr()
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    torch.cuda._sleep(200_000_000)                   # the side stream is busy for a while
+    big.fill_(7)                                     # then uses the block
+    other = torch.empty(16, device="cuda")           # torch allocates on the side stream too
+del big                                              # freed on its own stream while the side stream may use it
+again = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+out["fenced_while_busy"] = again.data_ptr() != pbig
+torch.cuda.synchronize()
+del again
+third = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+fourth = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+out["kept_once_passed"] = pbig in (third.data_ptr(), fourth.data_ptr())
+del third, fourth
+info = ferry.torch.info()
+out["kept_bytes"] = info["kept_bytes"]
+out["released"] = ferry.torch.empty_cache()
+out["kept_after"] = ferry.torch.info()["kept_bytes"]
+print(json.dumps(out))
+"""
+
+
+@needs_cuda
+def test_torch_tensors_on_unified_memory_reuse_blocks_per_stream(tmp_path):
+    import json
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    p = subprocess.run([sys.executable, "-c", TORCH_BLOCKS], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["small_reused"] and out["small_share_pages"], out
+    assert out["fenced_while_busy"], ("a block freed while another stream may use it was handed out again", out)
+    assert out["kept_once_passed"], out
+    assert out["kept_bytes"] > 0 and out["released"] > 0 and out["kept_after"] < out["kept_bytes"], out
