@@ -9,6 +9,7 @@
 #include <ferry/store/files.hpp>
 #include <ferry/vm/address_space.hpp>
 #include <ferry/vm/block_pool.hpp>
+#include <ferry/core/interrupt.hpp>
 
 #include <dlpack/dlpack.h>
 #include <pybind11/pybind11.h>
@@ -306,8 +307,25 @@ struct py_runtime {
                                          "mode must be 'r' (read), 'r+' (read and write) or 'w' (create or truncate), not '" + mode + "'"),
                                     open_mode::read);
     live();
-    py::gil_scoped_release nogil;
-    return std::make_shared<py_file>(py_file{file::open(path, m)});
+    // Opening a URL waits on the network (a HEAD, a stat): Ctrl-C ends that wait, as it ends a read's.
+    bool signalled = false;
+    std::shared_ptr<file> f;
+    std::optional<error> failed;
+    {
+      py::gil_scoped_release nogil;
+      interrupt_scope scope([&signalled] {
+        py::gil_scoped_acquire g;
+        return signalled = signalled || PyErr_CheckSignals() != 0;
+      });
+      try {
+        f = file::open(path, m);
+      } catch (const error& e) {
+        failed = e;
+      }
+    }
+    if (signalled && PyErr_Occurred()) throw py::error_already_set();  // the KeyboardInterrupt
+    if (failed) throw *failed;
+    return std::make_shared<py_file>(py_file{std::move(f)});
   }
   std::unique_ptr<py_batch> submit(const std::vector<py_request>& reqs, std::optional<std::uintptr_t> stream_handle,
                                    const std::string& device, std::optional<double> timeout) {

@@ -745,3 +745,27 @@ def test_s3_multipart_from_device_memory(s3, monkeypatch):
     back = np.zeros(len(data), dtype=np.uint8)
     assert ferry.open("s3://test/parts/from-device.bin").read_into(back) == len(data)
     assert np.array_equal(back, data)
+
+
+CTRL_C_OPEN = r"""
+import json, sys, ferry
+print("ready", flush=True); sys.stdin.readline()
+try:
+    ferry.open(URL)
+    print(json.dumps({"interrupted": False}))
+except KeyboardInterrupt:
+    print(json.dumps({"interrupted": True}))
+"""
+
+
+def test_ctrl_c_ends_an_open_of_a_server_that_never_answers():
+    """ferry.open of a URL whose server takes the connection and never answers the HEAD: Ctrl-C ends it now, not at
+    the deadline (30 s)."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshake; nobody ever reads or answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/f.bin"
+        got = procs.ctrl_c(CTRL_C_OPEN.replace("URL", repr(url)), after=1.0)
+    assert got["interrupted"] and got["after_signal"] < 5, got

@@ -12,6 +12,7 @@
 
 #include <ferry/mem/pinned_pool.hpp>
 #include <ferry/mem/registration.hpp>
+#include <ferry/core/interrupt.hpp>
 #include <ferry/store/client.hpp>
 #include <ferry/xfer/engine.hpp>
 
@@ -322,13 +323,17 @@ struct client::impl {
     if (p.ln->w->drive(finished, until, o.spin)) return;
     std::unique_lock l(mu);
     bool gave_up = false;
-    if (!cancelled) {
+    if (!cancelled && !interruptible()) {
       if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     } else {
       for (;;) {  // in slices: a cancel is a flag, not a notification
         if (cv.wait_until(l, std::min(until, clk::now() + std::chrono::milliseconds(100)), [&] { return p.done.load(); })) return;
         if (clk::now() >= until) break;
-        if ((gave_up = (*cancelled)())) break;
+        if ((gave_up = cancelled && (*cancelled)())) break;
+        l.unlock();  // the caller's check (a Python signal handler) runs without the client's lock
+        gave_up = interrupted();
+        l.lock();
+        if (gave_up) break;
       }
     }
     auto cn = p.ln->c;

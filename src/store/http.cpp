@@ -1,6 +1,7 @@
 // http:// and https:// files (include/ferry/store/http.hpp): a file_source per opened URL, and one
 // engine per registration -- a libcurl multi handle and the thread that drives it -- that runs every
 // range request, lands each piece and reports it.
+#include <ferry/core/interrupt.hpp>
 #include <ferry/store/http.hpp>
 
 #include <ferry/io/file.hpp>
@@ -222,7 +223,13 @@ head_result head(const target& t, const http_options& o) {
     }
     curl_easy_setopt(c.get(), CURLOPT_HEADERFUNCTION, on_head_line);
     curl_easy_setopt(c.get(), CURLOPT_HEADERDATA, &lines);
+    if (interruptible()) {  // the caller's Ctrl-C ends the wait (libcurl asks about once a second)
+      curl_easy_setopt(c.get(), CURLOPT_NOPROGRESS, 0L);
+      curl_easy_setopt(c.get(), CURLOPT_XFERINFOFUNCTION,
+                       +[](void*, curl_off_t, curl_off_t, curl_off_t, curl_off_t) -> int { return interrupted() ? 1 : 0; });
+    }
     CURLcode rc = curl_easy_perform(c.get());
+    if (rc == CURLE_ABORTED_BY_CALLBACK) fail(errc::cancelled, "http.open", t.name, "interrupted by the caller");
     if (rc != CURLE_OK && !(by_get && rc == CURLE_WRITE_ERROR)) throw curl_error(rc, err, "http.open", t.name + " offset 0");
     long status = 0;
     curl_easy_getinfo(c.get(), CURLINFO_RESPONSE_CODE, &status);
