@@ -58,11 +58,16 @@ void* as_ptr(std::uintptr_t p) { return reinterpret_cast<void*>(p); }
 
 struct py_runtime;
 
+unsigned long g_main_thread = 0;  // the interpreter's main thread (PyThread_get_thread_ident), set at import
+
 // A file open through a runtime (local path or ferry://).
 struct py_file {
   std::shared_ptr<file> f;
   std::string path() const { return f->path(); }
-  std::uint64_t size() const { return f->size(); }
+  std::uint64_t size() const {
+    py::gil_scoped_release nogil;  // a remote file's size is a request
+    return f->size();
+  }
   void sync() {
     py::gil_scoped_release nogil;
     f->sync();
@@ -308,23 +313,28 @@ struct py_runtime {
                                     open_mode::read);
     live();
     // Opening a URL waits on the network (a HEAD, a stat): Ctrl-C ends that wait, as it ends a read's.
+    // Only on the main thread, the one Python runs signal handlers on (elsewhere the check would only
+    // take the GIL).
     bool signalled = false;
     std::shared_ptr<file> f;
-    std::optional<error> failed;
+    std::exception_ptr failed;
+    const bool main_thread = PyThread_get_thread_ident() == g_main_thread;
     {
       py::gil_scoped_release nogil;
-      interrupt_scope scope([&signalled] {
-        py::gil_scoped_acquire g;
-        return signalled = signalled || PyErr_CheckSignals() != 0;
-      });
+      std::optional<interrupt_scope> scope;
+      if (main_thread)
+        scope.emplace([&signalled] {
+          py::gil_scoped_acquire g;
+          return signalled = signalled || PyErr_CheckSignals() != 0;
+        });
       try {
         f = file::open(path, m);
-      } catch (const error& e) {
-        failed = e;
+      } catch (...) {
+        failed = std::current_exception();
       }
     }
     if (signalled && PyErr_Occurred()) throw py::error_already_set();  // the KeyboardInterrupt
-    if (failed) throw *failed;
+    if (failed) std::rethrow_exception(failed);
     return std::make_shared<py_file>(py_file{std::move(f)});
   }
   std::unique_ptr<py_batch> submit(const std::vector<py_request>& reqs, std::optional<std::uintptr_t> stream_handle,
@@ -509,6 +519,7 @@ extern "C" __attribute__((visibility("default"))) void ferry_torch_free(void* p,
 
 PYBIND11_MODULE(_ferry, m) {
   m.doc() = "ferry's C++ runtime (use the `ferry` package, not this module)";
+  g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   static py::exception<error> exc(m, "Error");
   g_error = exc.ptr();
   py::register_exception_translator([](std::exception_ptr p) {

@@ -9,15 +9,21 @@ thread_local bool asking = false;  // a check that itself waits on an interrupti
 }  // namespace
 
 interrupt_scope::interrupt_scope(std::function<bool()> check) : check_(std::move(check)), outer_(current) { current = this; }
-interrupt_scope::~interrupt_scope() { current = outer_; }
+interrupt_scope::~interrupt_scope() {
+  if (current == this) current = outer_;  // scopes end in the reverse order of their making
+}
 
-bool interrupted() {
+bool interrupted() noexcept {
   if (!current || asking || !current->check_) return false;
   asking = true;
   struct reset {
     ~reset() { asking = false; }
   } r;
-  return current->check_();
+  try {
+    return current->check_();
+  } catch (...) {
+    return true;  // a check that fails cannot say the caller wants to go on; and nothing may unwind through C
+  }
 }
 
 bool interruptible() noexcept { return current != nullptr; }

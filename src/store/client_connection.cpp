@@ -220,9 +220,9 @@ void client::impl::conn_failed(connection* cn, const std::string& why) {
   cv.notify_all();
 }
 
-message client::impl::request(message m, clk::time_point until, bool needs_credit, lane* force) {
+message client::impl::request(message m, clk::time_point until, bool needs_credit, lane* force, bool ask_caller) {
   auto p = send(std::move(m), std::make_shared<piece>(), needs_credit, until, force);
-  wait_piece(p, until, [] { return std::string("request"); });
+  wait_piece(p, until, [] { return std::string("request"); }, nullptr, ask_caller);
   if (p->err) throw *p->err;
   return *p->reply;
 }
@@ -423,7 +423,8 @@ message client::impl::query(message m, std::string_view what, const std::string&
   message r = retrying(
       [&] {
         ensure_connected(until);
-        return request(m, until);
+        // The caller's interrupt check (a stat or listing: nothing of the client's is locked here).
+        return request(m, until, true, nullptr, true);
       },
       until);
   if (auto* e = std::get_if<error_reply>(&r.b)) rethrow_reply(*e, what, peer, path);

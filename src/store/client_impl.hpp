@@ -262,7 +262,9 @@ struct client::impl {
   void* allocate(std::uint64_t bytes);
   void deallocate(void* p);
   // One request of one piece without data, waited for (handshake, lend, stat, list).
-  message request(message m, clk::time_point until, bool needs_credit = true, lane* force = nullptr);
+  // `ask_caller`: the wait asks the calling thread's interrupt check (core/interrupt.hpp); only for
+  // calls made with none of the client's locks held (a handshake or lend holds lend_mu).
+  message request(message m, clk::time_point until, bool needs_credit = true, lane* force = nullptr, bool ask_caller = false);
   // A request without data (stat, list), retried after a reconnect; a refusal is rethrown naming the path.
   message query(message m, std::string_view what, const std::string& path, std::chrono::nanoseconds timeout);
 
@@ -297,7 +299,7 @@ struct client::impl {
   // every tenth of a second): the caller gave up -- as at the deadline, but a `cancelled` error.
   template <typename What>
   void wait_piece(const std::shared_ptr<piece>& pp, clk::time_point until, const What& what,
-                  const std::function<bool()>* cancelled = nullptr) {
+                  const std::function<bool()>* cancelled = nullptr, bool ask_caller = false) {
     piece& p = *pp;
     p.waiter.store(std::this_thread::get_id(), std::memory_order_release);
     // Drive the worker from this thread for a while: a small request then completes without any
@@ -323,16 +325,19 @@ struct client::impl {
     if (p.ln->w->drive(finished, until, o.spin)) return;
     std::unique_lock l(mu);
     bool gave_up = false;
-    if (!cancelled && !interruptible()) {
+    ask_caller = ask_caller && interruptible();
+    if (!cancelled && !ask_caller) {
       if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     } else {
       for (;;) {  // in slices: a cancel is a flag, not a notification
         if (cv.wait_until(l, std::min(until, clk::now() + std::chrono::milliseconds(100)), [&] { return p.done.load(); })) return;
         if (clk::now() >= until) break;
         if ((gave_up = cancelled && (*cancelled)())) break;
+        if (!ask_caller) continue;
         l.unlock();  // the caller's check (a Python signal handler) runs without the client's lock
         gave_up = interrupted();
         l.lock();
+        if (p.done.load()) return;  // answered while the check ran
         if (gave_up) break;
       }
     }
