@@ -472,8 +472,14 @@ struct unified_heap {
     std::vector<std::unique_ptr<event>> out;
     std::lock_guard l(mu);
     if (attached.size() < 2) return out;
-    for (auto& [h, v] : attached)
-      if (h != on && !v->capturing()) out.push_back(v->record());
+    for (auto& [h, v] : attached) {
+      if (h == on) continue;
+      try {
+        if (!v->capturing()) out.push_back(v->record());
+      } catch (const std::exception&) {
+        // A stream that takes no marker (destroyed by its owner) runs no more work: nothing to wait for.
+      }
+    }
     return out;
   }
   // A stream torch allocates on may run kernels on the memory: page moves wait for its work.

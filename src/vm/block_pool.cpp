@@ -76,6 +76,10 @@ void* block_pool::alloc(std::uint64_t bytes, std::uintptr_t stream) {
 void* block_pool::alloc_locked(std::uint64_t size, bool small, std::uintptr_t stream, std::vector<std::uintptr_t>& spare) {
   std::lock_guard l(mu_);
   reap_locked(spare);
+  if (!spare.empty()) {  // before the space is asked: they may be what makes the request fit
+    give_back(spare);
+    spare.clear();
+  }
   auto found = kept_.find({stream, size});
   if (found == kept_.end() || found->second.empty()) {
     void* fresh = space_alloc(small ? page_ : size);  // may release kept blocks (and erase their lists)
@@ -117,13 +121,11 @@ void* block_pool::alloc_locked(std::uint64_t size, bool small, std::uintptr_t st
 
 void block_pool::free(void* p) {
   std::vector<std::uintptr_t> pages;
-  {
+  try {
     std::lock_guard l(mu_);
     auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
     if (it == live_.end()) fail(errc::invalid_argument, "vm.block_free", fmt::format("{}", p), "not a block of this pool in use");
     const live_block b = it->second;
-    live_.erase(it);
-    st_.in_use -= b.size;
     std::vector<std::unique_ptr<event>> markers;
     bool fenced = true;
     try {
@@ -133,30 +135,40 @@ void block_pool::free(void* p) {
       // whose free waits for its streams; a small block stays out of use with its page.
       log::warn("vm", "block pool: {} not kept (the other streams could not be fenced: {})", p, e.what());
       fenced = false;
-      if (!b.slab) {
-        st_.pages -= b.size / page_;
-        pages.push_back(reinterpret_cast<std::uintptr_t>(p));
-      }
     }
     if (fenced && markers.empty()) {
       keep_locked(p, b.stream, b.size, b.slab, pages);
     } else if (fenced) {
       fenced_.push_back({p, b, std::move(markers)});
       st_.fenced += b.size;
+    } else if (!b.slab) {
+      st_.pages -= b.size / page_;
+      pages.push_back(reinterpret_cast<std::uintptr_t>(p));
     }
+    live_.erase(it);  // placed: no longer the caller's
+    st_.in_use -= b.size;
     reap_locked(pages);
+  } catch (...) {
+    give_back(pages);
+    throw;
   }
   give_back(pages);
 }
 
 void block_pool::keep_locked(void* p, std::uintptr_t stream, std::uint64_t size, std::uintptr_t in_page, std::vector<std::uintptr_t>& out) {
-  kept_[{stream, size}].push_back(p);
+  // All or nothing: what may throw (allocations) comes before any state changes.
+  auto& list = kept_[{stream, size}];
+  list.reserve(list.size() + 1);
+  if (!in_page) {
+    out.reserve(out.size() + kept_order_.size() + 1);
+    kept_order_.emplace_back(p, key{stream, size});
+  }
+  list.push_back(p);
   st_.kept += size;
   if (in_page) {
     slabs_[in_page].used--;
     return;
   }
-  kept_order_.emplace_back(p, key{stream, size});
   kept_large_ += size;
   // Past the bound: the blocks freed longest ago go (this one last).
   while (kept_large_ > keep_ && !kept_order_.empty()) {
@@ -175,18 +187,34 @@ void block_pool::keep_locked(void* p, std::uintptr_t stream, std::uint64_t size,
 void block_pool::reap_locked(std::vector<std::uintptr_t>& out) {
   // In the order freed: a block whose markers have not all passed stops the look (the later ones
   // were fenced later, their markers are behind).
+  auto passed = [](const std::unique_ptr<event>& m) {
+    try {
+      return m->done();
+    } catch (const std::exception&) {
+      return true;  // its stream failed: done, successfully or not (as a marker's own query says)
+    }
+  };
   while (!fenced_.empty()) {
     auto& f = fenced_.front();
-    if (!std::all_of(f.markers.begin(), f.markers.end(), [](const auto& m) { return m->done(); })) return;
-    st_.fenced -= f.b.size;
+    if (!std::all_of(f.markers.begin(), f.markers.end(), passed)) return;
     keep_locked(f.p, f.b.stream, f.b.size, f.b.slab, out);
+    st_.fenced -= f.b.size;
     fenced_.pop_front();
   }
 }
 
 std::uint64_t block_pool::release() {
-  std::unique_lock l(mu_);
-  return release_locked();
+  std::vector<std::uintptr_t> spare;
+  std::uint64_t given = 0;
+  {
+    std::lock_guard l(mu_);
+    const std::uint64_t before = st_.pages;
+    reap_locked(spare);  // blocks whose markers passed since the last call are kept now, so given back too
+    release_locked();
+    given = (before - st_.pages) * page_;
+  }
+  give_back(spare);
+  return given;
 }
 
 std::uint64_t block_pool::release_locked() {

@@ -188,3 +188,45 @@ TEST(VmBlockPool, ABlockOtherStreamsMayUseIsKeptOnceTheirMarkersPass) {
   EXPECT_EQ(pool.alloc(3 << 20, 1), big);
   EXPECT_EQ(pool.stats().fenced, 0u);
 }
+
+namespace {
+// A marker whose stream failed: its query throws.
+class failed_marker final : public event {
+ private:
+  bool do_query() override { fail(errc::io_error, "test.marker", "a stream", "the stream failed"); }
+  std::string do_describe() const override { return "a failed marker"; }
+};
+}  // namespace
+
+// release() first keeps the fenced blocks whose markers passed (empty_cache after a synchronize gives them
+// back); a marker whose stream failed counts as passed; a hook that cannot fence leaves the free working,
+// the block's pages back to the space instead of kept.
+TEST(VmBlockPool, FencedBlocksAfterTheirMarkersAndHooksThatFail) {
+  runtime rt{test::sim_settings(64ull << 20, 2ull << 20)};
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as{dev, 16 * dev.granularity()};
+  const std::uint64_t pg = as.page_bytes();
+  bool passed = false;
+  int mode = 0;  // 0: a hand marker, 1: a failed marker, 2: the hook throws
+  vm::block_pool pool{as, 16 * pg, [&](std::uintptr_t) {
+                        std::vector<std::unique_ptr<event>> m;
+                        if (mode == 2) fail(errc::io_error, "test.fences", "streams", "cannot record");
+                        if (mode == 1) m.push_back(std::make_unique<failed_marker>());
+                        else m.push_back(std::make_unique<hand_marker>(passed));
+                        return m;
+                      }};
+  pool.free(pool.alloc(2 * pg, 1));
+  EXPECT_EQ(pool.release(), 0u) << "its marker has not passed";
+  passed = true;
+  EXPECT_EQ(pool.release(), 2 * pg) << "kept once its marker passed, then given back";
+  mode = 1;
+  void* b = pool.alloc(pg, 1);
+  pool.free(b);
+  EXPECT_EQ(pool.alloc(pg, 1), b) << "a failed stream's marker counts as passed";
+  mode = 2;
+  void* c = pool.alloc(pg, 1);
+  const auto pages = pool.stats().pages;
+  EXPECT_NO_THROW(pool.free(c));
+  EXPECT_EQ(pool.stats().pages, pages - 1) << "not kept: back to the space";
+  EXPECT_EQ(pool.stats().in_use, pg) << "b is still in use";
+}
