@@ -1,6 +1,7 @@
 // The file side of stream-ordered file I/O (transfer_options::on): each request a pipeline of chunks
 // through a few staging buffers, ordered on the user's stream by gates (docs/design/stream-ordering.md).
 #include "io/file_engine_impl.hpp"
+#include "mem/place_cuts.hpp"
 
 namespace ferry {
 
@@ -197,11 +198,7 @@ void file_engine::start_on(const std::shared_ptr<transfer_batch::state>& b, std:
       // unified memory stays where it is.
       if ((m.type == memory_type::host_pageable && dev.info().backend == device_kind::cuda) || m.type == memory_type::unified)
         op->hold = std::make_shared<registration>(I.cache.acquire(r.mem, r.bytes));
-      if (m.type == memory_type::unified && m.client)  // pinned by the hold: the places stay as found
-        for (std::uint64_t at = 0; at < r.bytes;) {
-          at += std::max<std::uint64_t>(1, m.client->one_place(reinterpret_cast<std::uintptr_t>(r.mem) + at, r.bytes - at));
-          if (at < r.bytes) op->cuts.push_back(at);
-        }
+      add_place_cuts(m, r.mem, r.bytes, op->cuts);  // pinned by the hold: the places stay as found
       // One buffer at least (waiting for it is the back-pressure of a busy pool), the rest of the
       // pipeline's depth as far as the pool has them now.
       std::size_t nslots = std::min<std::size_t>(op->n, static_cast<std::size_t>(I.cfg.stream_slots));

@@ -112,8 +112,9 @@ void* block_pool::alloc_locked(std::uint64_t size, bool small, std::uintptr_t st
     page_of = it->first;
   } else {
     kept_large_ -= size;
-    auto o = std::find_if(kept_order_.begin(), kept_order_.end(), [&](const auto& x) { return x.first == p; });
-    if (o != kept_order_.end()) kept_order_.erase(o);
+    // The block reused is its list's last kept, usually the latest freed: looked for from the back.
+    auto o = std::find_if(kept_order_.rbegin(), kept_order_.rend(), [&](const auto& x) { return x.first == p; });
+    if (o != kept_order_.rend()) kept_order_.erase(std::next(o).base());
   }
   live_[a] = {stream, size, page_of};
   return p;

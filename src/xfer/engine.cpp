@@ -4,6 +4,7 @@
 #include <ferry/xfer/engine.hpp>
 
 #include "core/logging.hpp"
+#include "mem/place_cuts.hpp"
 #include "xfer/batch_state.hpp"
 #include "xfer/stream_gates.hpp"
 
@@ -740,14 +741,9 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       // pinned). The driver decides how to copy a range from what it finds there: a range from a
       // device-mapped page on into host-mapped ones was copied by the CPU, which cannot reach the
       // device page, and the process ended in the fault.
-      auto one_place = [&](std::uint64_t off, std::uint64_t n) {  // of [off, off + n): asked no further than the piece
-        if (src.type == memory_type::unified && src.client) n = std::min(n, src.client->one_place(s + off, n));
-        if (dst.type == memory_type::unified && dst.client) n = std::min(n, dst.client->one_place(d + off, n));
-        return std::max<std::uint64_t>(n, 1);
-      };
-      const bool unified = !w.unified.empty();
+      const std::vector<std::uint64_t> cuts = w.unified.empty() ? std::vector<std::uint64_t>{} : place_cuts(dst, r.dst, src, r.src, r.bytes);
       bool groupable = w.path == transfer_path::direct || w.path == transfer_path::peer || w.path == transfer_path::host;
-      if (groupable && r.bytes <= I.cfg.xfer_batch_small && (!unified || one_place(0, r.bytes) == r.bytes)) {
+      if (groupable && r.bytes <= I.cfg.xfer_batch_small && cuts.empty()) {
         auto g = std::find_if(open_groups.begin(), open_groups.end(), [&](const group& x) {
           return x.dev == w.dev && x.path == w.path && x.to_device == w.to_device;
         });
@@ -772,12 +768,12 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       std::uint64_t piece = I.cfg.xfer_split ? std::max<std::uint64_t>(I.cfg.xfer_split, 1 * MiB) : r.bytes;
       if (w.path == transfer_path::bounce || w.path == transfer_path::staged) piece = chunk;
       if (w.path == transfer_path::host) piece = std::min(piece, chunk);
+      auto cut = cuts.begin();
       for (std::uint64_t off = 0, len = 0; off < r.bytes; off += len) {
         len = std::min(piece, r.bytes - off);
-        if (unified) {
-          const std::uint64_t whole = len;
-          len = one_place(off, len);
-          if (len < whole) I.c_cut.add();
+        if (cut != cuts.end() && *cut < off + len) {
+          len = *cut++ - off;
+          I.c_cut.add();
         }
         work_item c;
         c.b = w.b;
