@@ -156,7 +156,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       // of them, not on four).
       const std::uint64_t least = I.cfg.io_inline >= 64 * 1024 ? std::min(I.cfg.io_inline, I.cfg.io_chunk) : I.cfg.io_chunk;
       const std::uint64_t unit =
-          !j.dev ? least : std::clamp<std::uint64_t>(align_up(batch_bytes / std::max<std::size_t>(nw, 1), 4096), least, I.cfg.io_chunk);
+          !j.dev ? least : std::clamp<std::uint64_t>(batch_bytes / std::max<std::size_t>(nw, 1), least, I.cfg.io_chunk);
       std::size_t pieces = std::min<std::uint64_t>(nw, r.bytes / std::max<std::uint64_t>(unit, 4096));
       if (pieces >= 2 && (r.write || reads_direct(I.cfg, *r.f, r.offset, r.bytes))) pieces = 1;
       if (pieces < 2) {
@@ -174,11 +174,15 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
         jobs.push_back(std::move(j));
         continue;
       }
-      // Each piece a whole number of units from the request's first page (the last piece the rest):
-      // a piece of a unit and a bit would be two I/Os, the second one small.
-      const std::uint64_t u = align_up(std::max<std::uint64_t>(unit, 4096), 4096), end = r.offset + r.bytes;
-      const std::uint64_t first = align_down(r.offset, 4096), units = (end - first + u - 1) / u;
-      const std::uint64_t step = (units + pieces - 1) / pieces * u;
+      // The pieces equal, in whole pages from the request's first page (the last piece the rest). Into
+      // device memory a piece larger than a staging buffer is several I/Os: there each piece is a
+      // whole number of buffers instead (a piece of a buffer and a bit would make the second I/O small).
+      const std::uint64_t end = r.offset + r.bytes, first = align_down(r.offset, 4096);
+      std::uint64_t step = align_up((end - first + pieces - 1) / pieces, 4096);
+      if (j.dev && step > I.cfg.io_chunk) {
+        const std::uint64_t u = align_up(I.cfg.io_chunk, 4096), units = (end - first + u - 1) / u;
+        step = (units + pieces - 1) / pieces * u;
+      }
       std::vector<std::uint64_t> cuts = {r.offset};
       for (std::size_t k = 1; k < pieces; ++k) {
         std::uint64_t c = first + k * step;

@@ -563,6 +563,25 @@ TEST(File, AdjacentSmallReadsIntoADeviceAreReadTogether) {
   }
 }
 
+// A program's lone read into device memory, a little over a megabyte for each worker, runs on every
+// worker: the pieces are equal (whole pages), not whole numbers of an aligned unit, which would have
+// left half the workers idle.
+TEST(File, ALoneReadIntoADeviceRunsOnEveryWorker) {
+  settings s = io_settings(direct_io::never);
+  s.io_threads = 6;
+  s.io_chunk = 4ull << 20;
+  s.io_inline = 1ull << 20;
+  runtime rt(s);
+  std::string p = temp_path("lone-read");
+  auto data = random_bytes(7ull << 20, 37);  // 7 MiB over 6 workers: pieces of 1.17 MiB, not a page multiple
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  make_workers(rt, f, 6, s.io_depth);
+  const auto before = rt.files().counters().get("requests.pieces").value();
+  EXPECT_EQ(read_through_sim(rt, *f, data.size()), data);
+  EXPECT_EQ(rt.files().counters().get("requests.pieces").value() - before, 6u);
+}
+
 // A read of many I/O chunks from the page cache is cut into pieces for several workers; the pieces
 // are one request: its bytes, its short read at the end of the file. Writes are not cut.
 TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
