@@ -66,8 +66,8 @@ def use_unified_memory(device_capacity: int | str | None = None, device: int = 0
 
 def info() -> dict[str, Any]:
     """The unified space behind torch's tensors: device, capacity, bytes resident on the GPU, page moves, bytes
-    of tensors allocated and kept for reuse, and the last allocation error ferry saw (torch reports only 'out of
-    memory')."""
+    of tensors allocated, kept for reuse and waiting for other streams before they are kept (fenced_bytes), and
+    the last allocation error ferry saw (torch reports only 'out of memory')."""
     return dict(_ferry.unified_info())
 
 

@@ -8,6 +8,7 @@
 #include <ferry/runtime.hpp>
 #include <ferry/store/files.hpp>
 #include <ferry/vm/address_space.hpp>
+#include <ferry/core/log.hpp>
 #include <ferry/vm/block_pool.hpp>
 #include <ferry/core/interrupt.hpp>
 
@@ -476,8 +477,10 @@ struct unified_heap {
       if (h == on) continue;
       try {
         if (!v->capturing()) out.push_back(v->record());
-      } catch (const std::exception&) {
+        else log_message(log_level::debug, "torch", "no marker on a stream torch allocated on: it is capturing a graph (or could not say)");
+      } catch (const std::exception& e) {
         // A stream that takes no marker (destroyed by its owner) runs no more work: nothing to wait for.
+        log_message(log_level::debug, "torch", std::string("no marker on a stream torch allocated on: ") + e.what());
       }
     }
     return out;
@@ -663,6 +666,7 @@ PYBIND11_MODULE(_ferry, m) {
         auto ps = h->pool.stats();
         out["allocated_bytes"] = ps.in_use;
         out["kept_bytes"] = ps.kept;
+        out["fenced_bytes"] = ps.fenced;
         std::lock_guard l(h->mu);
         out["last_error"] = h->last_error;
         return out;

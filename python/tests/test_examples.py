@@ -98,10 +98,12 @@ big = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
 pbig = big.data_ptr()
 side = torch.cuda.Stream()
 with torch.cuda.stream(side):
-    torch.cuda._sleep(200_000_000)                   # the side stream is busy for a while
+    other = torch.empty(16, device="cuda")           # torch allocates on the side stream too (attached from now)
+    torch.cuda._sleep(2_000_000_000)                 # the side stream is busy for about a second
     big.fill_(7)                                     # then uses the block
-    other = torch.empty(16, device="cuda")           # torch allocates on the side stream too
 del big                                              # freed on its own stream while the side stream may use it
+out["side_busy_at_free"] = not side.query()          # else the check below proves nothing
+out["fenced_after_free"] = ferry.torch.info()["fenced_bytes"]
 again = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
 out["fenced_while_busy"] = again.data_ptr() != pbig
 torch.cuda.synchronize()
@@ -128,6 +130,7 @@ def test_torch_tensors_on_unified_memory_reuse_blocks_per_stream(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["small_reused"] and out["small_share_pages"], out
-    assert out["fenced_while_busy"], ("a block freed while another stream may use it was handed out again", out)
+    assert out["side_busy_at_free"], ("the side stream finished before the free: the test shows nothing", out)
+    assert out["fenced_while_busy"] and out["fenced_after_free"] > 0, ("a block freed while another stream may use it was handed out again", out)
     assert out["kept_once_passed"], out
     assert out["kept_bytes"] > 0 and out["released"] > 0 and out["kept_after"] < out["kept_bytes"], out
