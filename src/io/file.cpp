@@ -156,6 +156,19 @@ void file::sync() {
 
 file_source::file_source() : pid_(::getpid()) {}
 
+void file_source::start_many(std::span<request> requests, const source_deadline& until) {
+  for (auto& r : requests) {
+    try {
+      start(r.write, r.offset, r.mem, r.bytes, until, r.done);
+    } catch (const error& e) {
+      r.done(0, &e);
+    } catch (const std::exception& e) {
+      error err(errc::internal, "file.submit", "a file source", e.what());
+      r.done(0, &err);
+    }
+  }
+}
+
 void file_source::check_process(const char* op, const std::string& resource) const {
   if (pid_ != ::getpid())
     fail(errc::invalid_argument, op, resource,

@@ -252,24 +252,26 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   }
   jobs.clear();
   spare = std::move(mine);
-  for (std::size_t i : remote) {
-    const file_request& r = reqs[i];
-    // The completion may run before start() returns, on any thread; the batch state outlives it
-    // (the handle's destructor waits for items in flight).
-    auto done = [b, i](std::uint64_t n, const error* e) {
-      b->finish(i, n, e);
-      b->item_done();
-    };
-    try {
-      // The batch's own deadline and cancel flag, shared (a fixed deadline never moves: idle 0).
-      const source_deadline until(std::shared_ptr<std::atomic<source_deadline::clock::rep>>(b, &b->until_ticks), b->idle,
-                                  std::shared_ptr<const std::atomic<bool>>(b, &b->cancelled));
-      r.f->source()->start(r.write, r.offset, r.mem, r.bytes, until, done);
-    } catch (const error& e) {
-      done(0, &e);
-    } catch (const std::exception& e) {
-      error err(errc::internal, "file.submit", r.f->path(), e.what());
-      done(0, &err);
+  if (!remote.empty()) {
+    // The batch's own deadline and cancel flag, shared (a fixed deadline never moves: idle 0).
+    const source_deadline until(std::shared_ptr<std::atomic<source_deadline::clock::rep>>(b, &b->until_ticks), b->idle,
+                                std::shared_ptr<const std::atomic<bool>>(b, &b->cancelled));
+    // Each run of requests of one source goes to it at once (it may serve them together). A
+    // completion may run before start_many returns, on any thread; the batch state outlives it (the
+    // handle's destructor waits for items in flight).
+    std::vector<file_source::request> run_of;
+    for (std::size_t k = 0; k < remote.size();) {
+      file_source* src = reqs[remote[k]].f->source().get();
+      run_of.clear();
+      for (; k < remote.size() && reqs[remote[k]].f->source().get() == src; ++k) {
+        const std::size_t i = remote[k];
+        const file_request& r = reqs[i];
+        run_of.push_back({r.write, r.offset, r.mem, r.bytes, [b, i](std::uint64_t n, const error* e) {
+                            b->finish(i, n, e);
+                            b->item_done();
+                          }});
+      }
+      src->start_many(run_of, until);  // never throws: every request completes, failed or not
     }
   }
   I.st.get("requests.remote").add(remote.size());

@@ -138,6 +138,7 @@ std::uint16_t type_of(const body& b) {
         else if constexpr (std::is_same_v<T, list_reply>) return static_cast<std::uint16_t>(msg_type::list_reply);
         else if constexpr (std::is_same_v<T, lend>) return static_cast<std::uint16_t>(msg_type::lend);
         else if constexpr (std::is_same_v<T, read_into>) return static_cast<std::uint16_t>(msg_type::read_into);
+        else if constexpr (std::is_same_v<T, read_many>) return static_cast<std::uint16_t>(msg_type::read_many);
         else if constexpr (std::is_same_v<T, write_from>) return static_cast<std::uint16_t>(msg_type::write_from);
         else if constexpr (std::is_same_v<T, read_rma>) return static_cast<std::uint16_t>(msg_type::read_rma);
         else if constexpr (std::is_same_v<T, write_rma>) return static_cast<std::uint16_t>(msg_type::write_rma);
@@ -207,6 +208,16 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           p.str(v.path, max_path, "path");
           if constexpr (std::is_same_v<T, write_req>) p.put(v.handle);
           else p.put(v.version);
+        } else if constexpr (std::is_same_v<T, read_many>) {
+          if (v.ranges.empty() || v.ranges.size() > max_read_ranges)
+            fail(errc::invalid_argument, "net.encode", "read_many", fmt::format("{} ranges (1 to {})", v.ranges.size(), max_read_ranges));
+          p.put(v.version);
+          p.put(static_cast<std::uint16_t>(v.ranges.size()));
+          for (const auto& g : v.ranges) {
+            p.put(g.offset);
+            p.put(g.length);
+          }
+          p.str(v.path, max_path, "path");
         } else if constexpr (std::is_same_v<T, open_write>) {
           p.put(static_cast<std::uint8_t>(v.mode));
           p.put(v.size_hint);
@@ -353,6 +364,25 @@ message decode(std::span<const std::byte> bytes) {
       std::string path = r.str(max_path, "path");
       if (fi.type == msg_type::read) m.b = read_req{std::move(path), off, len, r.get<std::uint64_t>("version")};
       else m.b = write_req{std::move(path), off, len, r.get<std::uint64_t>("handle")};
+      break;
+    }
+    case msg_type::read_many: {
+      read_many v;
+      v.version = r.get<std::uint64_t>("version");
+      auto n = r.get<std::uint16_t>("range count");
+      if (n == 0 || n > max_read_ranges) bad(fmt::format("{} ranges (1 to {})", n, max_read_ranges));
+      v.ranges.resize(n);
+      std::uint64_t total = 0;
+      for (auto& g : v.ranges) {
+        g.offset = r.get<std::uint64_t>("range offset");
+        g.length = r.get<std::uint64_t>("range length");
+        if (g.length == 0) bad("an empty range");
+        if (g.offset + g.length < g.offset) bad("range offset + length overflows");
+        if (g.length > max_read_range) bad(fmt::format("a range of {} bytes (at most {})", g.length, max_read_range));
+        if ((total += g.length) > max_read_many_bytes) bad(fmt::format("ranges of more than {} bytes in all", max_read_many_bytes));
+      }
+      v.path = r.str(max_path, "path");
+      m.b = std::move(v);
       break;
     }
     case msg_type::open_write: {

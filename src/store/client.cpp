@@ -279,7 +279,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
       net.reset();
     }
   }
-  op o2{path, write, offset, length, until, {}};
+  op o2{path, write, offset, length, until, {}, {}};
   // Staged through the engine's buffers, a piece is at most one of them (also through the landing
   // region: a request whose region is replaced may go on through them).
   pinned_pool* pool = staged ? &o.engine->staging_for(user) : nullptr;
@@ -424,6 +424,7 @@ std::uint64_t client::impl::finish(ticket t, const std::function<bool()>* cancel
     std::lock_guard l(mu);
     auto it = ops.find(t);
     if (it == ops.end()) fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "unknown or already finished");
+    if (!it->second.ranges.empty()) fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "from start_reads: finish it with finish_reads");
     x = std::move(it->second);
     ops.erase(it);
   }
@@ -485,6 +486,73 @@ client::ticket client::start_write(const write_handle& h, std::uint64_t offset, 
   // The buffer is only read (sent), never written.
   return impl_->start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id);
 }
+client::ticket client::start_reads(const std::string& path, std::span<const range_into> ranges, clk::time_point until,
+                                   std::uint64_t version) {
+  auto& I = *impl_;
+  if (ranges.empty() || ranges.size() > net::max_read_ranges)
+    fail(errc::invalid_argument, "store.read", printable(path), fmt::format("{} ranges in one request (1 to {})", ranges.size(), net::max_read_ranges));
+  net::read_many m{path, version, {}};
+  m.ranges.reserve(ranges.size());
+  for (const auto& g : ranges) {
+    if (!g.dst || g.length == 0 || g.length > net::max_read_range || g.offset + g.length < g.offset)
+      fail(errc::invalid_argument, "store.read", printable(path),
+           fmt::format("range at offset {}: null memory, no bytes, more than {} bytes or past 2^64", g.offset, net::max_read_range));
+    // The answer is copied into each range's memory by this process's CPU: host memory only.
+    if (!host_memory(g.dst, g.length))
+      fail(errc::invalid_argument, "store.read", fmt::format("{} offset {}", printable(path), g.offset),
+           fmt::format("{}+{} is not host memory (read it on its own)", g.dst, g.length));
+    m.ranges.push_back({g.offset, g.length});
+  }
+  const std::uint64_t answer = net::read_many_answer_bytes(m.ranges);
+  if (answer - 8 * ranges.size() > net::max_read_many_bytes)
+    fail(errc::invalid_argument, "store.read", printable(path), fmt::format("ranges of more than {} bytes in all", net::max_read_many_bytes));
+  I.ensure_connected(until);
+  auto p = std::make_shared<impl::piece>();
+  p->until = until;
+  p->owned.resize(answer);
+  p->land = p->owned.data();
+  p->len = answer;
+  impl::op whole{path, false, ranges.front().offset, answer, until, {}, {ranges.begin(), ranges.end()}};
+  ticket t = 0;
+  I.send({0, 0, std::move(m)}, std::move(p), true, until, nullptr, &whole, &t);
+  return t;
+}
+
+bool client::host_memory(const void* p, std::uint64_t n) const {
+  if (!impl_->o.cache) return true;
+  const memory_type t = impl_->o.cache->classify(p, n).type;
+  return t == memory_type::host_pageable || t == memory_type::host_pinned;
+}
+
+std::vector<std::uint64_t> client::finish_reads(ticket t, const std::function<bool()>& cancelled) {
+  auto& I = *impl_;
+  impl::op x;
+  {
+    std::lock_guard l(I.mu);
+    auto it = I.ops.find(t);
+    if (it == I.ops.end() || it->second.ranges.empty())
+      fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "unknown, already finished, or not from start_reads");
+    x = std::move(it->second);
+    I.ops.erase(it);
+  }
+  std::uint64_t got = I.finish(x, &cancelled);
+  const std::byte* a = x.pieces.first->owned.data();
+  if (got != x.length)
+    fail(errc::protocol_error, "store.read", I.peer, fmt::format("an answer of {} bytes for {} ranges of {}", got, x.ranges.size(), x.length));
+  std::vector<std::uint64_t> out(x.ranges.size());
+  const std::byte* data = a + 8 * x.ranges.size();
+  for (std::size_t i = 0; i < x.ranges.size(); ++i) {
+    std::uint64_t n = 0;
+    for (int k = 0; k < 8; ++k) n |= static_cast<std::uint64_t>(a[8 * i + k]) << (8 * k);
+    if (n > x.ranges[i].length)
+      fail(errc::protocol_error, "store.read", I.peer, fmt::format("the server claims {} bytes for a {}-byte range", n, x.ranges[i].length));
+    std::memcpy(x.ranges[i].dst, data, n);
+    out[i] = n;
+    data += x.ranges[i].length;
+  }
+  return out;
+}
+
 std::uint64_t client::finish(ticket t) { return impl_->finish(t); }
 std::uint64_t client::finish(ticket t, const std::function<bool()>& cancelled) { return impl_->finish(t, &cancelled); }
 void* client::allocate(std::uint64_t bytes) { return impl_->allocate(bytes); }

@@ -32,7 +32,8 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
     });
     w.on_reply([this](connection&, message m, const std::byte* d, std::size_t n) { on_inline(std::move(m), d, n); });
     auto sink = [](const piece& pc, std::uint64_t off, std::size_t n) -> void* {
-      if (!pc.land || pc.write || pc.direct || off > pc.len || n > pc.len - off) return nullptr;
+      // (A read_many's answer comes inline only: its buffer is never a data message's target.)
+      if (!pc.land || pc.write || pc.direct || !pc.owned.empty() || off > pc.len || n > pc.len - off) return nullptr;
       return pc.land + off;
     };
     auto received = [this](piece& pc, std::size_t n, ucs_status_t s) {

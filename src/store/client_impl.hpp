@@ -71,6 +71,7 @@ struct client::impl {
     std::shared_ptr<registration> net;  // network registration of the memory an RMA piece uses
     std::byte* rma_mem = nullptr;
     std::byte* land = nullptr;       // where read data lands (the destination, a staging buffer or a landing slot)
+    std::vector<std::byte> owned;    // read_many: the answer lands here, then goes to each range's memory
     std::uint64_t len = 0;
     std::byte* final_dst = nullptr;  // staged reads: copied here by the transfer engine
     memory_region user;              // staged pieces: the caller's memory, as classified once at the start
@@ -110,6 +111,7 @@ struct client::impl {
     std::uint64_t offset = 0, length = 0;
     clk::time_point until;
     piece_list pieces;
+    std::vector<client::range_into> ranges;  // read_many: where each range goes
   };
   // A map whose nodes are recycled: every request inserts and erases one entry in `pend` and in
   // `ops`, and the allocator round trips would cost more than the entries' bookkeeping.

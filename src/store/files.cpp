@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 
 namespace ferry::store {
@@ -75,6 +76,7 @@ class remote_endpoint {
     file_source::completion done;
     client::ticket t = 0;
     std::uint64_t version = 0;  // reads: the file they must come from (0: any)
+    std::vector<op> members;    // several small reads of one file sent as one request: the reads it answers
   };
 
   remote_endpoint(const uri& u, client_options o) : k_(std::make_shared<core>(u, std::move(o))) {
@@ -113,6 +115,21 @@ class remote_endpoint {
     }
     if (wake) k_->start_cv.notify_one();
   }
+  // Several at once: the starter takes them in one go (and may send small reads of one file as one request).
+  // Never throws: one that could not be queued is completed with the error.
+  void submit(std::vector<op>& os) noexcept {
+    bool wake = false;
+    std::size_t queued = 0;
+    try {
+      std::lock_guard l(k_->mu);
+      wake = k_->to_start.empty();
+      for (; queued < os.size(); ++queued) k_->to_start.push_back(std::move(os[queued]));
+    } catch (const std::exception& e) {
+      error err(errc::out_of_memory, "store.read", k_->c.peer(), e.what());
+      for (std::size_t i = queued; i < os.size(); ++i) os[i].done(0, &err);
+    }
+    if (wake) k_->start_cv.notify_one();
+  }
 
  private:
   struct core {
@@ -123,6 +140,7 @@ class remote_endpoint {
     std::condition_variable start_cv, finish_cv;  // the starter's and the finisher's: each wakes only its thread
     std::deque<op> to_start, to_finish;
     bool stop = false, starter_done = false;
+    std::set<std::string> one_by_one;  // paths whose server refused ranges in one request (mu)
   };
 
   // Takes the whole queue at each wake-up: one lock and one hand-over per batch of requests, not per
@@ -141,31 +159,97 @@ class remote_endpoint {
         }
         batch.swap(k.to_start);
       }
-      for (auto& o : batch) {
+      for (std::size_t i = 0; i < batch.size();) {
+        // Small reads of one file from one batch (a GPU cache's misses come hundreds at a time) go
+        // as one request, answered in one message: a request of its own each costs this side's
+        // sending and completing per 4 KiB page.
+        std::size_t j = i + 1;
+        if (small_read(k, batch[i]) && together(k, batch[i].path)) {
+          std::uint64_t bytes = batch[i].bytes;
+          while (j < batch.size() && j - i < together_most && small_read(k, batch[j]) && batch[j].path == batch[i].path &&
+                 batch[j].version == batch[i].version && batch[j].deadline.same_batch(batch[i].deadline) &&
+                 bytes + batch[j].bytes <= together_bytes)
+            bytes += batch[j++].bytes;
+        }
+        if (j - i >= 2 && start_together(k, batch, i, j)) {
+          i = j;
+          continue;
+        }
+        start_one(k, batch[i++]);
+      }
+      batch.clear();
+    }
+  }
+  // Reads sent as one request: at most 64, 256 KiB in all, so that a batch of hundreds of misses still
+  // goes as several requests, spread over the lanes (and the server's workers) instead of one.
+  static constexpr std::size_t together_most = 64;
+  static constexpr std::uint64_t together_bytes = 256u << 10;
+  static bool together(core& k, const std::string& path) {
+    std::lock_guard l(k.mu);
+    return !k.one_by_one.contains(path);
+  }
+  // A read that may go with others: small, into host memory (the answer is copied on by the CPU).
+  static bool small_read(core& k, const op& o) {
+    if (o.write || o.bytes == 0 || o.bytes > net::max_read_range || o.deadline.cancelled()) return false;
+    try {
+      return k.c.host_memory(o.mem, o.bytes);
+    } catch (const std::exception&) {
+      return false;  // (its own start says what is wrong with its memory)
+    }
+  }
+  // Reads [i, j) of the batch as one request; false (nothing started) where the client refuses it
+  // (memory that is not host memory): then each goes on its own.
+  static bool start_together(core& k, std::deque<op>& batch, std::size_t i, std::size_t j) {
+    op g;
+    g.path = batch[i].path;
+    g.version = batch[i].version;
+    g.deadline = batch[i].deadline;
+    g.until = batch[i].until;
+    std::vector<client::range_into> ranges;
+    ranges.reserve(j - i);
+    for (std::size_t x = i; x < j; ++x) {
+      ranges.push_back({batch[x].offset, batch[x].mem, batch[x].bytes});
+      g.until = std::min(g.until, batch[x].until);
+    }
+    try {
+      g.t = k.c.start_reads(g.path, ranges, g.until, g.version);
+    } catch (const error& e) {
+      if (e.code() == errc::invalid_argument) return false;
+      for (std::size_t x = i; x < j; ++x) complete_after_error(k, batch[x], e);
+      return true;
+    }
+    g.members.assign(std::make_move_iterator(batch.begin() + static_cast<std::ptrdiff_t>(i)),
+                     std::make_move_iterator(batch.begin() + static_cast<std::ptrdiff_t>(j)));
+    hand_to_finisher(k, std::move(g));
+    return true;
+  }
+  static void hand_to_finisher(core& k, op o) {
+    bool wake;
+    {
+      std::lock_guard l(k.mu);
+      wake = k.to_finish.empty();
+      k.to_finish.push_back(std::move(o));
+    }
+    if (wake) k.finish_cv.notify_one();
+  }
+  static void start_one(core& k, op& o) {
+    {
         if (o.deadline.cancelled()) {
           error e(errc::cancelled, o.write ? "store.write" : "store.read", fmt::format("{} {}", k.c.peer(), printable(o.path)),
                   "the batch was cancelled before the request was sent");
           o.handle = nullptr;
           o.done(0, &e);
-          continue;
+          return;
         }
         try {
           o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until, o.version);
         } catch (const error& e) {
           o.handle = nullptr;
           complete_after_error(k, o, e);
-          continue;
+          return;
         }
         o.handle = nullptr;  // used: only the completion holds the file now (see remote_file::start)
-        bool wake;
-        {
-          std::lock_guard l(k.mu);
-          wake = k.to_finish.empty();
-          k.to_finish.push_back(std::move(o));
-        }
-        if (wake) k.finish_cv.notify_one();
-      }
-      batch.clear();
+        hand_to_finisher(k, std::move(o));
     }
   }
   static void finish_loop(core& k) {
@@ -178,8 +262,23 @@ class remote_endpoint {
         o = std::move(k.to_finish.front());
         k.to_finish.pop_front();
       }
+      const std::function<bool()> cancelled = [&o] { return o.deadline.cancelled(); };
+      if (!o.members.empty()) {
+        std::vector<std::uint64_t> got;
+        try {
+          got = k.c.finish_reads(o.t, cancelled);
+        } catch (const error& e) {
+          if (e.code() == errc::not_supported) {
+            std::lock_guard l(k.mu);
+            k.one_by_one.insert(o.path);
+          }
+          for (auto& m : o.members) complete_after_error(k, m, e, true);
+          continue;
+        }
+        for (std::size_t i = 0; i < o.members.size(); ++i) o.members[i].done(got[i], nullptr);
+        continue;
+      }
       try {
-        const std::function<bool()> cancelled = [&o] { return o.deadline.cancelled(); };
         std::uint64_t n = k.c.finish(o.t, cancelled);
         o.done(n, nullptr);
       } catch (const error& e) {
@@ -190,7 +289,7 @@ class remote_endpoint {
   // A read whose connection was lost (server restarted) is retried once, synchronously, within
   // its deadline. A write is not: its open write went with the connection (the file's commit then
   // fails, and the target stays as it was). Other errors are final.
-  static void complete_after_error(core& k, op& o, const error& e) {
+  static void complete_after_error(core& k, op& o, const error& e, bool grouped = false) {
     if (o.deadline.cancelled() && e.code() != errc::cancelled) {
       // Its batch was cancelled (another request's cancel closed the lane under it): not retried.
       error c(errc::cancelled, o.write ? "store.write" : "store.read", fmt::format("{} {}", k.c.peer(), printable(o.path)),
@@ -199,7 +298,9 @@ class remote_endpoint {
       return;
     }
     auto left = o.until - clk::now();
-    if (!o.write && e.code() == errc::network_error && left > std::chrono::milliseconds(1)) {
+    // (Grouped reads refused as not_supported: a server that serves ranges in one request only from
+    // local file systems.)
+    if (!o.write && (e.code() == errc::network_error || (grouped && e.code() == errc::not_supported)) && left > std::chrono::milliseconds(1)) {
       try {
         std::uint64_t n = k.c.read(o.path, o.offset, o.mem, o.bytes, left);
         o.done(n, nullptr);
@@ -284,7 +385,25 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         d(n, e);
       };
     }
-    ep_->submit({write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_});
+    ep_->submit({write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_, {}});
+  }
+  // Reads of one batch go to the endpoint's queue together; writes one by one (as start).
+  void start_many(std::span<request> rs, const source_deadline& until) override {
+    std::vector<remote_endpoint::op> reads;
+    try {
+      reads.reserve(rs.size());
+    } catch (const std::exception&) {
+      file_source::start_many(rs, until);  // one by one
+      return;
+    }
+    for (auto& r : rs) {
+      if (r.write) {
+        file_source::start_many({&r, 1}, until);
+        continue;
+      }
+      reads.push_back({false, {}, path_, r.offset, r.mem, r.bytes, until.at(), until, std::move(r.done), 0, version_, {}});
+    }
+    if (!reads.empty()) ep_->submit(reads);
   }
 
  private:

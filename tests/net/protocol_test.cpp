@@ -44,6 +44,7 @@ std::vector<message> samples() {
       {18, 0, read_rma{"empty-key", 0, 1, 0x1000, {}}},  // found by the fuzzer: an empty rkey (memcpy from null)
       {19, 0, open_write{"out/new.bin", write_mode::keep, 5 << 20}},
       {20, 0, end_write{0x1234567890abcdefull, 1 << 20, write_end::commit_size}},
+      {21, 0, read_many{"cache/pages.bin", 0x77, {{4096, 4096}, {1ull << 33, 100}, {0, 1}}}},
   };
 }
 
@@ -161,6 +162,32 @@ TEST(Protocol, LentRegionsAndDirectRequestsAreBoundsChecked) {
   EXPECT_THAT(test::error_text([&] { decode(rrk); }), HasSubstr("truncated"));
   EXPECT_THAT(test::error_text([&] { encode({1, 0, read_rma{"f", 0, 1, 0, std::vector<std::uint8_t>(max_rkey + 1)}}); }),
               HasSubstr("rkey"));
+}
+
+// Several ranges in one read: the count, each range and their sum are bounded by the decoder, before
+// the server sizes an answer for them.
+TEST(Protocol, ReadManyRangesAreBounded) {
+  auto m = std::get<read_many>(decode(encode(samples()[21])).b);
+  EXPECT_EQ(m.path, "cache/pages.bin");
+  EXPECT_EQ(m.version, 0x77u);
+  ASSERT_EQ(m.ranges.size(), 3u);
+  EXPECT_EQ(m.ranges[1].offset, 1ull << 33);
+  EXPECT_EQ(m.ranges[1].length, 100u);
+  EXPECT_EQ(read_many_answer_bytes(m.ranges), 3 * 8 + 4096 + 100 + 1u);
+  auto text = [](const read_many& r) { return test::error_text([&] { decode(encode({1, 0, r})); }); };
+  EXPECT_THAT(test::error_text([] { encode({1, 0, read_many{"f", 0, {}}}); }), HasSubstr("0 ranges"));
+  EXPECT_THAT(test::error_text([] { encode({1, 0, read_many{"f", 0, std::vector<read_range>(max_read_ranges + 1, {0, 1})}}); }),
+              HasSubstr("1025 ranges"));
+  EXPECT_THAT(text({"f", 0, {{0, 1}, {7, 0}}}), HasSubstr("an empty range"));
+  EXPECT_THAT(text({"f", 0, {{~0ull - 10, 100}}}), HasSubstr("overflows"));
+  EXPECT_THAT(text({"f", 0, std::vector<read_range>(max_read_many_bytes / max_read_range + 1, {0, max_read_range})}), HasSubstr("in all"));
+  EXPECT_THAT(text({"f", 0, {{0, max_read_range + 1}}}), HasSubstr("a range of 65537 bytes"));
+  EXPECT_THAT(text({"f", 0, {{0, ~0ull >> 1}}}), HasSubstr("at most 65536"));
+  EXPECT_NO_THROW(decode(encode({1, 0, read_many{"f", 0, std::vector<read_range>(max_read_ranges, {0, max_read_many_bytes / max_read_ranges})}})));
+  // A count that claims more ranges than the frame holds is truncated, not allocated for.
+  auto f = encode({1, 0, read_many{"f", 0, {{0, 1}}}});
+  f[header_size + 8] = std::byte{0x04};  // the count's low byte: 1 -> 4
+  EXPECT_THAT(test::error_text([&] { decode(f); }), HasSubstr("truncated"));
 }
 
 TEST(Protocol, MalformedFramesAreRefusedWithTheReason) {

@@ -202,6 +202,52 @@ TEST(RemoteFiles, BatchReadsIntoHostAndSimMemory) {
   EXPECT_EQ(0, std::memcmp(small.data(), data.data() + 12345, small.size()));
 }
 
+// Many small reads of one ferry:// file in one batch (as a GPU cache's misses come) go as a few requests,
+// each answered in one message; each read gets exactly its bytes (short at the end of the file). Small
+// reads into sim memory in the same batch go one by one (the answer is copied by the CPU), and are
+// right too.
+TEST(RemoteFiles, SmallReadsOfABatchGoTogether) {
+  fixture fx(false);
+  auto data = random_bytes((2 << 20) + 777, 43);
+  spill(fx.root / "d" / "pages.bin", data);
+  runtime rt(fx.cfg());
+  auto f = file::open(fx.uri("d/pages.bin"), open_mode::read);
+  mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), 1 << 20);
+  std::vector<std::vector<unsigned char>> host;
+  std::vector<file_request> reqs;
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 600; ++i) {
+    const std::uint64_t len = 1 + rng() % 9000, off = rng() % data.size();
+    host.emplace_back(len);
+    reqs.push_back({f, off, host.back().data(), len, false});
+  }
+  reqs.push_back({f, data.size() - 10, host[0].data(), 100, false});  // short (the buffer is long enough)
+  for (int i = 0; i < 8; ++i) reqs.push_back({f, static_cast<std::uint64_t>(i) * 5000, sim.data() + i * 8192, 4096, false});
+  const auto served = fx.srv->stats();
+  auto b = rt.files().submit(reqs);
+  ASSERT_TRUE(b.wait());
+  b.check();
+  auto res = b.results();
+  for (int i = 1; i < 600; ++i) {
+    const auto& r = reqs[i];
+    const std::uint64_t n = std::min<std::uint64_t>(r.bytes, data.size() - r.offset);
+    ASSERT_EQ(res[i].bytes_done, n) << "read " << i;
+    ASSERT_EQ(0, std::memcmp(r.mem, data.data() + r.offset, n)) << "read " << i;
+  }
+  EXPECT_EQ(res[600].bytes_done, 10u);
+  EXPECT_EQ(0, std::memcmp(host[0].data(), data.data() + data.size() - 10, 10));
+  auto st = rt.devices().get("sim:0").create_stream();
+  for (int i = 0; i < 8; ++i) {
+    std::uint64_t sum = 0;
+    st->checksum(sim.data() + i * 8192, 4096, &sum);
+    st->synchronize();
+    EXPECT_EQ(sum, checksum64(data.data() + i * 5000, 4096)) << "sim read " << i;
+  }
+  const auto now = fx.srv->stats();
+  EXPECT_EQ(now.reads - served.reads, reqs.size()) << "every read served";
+  EXPECT_LT(now.requests - served.requests, 40u) << "the 601 small host reads went as a few requests";
+}
+
 // A ferry:// file read in a stream's order: the stream is held while the read is submitted, and its
 // next op (a checksum of the destination) sees the server's bytes. Then the server goes away under a
 // second stream-ordered read: the read fails and the stream is released.

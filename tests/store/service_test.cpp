@@ -99,6 +99,61 @@ TEST(StoreService, LargeReadsAreRequestsOfTheFileEngine) {
   EXPECT_GE(bytes_read() - before, 2 * s.data.size());
 }
 
+// Small reads of one file as one request (a GPU cache's misses): each range gets exactly its bytes,
+// short at the end of the file and none past it; one request on the wire for all of them; bad ranges,
+// memory that is not host memory and a file replaced since the version asked for are refused.
+TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
+  served s;
+  store::client c("127.0.0.1", s.srv->port());
+  const std::uint64_t size = s.data.size();
+  const std::vector<std::pair<std::uint64_t, std::uint64_t>> want = {
+      {0, 4096}, {4097, 1}, {123457, 5000}, {size - 100, 4096}, {size + 5, 10}, {8 << 20, 65536}, {77, 3}};
+  std::vector<std::vector<unsigned char>> bufs;
+  std::vector<store::client::range_into> ranges;
+  for (auto [off, len] : want) {
+    bufs.emplace_back(len + 2, 0xee);
+    ranges.push_back({off, bufs.back().data() + 1, len});
+  }
+  const auto requests = s.srv->stats().requests;
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto t = c.start_reads("data/shard.bin", ranges, until, c.stat("data/shard.bin").version);
+  EXPECT_THAT(test::error_text([&] { c.finish(t); }), HasSubstr("finish_reads"));  // (the ticket stays)
+  auto got = c.finish_reads(t, [] { return false; });
+  EXPECT_EQ(s.srv->stats().requests - requests, 2u) << "the stat and one request for all the ranges";
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    auto [off, len] = want[i];
+    std::uint64_t n = off >= size ? 0 : std::min(len, size - off);
+    EXPECT_EQ(got[i], n) << "range " << i;
+    EXPECT_EQ(std::memcmp(bufs[i].data() + 1, s.data.data() + std::min(off, size), n), 0) << "range " << i;
+    EXPECT_EQ(bufs[i][0], 0xee) << "range " << i;
+    EXPECT_EQ(bufs[i][n + 1], 0xee) << "nothing past the bytes read, range " << i;
+  }
+  EXPECT_THAT(test::error_text([&] { c.finish_reads(t, [] { return false; }); }), HasSubstr("unknown"));
+  // Refused before anything is sent.
+  std::vector<store::client::range_into> none;
+  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", none, until); }), HasSubstr("0 ranges"));
+  std::vector<store::client::range_into> empty = {{0, bufs[0].data(), 0}};
+  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", empty, until); }), HasSubstr("no bytes"));
+  std::vector<unsigned char> big(net::max_read_many_bytes + net::max_read_range);
+  std::vector<store::client::range_into> too_much;
+  for (std::uint64_t at = 0; at < big.size(); at += net::max_read_range) too_much.push_back({at, big.data() + at, net::max_read_range});
+  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", too_much, until); }), HasSubstr("in all"));
+  std::vector<store::client::range_into> too_long = {{0, big.data(), net::max_read_range + 1}};
+  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", too_long, until); }), HasSubstr("more than 65536 bytes"));
+  // A missing file, and a version the file no longer has: the request fails, naming the path.
+  std::vector<store::client::range_into> one = {{0, bufs[0].data() + 1, 16}, {100, bufs[1].data() + 1, 1}};
+  auto missing = c.start_reads("data/none.bin", one, until);
+  EXPECT_THAT(test::error_text([&] { c.finish_reads(missing, [] { return false; }); }), HasSubstr("none.bin"));
+  auto old = c.start_reads("data/shard.bin", one, until, 12345);
+  EXPECT_THAT(test::error_text([&] { c.finish_reads(old, [] { return false; }); }), HasSubstr("shard.bin"));
+  // Outside the root: refused as a read is, nothing of the file sent.
+  std::memset(bufs[0].data(), 0xee, bufs[0].size());
+  auto out = c.start_reads("escape", one, until);
+  EXPECT_THAT(test::error_text([&] { c.finish_reads(out, [] { return false; }); }), HasSubstr("leads outside the root"));
+  EXPECT_EQ(bufs[0][1], 0xee);
+}
+
 // Small reads keep the file open between requests (the server's file cache, and each session's
 // last file); a file replaced under the same name is read anew once the cache's time to live is over.
 TEST(StoreService, AReplacedFileIsSeenAfterTheFileCacheTimeToLive) {

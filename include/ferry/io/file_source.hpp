@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -40,6 +41,10 @@ class FERRY_API source_deadline {
     return moving_ ? clock::time_point(clock::duration(moving_->load(std::memory_order_relaxed))) : fixed_;
   }
   bool cancelled() const noexcept { return cancelled_ && cancelled_->load(std::memory_order_relaxed); }
+  // Whether `o` is the same batch's deadline (a source may serve such requests together).
+  bool same_batch(const source_deadline& o) const noexcept {
+    return moving_ == o.moving_ && cancelled_ == o.cancelled_ && fixed_ == o.fixed_;
+  }
   // The window a moving deadline keeps ahead of the last progress; 0 for a fixed one.
   std::chrono::nanoseconds idle() const noexcept { return moving_ ? idle_ : std::chrono::nanoseconds(0); }
   void moved() const noexcept {
@@ -78,6 +83,17 @@ class FERRY_API file_source {
   using completion = std::function<void(std::uint64_t bytes, const error* err)>;
   virtual void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, const source_deadline& until,
                      completion done) = 0;
+  // Requests of one batch (one deadline) together: a source may serve several at once (a GPU cache's
+  // misses come hundreds at a time). Each `done` runs exactly once, as for start(); nothing throws.
+  // By default each is start()ed, one that throws completed with its error.
+  struct request {
+    bool write = false;
+    std::uint64_t offset = 0;
+    void* mem = nullptr;
+    std::uint64_t bytes = 0;
+    completion done;
+  };
+  virtual void start_many(std::span<request> requests, const source_deadline& until);
 
  private:
   long pid_;

@@ -22,7 +22,7 @@ namespace ferry::net {
 inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
 // Raised whenever the wire format changes; both sides must speak the same one (a frame of another
 // version is refused, naming both).
-inline constexpr std::uint16_t protocol_version = 7;
+inline constexpr std::uint16_t protocol_version = 8;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
@@ -33,6 +33,9 @@ inline constexpr std::size_t max_ports = 64;  // lane ports a hello may name
 inline constexpr std::size_t ticket_size = 16;
 inline constexpr std::size_t lend_token_size = 16;
 inline constexpr std::size_t max_socket_name = 100;  // an abstract Unix socket name (sun_path less its NUL)
+inline constexpr std::size_t max_read_ranges = 1024;             // ranges one read_many may name
+inline constexpr std::uint64_t max_read_range = 64 << 10;         // bytes of one of them
+inline constexpr std::uint64_t max_read_many_bytes = 256 << 10;  // their bytes in all (the answer is one message)
 
 enum class msg_type : std::uint16_t {
   hello = 1,      // versions, nonce, lanes; at the door the lanes' ports; on a lane the door's ticket
@@ -50,6 +53,7 @@ enum class msg_type : std::uint16_t {
   write_rma = 17,   // path, offset, length, address + packed rkey of registered client memory: the server gets the data from there
   open_write = 18,  // path, mode: a new file beside the target that write pieces fill; answered complete{0, handle}
   end_write = 19,   // handle, size, how: commit it into place (or abort); answered complete{0, size}
+  read_many = 23,   // path, version, ranges: answered by one complete with every range's data after it
   complete = 20,  // status + bytes for a read/write
   stat_reply = 21,
   list_reply = 22,
@@ -103,6 +107,19 @@ struct write_from { std::string path; std::uint64_t offset = 0, length = 0, addr
 struct read_rma { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; std::vector<std::uint8_t> rkey; std::uint64_t version = 0; };
 struct write_rma { std::string path; std::uint64_t offset = 0, length = 0, addr = 0; std::vector<std::uint8_t> rkey; std::uint64_t handle = 0; };
 struct read_req { std::string path; std::uint64_t offset = 0, length = 0, version = 0; };
+// Several small ranges of one file in one request (a GPU cache's misses, many pages at a time), answered
+// in one message: complete{0, bytes} followed by 8 bytes per range (little-endian: the bytes read there,
+// short only at the file's end), then each range's `length` bytes in order (past a short count: zeros).
+// bytes = 8 x ranges + their lengths. 1 to max_read_ranges ranges of 1 to max_read_range bytes, at most
+// max_read_many_bytes in all; `version` as a read's (0: the version the first range finds, for all).
+struct read_range { std::uint64_t offset = 0, length = 0; };
+struct read_many { std::string path; std::uint64_t version = 0; std::vector<read_range> ranges; };
+// The bytes of read_many's answer for `ranges`.
+inline std::uint64_t read_many_answer_bytes(const std::vector<read_range>& ranges) noexcept {
+  std::uint64_t n = 8 * ranges.size();
+  for (const auto& g : ranges) n += g.length;
+  return n;
+}
 struct write_req { std::string path; std::uint64_t offset = 0, length = 0, handle = 0; };
 // Writes are atomic per file. open_write makes a new, unnamed file beside the target (`keep`: a
 // copy of the target's current content, for updates; else empty) and answers its handle; write
@@ -136,7 +153,7 @@ struct error_reply { std::int32_t code = 0; std::string message; };
 
 using body = std::variant<hello, challenge, auth, welcome, read_req, write_req, stat_req, list_req, complete,
                           stat_reply, list_reply, error_reply, lend, read_into, write_from, read_rma, write_rma, open_write,
-                          end_write>;
+                          end_write, read_many>;
 
 struct message {
   std::uint64_t request_id = 0;

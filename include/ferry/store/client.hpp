@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -102,6 +103,23 @@ class FERRY_API client {
   using ticket = std::uint64_t;
   ticket start_read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                     std::chrono::steady_clock::time_point until, std::uint64_t version = 0);
+  // Small reads of one file into host memory, as one request answered in one message (a GPU cache's
+  // misses: many pages of one file at once). 1 to net::max_read_ranges ranges of 1 byte or more, at
+  // most net::max_read_many_bytes in all; invalid_argument otherwise, or for memory that is not host
+  // memory. finish_reads() gives each range's bytes (short only at the end of the file). A server
+  // whose file is not on a local file system refuses the request (not_supported): read the ranges
+  // one by one then.
+  struct range_into {
+    std::uint64_t offset = 0;
+    void* dst = nullptr;
+    std::uint64_t length = 0;
+  };
+  ticket start_reads(const std::string& path, std::span<const range_into> ranges, std::chrono::steady_clock::time_point until,
+                     std::uint64_t version = 0);
+  // Whether [p, p + n) is host memory (what start_reads takes), as this client's registration cache
+  // classifies it (without one, any memory is taken for host memory).
+  bool host_memory(const void* p, std::uint64_t n) const;
+  std::vector<std::uint64_t> finish_reads(ticket t, const std::function<bool()>& cancelled);
 
   // Writes are atomic per file. open_write() starts a new version of `path` on the server, invisible
   // under its name (`keep`: a copy of its current content, for updates in place; `replace`: empty);

@@ -2,6 +2,7 @@
 // The server's reads (store/server/): small ones on the progress thread (from the file's mapping,
 // into the reply or a region the client lent), larger ones as file requests whose data goes by
 // messages, into a lent region, or by RMA; writes into lent regions and by RMA come here too.
+#include <cstring>
 #include "store/server/core.hpp"
 #include "store/server/writes.hpp"
 
@@ -180,6 +181,31 @@ class read_path {
     s.counts->bytes_sent.add(*got);
     s.counts->inline_replies.add();
     c.send_reply_space({rid, 0, complete{0, *got}}, *got);
+    return true;
+  }
+  // Several small ranges of one file, each read as read_inline's, answered in one message (see
+  // net::read_many). False when the file is not on a local file system (nothing sent): the client
+  // then asks for the ranges one by one.
+  bool read_many(connection& c, session& s, std::uint64_t rid, const net::read_many& r) {
+    const std::uint64_t total = net::read_many_answer_bytes(r.ranges);
+    std::byte* buf = c.reply_space(total);
+    std::byte* data = buf + 8 * r.ranges.size();
+    std::uint64_t sent = 0, version = r.version;
+    for (std::size_t i = 0; i < r.ranges.size(); ++i) {
+      const auto& g = r.ranges[i];
+      auto got = read_small(s, r.path, data, g.length, g.offset, version);
+      if (!got) return false;
+      // The rest of the ranges from the file the first one found; past a short count, zeros (the
+      // reply space holds earlier answers, to other clients too).
+      if (!version) version = net::file_version(s.last_file->dev, s.last_file->ino);
+      if (*got < g.length) std::memset(data + *got, 0, g.length - *got);
+      for (int k = 0; k < 8; ++k) buf[8 * i + k] = static_cast<std::byte>((*got >> (8 * k)) & 0xff);
+      data += g.length;
+      sent += *got;
+    }
+    s.counts->bytes_sent.add(sent);
+    s.counts->inline_replies.add();
+    c.send_reply_space({rid, 0, complete{0, total}}, total);
     return true;
   }
   // A small read straight into the client's lent memory: only the completion travels. False as

@@ -445,6 +445,14 @@ struct server::impl {
         if (r->length > core.o.max_request)
           fail(errc::out_of_range, "store.read", r->path, fmt::format("request of {} bytes exceeds the limit {}", r->length, core.o.max_request));
         if (r->length <= core.o.inline_max && reads.read_inline(c, *s, rid, *r)) return;
+      } else if (auto* rm = std::get_if<read_many>(&m.b)) {
+        n.reads.add(rm->ranges.size());
+        for (const auto& g : rm->ranges)
+          if (g.length > core.o.max_request)
+            fail(errc::out_of_range, "store.read", rm->path, fmt::format("a range of {} bytes exceeds the request limit {}", g.length, core.o.max_request));
+        if (!reads.read_many(c, *s, rid, *rm))
+          fail(errc::not_supported, "store.read", rm->path, "ranges in one request are served from local file systems only; read them one by one");
+        return;
       } else if (auto* wr = std::get_if<write_req>(&m.b)) {
         n.writes.add();
         return writes.begin_write(c, *s, rid, *wr);
