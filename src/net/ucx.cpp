@@ -662,7 +662,10 @@ void ucx_worker::leave(int how, bool settles) {
 
 void ucx_worker::owned_send_cb(void* request, ucs_status_t, void* user) {
   auto* w = static_cast<ucx_worker*>(user);
-  w->held_.erase(request);
+  if (auto it = w->held_.find(request); it != w->held_.end()) {
+    if (auto c = it->second.c.lock()) c->held_bytes_ -= it->second.a.size() + it->second.b.size();
+    w->held_.erase(it);
+  }
   w->pending_op(-1);
   ucp_request_free(request);
 }
@@ -697,8 +700,11 @@ void ucx_worker::send_held(connection& c, unsigned id, std::vector<std::byte>& a
     return;
   }
   // Moving a vector keeps its bytes where UCX points.
-  held_.emplace(r, held_send{std::move(a), b ? std::move(*b) : std::vector<std::byte>{}});
+  const std::size_t bytes = a.size() + (b ? b->size() : 0);
+  held_.emplace(r, held_send{std::move(a), b ? std::move(*b) : std::vector<std::byte>{}, c.weak_from_this()});
   pending_op(+1);
+  if ((c.held_bytes_ += bytes) > max_held_bytes)
+    c.mark_failed(fmt::format("the peer takes no answers: {} bytes sent to it are still queued", c.held_bytes_));
 }
 
 void ucx_worker::progress_once() {

@@ -111,6 +111,10 @@ class ucx_net_client final : public peer_memory_client {
 };
 
 // One endpoint (connection). Owned through shared_ptr; UCX calls on it run on the progress thread.
+// The most a connection's peer may leave untaken of what was sent to it (answers, frames) before the
+// connection fails: well above what its credits let a client that takes its answers have in flight.
+inline constexpr std::size_t max_held_bytes = 64u << 20;
+
 class connection : public std::enable_shared_from_this<connection> {
  public:
   connection(ucx_worker& w, std::string peer) : w_(w), peer_(std::move(peer)) {}
@@ -160,9 +164,14 @@ class connection : public std::enable_shared_from_this<connection> {
   void on_failure(std::function<void(const std::string&)> f);
 
  private:
+  friend class ucx_worker;  // counts held_bytes_ as it holds and lets go of this connection's sends
   ucx_worker& w_;
   std::string peer_;
   std::atomic<bool> alive_{true};
+  // Bytes of this connection's sends UCX holds, not yet taken by the peer (the worker's holder only).
+  // A peer that sends requests but takes no answers would make them grow without end: past
+  // max_held_bytes the connection fails.
+  std::size_t held_bytes_ = 0;
   mutable std::mutex mu_;
   std::string failure_;
   std::function<void(const std::string&)> on_failure_;  // mu_
@@ -332,6 +341,7 @@ class ucx_worker {
   std::int64_t pending_ = 0;              // the worker's holder only (see pending_op)
   struct held_send {
     std::vector<std::byte> a, b;
+    std::weak_ptr<connection> c;  // whose sends (their bytes count against it: connection::held_bytes_)
   };
   std::unordered_map<void*, held_send> held_;  // buffers of sends UCX has not finished (holder only)
   std::vector<std::byte> frame_scratch_, reply_scratch_;  // holder only: see connection::reply_space

@@ -414,3 +414,42 @@ TEST(StoreHostile, ALaneHelloWithAnotherTicketIsRefused) {
 }
 
 }  // namespace
+
+// A client that sends requests but takes none of the answers cannot make the server hold them without
+// end: past net::max_held_bytes queued for it, its connection fails on the server (its later requests
+// get no answer), while other clients are served throughout.
+TEST(StoreHostile, AClientThatTakesNoAnswersIsCutOff) {
+  exported e;
+  raw_client h(e.srv->port());
+  ASSERT_EQ(h.greet().credits, 2u);
+  std::atomic<int> answers{0};
+  h.w.on_reply([&](connection&, message, const std::byte*, std::size_t) { ++answers; });
+  // 1,000 reads of 256 KiB each (four ranges of a.bin), sent from the raw client's own worker, which
+  // then takes nothing for a while: 250 MiB of answers, about four times the bound.
+  std::vector<std::vector<std::byte>> frames;
+  for (std::uint64_t id = 100; id < 1100; ++id)
+    frames.push_back(encode({id, 0, read_many{"a.bin", 0, {{0, 65536}, {65536, 65536}, {131072, 65536}, {196608, 65536}}}}));
+  std::atomic<bool> sent{false};
+  h.w.post([&] {
+    for (auto& f : frames) {
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+      ucs_status_ptr_t r = ucp_am_send_nbx(h.c->ep, am_frame, nullptr, 0, f.data(), f.size(), &p);
+      if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);  // (the frames outlive the raw client's worker)
+    }
+    sent = true;
+    std::this_thread::sleep_for(std::chrono::seconds(2));  // takes nothing meanwhile
+  });
+  for (int i = 0; i < 100 && !sent; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(sent.load());
+  // Another client is served while the server holds answers for the first.
+  store::client good("127.0.0.1", e.srv->port());
+  EXPECT_EQ(good.stat("a.bin").size, 1u << 20);
+  // Once the raw client takes messages again it gets what the server held (and sent), not all 1,000.
+  std::this_thread::sleep_for(std::chrono::seconds(4));
+  EXPECT_EQ(e.srv->stats().inline_replies, 1000u) << "every request was read";
+  EXPECT_GT(answers.load(), 0);
+  EXPECT_LT(answers.load(), 1000) << "the server kept answering a client that took none";
+  EXPECT_EQ(good.stat("a.bin").size, 1u << 20);
+}
