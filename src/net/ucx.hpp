@@ -110,11 +110,11 @@ class ucx_net_client final : public peer_memory_client {
   registration_cache* classify_;
 };
 
-// One endpoint (connection). Owned through shared_ptr; UCX calls on it run on the progress thread.
 // The most a connection's peer may leave untaken of what was sent to it (answers, frames) before the
 // connection fails: well above what its credits let a client that takes its answers have in flight.
 inline constexpr std::size_t max_held_bytes = 64u << 20;
 
+// One endpoint (connection). Owned through shared_ptr; UCX calls on it run on the progress thread.
 class connection : public std::enable_shared_from_this<connection> {
  public:
   connection(ucx_worker& w, std::string peer) : w_(w), peer_(std::move(peer)) {}

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <thread>
 
 namespace ferry::store {
@@ -106,23 +107,14 @@ class remote_endpoint {
   client& c() { return k_->c; }
   std::chrono::nanoseconds timeout() const { return k_->timeout; }
 
-  void submit(op o) {
-    bool wake;
-    {
-      std::lock_guard l(k_->mu);
-      wake = k_->to_start.empty();  // else the starter has yet to take the queue, and will see this one
-      k_->to_start.push_back(std::move(o));
-    }
-    if (wake) k_->start_cv.notify_one();
-  }
-  // Several at once: the starter takes them in one go (and may send small reads of one file as one request).
-  // Never throws: one that could not be queued is completed with the error.
-  void submit(std::vector<op>& os) noexcept {
+  // Queues requests for the starter, which takes what is queued in one go (and may send small reads
+  // of one file as one request). Never throws: one that could not be queued is completed with the error.
+  void submit(std::span<op> os) noexcept {
     bool wake = false;
     std::size_t queued = 0;
     try {
       std::lock_guard l(k_->mu);
-      wake = k_->to_start.empty();
+      wake = k_->to_start.empty();  // else the starter has yet to take the queue, and will see these
       for (; queued < os.size(); ++queued) k_->to_start.push_back(std::move(os[queued]));
     } catch (const std::exception& e) {
       error err(errc::out_of_memory, "store.read", k_->c.peer(), e.what());
@@ -166,9 +158,8 @@ class remote_endpoint {
         std::size_t j = i + 1;
         if (small_read(k, batch[i]) && together(k, batch[i].path)) {
           std::uint64_t bytes = batch[i].bytes;
-          while (j < batch.size() && j - i < together_most && small_read(k, batch[j]) && batch[j].path == batch[i].path &&
-                 batch[j].version == batch[i].version && batch[j].deadline.same_batch(batch[i].deadline) &&
-                 bytes + batch[j].bytes <= together_bytes)
+          while (j < batch.size() && j - i < together_most && bytes + batch[j].bytes <= together_bytes && batch[j].path == batch[i].path &&
+                 batch[j].version == batch[i].version && batch[j].deadline.same_batch(batch[i].deadline) && small_read(k, batch[j]))
             bytes += batch[j++].bytes;
         }
         if (j - i >= 2 && start_together(k, batch, i, j)) {
@@ -233,24 +224,22 @@ class remote_endpoint {
     if (wake) k.finish_cv.notify_one();
   }
   static void start_one(core& k, op& o) {
-    {
-        if (o.deadline.cancelled()) {
-          error e(errc::cancelled, o.write ? "store.write" : "store.read", fmt::format("{} {}", k.c.peer(), printable(o.path)),
-                  "the batch was cancelled before the request was sent");
-          o.handle = nullptr;
-          o.done(0, &e);
-          return;
-        }
-        try {
-          o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until, o.version);
-        } catch (const error& e) {
-          o.handle = nullptr;
-          complete_after_error(k, o, e);
-          return;
-        }
-        o.handle = nullptr;  // used: only the completion holds the file now (see remote_file::start)
-        hand_to_finisher(k, std::move(o));
+    if (o.deadline.cancelled()) {
+      error e(errc::cancelled, o.write ? "store.write" : "store.read", fmt::format("{} {}", k.c.peer(), printable(o.path)),
+              "the batch was cancelled before the request was sent");
+      o.handle = nullptr;
+      o.done(0, &e);
+      return;
     }
+    try {
+      o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until, o.version);
+    } catch (const error& e) {
+      o.handle = nullptr;
+      complete_after_error(k, o, e);
+      return;
+    }
+    o.handle = nullptr;  // used: only the completion holds the file now (see remote_file::start)
+    hand_to_finisher(k, std::move(o));
   }
   static void finish_loop(core& k) {
     for (;;) {
@@ -385,7 +374,8 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         d(n, e);
       };
     }
-    ep_->submit({write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_, {}});
+    remote_endpoint::op o{write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_, {}};
+    ep_->submit({&o, 1});
   }
   // Reads of one batch go to the endpoint's queue together; writes one by one (as start).
   void start_many(std::span<request> rs, const source_deadline& until) override {

@@ -104,9 +104,9 @@ class FERRY_API client {
   ticket start_read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                     std::chrono::steady_clock::time_point until, std::uint64_t version = 0);
   // Small reads of one file into host memory, as one request answered in one message (a GPU cache's
-  // misses: many pages of one file at once). 1 to net::max_read_ranges ranges of 1 byte or more, at
-  // most net::max_read_many_bytes in all; invalid_argument otherwise, or for memory that is not host
-  // memory. finish_reads() gives each range's bytes (short only at the end of the file). A server
+  // misses: many pages of one file at once). 1 to net::max_read_ranges ranges of 1 to
+  // net::max_read_range bytes, at most net::max_read_many_bytes in all; invalid_argument otherwise, or
+  // for memory that is not host memory. finish_reads() gives each range's bytes (short only at the end of the file). A server
   // whose file is not on a local file system refuses the request (not_supported): read the ranges
   // one by one then.
   struct range_into {

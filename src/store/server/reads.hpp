@@ -2,9 +2,10 @@
 // The server's reads (store/server/): small ones on the progress thread (from the file's mapping,
 // into the reply or a region the client lent), larger ones as file requests whose data goes by
 // messages, into a lent region, or by RMA; writes into lent regions and by RMA come here too.
-#include <cstring>
 #include "store/server/core.hpp"
 #include "store/server/writes.hpp"
+
+#include <cstring>
 
 #include <optional>
 
