@@ -67,6 +67,7 @@ std::shared_ptr<client::impl::piece> client::impl::maybe_settle(const std::share
   release_buffers(p);
   p.done.store(true, std::memory_order_release);
   cv.notify_all();
+  ended(p);
   return nullptr;
 }
 
@@ -83,6 +84,7 @@ void client::impl::copy_out(std::shared_ptr<piece> pp) {
     release_buffers(q);
     q.done.store(true, std::memory_order_release);
     cv.notify_all();
+    ended(q);
   };
   // A small piece for host memory is a short memcpy: cheaper right here than the hand-off to an
   // engine worker and back (a GPU cache's misses land hundreds at a time in pinned host memory).
@@ -241,8 +243,13 @@ const memory_region* client::impl::buffer_region(const piece& p) {
 }
 
 client::ticket client::impl::start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
-                                   clk::time_point until, std::uint64_t handle, op* keep) {
+                                   clk::time_point until, std::uint64_t handle, op* keep, client::ended_fn ended_fn) {
   const char* opname = write ? "store.write" : "store.read";
+  std::shared_ptr<notice> ends;
+  if (ended_fn) {
+    ends = std::make_shared<notice>();
+    ends->fn = std::move(ended_fn);
+  }
   if (length && !mem) fail(errc::invalid_argument, opname, path, "null buffer");
   if (offset + length < offset) fail(errc::invalid_argument, opname, path, "offset + length overflows");
   // The caller's allocated buffer, mapped by every lane's server: straight in or out, for any size.
@@ -298,6 +305,10 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
       unsent = p;
       p->write = write;
       p->until = until;
+      if (ends) {
+        ends->left.fetch_add(1, std::memory_order_relaxed);
+        p->ends = ends;
+      }
       message m;
       const registration::piece* rp = nullptr;
       if (net && n) {
@@ -368,6 +379,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
         p = send(std::move(m), std::move(p), true, until, nullptr, &o2, keep ? nullptr : &registered);
         unsent.reset();
         if (keep) *keep = std::move(o2);
+        if (ends) ends->release();
         return registered;
       }
       p = send(std::move(m), std::move(p), true, until);
@@ -394,6 +406,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
       off += n;
     } while (off < length);
   } catch (...) {
+    if (ends) ends->armed.store(false, std::memory_order_release);  // no ticket: nothing to tell
     if (unsent) {
       std::lock_guard l(mu);
       release_land(*unsent, false);  // never sent: the server never saw its slot
@@ -415,6 +428,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   }
   ticket t = next_ticket++;
   ops.put(t, std::move(o2));
+  if (ends) ends->release();  // (under mu: told after the ticket is known, never before)
   return t;
 }
 
@@ -476,18 +490,18 @@ const std::string& client::peer() const noexcept { return impl_->peer; }
 bool client::writable() const noexcept { return impl_->hello_reply.writable; }
 
 client::ticket client::start_read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
-                                  clk::time_point until, std::uint64_t version) {
+                                  clk::time_point until, std::uint64_t version, ended_fn ended) {
   if (!version && length > impl_->o.piece) version = stat(path, until - clk::now()).version;
-  return impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, version);
+  return impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, version, nullptr, std::move(ended));
 }
 client::ticket client::start_write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
-                                   clk::time_point until) {
+                                   clk::time_point until, ended_fn ended) {
   if (!h.id) fail(errc::invalid_argument, "store.write", h.path, "not an open write (use open_write)");
   // The buffer is only read (sent), never written.
-  return impl_->start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id);
+  return impl_->start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id, nullptr, std::move(ended));
 }
 client::ticket client::start_reads(const std::string& path, std::span<const range_into> ranges, clk::time_point until,
-                                   std::uint64_t version) {
+                                   std::uint64_t version, ended_fn ended) {
   auto& I = *impl_;
   if (ranges.empty() || ranges.size() > net::max_read_ranges)
     fail(errc::invalid_argument, "store.read", printable(path), fmt::format("{} ranges in one request (1 to {})", ranges.size(), net::max_read_ranges));
@@ -513,8 +527,21 @@ client::ticket client::start_reads(const std::string& path, std::span<const rang
   p->land = p->owned.data();
   p->len = answer;
   impl::op whole{path, false, ranges.front().offset, answer, until, {}, {ranges.begin(), ranges.end()}};
+  std::shared_ptr<impl::notice> ends;
+  if (ended) {
+    ends = std::make_shared<impl::notice>();
+    ends->fn = std::move(ended);
+    ends->left.fetch_add(1, std::memory_order_relaxed);
+    p->ends = ends;
+  }
   ticket t = 0;
-  I.send({0, 0, std::move(m)}, std::move(p), true, until, nullptr, &whole, &t);
+  try {
+    I.send({0, 0, std::move(m)}, std::move(p), true, until, nullptr, &whole, &t);
+  } catch (...) {
+    if (ends) ends->armed.store(false, std::memory_order_release);
+    throw;
+  }
+  if (ends) ends->release();
   return t;
 }
 
@@ -524,7 +551,8 @@ bool client::host_memory(const void* p, std::uint64_t n) const {
   return t == memory_type::host_pageable || t == memory_type::host_pinned;
 }
 
-std::vector<std::uint64_t> client::finish_reads(ticket t, const std::function<bool()>& cancelled) {
+std::vector<std::uint64_t> client::finish_reads(ticket t, const std::function<bool()>& cancelled,
+                                                const std::function<bool(std::size_t)>& wanted) {
   auto& I = *impl_;
   impl::op x;
   {
@@ -546,7 +574,7 @@ std::vector<std::uint64_t> client::finish_reads(ticket t, const std::function<bo
     for (int k = 0; k < 8; ++k) n |= static_cast<std::uint64_t>(a[8 * i + k]) << (8 * k);
     if (n > x.ranges[i].length)
       fail(errc::protocol_error, "store.read", I.peer, fmt::format("the server claims {} bytes for a {}-byte range", n, x.ranges[i].length));
-    std::memcpy(x.ranges[i].dst, data, n);
+    if (!wanted || wanted(i)) std::memcpy(x.ranges[i].dst, data, n);
     out[i] = n;
     data += x.ranges[i].length;
   }
@@ -555,6 +583,21 @@ std::vector<std::uint64_t> client::finish_reads(ticket t, const std::function<bo
 
 std::uint64_t client::finish(ticket t) { return impl_->finish(t); }
 std::uint64_t client::finish(ticket t, const std::function<bool()>& cancelled) { return impl_->finish(t, &cancelled); }
+void client::progress(std::chrono::nanoseconds spin, const std::function<bool()>& stop) {
+  auto& I = *impl_;
+  std::vector<ucx_worker*> busy;  // (the workers live as long as the client)
+  {
+    std::lock_guard l(I.mu);
+    for (auto& x : I.lanes)
+      if (x->inflight > 0) busy.push_back(x->w.get());
+  }
+  const auto until = clk::now() + spin;
+  while (!busy.empty()) {
+    for (ucx_worker* w : busy)
+      if (w->drive(stop, clk::now() + std::chrono::microseconds(1))) return;
+    if (clk::now() >= until) return;
+  }
+}
 void* client::allocate(std::uint64_t bytes) { return impl_->allocate(bytes); }
 void client::deallocate(void* buffer) { impl_->deallocate(buffer); }
 

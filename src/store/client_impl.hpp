@@ -62,6 +62,16 @@ struct client::impl {
     std::string lending;
     std::vector<std::uint8_t> token;
   };
+  // A request's `ended` notice: told when its last piece is done. `left` counts its pieces not done
+  // plus one held while they are being sent, so that it is not told between two of them.
+  struct notice {
+    std::atomic<int> left{1};
+    std::atomic<bool> armed{true};  // false: start_* threw, the request has no ticket to tell of
+    client::ended_fn fn;
+    void release() {
+      if (left.fetch_sub(1, std::memory_order_acq_rel) == 1 && armed.load(std::memory_order_acquire)) fn();
+    }
+  };
   // One wire request.
   struct piece {
     std::uint64_t rid = 0;
@@ -87,6 +97,7 @@ struct client::impl {
     std::optional<message> reply;
     std::optional<error> err;
     std::atomic<bool> done{false};
+    std::shared_ptr<notice> ends;  // its request's, when the caller asked to be told
     // The thread waiting for it, while it waits (wait_piece): a piece it settles itself, driving
     // its lane, it also copies on itself -- it would only wait for another thread to do it.
     std::atomic<std::thread::id> waiter{};
@@ -275,7 +286,11 @@ struct client::impl {
   // the caller, who finishes it (a synchronous call), instead of being registered under a ticket.
   // `handle`: a write's open write; for a read, the file version it must come from (0: any).
   ticket start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
-               clk::time_point until, std::uint64_t handle = 0, op* keep = nullptr);
+               clk::time_point until, std::uint64_t handle = 0, op* keep = nullptr, client::ended_fn ended = {});
+  // A piece is done: its request's notice, if any, counts it.
+  static void ended(piece& p) {
+    if (p.ends) p.ends->release();
+  }
   std::uint64_t finish(ticket t, const std::function<bool()>* cancelled = nullptr);
   std::uint64_t finish(op& x, const std::function<bool()>* cancelled = nullptr);
   // Does [p, p+n) need host staging (GPU or sim memory UCX cannot reach)? `r` gets what it is: the
@@ -332,9 +347,10 @@ struct client::impl {
       if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     } else {
       for (;;) {  // in slices: a cancel is a flag, not a notification
+        // (Looked at first: a caller that saw the cancel asks to give up at once.)
+        if ((gave_up = cancelled && !p.done.load() && (*cancelled)())) break;
         if (cv.wait_until(l, std::min(until, clk::now() + std::chrono::milliseconds(100)), [&] { return p.done.load(); })) return;
         if (clk::now() >= until) break;
-        if ((gave_up = cancelled && (*cancelled)())) break;
         if (!ask_caller) continue;
         l.unlock();  // the caller's check (a Python signal handler) runs without the client's lock
         gave_up = interrupted();

@@ -11,6 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <condition_variable>
 #include <deque>
@@ -58,11 +60,13 @@ namespace {
 
 using clk = std::chrono::steady_clock;
 
-// One client and the two threads that drive its requests: the starter waits for credits (start_*),
-// the finisher for answers (finish), each bounded by the request's deadline. The client and the
-// queues live in a core the threads share, so the endpoint may be destroyed on one of its own
-// threads (a completion that drops the last reference to a remote file, and the file the last one to
-// the endpoint): that thread is let go and ends by itself once the queues are drained.
+// One client and the two threads that drive its requests: the starter waits for credits (start_*);
+// the reaper ends requests as the client tells they have ended, and gives up those whose batch was
+// cancelled or whose deadline passed (looked at every tenth of a second), so that one request
+// waiting for its answer holds up no other. The client and the queues live in a core the threads
+// share, so the endpoint may be destroyed on one of its own threads (a completion that drops the
+// last reference to a remote file, and the file the last one to the endpoint): that thread is let go
+// and ends by itself once the queues are drained.
 class remote_endpoint {
  public:
   struct op {
@@ -78,11 +82,13 @@ class remote_endpoint {
     client::ticket t = 0;
     std::uint64_t version = 0;  // reads: the file they must come from (0: any)
     std::vector<op> members;    // several small reads of one file sent as one request: the reads it answers
+    std::vector<char> gone;     // members already ended (their batch was cancelled)
+    bool started = false, told = false;  // (the core's mu) its start_* returned / the client told it ended
   };
 
   remote_endpoint(const uri& u, client_options o) : k_(std::make_shared<core>(u, std::move(o))) {
     starter_ = std::thread([k = k_] { start_loop(*k); });
-    finisher_ = std::thread([k = k_] { finish_loop(*k); });
+    reaper_ = std::thread([k = k_] { reap_loop(*k); });
   }
   ~remote_endpoint() {
     {
@@ -91,15 +97,15 @@ class remote_endpoint {
     }
     k_->start_cv.notify_all();
     // Each drains its queue first; every wait in them has a deadline. Destroyed on one of them, both
-    // are let go: the finisher waits for the starter, which cannot end while it runs this.
+    // are let go: the reaper waits for the starter, which cannot end while it runs this.
     const auto me = std::this_thread::get_id();
-    if (me == starter_.get_id() || me == finisher_.get_id()) {
+    if (me == starter_.get_id() || me == reaper_.get_id()) {
       starter_.detach();
-      finisher_.detach();
+      reaper_.detach();
       return;
     }
     starter_.join();
-    finisher_.join();
+    reaper_.join();
   }
   remote_endpoint(const remote_endpoint&) = delete;
   remote_endpoint& operator=(const remote_endpoint&) = delete;
@@ -125,12 +131,17 @@ class remote_endpoint {
 
  private:
   struct core {
-    core(const uri& u, client_options o) : timeout(o.timeout), c(u.host, u.port, std::move(o)) {}
-    std::chrono::nanoseconds timeout;
+    core(const uri& u, client_options o) : timeout(o.timeout), spin(o.spin), c(u.host, u.port, std::move(o)) {}
+    std::chrono::nanoseconds timeout, spin;
     client c;
     std::mutex mu;
-    std::condition_variable start_cv, finish_cv;  // the starter's and the finisher's: each wakes only its thread
-    std::deque<op> to_start, to_finish;
+    std::condition_variable start_cv, reap_cv;  // the starter's and the reaper's: each wakes only its thread
+    std::deque<op> to_start;
+    std::map<std::uint64_t, op> running;  // started (or being started), by the id below
+    std::vector<std::uint64_t> ended;     // running requests the client told have ended
+    std::uint64_t next_id = 1;
+    std::atomic<bool> told_any{false};  // a notice came (stops the reaper's driving)
+    bool reaper_idle = false, started_any = false;  // the reaper sleeps / was woken by a start
     bool stop = false, starter_done = false;
     std::set<std::string> one_by_one;  // paths whose server refused ranges in one request (mu)
   };
@@ -144,22 +155,23 @@ class remote_endpoint {
         std::unique_lock l(k.mu);
         k.start_cv.wait(l, [&] { return k.stop || !k.to_start.empty(); });
         if (k.to_start.empty()) {
-          k.starter_done = true;  // the finisher ends once it has nothing left either
+          k.starter_done = true;  // the reaper ends once it has nothing left either
           l.unlock();
-          k.finish_cv.notify_all();
+          k.reap_cv.notify_all();
           return;
         }
         batch.swap(k.to_start);
       }
       for (std::size_t i = 0; i < batch.size();) {
-        // Small reads of one file from one batch (a GPU cache's misses come hundreds at a time) go
-        // as one request, answered in one message: a request of its own each costs this side's
-        // sending and completing per 4 KiB page.
+        // Small reads of one file queued together go as one request, answered in one message: a
+        // request of its own each costs this side's sending and completing per 4 KiB page. They may
+        // come from different batches (a GPU cache's misses come a few per batch, many batches at
+        // once): the queue grows while the server is busy, so the busier it is the larger the groups.
         std::size_t j = i + 1;
         if (small_read(k, batch[i]) && together(k, batch[i].path)) {
           std::uint64_t bytes = batch[i].bytes;
           while (j < batch.size() && j - i < together_most && bytes + batch[j].bytes <= together_bytes && batch[j].path == batch[i].path &&
-                 batch[j].version == batch[i].version && batch[j].deadline.same_batch(batch[i].deadline) && small_read(k, batch[j]))
+                 batch[j].version == batch[i].version && small_read(k, batch[j]))
             bytes += batch[j++].bytes;
         }
         if (j - i >= 2 && start_together(k, batch, i, j)) {
@@ -188,40 +200,85 @@ class remote_endpoint {
       return false;  // (its own start says what is wrong with its memory)
     }
   }
+  // Starts `o` with `start(o, ended)` (a client's start_*, returning its ticket), as a running request
+  // that the client's `ended` notice hands to the reaper. Registered before it starts: the notice may
+  // come before start_* returns. A start that throws hands the request back (false, `err` set).
+  template <typename Start>
+  static bool run(core& k, op o, Start&& start, std::optional<error>& err, op& failed) {
+    std::uint64_t id;
+    op* r;
+    {
+      std::lock_guard l(k.mu);
+      id = k.next_id++;
+      r = &k.running.emplace(id, std::move(o)).first->second;  // (the reaper leaves it alone until started)
+    }
+    client::ended_fn told = [&k, id] {
+      bool wake = false;
+      {
+        std::lock_guard l(k.mu);
+        auto it = k.running.find(id);
+        if (it == k.running.end()) return;
+        it->second.told = true;
+        if (it->second.started) {
+          wake = k.ended.empty();
+          k.ended.push_back(id);
+          k.told_any.store(true, std::memory_order_release);
+        }
+      }
+      if (wake) k.reap_cv.notify_one();
+    };
+    client::ticket t = 0;
+    try {
+      t = start(*r, std::move(told));
+    } catch (const error& e) {
+      err = e;
+      std::lock_guard l(k.mu);
+      auto nh = k.running.extract(id);
+      failed = std::move(nh.mapped());
+      return false;
+    }
+    bool wake = false;
+    {
+      std::lock_guard l(k.mu);
+      r->t = t;
+      r->started = true;
+      if (r->told) {
+        wake = k.ended.empty();
+        k.ended.push_back(id);
+        k.told_any.store(true, std::memory_order_release);
+      } else if (k.reaper_idle && !k.started_any) {
+        wake = k.started_any = true;
+      }
+    }
+    if (wake) k.reap_cv.notify_one();
+    return true;
+  }
   // Reads [i, j) of the batch as one request; false (nothing started) where the client refuses it
   // (memory that is not host memory): then each goes on its own.
   static bool start_together(core& k, std::deque<op>& batch, std::size_t i, std::size_t j) {
     op g;
     g.path = batch[i].path;
     g.version = batch[i].version;
-    g.deadline = batch[i].deadline;
     g.until = batch[i].until;
-    std::vector<client::range_into> ranges;
-    ranges.reserve(j - i);
-    for (std::size_t x = i; x < j; ++x) {
-      ranges.push_back({batch[x].offset, batch[x].mem, batch[x].bytes});
-      g.until = std::min(g.until, batch[x].until);
-    }
-    try {
-      g.t = k.c.start_reads(g.path, ranges, g.until, g.version);
-    } catch (const error& e) {
-      if (e.code() == errc::invalid_argument) return false;
-      for (std::size_t x = i; x < j; ++x) complete_after_error(k, batch[x], e);
-      return true;
-    }
+    for (std::size_t x = i; x < j; ++x) g.until = std::min(g.until, batch[x].until);
     g.members.assign(std::make_move_iterator(batch.begin() + static_cast<std::ptrdiff_t>(i)),
                      std::make_move_iterator(batch.begin() + static_cast<std::ptrdiff_t>(j)));
-    hand_to_finisher(k, std::move(g));
-    return true;
-  }
-  static void hand_to_finisher(core& k, op o) {
-    bool wake;
-    {
-      std::lock_guard l(k.mu);
-      wake = k.to_finish.empty();
-      k.to_finish.push_back(std::move(o));
+    g.gone.assign(g.members.size(), 0);
+    std::optional<error> err;
+    op back;
+    const bool ok = run(k, std::move(g), [&](op& r, client::ended_fn told) {
+      std::vector<client::range_into> ranges;
+      ranges.reserve(r.members.size());
+      for (const op& m : r.members) ranges.push_back({m.offset, m.mem, m.bytes});
+      return k.c.start_reads(r.path, ranges, r.until, r.version, std::move(told));
+    }, err, back);
+    if (ok) return true;
+    if (err->code() == errc::invalid_argument) {  // each on its own, then
+      std::move(back.members.begin(), back.members.end(), batch.begin() + static_cast<std::ptrdiff_t>(i));
+      return false;
     }
-    if (wake) k.finish_cv.notify_one();
+    for (op& m : back.members) complete_after_error(k, m, *err);
+    return true;
   }
   static void start_one(core& k, op& o) {
     if (o.deadline.cancelled()) {
@@ -231,49 +288,133 @@ class remote_endpoint {
       o.done(0, &e);
       return;
     }
-    try {
-      o.t = o.write ? k.c.start_write(o.handle(), o.offset, o.mem, o.bytes, o.until) : k.c.start_read(o.path, o.offset, o.mem, o.bytes, o.until, o.version);
-    } catch (const error& e) {
-      o.handle = nullptr;
-      complete_after_error(k, o, e);
+    std::optional<error> err;
+    op back;
+    if (run(k, std::move(o), [&](op& r, client::ended_fn told) {
+          client::ticket t = r.write ? k.c.start_write(r.handle(), r.offset, r.mem, r.bytes, r.until, std::move(told))
+                                     : k.c.start_read(r.path, r.offset, r.mem, r.bytes, r.until, r.version, std::move(told));
+          r.handle = nullptr;  // used: only the completion holds the file now (see remote_file::start)
+          return t;
+        }, err, back))
       return;
-    }
-    o.handle = nullptr;  // used: only the completion holds the file now (see remote_file::start)
-    hand_to_finisher(k, std::move(o));
+    back.handle = nullptr;
+    complete_after_error(k, back, *err);
   }
-  static void finish_loop(core& k) {
+
+  // Ends what the client told has ended, and every tenth of a second gives up what no one wants any
+  // more (every member's batch cancelled) or what ran past its deadline. A finish here never waits
+  // for an answer: the request has ended, or it is given up at once.
+  static void reap_loop(core& k) {
+    auto looked = clk::now();
+    std::vector<op> now;
+    std::vector<std::pair<op*, std::size_t>> left;  // members whose batch was cancelled, ended below
     for (;;) {
-      op o;
+      now.clear();
+      left.clear();
       {
         std::unique_lock l(k.mu);
-        k.finish_cv.wait(l, [&] { return k.starter_done || !k.to_finish.empty(); });
-        if (k.to_finish.empty()) return;
-        o = std::move(k.to_finish.front());
-        k.to_finish.pop_front();
-      }
-      const std::function<bool()> cancelled = [&o] { return o.deadline.cancelled(); };
-      if (!o.members.empty()) {
-        std::vector<std::uint64_t> got;
-        try {
-          got = k.c.finish_reads(o.t, cancelled);
-        } catch (const error& e) {
-          if (e.code() == errc::not_supported) {
-            std::lock_guard l(k.mu);
-            k.one_by_one.insert(o.path);
+        if (k.ended.empty() && !k.running.empty()) {
+          // Answers expected: taken on this thread for a while (as a waiting caller would), which
+          // costs less than waking the connections' threads and then this one for each.
+          l.unlock();
+          k.c.progress(k.spin, [&k] { return k.told_any.load(std::memory_order_acquire); });
+          l.lock();
+        }
+        k.told_any.store(false, std::memory_order_relaxed);
+        k.reaper_idle = true;  // a start wakes it (to drive the connections for its answer)
+        k.reap_cv.wait_for(l, std::chrono::milliseconds(100),
+                           [&] { return !k.ended.empty() || k.started_any || (k.starter_done && k.running.empty()); });
+        k.reaper_idle = k.started_any = false;
+        if (k.ended.empty() && k.starter_done && k.running.empty()) return;
+        for (std::uint64_t id : k.ended) {
+          auto nh = k.running.extract(id);
+          if (!nh.empty()) now.push_back(std::move(nh.mapped()));
+        }
+        k.ended.clear();
+        const auto t = clk::now();
+        if (t - looked >= std::chrono::milliseconds(100)) {
+          looked = t;
+          for (auto it = k.running.begin(); it != k.running.end();) {
+            op& o = it->second;
+            bool give_up = o.started && t >= o.until;
+            if (o.started && !give_up) {
+              if (o.members.empty()) {
+                give_up = o.deadline.cancelled();
+              } else {
+                // Every member not yet ended cancelled: the request is given up (finish_group ends
+                // them). Else those cancelled end now, and the request goes on for the others.
+                bool all = true;
+                for (std::size_t i = 0; i < o.members.size() && all; ++i) all = o.gone[i] || o.members[i].deadline.cancelled();
+                give_up = all;
+                for (std::size_t i = 0; i < o.members.size() && !all; ++i)
+                  if (!o.gone[i] && o.members[i].deadline.cancelled()) {
+                    o.gone[i] = 1;
+                    left.push_back({&o, i});  // (it stays in `running`, which only this thread erases from)
+                  }
+              }
+            }
+            if (!give_up) {
+              ++it;
+              continue;
+            }
+            now.push_back(std::move(o));
+            it = k.running.erase(it);
           }
-          for (auto& m : o.members) complete_after_error(k, m, e, true);
+        }
+      }
+      for (auto& [o, i] : left) end_cancelled(k, o->members[i]);
+      for (op& o : now) {
+        if (!o.members.empty()) {
+          finish_group(k, o);
           continue;
         }
-        for (std::size_t i = 0; i < o.members.size(); ++i) o.members[i].done(got[i], nullptr);
-        continue;
-      }
-      try {
-        std::uint64_t n = k.c.finish(o.t, cancelled);
-        o.done(n, nullptr);
-      } catch (const error& e) {
-        complete_after_error(k, o, e);
+        const std::function<bool()> cancelled = [&o] { return o.deadline.cancelled(); };
+        try {
+          std::uint64_t n = k.c.finish(o.t, cancelled);
+          o.done(n, nullptr);
+        } catch (const error& e) {
+          complete_after_error(k, o, e);
+        }
       }
     }
+  }
+  // A member whose batch is cancelled ends at once, as a request of its own would; its memory is then
+  // left alone (the answer is not copied there).
+  static void end_cancelled(core& k, op& m) {
+    error c(errc::cancelled, "store.read", fmt::format("{} {} offset {}", k.c.peer(), printable(m.path), m.offset),
+            "the batch was cancelled while the read was under way");
+    m.done(0, &c);
+  }
+  // The members of a group may come from several batches: the request is given up only once every
+  // member has ended (cancelled).
+  static void finish_group(core& k, op& o) {
+    const std::function<bool()> cancelled = [&] {
+      bool all = true;
+      for (std::size_t i = 0; i < o.members.size(); ++i) {
+        if (o.gone[i]) continue;
+        if (!o.members[i].deadline.cancelled()) {
+          all = false;
+          continue;
+        }
+        o.gone[i] = 1;
+        end_cancelled(k, o.members[i]);
+      }
+      return all;
+    };
+    std::vector<std::uint64_t> got;
+    try {
+      got = k.c.finish_reads(o.t, cancelled, [&](std::size_t i) { return !o.gone[i]; });
+    } catch (const error& e) {
+      if (e.code() == errc::not_supported) {
+        std::lock_guard l(k.mu);
+        k.one_by_one.insert(o.path);
+      }
+      for (std::size_t i = 0; i < o.members.size(); ++i)
+        if (!o.gone[i]) complete_after_error(k, o.members[i], e, true);
+      return;
+    }
+    for (std::size_t i = 0; i < o.members.size(); ++i)
+      if (!o.gone[i]) o.members[i].done(got[i], nullptr);
   }
   // A read whose connection was lost (server restarted) is retried once, synchronously, within
   // its deadline. A write is not: its open write went with the connection (the file's commit then
@@ -303,7 +444,7 @@ class remote_endpoint {
   }
 
   std::shared_ptr<core> k_;
-  std::thread starter_, finisher_;
+  std::thread starter_, reaper_;
 };
 
 // A remote file. Writes are atomic per file (the server's open writes): they fill a new version,
@@ -374,7 +515,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         d(n, e);
       };
     }
-    remote_endpoint::op o{write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_, {}};
+    remote_endpoint::op o{write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_, {}, {}};
     ep_->submit({&o, 1});
   }
   // Reads of one batch go to the endpoint's queue together; writes one by one (as start).
@@ -391,7 +532,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         file_source::start_many({&r, 1}, until);
         continue;
       }
-      reads.push_back({false, {}, path_, r.offset, r.mem, r.bytes, until.at(), until, std::move(r.done), 0, version_, {}});
+      reads.push_back({false, {}, path_, r.offset, r.mem, r.bytes, until.at(), until, std::move(r.done), 0, version_, {}, {}});
     }
     if (!reads.empty()) ep_->submit(reads);
   }

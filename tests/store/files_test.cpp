@@ -248,6 +248,55 @@ TEST(RemoteFiles, SmallReadsOfABatchGoTogether) {
   EXPECT_LT(now.requests - served.requests, 40u) << "the 601 small host reads went as a few requests";
 }
 
+// A GPU cache's misses come a few per batch, many batches at once: small reads queued together go as
+// few requests even across batches, and a batch cancelled meanwhile ends without its memory being
+// written later (each cancelled batch's memory is refilled with a marker once its wait returns).
+TEST(RemoteFiles, SmallReadsOfManyBatchesGoTogether) {
+  fixture fx(false);
+  auto data = random_bytes((2 << 20) + 333, 47);
+  spill(fx.root / "d" / "pages.bin", data);
+  runtime rt(fx.cfg());
+  auto f = file::open(fx.uri("d/pages.bin"), open_mode::read);
+  constexpr int n = 300;
+  std::vector<std::vector<unsigned char>> host(n);
+  std::vector<file_request> reqs;
+  std::mt19937_64 rng(9);
+  for (int i = 0; i < n; ++i) {
+    const std::uint64_t len = 1 + rng() % 9000, off = rng() % (data.size() - len);
+    host[i].resize(len);
+    reqs.push_back({f, off, host[i].data(), len, false});
+  }
+  const auto served = fx.srv->stats();
+  std::vector<transfer_batch> bs;
+  for (int i = 0; i < n; ++i) {
+    bs.push_back(rt.files().submit({&reqs[i], 1}));
+    if (i % 3 == 1) bs.back().cancel();
+  }
+  for (int i = 0; i < n; ++i) {
+    const bool ok = bs[i].wait();
+    const auto r = bs[i].results()[0];
+    if (i % 3 == 1) {
+      ASSERT_TRUE(ok || r.state == request_state::cancelled) << "read " << i << ": " << (r.err ? r.err->what() : "");
+      if (!ok) std::memset(host[i].data(), 0xa5, host[i].size());  // ended: its memory is the caller's again
+      continue;
+    }
+    ASSERT_TRUE(ok) << "read " << i << ": " << (r.err ? r.err->what() : "");
+    ASSERT_EQ(r.bytes_done, reqs[i].bytes) << "read " << i;
+    ASSERT_EQ(0, std::memcmp(host[i].data(), data.data() + reqs[i].offset, reqs[i].bytes)) << "read " << i;
+  }
+  // Every batch over (a live member's group was copied out before it ended; a group of cancelled
+  // members only was given up): a late copy into a cancelled read's memory would show now.
+  bs.clear();
+  for (int i = 1; i < n; i += 3) {
+    if (host[i][0] != 0xa5) continue;
+    ASSERT_EQ(std::count(host[i].begin(), host[i].end(), 0xa5), static_cast<std::ptrdiff_t>(host[i].size())) << "cancelled read " << i << " written after it ended";
+  }
+  const auto now = fx.srv->stats();
+  const std::uint64_t reads = now.reads - served.reads, requests = now.requests - served.requests;
+  EXPECT_GE(reads, static_cast<std::uint64_t>(n - n / 3)) << "every read not cancelled was served";
+  EXPECT_LT(requests, reads) << "reads of different batches went together";
+}
+
 // A ferry:// file read in a stream's order: the stream is held while the read is submitted, and its
 // next op (a checksum of the destination) sees the server's bytes. Then the server goes away under a
 // second stream-ordered read: the read fails and the stream is released.

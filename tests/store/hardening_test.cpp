@@ -2,6 +2,7 @@
 // underneath, connections that never speak, clients that guess secrets or go quiet. Each test fails
 // on a server without the defence it names.
 #include <ferry/device/mapped_memory.hpp>
+#include <ferry/io/file.hpp>
 #include <ferry/io/file_engine.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/store/client.hpp>
@@ -36,6 +37,7 @@
 #include <csignal>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -987,4 +989,50 @@ TEST(StoreHardening, AServerThatWentQuietAndCameBackIsReadThroughAFreshLandingRe
   auto st = c.stats();
   EXPECT_EQ(st.landing_renewals, 1u);
   EXPECT_GE(st.direct_pieces, direct_before + 2 * 16) << "the reads after the renewal did not use shared memory: " << st.data_path;
+}
+
+// Small reads of many batches go to a server as one request; with the server stopped, every other
+// batch is cancelled. A cancelled batch ends while the server is still stopped, and its memory is
+// never written afterwards (it is refilled with a marker at once); once the server goes on, the
+// batches not cancelled get their bytes.
+TEST(StoreHardening, ACancelledBatchOfAGroupedReadEndsAndItsMemoryIsLeftAlone) {
+  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-grouped-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(root);
+  std::string data(1 << 20, '\0');
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 13 + 5);
+  std::ofstream(root / "pages.bin", std::ios::binary) << data;
+  test::served_process srv(FERRY_TEST_CLI, root);
+  settings cfg = settings::defaults();
+  cfg.backend = backend_choice::sim;
+  cfg.deadline = std::chrono::seconds(20);
+  runtime rt(cfg);
+  auto f = file::open(fmt::format("ferry://127.0.0.1:{}/pages.bin", srv.port), open_mode::read);
+  std::vector<char> first(4096);
+  file_request warm{f, 0, first.data(), first.size(), false};
+  ASSERT_TRUE(rt.files().submit({&warm, 1}).wait());  // connected
+  srv.stop();
+  constexpr int n = 64;
+  std::vector<std::vector<char>> mem(n, std::vector<char>(4096));
+  std::vector<file_request> reqs;
+  for (int i = 0; i < n; ++i) reqs.push_back({f, static_cast<std::uint64_t>(i) * 8192 + 100, mem[i].data(), 4096, false});
+  std::vector<transfer_batch> bs;
+  for (int i = 0; i < n; ++i) bs.push_back(rt.files().submit({&reqs[i], 1}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  for (int i = 1; i < n; i += 2) bs[i].cancel();
+  for (int i = 1; i < n; i += 2) {
+    EXPECT_FALSE(bs[i].wait(clk::now() + std::chrono::seconds(5))) << "batch " << i;
+    EXPECT_TRUE(bs[i].poll()) << "cancelled batch " << i << " still under way with the server stopped";
+    std::memset(mem[i].data(), 0x5a, mem[i].size());
+  }
+  srv.resume();
+  for (int i = 0; i < n; i += 2) {
+    ASSERT_TRUE(bs[i].wait()) << "batch " << i << ": " << (bs[i].results()[0].err ? bs[i].results()[0].err->what() : "");
+    EXPECT_EQ(0, std::memcmp(mem[i].data(), data.data() + reqs[i].offset, 4096)) << "batch " << i;
+  }
+  bs.clear();
+  for (int i = 1; i < n; i += 2)
+    EXPECT_EQ(std::count(mem[i].begin(), mem[i].end(), 0x5a), 4096) << "cancelled batch " << i << "'s memory written after it ended";
+  f.reset();
+  srv.kill();
+  std::filesystem::remove_all(root);
 }

@@ -41,10 +41,6 @@ class FERRY_API source_deadline {
     return moving_ ? clock::time_point(clock::duration(moving_->load(std::memory_order_relaxed))) : fixed_;
   }
   bool cancelled() const noexcept { return cancelled_ && cancelled_->load(std::memory_order_relaxed); }
-  // Whether `o` is the same batch's deadline (a source may serve such requests together).
-  bool same_batch(const source_deadline& o) const noexcept {
-    return moving_ == o.moving_ && cancelled_ == o.cancelled_ && fixed_ == o.fixed_;
-  }
   // The window a moving deadline keeps ahead of the last progress; 0 for a fixed one.
   std::chrono::nanoseconds idle() const noexcept { return moving_ ? idle_ : std::chrono::nanoseconds(0); }
   void moved() const noexcept {

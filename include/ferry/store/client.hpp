@@ -101,8 +101,13 @@ class FERRY_API client {
   // replaced since fails the read (io_error) instead of mixing two; 0: a read of more than one piece
   // looks it up first (one stat), a read of one piece is one request anyway.
   using ticket = std::uint64_t;
+  // `ended` (optional): told once the request has ended -- answered, failed, or given up on the wire --
+  // on whichever thread ended it (a lane's progress thread, a copy's worker, the one starting it);
+  // finish() then returns at once. It must not block or call the client. Not told when start_*
+  // throws.
+  using ended_fn = std::function<void()>;
   ticket start_read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
-                    std::chrono::steady_clock::time_point until, std::uint64_t version = 0);
+                    std::chrono::steady_clock::time_point until, std::uint64_t version = 0, ended_fn ended = {});
   // Small reads of one file into host memory, as one request answered in one message (a GPU cache's
   // misses: many pages of one file at once). 1 to net::max_read_ranges ranges of 1 to
   // net::max_read_range bytes, at most net::max_read_many_bytes in all; invalid_argument otherwise, or
@@ -115,11 +120,14 @@ class FERRY_API client {
     std::uint64_t length = 0;
   };
   ticket start_reads(const std::string& path, std::span<const range_into> ranges, std::chrono::steady_clock::time_point until,
-                     std::uint64_t version = 0);
+                     std::uint64_t version = 0, ended_fn ended = {});
   // Whether [p, p + n) is host memory (what start_reads takes), as this client's registration cache
   // classifies it (without one, any memory is taken for host memory).
   bool host_memory(const void* p, std::uint64_t n) const;
-  std::vector<std::uint64_t> finish_reads(ticket t, const std::function<bool()>& cancelled);
+  // `wanted(i)` false: range i's bytes are not copied into its memory (its reader has gone; checked
+  // once the answer is in).
+  std::vector<std::uint64_t> finish_reads(ticket t, const std::function<bool()>& cancelled,
+                                          const std::function<bool(std::size_t)>& wanted = {});
 
   // Writes are atomic per file. open_write() starts a new version of `path` on the server, invisible
   // under its name (`keep`: a copy of its current content, for updates in place; `replace`: empty);
@@ -136,7 +144,7 @@ class FERRY_API client {
   write_handle open_write(const std::string& path, net::write_mode mode = net::write_mode::replace,
                           std::chrono::nanoseconds timeout = std::chrono::seconds(30), std::uint64_t size_hint = 0);
   ticket start_write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
-                     std::chrono::steady_clock::time_point until);
+                     std::chrono::steady_clock::time_point until, ended_fn ended = {});
   void write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
              std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   // `size`: the file's size is set to it first (a replacement then has exactly the bytes written,
@@ -156,6 +164,10 @@ class FERRY_API client {
   // client's lock: it must not block or call the client): as at the deadline, the connection is
   // closed first (the lane's other requests fail and reconnect), and the error is `cancelled`.
   std::uint64_t finish(ticket t, const std::function<bool()>& cancelled);
+  // Drives this client's connections from the calling thread until `stop()` is true or `spin` has
+  // passed: answers that come meanwhile are taken here (their `ended` notices run here), without
+  // waking the connections' own threads. For a caller that expects answers soon.
+  void progress(std::chrono::nanoseconds spin, const std::function<bool()>& stop);
 
   // Host memory that this client's server can reach directly, for buffers used again and again (as
   // memory registered for RDMA is): shared memory lent to a same-host server, which then reads files
