@@ -99,8 +99,9 @@ pbig = big.data_ptr()
 side = torch.cuda.Stream()
 with torch.cuda.stream(side):
     other = torch.empty(16, device="cuda")           # torch allocates on the side stream too (attached from now)
-    torch.cuda._sleep(2_000_000_000)                 # the side stream is busy for about a second
-    big.fill_(7)                                     # then uses the block
+    big.fill_(7)                                     # uses the block (on the GPU, a fill_ after a long kernel on
+                                                     # its stream returned only once that kernel had ended)
+    torch.cuda._sleep(2_000_000_000)                 # then the side stream is busy for about a second
 del big                                              # freed on its own stream while the side stream may use it
 out["side_busy_at_free"] = not side.query()          # else the check below proves nothing
 out["fenced_after_free"] = ferry.torch.info()["fenced_bytes"]

@@ -133,7 +133,8 @@ class remote_endpoint {
   struct core {
     core(const uri& u, client_options o) : timeout(o.timeout), spin(o.spin), c(u.host, u.port, std::move(o)) {}
     std::chrono::nanoseconds timeout, spin;
-    client c;
+    // Declared before the client, so destroyed after it: the client's last notices (requests it ends
+    // as it shuts down) still find them.
     std::mutex mu;
     std::condition_variable start_cv, reap_cv;  // the starter's and the reaper's: each wakes only its thread
     std::deque<op> to_start;
@@ -144,6 +145,7 @@ class remote_endpoint {
     bool reaper_idle = false, started_any = false;  // the reaper sleeps / was woken by a start
     bool stop = false, starter_done = false;
     std::set<std::string> one_by_one;  // paths whose server refused ranges in one request (mu)
+    client c;
   };
 
   // Takes the whole queue at each wake-up: one lock and one hand-over per batch of requests, not per
@@ -259,8 +261,8 @@ class remote_endpoint {
     op g;
     g.path = batch[i].path;
     g.version = batch[i].version;
-    g.until = batch[i].until;
-    for (std::size_t x = i; x < j; ++x) g.until = std::min(g.until, batch[x].until);
+    g.until = batch[i].until;  // the latest member's: each member ends at its own (the reaper)
+    for (std::size_t x = i; x < j; ++x) g.until = std::max(g.until, batch[x].until);
     g.members.assign(std::make_move_iterator(batch.begin() + static_cast<std::ptrdiff_t>(i)),
                      std::make_move_iterator(batch.begin() + static_cast<std::ptrdiff_t>(j)));
     g.gone.assign(g.members.size(), 0);
@@ -316,11 +318,11 @@ class remote_endpoint {
         if (k.ended.empty() && !k.running.empty()) {
           // Answers expected: taken on this thread for a while (as a waiting caller would), which
           // costs less than waking the connections' threads and then this one for each.
+          k.told_any.store(false, std::memory_order_relaxed);
           l.unlock();
           k.c.progress(k.spin, [&k] { return k.told_any.load(std::memory_order_acquire); });
           l.lock();
         }
-        k.told_any.store(false, std::memory_order_relaxed);
         k.reaper_idle = true;  // a start wakes it (to drive the connections for its answer)
         k.reap_cv.wait_for(l, std::chrono::milliseconds(100),
                            [&] { return !k.ended.empty() || k.started_any || (k.starter_done && k.running.empty()); });
@@ -341,13 +343,13 @@ class remote_endpoint {
               if (o.members.empty()) {
                 give_up = o.deadline.cancelled();
               } else {
-                // Every member not yet ended cancelled: the request is given up (finish_group ends
-                // them). Else those cancelled end now, and the request goes on for the others.
+                // Every member not yet ended cancelled or past its deadline: the request is given up
+                // (finish_group ends them). Else those end now, and the request goes on for the others.
                 bool all = true;
-                for (std::size_t i = 0; i < o.members.size() && all; ++i) all = o.gone[i] || o.members[i].deadline.cancelled();
+                for (std::size_t i = 0; i < o.members.size() && all; ++i) all = o.gone[i] || over(o.members[i], t);
                 give_up = all;
                 for (std::size_t i = 0; i < o.members.size() && !all; ++i)
-                  if (!o.gone[i] && o.members[i].deadline.cancelled()) {
+                  if (!o.gone[i] && over(o.members[i], t)) {
                     o.gone[i] = 1;
                     left.push_back({&o, i});  // (it stays in `running`, which only this thread erases from)
                   }
@@ -362,7 +364,7 @@ class remote_endpoint {
           }
         }
       }
-      for (auto& [o, i] : left) end_cancelled(k, o->members[i]);
+      for (auto& [o, i] : left) end_member(k, o->members[i]);
       for (op& o : now) {
         if (!o.members.empty()) {
           finish_group(k, o);
@@ -378,39 +380,51 @@ class remote_endpoint {
       }
     }
   }
-  // A member whose batch is cancelled ends at once, as a request of its own would; its memory is then
-  // left alone (the answer is not copied there).
-  static void end_cancelled(core& k, op& m) {
-    error c(errc::cancelled, "store.read", fmt::format("{} {} offset {}", k.c.peer(), printable(m.path), m.offset),
-            "the batch was cancelled while the read was under way");
-    m.done(0, &c);
+  // A member of a group whose batch was cancelled, or whose own deadline passed, while the others
+  // still want the answer.
+  static bool over(const op& m, clk::time_point t) { return m.deadline.cancelled() || t >= m.until; }
+  // Ends such a member at once, as a request of its own would end; its memory is then left alone (the
+  // answer is not copied there).
+  static void end_member(core& k, op& m) {
+    const bool cancelled = m.deadline.cancelled();
+    error e(cancelled ? errc::cancelled : errc::timeout, "store.read", fmt::format("{} {} offset {}", k.c.peer(), printable(m.path), m.offset),
+            cancelled ? "the batch was cancelled while the read was under way" : "no answer before the deadline");
+    m.done(0, &e);
   }
   // The members of a group may come from several batches: the request is given up only once every
-  // member has ended (cancelled).
+  // member is over. (Members are only marked in the client's check, which runs under its lock; they
+  // end after it.)
   static void finish_group(core& k, op& o) {
+    std::vector<std::size_t> over_now;
     const std::function<bool()> cancelled = [&] {
+      const auto t = clk::now();
       bool all = true;
       for (std::size_t i = 0; i < o.members.size(); ++i) {
         if (o.gone[i]) continue;
-        if (!o.members[i].deadline.cancelled()) {
+        if (!over(o.members[i], t)) {
           all = false;
           continue;
         }
         o.gone[i] = 1;
-        end_cancelled(k, o.members[i]);
+        over_now.push_back(i);
       }
       return all;
     };
     std::vector<std::uint64_t> got;
+    std::optional<error> failed;
     try {
       got = k.c.finish_reads(o.t, cancelled, [&](std::size_t i) { return !o.gone[i]; });
     } catch (const error& e) {
-      if (e.code() == errc::not_supported) {
+      failed = e;
+    }
+    for (std::size_t i : over_now) end_member(k, o.members[i]);
+    if (failed) {
+      if (failed->code() == errc::not_supported) {
         std::lock_guard l(k.mu);
         k.one_by_one.insert(o.path);
       }
       for (std::size_t i = 0; i < o.members.size(); ++i)
-        if (!o.gone[i]) complete_after_error(k, o.members[i], e, true);
+        if (!o.gone[i]) complete_after_error(k, o.members[i], *failed, true);
       return;
     }
     for (std::size_t i = 0; i < o.members.size(); ++i)
