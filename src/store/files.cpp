@@ -82,7 +82,7 @@ class remote_endpoint {
     client::ticket t = 0;
     std::uint64_t version = 0;  // reads: the file they must come from (0: any)
     std::vector<op> members;    // several small reads of one file sent as one request: the reads it answers
-    std::vector<char> gone;     // members already ended (their batch was cancelled)
+    std::vector<char> gone;     // members already ended (batch cancelled, or their deadline passed)
     bool started = false, told = false;  // (the core's mu) its start_* returned / the client told it ended
   };
 
@@ -309,7 +309,7 @@ class remote_endpoint {
   static void reap_loop(core& k) {
     auto looked = clk::now();
     std::vector<op> now;
-    std::vector<std::pair<op*, std::size_t>> left;  // members whose batch was cancelled, ended below
+    std::vector<std::pair<op*, std::size_t>> left;  // members over (cancelled, past their deadline), ended below
     for (;;) {
       now.clear();
       left.clear();
