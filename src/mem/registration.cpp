@@ -165,6 +165,26 @@ struct registration_cache::impl {
   // (one attribute: the buffer id, which a free and a new allocation at the same address change).
   // Bounded.
   std::map<std::uintptr_t, std::pair<std::uintptr_t, memory_region>> seen;
+  // A pageable range found mapped, joined with those seen next to it or over it: a buffer read into a
+  // page at a time (a ferry:// source's small reads) then becomes one entry, not a probe per page.
+  // (An unmap drops every entry it touches: a joined one whole.) mu held.
+  void remember_pageable(std::uintptr_t a, std::uint64_t n, const memory_region& r) {
+    std::uintptr_t lo = a, hi = a + n;
+    auto next = seen.lower_bound(lo);
+    if (next != seen.begin()) {
+      auto before = std::prev(next);
+      if (before->second.second.type == memory_type::host_pageable && before->second.first >= lo) {
+        lo = before->first;
+        hi = std::max(hi, before->second.first);
+        next = seen.erase(before);
+      }
+    }
+    while (next != seen.end() && next->first <= hi && next->second.second.type == memory_type::host_pageable) {
+      hi = std::max(hi, next->second.first);
+      next = seen.erase(next);
+    }
+    seen[lo] = {hi, r};
+  }
   std::uint64_t generation = 0;  // bumped by every invalidation: a probe that raced one is not remembered
   // classify() calls asking clients outside the lock: a client withdrawn waits for them. Counted
   // up under mu, down without it (no second lock per classification); a withdrawal under way is
@@ -500,7 +520,7 @@ memory_region registration_cache::classify(const void* p, std::uint64_t n) {
         if (impl_->generation == gen && !impl_->pending.any.load(std::memory_order_acquire)) {
           if (impl_->seen.size() >= 256) impl_->seen.clear();
           if (whole) impl_->seen[r->base] = {r->base + r->size, *r};
-          else impl_->seen[a] = {a + n, *r};
+          else impl_->remember_pageable(a, n, *r);
         }
       }
       return *r;

@@ -212,6 +212,7 @@ void encode_into(const message& m, std::vector<std::byte>& out) {
           if (v.ranges.empty() || v.ranges.size() > max_read_ranges)
             fail(errc::invalid_argument, "net.encode", "read_many", fmt::format("{} ranges (1 to {})", v.ranges.size(), max_read_ranges));
           p.put(v.version);
+          p.put(v.into);
           p.put(static_cast<std::uint16_t>(v.ranges.size()));
           for (const auto& g : v.ranges) {
             p.put(g.offset);
@@ -369,6 +370,7 @@ message decode(std::span<const std::byte> bytes) {
     case msg_type::read_many: {
       read_many v;
       v.version = r.get<std::uint64_t>("version");
+      v.into = r.get<std::uint64_t>("answer address");
       auto n = r.get<std::uint16_t>("range count");
       if (n == 0 || n > max_read_ranges) bad(fmt::format("{} ranges (1 to {})", n, max_read_ranges));
       v.ranges.resize(n);

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <sys/epoll.h>
+#include <pthread.h>
 #include <sys/prctl.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -565,6 +566,7 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::sha
     // Its naps (reacquire) should be as short as asked: the default 50 us timer slack would make a
     // 10 us nap last 60, and a caller that stops driving waits for the nap to end.
     ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    ::pthread_setname_np(::pthread_self(), "ferry-ucx");  // for top, perf and debuggers
     loop();
   });
 }

@@ -44,6 +44,7 @@ void client::impl::copy_bytes(std::byte* dst, const std::byte* src, std::uint64_
 
 void client::impl::release_buffers(piece& p) {
   p.slot.reset();
+  if (p.keeps_land && !p.err) return;  // finish_reads copies the answer out of the slot, then gives it back
   release_land(p, !p.replied);
 }
 
@@ -523,9 +524,22 @@ client::ticket client::start_reads(const std::string& path, std::span<const rang
   I.ensure_connected(until);
   auto p = std::make_shared<impl::piece>();
   p->until = until;
-  p->owned.resize(answer);
-  p->land = p->owned.data();
   p->len = answer;
+  // On the same host the server writes the answer into a slot of the landing region and sends only
+  // its completion: no answer crosses UCX, and nothing is allocated here for it. (A spent region:
+  // by messages, as to a server on another host.)
+  if (I.direct_available()) {
+    if (auto lr = I.current_landing(); lr && (p->land_slot = lr->take_slot(answer, until, I.peer)) >= 0) {
+      p->region = std::move(lr);
+      p->land = p->region->slot(p->land_slot);
+      p->direct = p->keeps_land = true;
+      m.into = reinterpret_cast<std::uint64_t>(p->land);
+    }
+  }
+  if (!p->land) {
+    p->owned.resize(answer);
+    p->land = p->owned.data();
+  }
   impl::op whole{path, false, ranges.front().offset, answer, until, {}, {ranges.begin(), ranges.end()}};
   std::shared_ptr<impl::notice> ends;
   if (ended) {
@@ -563,8 +577,26 @@ std::vector<std::uint64_t> client::finish_reads(ticket t, const std::function<bo
     x = std::move(it->second);
     I.ops.erase(it);
   }
-  std::uint64_t got = I.finish(x, &cancelled);
-  const std::byte* a = x.pieces.first->owned.data();
+  // A landing slot the answer kept goes back however this ends; one still in flight (given up)
+  // goes back, or is quarantined, when it settles.
+  auto give_back = [&] {
+    std::lock_guard l(I.mu);
+    auto& p = *x.pieces.first;
+    p.keeps_land = false;
+    if (p.settled) I.release_land(p, !p.replied);
+  };
+  std::uint64_t got = 0;
+  try {
+    got = I.finish(x, &cancelled);
+  } catch (...) {
+    give_back();
+    throw;
+  }
+  struct at_end {
+    decltype(give_back)& f;
+    ~at_end() { f(); }
+  } release{give_back};
+  const std::byte* a = x.pieces.first->land;
   if (got != x.length)
     fail(errc::protocol_error, "store.read", I.peer, fmt::format("an answer of {} bytes for {} ranges of {}", got, x.ranges.size(), x.length));
   std::vector<std::uint64_t> out(x.ranges.size());

@@ -81,7 +81,8 @@ struct client::impl {
     std::shared_ptr<registration> net;  // network registration of the memory an RMA piece uses
     std::byte* rma_mem = nullptr;
     std::byte* land = nullptr;       // where read data lands (the destination, a staging buffer or a landing slot)
-    std::vector<std::byte> owned;    // read_many: the answer lands here, then goes to each range's memory
+    std::vector<std::byte> owned;    // read_many by messages: the answer lands here, then goes to each range's memory
+    bool keeps_land = false;         // read_many into a landing slot: the slot stays taken after the answer, until finish_reads copied it out
     std::uint64_t len = 0;
     std::byte* final_dst = nullptr;  // staged reads: copied here by the transfer engine
     memory_region user;              // staged pieces: the caller's memory, as classified once at the start

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -87,8 +88,15 @@ class remote_endpoint {
   };
 
   remote_endpoint(const uri& u, client_options o) : k_(std::make_shared<core>(u, std::move(o))) {
-    starter_ = std::thread([k = k_] { start_loop(*k); });
-    reaper_ = std::thread([k = k_] { reap_loop(*k); });
+    // (Named for top, perf and debuggers.)
+    starter_ = std::thread([k = k_] {
+      ::pthread_setname_np(::pthread_self(), "ferry-r-start");
+      start_loop(*k);
+    });
+    reaper_ = std::thread([k = k_] {
+      ::pthread_setname_np(::pthread_self(), "ferry-r-reap");
+      reap_loop(*k);
+    });
   }
   ~remote_endpoint() {
     {
@@ -486,10 +494,12 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
   }
   std::uint64_t size() override { return ep_->c().stat(path_, ep_->timeout()).size; }
   // The shared client's: its transports, how the data came (landing region, RMA, messages) and
-  // whether it was copied on from where it landed (by the transfer engine, or a memcpy for small host pieces).
+  // whether it was copied on from where it landed (by the transfer engine, or a memcpy for small host
+  // pieces); and the requests it sent (small reads go many to a request).
   std::string describe() override {
     auto st = ep_->c().stats();
-    return fmt::format("UCX [{}], data by {}{}", st.transports, data_route(st), st.staged_bytes ? " -> copied on from where it landed" : "");
+    return fmt::format("UCX [{}], {} request{} sent, data by {}{}", st.transports, st.requests, st.requests == 1 ? "" : "s",
+                       data_route(st), st.staged_bytes ? " -> copied on from where it landed" : "");
   }
   void sync() override {
     std::optional<client::write_handle> h;

@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include <pthread.h>
 #include <sys/prctl.h>
 
 #include <algorithm>
@@ -147,7 +148,10 @@ struct transfer_engine::impl {
           if (stop) return;
         }
         try {
-          threads.emplace_back([this] { work(); });
+          threads.emplace_back([this] {
+            ::pthread_setname_np(::pthread_self(), "ferry-xfer");  // for top, perf and debuggers
+            work();
+          });
           workers_made.fetch_add(1);
           c_made.add(1);
         } catch (const std::exception& e) {

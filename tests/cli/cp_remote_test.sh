@@ -35,7 +35,7 @@ same() {  # name, file a, file b
 }
 check "file -> ferry://" "checksum verified" "$FERRY" cp "file:$work/src.bin" "$remote/up.bin"
 same "file -> ferry:// (cmp)" "$work/src.bin" "$work/export/up.bin"
-check "ferry:// -> file" "UCX \[.*\], data by .* -> host -> file, checksum verified" "$FERRY" cp "$remote/up.bin" "file:$work/down.bin"
+check "ferry:// -> file" "UCX \[.*\], [0-9]+ requests? sent, data by .* -> host -> file, checksum verified" "$FERRY" cp "$remote/up.bin" "file:$work/down.bin"
 same "ferry:// -> file (cmp)" "$work/src.bin" "$work/down.bin"
 check "ferry:// -> file --via sim:0" "-> sim:0 -> file, checksum verified" "$FERRY" cp "$remote/up.bin" "file:$work/down2.bin" --via sim:0
 same "ferry:// -> file --via sim:0 (cmp)" "$work/src.bin" "$work/down2.bin"

@@ -361,6 +361,37 @@ TEST(RegistrationCache, RememberedHostClassificationGoesWithTheMemory) {
   EXPECT_EQ(cache.classify(p, n).type, memory_type::unknown) << "a remembered classification outlived the memory";
 }
 
+// Pageable ranges classified next to each other (a buffer read into a page at a time) join into one
+// remembered range: a range inside it is asked of no client. Invalidating a page of it forgets all of
+// it, and the clients are asked again.
+TEST(RegistrationCache, AdjacentPageableClassificationsJoin) {
+  struct pageable_client final : peer_memory_client {
+    int asked = 0;
+    std::string_view name() const noexcept override { return "fake-pageable"; }
+    std::optional<memory_region> acquire(const void* p, std::uint64_t n) override {
+      auto a = reinterpret_cast<std::uintptr_t>(p);
+      if (a < kBase || a + n > kBase + (1 << 20)) return std::nullopt;
+      asked++;
+      return memory_region{memory_type::host_pageable, device_kind::none, -1, a, n, 0, this};
+    }
+    std::uint64_t pin(const memory_region&, std::uintptr_t, std::uint64_t) override { return 0; }
+    void unpin(std::uint64_t, std::uintptr_t, std::uint64_t) noexcept override {}
+    bool still_valid(const memory_region&) override { return true; }
+  } c;
+  registration_cache cache({&c}, 1 << 20);
+  for (std::uint64_t page : {3, 1, 2, 0, 5, 4}) EXPECT_EQ(cache.classify(at(page * 4096), 4096).type, memory_type::host_pageable);
+  EXPECT_EQ(c.asked, 6);
+  auto whole = cache.classify(at(100), 6 * 4096 - 100);
+  EXPECT_EQ(c.asked, 6) << "six pages seen one by one were asked about again as one range";
+  EXPECT_EQ(whole.base, kBase + 100);
+  EXPECT_EQ(whole.size, 6u * 4096 - 100);
+  cache.classify(at(6 * 4096), 1);  // past them: asked
+  EXPECT_EQ(c.asked, 7);
+  cache.invalidate(kBase + 2 * 4096, 4096);
+  cache.classify(at(0), 4096);
+  EXPECT_EQ(c.asked, 8) << "a page of the joined range was invalidated: the range is asked afresh";
+}
+
 // A device allocation's classification is remembered whole (its bounds are the allocation's) and
 // checked on every hit: freed and re-allocated at the same address, it is asked afresh.
 TEST(RegistrationCache, RememberedDeviceClassificationIsCheckedOnEveryHit) {

@@ -44,7 +44,7 @@ std::vector<message> samples() {
       {18, 0, read_rma{"empty-key", 0, 1, 0x1000, {}}},  // found by the fuzzer: an empty rkey (memcpy from null)
       {19, 0, open_write{"out/new.bin", write_mode::keep, 5 << 20}},
       {20, 0, end_write{0x1234567890abcdefull, 1 << 20, write_end::commit_size}},
-      {21, 0, read_many{"cache/pages.bin", 0x77, {{4096, 4096}, {1ull << 33, 100}, {0, 1}}}},
+      {21, 0, read_many{"cache/pages.bin", 0x77, {{4096, 4096}, {1ull << 33, 100}, {0, 1}}, 0x7f0012340000}},
   };
 }
 
@@ -170,6 +170,7 @@ TEST(Protocol, ReadManyRangesAreBounded) {
   auto m = std::get<read_many>(decode(encode(samples()[21])).b);
   EXPECT_EQ(m.path, "cache/pages.bin");
   EXPECT_EQ(m.version, 0x77u);
+  EXPECT_EQ(m.into, 0x7f0012340000u);
   ASSERT_EQ(m.ranges.size(), 3u);
   EXPECT_EQ(m.ranges[1].offset, 1ull << 33);
   EXPECT_EQ(m.ranges[1].length, 100u);
@@ -186,7 +187,7 @@ TEST(Protocol, ReadManyRangesAreBounded) {
   EXPECT_NO_THROW(decode(encode({1, 0, read_many{"f", 0, std::vector<read_range>(max_read_ranges, {0, max_read_many_bytes / max_read_ranges})}})));
   // A count that claims more ranges than the frame holds is truncated, not allocated for.
   auto f = encode({1, 0, read_many{"f", 0, {{0, 1}}}});
-  f[header_size + 8] = std::byte{0x04};  // the count's low byte: 1 -> 4
+  f[header_size + 16] = std::byte{0x04};  // the count's low byte (after version and into): 1 -> 4
   EXPECT_THAT(test::error_text([&] { decode(f); }), HasSubstr("truncated"));
 }
 
@@ -197,8 +198,8 @@ TEST(Protocol, MalformedFramesAreRefusedWithTheReason) {
   bad_magic[0] = std::byte{0};
   EXPECT_THAT(text(bad_magic), HasSubstr("bad magic"));
   auto bad_version = frame;
-  bad_version[4] = std::byte{9};
-  EXPECT_THAT(text(bad_version), HasSubstr("unsupported protocol version 9"));
+  bad_version[4] = static_cast<std::byte>(protocol_version + 1);
+  EXPECT_THAT(text(bad_version), HasSubstr("unsupported protocol version " + std::to_string(protocol_version + 1)));
   auto truncated = frame;
   truncated.pop_back();
   EXPECT_THAT(text(truncated), HasSubstr("header says"));

@@ -186,6 +186,29 @@ TEST(StoreHostile, NotifyRecordsStayInsideLentRegions) {
   EXPECT_EQ(rec[0], 4u);
   EXPECT_EQ(rec[1], 100u);
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(r.data()), 100), std::string(100, 'x'));
+  // Ranges in one request answered into the region: one past its end is refused, nothing written;
+  // inside, the counts and the data are there and the completion carries nothing else.
+  const std::vector<read_range> two = {{0, 4096}, {(1 << 20) - 10, 4096}};
+  const std::uint64_t answer = read_many_answer_bytes(two);
+  std::memset(r.data(), 0x11, r.size());
+  h.c->send_frame({5, 0, read_many{"a.bin", 0, two, base + r.size() - answer + 1}});
+  ASSERT_TRUE(h.wait_for(5));
+  ASSERT_TRUE(std::holds_alternative<error_reply>(h.got[4].b));
+  EXPECT_THAT(std::get<error_reply>(h.got[4].b).message, HasSubstr("outside every region the client lent"));
+  EXPECT_EQ(r.data()[r.size() - 1], std::byte{0x11});
+  h.c->send_frame({6, 0, read_many{"a.bin", 0, two, base + 64}});
+  ASSERT_TRUE(h.wait_for(6));
+  ASSERT_TRUE(std::holds_alternative<complete>(h.got[5].b));
+  EXPECT_EQ(std::get<complete>(h.got[5].b).bytes, answer);
+  std::uint64_t counts[2];
+  std::memcpy(counts, r.data() + 64, sizeof counts);
+  EXPECT_EQ(counts[0], 4096u);
+  EXPECT_EQ(counts[1], 10u);
+  const char* d = reinterpret_cast<const char*>(r.data()) + 64 + 16;
+  EXPECT_EQ(std::string(d, 4096), std::string(4096, 'x'));
+  EXPECT_EQ(std::string(d + 4096, 10), std::string(10, 'x'));
+  EXPECT_EQ(std::string(d + 4096 + 10, 4086), std::string(4086, '\0')) << "zeros past the end of the file";
+  EXPECT_EQ(r.data()[64 + answer], std::byte{0x11}) << "nothing past the answer";
 }
 
 TEST(StoreHostile, DirectRequestsNeedAMappedRegionAndStayInsideIt) {
@@ -197,6 +220,14 @@ TEST(StoreHostile, DirectRequestsNeedAMappedRegionAndStayInsideIt) {
   ASSERT_TRUE(h.wait_for(2));
   ASSERT_TRUE(std::holds_alternative<error_reply>(h.got[1].b));
   EXPECT_THAT(std::get<error_reply>(h.got[1].b).message, HasSubstr("without a mapped region"));
+  h.c->send_frame({7, 0, read_many{"a.bin", 0, {{0, 4096}}, 0x10000}});
+  ASSERT_TRUE(h.wait_for(3));
+  {
+    std::lock_guard l(h.mu);
+    ASSERT_TRUE(std::holds_alternative<error_reply>(h.got.back().b));
+    EXPECT_THAT(std::get<error_reply>(h.got.back().b).message, HasSubstr("without a mapped region"));
+    h.got.pop_back();  // the answers below are counted from here
+  }
   // A region never passed on the lending socket: answered "not mapped" (0).
   h.c->send_frame({3, 0, lend{0x10000, 1 << 20, 12345}});
   ASSERT_TRUE(h.wait_for(3));

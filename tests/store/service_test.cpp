@@ -20,6 +20,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -104,31 +105,44 @@ TEST(StoreService, LargeReadsAreRequestsOfTheFileEngine) {
 // memory that is not host memory and a file replaced since the version asked for are refused.
 TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
   served s;
-  store::client c("127.0.0.1", s.srv->port());
   const std::uint64_t size = s.data.size();
   const std::vector<std::pair<std::uint64_t, std::uint64_t>> want = {
       {0, 4096}, {4097, 1}, {123457, 5000}, {size - 100, 4096}, {size + 5, 10}, {8 << 20, 65536}, {77, 3}};
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   std::vector<std::vector<unsigned char>> bufs;
   std::vector<store::client::range_into> ranges;
-  for (auto [off, len] : want) {
-    bufs.emplace_back(len + 2, 0xee);
-    ranges.push_back({off, bufs.back().data() + 1, len});
+  store::client::ticket t = 0;
+  // The answer written into the client's landing region (same host), and sent as a message.
+  std::optional<store::client> held;
+  for (bool map : {false, true}) {
+    SCOPED_TRACE(map ? "into the landing region" : "by messages");
+    store::client_options co;
+    co.map = map;
+    held.emplace("127.0.0.1", s.srv->port(), co);
+    auto& c = *held;
+    bufs.clear();
+    ranges.clear();
+    for (auto [off, len] : want) {
+      bufs.emplace_back(len + 2, 0xee);
+      ranges.push_back({off, bufs.back().data() + 1, len});
+    }
+    const auto requests = s.srv->stats().requests;
+    t = c.start_reads("data/shard.bin", ranges, until, c.stat("data/shard.bin").version);
+    EXPECT_THAT(test::error_text([&] { c.finish(t); }), HasSubstr("finish_reads"));  // (the ticket stays)
+    auto got = c.finish_reads(t, [] { return false; });
+    EXPECT_EQ(s.srv->stats().requests - requests, 2u) << "the stat and one request for all the ranges";
+    EXPECT_EQ(c.stats().direct_pieces, map ? 1u : 0u);
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      auto [off, len] = want[i];
+      std::uint64_t n = off >= size ? 0 : std::min(len, size - off);
+      EXPECT_EQ(got[i], n) << "range " << i;
+      EXPECT_EQ(std::memcmp(bufs[i].data() + 1, s.data.data() + std::min(off, size), n), 0) << "range " << i;
+      EXPECT_EQ(bufs[i][0], 0xee) << "range " << i;
+      EXPECT_EQ(bufs[i][n + 1], 0xee) << "nothing past the bytes read, range " << i;
+    }
   }
-  const auto requests = s.srv->stats().requests;
-  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  auto t = c.start_reads("data/shard.bin", ranges, until, c.stat("data/shard.bin").version);
-  EXPECT_THAT(test::error_text([&] { c.finish(t); }), HasSubstr("finish_reads"));  // (the ticket stays)
-  auto got = c.finish_reads(t, [] { return false; });
-  EXPECT_EQ(s.srv->stats().requests - requests, 2u) << "the stat and one request for all the ranges";
-  ASSERT_EQ(got.size(), want.size());
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    auto [off, len] = want[i];
-    std::uint64_t n = off >= size ? 0 : std::min(len, size - off);
-    EXPECT_EQ(got[i], n) << "range " << i;
-    EXPECT_EQ(std::memcmp(bufs[i].data() + 1, s.data.data() + std::min(off, size), n), 0) << "range " << i;
-    EXPECT_EQ(bufs[i][0], 0xee) << "range " << i;
-    EXPECT_EQ(bufs[i][n + 1], 0xee) << "nothing past the bytes read, range " << i;
-  }
+  auto& c = *held;
   EXPECT_THAT(test::error_text([&] { c.finish_reads(t, [] { return false; }); }), HasSubstr("unknown"));
   // Refused before anything is sent.
   std::vector<store::client::range_into> none;
@@ -152,6 +166,38 @@ TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
   auto out = c.start_reads("escape", one, until);
   EXPECT_THAT(test::error_text([&] { c.finish_reads(out, [] { return false; }); }), HasSubstr("leads outside the root"));
   EXPECT_EQ(bufs[0][1], 0xee);
+}
+
+// A file that shrank after the server mapped it: ranges in one request count only the bytes the file
+// still has (those served from the mapping too, whose pages past the new end read as zeros), and
+// nothing of the old content past the end arrives.
+TEST(StoreService, SmallReadsOfAShrunkenFileCountOnlyWhatItStillHas) {
+  served s;
+  store::client c("127.0.0.1", s.srv->port());
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::vector<unsigned char> first(4096);
+  std::vector<store::client::range_into> warm = {{0, first.data(), 4096}};
+  auto t = c.start_reads("data/shard.bin", warm, until);
+  ASSERT_EQ(c.finish_reads(t, [] { return false; }).at(0), 4096u);  // the server has the file open and mapped
+  const std::uint64_t now_size = (1 << 20) + 1000;
+  std::filesystem::resize_file(s.root / "data" / "shard.bin", now_size);
+  const std::vector<std::pair<std::uint64_t, std::uint64_t>> want = {
+      {8192, 4096}, {now_size - 3000, 4096}, {now_size - 1, 2}, {now_size + 10, 100}, {2 << 20, 4096}, {4096, 100}};
+  std::vector<std::vector<unsigned char>> bufs;
+  std::vector<store::client::range_into> ranges;
+  for (auto [off, len] : want) {
+    bufs.emplace_back(len, 0xee);
+    ranges.push_back({off, bufs.back().data(), len});
+  }
+  t = c.start_reads("data/shard.bin", ranges, until);
+  auto got = c.finish_reads(t, [] { return false; });
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    auto [off, len] = want[i];
+    std::uint64_t n = off >= now_size ? 0 : std::min(len, now_size - off);
+    EXPECT_EQ(got[i], n) << "range " << i;
+    EXPECT_EQ(std::memcmp(bufs[i].data(), s.data.data() + std::min(off, now_size), n), 0) << "range " << i;
+  }
 }
 
 // Small reads keep the file open between requests (the server's file cache, and each session's

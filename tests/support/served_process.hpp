@@ -62,8 +62,20 @@ struct served_process {
     port = static_cast<std::uint16_t>(std::stoi(line.substr(at + 10)));
   }
   // Stops the server without ending it (SIGSTOP): its connections stay open, nothing is answered.
+  // Returns once every thread of it has stopped (the parent is told, WUNTRACED): on a busy machine
+  // a server thread may otherwise still answer what is sent right after the signal.
   void stop() {
-    if (pid > 0) ::kill(pid, SIGSTOP);
+    if (pid <= 0) return;
+    ::kill(pid, SIGSTOP);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    int status = 0;
+    while (std::chrono::steady_clock::now() < until) {
+      const pid_t r = ::waitpid(pid, &status, WUNTRACED | WNOHANG);
+      if (r == pid && WIFSTOPPED(status)) return;
+      if (r == pid || r < 0) throw std::runtime_error("ferry serve ended instead of stopping");
+      ::usleep(1000);
+    }
+    throw std::runtime_error("ferry serve did not stop within 10 s of SIGSTOP");
   }
   // Lets a stopped server go on (SIGCONT).
   void resume() {

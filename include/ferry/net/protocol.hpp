@@ -22,7 +22,7 @@ namespace ferry::net {
 inline constexpr std::uint32_t frame_magic = 0x31595246;  // "FRY1"
 // Raised whenever the wire format changes; both sides must speak the same one (a frame of another
 // version is refused, naming both).
-inline constexpr std::uint16_t protocol_version = 8;
+inline constexpr std::uint16_t protocol_version = 9;
 inline constexpr std::size_t header_size = 32;
 inline constexpr std::size_t max_path = 4096;
 inline constexpr std::size_t max_message = 1 << 20;  // control messages; bulk data moves outside frames
@@ -112,8 +112,10 @@ struct read_req { std::string path; std::uint64_t offset = 0, length = 0, versio
 // short only at the file's end), then each range's `length` bytes in order (past a short count: zeros).
 // bytes = 8 x ranges + their lengths. 1 to max_read_ranges ranges of 1 to max_read_range bytes, at most
 // max_read_many_bytes in all; `version` as a read's (0: the version the first range finds, for all).
+// `into` (not 0): the answer's bytes go there instead, in a region the client lent (read_into's
+// addr), and the complete carries none.
 struct read_range { std::uint64_t offset = 0, length = 0; };
-struct read_many { std::string path; std::uint64_t version = 0; std::vector<read_range> ranges; };
+struct read_many { std::string path; std::uint64_t version = 0; std::vector<read_range> ranges; std::uint64_t into = 0; };
 // The bytes of read_many's answer for `ranges`.
 inline std::uint64_t read_many_answer_bytes(const std::vector<read_range>& ranges) noexcept {
   std::uint64_t n = 8 * ranges.size();

@@ -5,6 +5,7 @@
 #include "store/server/core.hpp"
 #include "store/server/writes.hpp"
 
+#include <array>
 #include <cstring>
 
 #include <optional>
@@ -184,29 +185,78 @@ class read_path {
     c.send_reply_space({rid, 0, complete{0, *got}}, *got);
     return true;
   }
-  // Several small ranges of one file, each read as read_inline's, answered in one message (see
-  // net::read_many). False when the file is not on a local file system (nothing sent): the client
-  // then asks for the ranges one by one.
+  // Several small ranges of one file in one request (see net::read_many): answered in one message
+  // from the worker's reply space, or -- `into` -- written into the client's lent memory (the same
+  // layout) with only the completion sent; every store there is guarded, as the client may truncate
+  // its region under it. The first range is read as read_inline's (it finds the file and checks its
+  // version); the others come from the same file's mapping where they lie in it, with one fstat after
+  // all the copies instead of one per range (it costs as much as a 4 KiB copy): a range from the
+  // mapping counts only the bytes the file still had then, as read_small's do. A file deleted or
+  // replaced meanwhile: every range is read again, each as read_small. False when the file is not on
+  // a local file system (nothing sent): the client then asks for the ranges one by one.
   bool read_many(connection& c, session& s, std::uint64_t rid, const net::read_many& r) {
     const std::uint64_t total = net::read_many_answer_bytes(r.ranges);
-    std::byte* buf = c.reply_space(total);
-    std::byte* data = buf + 8 * r.ranges.size();
-    std::uint64_t sent = 0, version = r.version;
-    for (std::size_t i = 0; i < r.ranges.size(); ++i) {
-      const auto& g = r.ranges[i];
-      auto got = read_small(s, r.path, data, g.length, g.offset, version);
-      if (!got) return false;
-      // The rest of the ranges from the file the first one found; past a short count, zeros (the
-      // reply space holds earlier answers, to other clients too).
-      if (!version) version = net::file_version(s.last_file->dev, s.last_file->ino);
-      if (*got < g.length) std::memset(data + *got, 0, g.length - *got);
-      for (int k = 0; k < 8; ++k) buf[8 * i + k] = static_cast<std::byte>((*got >> (8 * k)) & 0xff);
-      data += g.length;
-      sent += *got;
+    const std::size_t n = r.ranges.size();
+    std::byte* buf = nullptr;
+    if (r.into) {
+      if (s.lent.empty()) fail(errc::protocol_error, "store.read", c.peer(), "ranges into lent memory without a mapped region (lend first)");
+      auto* at = s.lent_at(r.into, total);
+      if (!at) fail(errc::out_of_range, "store.read", c.peer(), fmt::format("[{:#x}, +{}) is outside every region the client lent", r.into, total));
+      buf = (*at)->base + (r.into - (*at)->addr);
+    } else {
+      buf = c.reply_space(total);
     }
+    auto gone = [&] {
+      fail(errc::bad_address, "store.read", fmt::format("{} {}", c.peer(), printable(r.path)),
+           fmt::format("the client's memory at {:#x} went away under the answer (its region was truncated)", r.into));
+    };
+    static const std::array<std::byte, net::max_read_range> zeros{};
+    constexpr std::uint64_t from_map = ~std::uint64_t{0};  // a range's count until the fstat says what it is
+    std::array<std::uint64_t, net::max_read_ranges> counts;
+    std::uint64_t size = 0;
+    for (bool one_look = true;; one_look = false) {
+      std::byte* data = buf + 8 * n;
+      std::uint64_t version = r.version;
+      bool mapped_any = false;
+      for (std::size_t i = 0; i < n; ++i) {
+        const auto& g = r.ranges[i];
+        if (one_look && i > 0 && s.last_file->map.read(data, g.length, g.offset)) {
+          mapped_any = true;
+          counts[i] = from_map;
+        } else {
+          auto got = read_small(s, r.path, data, g.length, g.offset, version);
+          if (!got) return false;
+          if (!version) version = net::file_version(s.last_file->dev, s.last_file->ino);
+          counts[i] = *got;
+        }
+        data += g.length;
+      }
+      if (!mapped_any || fd_cache::still_linked(*s.last_file, &size)) break;
+    }
+    // Counts, and past a short count zeros (the space holds earlier answers, to other clients too).
+    std::array<std::byte, 8 * net::max_read_ranges> head;
+    std::uint64_t sent = 0;
+    std::byte* data = buf + 8 * n;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& g = r.ranges[i];
+      if (counts[i] == from_map) {
+        counts[i] = size <= g.offset ? 0 : std::min(g.length, size - g.offset);
+        s.counts->mapped_reads.add();
+      }
+      if (counts[i] < g.length && !guarded_copy(data + counts[i], zeros.data(), g.length - counts[i])) gone();
+      for (int k = 0; k < 8; ++k) head[8 * i + k] = static_cast<std::byte>((counts[i] >> (8 * k)) & 0xff);
+      sent += counts[i];
+      data += g.length;
+    }
+    if (!guarded_copy(buf, head.data(), 8 * n)) gone();
     s.counts->bytes_sent.add(sent);
-    s.counts->inline_replies.add();
-    c.send_reply_space({rid, 0, complete{0, total}}, total);
+    if (r.into) {
+      s.counts->direct_reads.add();
+      c.send_frame({rid, 0, complete{0, total}});
+    } else {
+      s.counts->inline_replies.add();
+      c.send_reply_space({rid, 0, complete{0, total}}, total);
+    }
     return true;
   }
   // A small read straight into the client's lent memory: only the completion travels. False as
