@@ -525,11 +525,26 @@ client::ticket client::start_reads(const std::string& path, std::span<const rang
   auto p = std::make_shared<impl::piece>();
   p->until = until;
   p->len = answer;
+  impl::op whole{path, false, ranges.front().offset, answer, until, {}, {ranges.begin(), ranges.end()}};
+  std::shared_ptr<impl::notice> ends;
+  if (ended) {
+    ends = std::make_shared<impl::notice>();
+    ends->fn = std::move(ended);
+    ends->left.fetch_add(1, std::memory_order_relaxed);
+    p->ends = ends;
+  }
   // On the same host the server writes the answer into a slot of the landing region and sends only
-  // its completion: no answer crosses UCX, and nothing is allocated here for it. (A spent region:
-  // by messages, as to a server on another host.)
+  // its completion: no answer crosses UCX, and nothing is allocated here for it. Only a slot free at
+  // once, that holds the answer: the slot stays taken until finish_reads, so waiting for one could
+  // wait on the caller itself (its settled, unfinished tickets hold them); else by messages, as to a
+  // server on another host. A spent region is renewed here as a read's would be.
   if (I.direct_available()) {
-    if (auto lr = I.current_landing(); lr && (p->land_slot = lr->take_slot(answer, until, I.peer)) >= 0) {
+    auto lr = I.current_landing();
+    if (lr && lr->spent()) {
+      I.renew_landing(lr, until);
+      lr = I.direct_available() ? I.current_landing() : nullptr;
+    }
+    if (lr && (p->land_slot = lr->try_take_slot(answer)) >= 0) {
       p->region = std::move(lr);
       p->land = p->region->slot(p->land_slot);
       p->direct = p->keeps_land = true;
@@ -540,19 +555,15 @@ client::ticket client::start_reads(const std::string& path, std::span<const rang
     p->owned.resize(answer);
     p->land = p->owned.data();
   }
-  impl::op whole{path, false, ranges.front().offset, answer, until, {}, {ranges.begin(), ranges.end()}};
-  std::shared_ptr<impl::notice> ends;
-  if (ended) {
-    ends = std::make_shared<impl::notice>();
-    ends->fn = std::move(ended);
-    ends->left.fetch_add(1, std::memory_order_relaxed);
-    p->ends = ends;
-  }
   ticket t = 0;
+  auto sent = p;  // (send takes p)
   try {
     I.send({0, 0, std::move(m)}, std::move(p), true, until, nullptr, &whole, &t);
   } catch (...) {
     if (ends) ends->armed.store(false, std::memory_order_release);
+    // Refused before it went out (no credit, every lane down): the server never saw its slot.
+    std::lock_guard l(I.mu);
+    if (!sent->rid) I.release_land(*sent, false);
     throw;
   }
   if (ends) ends->release();

@@ -4,6 +4,8 @@
 
 #include "core/logging.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 namespace ferry::store::detail {
@@ -20,12 +22,24 @@ landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records,
 }
 
 int landing_region::take_slot(std::uint64_t bytes, lending_clock::time_point until, const std::string& peer) {
+  if (bytes > slot_bytes_) fail(errc::internal, "store.request", peer, fmt::format("{} bytes for a landing slot of {}", bytes, slot_bytes_));
   const bool small = small_slots_ && bytes <= small_bytes_;
   auto& from = small ? free_small_ : free_slots_;
   std::unique_lock l(mu_);
   if (!cv_.wait_until(l, until, [&] { return !from.empty() || spent(); }))
     fail(errc::timeout, "store.request", peer, "no free landing slot before the deadline");
   if (spent()) return -1;
+  int s = from.back();
+  from.pop_back();
+  return s;
+}
+
+int landing_region::try_take_slot(std::uint64_t bytes) {
+  const bool small = small_slots_ && bytes <= small_bytes_;
+  if (!small && bytes > slot_bytes_) return -1;
+  auto& from = small ? free_small_ : free_slots_;
+  std::lock_guard l(mu_);
+  if (from.empty() || spent()) return -1;
   int s = from.back();
   from.pop_back();
   return s;

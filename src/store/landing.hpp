@@ -42,6 +42,9 @@ class landing_region {
   // that fits a small slot takes one of those only (many small reads never hold the large slots a
   // large read waits for).
   int take_slot(std::uint64_t bytes, lending_clock::time_point until, const std::string& peer);
+  // A free slot that holds `bytes`, at once, or -1 (none free of its size, more bytes than a slot
+  // holds, or the region spent).
+  int try_take_slot(std::uint64_t bytes);
   // Slots and records taken and not given back (in flight, or held by a request about to send).
   int in_use() const;
   // Half the slots of either size or more are quarantined.

@@ -168,6 +168,38 @@ TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
   EXPECT_EQ(bufs[0][1], 0xee);
 }
 
+// Answers into the landing region hold their slot until finish_reads: tickets started beyond the free
+// slots go by messages at once (waiting for a slot would wait on the caller's own unfinished tickets),
+// and an answer larger than a slot never goes into one. Every range exact either way.
+TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
+  served s;
+  store::client_options co;
+  co.piece = 64 << 10;      // no small slots: a slot holds 64 KiB
+  co.landing = 4 * co.piece;  // four of them
+  store::client c("127.0.0.1", s.srv->port(), co);
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  auto read_all = [&](std::size_t tickets, std::size_t per, std::uint64_t len) {
+    std::vector<std::vector<unsigned char>> mem(tickets * per, std::vector<unsigned char>(len));
+    std::vector<store::client::ticket> ts;
+    for (std::size_t t = 0; t < tickets; ++t) {
+      std::vector<store::client::range_into> ranges;
+      for (std::size_t i = 0; i < per; ++i) ranges.push_back({(t * per + i) * 10007, mem[t * per + i].data(), len});
+      ts.push_back(c.start_reads("data/shard.bin", ranges, until));
+    }
+    for (auto t : ts)
+      for (auto n : c.finish_reads(t, [] { return false; })) EXPECT_EQ(n, len);
+    for (std::size_t k = 0; k < mem.size(); ++k) EXPECT_EQ(std::memcmp(mem[k].data(), s.data.data() + k * 10007, len), 0) << "range " << k;
+  };
+  const auto started = std::chrono::steady_clock::now();
+  read_all(10, 8, 4096);  // answers of 8 x 4 KiB + counts fit a slot; ten tickets, four slots
+  EXPECT_EQ(c.stats().direct_pieces, 4u) << "the slots free at once, then messages";
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10)) << "a ticket waited for a slot";
+  read_all(1, 16, 4096);  // 64 KiB of data and its counts: more than a slot holds
+  EXPECT_EQ(c.stats().direct_pieces, 4u) << "an answer larger than a slot went into one";
+  read_all(2, 8, 4096);  // the slots came back with finish_reads
+  EXPECT_EQ(c.stats().direct_pieces, 6u);
+}
+
 // A file that shrank after the server mapped it: ranges in one request count only the bytes the file
 // still has (those served from the mapping too, whose pages past the new end read as zeros), and
 // nothing of the old content past the end arrives.

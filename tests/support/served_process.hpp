@@ -3,6 +3,7 @@
 // (SIGKILL: the server dies as a crashed one does, its connections reset). Its port is read from
 // the line it prints once it listens. `listen_port` 0 takes a free port; a given one lets a test start a
 // server again where a killed one listened.
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -25,6 +26,7 @@ namespace ferry::test {
 struct served_process {
   pid_t pid = -1;
   int out = -1;
+  bool stopped = false;  // stop() saw it stopped, and no resume() since
   std::uint16_t port = 0;
   served_process(const std::string& ferry, const std::filesystem::path& root, std::uint16_t listen_port = 0,
                  const std::vector<std::string>& extra = {}) {
@@ -65,14 +67,21 @@ struct served_process {
   // Returns once every thread of it has stopped (the parent is told, WUNTRACED): on a busy machine
   // a server thread may otherwise still answer what is sent right after the signal.
   void stop() {
-    if (pid <= 0) return;
+    if (pid <= 0 || stopped) return;  // (a stop is reported once)
     ::kill(pid, SIGSTOP);
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     int status = 0;
     while (std::chrono::steady_clock::now() < until) {
       const pid_t r = ::waitpid(pid, &status, WUNTRACED | WNOHANG);
-      if (r == pid && WIFSTOPPED(status)) return;
-      if (r == pid || r < 0) throw std::runtime_error("ferry serve ended instead of stopping");
+      if (r == pid && WIFSTOPPED(status)) {
+        stopped = true;
+        return;
+      }
+      if (r == pid) {
+        pid = -1;  // reaped: never signalled again
+        throw std::runtime_error("ferry serve ended instead of stopping");
+      }
+      if (r < 0 && errno != EINTR) throw std::runtime_error(std::string("waitpid: ") + std::strerror(errno));
       ::usleep(1000);
     }
     throw std::runtime_error("ferry serve did not stop within 10 s of SIGSTOP");
@@ -80,6 +89,7 @@ struct served_process {
   // Lets a stopped server go on (SIGCONT).
   void resume() {
     if (pid > 0) ::kill(pid, SIGCONT);
+    stopped = false;
   }
   // SIGTERM, then the server's exit: its wait status, or -1 when it had not exited within `t` (then
   // it is killed).
