@@ -3,6 +3,7 @@
 #include <ferry/device/mapped_memory.hpp>
 #include <ferry/runtime.hpp>
 
+#include "io/file_engine_impl.hpp"
 #include "support/errors.hpp"
 
 #include <fcntl.h>
@@ -147,6 +148,33 @@ bool page_cached(const std::string& p, std::uint64_t k) {
 // In automatic mode a small read asks the page cache only; what is not there it reads with O_DIRECT,
 // and a range partly there it finishes through the page cache. Either way the bytes are the file's,
 // at every alignment, into host memory and a device.
+// How much of a range the page cache holds: a large range is estimated from windows spread over it
+// (asking about every page cost a 4 GiB load tens of milliseconds), close enough for the choice
+// between the page cache and O_DIRECT.
+TEST(File, CachedFractionOfALargeRangeIsEstimatedFromWindows) {
+  std::string p = temp_path("cached-fraction");
+  write_file(p, random_bytes(32 << 20, 5));
+  int fd = ::open(p.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  const double all = io_detail::cached_fraction(fd, 0, 32 << 20);
+  if (all < 0) GTEST_SKIP() << "no cachestat here (Linux 6.5+)";
+  ::fdatasync(fd);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  if (io_detail::cached_fraction(fd, 0, 4096) > 0) GTEST_SKIP() << p << ": the page cache keeps the file (tmpfs?)";
+  EXPECT_LT(io_detail::cached_fraction(fd, 0, 32 << 20), 0.1);
+  std::vector<char> half(16 << 20);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);  // no readahead past the half read
+  ASSERT_EQ(::pread(fd, half.data(), half.size(), 0), static_cast<ssize_t>(half.size()));
+  const double estimate = io_detail::cached_fraction(fd, 0, 32 << 20);
+  EXPECT_GT(estimate, 0.35);
+  EXPECT_LT(estimate, 0.65) << "the first half of the file cached";
+  EXPECT_GT(io_detail::cached_fraction(fd, 0, 16 << 20), 0.9);
+  EXPECT_LT(io_detail::cached_fraction(fd, 16 << 20, 16 << 20), 0.1);
+  EXPECT_GT(io_detail::cached_fraction(fd, 100, 900 << 10), 0.9) << "a small range: every page asked";
+  ::close(fd);
+  std::filesystem::remove(p);
+}
+
 TEST(File, SmallReadsTheCacheLacksAreReadDirectlyOrFinishedBuffered) {
   runtime rt(io_settings(direct_io::automatic));
   std::string p = temp_path("cold");
