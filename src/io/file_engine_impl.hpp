@@ -51,6 +51,7 @@ inline std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a 
 inline double cached_fraction(int fd, std::uint64_t off, std::uint64_t len) {
   constexpr std::uint64_t window = 64 << 10;
   constexpr int windows = 16;
+  static const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
   std::uint64_t cached = 0, pages = 0;
   auto ask = [&](std::uint64_t o, std::uint64_t n) {
     struct {
@@ -61,16 +62,17 @@ inline double cached_fraction(int fd, std::uint64_t off, std::uint64_t len) {
     } cs{};
     if (::syscall(__NR_cachestat, fd, &range, &cs, 0) != 0) return false;
     cached += cs.cache;
-    pages += (n + 4095) / 4096;
+    pages += (o + n - 1) / page - o / page + 1;  // every page the range touches, as cachestat counts them
     return true;
   };
+  if (len == 0) return 1.0;
   if (len <= window * windows) {
     if (!ask(off, len)) return -1;
   } else {
     for (int k = 0; k < windows; ++k)
-      if (!ask(off + align_down((len - window) / (windows - 1) * k, 4096), window)) return -1;
+      if (!ask(off + (len - window) / (windows - 1) * k, window)) return -1;
   }
-  return pages ? std::min(1.0, static_cast<double>(cached) / static_cast<double>(pages)) : 1.0;
+  return std::min(1.0, static_cast<double>(cached) / static_cast<double>(pages));
 }
 
 // Whether a read of [off, off + len) goes around the page cache: FERRY_IO_DIRECT, and in automatic
