@@ -253,8 +253,14 @@ const setting_def table[] = {
   {"FERRY_NET_CONNECT_TIMEOUT", "How long one connection attempt of a ferry:// client waits for the server's answer to its handshake (within the request's own deadline). A server that died may leave the attempt without any error: past this it counts as unreachable (FERRY_NET_RETRY_AFTER) instead of holding the request to its deadline.",
    [](settings& s, std::string_view v) { s.net_connect_timeout = parse_duration_in(v, std::chrono::milliseconds(1), std::chrono::hours(1)); },
    [](const settings& s) { return format_duration(s.net_connect_timeout); }},
-  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`; after a client authenticated at the door (its port), the workers connect to the client's lanes, spread over them, so several connections' messages are handled in parallel (more tcp bandwidth) (docs/design/storage-service.md).",
-   [](settings& s, std::string_view v) { s.serve_workers = static_cast<int>(parse_int(v, 1, 64)); },
+  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`: 1. More is refused: with this UCX (1.13) several workers abort the server when connections come and go under load, strangers' included (openucx/ucx#9942, #11455; docs/design/storage-service.md).",
+   [](settings& s, std::string_view v) {
+     const auto n = parse_int(v, 1, 64);
+     if (n > 1)
+       throw bad_value{"more than 1 is refused: several UCX workers abort the server when connections come and go under load "
+                       "(UCX 1.13, openucx/ucx#9942; docs/design/storage-service.md)"};
+     s.serve_workers = static_cast<int>(n);
+   },
    [](const settings& s) { return std::to_string(s.serve_workers); }},
   {"FERRY_SERVE_MAX_CONNECTIONS", "Authenticated connections (lanes) `ferry serve` keeps at once; past it a new lane is refused, naming this setting.",
    [](settings& s, std::string_view v) { s.serve_max_connections = static_cast<int>(parse_int(v, 1, 1 << 20)); },

@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   ferry::cli::serve_options serve;
   auto* serve_cmd = app.add_subcommand("serve", "Serve the files under a directory over UCX (ferry://host:port/path)");
   serve_cmd->add_option("--root", serve.root, "Directory to export")->required();
-  serve_cmd->add_option("--listen", serve.listen, "HOST:PORT to listen on (port 0: any); with FERRY_SERVE_WORKERS=N the next N-1 ports are used too")->capture_default_str();
+  serve_cmd->add_option("--listen", serve.listen, "HOST:PORT to listen on (port 0: any)")->capture_default_str();
   serve_cmd->add_option("--secret-file", serve.secret_file, "Require clients to prove they know this shared secret");
   serve_cmd->add_flag("--writable", serve.writable, "Allow writes (needs --secret-file, or --insecure)");
   serve_cmd->add_flag("--insecure", serve.insecure, "Allow --writable without a shared secret (anyone who can connect may write)");

@@ -91,6 +91,7 @@ struct server::impl {
     // Several UCX workers in one process abort in UCX's asynchronous event handling when connections
     // come and go under load (openucx/ucx#9942, #11455): a loaded soak with strangers at the door
     // aborted a four-worker server in both runs, and never a one-worker one (docs/design/storage-service.md).
+    // FERRY_SERVE_WORKERS refuses more than one; a program that asks for more here is told.
     if (core.o.workers > 1)
       log::warn("store", "{} UCX workers (FERRY_SERVE_WORKERS): with UCX {} several workers can abort the server when "
                 "connections come and go under load (openucx/ucx#9942); one worker is the safe setting",
