@@ -246,11 +246,7 @@ const memory_region* client::impl::buffer_region(const piece& p) {
 client::ticket client::impl::start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
                                    clk::time_point until, std::uint64_t handle, op* keep, client::ended_fn ended_fn) {
   const char* opname = write ? "store.write" : "store.read";
-  std::shared_ptr<notice> ends;
-  if (ended_fn) {
-    ends = std::make_shared<notice>();
-    ends->fn = std::move(ended_fn);
-  }
+  std::shared_ptr<notice> ends = notice::make(std::move(ended_fn));
   if (length && !mem) fail(errc::invalid_argument, opname, path, "null buffer");
   if (offset + length < offset) fail(errc::invalid_argument, opname, path, "offset + length overflows");
   // The caller's allocated buffer, mapped by every lane's server: straight in or out, for any size.
@@ -526,10 +522,8 @@ client::ticket client::start_reads(const std::string& path, std::span<const rang
   p->until = until;
   p->len = answer;
   impl::op whole{path, false, ranges.front().offset, answer, until, {}, {ranges.begin(), ranges.end()}};
-  std::shared_ptr<impl::notice> ends;
-  if (ended) {
-    ends = std::make_shared<impl::notice>();
-    ends->fn = std::move(ended);
+  std::shared_ptr<impl::notice> ends = impl::notice::make(std::move(ended));
+  if (ends) {
     ends->left.fetch_add(1, std::memory_order_relaxed);
     p->ends = ends;
   }
@@ -590,23 +584,16 @@ std::vector<std::uint64_t> client::finish_reads(ticket t, const std::function<bo
   }
   // A landing slot the answer kept goes back however this ends; one still in flight (given up)
   // goes back, or is quarantined, when it settles.
-  auto give_back = [&] {
-    std::lock_guard l(I.mu);
-    auto& p = *x.pieces.first;
-    p.keeps_land = false;
-    if (p.settled) I.release_land(p, !p.replied);
-  };
-  std::uint64_t got = 0;
-  try {
-    got = I.finish(x, &cancelled);
-  } catch (...) {
-    give_back();
-    throw;
-  }
-  struct at_end {
-    decltype(give_back)& f;
-    ~at_end() { f(); }
-  } release{give_back};
+  struct give_back {
+    impl& I;
+    impl::piece& p;
+    ~give_back() {
+      std::lock_guard l(I.mu);
+      p.keeps_land = false;
+      if (p.settled) I.release_land(p, !p.replied);
+    }
+  } back{I, *x.pieces.first};
+  const std::uint64_t got = I.finish(x, &cancelled);
   const std::byte* a = x.pieces.first->land;
   if (got != x.length)
     fail(errc::protocol_error, "store.read", I.peer, fmt::format("an answer of {} bytes for {} ranges of {}", got, x.ranges.size(), x.length));

@@ -68,6 +68,13 @@ struct client::impl {
     std::atomic<int> left{1};
     std::atomic<bool> armed{true};  // false: start_* threw, the request has no ticket to tell of
     client::ended_fn fn;
+    // None for a caller that asked not to be told.
+    static std::shared_ptr<notice> make(client::ended_fn f) {
+      if (!f) return nullptr;
+      auto n = std::make_shared<notice>();
+      n->fn = std::move(f);
+      return n;
+    }
     void release() {
       if (left.fetch_sub(1, std::memory_order_acq_rel) == 1 && armed.load(std::memory_order_acquire)) fn();
     }
