@@ -22,6 +22,7 @@
 #include "bench.hpp"
 #include "child.hpp"
 #include "kernels.hpp"
+#include "thread_cpu.hpp"
 
 #include <ferry/core/units.hpp>
 #include <ferry/gpu/cache.hpp>
@@ -230,10 +231,20 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
           for (int pass = 0; pass < 2; ++pass) {
             u.check(api.cuMemsetD8Async(failed_dev, 0, 4, u.s), "cuMemsetD8Async");
             auto before = c.stats();
+            // CPU per thread name over the cold pass, the server child's too for a ferry:// source:
+            // which stage is busy (cpu_cores in the row).
+            const pid_t served = label == "ferry://" && server ? server->pid : 0;
+            const thread_times cpu0 = thread_times::of(), srv0 = served ? thread_times::of(served) : thread_times{};
             auto t = clk::now();
             u.launch(kc, args);
             u.sync();
             double secs = secs_since(t);
+            json cores;
+            if (!pass) {
+              for (const auto& [name, k] : thread_times::of().cores_since(cpu0, secs)) cores[name] = std::round(k * 100) / 100;
+              if (served)
+                for (const auto& [name, k] : thread_times::of(served).cores_since(srv0, secs)) cores["serve:" + name] = std::round(k * 100) / 100;
+            }
             auto after = c.stats();
             unsigned failed = 0;
             u.to_host(&failed, failed_dev, 4);
@@ -258,7 +269,8 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
                             {"latency_p50_us", static_cast<double>(q.latency_p50_ns) / 1e3},
                             {"latency_p99_us", static_cast<double>(q.latency_p99_ns) / 1e3},
                             {"proxy_busy", static_cast<double>(q.busy_ns - q0.busy_ns) / (secs * 1e9 * std::max(1u, q.threads))},
-                            {"proxy_threads", q.threads}};
+                            {"proxy_threads", q.threads},
+                            {"cpu_cores", cores}};
             } else {
               hit_warm = hit / std::max(1.0, hit + miss);
             }
