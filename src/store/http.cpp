@@ -249,6 +249,211 @@ head_result head(const target& t, const http_options& o) {
   return h;
 }
 
+// A read's or a write's pieces end one by one, on the lanes' threads: told once the last one has.
+struct request {
+  std::mutex mu;
+  int left = 0;
+  std::uint64_t bytes = 0;
+  std::optional<error> err;
+  file_source::completion done;
+};
+
+// One request on the wire, on one connection of a lane: a range of a read (into the caller's memory or a
+// staging buffer), a whole-file PUT or an upload's part, or a small POST or DELETE of a multipart upload.
+struct piece {
+  std::shared_ptr<request> req;
+  std::shared_ptr<const head_result> h;
+  std::uint64_t offset = 0, len = 0, got = 0;  // the file's [offset, offset + len); got: bytes landed
+  std::byte* dst = nullptr;                    // the caller's memory for byte `offset`
+  memory_region user;                          // staged: the destination, classified once
+  pinned_pool* pool = nullptr;                 // staged: where the landing buffer comes from
+  pinned_pool::buffer slot;
+  source_deadline until;                       // moved on as bytes land (a batch that follows progress)
+  clk::time_point last_moved{};                // the piece's own last byte (or its start)
+  clk::time_point not_before{};
+  int attempts = 0;
+  long status = 0;
+  bool enough = false;                         // a 200 answer (the whole file) cut off once the range was in
+  bool put = false;                            // an upload of [dst, dst + len) as the whole file (got: bytes sent)
+  std::int64_t range_start = -1;               // the answer's Content-Range start
+  std::uint64_t slot_at = 0, slot_len = 0;     // put from device memory: the source's bytes in the slot
+  transfer_engine* eng = nullptr;              // put from device memory: copies the source into the slot
+  std::optional<error> bad;                    // the answer cannot be used (set by on_data)
+  std::string url;                             // where it goes, when not the file's URL (a part, a POST)
+  std::string step;                            // a multipart upload's step or part, for messages
+  const char* method = nullptr;                // POST or DELETE: `body` out, the answer into `answer`
+  std::string body;
+  std::shared_ptr<std::string> answer;
+  std::string* etag_out = nullptr;             // a part: its answer's ETag (in `etags`, held here)
+  std::shared_ptr<std::vector<std::string>> etags;
+  CURL* easy = nullptr;
+  curl_slist* headers = nullptr;
+  char errbuf[CURL_ERROR_SIZE] = {};
+};
+
+// A piece's messages and its libcurl callbacks (on its lane's thread).
+
+// Where a piece is, for messages: the file and the byte offset, or the multipart step or part.
+std::string where(const piece& p) {
+  if (!p.step.empty()) return fmt::format("{} ({})", p.h->name, p.step);
+  return fmt::format("{} offset {}", p.h->name, p.offset + (p.put ? 0 : p.got));
+}
+const char* op_of(const piece& p) { return p.put || p.method ? "http.write" : "http.read"; }
+// How long before its deadline a piece ends (so that its own error, naming it, and an upload's
+// abort come before the batch's wait gives up): a tenth of a moving deadline's window, at most half
+// a second; none for a fixed deadline (the caller's whole budget).
+std::chrono::nanoseconds margin(const piece& p) {
+  return std::min<std::chrono::nanoseconds>(p.until.idle() / 10, std::chrono::milliseconds(500));
+}
+// Bytes of the piece moved: its batch's deadline and its own stall clock go on.
+void progressed(piece& p) {
+  p.until.moved();
+  p.last_moved = clk::now();
+}
+
+// The body of an answer, as it comes: into the caller's memory or the staging buffer, never more
+// than the range, and nothing of an error page.
+std::size_t on_data(char* b, std::size_t sz, std::size_t n, void* ud) {
+  auto& p = *static_cast<piece*>(ud);
+  const std::size_t bytes = sz * n;
+  if (!p.status) {
+    curl_easy_getinfo(p.easy, CURLINFO_RESPONSE_CODE, &p.status);
+    if (p.status == 206 && p.range_start >= 0 && p.range_start != static_cast<std::int64_t>(p.offset + p.got)) {
+      p.bad = error(errc::protocol_error, "http.read", fmt::format("{} offset {}", p.h->name, p.offset + p.got),
+                    fmt::format("the server answered a range from byte {} instead", p.range_start));
+      return 0;
+    }
+  }
+  if (p.status != 200 && p.status != 206) return bytes;  // not the file's bytes (an error's page): see ended()
+  if (p.status == 200 && p.offset + p.got != 0) {
+    p.bad = error(errc::not_supported, "http.read", fmt::format("{} offset {}", p.h->name, p.offset + p.got),
+                  "the server ignored the byte range (answered 200, not 206): it cannot serve parts of a file");
+    return 0;
+  }
+  const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(bytes, p.len - p.got));
+  std::memcpy((p.slot ? p.slot.data() : p.dst) + p.got, b, take);
+  p.got += take;
+  progressed(p);
+  if (take == bytes) return bytes;
+  if (p.status == 200) {
+    p.enough = true;  // the whole file came; the range is in
+    return 0;
+  }
+  p.bad = error(errc::protocol_error, "http.read", fmt::format("{} offset {}", p.h->name, p.offset),
+                fmt::format("the server sent more than the {} bytes asked for", p.len));
+  return 0;
+}
+
+// An upload's body, as libcurl asks for it: from the caller's host memory, or from device memory a
+// staging buffer at a time (copied by the transfer engine on this lane's thread).
+std::size_t on_send(char* b, std::size_t sz, std::size_t n, void* ud) {
+  auto& p = *static_cast<piece*>(ud);
+  const std::size_t room = sz * n;
+  if (p.got == p.len) return 0;
+  if (!p.slot) {
+    const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, p.len - p.got));
+    std::memcpy(b, p.dst + p.got, k);
+    p.got += k;
+    progressed(p);
+    return k;
+  }
+  if (p.got == p.slot_at + p.slot_len) {  // the slot is sent: the source's next stretch into it
+    p.slot_at = p.got;
+    p.slot_len = std::min<std::uint64_t>(p.slot.size(), p.len - p.got);
+    try {
+      p.eng->copy(transfer_request{p.slot.data(), p.dst + p.slot_at, p.slot_len, &p.slot.region(), &p.user}, {p.until.at()});
+    } catch (const error& e) {
+      p.bad = e;
+      return CURL_READFUNC_ABORT;
+    }
+  }
+  const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, p.slot_at + p.slot_len - p.got));
+  std::memcpy(b, p.slot.data() + (p.got - p.slot_at), k);
+  p.got += k;
+  progressed(p);
+  return k;
+}
+std::size_t discard(char*, std::size_t sz, std::size_t n, void*) { return sz * n; }
+// A POST's or DELETE's answer: kept (a small XML document; more than a MiB is not one of S3's).
+std::size_t on_answer(char* b, std::size_t sz, std::size_t n, void* ud) {
+  auto& p = *static_cast<piece*>(ud);
+  if (p.answer->size() + sz * n > (1u << 20)) return 0;
+  p.answer->append(b, sz * n);
+  progressed(p);  // S3 keeps a long CompleteMultipartUpload alive with whitespace
+  return sz * n;
+}
+// A part's ETag, which the upload's completion lists.
+std::size_t on_part_header(char* b, std::size_t sz, std::size_t n, void* ud) {
+  auto& p = *static_cast<piece*>(ud);
+  head_lines h;
+  on_head_line(b, sz, n, &h);
+  if (!h.etag.empty()) *p.etag_out = h.etag;
+  return sz * n;
+}
+// A range answer's first byte (Content-Range: bytes a-b/total), checked against the one asked for.
+std::size_t on_header(char* b, std::size_t sz, std::size_t n, void* ud) {
+  auto& p = *static_cast<piece*>(ud);
+  std::string_view line(b, sz * n);
+  if (line.starts_with("HTTP/")) p.range_start = -1;
+  if (line.size() > 14 && strncasecmp(line.data(), "content-range:", 14) == 0) {
+    std::string_view v = line.substr(14);
+    auto at = v.find("bytes ");
+    std::int64_t first = -1;
+    if (at != std::string_view::npos) std::from_chars(v.data() + at + 6, v.data() + v.size(), first);
+    p.range_start = first;
+  }
+  return sz * n;
+}
+
+// The piece is off libcurl for good (curl thread only).
+void let_go(piece& p) {
+  if (p.easy) curl_easy_cleanup(p.easy);
+  p.easy = nullptr;
+  if (p.headers) curl_slist_free_all(p.headers);
+  p.headers = nullptr;
+}
+
+class http_engine;
+
+// S3's multipart upload (CreateMultipartUpload, UploadPart for each part in parallel, each tried
+// again on its own, CompleteMultipartUpload; AbortMultipartUpload when a part failed), over an
+// engine's lanes: each step starts the next from its completion, on the lanes' threads.
+class s3_multipart {
+ public:
+  // A part: FERRY_HTTP_PIECE (`piece_bytes`), at least S3's smallest part (5 MiB) and large enough that the
+  // object takes at most S3's 10,000 parts.
+  static std::uint64_t part_bytes(std::uint64_t bytes, std::uint64_t piece_bytes) {
+    constexpr std::uint64_t mib = 1 << 20, least = 5 * mib, most_parts = 10000, largest = 5ull << 30;
+    const std::uint64_t need = (bytes + most_parts - 1) / most_parts;
+    return std::min(largest, std::max({piece_bytes, least, (need + mib - 1) / mib * mib}));
+  }
+  // Uploads `whole` (the object's bytes, as a write's piece) in parts of `part` bytes.
+  static void start(http_engine& e, std::shared_ptr<piece> whole, std::uint64_t part, file_source::completion done);
+
+ private:
+  static void upload_parts(http_engine& e, std::shared_ptr<piece> whole, std::uint64_t part, std::string id, file_source::completion done);
+};
+
+// The text of the first <tag>...</tag> in a small XML answer ("" when there is none).
+std::string xml_text(const std::string& xml, const std::string& tag) {
+  const auto a = xml.find("<" + tag + ">");
+  if (a == std::string::npos) return {};
+  const auto from = a + tag.size() + 2, b = xml.find("</" + tag + ">", from);
+  return b == std::string::npos ? std::string() : xml.substr(from, b - from);
+}
+// A query value: every byte but the unreserved ones percent-encoded (as SigV4 canonicalizes it).
+std::string encode_query(std::string_view v) {
+  std::string out;
+  for (unsigned char ch : v) {
+    if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~') out += static_cast<char>(ch);
+    else out += fmt::format("%{:02X}", ch);
+  }
+  return out;
+}
+
+// The engine of a registration: its lanes run every piece -- started when a connection and (into device
+// memory) a staging buffer are free, ended on its answer: landed (copied on), tried again, or failed -- and
+// tell each read or write when its last piece has ended.
 class http_engine {
  public:
   explicit http_engine(http_options o) : o_(std::move(o)) {
@@ -356,8 +561,8 @@ class http_engine {
     p->len = bytes;
     p->dst = const_cast<std::byte*>(mem);  // read from, never written
     p->until = until;
-    const std::uint64_t part = part_bytes(bytes);
-    if (h->name.starts_with("s3://") && bytes > part) return multipart(std::move(p), part, std::move(done));
+    const std::uint64_t part = s3_multipart::part_bytes(bytes, o_.piece);
+    if (h->name.starts_with("s3://") && bytes > part) return s3_multipart::start(*this, std::move(p), part, std::move(done));
     auto req = std::make_shared<request>();
     req->bytes = bytes;
     req->done = std::move(done);
@@ -367,42 +572,11 @@ class http_engine {
   }
 
  private:
-  struct request {
-    std::mutex mu;
-    int left = 0;
-    std::uint64_t bytes = 0;
-    std::optional<error> err;
-    file_source::completion done;
-  };
-  struct piece {
-    std::shared_ptr<request> req;
-    std::shared_ptr<const head_result> h;
-    std::uint64_t offset = 0, len = 0, got = 0;  // the file's [offset, offset + len); got: bytes landed
-    std::byte* dst = nullptr;                    // the caller's memory for byte `offset`
-    memory_region user;                          // staged: the destination, classified once
-    pinned_pool* pool = nullptr;                 // staged: where the landing buffer comes from
-    pinned_pool::buffer slot;
-    source_deadline until;                       // moved on as bytes land (a batch that follows progress)
-    clk::time_point last_moved{};                // the piece's own last byte (or its start)
-    clk::time_point not_before{};
-    int attempts = 0;
-    long status = 0;
-    bool enough = false;                         // a 200 answer (the whole file) cut off once the range was in
-    bool put = false;                            // an upload of [dst, dst + len) as the whole file (got: bytes sent)
-    std::int64_t range_start = -1;               // the answer's Content-Range start
-    std::uint64_t slot_at = 0, slot_len = 0;     // put from device memory: the source's bytes in the slot
-    transfer_engine* eng = nullptr;              // put from device memory: copies the source into the slot
-    std::optional<error> bad;                    // the answer cannot be used (set by on_data)
-    std::string url;                             // where it goes, when not the file's URL (a part, a POST)
-    std::string step;                            // a multipart upload's step or part, for messages
-    const char* method = nullptr;                // POST or DELETE: `body` out, the answer into `answer`
-    std::string body;
-    std::shared_ptr<std::string> answer;
-    std::string* etag_out = nullptr;             // a part: its answer's ETag (in `etags`, held here)
-    std::shared_ptr<std::vector<std::string>> etags;
-    CURL* easy = nullptr;
-    curl_slist* headers = nullptr;
-    char errbuf[CURL_ERROR_SIZE] = {};
+  friend class s3_multipart;  // (its steps are the engine's pieces: enqueue, exchange)
+  struct lane {
+    CURLM* multi = nullptr;
+    std::vector<std::shared_ptr<piece>> incoming;  // mu_
+    std::thread thread;
   };
 
   // Pieces onto the lanes, spread round robin; each lane's thread starts them.
@@ -416,14 +590,6 @@ class http_engine {
     }
     n_pieces_ += n;
     for (std::size_t i = 0; i < std::min(n, lanes_.size()); ++i) curl_multi_wakeup(lanes_[(first + i) % lanes_.size()]->multi);
-  }
-
-  // A multipart upload's part: FERRY_HTTP_PIECE, at least S3's smallest part (5 MiB) and large
-  // enough that the object takes at most S3's 10,000 parts.
-  std::uint64_t part_bytes(std::uint64_t bytes) const {
-    constexpr std::uint64_t mib = 1 << 20, least = 5 * mib, most_parts = 10000, largest = 5ull << 30;
-    const std::uint64_t need = (bytes + most_parts - 1) / most_parts;
-    return std::min(largest, std::max({o_.piece, least, (need + mib - 1) / mib * mib}));
   }
 
   // One request with a small body and answer (the multipart upload's POSTs and DELETE), its answer
@@ -444,234 +610,6 @@ class http_engine {
     req->done = [answer, then = std::move(then)](std::uint64_t, const error* e) { then(*answer, e); };
     p->req = req;
     enqueue({std::move(p)}, "http.write");
-  }
-
-  // S3's multipart upload (CreateMultipartUpload, UploadPart for each part in parallel, each tried
-  // again on its own, CompleteMultipartUpload; AbortMultipartUpload when a part failed). Runs from
-  // the lanes' threads: each step starts the next from its completion.
-  void multipart(std::shared_ptr<piece> whole, std::uint64_t part, file_source::completion done) {
-    auto h = whole->h;
-    const source_deadline until = whole->until;
-    if (whole->len > (5ull << 40))
-      fail(errc::invalid_argument, "http.write", h->name, fmt::format("{} bytes: an S3 object holds at most 5 TiB", whole->len));
-    exchange(h, "POST", "starting the multipart upload", "uploads=", {}, until,
-             [this, whole, part, done](const std::string& answer, const error* e) mutable {
-      if (e) return done(0, e);
-      std::string id = xml_text(answer, "UploadId");
-      if (id.empty()) {
-        error bad(errc::protocol_error, "http.write", whole->h->name, "the server started no multipart upload (no UploadId in its answer)");
-        return done(0, &bad);
-      }
-      try {
-        upload_parts(std::move(whole), part, encode_query(id), done);
-      } catch (const error& e2) {
-        done(0, &e2);
-      } catch (...) {
-        error bad(errc::internal, "http.write", whole->h->name, "the parts could not be started");
-        done(0, &bad);
-      }
-    });
-  }
-
-  void upload_parts(std::shared_ptr<piece> whole, std::uint64_t part, std::string id, file_source::completion done) {
-    const std::uint64_t n = (whole->len + part - 1) / part;
-    auto etags = std::make_shared<std::vector<std::string>>(n);
-    auto h = whole->h;
-    const source_deadline until = whole->until;
-    auto req = std::make_shared<request>();
-    req->bytes = whole->len;
-    req->left = static_cast<int>(n);
-    // The parts the server holds are let go when the upload fails (an upload left open costs its
-    // owner storage), with a deadline of its own (the write's may be what passed); the write fails
-    // with its own error whatever the abort answers.
-    auto abort = [this, h, id](const error& why, file_source::completion& then) {
-      auto err = std::make_shared<error>(why);
-      try {
-        exchange(h, "DELETE", "aborting the multipart upload", "uploadId=" + id, {}, source_deadline(clk::now() + o_.deadline),
-                 [err, then](const std::string&, const error*) { then(0, err.get()); });
-      } catch (...) {
-        then(0, err.get());
-      }
-    };
-    req->done = [this, h, id, etags, until, abort, done = std::move(done)](std::uint64_t bytes, const error* e) mutable {
-      if (e) return abort(*e, done);
-      std::string xml = "<CompleteMultipartUpload>";
-      for (std::size_t i = 0; i < etags->size(); ++i) xml += fmt::format("<Part><PartNumber>{}</PartNumber><ETag>{}</ETag></Part>", i + 1, (*etags)[i]);
-      xml += "</CompleteMultipartUpload>";
-      auto complete = [h, bytes, abort, done](const std::string& answer, const error* failed) mutable {
-        if (failed) return abort(*failed, done);
-        // S3 may answer 200 and then an error in the body (the upload failed while it assembled it).
-        if (answer.find("<Error>") != std::string::npos) {
-          error bad(errc::io_error, "http.write", h->name + " (completing the multipart upload)",
-                    fmt::format("the server could not complete it: {} {}", xml_text(answer, "Code"), xml_text(answer, "Message")));
-          return abort(bad, done);
-        }
-        done(bytes, nullptr);
-      };
-      try {
-        exchange(h, "POST", "completing the multipart upload", "uploadId=" + id, std::move(xml), until, complete);
-      } catch (const error& e2) {
-        done(0, &e2);
-      } catch (...) {
-        error bad(errc::internal, "http.write", h->name, "the multipart upload could not be completed");
-        done(0, &bad);
-      }
-    };
-    std::vector<std::shared_ptr<piece>> ps;
-    for (std::uint64_t i = 0; i < n; ++i) {
-      auto p = std::make_shared<piece>();
-      p->req = req;
-      p->h = h;
-      p->put = true;
-      p->url = fmt::format("{}?partNumber={}&uploadId={}", h->url, i + 1, id);
-      p->step = fmt::format("part {} of {}, offset {}", i + 1, n, i * part);
-      p->etag_out = &(*etags)[i];
-      p->etags = etags;
-      p->offset = i * part;
-      p->len = std::min(part, whole->len - i * part);
-      p->dst = whole->dst + i * part;
-      p->user = whole->user;
-      p->pool = whole->pool;
-      p->eng = whole->eng;
-      p->until = until;
-      ps.push_back(std::move(p));
-    }
-    enqueue(std::move(ps), "http.write");
-  }
-
-  // Where a piece is, for messages: the file and the byte offset, or the multipart step or part.
-  static std::string where(const piece& p) {
-    if (!p.step.empty()) return fmt::format("{} ({})", p.h->name, p.step);
-    return fmt::format("{} offset {}", p.h->name, p.offset + (p.put ? 0 : p.got));
-  }
-  static const char* op_of(const piece& p) { return p.put || p.method ? "http.write" : "http.read"; }
-  // How long before its deadline a piece ends (so that its own error, naming it, and an upload's
-  // abort come before the batch's wait gives up): a tenth of a moving deadline's window, at most half
-  // a second; none for a fixed deadline (the caller's whole budget).
-  static std::chrono::nanoseconds margin(const piece& p) {
-    return std::min<std::chrono::nanoseconds>(p.until.idle() / 10, std::chrono::milliseconds(500));
-  }
-  // Bytes of the piece moved: its batch's deadline and its own stall clock go on.
-  static void progressed(piece& p) {
-    p.until.moved();
-    p.last_moved = clk::now();
-  }
-
-  // The text of the first <tag>...</tag> in a small XML answer ("" when there is none).
-  static std::string xml_text(const std::string& xml, const std::string& tag) {
-    const auto a = xml.find("<" + tag + ">");
-    if (a == std::string::npos) return {};
-    const auto from = a + tag.size() + 2, b = xml.find("</" + tag + ">", from);
-    return b == std::string::npos ? std::string() : xml.substr(from, b - from);
-  }
-  // A query value: every byte but the unreserved ones percent-encoded (as SigV4 canonicalizes it).
-  static std::string encode_query(std::string_view v) {
-    std::string out;
-    for (unsigned char ch : v) {
-      if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~') out += static_cast<char>(ch);
-      else out += fmt::format("%{:02X}", ch);
-    }
-    return out;
-  }
-
-  // The body of an answer, as it comes: into the caller's memory or the staging buffer, never more
-  // than the range, and nothing of an error page.
-  static std::size_t on_data(char* b, std::size_t sz, std::size_t n, void* ud) {
-    auto& p = *static_cast<piece*>(ud);
-    const std::size_t bytes = sz * n;
-    if (!p.status) {
-      curl_easy_getinfo(p.easy, CURLINFO_RESPONSE_CODE, &p.status);
-      if (p.status == 206 && p.range_start >= 0 && p.range_start != static_cast<std::int64_t>(p.offset + p.got)) {
-        p.bad = error(errc::protocol_error, "http.read", fmt::format("{} offset {}", p.h->name, p.offset + p.got),
-                      fmt::format("the server answered a range from byte {} instead", p.range_start));
-        return 0;
-      }
-    }
-    if (p.status != 200 && p.status != 206) return bytes;  // not the file's bytes (an error's page): see ended()
-    if (p.status == 200 && p.offset + p.got != 0) {
-      p.bad = error(errc::not_supported, "http.read", fmt::format("{} offset {}", p.h->name, p.offset + p.got),
-                    "the server ignored the byte range (answered 200, not 206): it cannot serve parts of a file");
-      return 0;
-    }
-    const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(bytes, p.len - p.got));
-    std::memcpy((p.slot ? p.slot.data() : p.dst) + p.got, b, take);
-    p.got += take;
-    progressed(p);
-    if (take == bytes) return bytes;
-    if (p.status == 200) {
-      p.enough = true;  // the whole file came; the range is in
-      return 0;
-    }
-    p.bad = error(errc::protocol_error, "http.read", fmt::format("{} offset {}", p.h->name, p.offset),
-                  fmt::format("the server sent more than the {} bytes asked for", p.len));
-    return 0;
-  }
-
-  struct lane {
-    CURLM* multi = nullptr;
-    std::vector<std::shared_ptr<piece>> incoming;  // mu_
-    std::thread thread;
-  };
-
-  // An upload's body, as libcurl asks for it: from the caller's host memory, or from device memory a
-  // staging buffer at a time (copied by the transfer engine on this lane's thread).
-  static std::size_t on_send(char* b, std::size_t sz, std::size_t n, void* ud) {
-    auto& p = *static_cast<piece*>(ud);
-    const std::size_t room = sz * n;
-    if (p.got == p.len) return 0;
-    if (!p.slot) {
-      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, p.len - p.got));
-      std::memcpy(b, p.dst + p.got, k);
-      p.got += k;
-      progressed(p);
-      return k;
-    }
-    if (p.got == p.slot_at + p.slot_len) {  // the slot is sent: the source's next stretch into it
-      p.slot_at = p.got;
-      p.slot_len = std::min<std::uint64_t>(p.slot.size(), p.len - p.got);
-      try {
-        p.eng->copy(transfer_request{p.slot.data(), p.dst + p.slot_at, p.slot_len, &p.slot.region(), &p.user}, {p.until.at()});
-      } catch (const error& e) {
-        p.bad = e;
-        return CURL_READFUNC_ABORT;
-      }
-    }
-    const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(room, p.slot_at + p.slot_len - p.got));
-    std::memcpy(b, p.slot.data() + (p.got - p.slot_at), k);
-    p.got += k;
-    progressed(p);
-    return k;
-  }
-  static std::size_t discard(char*, std::size_t sz, std::size_t n, void*) { return sz * n; }
-  // A POST's or DELETE's answer: kept (a small XML document; more than a MiB is not one of S3's).
-  static std::size_t on_answer(char* b, std::size_t sz, std::size_t n, void* ud) {
-    auto& p = *static_cast<piece*>(ud);
-    if (p.answer->size() + sz * n > (1u << 20)) return 0;
-    p.answer->append(b, sz * n);
-    progressed(p);  // S3 keeps a long CompleteMultipartUpload alive with whitespace
-    return sz * n;
-  }
-  // A part's ETag, which the upload's completion lists.
-  static std::size_t on_part_header(char* b, std::size_t sz, std::size_t n, void* ud) {
-    auto& p = *static_cast<piece*>(ud);
-    head_lines h;
-    on_head_line(b, sz, n, &h);
-    if (!h.etag.empty()) *p.etag_out = h.etag;
-    return sz * n;
-  }
-  // A range answer's first byte (Content-Range: bytes a-b/total), checked against the one asked for.
-  static std::size_t on_header(char* b, std::size_t sz, std::size_t n, void* ud) {
-    auto& p = *static_cast<piece*>(ud);
-    std::string_view line(b, sz * n);
-    if (line.starts_with("HTTP/")) p.range_start = -1;
-    if (line.size() > 14 && strncasecmp(line.data(), "content-range:", 14) == 0) {
-      std::string_view v = line.substr(14);
-      auto at = v.find("bytes ");
-      std::int64_t first = -1;
-      if (at != std::string_view::npos) std::from_chars(v.data() + at + 6, v.data() + v.size(), first);
-      p.range_start = first;
-    }
-    return sz * n;
   }
 
   void begin(lane& L, piece& p) {
@@ -727,14 +665,6 @@ class http_engine {
     curl_easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
     curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
     if (curl_multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.read", p.h->name, "curl_multi_add_handle failed");
-  }
-
-  // The piece is off libcurl for good (curl thread only).
-  static void let_go(piece& p) {
-    if (p.easy) curl_easy_cleanup(p.easy);
-    p.easy = nullptr;
-    if (p.headers) curl_slist_free_all(p.headers);
-    p.headers = nullptr;
   }
 
   // The piece's end, on any thread: its buffer back, its request told when it was the last.
@@ -962,6 +892,97 @@ class http_engine {
   std::uint64_t copies_ = 0;                      // mu_
   std::atomic<std::uint64_t> n_pieces_{0}, n_retries_{0}, n_staged_{0};
 };
+
+void s3_multipart::start(http_engine& e, std::shared_ptr<piece> whole, std::uint64_t part, file_source::completion done) {
+  auto h = whole->h;
+  const source_deadline until = whole->until;
+  if (whole->len > (5ull << 40))
+    fail(errc::invalid_argument, "http.write", h->name, fmt::format("{} bytes: an S3 object holds at most 5 TiB", whole->len));
+  e.exchange(h, "POST", "starting the multipart upload", "uploads=", {}, until,
+           [ep = &e, whole, part, done](const std::string& answer, const error* failed) mutable {
+    if (failed) return done(0, failed);
+    std::string id = xml_text(answer, "UploadId");
+    if (id.empty()) {
+      error bad(errc::protocol_error, "http.write", whole->h->name, "the server started no multipart upload (no UploadId in its answer)");
+      return done(0, &bad);
+    }
+    try {
+      upload_parts(*ep, std::move(whole), part, encode_query(id), done);
+    } catch (const error& e2) {
+      done(0, &e2);
+    } catch (...) {
+      error bad(errc::internal, "http.write", whole->h->name, "the parts could not be started");
+      done(0, &bad);
+    }
+  });
+}
+
+void s3_multipart::upload_parts(http_engine& e, std::shared_ptr<piece> whole, std::uint64_t part, std::string id, file_source::completion done) {
+  const std::uint64_t n = (whole->len + part - 1) / part;
+  auto etags = std::make_shared<std::vector<std::string>>(n);
+  auto h = whole->h;
+  const source_deadline until = whole->until;
+  auto req = std::make_shared<request>();
+  req->bytes = whole->len;
+  req->left = static_cast<int>(n);
+  // The parts the server holds are let go when the upload fails (an upload left open costs its
+  // owner storage), with a deadline of its own (the write's may be what passed); the write fails
+  // with its own error whatever the abort answers.
+  auto abort = [ep = &e, h, id](const error& why, file_source::completion& then) {
+    auto err = std::make_shared<error>(why);
+    try {
+      ep->exchange(h, "DELETE", "aborting the multipart upload", "uploadId=" + id, {}, source_deadline(clk::now() + ep->options().deadline),
+               [err, then](const std::string&, const error*) { then(0, err.get()); });
+    } catch (...) {
+      then(0, err.get());
+    }
+  };
+  req->done = [ep = &e, h, id, etags, until, abort, done = std::move(done)](std::uint64_t bytes, const error* why) mutable {
+    if (why) return abort(*why, done);
+    std::string xml = "<CompleteMultipartUpload>";
+    for (std::size_t i = 0; i < etags->size(); ++i) xml += fmt::format("<Part><PartNumber>{}</PartNumber><ETag>{}</ETag></Part>", i + 1, (*etags)[i]);
+    xml += "</CompleteMultipartUpload>";
+    auto complete = [h, bytes, abort, done](const std::string& answer, const error* failed) mutable {
+      if (failed) return abort(*failed, done);
+      // S3 may answer 200 and then an error in the body (the upload failed while it assembled it).
+      if (answer.find("<Error>") != std::string::npos) {
+        error bad(errc::io_error, "http.write", h->name + " (completing the multipart upload)",
+                  fmt::format("the server could not complete it: {} {}", xml_text(answer, "Code"), xml_text(answer, "Message")));
+        return abort(bad, done);
+      }
+      done(bytes, nullptr);
+    };
+    try {
+      ep->exchange(h, "POST", "completing the multipart upload", "uploadId=" + id, std::move(xml), until, complete);
+    } catch (const error& e2) {
+      done(0, &e2);
+    } catch (...) {
+      error bad(errc::internal, "http.write", h->name, "the multipart upload could not be completed");
+      done(0, &bad);
+    }
+  };
+  std::vector<std::shared_ptr<piece>> ps;
+  for (std::uint64_t i = 0; i < n; ++i) {
+    auto p = std::make_shared<piece>();
+    p->req = req;
+    p->h = h;
+    p->put = true;
+    p->url = fmt::format("{}?partNumber={}&uploadId={}", h->url, i + 1, id);
+    p->step = fmt::format("part {} of {}, offset {}", i + 1, n, i * part);
+    p->etag_out = &(*etags)[i];
+    p->etags = etags;
+    p->offset = i * part;
+    p->len = std::min(part, whole->len - i * part);
+    p->dst = whole->dst + i * part;
+    p->user = whole->user;
+    p->pool = whole->pool;
+    p->eng = whole->eng;
+    p->until = until;
+    ps.push_back(std::move(p));
+  }
+  e.enqueue(std::move(ps), "http.write");
+}
+
 
 // A file opened for reading (its size and version from the HEAD), or created: then it takes one
 // write of the whole file, from offset 0 (what `ferry cp` and a save write): one PUT, or S3's parts.
