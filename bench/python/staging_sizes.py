@@ -3,7 +3,8 @@
 
 Each variant (a ';'-separated list of 'FERRY_X=v FERRY_Y=w' settings; the empty variant is the defaults) runs in a
 fresh process that loads the checkpoint 4 times (the first load makes the staging pool), printing GB/s per load,
-beside a pinned cudaMemcpy of the same size. Also per variant: one read of the file into pinned host memory (the
+beside a pinned cudaMemcpy of the same size, and how busy each kind of thread was during the last load (cores, from
+/proc's schedstat: the caller, ferry's io and transfer threads, the kernel's io_uring workers). Also per variant: one read of the file into pinned host memory (the
 CPU's copy out of the page cache alone, no device copy: what bounds the staged path), and with --nginx the load
 over http:// from nginx on loopback. The decision records docs/design/file-engine.md (staging size) and
 docs/design/remote-sources.md (http threads) cite it.
@@ -34,8 +35,28 @@ if url:
     rows["load over http://"] = []
 def gbps(s):
     return round(size / s / 1e9, 2)
+def thread_ns():
+    """Nanoseconds on a CPU per thread of this process (the kernel's io_uring workers are its threads too)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f1, open(f"/proc/self/task/{tid}/comm") as f2:
+                out[tid] = (f2.read().strip(), int(f1.read().split()[0]))
+        except OSError:
+            pass
+    return out
+def cores_since(before, secs):
+    """Cores busy per kind of thread (the name without its number) since `before`."""
+    by = {}
+    for tid, (name, ns) in thread_ns().items():
+        if tid in before:
+            kind = name.rstrip("0123456789").rstrip("-") or name
+            by[kind] = by.get(kind, 0.0) + (ns - before[tid][1]) / 1e9 / secs
+    return {k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1]) if v >= 0.05}
 for i in range(4):
+    t0 = thread_ns()
     sd, s = timed(lambda: ferry.safetensors.load(path, device=device, progress=False)); rows["load"].append(gbps(s)); del sd
+    rows["load's CPU, cores by thread (last load)"] = cores_since(t0, s)
     _, s = timed(lambda: f.read_into(buf)); rows["one read of the file"].append(gbps(s))
     _, s = timed(lambda: f.read_into(host)); rows["one read into pinned host memory"].append(gbps(s))
     if url:
