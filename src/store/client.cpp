@@ -44,7 +44,6 @@ void client::impl::copy_bytes(std::byte* dst, const std::byte* src, std::uint64_
 
 void client::impl::release_buffers(piece& p) {
   p.slot.reset();
-  if (p.keeps_land && !p.err) return;  // finish_reads copies the answer out of the slot, then gives it back
   release_land(p, !p.replied);
 }
 
@@ -61,6 +60,8 @@ std::shared_ptr<client::impl::piece> client::impl::maybe_settle(const std::share
   }
   if (!p.err && p.reply)
     if (auto* cp = std::get_if<complete>(&p.reply->b)) (p.write ? n_written : n_read) += cp->bytes;
+  // An answer (not a refusal): the caller's hook takes its ranges (copy_out), then the slot goes back.
+  if (!p.err && p.answer && p.reply && std::holds_alternative<complete>(p.reply->b)) return keep;
   if (!p.err && !p.write && p.final_dst && p.received) {
     p.landed = clk::now();
     return keep;
@@ -72,8 +73,49 @@ std::shared_ptr<client::impl::piece> client::impl::maybe_settle(const std::share
   return nullptr;
 }
 
+void client::impl::answer_ranges(const std::shared_ptr<piece>& pp) {
+  piece& p = *pp;
+  // The hook leaves the piece here: it is let go after the client's lock (its captures may hold the
+  // caller's last references).
+  range_answer hook = std::move(p.answer);
+  std::optional<error> bad;
+  const std::size_t n = p.range_len.size();
+  const std::byte* a = p.land;
+  std::vector<std::uint64_t> counts(n);
+  if (p.received != p.len) {
+    bad = error(errc::protocol_error, "store.read", peer, fmt::format("an answer of {} bytes for {} ranges of {}", p.received, n, p.len));
+  } else {
+    for (std::size_t i = 0; i < n && !bad; ++i) {
+      for (int k = 0; k < 8; ++k) counts[i] |= static_cast<std::uint64_t>(a[8 * i + k]) << (8 * k);
+      if (counts[i] > p.range_len[i])
+        bad = error(errc::protocol_error, "store.read", peer, fmt::format("the server claims {} bytes for a {}-byte range", counts[i], p.range_len[i]));
+    }
+  }
+  if (!bad) {
+    const std::byte* data = a + 8 * n;
+    try {
+      for (std::size_t i = 0; i < n; ++i) {
+        hook(i, data, counts[i]);
+        data += p.range_len[i];
+      }
+    } catch (const std::exception& e) {  // (a hook must not throw: its request fails instead)
+      bad = error(errc::internal, "store.read", peer, std::string("the caller's answer hook threw: ") + e.what());
+    } catch (...) {
+      bad = error(errc::internal, "store.read", peer, "the caller's answer hook threw");
+    }
+  }
+  std::lock_guard l(mu);
+  if (bad) p.err = std::move(bad);
+  else p.counts = std::move(counts);
+  release_land(p, false);  // answered: the server is done with the slot
+  p.done.store(true, std::memory_order_release);
+  cv.notify_all();
+  ended(p);
+}
+
 void client::impl::copy_out(std::shared_ptr<piece> pp) {
   piece& p = *pp;
+  if (!p.range_len.empty()) return answer_ranges(pp);
   const bool here = p.waiter.load(std::memory_order_acquire) == std::this_thread::get_id();
   auto finished = [this, pp](const error* e) {
     auto& q = *pp;
@@ -167,7 +209,9 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
     // that lane's worker while it waits, so their replies are handled on this thread, without
     // waking the other lanes' progress threads (spread over four lanes, 4 KiB reads at queue
     // depth 4 took longer than one at a time). Large pieces spread for bandwidth.
-    lane* home = p->len <= small_piece && lanes.size() > 1 ? lanes[home_lane()].get() : nullptr;
+    // (Not ranges in one request: their caller waits for none of them, and spread over the lanes,
+    // their answers are handed over on several threads at once.)
+    lane* home = p->len <= small_piece && lanes.size() > 1 && !p->answer ? lanes[home_lane()].get() : nullptr;
     // Credit comes back with the answers of a lane that is up. With every lane down none will come,
     // and only a request reconnects (ensure_connected): the request fails at once with what the
     // connection died of, and the caller's retry reconnects -- waiting for credit here held it (and
@@ -435,7 +479,7 @@ std::uint64_t client::impl::finish(ticket t, const std::function<bool()>* cancel
     std::lock_guard l(mu);
     auto it = ops.find(t);
     if (it == ops.end()) fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "unknown or already finished");
-    if (!it->second.ranges.empty()) fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "from start_reads: finish it with finish_reads");
+    if (it->second.many) fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "from start_reads: finish it with finish_reads");
     x = std::move(it->second);
     ops.erase(it);
   }
@@ -497,56 +541,52 @@ client::ticket client::start_write(const write_handle& h, std::uint64_t offset, 
   // The buffer is only read (sent), never written.
   return impl_->start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id, nullptr, std::move(ended));
 }
-client::ticket client::start_reads(const std::string& path, std::span<const range_into> ranges, clk::time_point until,
-                                   std::uint64_t version, ended_fn ended) {
+client::ticket client::start_reads(const std::string& path, std::span<const net::read_range> ranges, range_answer answer,
+                                   clk::time_point until, std::uint64_t version, ended_fn ended) {
   auto& I = *impl_;
+  if (!answer) fail(errc::invalid_argument, "store.read", printable(path), "ranges in one request need an answer hook to take them");
   if (ranges.empty() || ranges.size() > net::max_read_ranges)
     fail(errc::invalid_argument, "store.read", printable(path), fmt::format("{} ranges in one request (1 to {})", ranges.size(), net::max_read_ranges));
-  net::read_many m{path, version, {}};
-  m.ranges.reserve(ranges.size());
-  for (const auto& g : ranges) {
-    if (!g.dst || g.length == 0 || g.length > net::max_read_range || g.offset + g.length < g.offset)
+  net::read_many m{path, version, {ranges.begin(), ranges.end()}};
+  for (const auto& g : ranges)
+    if (g.length == 0 || g.length > net::max_read_range || g.offset + g.length < g.offset)
       fail(errc::invalid_argument, "store.read", printable(path),
-           fmt::format("range at offset {}: null memory, no bytes, more than {} bytes or past 2^64", g.offset, net::max_read_range));
-    // The answer is copied into each range's memory by this process's CPU: host memory only.
-    if (!host_memory(g.dst, g.length))
-      fail(errc::invalid_argument, "store.read", fmt::format("{} offset {}", printable(path), g.offset),
-           fmt::format("{}+{} is not host memory (read it on its own)", g.dst, g.length));
-    m.ranges.push_back({g.offset, g.length});
-  }
-  const std::uint64_t answer = net::read_many_answer_bytes(m.ranges);
-  if (answer - 8 * ranges.size() > net::max_read_many_bytes)
+           fmt::format("range at offset {}: no bytes, more than {} bytes or past 2^64", g.offset, net::max_read_range));
+  const std::uint64_t answer_bytes = net::read_many_answer_bytes(m.ranges);
+  if (answer_bytes - 8 * ranges.size() > net::max_read_many_bytes)
     fail(errc::invalid_argument, "store.read", printable(path), fmt::format("ranges of more than {} bytes in all", net::max_read_many_bytes));
   I.ensure_connected(until);
   auto p = std::make_shared<impl::piece>();
   p->until = until;
-  p->len = answer;
-  impl::op whole{path, false, ranges.front().offset, answer, until, {}, {ranges.begin(), ranges.end()}};
+  p->len = answer_bytes;
+  p->answer = std::move(answer);
+  p->range_len.reserve(ranges.size());
+  for (const auto& g : ranges) p->range_len.push_back(g.length);
+  impl::op whole{path, false, ranges.front().offset, answer_bytes, until, {}, true};
   std::shared_ptr<impl::notice> ends = impl::notice::make(std::move(ended));
   if (ends) {
     ends->left.fetch_add(1, std::memory_order_relaxed);
     p->ends = ends;
   }
   // On the same host the server writes the answer into a slot of the landing region and sends only
-  // its completion: no answer crosses UCX, and nothing is allocated here for it. Only a slot free at
-  // once, that holds the answer: the slot stays taken until finish_reads, so waiting for one could
-  // wait on the caller itself (its settled, unfinished tickets hold them); else by messages, as to a
-  // server on another host. A spent region is renewed here as a read's would be.
+  // its completion: no answer crosses UCX, and nothing is allocated here for it. A slot free at once
+  // that holds the answer (else it comes by messages, as from a server on another host): it goes
+  // back when the hook has taken the answer. A spent region is renewed here as a read's would be.
   if (I.direct_available()) {
     auto lr = I.current_landing();
     if (lr && lr->spent()) {
       I.renew_landing(lr, until);
       lr = I.direct_available() ? I.current_landing() : nullptr;
     }
-    if (lr && (p->land_slot = lr->try_take_slot(answer)) >= 0) {
+    if (lr && (p->land_slot = lr->try_take_slot(answer_bytes)) >= 0) {
       p->region = std::move(lr);
       p->land = p->region->slot(p->land_slot);
-      p->direct = p->keeps_land = true;
+      p->direct = true;
       m.into = reinterpret_cast<std::uint64_t>(p->land);
     }
   }
   if (!p->land) {
-    p->owned.resize(answer);
+    p->owned.resize(answer_bytes);
     p->land = p->owned.data();
   }
   ticket t = 0;
@@ -570,45 +610,20 @@ bool client::host_memory(const void* p, std::uint64_t n) const {
   return t == memory_type::host_pageable || t == memory_type::host_pinned;
 }
 
-std::vector<std::uint64_t> client::finish_reads(ticket t, const std::function<bool()>& cancelled,
-                                                const std::function<bool(std::size_t)>& wanted) {
+std::vector<std::uint64_t> client::finish_reads(ticket t, const std::function<bool()>& cancelled) {
   auto& I = *impl_;
   impl::op x;
   {
     std::lock_guard l(I.mu);
     auto it = I.ops.find(t);
-    if (it == I.ops.end() || it->second.ranges.empty())
+    if (it == I.ops.end() || !it->second.many)
       fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "unknown, already finished, or not from start_reads");
     x = std::move(it->second);
     I.ops.erase(it);
   }
-  // A landing slot the answer kept goes back however this ends; one still in flight (given up)
-  // goes back, or is quarantined, when it settles.
-  struct give_back {
-    impl& I;
-    impl::piece& p;
-    ~give_back() {
-      std::lock_guard l(I.mu);
-      p.keeps_land = false;
-      if (p.settled) I.release_land(p, !p.replied);
-    }
-  } back{I, *x.pieces.first};
-  const std::uint64_t got = I.finish(x, &cancelled);
-  const std::byte* a = x.pieces.first->land;
-  if (got != x.length)
-    fail(errc::protocol_error, "store.read", I.peer, fmt::format("an answer of {} bytes for {} ranges of {}", got, x.ranges.size(), x.length));
-  std::vector<std::uint64_t> out(x.ranges.size());
-  const std::byte* data = a + 8 * x.ranges.size();
-  for (std::size_t i = 0; i < x.ranges.size(); ++i) {
-    std::uint64_t n = 0;
-    for (int k = 0; k < 8; ++k) n |= static_cast<std::uint64_t>(a[8 * i + k]) << (8 * k);
-    if (n > x.ranges[i].length)
-      fail(errc::protocol_error, "store.read", I.peer, fmt::format("the server claims {} bytes for a {}-byte range", n, x.ranges[i].length));
-    if (!wanted || wanted(i)) std::memcpy(x.ranges[i].dst, data, n);
-    out[i] = n;
-    data += x.ranges[i].length;
-  }
-  return out;
+  I.finish(x, &cancelled);  // (throws what the request failed with)
+  std::lock_guard l(I.mu);  // the counts, set where the answer settled
+  return std::move(x.pieces.first->counts);
 }
 
 std::uint64_t client::finish(ticket t) { return impl_->finish(t); }

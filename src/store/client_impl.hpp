@@ -88,8 +88,11 @@ struct client::impl {
     std::shared_ptr<registration> net;  // network registration of the memory an RMA piece uses
     std::byte* rma_mem = nullptr;
     std::byte* land = nullptr;       // where read data lands (the destination, a staging buffer or a landing slot)
-    std::vector<std::byte> owned;    // read_many by messages: the answer lands here, then goes to each range's memory
-    bool keeps_land = false;         // read_many into a landing slot: the slot stays taken after the answer, until finish_reads copied it out
+    std::vector<std::byte> owned;    // read_many by messages: the answer lands here, then goes to the caller's hook
+    // read_many: the caller's hook (start_reads' `answer`), each range's size, and the counts the answer
+    // gave, once the hook was told them (on the thread that settled the piece, before it is done).
+    client::range_answer answer;
+    std::vector<std::uint64_t> range_len, counts;
     std::uint64_t len = 0;
     std::byte* final_dst = nullptr;  // staged reads: copied here by the transfer engine
     memory_region user;              // staged pieces: the caller's memory, as classified once at the start
@@ -130,7 +133,7 @@ struct client::impl {
     std::uint64_t offset = 0, length = 0;
     clk::time_point until;
     piece_list pieces;
-    std::vector<client::range_into> ranges;  // read_many: where each range goes
+    bool many = false;  // from start_reads (finished with finish_reads)
   };
   // A map whose nodes are recycled: every request inserts and erases one entry in `pend` and in
   // `ops`, and the allocator round trips would cost more than the entries' bookkeeping.
@@ -426,6 +429,9 @@ struct client::impl {
   // goes on -- unless it is a small piece for host memory, a memcpy shorter than that hand-off.
   // Without an engine every destination is host memory: a memcpy here.
   void copy_out(std::shared_ptr<piece> pp);
+  // A read_many answer with the caller's hook: its counts checked, each range handed to the hook, then the
+  // piece is done (its slot given back). Outside mu, on the thread that settled it.
+  void answer_ranges(const std::shared_ptr<piece>& pp);
   // A finished piece gives back whatever buffer it borrowed (staging buffer, landing slot). mu held.
   void release_buffers(piece& p);
   // Gives a piece's landing slot and notify record back, or keeps them out of use when the server

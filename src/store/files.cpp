@@ -64,12 +64,14 @@ using clk = std::chrono::steady_clock;
 // One client and the two threads that drive its requests: the starter waits for credits (start_*);
 // the reaper ends requests as the client tells they have ended, and gives up those whose batch was
 // cancelled or whose deadline passed (looked at every tenth of a second), so that one request
-// waiting for its answer holds up no other. The client and the queues live in a core the threads
+// waiting for its answer holds up no other. Small reads sent together are ended as their answer
+// comes, on the client's thread that takes it (its answer hook): the reaper only ends what is over. The client and the queues live in a core the threads
 // share, so the endpoint may be destroyed on one of its own threads (a completion that drops the
 // last reference to a remote file, and the file the last one to the endpoint): that thread is let go
 // and ends by itself once the queues are drained.
 class remote_endpoint {
  public:
+  struct group;
   struct op {
     bool write = false;
     std::function<client::write_handle()> handle;  // writes: the open write they fill (opened on first use)
@@ -82,9 +84,25 @@ class remote_endpoint {
     file_source::completion done;
     client::ticket t = 0;
     std::uint64_t version = 0;  // reads: the file they must come from (0: any)
-    std::vector<op> members;    // several small reads of one file sent as one request: the reads it answers
-    std::vector<char> gone;     // members already ended (batch cancelled, or their deadline passed)
+    std::shared_ptr<group> grp;  // several small reads of one file sent as one request: the reads it answers
     bool started = false, told = false;  // (the core's mu) its start_* returned / the client told it ended
+  };
+  // The reads one request answers. Each is taken once, by whichever comes first: the client's answer
+  // hook (its bytes copied into its memory; the reaper completes it once the request has ended), or the
+  // reaper (over: its batch cancelled or its deadline passed; or the request failed).
+  struct group {
+    explicit group(std::vector<op> m) : members(std::move(m)), state(new std::atomic<int>[members.size()]), got(members.size()) {
+      for (std::size_t i = 0; i < members.size(); ++i) state[i].store(open);
+    }
+    static constexpr int open = 0, answered = 1, ended = 2;
+    std::vector<op> members;
+    std::unique_ptr<std::atomic<int>[]> state;
+    std::vector<std::uint64_t> got;  // an answered read's bytes (read once the request has ended)
+    bool take(std::size_t i, int how) {
+      int o = open;
+      return state[i].compare_exchange_strong(o, how, std::memory_order_acq_rel);
+    }
+    int at(std::size_t i) const { return state[i].load(std::memory_order_acquire); }
   };
 
   remote_endpoint(const uri& u, client_options o) : k_(std::make_shared<core>(u, std::move(o))) {
@@ -264,30 +282,38 @@ class remote_endpoint {
     return true;
   }
   // Reads [i, j) of the batch as one request; false (nothing started) where the client refuses it
-  // (memory that is not host memory): then each goes on its own.
+  // (invalid_argument): then each goes on its own.
   static bool start_together(core& k, std::deque<op>& batch, std::size_t i, std::size_t j) {
     op g;
     g.path = batch[i].path;
     g.version = batch[i].version;
     g.until = batch[i].until;  // the latest member's: each member ends at its own (the reaper)
     for (std::size_t x = i; x < j; ++x) g.until = std::max(g.until, batch[x].until);
-    g.members.assign(std::make_move_iterator(batch.begin() + static_cast<std::ptrdiff_t>(i)),
-                     std::make_move_iterator(batch.begin() + static_cast<std::ptrdiff_t>(j)));
-    g.gone.assign(g.members.size(), 0);
+    g.grp = std::make_shared<group>(std::vector<op>(std::make_move_iterator(batch.begin() + static_cast<std::ptrdiff_t>(i)),
+                                                    std::make_move_iterator(batch.begin() + static_cast<std::ptrdiff_t>(j))));
     std::optional<error> err;
     op back;
     const bool ok = run(k, std::move(g), [&](op& r, client::ended_fn told) {
-      std::vector<client::range_into> ranges;
-      ranges.reserve(r.members.size());
-      for (const op& m : r.members) ranges.push_back({m.offset, m.mem, m.bytes});
-      return k.c.start_reads(r.path, ranges, r.until, r.version, std::move(told));
+      std::vector<net::read_range> ranges;
+      ranges.reserve(r.grp->members.size());
+      for (const op& m : r.grp->members) ranges.push_back({m.offset, m.bytes});
+      // Each read's bytes go into its memory as the answer comes, on the thread that takes it (unless
+      // the reaper ended the read first); its completion is the reaper's (finish_group), as every
+      // completion of this endpoint is: the thread that takes an answer may be any that drives the
+      // client's lanes, a caller's in a synchronous call too.
+      auto answer = [grp = r.grp](std::size_t x, const std::byte* data, std::uint64_t n) {
+        if (!grp->take(x, group::answered)) return;
+        std::memcpy(grp->members[x].mem, data, n);
+        grp->got[x] = n;
+      };
+      return k.c.start_reads(r.path, ranges, std::move(answer), r.until, r.version, std::move(told));
     }, err, back);
     if (ok) return true;
     if (err->code() == errc::invalid_argument) {  // each on its own, then
-      std::move(back.members.begin(), back.members.end(), batch.begin() + static_cast<std::ptrdiff_t>(i));
+      std::move(back.grp->members.begin(), back.grp->members.end(), batch.begin() + static_cast<std::ptrdiff_t>(i));
       return false;
     }
-    for (op& m : back.members) complete_after_error(k, m, *err);
+    for (op& m : back.grp->members) complete_after_error(k, m, *err);
     return true;
   }
   static void start_one(core& k, op& o) {
@@ -317,7 +343,7 @@ class remote_endpoint {
   static void reap_loop(core& k) {
     auto looked = clk::now();
     std::vector<op> now;
-    std::vector<std::pair<op*, std::size_t>> left;  // members over (cancelled, past their deadline), ended below
+    std::vector<std::pair<std::shared_ptr<group>, std::size_t>> left;  // members over (cancelled, past their deadline), ended below
     for (;;) {
       now.clear();
       left.clear();
@@ -346,21 +372,23 @@ class remote_endpoint {
           looked = t;
           for (auto it = k.running.begin(); it != k.running.end();) {
             op& o = it->second;
-            bool give_up = o.started && t >= o.until;
+            // (A group ends by its members' states alone: its answer may be in, its hook under way.)
+            bool give_up = o.started && !o.grp && t >= o.until;
             if (o.started && !give_up) {
-              if (o.members.empty()) {
+              if (!o.grp) {
                 give_up = o.deadline.cancelled();
               } else {
-                // Every member not yet ended cancelled or past its deadline: the request is given up
-                // (finish_group ends them). Else those end now, and the request goes on for the others.
-                bool all = true;
-                for (std::size_t i = 0; i < o.members.size() && all; ++i) all = o.gone[i] || over(o.members[i], t);
-                give_up = all;
-                for (std::size_t i = 0; i < o.members.size() && !all; ++i)
-                  if (!o.gone[i] && over(o.members[i], t)) {
-                    o.gone[i] = 1;
-                    left.push_back({&o, i});  // (it stays in `running`, which only this thread erases from)
-                  }
+                // Members over end now (unless their answer came). Once none is left open and none was
+                // answered, the request is given up; one answered means the answer is in, and its
+                // notice comes.
+                bool open = false, answered = false;
+                for (std::size_t i = 0; i < o.grp->members.size(); ++i) {
+                  if (o.grp->at(i) == group::open && over(o.grp->members[i], t) && o.grp->take(i, group::ended)) left.push_back({o.grp, i});
+                  const int st = o.grp->at(i);
+                  open = open || st == group::open;
+                  answered = answered || st == group::answered;
+                }
+                give_up = !open && !answered;
               }
             }
             if (!give_up) {
@@ -372,9 +400,9 @@ class remote_endpoint {
           }
         }
       }
-      for (auto& [o, i] : left) end_member(k, o->members[i]);
+      for (auto& [g, i] : left) end_member(k, g->members[i]);
       for (op& o : now) {
-        if (!o.members.empty()) {
+        if (o.grp) {
           finish_group(k, o);
           continue;
         }
@@ -399,44 +427,50 @@ class remote_endpoint {
             cancelled ? "the batch was cancelled while the read was under way" : "no answer before the deadline");
     m.done(0, &e);
   }
-  // The members of a group may come from several batches: the request is given up only once every
-  // member is over. (Members are only marked in the client's check, which runs under its lock; they
-  // end after it.)
+  // The members of a group may come from several batches: the request is given up only once no
+  // member is left open, none answered. (Members are only taken in the client's check, which runs
+  // under its lock; they end after it.) Answered members were ended by the hook; those the request's
+  // failure leaves open end here, read again one by one where the failure allows.
   static void finish_group(core& k, op& o) {
+    group& g = *o.grp;
     std::vector<std::size_t> over_now;
     const std::function<bool()> cancelled = [&] {
       const auto t = clk::now();
-      bool all = true;
-      for (std::size_t i = 0; i < o.members.size(); ++i) {
-        if (o.gone[i]) continue;
-        if (!over(o.members[i], t)) {
-          all = false;
-          continue;
-        }
-        o.gone[i] = 1;
-        over_now.push_back(i);
+      bool open = false;
+      for (std::size_t i = 0; i < g.members.size(); ++i) {
+        if (g.at(i) == group::answered) return false;  // the answer is in
+        if (g.at(i) == group::open && over(g.members[i], t) && g.take(i, group::ended)) over_now.push_back(i);
+        open = open || g.at(i) == group::open;
       }
-      return all;
+      return !open;
     };
-    std::vector<std::uint64_t> got;
     std::optional<error> failed;
     try {
-      got = k.c.finish_reads(o.t, cancelled, [&](std::size_t i) { return !o.gone[i]; });
+      (void)k.c.finish_reads(o.t, cancelled);
     } catch (const error& e) {
       failed = e;
     }
-    for (std::size_t i : over_now) end_member(k, o.members[i]);
-    if (failed) {
-      if (failed->code() == errc::not_supported) {
-        std::lock_guard l(k.mu);
-        k.one_by_one.insert(o.path);
-      }
-      for (std::size_t i = 0; i < o.members.size(); ++i)
-        if (!o.gone[i]) complete_after_error(k, o.members[i], *failed, true);
-      return;
+    for (std::size_t i : over_now) end_member(k, g.members[i]);
+    if (failed && failed->code() == errc::not_supported) {
+      std::lock_guard l(k.mu);
+      k.one_by_one.insert(o.path);
     }
-    for (std::size_t i = 0; i < o.members.size(); ++i)
-      if (!o.gone[i]) o.members[i].done(got[i], nullptr);
+    // Answered: its bytes are in its memory. Still open: the request failed before its range was
+    // handed over (read again on its own where the failure allows), or -- never, on success -- the
+    // answer lacked it.
+    for (std::size_t i = 0; i < g.members.size(); ++i) {
+      if (g.at(i) == group::answered) {
+        g.members[i].done(g.got[i], nullptr);
+      } else if (g.take(i, group::ended)) {
+        if (failed) {
+          complete_after_error(k, g.members[i], *failed, true);
+        } else {
+          error e(errc::internal, "store.read", fmt::format("{} {} offset {}", k.c.peer(), printable(g.members[i].path), g.members[i].offset),
+                  "the answer did not hand this range over");
+          g.members[i].done(0, &e);
+        }
+      }
+    }
   }
   // A read whose connection was lost (server restarted) is retried once, synchronously, within
   // its deadline. A write is not: its open write went with the connection (the file's commit then
@@ -539,7 +573,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         d(n, e);
       };
     }
-    remote_endpoint::op o{write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_, {}, {}};
+    remote_endpoint::op o{write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_, {}};
     ep_->submit({&o, 1});
   }
   // Reads of one batch go to the endpoint's queue together; writes one by one (as start).
@@ -556,7 +590,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         file_source::start_many({&r, 1}, until);
         continue;
       }
-      reads.push_back({false, {}, path_, r.offset, r.mem, r.bytes, until.at(), until, std::move(r.done), 0, version_, {}, {}});
+      reads.push_back({false, {}, path_, r.offset, r.mem, r.bytes, until.at(), until, std::move(r.done), 0, version_, {}});
     }
     if (!reads.empty()) ep_->submit(reads);
   }

@@ -39,9 +39,7 @@ int landing_region::try_take_slot(std::uint64_t bytes) {
   if (!small && bytes > slot_bytes_) return -1;
   auto& from = small ? free_small_ : free_slots_;
   std::lock_guard l(mu_);
-  // Half of each size stays for take_slot: its waiters then always wait for slots that come back
-  // when their requests settle, never only for slots a caller keeps until it finishes its tickets.
-  if (static_cast<int>(from.size()) <= (small ? small_slots_ : slots_) / 2 || spent()) return -1;
+  if (from.empty() || spent()) return -1;
   int s = from.back();
   from.pop_back();
   return s;

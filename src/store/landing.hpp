@@ -42,8 +42,8 @@ class landing_region {
   // that fits a small slot takes one of those only (many small reads never hold the large slots a
   // large read waits for).
   int take_slot(std::uint64_t bytes, lending_clock::time_point until, const std::string& peer);
-  // A free slot that holds `bytes`, at once, or -1 (half or fewer of its size free, more bytes than
-  // a slot holds, or the region spent): for a slot kept until its caller is done with it.
+  // A free slot that holds `bytes`, at once, or -1 (none free, more bytes than a slot holds, or the
+  // region spent): for a caller that has another way to go rather than wait.
   int try_take_slot(std::uint64_t bytes);
   // Slots and records taken and not given back (in flight, or held by a request about to send).
   int in_use() const;

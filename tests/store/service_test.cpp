@@ -13,7 +13,9 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <atomic>
 #include <deque>
+#include <mutex>
 #include <filesystem>
 #include <fstream>
 #include <arpa/inet.h>
@@ -100,9 +102,24 @@ TEST(StoreService, LargeReadsAreRequestsOfTheFileEngine) {
   EXPECT_GE(bytes_read() - before, 2 * s.data.size());
 }
 
+namespace {
+// Ranges for start_reads, each with the buffer its hook copies the answer into.
+struct ranges_into {
+  std::vector<net::read_range> ranges;
+  std::vector<unsigned char*> dst;
+  void add(std::uint64_t offset, unsigned char* mem, std::uint64_t length) {
+    ranges.push_back({offset, length});
+    dst.push_back(mem);
+  }
+  store::client::range_answer copy() {
+    return [this](std::size_t i, const std::byte* data, std::uint64_t n) { std::memcpy(dst.at(i), data, n); };
+  }
+};
+}  // namespace
+
 // Small reads of one file as one request (a GPU cache's misses): each range gets exactly its bytes,
 // short at the end of the file and none past it; one request on the wire for all of them; bad ranges,
-// memory that is not host memory and a file replaced since the version asked for are refused.
+// a missing hook and a file replaced since the version asked for are refused.
 TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
   served s;
   const std::uint64_t size = s.data.size();
@@ -110,7 +127,7 @@ TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
       {0, 4096}, {4097, 1}, {123457, 5000}, {size - 100, 4096}, {size + 5, 10}, {8 << 20, 65536}, {77, 3}};
   auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   std::vector<std::vector<unsigned char>> bufs;
-  std::vector<store::client::range_into> ranges;
+  ranges_into into;
   store::client::ticket t = 0;
   // The answer written into the client's landing region (same host), and sent as a message.
   std::optional<store::client> held;
@@ -121,13 +138,13 @@ TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
     held.emplace("127.0.0.1", s.srv->port(), co);
     auto& c = *held;
     bufs.clear();
-    ranges.clear();
+    into = {};
     for (auto [off, len] : want) {
       bufs.emplace_back(len + 2, 0xee);
-      ranges.push_back({off, bufs.back().data() + 1, len});
+      into.add(off, bufs.back().data() + 1, len);
     }
     const auto requests = s.srv->stats().requests;
-    t = c.start_reads("data/shard.bin", ranges, until, c.stat("data/shard.bin").version);
+    t = c.start_reads("data/shard.bin", into.ranges, into.copy(), until, c.stat("data/shard.bin").version);
     EXPECT_THAT(test::error_text([&] { c.finish(t); }), HasSubstr("finish_reads"));  // (the ticket stays)
     auto got = c.finish_reads(t, [] { return false; });
     EXPECT_EQ(s.srv->stats().requests - requests, 2u) << "the stat and one request for all the ranges";
@@ -145,34 +162,80 @@ TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
   auto& c = *held;
   EXPECT_THAT(test::error_text([&] { c.finish_reads(t, [] { return false; }); }), HasSubstr("unknown"));
   // Refused before anything is sent.
-  std::vector<store::client::range_into> none;
-  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", none, until); }), HasSubstr("0 ranges"));
-  std::vector<store::client::range_into> empty = {{0, bufs[0].data(), 0}};
-  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", empty, until); }), HasSubstr("no bytes"));
-  std::vector<unsigned char> big(net::max_read_many_bytes + net::max_read_range);
-  std::vector<store::client::range_into> too_much;
-  for (std::uint64_t at = 0; at < big.size(); at += net::max_read_range) too_much.push_back({at, big.data() + at, net::max_read_range});
-  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", too_much, until); }), HasSubstr("in all"));
-  std::vector<store::client::range_into> too_long = {{0, big.data(), net::max_read_range + 1}};
-  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", too_long, until); }), HasSubstr("more than 65536 bytes"));
+  auto none_taken = [](std::size_t, const std::byte*, std::uint64_t) {};
+  std::vector<net::read_range> none;
+  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", none, none_taken, until); }), HasSubstr("0 ranges"));
+  std::vector<net::read_range> empty = {{0, 0}};
+  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", empty, none_taken, until); }), HasSubstr("no bytes"));
+  std::vector<net::read_range> too_much;
+  for (std::uint64_t at = 0; at < net::max_read_many_bytes + net::max_read_range; at += net::max_read_range) too_much.push_back({at, net::max_read_range});
+  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", too_much, none_taken, until); }), HasSubstr("in all"));
+  std::vector<net::read_range> too_long = {{0, net::max_read_range + 1}};
+  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", too_long, none_taken, until); }), HasSubstr("more than 65536 bytes"));
+  std::vector<net::read_range> one = {{0, 16}, {100, 1}};
+  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", one, {}, until); }), HasSubstr("answer hook"));
   // A missing file, and a version the file no longer has: the request fails, naming the path.
-  std::vector<store::client::range_into> one = {{0, bufs[0].data() + 1, 16}, {100, bufs[1].data() + 1, 1}};
-  auto missing = c.start_reads("data/none.bin", one, until);
+  auto missing = c.start_reads("data/none.bin", one, none_taken, until);
   EXPECT_THAT(test::error_text([&] { c.finish_reads(missing, [] { return false; }); }), HasSubstr("none.bin"));
-  auto old = c.start_reads("data/shard.bin", one, until, 12345);
+  auto old = c.start_reads("data/shard.bin", one, none_taken, until, 12345);
   EXPECT_THAT(test::error_text([&] { c.finish_reads(old, [] { return false; }); }), HasSubstr("shard.bin"));
-  // Outside the root: refused as a read is, nothing of the file sent.
-  std::memset(bufs[0].data(), 0xee, bufs[0].size());
-  auto out = c.start_reads("escape", one, until);
+  // Outside the root: refused as a read is, nothing of the file handed over.
+  bool told = false;
+  auto out = c.start_reads("escape", one, [&](std::size_t, const std::byte*, std::uint64_t) { told = true; }, until);
   EXPECT_THAT(test::error_text([&] { c.finish_reads(out, [] { return false; }); }), HasSubstr("leads outside the root"));
-  EXPECT_EQ(bufs[0][1], 0xee);
+  EXPECT_FALSE(told);
 }
 
-// Answers into the landing region hold their slot until finish_reads, so they take one only when
-// more than half of that size are free, at once: tickets started beyond that go by messages
-// (waiting would wait on the caller's own unfinished tickets), and a read between them still finds
-// a slot without waiting for those tickets. An answer larger than a slot never goes into one. Every
-// range exact either way.
+// The answer's hook: each range handed over exactly once, before the request's notice and before
+// finish_reads returns, with exactly its bytes. A hook that throws fails its request, naming the
+// hook, and the client goes on.
+TEST(StoreService, SmallReadsAreHandedToTheirHookOnce) {
+  served s;
+  const std::uint64_t size = s.data.size();
+  const std::vector<std::pair<std::uint64_t, std::uint64_t>> want = {{0, 4096}, {4097, 1}, {123457, 5000}, {size - 100, 4096}, {size + 5, 10}};
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (bool map : {false, true}) {
+    SCOPED_TRACE(map ? "into the landing region" : "by messages");
+    store::client_options co;
+    co.map = map;
+    store::client c("127.0.0.1", s.srv->port(), co);
+    std::vector<net::read_range> ranges;
+    for (auto [off, len] : want) ranges.push_back({off, len});
+    std::vector<std::vector<unsigned char>> got(want.size());
+    std::mutex mu;
+    std::vector<int> told(want.size(), 0);
+    std::atomic<bool> ended{false}, before_end{true};
+    auto answer = [&](std::size_t i, const std::byte* data, std::uint64_t n) {
+      std::lock_guard l(mu);
+      if (ended.load()) before_end = false;
+      ++told[i];
+      got[i].assign(reinterpret_cast<const unsigned char*>(data), reinterpret_cast<const unsigned char*>(data) + n);
+    };
+    auto t = c.start_reads("data/shard.bin", ranges, answer, until, 0, [&] { ended = true; });
+    auto counts = c.finish_reads(t, [] { return false; });
+    EXPECT_TRUE(ended.load());
+    EXPECT_TRUE(before_end.load()) << "a range was handed over after the request's notice";
+    ASSERT_EQ(counts.size(), want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      auto [off, len] = want[i];
+      const std::uint64_t n = off >= size ? 0 : std::min(len, size - off);
+      EXPECT_EQ(told[i], 1) << "range " << i;
+      EXPECT_EQ(counts[i], n) << "range " << i;
+      ASSERT_EQ(got[i].size(), n) << "range " << i;
+      EXPECT_EQ(std::memcmp(got[i].data(), s.data.data() + std::min(off, size), n), 0) << "range " << i;
+    }
+    auto bad = c.start_reads("data/shard.bin", ranges, [](std::size_t, const std::byte*, std::uint64_t) { throw std::runtime_error("no room"); }, until);
+    EXPECT_THAT(test::error_text([&] { c.finish_reads(bad, [] { return false; }); }), HasSubstr("answer hook threw: no room"));
+    std::vector<unsigned char> one(4096);
+    EXPECT_EQ(c.read("data/shard.bin", 5, one.data(), one.size(), std::chrono::seconds(5)), one.size());
+    EXPECT_EQ(std::memcmp(one.data(), s.data.data() + 5, one.size()), 0);
+  }
+}
+
+// Answers into the landing region take a slot only when one is free at once (else they come as
+// messages) and give it back as soon as their hook has taken them, so many tickets never wait for a
+// slot, nor does a read between them, and the slots are all free again once the tickets are
+// finished. An answer larger than a slot never goes into one. Every range exact either way.
 TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
   served s;
   store::client_options co;
@@ -183,13 +246,13 @@ TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
   auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   auto read_all = [&](std::size_t tickets, std::size_t per, std::uint64_t len, bool read_between) {
     std::vector<std::vector<unsigned char>> mem(tickets * per, std::vector<unsigned char>(len));
+    std::vector<ranges_into> into(tickets);
     std::vector<store::client::ticket> ts;
     for (std::size_t t = 0; t < tickets; ++t) {
-      std::vector<store::client::range_into> ranges;
-      for (std::size_t i = 0; i < per; ++i) ranges.push_back({(t * per + i) * 10007, mem[t * per + i].data(), len});
-      ts.push_back(c.start_reads("data/shard.bin", ranges, until));
+      for (std::size_t i = 0; i < per; ++i) into[t].add((t * per + i) * 10007, mem[t * per + i].data(), len);
+      ts.push_back(c.start_reads("data/shard.bin", into[t].ranges, into[t].copy(), until));
     }
-    if (read_between) {  // a read of its own takes a slot (waiting for one if need be) while the tickets hold theirs
+    if (read_between) {  // a read of its own takes a slot (waiting for one if need be)
       std::vector<unsigned char> one(60000);
       EXPECT_EQ(c.read("data/shard.bin", 777, one.data(), one.size(), std::chrono::seconds(5)), one.size());
       EXPECT_EQ(std::memcmp(one.data(), s.data.data() + 777, one.size()), 0);
@@ -203,12 +266,26 @@ TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
   const auto before = direct();
   read_all(10, 8, 4096, true);  // answers of 8 x 4 KiB + counts fit a slot; ten tickets, four slots
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10)) << "a ticket or the read waited for a slot";
-  const auto kept = direct() - before - 1;  // (less the read's own piece)
-  EXPECT_EQ(kept, 2u) << "answers take a slot only while more than half are free";
+  const auto after_ten = direct();
+  EXPECT_GE(after_ten - before, 2u) << "answers went into the landing region";
   read_all(1, 16, 4096, false);  // 64 KiB of data and its counts: more than a slot holds
-  EXPECT_EQ(direct() - before - 1, kept) << "an answer larger than a slot went into one";
-  read_all(2, 8, 4096, false);  // the slots came back with finish_reads
-  EXPECT_EQ(direct() - before - 1, kept + 2);
+  EXPECT_EQ(direct(), after_ten) << "an answer larger than a slot went into one";
+  read_all(4, 8, 4096, false);  // every slot free again: each of four tickets takes one
+  EXPECT_EQ(direct() - after_ten, 4u) << "slots were not given back as their answers were taken";
+  // Requests that end without an answer -- refused by the server, a hook that throws -- give their
+  // slots back too.
+  std::vector<net::read_range> one = {{0, 4096}};
+  auto none_taken = [](std::size_t, const std::byte*, std::uint64_t) {};
+  for (const char* path : {"escape", "data/none.bin"}) {
+    auto t = c.start_reads(path, one, none_taken, until);
+    EXPECT_THROW(c.finish_reads(t, [] { return false; }), error) << path;
+  }
+  auto bad = c.start_reads("data/shard.bin", one, [](std::size_t, const std::byte*, std::uint64_t) { throw 1; }, until);
+  EXPECT_THAT(test::error_text([&] { c.finish_reads(bad, [] { return false; }); }), HasSubstr("answer hook threw"));
+  const auto after_errors = direct();
+  read_all(4, 8, 4096, false);
+  EXPECT_EQ(direct() - after_errors, 4u) << "a request that ended without an answer kept its slot";
+  EXPECT_EQ(c.stats().quarantined, 0u);
 }
 
 // A file that shrank after the server mapped it: ranges in one request count only the bytes the file
@@ -219,20 +296,21 @@ TEST(StoreService, SmallReadsOfAShrunkenFileCountOnlyWhatItStillHas) {
   store::client c("127.0.0.1", s.srv->port());
   auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   std::vector<unsigned char> first(4096);
-  std::vector<store::client::range_into> warm = {{0, first.data(), 4096}};
-  auto t = c.start_reads("data/shard.bin", warm, until);
+  ranges_into warm;
+  warm.add(0, first.data(), 4096);
+  auto t = c.start_reads("data/shard.bin", warm.ranges, warm.copy(), until);
   ASSERT_EQ(c.finish_reads(t, [] { return false; }).at(0), 4096u);  // the server has the file open and mapped
   const std::uint64_t now_size = (1 << 20) + 1000;
   std::filesystem::resize_file(s.root / "data" / "shard.bin", now_size);
   const std::vector<std::pair<std::uint64_t, std::uint64_t>> want = {
       {8192, 4096}, {now_size - 3000, 4096}, {now_size - 1, 2}, {now_size + 10, 100}, {2 << 20, 4096}, {4096, 100}};
   std::vector<std::vector<unsigned char>> bufs;
-  std::vector<store::client::range_into> ranges;
+  ranges_into into;
   for (auto [off, len] : want) {
     bufs.emplace_back(len, 0xee);
-    ranges.push_back({off, bufs.back().data(), len});
+    into.add(off, bufs.back().data(), len);
   }
-  t = c.start_reads("data/shard.bin", ranges, until);
+  t = c.start_reads("data/shard.bin", into.ranges, into.copy(), until);
   auto got = c.finish_reads(t, [] { return false; });
   ASSERT_EQ(got.size(), want.size());
   for (std::size_t i = 0; i < want.size(); ++i) {
