@@ -1036,3 +1036,50 @@ TEST(StoreHardening, ACancelledBatchOfAGroupedReadEndsAndItsMemoryIsLeftAlone) {
   srv.kill();
   std::filesystem::remove_all(root);
 }
+
+// The same with deadlines instead of cancels: reads whose own deadline passes while the server is
+// stopped end with a timeout naming their offset, while reads of the same request with a later
+// deadline go on and get their bytes once the server goes on; an ended read's memory is never
+// written afterwards.
+TEST(StoreHardening, AGroupedReadPastItsOwnDeadlineEndsAloneAndItsMemoryIsLeftAlone) {
+  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-grouped-deadline-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(root);
+  std::string data(1 << 20, '\0');
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7 + 3);
+  std::ofstream(root / "pages.bin", std::ios::binary) << data;
+  test::served_process srv(FERRY_TEST_CLI, root);
+  settings cfg = settings::defaults();
+  cfg.backend = backend_choice::sim;
+  cfg.deadline = std::chrono::seconds(20);
+  runtime rt(cfg);
+  auto f = file::open(fmt::format("ferry://127.0.0.1:{}/pages.bin", srv.port), open_mode::read);
+  std::vector<char> first(4096);
+  file_request warm{f, 0, first.data(), first.size(), false};
+  ASSERT_TRUE(rt.files().submit({&warm, 1}).wait());  // connected
+  srv.stop();
+  constexpr int n = 32;
+  std::vector<std::vector<char>> mem(n, std::vector<char>(4096));
+  std::vector<file_request> reqs;
+  for (int i = 0; i < n; ++i) reqs.push_back({f, static_cast<std::uint64_t>(i) * 8192 + 100, mem[i].data(), 4096, false});
+  const auto soon = clk::now() + std::chrono::milliseconds(400), late = clk::now() + std::chrono::seconds(20);
+  std::vector<transfer_batch> bs;
+  for (int i = 0; i < n; ++i) bs.push_back(rt.files().submit({&reqs[i], 1}, {i % 2 ? soon : late}));
+  for (int i = 1; i < n; i += 2) {
+    EXPECT_FALSE(bs[i].wait(clk::now() + std::chrono::seconds(5))) << "batch " << i;
+    ASSERT_TRUE(bs[i].poll()) << "batch " << i << " past its deadline still under way with the server stopped";
+    const auto r = bs[i].results()[0];
+    EXPECT_TRUE(r.state == request_state::timed_out || r.state == request_state::failed) << "batch " << i;
+    std::memset(mem[i].data(), 0x5a, mem[i].size());
+  }
+  srv.resume();
+  for (int i = 0; i < n; i += 2) {
+    ASSERT_TRUE(bs[i].wait()) << "batch " << i << ": " << (bs[i].results()[0].err ? bs[i].results()[0].err->what() : "");
+    EXPECT_EQ(0, std::memcmp(mem[i].data(), data.data() + reqs[i].offset, 4096)) << "batch " << i;
+  }
+  bs.clear();
+  for (int i = 1; i < n; i += 2)
+    EXPECT_EQ(std::count(mem[i].begin(), mem[i].end(), 0x5a), 4096) << "batch " << i << "'s memory written after it ended";
+  f.reset();
+  srv.kill();
+  std::filesystem::remove_all(root);
+}
