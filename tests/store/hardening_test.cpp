@@ -1038,9 +1038,10 @@ TEST(StoreHardening, ACancelledBatchOfAGroupedReadEndsAndItsMemoryIsLeftAlone) {
 }
 
 // The same with deadlines instead of cancels: reads whose own deadline passes while the server is
-// stopped end with a timeout naming their offset, while reads of the same request with a later
-// deadline go on and get their bytes once the server goes on; an ended read's memory is never
-// written afterwards.
+// stopped time out, and their batches can be let go at once (a batch's buffers are the caller's
+// again once it is destroyed: the destructor waits for what still runs), while reads of the same
+// request with a later deadline go on and get their bytes once the server goes on; a let-go read's
+// memory is never written afterwards.
 TEST(StoreHardening, AGroupedReadPastItsOwnDeadlineEndsAloneAndItsMemoryIsLeftAlone) {
   const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-grouped-deadline-" + std::to_string(::getpid()));
   std::filesystem::create_directories(root);
@@ -1069,6 +1070,9 @@ TEST(StoreHardening, AGroupedReadPastItsOwnDeadlineEndsAloneAndItsMemoryIsLeftAl
     ASSERT_TRUE(bs[i].poll()) << "batch " << i << " past its deadline still under way with the server stopped";
     const auto r = bs[i].results()[0];
     EXPECT_TRUE(r.state == request_state::timed_out || r.state == request_state::failed) << "batch " << i;
+    const auto let_go = clk::now();
+    bs[i] = transfer_batch{};
+    EXPECT_LT(clk::now() - let_go, std::chrono::seconds(2)) << "batch " << i << ": its read did not end with its deadline";
     std::memset(mem[i].data(), 0x5a, mem[i].size());
   }
   srv.resume();
