@@ -1037,6 +1037,40 @@ TEST(StoreHardening, ACancelledBatchOfAGroupedReadEndsAndItsMemoryIsLeftAlone) {
   std::filesystem::remove_all(root);
 }
 
+// Ranges in one request whose answer does not come in time (the server stopped): finish_reads fails
+// within the deadline, naming it; the hook is never told afterwards, not even once the server goes on
+// and answers; the landing slot the answer was to go into is never used again (the server may still
+// write it: quarantined); and the client goes on.
+TEST(StoreHardening, RangesInOneRequestThatTimeOutAreNeverHandedOverLater) {
+  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-many-timeout-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(root);
+  std::string data(1 << 20, '\0');
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 5 + 1);
+  std::ofstream(root / "pages.bin", std::ios::binary) << data;
+  test::served_process srv(FERRY_TEST_CLI, root);
+  store::client_options co;
+  co.map = true;  // (same host: the answer goes into a landing slot)
+  store::client c("127.0.0.1", srv.port, co);
+  ASSERT_EQ(c.stat("pages.bin").size, data.size());
+  std::vector<net::read_range> ranges = {{100, 4096}, {9000, 4096}};
+  std::atomic<int> told{0};
+  auto hook = [&told](std::size_t, const std::byte*, std::uint64_t) { ++told; };
+  srv.stop();
+  const auto t0 = clk::now();
+  auto t = c.start_reads("pages.bin", ranges, hook, t0 + std::chrono::milliseconds(500));
+  EXPECT_THAT(test::error_text([&] { c.finish_reads(t, [] { return false; }); }), HasSubstr("deadline"));
+  EXPECT_LT(clk::now() - t0, std::chrono::seconds(8));
+  srv.resume();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(told.load(), 0) << "ranges handed over after their request had failed";
+  EXPECT_GE(c.stats().quarantined, 1u) << "the slot the server may still write went back into use";
+  std::vector<char> one(4096);
+  EXPECT_EQ(c.read("pages.bin", 77, one.data(), one.size(), std::chrono::seconds(10)), one.size());
+  EXPECT_EQ(0, std::memcmp(one.data(), data.data() + 77, one.size()));
+  srv.kill();
+  std::filesystem::remove_all(root);
+}
+
 // The same with deadlines instead of cancels: reads whose own deadline passes while the server is
 // stopped time out, and their batches can be let go at once (a batch's buffers are the caller's
 // again once it is destroyed: the destructor waits for what still runs), while reads of the same
