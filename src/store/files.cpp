@@ -91,18 +91,33 @@ class remote_endpoint {
   // hook (its bytes copied into its memory; the reaper completes it once the request has ended), or the
   // reaper (over: its batch cancelled or its deadline passed; or the request failed).
   struct group {
-    explicit group(std::vector<op> m) : members(std::move(m)), state(new std::atomic<int>[members.size()]), got(members.size()) {
-      for (std::size_t i = 0; i < members.size(); ++i) state[i].store(open);
-    }
-    static constexpr int open = 0, answered = 1, ended = 2;
+    // What the answer's hook shares with the reaper: a state per read, the bytes an answered one got,
+    // and where its bytes go. Not the reads themselves: their completions (holding their batches)
+    // live and die with the reaper, never on a thread that happened to take an answer.
+    struct claims {
+      explicit claims(const std::vector<op>& ms) : state(new std::atomic<int>[ms.size()]), got(ms.size()) {
+        for (std::size_t i = 0; i < ms.size(); ++i) {
+          state[i].store(open);
+          mem.push_back(ms[i].mem);
+        }
+      }
+      std::unique_ptr<std::atomic<int>[]> state;
+      std::vector<std::uint64_t> got;  // an answered read's bytes (written before its state says so)
+      std::vector<void*> mem;
+      bool take(std::size_t i, int how) {
+        int o = open;
+        return state[i].compare_exchange_strong(o, how, std::memory_order_acq_rel);
+      }
+      int at(std::size_t i) const { return state[i].load(std::memory_order_acquire); }
+    };
+    // copying: the hook took it and is filling its memory (then answered); the answer is in either way.
+    static constexpr int open = 0, answered = 1, ended = 2, copying = 3;
+    explicit group(std::vector<op> m) : members(std::move(m)), c(std::make_shared<claims>(members)) {}
     std::vector<op> members;
-    std::unique_ptr<std::atomic<int>[]> state;
-    std::vector<std::uint64_t> got;  // an answered read's bytes (read once the request has ended)
-    bool take(std::size_t i, int how) {
-      int o = open;
-      return state[i].compare_exchange_strong(o, how, std::memory_order_acq_rel);
-    }
-    int at(std::size_t i) const { return state[i].load(std::memory_order_acquire); }
+    std::shared_ptr<claims> c;
+    bool take(std::size_t i, int how) { return c->take(i, how); }
+    int at(std::size_t i) const { return c->at(i); }
+    bool answer_in(std::size_t i) const { return at(i) == answered || at(i) == copying; }
   };
 
   remote_endpoint(const uri& u, client_options o) : k_(std::make_shared<core>(u, std::move(o))) {
@@ -301,10 +316,11 @@ class remote_endpoint {
       // the reaper ended the read first); its completion is the reaper's (finish_group), as every
       // completion of this endpoint is: the thread that takes an answer may be any that drives the
       // client's lanes, a caller's in a synchronous call too.
-      auto answer = [grp = r.grp](std::size_t x, const std::byte* data, std::uint64_t n) {
-        if (!grp->take(x, group::answered)) return;
-        std::memcpy(grp->members[x].mem, data, n);
-        grp->got[x] = n;
+      auto answer = [c = r.grp->c](std::size_t x, const std::byte* data, std::uint64_t n) {
+        if (!c->take(x, group::copying)) return;
+        std::memcpy(c->mem[x], data, n);
+        c->got[x] = n;
+        c->state[x].store(group::answered, std::memory_order_release);
       };
       return k.c.start_reads(r.path, ranges, std::move(answer), r.until, r.version, std::move(told));
     }, err, back);
@@ -384,9 +400,8 @@ class remote_endpoint {
                 bool open = false, answered = false;
                 for (std::size_t i = 0; i < o.grp->members.size(); ++i) {
                   if (o.grp->at(i) == group::open && over(o.grp->members[i], t) && o.grp->take(i, group::ended)) left.push_back({o.grp, i});
-                  const int st = o.grp->at(i);
-                  open = open || st == group::open;
-                  answered = answered || st == group::answered;
+                  open = open || o.grp->at(i) == group::open;
+                  answered = answered || o.grp->answer_in(i);
                 }
                 give_up = !open && !answered;
               }
@@ -438,7 +453,7 @@ class remote_endpoint {
       const auto t = clk::now();
       bool open = false;
       for (std::size_t i = 0; i < g.members.size(); ++i) {
-        if (g.at(i) == group::answered) return false;  // the answer is in
+        if (g.answer_in(i)) return false;  // the answer is in
         if (g.at(i) == group::open && over(g.members[i], t) && g.take(i, group::ended)) over_now.push_back(i);
         open = open || g.at(i) == group::open;
       }
@@ -459,8 +474,11 @@ class remote_endpoint {
     // handed over (read again on its own where the failure allows), or -- never, on success -- the
     // answer lacked it.
     for (std::size_t i = 0; i < g.members.size(); ++i) {
+      // (A hook still copying -- only where finish_reads gave up waiting while the answer was being
+      // handed over -- is a memcpy away from answered.)
+      while (g.at(i) == group::copying) std::this_thread::yield();
       if (g.at(i) == group::answered) {
-        g.members[i].done(g.got[i], nullptr);
+        g.members[i].done(g.c->got[i], nullptr);
       } else if (g.take(i, group::ended)) {
         if (failed) {
           complete_after_error(k, g.members[i], *failed, true);

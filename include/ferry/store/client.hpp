@@ -116,7 +116,8 @@ class FERRY_API client {
   // any thread driving the lanes: one waiting in a synchronous call of this client too), every range
   // before `ended` and, unless finish_reads gave up waiting, before it returns; the client copies
   // nothing anywhere, and the answer's landing slot goes back as soon as the hook returns. Not told
-  // when the request fails; a hook that throws fails it (the ranges before were told). It must not
+  // when the request fails -- but an answer that comes just as finish_reads gives up may have been
+  // told; a hook that throws fails it (the ranges before were told). It must not
   // block or call the client, and what it uses must outlive the request (a shared_ptr in it). A
   // server whose file is not on a local file system refuses the request (not_supported): read the
   // ranges one by one then.
