@@ -272,7 +272,13 @@ class remote_endpoint {
     };
     client::ticket t = 0;
     try {
-      t = start(*r, std::move(told));
+      try {
+        t = start(*r, std::move(told));
+      } catch (const error&) {
+        throw;
+      } catch (const std::exception& e) {  // (out of memory, say: the request fails, the thread goes on)
+        throw error(errc::internal, r->write ? "store.write" : "store.read", k.c.peer(), e.what());
+      }
     } catch (const error& e) {
       err = e;
       std::lock_guard l(k.mu);
@@ -422,12 +428,17 @@ class remote_endpoint {
           continue;
         }
         const std::function<bool()> cancelled = [&o] { return o.deadline.cancelled(); };
+        std::optional<error> failed;
+        std::uint64_t n = 0;
         try {
-          std::uint64_t n = k.c.finish(o.t, cancelled);
-          o.done(n, nullptr);
+          n = k.c.finish(o.t, cancelled);
         } catch (const error& e) {
-          complete_after_error(k, o, e);
+          failed = e;
+        } catch (const std::exception& e) {
+          failed = error(errc::internal, o.write ? "store.write" : "store.read", k.c.peer(), e.what());
         }
+        if (failed) complete_after_error(k, o, *failed);
+        else o.done(n, nullptr);
       }
     }
   }
@@ -464,6 +475,8 @@ class remote_endpoint {
       (void)k.c.finish_reads(o.t, cancelled);
     } catch (const error& e) {
       failed = e;
+    } catch (const std::exception& e) {
+      failed = error(errc::internal, "store.read", k.c.peer(), e.what());
     }
     for (std::size_t i : over_now) end_member(k, g.members[i]);
     if (failed && failed->code() == errc::not_supported) {
