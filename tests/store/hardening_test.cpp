@@ -22,6 +22,7 @@
 
 #include <deque>
 #include <functional>
+#include <optional>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/mount.h>
@@ -991,50 +992,80 @@ TEST(StoreHardening, AServerThatWentQuietAndCameBackIsReadThroughAFreshLandingRe
   EXPECT_GE(st.direct_pieces, direct_before + 2 * 16) << "the reads after the renewal did not use shared memory: " << st.data_path;
 }
 
+namespace {
+// A 1 MiB file of known bytes, pages.bin, served by a `ferry serve` process from a directory of its
+// own (removed at the end).
+struct served_pages {
+  std::filesystem::path root;
+  std::string data = std::string(1 << 20, '\0');
+  std::optional<test::served_process> srv;
+  explicit served_pages(const std::string& name)
+      : root(std::filesystem::path(::testing::TempDir()) / (name + "-" + std::to_string(::getpid()))) {
+    std::filesystem::create_directories(root);
+    for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 13 + 5);
+    std::ofstream(root / "pages.bin", std::ios::binary) << data;
+    srv.emplace(FERRY_TEST_CLI, root);
+  }
+  ~served_pages() {
+    srv->kill();
+    std::filesystem::remove_all(root);
+  }
+};
+
+// Small reads of n batches, one 4 KiB read each, go to a stopped server as grouped requests:
+// `submit` starts batch i, `end_odd` ends each odd batch while the server is still stopped (its
+// memory is then refilled with a marker at once). Once the server goes on, the even batches get
+// their bytes, and no odd batch's memory is written afterwards.
+void grouped_reads_with_the_odd_ones_ended(const std::string& name, int n,
+                                           const std::function<transfer_batch(runtime&, const file_request&, int)>& submit,
+                                           const std::function<void(std::vector<transfer_batch>&)>& before_ending,
+                                           const std::function<void(int, transfer_batch&)>& end_odd) {
+  served_pages pages(name);
+  settings cfg = settings::defaults();
+  cfg.backend = backend_choice::sim;
+  cfg.deadline = std::chrono::seconds(20);
+  runtime rt(cfg);
+  auto f = file::open(fmt::format("ferry://127.0.0.1:{}/pages.bin", pages.srv->port), open_mode::read);
+  std::vector<char> first(4096);
+  file_request warm{f, 0, first.data(), first.size(), false};
+  ASSERT_TRUE(rt.files().submit({&warm, 1}).wait());  // connected
+  pages.srv->stop();
+  std::vector<std::vector<char>> mem(n, std::vector<char>(4096));
+  std::vector<file_request> reqs;
+  for (int i = 0; i < n; ++i) reqs.push_back({f, static_cast<std::uint64_t>(i) * 8192 + 100, mem[i].data(), 4096, false});
+  std::vector<transfer_batch> bs;
+  for (int i = 0; i < n; ++i) bs.push_back(submit(rt, reqs[i], i));
+  before_ending(bs);
+  for (int i = 1; i < n; i += 2) {
+    end_odd(i, bs[i]);
+    std::memset(mem[i].data(), 0x5a, mem[i].size());
+  }
+  pages.srv->resume();
+  for (int i = 0; i < n; i += 2) {
+    ASSERT_TRUE(bs[i].wait()) << "batch " << i << ": " << (bs[i].results()[0].err ? bs[i].results()[0].err->what() : "");
+    EXPECT_EQ(0, std::memcmp(mem[i].data(), pages.data.data() + reqs[i].offset, 4096)) << "batch " << i;
+  }
+  bs.clear();
+  for (int i = 1; i < n; i += 2)
+    EXPECT_EQ(std::count(mem[i].begin(), mem[i].end(), 0x5a), 4096) << "batch " << i << "'s memory written after it ended";
+}
+}  // namespace
+
 // Small reads of many batches go to a server as one request; with the server stopped, every other
 // batch is cancelled. A cancelled batch ends while the server is still stopped, and its memory is
 // never written afterwards (it is refilled with a marker at once); once the server goes on, the
 // batches not cancelled get their bytes.
 TEST(StoreHardening, ACancelledBatchOfAGroupedReadEndsAndItsMemoryIsLeftAlone) {
-  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-grouped-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(root);
-  std::string data(1 << 20, '\0');
-  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 13 + 5);
-  std::ofstream(root / "pages.bin", std::ios::binary) << data;
-  test::served_process srv(FERRY_TEST_CLI, root);
-  settings cfg = settings::defaults();
-  cfg.backend = backend_choice::sim;
-  cfg.deadline = std::chrono::seconds(20);
-  runtime rt(cfg);
-  auto f = file::open(fmt::format("ferry://127.0.0.1:{}/pages.bin", srv.port), open_mode::read);
-  std::vector<char> first(4096);
-  file_request warm{f, 0, first.data(), first.size(), false};
-  ASSERT_TRUE(rt.files().submit({&warm, 1}).wait());  // connected
-  srv.stop();
-  constexpr int n = 64;
-  std::vector<std::vector<char>> mem(n, std::vector<char>(4096));
-  std::vector<file_request> reqs;
-  for (int i = 0; i < n; ++i) reqs.push_back({f, static_cast<std::uint64_t>(i) * 8192 + 100, mem[i].data(), 4096, false});
-  std::vector<transfer_batch> bs;
-  for (int i = 0; i < n; ++i) bs.push_back(rt.files().submit({&reqs[i], 1}));
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  for (int i = 1; i < n; i += 2) bs[i].cancel();
-  for (int i = 1; i < n; i += 2) {
-    EXPECT_FALSE(bs[i].wait(clk::now() + std::chrono::seconds(5))) << "batch " << i;
-    EXPECT_TRUE(bs[i].poll()) << "cancelled batch " << i << " still under way with the server stopped";
-    std::memset(mem[i].data(), 0x5a, mem[i].size());
-  }
-  srv.resume();
-  for (int i = 0; i < n; i += 2) {
-    ASSERT_TRUE(bs[i].wait()) << "batch " << i << ": " << (bs[i].results()[0].err ? bs[i].results()[0].err->what() : "");
-    EXPECT_EQ(0, std::memcmp(mem[i].data(), data.data() + reqs[i].offset, 4096)) << "batch " << i;
-  }
-  bs.clear();
-  for (int i = 1; i < n; i += 2)
-    EXPECT_EQ(std::count(mem[i].begin(), mem[i].end(), 0x5a), 4096) << "cancelled batch " << i << "'s memory written after it ended";
-  f.reset();
-  srv.kill();
-  std::filesystem::remove_all(root);
+  grouped_reads_with_the_odd_ones_ended(
+      "ferry-grouped", 64, [](runtime& rt, const file_request& r, int) { return rt.files().submit({&r, 1}); },
+      [](std::vector<transfer_batch>& bs) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        for (std::size_t i = 1; i < bs.size(); i += 2) bs[i].cancel();
+      },
+      [](int i, transfer_batch& b) {
+        EXPECT_FALSE(b.wait(clk::now() + std::chrono::seconds(5))) << "batch " << i;
+        EXPECT_TRUE(b.poll()) << "cancelled batch " << i << " still under way with the server stopped";
+      });
 }
 
 // Ranges in one request whose answer does not come in time (the server stopped): finish_reads fails
@@ -1042,16 +1073,12 @@ TEST(StoreHardening, ACancelledBatchOfAGroupedReadEndsAndItsMemoryIsLeftAlone) {
 // and answers; the landing slot the answer was to go into is never used again (the server may still
 // write it: quarantined); and the client goes on.
 TEST(StoreHardening, RangesInOneRequestThatTimeOutAreNeverHandedOverLater) {
-  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-many-timeout-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(root);
-  std::string data(1 << 20, '\0');
-  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 5 + 1);
-  std::ofstream(root / "pages.bin", std::ios::binary) << data;
-  test::served_process srv(FERRY_TEST_CLI, root);
+  served_pages pages("ferry-many-timeout");
+  auto& srv = *pages.srv;
   store::client_options co;
   co.map = true;  // (same host: the answer goes into a landing slot)
   store::client c("127.0.0.1", srv.port, co);
-  ASSERT_EQ(c.stat("pages.bin").size, data.size());
+  ASSERT_EQ(c.stat("pages.bin").size, pages.data.size());
   std::vector<net::read_range> ranges = {{100, 4096}, {9000, 4096}};
   std::atomic<int> told{0};
   auto hook = [&told](std::size_t, const std::byte*, std::uint64_t) { ++told; };
@@ -1066,9 +1093,7 @@ TEST(StoreHardening, RangesInOneRequestThatTimeOutAreNeverHandedOverLater) {
   EXPECT_GE(c.stats().quarantined, 1u) << "the slot the server may still write went back into use";
   std::vector<char> one(4096);
   EXPECT_EQ(c.read("pages.bin", 77, one.data(), one.size(), std::chrono::seconds(10)), one.size());
-  EXPECT_EQ(0, std::memcmp(one.data(), data.data() + 77, one.size()));
-  srv.kill();
-  std::filesystem::remove_all(root);
+  EXPECT_EQ(0, std::memcmp(one.data(), pages.data.data() + 77, one.size()));
 }
 
 // The same with deadlines instead of cancels: reads whose own deadline passes while the server is
@@ -1077,47 +1102,21 @@ TEST(StoreHardening, RangesInOneRequestThatTimeOutAreNeverHandedOverLater) {
 // request with a later deadline go on and get their bytes once the server goes on; a let-go read's
 // memory is never written afterwards.
 TEST(StoreHardening, AGroupedReadPastItsOwnDeadlineEndsAloneAndItsMemoryIsLeftAlone) {
-  const auto root = std::filesystem::path(::testing::TempDir()) / ("ferry-grouped-deadline-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(root);
-  std::string data(1 << 20, '\0');
-  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7 + 3);
-  std::ofstream(root / "pages.bin", std::ios::binary) << data;
-  test::served_process srv(FERRY_TEST_CLI, root);
-  settings cfg = settings::defaults();
-  cfg.backend = backend_choice::sim;
-  cfg.deadline = std::chrono::seconds(20);
-  runtime rt(cfg);
-  auto f = file::open(fmt::format("ferry://127.0.0.1:{}/pages.bin", srv.port), open_mode::read);
-  std::vector<char> first(4096);
-  file_request warm{f, 0, first.data(), first.size(), false};
-  ASSERT_TRUE(rt.files().submit({&warm, 1}).wait());  // connected
-  srv.stop();
-  constexpr int n = 32;
-  std::vector<std::vector<char>> mem(n, std::vector<char>(4096));
-  std::vector<file_request> reqs;
-  for (int i = 0; i < n; ++i) reqs.push_back({f, static_cast<std::uint64_t>(i) * 8192 + 100, mem[i].data(), 4096, false});
-  const auto soon = clk::now() + std::chrono::milliseconds(400), late = clk::now() + std::chrono::seconds(20);
-  std::vector<transfer_batch> bs;
-  for (int i = 0; i < n; ++i) bs.push_back(rt.files().submit({&reqs[i], 1}, {i % 2 ? soon : late}));
-  for (int i = 1; i < n; i += 2) {
-    EXPECT_FALSE(bs[i].wait(clk::now() + std::chrono::seconds(5))) << "batch " << i;
-    ASSERT_TRUE(bs[i].poll()) << "batch " << i << " past its deadline still under way with the server stopped";
-    const auto r = bs[i].results()[0];
-    EXPECT_TRUE(r.state == request_state::timed_out || r.state == request_state::failed) << "batch " << i;
-    const auto let_go = clk::now();
-    bs[i] = transfer_batch{};
-    EXPECT_LT(clk::now() - let_go, std::chrono::seconds(2)) << "batch " << i << ": its read did not end with its deadline";
-    std::memset(mem[i].data(), 0x5a, mem[i].size());
-  }
-  srv.resume();
-  for (int i = 0; i < n; i += 2) {
-    ASSERT_TRUE(bs[i].wait()) << "batch " << i << ": " << (bs[i].results()[0].err ? bs[i].results()[0].err->what() : "");
-    EXPECT_EQ(0, std::memcmp(mem[i].data(), data.data() + reqs[i].offset, 4096)) << "batch " << i;
-  }
-  bs.clear();
-  for (int i = 1; i < n; i += 2)
-    EXPECT_EQ(std::count(mem[i].begin(), mem[i].end(), 0x5a), 4096) << "batch " << i << "'s memory written after it ended";
-  f.reset();
-  srv.kill();
-  std::filesystem::remove_all(root);
+  std::optional<clk::time_point> soon, late;  // (from the first submission)
+  grouped_reads_with_the_odd_ones_ended(
+      "ferry-grouped-deadline", 32,
+      [&](runtime& rt, const file_request& r, int i) {
+        if (!soon) soon = clk::now() + std::chrono::milliseconds(400), late = clk::now() + std::chrono::seconds(20);
+        return rt.files().submit({&r, 1}, {i % 2 ? *soon : *late});
+      },
+      [](std::vector<transfer_batch>&) {},
+      [](int i, transfer_batch& b) {
+        EXPECT_FALSE(b.wait(clk::now() + std::chrono::seconds(5))) << "batch " << i;
+        ASSERT_TRUE(b.poll()) << "batch " << i << " past its deadline still under way with the server stopped";
+        const auto r = b.results()[0];
+        EXPECT_TRUE(r.state == request_state::timed_out || r.state == request_state::failed) << "batch " << i;
+        const auto let_go = clk::now();
+        b = transfer_batch{};
+        EXPECT_LT(clk::now() - let_go, std::chrono::seconds(2)) << "batch " << i << ": its read did not end with its deadline";
+      });
 }
