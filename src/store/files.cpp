@@ -272,15 +272,13 @@ class remote_endpoint {
     };
     client::ticket t = 0;
     try {
-      try {
-        t = start(*r, std::move(told));
-      } catch (const error&) {
-        throw;
-      } catch (const std::exception& e) {  // (out of memory, say: the request fails, the thread goes on)
-        throw error(errc::internal, r->write ? "store.write" : "store.read", k.c.peer(), e.what());
-      }
+      t = start(*r, std::move(told));
     } catch (const error& e) {
       err = e;
+    } catch (const std::exception& e) {  // (out of memory, say: the request fails, the thread goes on)
+      err = error(errc::internal, r->write ? "store.write" : "store.read", k.c.peer(), e.what());
+    }
+    if (err) {
       std::lock_guard l(k.mu);
       auto nh = k.running.extract(id);
       failed = std::move(nh.mapped());
