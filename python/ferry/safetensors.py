@@ -590,19 +590,20 @@ def _wait_all(started, *, progress) -> None:
     try:
         if progress is not None:
             progress.add_total(sum(b.bytes_total for b, _ in started))
-        for batch, _ in started:
+        # Each batch is checked as soon as it is done, while the later ones still run: checked after the
+        # last, the checks of every request would be time the load spends with nothing moving.
+        for batch, requests in started:
             while not batch.done():
                 batch.wait(0.1)  # False at the batch's deadline too, which check() then reports
                 if progress is not None:
                     progress.update(sum(b.bytes_done for b, _ in started))
-        if progress is not None:
-            progress.update(sum(b.bytes_done for b, _ in started), final=True)
-        for batch, requests in started:
             batch.check()
             for (f, off, buf), res in zip(requests, batch.results()):
                 want = buf.numel() * buf.element_size()
                 if res["bytes_done"] != want:  # the file was cut short after its header was read
                     raise _format_error(f.path, f"read {res['bytes_done']} of {want} bytes at offset {off}: the file is cut short")
+        if progress is not None:
+            progress.update(sum(b.bytes_done for b, _ in started), final=True)
     finally:
         for batch, _ in started:
             batch.close()
