@@ -60,7 +60,9 @@ for i in range(4):
     _, s = timed(lambda: f.read_into(buf)); rows["one read of the file"].append(gbps(s))
     _, s = timed(lambda: f.read_into(host)); rows["one read into pinned host memory"].append(gbps(s))
     if url:
+        t0 = thread_ns()
         sd, s = timed(lambda: ferry.safetensors.load(url, device=device, progress=False)); rows["load over http://"].append(gbps(s)); del sd
+        rows["http load's CPU, cores by thread (last load)"] = cores_since(t0, s)
 print(json.dumps(rows))
 '''
 
