@@ -11,6 +11,17 @@
 
 namespace ferry::detail {
 
+// A pause for spin loops (x86 `pause`, arm `yield`): it leaves the core's execution resources to
+// the sibling hyper-thread (a copy out of the page cache, say) while this one looks, and costs no
+// system call. Every loop that looks without sleeping calls it between looks.
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 struct backoff_plan {
   std::chrono::nanoseconds spin{0}, yield{0}, nap{0}, most{0};
   std::chrono::nanoseconds long_after = std::chrono::nanoseconds::max(), long_nap{0};
@@ -28,7 +39,7 @@ class backoff {
   // One pause, by how long the wait has run: nothing, a yield, or a sleep.
   void pause() {
     const auto waited = clock::now() - start_;
-    if (waited < p_.spin) return;
+    if (waited < p_.spin) return cpu_relax();
     if (waited < p_.yield) return std::this_thread::yield();
     if (waited >= p_.long_after) return std::this_thread::sleep_for(p_.long_nap);
     std::this_thread::sleep_for(nap_);

@@ -39,10 +39,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/backoff.hpp"
+
 namespace ferry::net {
 
-// A pause for spin loops (x86 `pause`): polite to the sibling hyper-thread, no syscall.
-void cpu_relax();
+using ferry::detail::cpu_relax;  // (core/backoff.hpp)
 
 inline constexpr unsigned am_frame = 1;
 inline constexpr unsigned am_data = 2;

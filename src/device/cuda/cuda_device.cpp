@@ -557,11 +557,15 @@ class cuda_stream final : public stream {
     // Looks at the word in a tight loop; a driver call (cuStreamQuery, for the stream's error) and
     // giving up the CPU only now and then, by time: each takes the driver's locks or a system call,
     // and calling them every few hundred looks cost a small copy more than the look itself saves.
+    // Yields for 2 ms before it naps: on some machines of one kind a nap overshot by tens of
+    // microseconds, so that a copy of a megabyte that ended just after the spin took three times
+    // as long (docs/design/transfer-engine.md, "Waiting for a copy").
     using namespace std::chrono_literals;
     auto queried = std::chrono::steady_clock::now();
     ferry::detail::backoff wait({.spin = 100us, .yield = 2ms, .nap = 20us, .most = 20us});
     for (unsigned i = 1;; ++i) {
       if (reached()) return;
+      ferry::detail::cpu_relax();
       if (i % 64 == 0) {
         auto now = std::chrono::steady_clock::now();
         if (now - queried >= 20us) {
