@@ -86,6 +86,8 @@ class remote_endpoint {
     std::uint64_t version = 0;  // reads: the file they must come from (0: any)
     std::shared_ptr<group> grp;  // several small reads of one file sent as one request: the reads it answers
     bool started = false, told = false;  // (the core's mu) its start_* returned / the client told it ended
+    bool retried = false;  // a read sent again after its connection was lost (once at most)
+    std::optional<error> lost;  // what its first attempt ended with, when it was sent again
   };
   // The reads one request answers. Each is taken once, by whichever comes first: the client's answer
   // hook (its bytes copied into its memory; the reaper completes it once the request has ended), or the
@@ -501,9 +503,11 @@ class remote_endpoint {
       }
     }
   }
-  // A read whose connection was lost (server restarted) is retried once, synchronously, within
-  // its deadline. A write is not: its open write went with the connection (the file's commit then
-  // fails, and the target stays as it was). Other errors are final.
+  // A read whose connection was lost (server restarted) is sent again once, within its deadline: back
+  // to the starter's queue, started and ended as any request (never waited for here: this runs on the
+  // starter and the reaper, which other requests wait on). A write is not: its open write went with
+  // the connection (the file's commit then fails, and the target stays as it was). Other errors are
+  // final. Once the starter has gone (the endpoint stopping), the error is.
   static void complete_after_error(core& k, op& o, const error& e, bool grouped = false) {
     if (o.deadline.cancelled() && e.code() != errc::cancelled) {
       // Its batch was cancelled (another request's cancel closed the lane under it): not retried.
@@ -515,15 +519,35 @@ class remote_endpoint {
     auto left = o.until - clk::now();
     // (Grouped reads refused as not_supported: a server that serves ranges in one request only from
     // local file systems.)
-    if (!o.write && (e.code() == errc::network_error || (grouped && e.code() == errc::not_supported)) && left > std::chrono::milliseconds(1)) {
-      try {
-        std::uint64_t n = k.c.read(o.path, o.offset, o.mem, o.bytes, left);
-        o.done(n, nullptr);
-        return;
-      } catch (const error& e2) {
-        o.done(0, &e2);
+    if (!o.write && !o.retried && (e.code() == errc::network_error || (grouped && e.code() == errc::not_supported)) &&
+        left > std::chrono::milliseconds(1)) {
+      bool queued = false;
+      {
+        std::lock_guard l(k.mu);
+        if (!k.starter_done) {
+          o.retried = true;
+          o.lost = e;
+          o.grp.reset();
+          o.t = 0;
+          o.started = o.told = false;
+          try {
+            k.to_start.push_back(std::move(o));  // (strong guarantee: on failure `o` is as it was)
+            queued = true;
+          } catch (const std::exception&) {
+          }
+        }
+      }
+      if (queued) {
+        k.start_cv.notify_one();
         return;
       }
+    }
+    if (o.lost && o.lost->code() == errc::network_error && e.op() == "store.connect") {
+      // Sent again and the server not back: the error says both (as the client's own retry does).
+      error both(error_info{errc::network_error, o.lost->op(), o.lost->resource(), "connection lost during the request, and reconnecting failed",
+                            e.what(), 0, 0});
+      o.done(0, &both);
+      return;
     }
     o.done(0, &e);
   }
@@ -602,7 +626,8 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         d(n, e);
       };
     }
-    remote_endpoint::op o{write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_, {}};
+    remote_endpoint::op o{write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_, {},
+                          false, false, false, std::nullopt};
     ep_->submit({&o, 1});
   }
   // Reads of one batch go to the endpoint's queue together; writes one by one (as start).
@@ -619,7 +644,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         file_source::start_many({&r, 1}, until);
         continue;
       }
-      reads.push_back({false, {}, path_, r.offset, r.mem, r.bytes, until.at(), until, std::move(r.done), 0, version_, {}});
+      reads.push_back({false, {}, path_, r.offset, r.mem, r.bytes, until.at(), until, std::move(r.done), 0, version_, {}, false, false, false, std::nullopt});
     }
     if (!reads.empty()) ep_->submit(reads);
   }

@@ -453,6 +453,60 @@ TEST(RemoteFiles, ServerGoneFailsTheBatchWithinItsDeadline) {
   EXPECT_THAT(test::error_text([&] { b.check(); }), HasSubstr(peer));
 }
 
+// A server stopped under a batch and started again on its port: the batch's reads under way, small
+// ones sent together and a large one, find their connection lost and are sent again (once each).
+// That batch reads what the file holds, or -- its reads sent again before the new server listens --
+// fails naming the server; nothing crashes (the stopping server's sessions went under its frame
+// handlers once), and the next batch reads what the file holds.
+TEST(RemoteFiles, AServerStoppedUnderABatchIsReadAgainOrNamed) {
+  fixture fx(false);
+  auto data = random_bytes(4 << 20, 47);
+  spill(fx.root / "d" / "pages.bin", data);
+  settings cfg = fx.cfg();
+  cfg.net_retry_after = std::chrono::nanoseconds::zero();  // a refused connect is tried again at the next request
+  runtime rt(cfg);
+  const std::string uri = fx.uri("d/pages.bin");
+  const std::uint16_t port = fx.srv->port();
+  auto f = file::open(uri, open_mode::read);
+  std::vector<std::vector<unsigned char>> bufs;
+  std::vector<file_request> reqs;
+  auto make = [&] {
+    bufs.clear();
+    reqs.clear();
+    for (int i = 0; i < 100; ++i) {
+      bufs.emplace_back(4096, 0);
+      reqs.push_back({f, static_cast<std::uint64_t>(i) * 40000 + 11, bufs.back().data(), 4096, false});
+    }
+    bufs.emplace_back(2 << 20, 0);
+    reqs.push_back({f, 12345, bufs.back().data(), 2 << 20, false});
+  };
+  auto check = [&](const char* when) {
+    for (std::size_t i = 0; i < reqs.size(); ++i)
+      ASSERT_EQ(0, std::memcmp(reqs[i].mem, data.data() + reqs[i].offset, reqs[i].bytes)) << when << ", read " << i;
+  };
+  make();
+  auto b = rt.files().submit(reqs);
+  ASSERT_TRUE(b.wait());
+  check("before the restart");
+  // The next batch goes out, and the server goes under it.
+  make();
+  b = rt.files().submit(reqs);
+  fx.srv.reset();
+  store::server_options o;
+  o.root = fx.root.string();
+  o.secret = "files secret 0123456789";
+  o.port = port;
+  o.workers = 1;  // (see StoreService.ServerRestartedTheNextReadSucceeds)
+  fx.srv = test::restart_server(o);
+  ASSERT_TRUE(fx.srv) << "could not listen on port " << port << " again";
+  if (b.wait()) check("across the restart");
+  else EXPECT_THAT(test::error_text([&] { b.check(); }), HasSubstr("127.0.0.1:" + std::to_string(port)));
+  make();
+  b = rt.files().submit(reqs);
+  ASSERT_TRUE(b.wait()) << test::error_text([&] { b.check(); });
+  check("after the restart");
+}
+
 // The GPU page cache over a ferry:// source: the misses are the server's to serve (many at once:
 // the proxy hands them over in batches).
 TEST(RemoteFiles, TheGpuCacheReadsThroughAFerrySource) {

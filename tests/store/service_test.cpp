@@ -539,13 +539,7 @@ TEST(StoreService, ServerRestartedTheNextReadSucceeds) {
   // server restarts on the ports it had; this one shows that the client also copes with a
   // server that now has fewer workers (its lanes all go to the one port named in the welcome).
   o.workers = 1;
-  for (int i = 0; i < 50 && !s.srv; ++i) {  // the port may take a moment to be free again
-    try {
-      s.srv = std::make_unique<store::server>(test::server_io(), o);
-    } catch (const error&) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
+  s.srv = test::restart_server(o);
   ASSERT_TRUE(s.srv) << "could not listen on port " << port << " again";
   std::fill(buf.begin(), buf.end(), 0);
   EXPECT_EQ(c.read("data/shard.bin", 4096, buf.data(), buf.size(), std::chrono::seconds(10)), buf.size());

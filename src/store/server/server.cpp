@@ -166,11 +166,23 @@ struct server::impl {
     // keeps its buffer (the kernel may still write into it), and so this server.
     while (std::size_t left = stop(std::chrono::seconds(10)))
       log::error("store", "core.stopping: {} file requests still in the file system", left);
-    // Sessions go while the workers still run: their mapped regions are released on those threads.
+    // Sessions go while the workers still run, each on its connection's worker, as a client's leaving
+    // does (on_failure): a frame handler there may be using it by plain pointer right now. Once the
+    // release has run, the connection has no session and its frames are dropped. (A session whose
+    // connection has gone has no handler left to use it.)
     std::map<connection*, std::shared_ptr<session>> gone;
     {
       std::lock_guard l(sess_mu);
       gone.swap(sessions);
+      by_token.clear();
+    }
+    for (auto& [raw, s] : gone) {
+      if (auto c = s->conn.lock()) {
+        c->worker().post([c, s = std::move(s)]() mutable {
+          c->user = nullptr;
+          s.reset();
+        });
+      }
     }
     gone.clear();
   }
