@@ -13,6 +13,7 @@ Every call has a deadline: ``timeout=`` seconds (else ``FERRY_DEADLINE``) withou
 """
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from typing import Any, Iterable, Sequence
@@ -179,6 +180,19 @@ class File:
         return f"ferry.File({self.path!r})" if self._impl else "ferry.File(closed)"
 
 
+def _byte_offset(offset: Any, what: str) -> int:
+    """``offset`` as an int >= 0 (a numpy integer, say), or ArgumentError naming it."""
+    try:
+        at = operator.index(offset)
+    except TypeError:
+        at = -1
+    if at < 0:
+        e = ArgumentError(f"{what}: offset {offset!r} is not a byte offset (an int >= 0)")
+        e.code = "invalid_argument"
+        raise e
+    return at
+
+
 def _length(s: Span, nbytes: int | None) -> int:
     if nbytes is None:
         return s.nbytes
@@ -203,29 +217,34 @@ def _fspath(path: Any) -> str:
     raise e
 
 
-def _submit(reqs, spans, stream, timeout, after_torch: bool = True) -> Batch:
+def _submit(columns, write: bool, spans, stream, timeout, after_torch: bool = True) -> Batch:
+    """``columns``: the requests as (files, offsets, pointers, sizes), a list each."""
     handle = stream_handle(stream)
     if handle is None and after_torch:
         sync_torch(spans)  # without a stream, after what torch already queued
     device = (stream_device(stream) or _device_of(spans)) if handle is not None else ""
-    impl = runtime().submit(reqs, handle, device, timeout)
-    return Batch(impl, list(spans))
+    impl = runtime().submit(*columns, write, handle, device, timeout)
+    return Batch(impl, spans)
 
 
 def _batch(requests: Iterable[tuple], write: bool, stream: Any, timeout: float | None, after_torch: bool = True) -> Batch:
     """``after_torch=False``: the caller knows no work torch queued uses the buffers (the loader's own buffers,
     made and waited for once), so the requests do not wait for torch's current streams first."""
     what = "write_batch" if write else "read_batch"
-    reqs, spans = [], []
+    files, offsets, ptrs, sizes, spans = [], [], [], [], []
     for r in requests:
         f, offset, buf = r[0], r[1], r[2]
-        nbytes = r[3] if len(r) > 3 else None
         if not isinstance(f, File):
             raise TypeError(f"{what}: {type(f).__name__} is not a ferry.File")
-        s = span_of(buf, writable=not write, what=f"{what} request {len(reqs)}")
-        reqs.append(_ferry.Request(f._impl, offset, s.ptr, _length(s, nbytes), write))
+        if type(offset) is not int or offset < 0:
+            offset = _byte_offset(offset, f"{what} request {len(spans)}")
+        s = span_of(buf, writable=not write, what=f"{what} request {len(spans)}")
+        files.append(f._impl)
+        offsets.append(offset)
+        ptrs.append(s.ptr)
+        sizes.append(_length(s, r[3]) if len(r) > 3 else s.nbytes)
         spans.append(s)
-    return _submit(reqs, spans, stream, timeout, after_torch)
+    return _submit((files, offsets, ptrs, sizes), write, spans, stream, timeout, after_torch)
 
 
 def read_batch(requests: Iterable[tuple], *, stream: Any = None, timeout: float | None = None) -> Batch:

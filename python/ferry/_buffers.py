@@ -8,14 +8,13 @@ memoryview, bytes for sources), and ferry's own buffers. Every buffer must be co
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _ferry
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
+    # (A named tuple: made once per request of a batch, where a frozen dataclass cost several times as much.)
     ptr: int
     nbytes: int
     device: str  # "cpu", "cuda:N", or a ferry device id ("sim:0")
