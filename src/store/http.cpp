@@ -13,6 +13,7 @@
 
 #include <curl/curl.h>
 #include <fmt/format.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <charconv>
@@ -474,7 +475,11 @@ class http_engine {
         curl_multi_setopt(l->multi, CURLMOPT_PIPELINING, static_cast<long>(CURLPIPE_NOTHING));
         lanes_.push_back(std::move(l));
       }
-      for (auto& l : lanes_) l->thread = std::thread([this, p = l.get()] { loop(*p); });
+      for (auto& l : lanes_)
+        l->thread = std::thread([this, p = l.get()] {
+          ::pthread_setname_np(::pthread_self(), "ferry-http");  // (named for top, perf and the benchmarks' CPU by thread)
+          loop(*p);
+        });
     } catch (...) {
       end();
       throw;
