@@ -186,7 +186,7 @@ def _byte_offset(offset: Any, what: str) -> int:
         at = operator.index(offset)
     except TypeError:
         at = -1
-    if at < 0:
+    if not 0 <= at < 1 << 64:
         e = ArgumentError(f"{what}: offset {offset!r} is not a byte offset (an int >= 0)")
         e.code = "invalid_argument"
         raise e
@@ -196,6 +196,10 @@ def _byte_offset(offset: Any, what: str) -> int:
 def _length(s: Span, nbytes: int | None) -> int:
     if nbytes is None:
         return s.nbytes
+    try:
+        nbytes = operator.index(nbytes)
+    except TypeError:
+        raise ValueError(f"nbytes={nbytes!r} is not a byte count (an int)") from None
     if nbytes < 0 or nbytes > s.nbytes:
         raise ValueError(f"nbytes={nbytes} is outside the buffer's {s.nbytes} bytes")
     return nbytes
@@ -236,7 +240,7 @@ def _batch(requests: Iterable[tuple], write: bool, stream: Any, timeout: float |
         f, offset, buf = r[0], r[1], r[2]
         if not isinstance(f, File):
             raise TypeError(f"{what}: {type(f).__name__} is not a ferry.File")
-        if type(offset) is not int or offset < 0:
+        if type(offset) is not int or not 0 <= offset < 1 << 64:
             offset = _byte_offset(offset, f"{what} request {len(spans)}")
         s = span_of(buf, writable=not write, what=f"{what} request {len(spans)}")
         files.append(f._impl)

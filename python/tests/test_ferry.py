@@ -165,11 +165,13 @@ def test_a_batch_of_reads_and_its_results(tmp_path):
     with pytest.raises(ValueError, match="outside the buffer"):
         ferry.read_batch([(f, 0, bufs[0], 1 << 20)])
     # Offsets: ints >= 0, numpy's included; anything else is refused naming the request, before anything runs.
-    for bad in (-5, 1.5, "0", None):
+    for bad in (-5, 1 << 64, 1.5, "0", None):
         with pytest.raises(ferry.ArgumentError, match=r"read_batch request 1: offset .* is not a byte offset") as e:
             ferry.read_batch([(f, 0, bufs[0]), (f, bad, bufs[1])])
         assert e.value.code == "invalid_argument"
-    with ferry.read_batch([(f, np.int64(65536), bufs[0]), (f, np.uint32(7), bufs[1], 100)]) as batch:
+    with pytest.raises(ValueError, match="not a byte count"):
+        ferry.read_batch([(f, 0, bufs[0], 100.0)])
+    with ferry.read_batch([(f, np.int64(65536), bufs[0]), (f, np.uint32(7), bufs[1], np.int64(100))]) as batch:
         batch.check()
         assert [r["bytes_done"] for r in batch.results()] == [65536, 100]
     np.testing.assert_array_equal(bufs[0], want[65536:131072])

@@ -238,7 +238,8 @@ class remote_endpoint {
   }
   // A read that may go with others: small, into host memory (the answer is copied on by the CPU).
   static bool small_read(core& k, const op& o) {
-    if (o.write || o.bytes == 0 || o.bytes > net::max_read_range || o.deadline.cancelled()) return false;
+    // (A read sent again goes alone: a group the server refuses would leave it nothing to fall back on.)
+    if (o.write || o.retried || o.bytes == 0 || o.bytes > net::max_read_range || o.deadline.cancelled()) return false;
     try {
       return k.c.host_memory(o.mem, o.bytes);
     } catch (const std::exception&) {
@@ -504,10 +505,10 @@ class remote_endpoint {
     }
   }
   // A read whose connection was lost (server restarted) is sent again once, within its deadline: back
-  // to the starter's queue, started and ended as any request (never waited for here: this runs on the
-  // starter and the reaper, which other requests wait on). A write is not: its open write went with
-  // the connection (the file's commit then fails, and the target stays as it was). Other errors are
-  // final. Once the starter has gone (the endpoint stopping), the error is.
+  // to the starter's queue, started (alone) and ended as any request, not read here: this runs on the
+  // starter and the reaper, and the reaper's ending of other requests must not wait on it. A write is
+  // not: its open write went with the connection (the file's commit then fails, and the target stays
+  // as it was). Other errors are final. Once the starter has gone (the endpoint stopping), the error is.
   static void complete_after_error(core& k, op& o, const error& e, bool grouped = false) {
     if (o.deadline.cancelled() && e.code() != errc::cancelled) {
       // Its batch was cancelled (another request's cancel closed the lane under it): not retried.
@@ -525,15 +526,16 @@ class remote_endpoint {
       {
         std::lock_guard l(k.mu);
         if (!k.starter_done) {
-          o.retried = true;
-          o.lost = e;
-          o.grp.reset();
-          o.t = 0;
-          o.started = o.told = false;
           try {
+            o.lost = e;
+            o.retried = true;
+            o.grp.reset();
+            o.t = 0;
+            o.started = o.told = false;
             k.to_start.push_back(std::move(o));  // (strong guarantee: on failure `o` is as it was)
             queued = true;
           } catch (const std::exception&) {
+            o.lost.reset();  // (out of memory: it fails with the error it has)
           }
         }
       }

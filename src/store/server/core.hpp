@@ -139,6 +139,10 @@ struct server_core {
   bool stopping = false;
   // File requests whose completion has not run yet: the server does not go before they have.
   std::atomic<int> io_in_flight{0};
+  // Set by stop() before it waits for io_in_flight: no file request starts after it (one whose frame
+  // was still being handled as the server stopped is answered "stopping"), so that wait is for all
+  // of them. (Each side writes its own, then reads the other's: one of them sees the other.)
+  std::atomic<bool> closing{false};
   std::condition_variable io_cv;  // with `mu`
   data_buffers buffers{o.chunk, 32};
 
@@ -151,6 +155,21 @@ struct server_core {
   void file_io(std::shared_ptr<ferry::file> f, bool write, std::uint64_t offset, void* mem, std::uint64_t n,
                std::function<void(const request_result&)> then) {
     io_in_flight++;
+    if (closing.load()) {
+      request_result res;
+      res.state = request_state::cancelled;
+      res.err = error(errc::cancelled, "store.serve", o.root, "the server is stopping");
+      try {
+        then(res);
+      } catch (const std::exception& e) {
+        log::debug("store", "file request completion: {}", e.what());
+      }
+      if (--io_in_flight == 0) {
+        std::lock_guard l(mu);
+        io_cv.notify_all();
+      }
+      return;
+    }
     file_request r{std::move(f), offset, mem, n, write};
     io.submit({&r, 1}, {}, [this, then = std::move(then)](std::span<const request_result> res) {
       try {

@@ -150,6 +150,7 @@ struct server::impl {
   // completions use this server). Returns how many are still in the file system.
   std::size_t stop(std::chrono::nanoseconds wait) {
     front.reset();
+    core.closing.store(true);
     {
       std::lock_guard l(core.mu);
       core.stopping = true;
@@ -176,6 +177,7 @@ struct server::impl {
       gone.swap(sessions);
       by_token.clear();
     }
+    // (post may throw only for want of memory, which ends the process here: a destructor.)
     for (auto& [raw, s] : gone) {
       if (auto c = s->conn.lock()) {
         c->worker().post([c, s = std::move(s)]() mutable {
