@@ -19,6 +19,7 @@
 #include "core/logging.hpp"
 #include "net/ucx.hpp"
 #include "store/landing.hpp"
+#include "store/lost_connection.hpp"
 #include "store/lending.hpp"
 
 #include <fmt/format.h>
@@ -448,9 +449,7 @@ struct client::impl {
       } catch (const error& e) {
         bool retry = e.code() == errc::network_error && attempt == 0 && clk::now() < until;
         if (!retry) {
-          if (lost && e.op() == "store.connect")
-            throw error(error_info{errc::network_error, lost->op(), lost->resource(),
-                                   "connection lost during the request, and reconnecting failed", e.what(), 0, 0});
+          if (lost && e.op() == "store.connect") throw detail::lost_and_unreachable(*lost, e);
           throw;
         }
         lost = e;

@@ -5,6 +5,7 @@
 #include <ferry/store/uri.hpp>
 
 #include "core/logging.hpp"
+#include "store/lost_connection.hpp"
 
 #include <fmt/format.h>
 
@@ -86,8 +87,7 @@ class remote_endpoint {
     std::uint64_t version = 0;  // reads: the file they must come from (0: any)
     std::shared_ptr<group> grp;  // several small reads of one file sent as one request: the reads it answers
     bool started = false, told = false;  // (the core's mu) its start_* returned / the client told it ended
-    bool retried = false;  // a read sent again after its connection was lost (once at most)
-    std::optional<error> lost;  // what its first attempt ended with, when it was sent again
+    std::optional<error> lost;  // a read sent again after its connection was lost (once at most): what that was
   };
   // The reads one request answers. Each is taken once, by whichever comes first: the client's answer
   // hook (its bytes copied into its memory; the reaper completes it once the request has ended), or the
@@ -239,7 +239,7 @@ class remote_endpoint {
   // A read that may go with others: small, into host memory (the answer is copied on by the CPU).
   static bool small_read(core& k, const op& o) {
     // (A read sent again goes alone: a group the server refuses would leave it nothing to fall back on.)
-    if (o.write || o.retried || o.bytes == 0 || o.bytes > net::max_read_range || o.deadline.cancelled()) return false;
+    if (o.write || o.lost || o.bytes == 0 || o.bytes > net::max_read_range || o.deadline.cancelled()) return false;
     try {
       return k.c.host_memory(o.mem, o.bytes);
     } catch (const std::exception&) {
@@ -520,7 +520,7 @@ class remote_endpoint {
     auto left = o.until - clk::now();
     // (Grouped reads refused as not_supported: a server that serves ranges in one request only from
     // local file systems.)
-    if (!o.write && !o.retried && (e.code() == errc::network_error || (grouped && e.code() == errc::not_supported)) &&
+    if (!o.write && !o.lost && (e.code() == errc::network_error || (grouped && e.code() == errc::not_supported)) &&
         left > std::chrono::milliseconds(1)) {
       bool queued = false;
       {
@@ -528,7 +528,6 @@ class remote_endpoint {
         if (!k.starter_done) {
           try {
             o.lost = e;
-            o.retried = true;
             o.grp.reset();
             o.t = 0;
             o.started = o.told = false;
@@ -545,9 +544,8 @@ class remote_endpoint {
       }
     }
     if (o.lost && o.lost->code() == errc::network_error && e.op() == "store.connect") {
-      // Sent again and the server not back: the error says both (as the client's own retry does).
-      error both(error_info{errc::network_error, o.lost->op(), o.lost->resource(), "connection lost during the request, and reconnecting failed",
-                            e.what(), 0, 0});
+      // Sent again and the server not back: the error says both.
+      const error both = detail::lost_and_unreachable(*o.lost, e);
       o.done(0, &both);
       return;
     }
@@ -629,7 +627,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
       };
     }
     remote_endpoint::op o{write, std::move(h), path_, offset, mem, bytes, until.at(), until, std::move(done), 0, write ? 0 : version_, {},
-                          false, false, false, std::nullopt};
+                          false, false, std::nullopt};
     ep_->submit({&o, 1});
   }
   // Reads of one batch go to the endpoint's queue together; writes one by one (as start).
@@ -646,7 +644,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         file_source::start_many({&r, 1}, until);
         continue;
       }
-      reads.push_back({false, {}, path_, r.offset, r.mem, r.bytes, until.at(), until, std::move(r.done), 0, version_, {}, false, false, false, std::nullopt});
+      reads.push_back({false, {}, path_, r.offset, r.mem, r.bytes, until.at(), until, std::move(r.done), 0, version_, {}, false, false, std::nullopt});
     }
     if (!reads.empty()) ep_->submit(reads);
   }

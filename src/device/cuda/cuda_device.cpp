@@ -557,9 +557,8 @@ class cuda_stream final : public stream {
     // Looks at the word in a tight loop; a driver call (cuStreamQuery, for the stream's error) and
     // giving up the CPU only now and then, by time: each takes the driver's locks or a system call,
     // and calling them every few hundred looks cost a small copy more than the look itself saves.
-    // Yields for 2 ms before it naps: on some machines of one kind a nap overshot by tens of
-    // microseconds, so that a copy of a megabyte that ended just after the spin took three times
-    // as long (docs/design/transfer-engine.md, "Waiting for a copy").
+    // Yields for 2 ms before it naps: a nap can overshoot by tens of microseconds, longer than a
+    // copy of a megabyte takes (docs/design/transfer-engine.md, "Waiting for a copy").
     using namespace std::chrono_literals;
     auto queried = std::chrono::steady_clock::now();
     ferry::detail::backoff wait({.spin = 100us, .yield = 2ms, .nap = 20us, .most = 20us});

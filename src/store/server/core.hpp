@@ -136,44 +136,24 @@ struct server_core {
   std::unique_ptr<worker_counts[]> counts;  // one per worker
   std::uint64_t instance = 0;  // random per start: a client's lanes check they reached one server
   std::mutex mu;
-  bool stopping = false;
+  // Set (under `mu`, for the janitor's wait) by stop() before it waits for io_in_flight: no file
+  // request starts after it (one whose frame was still being handled is answered "stopping"), so that
+  // wait is for all of them. (Each side writes its own, then reads the other's: one sees the other.)
+  std::atomic<bool> stopping{false};
   // File requests whose completion has not run yet: the server does not go before they have.
   std::atomic<int> io_in_flight{0};
-  // Set by stop() before it waits for io_in_flight: no file request starts after it (one whose frame
-  // was still being handled as the server stopped is answered "stopping"), so that wait is for all
-  // of them. (Each side writes its own, then reads the other's: one of them sees the other.)
-  std::atomic<bool> closing{false};
   std::condition_variable io_cv;  // with `mu`
   data_buffers buffers{o.chunk, 32};
 
-  bool stopping_now() {
-    std::lock_guard l(mu);
-    return stopping;
-  }
+  bool stopping_now() const { return stopping.load(); }
   // A request of the file engine; `then` gets its result on the thread that finished it (it must
   // not block). Counted, so that the server does not go while a completion may still come.
   void file_io(std::shared_ptr<ferry::file> f, bool write, std::uint64_t offset, void* mem, std::uint64_t n,
                std::function<void(const request_result&)> then) {
     io_in_flight++;
-    if (closing.load()) {
-      request_result res;
-      res.state = request_state::cancelled;
-      res.err = error(errc::cancelled, "store.serve", o.root, "the server is stopping");
+    auto settle = [this, then = std::move(then)](const request_result& r) {
       try {
-        then(res);
-      } catch (const std::exception& e) {
-        log::debug("store", "file request completion: {}", e.what());
-      }
-      if (--io_in_flight == 0) {
-        std::lock_guard l(mu);
-        io_cv.notify_all();
-      }
-      return;
-    }
-    file_request r{std::move(f), offset, mem, n, write};
-    io.submit({&r, 1}, {}, [this, then = std::move(then)](std::span<const request_result> res) {
-      try {
-        then(res[0]);
+        then(r);
       } catch (const std::exception& e) {
         log::debug("store", "file request completion: {}", e.what());  // a connection that went, say
       }
@@ -181,7 +161,15 @@ struct server_core {
         std::lock_guard l(mu);
         io_cv.notify_all();
       }
-    });
+    };
+    if (stopping.load()) {
+      request_result r;
+      r.state = request_state::cancelled;
+      r.err = error(errc::cancelled, "store.serve", o.root, "the server is stopping");
+      return settle(r);
+    }
+    file_request r{std::move(f), offset, mem, n, write};
+    io.submit({&r, 1}, {}, [settle = std::move(settle)](std::span<const request_result> res) { settle(res[0]); });
   }
   static const error& error_of(const request_result& r) {
     static const error none(errc::internal, "store.io", "", "file request did not finish");

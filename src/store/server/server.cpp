@@ -150,7 +150,6 @@ struct server::impl {
   // completions use this server). Returns how many are still in the file system.
   std::size_t stop(std::chrono::nanoseconds wait) {
     front.reset();
-    core.closing.store(true);
     {
       std::lock_guard l(core.mu);
       core.stopping = true;
@@ -168,9 +167,9 @@ struct server::impl {
     while (std::size_t left = stop(std::chrono::seconds(10)))
       log::error("store", "core.stopping: {} file requests still in the file system", left);
     // Sessions go while the workers still run, each on its connection's worker, as a client's leaving
-    // does (on_failure): a frame handler there may be using it by plain pointer right now. Once the
-    // release has run, the connection has no session and its frames are dropped. (A session whose
-    // connection has gone has no handler left to use it.)
+    // does (on_failure): frame handlers there use the session by plain pointer. The release clears the
+    // connection's pointer, so later frames are dropped; a session whose connection is gone has no
+    // handler left and goes here.
     std::map<connection*, std::shared_ptr<session>> gone;
     {
       std::lock_guard l(sess_mu);
@@ -299,7 +298,7 @@ struct server::impl {
         if (core.stopping_now()) return;
       } else {
         std::unique_lock l(core.mu);
-        if (cv_janitor.wait_for(l, std::chrono::milliseconds(100), [&] { return core.stopping; })) return;
+        if (cv_janitor.wait_for(l, std::chrono::milliseconds(100), [&] { return core.stopping.load(); })) return;
       }
       auto now = clk::now();
       auto coarse = coarse_now().time_since_epoch().count();
