@@ -201,6 +201,14 @@ int run_bench_local(runtime& rt, const bench_options& o) {
     cases.push_back({fmt::format("gpu{}->gpu{}", ordinal, peer), "cudaMemcpyPeer", D1, D0, D1, D0,
                      [&, D1, D0](std::uint64_t n) { cr.check(cr.memcpy_peer(D1, peer, D0, ordinal, n), "cudaMemcpyPeer"); },
                      false});
+    // Waited for, as the other "1 copy" rows: the copy on a stream of the source device (peer
+    // access on, so the copy engines move it over the link).
+    cases.push_back({fmt::format("1 copy gpu{}->gpu{}", ordinal, peer), "cudaMemcpyAsync+sync", D1, D0, D1, D0,
+                     [&, D1, D0](std::uint64_t n) {
+                       cr.check(cr.memcpy_async(D1, D0, n, cudart::default_kind, bstream), "cudaMemcpyAsync");
+                       cr.check(cr.stream_sync(bstream), "cudaStreamSynchronize");
+                     },
+                     false});
   }
 
   fn sync = [&] {
@@ -343,6 +351,7 @@ int run_bench_local(runtime& rt, const bench_options& o) {
     target("pinned d2h >= 0.97x cudaMemcpy at >= 64 MiB", "d2h pinned", 64ull << 20, 0.97);
     target("pageable h2d >= 4x cudaMemcpy pageable at >= 256 MiB", "h2d pageable", 256ull << 20, 4.0);
     target("gpu->gpu >= 0.95x cudaMemcpyPeer at >= 256 MiB", "gpu", 256ull << 20, 0.95);
+    target("gpu->gpu >= 0.9x cudaMemcpyPeer from 1 MiB", "gpu", 1ull << 20, 0.9);
     target("one copy >= 0.9x cudaMemcpyAsync+sync, 64 KiB..16 MiB", "1 copy", 64ull << 10, 0.9, 16ull << 20);
     target("scattered blocks >= 1.0x the faster CUDA way", "scattered", 0, 1.0);
   }

@@ -1,6 +1,9 @@
-// What one small device copy costs, part by part, next to the driver's own cuMemcpyAsync +
-// synchronize in the same process: the per-request overhead the streams issue asks to remove
-// (single copies of 64 KiB .. 16 MiB at >= 0.9x cudaMemcpyAsync + synchronize).
+// What one small copy costs, part by part, next to the driver's own cuMemcpyAsync + synchronize
+// in the same process: the driver's copy waited for as ferry's streams wait, a ferry stream's copy,
+// the engine's copy with regions given, and the engine's copy (single copies of 64 KiB .. 16 MiB
+// are to run at >= 0.9x cudaMemcpyAsync + synchronize). Run with
+// --benchmark_enable_random_interleaving=true and repetitions, so that a drift of the machine
+// touches every row alike.
 #include <ferry/runtime.hpp>
 
 #ifdef FERRY_HAVE_CUDA
@@ -16,6 +19,8 @@ struct gpu {
   const ferry::cuda::driver_api* api = nullptr;
   ferry::runtime* rt = nullptr;
   CUdeviceptr a = 0, b = 0;
+  void* host = nullptr;  // pinned (cuMemHostAlloc), the source of the h2d rows
+  std::uint32_t* word = nullptr;  // pinned, written by the stream in BM_DriverCopyAndWriteValue
   CUstream s = nullptr;
   static gpu& get() {
     static gpu g = [] {
@@ -33,10 +38,20 @@ struct gpu {
       drv.api->cuCtxSetCurrent(c);
       drv.api->cuMemAlloc(&x.a, 16 << 20);
       drv.api->cuMemAlloc(&x.b, 16 << 20);
+      drv.api->cuMemHostAlloc(&x.host, 16 << 20, CU_MEMHOSTALLOC_PORTABLE);
+      void* w = nullptr;
+      drv.api->cuMemHostAlloc(&w, 64, CU_MEMHOSTALLOC_PORTABLE);
+      x.word = static_cast<std::uint32_t*>(w);
+      *x.word = 0;
       drv.api->cuStreamCreate(&x.s, CU_STREAM_NON_BLOCKING);
       return x;
     }();
     return g;
+  }
+  // The second argument picks the source: 0 device memory (a copy within the GPU), 1 pinned host
+  // memory (a copy over PCIe).
+  CUdeviceptr src(const benchmark::State& st) const {
+    return st.range(1) ? reinterpret_cast<CUdeviceptr>(host) : a;
   }
 };
 
@@ -47,55 +62,84 @@ struct gpu {
     return;                               \
   }
 
+// Sizes x sources (0 = device, 1 = pinned host).
+void sizes(benchmark::internal::Benchmark* b) {
+  b->ArgsProduct({{64 << 10, 1 << 20}, {0, 1}})->UseRealTime();
+}
+
 void BM_DriverCopyAndSync(benchmark::State& st) {
   NEED_GPU(st);
   auto n = static_cast<std::size_t>(st.range(0));
   for (auto _ : st) {
-    g.api->cuMemcpyAsync(g.b, g.a, n, g.s);
+    g.api->cuMemcpyAsync(g.b, g.src(st), n, g.s);
     g.api->cuStreamSynchronize(g.s);
   }
   st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * n));
 }
-BENCHMARK(BM_DriverCopyAndSync)->Arg(64 << 10)->Arg(1 << 20)->Arg(16 << 20)->UseRealTime();
+BENCHMARK(BM_DriverCopyAndSync)->Apply(sizes);
 
-void BM_FerryCopy(benchmark::State& st) {
+// How ferry's streams wait: the stream writes a sequence number into a pinned word after the copy,
+// and the thread watches the word (no driver call per look).
+void BM_DriverCopyAndWriteValue(benchmark::State& st) {
   NEED_GPU(st);
   auto n = static_cast<std::size_t>(st.range(0));
-  for (auto _ : st) g.rt->engine().copy(reinterpret_cast<void*>(g.b), reinterpret_cast<void*>(g.a), n);
+  std::uint32_t seq = *g.word;
+  for (auto _ : st) {
+    g.api->cuMemcpyAsync(g.b, g.src(st), n, g.s);
+    g.api->cuStreamWriteValue32(g.s, reinterpret_cast<CUdeviceptr>(g.word), ++seq, CU_STREAM_WRITE_VALUE_DEFAULT);
+    while (std::atomic_ref<std::uint32_t>(*g.word).load(std::memory_order_acquire) != seq) {
+    }
+  }
   st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * n));
 }
-BENCHMARK(BM_FerryCopy)->Arg(64 << 10)->Arg(1 << 20)->Arg(16 << 20)->UseRealTime();
-
-// The same copy with both sides classified once beforehand (transfer_request's regions): the
-// engine's own cost without the two classifications.
-void BM_FerryCopyClassified(benchmark::State& st) {
-  NEED_GPU(st);
-  auto n = static_cast<std::size_t>(st.range(0));
-  auto src = g.rt->registrations().classify(reinterpret_cast<void*>(g.a), n);
-  auto dst = g.rt->registrations().classify(reinterpret_cast<void*>(g.b), n);
-  ferry::transfer_request r{reinterpret_cast<void*>(g.b), reinterpret_cast<void*>(g.a), n, &dst, &src};
-  for (auto _ : st) g.rt->engine().copy(r);
-  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * n));
-}
-BENCHMARK(BM_FerryCopyClassified)->Arg(64 << 10)->Arg(1 << 20)->UseRealTime();
-
-// The parts: classifying a device pointer, and a ferry stream's copy + synchronize.
-void BM_ClassifyDevicePointer(benchmark::State& st) {
-  NEED_GPU(st);
-  for (auto _ : st) benchmark::DoNotOptimize(g.rt->registrations().classify(reinterpret_cast<void*>(g.a + 4096), 1 << 20));
-}
-BENCHMARK(BM_ClassifyDevicePointer);
+BENCHMARK(BM_DriverCopyAndWriteValue)->Apply(sizes);
 
 void BM_StreamCopyAndSync(benchmark::State& st) {
   NEED_GPU(st);
   static auto s = g.rt->devices().get("cuda:0").create_stream();
   auto n = static_cast<std::size_t>(st.range(0));
   for (auto _ : st) {
-    s->copy(reinterpret_cast<void*>(g.b), reinterpret_cast<void*>(g.a), n);
+    s->copy(reinterpret_cast<void*>(g.b), reinterpret_cast<void*>(g.src(st)), n);
     s->synchronize();
   }
+  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * n));
 }
-BENCHMARK(BM_StreamCopyAndSync)->Arg(64 << 10)->Arg(1 << 20)->UseRealTime();
+BENCHMARK(BM_StreamCopyAndSync)->Apply(sizes);
+
+// The engine's copy with both sides classified once beforehand (transfer_request's regions): the
+// engine's own cost without the two classifications.
+void BM_FerryCopyClassified(benchmark::State& st) {
+  NEED_GPU(st);
+  auto n = static_cast<std::size_t>(st.range(0));
+  auto* from = reinterpret_cast<void*>(g.src(st));
+  auto src = g.rt->registrations().classify(from, n);
+  auto dst = g.rt->registrations().classify(reinterpret_cast<void*>(g.b), n);
+  ferry::transfer_request r{reinterpret_cast<void*>(g.b), from, n, &dst, &src};
+  for (auto _ : st) g.rt->engine().copy(r);
+  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * n));
+}
+BENCHMARK(BM_FerryCopyClassified)->Apply(sizes);
+
+void BM_FerryCopy(benchmark::State& st) {
+  NEED_GPU(st);
+  auto n = static_cast<std::size_t>(st.range(0));
+  for (auto _ : st) g.rt->engine().copy(reinterpret_cast<void*>(g.b), reinterpret_cast<void*>(g.src(st)), n);
+  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * n));
+}
+BENCHMARK(BM_FerryCopy)->Apply(sizes);
+
+void BM_ClassifyDevicePointer(benchmark::State& st) {
+  NEED_GPU(st);
+  for (auto _ : st) benchmark::DoNotOptimize(g.rt->registrations().classify(reinterpret_cast<void*>(g.a + 4096), 1 << 20));
+}
+BENCHMARK(BM_ClassifyDevicePointer);
+
+void BM_ClassifyPinnedHost(benchmark::State& st) {
+  NEED_GPU(st);
+  for (auto _ : st)
+    benchmark::DoNotOptimize(g.rt->registrations().classify(static_cast<std::byte*>(g.host) + 4096, 1 << 20));
+}
+BENCHMARK(BM_ClassifyPinnedHost);
 #endif
 
 }  // namespace

@@ -64,8 +64,9 @@ struct segment {
 struct work_item {
   std::shared_ptr<transfer_batch::state> b;
   transfer_path path = transfer_path::none;
-  device* dev = nullptr;   // executing device (source side for staged)
-  device* dev2 = nullptr;  // staged: destination device
+  device* dev = nullptr;   // executing device (the source side for staged and peer copies)
+  device* dev2 = nullptr;  // staged: destination device (a stream of its own)
+  device* peer_dst = nullptr;  // peer: destination device (reached from dev's stream)
   bool to_device = true;   // bounce: host -> device
   pinned_pool* pool = nullptr;
   std::shared_ptr<registration> hold;  // registered path: keeps the pin while copying
@@ -632,6 +633,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
   // synchronization); the two directions stay apart, so that both copy engines work.
   struct group {
     device* dev;
+    device* peer_dst;  // peer copies to different GPUs stay apart (streams of their own)
     transfer_path path;
     bool to_device;
     std::size_t item;
@@ -699,8 +701,12 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
           w.path = transfer_path::direct;
           w.dev = sdev;
         } else if (I.cfg.xfer_peer && sdev->info().backend == ddev->info().backend && I.enable_peer(*sdev, *ddev)) {
+          // Pushed by the source's copy engine: its writes over the link are posted, where the
+          // destination's engine, pulling, waits for each read to come back (a copy of a few
+          // megabytes took twice as long; docs/design/transfer-engine.md, "Peer copies").
           w.path = transfer_path::peer;
-          w.dev = ddev;
+          w.dev = sdev;
+          w.peer_dst = ddev;
         } else {
           w.path = transfer_path::staged;
           w.dev = sdev;
@@ -749,10 +755,11 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       bool groupable = w.path == transfer_path::direct || w.path == transfer_path::peer || w.path == transfer_path::host;
       if (groupable && r.bytes <= I.cfg.xfer_batch_small && cuts.empty()) {
         auto g = std::find_if(open_groups.begin(), open_groups.end(), [&](const group& x) {
-          return x.dev == w.dev && x.path == w.path && x.to_device == w.to_device;
+          return x.dev == w.dev && x.peer_dst == w.peer_dst && x.path == w.path && x.to_device == w.to_device;
         });
         if (g == open_groups.end() || g->bytes + r.bytes > group_cap) {
-          if (g == open_groups.end()) g = open_groups.insert(open_groups.end(), {w.dev, w.path, w.to_device, 0, 0});
+          if (g == open_groups.end())
+            g = open_groups.insert(open_groups.end(), {w.dev, w.peer_dst, w.path, w.to_device, 0, 0});
           items.push_back(std::move(w));
           g->item = items.size() - 1;
           g->bytes = 0;
@@ -784,6 +791,7 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
         c.path = w.path;
         c.dev = w.dev;
         c.dev2 = w.dev2;
+        c.peer_dst = w.peer_dst;
         c.to_device = w.to_device;
         c.pool = w.pool;
         c.hold = w.hold;
