@@ -51,14 +51,16 @@ struct transfer_batch::state {
   std::atomic<ordering> order{ordering::none};
 
   // Under mu: records the end of one segment of request i; true when that made every request final.
-  bool finish_locked(std::size_t i, std::uint64_t len, const error* e, request_state fail_state) {
+  // `progress`: whether bytes moved restart an idle deadline here (callers that end many segments at
+  // once do that once, after them).
+  bool finish_locked(std::size_t i, std::uint64_t len, const error* e, request_state fail_state, bool progress = true) {
     request_result& r = results[i];
     if (r.state != request_state::pending) return false;  // already timed out / cancelled
     if (e && !r.err) r.err = *e;
     if (!e) {
       r.bytes_done += len;
       bytes_done += len;
-      if (len) moved();
+      if (len && progress) moved();
     }
     if (--segs_left[i] > 0) return false;
     r.state = r.err ? (r.err->code() == errc::cancelled ? request_state::cancelled
@@ -89,6 +91,17 @@ struct transfer_batch::state {
     std::uint64_t len;
     const error* e;
   };
+  // The ends of several segments under one lock (a work item's blocks, synchronized once).
+  void finish_many(std::span<const item_end> xs) {
+    std::unique_lock l(mu);
+    bool final_now = false, any_bytes = false;
+    for (const item_end& x : xs) {
+      final_now = finish_locked(x.i, x.len, x.e, request_state::failed, false) || final_now;
+      any_bytes = any_bytes || (!x.e && x.len);
+    }
+    if (any_bytes) moved();
+    if (final_now) completed(l);
+  }
   // The ends of several work items under one lock (a worker reports what a round finished together):
   // finish() and item_done() for each, in that order of effects.
   void end_items(std::span<const item_end> xs) {

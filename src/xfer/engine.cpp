@@ -353,18 +353,17 @@ struct transfer_engine::impl {
   template <typename StreamOf>
   void run(work_item& w, StreamOf& stream_of) {
     auto& b = *w.b;
+    // A segment that will not run: its batch was cancelled, or its deadline passed, before it ran.
+    auto not_run = [&](const segment& sg, bool cancelled) {
+      error e = cancelled ? error(errc::cancelled, "xfer.request", fmt::format("request {}", sg.req), "batch cancelled before it ran")
+                          : error(errc::timeout, "xfer.request", fmt::format("request {}", sg.req), "batch deadline passed before it ran");
+      b.finish(sg.req, sg.len, &e);
+    };
     auto skip = [&](const segment& sg) {
-      if (b.cancelled) {
-        error e(errc::cancelled, "xfer.request", fmt::format("request {}", sg.req), "batch cancelled before it ran");
-        b.finish(sg.req, sg.len, &e);
-        return true;
-      }
-      if (std::chrono::steady_clock::now() >= b.until()) {
-        error e(errc::timeout, "xfer.request", fmt::format("request {}", sg.req), "batch deadline passed before it ran");
-        b.finish(sg.req, sg.len, &e);
-        return true;
-      }
-      return false;
+      const bool cancelled = b.cancelled;
+      if (!cancelled && std::chrono::steady_clock::now() < b.until()) return false;
+      not_run(sg, cancelled);
+      return true;
     };
     // The item's holds go before its last segment is reported: a caller woken by the completion
     // finds the pages free to move (and pageable memory unpinned when the cache keeps none).
@@ -380,52 +379,59 @@ struct transfer_engine::impl {
     };
 
     if (w.path == transfer_path::direct || w.path == transfer_path::peer || w.path == transfer_path::registered) {
-      // All segments of the item on one stream, one synchronization.
-      std::vector<const segment*> live;
-      for (auto& sg : w.segs)
-        if (!skip(sg)) live.push_back(&sg);
-      if (live.empty()) return;
+      // All segments of the item on one stream, one synchronization, their ends reported under one
+      // lock (a KV cache's thousands of blocks: one lock and one clock read, not one each).
+      if (const bool cancelled = b.cancelled; cancelled || std::chrono::steady_clock::now() >= b.until()) {
+        for (auto& sg : w.segs) not_run(sg, cancelled);
+        return;
+      }
       stream& s = stream_of(w.dev);
       std::vector<const segment*> enqueued;
+      enqueued.reserve(w.segs.size());
       auto pieces = w.hold ? w.hold->pieces() : std::vector<std::pair<std::uintptr_t, std::uint64_t>>{};
-      if (live.size() > 1 && pieces.size() <= 1) {
+      bool one_call = false;
+      if (w.segs.size() > 1 && pieces.size() <= 1) {
         // Many blocks (a KV cache's): enqueued in one call. If that is refused, one by one below,
         // so that only the request at fault fails.
         std::vector<stream::copy_desc> all;
-        all.reserve(live.size());
-        for (const segment* sg : live) all.push_back({sg->dst, sg->src, sg->len});
+        all.reserve(w.segs.size());
+        for (const segment& sg : w.segs) all.push_back({sg.dst, sg.src, sg.len});
         try {
           s.copy_batch(all);
-          enqueued = live;
-          live.clear();
+          for (const segment& sg : w.segs) enqueued.push_back(&sg);
+          one_call = true;
         } catch (const std::exception& ex) {
           log::debug("xfer", "a batch of {} copies was refused ({}); enqueueing them one by one", all.size(), ex.what());
         }
       }
-      for (const segment* sg : live) {
-        try {
-          if (pieces.size() <= 1) {
-            s.copy(sg->dst, sg->src, sg->len);
-          } else {
-            // Host side spans several registrations: one copy per registered piece.
-            auto host = reinterpret_cast<std::uintptr_t>(w.to_device ? static_cast<const void*>(sg->src)
-                                                                      : static_cast<const void*>(sg->dst));
-            for (auto [pb, pn] : pieces) {
-              std::uintptr_t a = std::max(host, pb), e = std::min(host + sg->len, pb + pn);
-              if (a >= e) continue;
-              std::uint64_t off = a - host;
-              s.copy(sg->dst + off, sg->src + off, e - a);
+      if (!one_call)
+        for (const segment& sg : w.segs) {
+          try {
+            if (pieces.size() <= 1) {
+              s.copy(sg.dst, sg.src, sg.len);
+            } else {
+              // Host side spans several registrations: one copy per registered piece.
+              auto host = reinterpret_cast<std::uintptr_t>(w.to_device ? static_cast<const void*>(sg.src)
+                                                                        : static_cast<const void*>(sg.dst));
+              for (auto [pb, pn] : pieces) {
+                std::uintptr_t a = std::max(host, pb), e = std::min(host + sg.len, pb + pn);
+                if (a >= e) continue;
+                std::uint64_t off = a - host;
+                s.copy(sg.dst + off, sg.src + off, e - a);
+              }
             }
+            enqueued.push_back(&sg);
+          } catch (const std::exception& ex) {
+            fail_with(sg, ex);  // refused at enqueue: only this request fails
           }
-          enqueued.push_back(sg);
-        } catch (const std::exception& ex) {
-          fail_with(*sg, ex);  // refused at enqueue: only this request fails
         }
-      }
       try {
         s.synchronize(b.until());
         let_go();
-        for (const segment* sg : enqueued) b.finish(sg->req, sg->len, nullptr);
+        std::vector<transfer_batch::state::item_end> ends;
+        ends.reserve(enqueued.size());
+        for (const segment* sg : enqueued) ends.push_back({sg->req, sg->len, nullptr});
+        b.finish_many(ends);
       } catch (const std::exception& ex) {
         let_go();  // as the end of the item would, a moment later
         for (const segment* sg : enqueued) fail_with(*sg, ex);

@@ -356,6 +356,34 @@ TEST(Engine, CancelStopsWhatHasNotStarted) {
   }
 }
 
+// Blocks grouped into work items end together: those of an item that had not started when the batch
+// was cancelled all end cancelled, the others done, none left pending.
+TEST(Engine, ACancelledBatchOfGroupedBlocksEndsEveryBlock) {
+  settings s = sim_settings();
+  s.sim_copy_gbps = 0.05;
+  s.xfer_threads = 1;  // two work items of 128 blocks: the worker copies one while the other waits
+  runtime rt(s);
+  region a(rt.devices().get("sim:0"), 16 << 20);
+  std::vector<unsigned char> src(16 << 20, 4);
+  std::vector<transfer_request> reqs;
+  for (int i = 0; i < 256; ++i) reqs.push_back({a.p(static_cast<std::uint64_t>(i) << 16), src.data() + (i << 16), 64 << 10});
+  transfer_batch b = rt.engine().submit(reqs);
+  b.cancel();
+  b.wait();
+  int cancelled = 0, done = 0;
+  for (auto& r : b.results()) {
+    if (r.state == request_state::cancelled) {
+      cancelled++;
+      EXPECT_EQ(r.err->code(), errc::cancelled);
+    } else if (r.state == request_state::done) {
+      done++;
+      EXPECT_EQ(r.bytes_done, 64u << 10);
+    }
+  }
+  EXPECT_EQ(cancelled + done, 256) << "every block final";
+  EXPECT_GE(cancelled, 128) << "the item not started when the batch was cancelled";
+}
+
 TEST(Engine, ManySmallRequestsAreGroupedAndProgressIsCounted) {
   runtime rt(sim_settings());
   region a(rt.devices().get("sim:0"), 4 << 20);
