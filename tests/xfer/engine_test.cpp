@@ -37,7 +37,7 @@ settings sim_settings() {
 struct region {
   va_range va;
   std::vector<physical_chunk> chunks;
-  region(device& d, std::uint64_t bytes) {
+  region(device& d, std::uint64_t bytes, int devices = 2) {
     std::uint64_t g = d.granularity();
     bytes = (bytes + g - 1) / g * g;
     va = d.reserve(bytes);
@@ -45,7 +45,8 @@ struct region {
       chunks.push_back(d.allocate(g));
       d.map(va.at(off), chunks.back());
     }
-    access_desc grants[] = {{location::on_device(0), access::read_write}, {location::on_device(1), access::read_write}};
+    std::vector<access_desc> grants;
+    for (int i = 0; i < devices; ++i) grants.push_back({location::on_device(i), access::read_write});
     d.set_access(va.base(), bytes, grants);
   }
   std::byte* p(std::uint64_t off = 0) const { return va.at(off); }
@@ -353,6 +354,31 @@ TEST(Engine, CancelStopsWhatHasNotStarted) {
     if (r.state == request_state::cancelled) {
       EXPECT_EQ(r.err->code(), errc::cancelled);
     }
+  }
+}
+
+// Small peer copies of one batch from one GPU to two others, pushed from streams of the source (the
+// blocks grouped into work items): every block where it belongs.
+TEST(Engine, SmallPeerCopiesToSeveralGpusArriveWhole) {
+  settings s = sim_settings();
+  s.sim_devices = 3;
+  runtime rt(s);
+  device& d0 = rt.devices().get("sim:0");
+  region a(d0, 4 << 20, 3), b(rt.devices().get("sim:1"), 4 << 20, 3), c(rt.devices().get("sim:2"), 4 << 20, 3);
+  const std::size_t block = 16 << 10, n = 128;
+  auto data = random_bytes(block * n, 7);
+  rt.engine().copy(a.p(), data.data(), data.size());
+  std::vector<transfer_request> reqs;
+  for (std::size_t i = 0; i < n; ++i)  // block i to sim:1 or sim:2 (alternating), at its own offset there
+    reqs.push_back({(i % 2 ? c : b).p(i * block), a.p(i * block), block});
+  transfer_batch t = rt.engine().submit(reqs);
+  ASSERT_TRUE(t.wait());
+  t.check();
+  for (auto& r : t.results()) EXPECT_EQ(r.path, transfer_path::peer);
+  std::vector<unsigned char> back(block);
+  for (std::size_t i = 0; i < n; ++i) {
+    rt.engine().copy(back.data(), (i % 2 ? c : b).p(i * block), block);
+    ASSERT_EQ(0, std::memcmp(back.data(), data.data() + i * block, block)) << "block " << i;
   }
 }
 
