@@ -96,8 +96,9 @@ struct transfer_batch::state {
     std::unique_lock l(mu);
     bool final_now = false, any_bytes = false;
     for (const item_end& x : xs) {
+      // Bytes of a request already final (timed out or cancelled meanwhile) move no deadline on.
+      any_bytes = any_bytes || (!x.e && x.len && results[x.i].state == request_state::pending);
       final_now = finish_locked(x.i, x.len, x.e, request_state::failed, false) || final_now;
-      any_bytes = any_bytes || (!x.e && x.len);
     }
     if (any_bytes) moved();
     if (final_now) completed(l);

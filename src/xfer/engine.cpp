@@ -382,6 +382,7 @@ struct transfer_engine::impl {
       // All segments of the item on one stream, one synchronization, their ends reported under one
       // lock (a KV cache's thousands of blocks: one lock and one clock read, not one each).
       if (const bool cancelled = b.cancelled; cancelled || std::chrono::steady_clock::now() >= b.until()) {
+        let_go();  // before the ends are reported, as below
         for (auto& sg : w.segs) not_run(sg, cancelled);
         return;
       }
