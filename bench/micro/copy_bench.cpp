@@ -12,6 +12,9 @@
 
 #include <benchmark/benchmark.h>
 
+#include <atomic>
+#include <cstdint>
+
 namespace {
 
 #ifdef FERRY_HAVE_CUDA
