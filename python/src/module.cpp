@@ -330,8 +330,8 @@ struct py_runtime {
     return std::make_shared<py_file>(py_file{std::move(f)});
   }
   // A batch of reads (or of writes) as columns, request i being (files[i], offsets[i], ptrs[i],
-  // sizes[i]): lists of ints convert without a Python object per request, which a request object
-  // cost (construction and conversion: microseconds each, as much as the C++ submit of it).
+  // sizes[i]): lists of ints convert without a Python object per request (an object per request costs
+  // microseconds to make and convert, as much as the C++ submit of it).
   std::unique_ptr<py_batch> submit(const std::vector<std::shared_ptr<py_file>>& files, const std::vector<std::uint64_t>& offsets,
                                    const std::vector<std::uintptr_t>& ptrs, const std::vector<std::uint64_t>& sizes, bool write,
                                    std::optional<std::uintptr_t> stream_handle, const std::string& device,

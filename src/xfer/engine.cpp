@@ -65,8 +65,7 @@ struct work_item {
   std::shared_ptr<transfer_batch::state> b;
   transfer_path path = transfer_path::none;
   device* dev = nullptr;   // executing device (the source side for staged and peer copies)
-  device* dev2 = nullptr;  // staged: destination device (a stream of its own)
-  device* peer_dst = nullptr;  // peer: destination device (reached from dev's stream)
+  device* dev2 = nullptr;  // staged: destination device
   bool to_device = true;   // bounce: host -> device
   pinned_pool* pool = nullptr;
   std::shared_ptr<registration> hold;  // registered path: keeps the pin while copying
@@ -709,11 +708,10 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
           w.dev = sdev;
         } else if (I.cfg.xfer_peer && sdev->info().backend == ddev->info().backend && I.enable_peer(*sdev, *ddev)) {
           // Pushed by the source's copy engine: its writes over the link are posted, where the
-          // destination's engine, pulling, waits for each read to come back (a copy of a few
-          // megabytes took twice as long; docs/design/transfer-engine.md, "Peer copies").
+          // destination's engine, pulling, waits for each read to come back
+          // (docs/design/transfer-engine.md, "Peer copies are pushed").
           w.path = transfer_path::peer;
           w.dev = sdev;
-          w.peer_dst = ddev;
         } else {
           w.path = transfer_path::staged;
           w.dev = sdev;
@@ -761,12 +759,13 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
       const std::vector<std::uint64_t> cuts = w.unified.empty() ? std::vector<std::uint64_t>{} : place_cuts(dst, r.dst, src, r.src, r.bytes);
       bool groupable = w.path == transfer_path::direct || w.path == transfer_path::peer || w.path == transfer_path::host;
       if (groupable && r.bytes <= I.cfg.xfer_batch_small && cuts.empty()) {
+        device* const peer_dst = w.path == transfer_path::peer ? ddev : nullptr;
         auto g = std::find_if(open_groups.begin(), open_groups.end(), [&](const group& x) {
-          return x.dev == w.dev && x.peer_dst == w.peer_dst && x.path == w.path && x.to_device == w.to_device;
+          return x.dev == w.dev && x.peer_dst == peer_dst && x.path == w.path && x.to_device == w.to_device;
         });
         if (g == open_groups.end() || g->bytes + r.bytes > group_cap) {
           if (g == open_groups.end())
-            g = open_groups.insert(open_groups.end(), {w.dev, w.peer_dst, w.path, w.to_device, 0, 0});
+            g = open_groups.insert(open_groups.end(), {w.dev, peer_dst, w.path, w.to_device, 0, 0});
           items.push_back(std::move(w));
           g->item = items.size() - 1;
           g->bytes = 0;
@@ -798,7 +797,6 @@ transfer_batch transfer_engine::submit_to(impl& I, std::span<const transfer_requ
         c.path = w.path;
         c.dev = w.dev;
         c.dev2 = w.dev2;
-        c.peer_dst = w.peer_dst;
         c.to_device = w.to_device;
         c.pool = w.pool;
         c.hold = w.hold;
