@@ -8,11 +8,28 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
+#include <atomic>
 #include <chrono>
+#include <mutex>
 
 namespace ferry {
 
 namespace {
+// This process's id, as of the last fork: every call into a runtime checks that it runs in the
+// process that made it, and getpid() is a system call each time (glibc keeps no copy), which a
+// small copy's caller would pay on every call. A fork's child handler sets it anew.
+std::atomic<long> this_pid{0};
+long current_pid() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    this_pid.store(::getpid(), std::memory_order_relaxed);
+    ::pthread_atfork(nullptr, nullptr, [] { this_pid.store(::getpid(), std::memory_order_relaxed); });
+  });
+  return this_pid.load(std::memory_order_relaxed);
+}
+
 // FERRY_LOG=debug says what a process's first call paid to make each part (docs/design/python.md, cold start).
 template <class F>
 void timed(const char* what, F&& make) {
@@ -25,7 +42,7 @@ void timed(const char* what, F&& make) {
 
 runtime::runtime() : runtime(settings::from_env()) {}
 
-runtime::runtime(settings s) : pid_(::getpid()), devices_((set_log_level(s.log), std::move(s))) {
+runtime::runtime(settings s) : pid_(current_pid()), devices_((set_log_level(s.log), std::move(s))) {
   // Connections are made on the first open; the client then classifies memory through this
   // runtime's cache and stages GPU/sim data through its engine.
   ferry_files_ = store::register_ferry_files([this] { return store::client_options_from(config(), &registrations(), &engine()); });
@@ -34,7 +51,7 @@ runtime::runtime(settings s) : pid_(::getpid()), devices_((set_log_level(s.log),
 
 // The engine first (its workers hold streams), then the cache (pools hold registrations), then devices.
 runtime::~runtime() {
-  if (pid_ != ::getpid()) {  // a forked child's copy: its threads are not here to be ended
+  if (pid_ != current_pid()) {  // a forked child's copy: its threads are not here to be ended
     new scheme_registration(std::move(ferry_files_));
     new store::http_registration(std::move(http_files_));
     (void)files_.release();
@@ -52,7 +69,7 @@ runtime::~runtime() {
 }
 
 void runtime::check_process(const char* part) const {
-  if (pid_ != ::getpid())
+  if (pid_ != current_pid())
     fail(errc::invalid_argument, "runtime", fmt::format("{} of the runtime of process {}", part, pid_),
          fmt::format("this process ({}) was forked from the one that made the runtime, and its threads did not come along; "
                      "make a runtime in this process",

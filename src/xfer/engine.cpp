@@ -14,6 +14,7 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -74,6 +75,16 @@ struct work_item {
 };
 
 
+}  // namespace
+
+namespace {
+std::atomic<std::uint64_t> next_engine_serial{0};
+struct known_stream {  // a helper stream of the calling thread (transfer_engine::impl::known_helper)
+  std::uint64_t engine = 0;
+  device* dev = nullptr;
+  stream* s = nullptr;
+};
+thread_local std::array<known_stream, 4> t_known{};
 }  // namespace
 
 struct transfer_engine::impl {
@@ -251,9 +262,22 @@ struct transfer_engine::impl {
     return false;
   }
 
-  // Streams of threads that help (callers in wait()), per thread and device.
+  // Streams of threads that help (callers in wait()), per thread and device; kept for the engine's life.
   std::mutex helper_mu;
   std::map<std::pair<std::thread::id, device*>, std::unique_ptr<stream>> helper_streams;
+  // The calling thread's last few of them, without the lock: a caller of single copies looks its
+  // stream up twice per copy. Keyed by the engine's serial number, never its address (an engine made
+  // where a destroyed one was must not find the old one's streams).
+  const std::uint64_t serial = next_engine_serial.fetch_add(1) + 1;
+  stream* known_helper(device* d) const noexcept {
+    for (const known_stream& k : t_known)
+      if (k.engine == serial && k.dev == d) return k.s;
+    return nullptr;
+  }
+  void remember_helper(device* d, stream* s) noexcept {
+    std::move_backward(t_known.begin(), t_known.end() - 1, t_known.end());
+    t_known[0] = {serial, d, s};
+  }
 
   // Runs queued items of batch `b` on the calling thread: for small batches this saves the wake-up
   // of a worker and of the waiter. Returns when none of b's items is left in the queue, or when this
@@ -285,6 +309,7 @@ struct transfer_engine::impl {
   // would otherwise leave a stream each behind; past the bound their work goes to the workers). The
   // streams are made here, under the same lock as the count, so racing callers cannot pass the bound.
   bool may_run_here(const work_item& w) {
+    if ((!w.dev || known_helper(w.dev)) && (!w.dev2 || known_helper(w.dev2))) return true;
     std::lock_guard l(helper_mu);
     auto me = std::this_thread::get_id();
     std::size_t missing = 0;
@@ -307,8 +332,11 @@ struct transfer_engine::impl {
   // may_run_here, which every caller asks first).
   void run_here(work_item& w) {
     auto stream_of = [&](device* d) -> stream& {
+      if (stream* s = known_helper(d)) return *s;
       std::lock_guard l(helper_mu);
-      return *helper_streams.at({std::this_thread::get_id(), d});
+      stream& s = *helper_streams.at({std::this_thread::get_id(), d});
+      remember_helper(d, &s);
+      return s;
     };
     run(w, stream_of);
     w.b->item_done();
