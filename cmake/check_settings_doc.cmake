@@ -1,4 +1,4 @@
-# Keeps docs/settings.md equal to the settings table compiled into ferry.
+# Keeps docs/settings.md equal to the settings tables compiled into ferry (every layer's, as `ferry info --settings` prints them).
 #   cmake -DFERRY=<ferry binary> -DDOC=docs/settings.md [-DWRITE=1] -P cmake/check_settings_doc.cmake
 execute_process(COMMAND ${CMAKE_COMMAND} -E env --unset=FERRY_CONFIG ${FERRY} info --settings --json
   OUTPUT_VARIABLE out RESULT_VARIABLE rc)
@@ -7,7 +7,7 @@ if(NOT rc EQUAL 0)
 endif()
 string(JSON n LENGTH "${out}" settings)
 math(EXPR last "${n} - 1")
-set(doc "# ferry settings\n\nGenerated from the settings table (`src/core/settings.cpp`) by\n`cmake -DFERRY=build/tools/ferry/ferry -DDOC=docs/settings.md -DWRITE=1 -P cmake/check_settings_doc.cmake`;\na test fails when this file and the table disagree. `ferry info --settings` prints the same with current values.\n\nEvery setting is an environment variable. `FERRY_CONFIG=path` names an optional file of `NAME = value` lines\n(`#` starts a comment) read first; the environment overrides it. A bad value is an error naming the variable,\nthe value and where it came from; an unknown name in the file is an error, an unknown `FERRY_*` environment\nvariable a warning.\n\n| variable | default | meaning |\n|---|---|---|\n")
+set(doc "# ferry settings\n\nGenerated from the layers' settings tables (`src/<layer>/settings.cpp`, in layer order) by\n`cmake -DFERRY=build/tools/ferry/ferry -DDOC=docs/settings.md -DWRITE=1 -P cmake/check_settings_doc.cmake`;\na test fails when this file and the tables disagree. `ferry info --settings` prints the same with current values.\n\nEvery setting is an environment variable. `FERRY_CONFIG=path` names an optional file of `NAME = value` lines\n(`#` starts a comment) read first; the environment overrides it. A bad value is an error naming the variable,\nthe value and where it came from; an unknown name in the file is an error, an unknown `FERRY_*` environment\nvariable a warning.\n\n| variable | default | meaning |\n|---|---|---|\n")
 foreach(i RANGE ${last})
   string(JSON name GET "${out}" settings ${i} name)
   string(JSON def GET "${out}" settings ${i} default)
@@ -21,6 +21,6 @@ if(WRITE)
 else()
   file(READ ${DOC} have)
   if(NOT have STREQUAL doc)
-    message(FATAL_ERROR "${DOC} is out of date with the settings table; regenerate it with -DWRITE=1 (see its header)")
+    message(FATAL_ERROR "${DOC} is out of date with the settings tables; regenerate it with -DWRITE=1 (see its header)")
   endif()
 endif()

@@ -42,7 +42,7 @@ void timed(const char* what, F&& make) {
 
 runtime::runtime() : runtime(settings::from_env()) {}
 
-runtime::runtime(settings s) : pid_(current_pid()), devices_((set_log_level(s.log), std::move(s))) {
+runtime::runtime(settings s) : pid_(current_pid()), config_((set_log_level(s.log), std::move(s))), devices_(config_) {
   // Connections are made on the first open; the client then classifies memory through this
   // runtime's cache and stages GPU/sim data through its engine.
   ferry_files_ = store::register_ferry_files([this] { return store::client_options_from(config(), &registrations(), &engine()); });

@@ -7,10 +7,10 @@
 // come along into a forked child, where registrations(), engine() and files() throw (make a runtime
 // there) and its end leaves its parts as they are (ending them would wait for those threads).
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/device/registry.hpp>
 #include <ferry/io/file_engine.hpp>
 #include <ferry/mem/registration.hpp>
+#include <ferry/settings.hpp>
 #include <ferry/store/http.hpp>
 #include <ferry/xfer/engine.hpp>
 
@@ -26,7 +26,7 @@ class FERRY_API runtime {
   explicit runtime(settings s);
   ~runtime();
 
-  const settings& config() const noexcept { return devices_.config(); }
+  const settings& config() const noexcept { return config_; }
   device_registry& devices() noexcept { return devices_; }
   // Pointer classification and DMA registrations: clients for CUDA memory (when a driver is
   // present), sim devices and host memory, in that order.
@@ -37,6 +37,7 @@ class FERRY_API runtime {
  private:
   void check_process(const char* part) const;  // throws in a process forked from the one that made it
   long pid_;
+  settings config_;
   device_registry devices_;
   std::once_flag mem_once_, engine_once_, files_once_;
   std::vector<std::unique_ptr<peer_memory_client>> clients_;

@@ -1,5 +1,4 @@
 #include <ferry/core/error.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/core/units.hpp>
 
 #include <fmt/format.h>
@@ -9,32 +8,7 @@
 #include <charconv>
 #include <limits>
 
-#include <thread>
-
 namespace ferry {
-
-int default_xfer_threads() noexcept {
-  // Staged copies are bound by CPU memcpy: half the cores, between 2 and 16.
-  unsigned n = std::thread::hardware_concurrency();
-  return static_cast<int>(std::clamp(n / 2, 2u, 16u));
-}
-
-int default_http_threads() noexcept {
-  // Each libcurl thread receives and copies its connections' bytes, so one is bound by one core: half
-  // the cores, 1..16 (docs/design/remote-sources.md).
-  unsigned n = std::thread::hardware_concurrency();
-  return static_cast<int>(std::clamp(n / 2, 1u, 16u));
-}
-
-int default_io_threads() noexcept {
-  // A buffered read that hits the page cache is a copy by the CPU, made on an io thread or by its
-  // ring's io-wq worker, which runs a burst of such copies one after another (it adds a worker only
-  // when one sleeps): copies run in parallel across threads only. Three quarters of the cores: the
-  // threads that feed the engine (a server's progress threads, a GPU proxy's, the caller's own)
-  // keep the rest. Between 2 and 16.
-  unsigned n = std::thread::hardware_concurrency();
-  return static_cast<int>(std::clamp(n * 3 / 4, 2u, 16u));
-}
 
 namespace {
 

@@ -13,7 +13,7 @@
 
 namespace ferry {
 
-device_registry::device_registry(settings s) : settings_(std::move(s)) {
+device_registry::device_registry(device_settings s) : settings_(std::move(s)) {
   sim_.resize(static_cast<std::size_t>(settings_.sim_devices));
 }
 

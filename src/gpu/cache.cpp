@@ -19,7 +19,7 @@
 
 namespace ferry::gpu {
 
-cache_options cache_options::from(const settings& s) {
+cache_options cache_options::from(const gpu_settings& s) {
   cache_options o;
   o.bytes = s.gpu_cache_bytes;
   o.page_bytes = s.gpu_cache_page;

@@ -22,7 +22,7 @@
 
 namespace ferry::gpu {
 
-proxy_options proxy_options::from(const settings& s) {
+proxy_options proxy_options::from(const gpu_settings& s) {
   proxy_options o;
   o.slots = s.gpu_ring_slots;
   o.rings = s.gpu_proxy_rings;

@@ -28,13 +28,13 @@ struct backend::api {
 
 bool nvidia_fs_loaded() { return ::access("/sys/module/nvidia_fs", F_OK) == 0 || ::access("/proc/driver/nvidia-fs", F_OK) == 0; }
 
-backend::backend(const settings& s) : lib_(s.cufile_library), driver_(s.cuda_driver) {
+backend::backend(const io_settings& s, const std::string& cuda_driver) : lib_(s.cufile_library), driver_(cuda_driver) {
 #ifdef FERRY_HAVE_CUDA
   if (s.file_backend == file_backend_kind::automatic && !nvidia_fs_loaded()) {
     why_ = "the nvidia-fs driver is not loaded, so cuFile could only run in compatibility mode (FERRY_FILE_BACKEND=cufile uses it anyway)";
     return;
   }
-  const cuda::driver_status& st = cuda::load(s.cuda_driver);
+  const cuda::driver_status& st = cuda::load(cuda_driver);
   if (!st.api) {
     why_ = "no CUDA driver: " + st.reason;
     return;

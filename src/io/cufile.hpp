@@ -2,9 +2,9 @@
 // GPUDirect Storage through cuFile, loaded at run time (no link dependency). Used for file <-> CUDA
 // device memory when the library loads, the driver opens, the file's handle registers and the first
 // read works; otherwise the file engine uses io_uring and says why.
-#include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
 #include <ferry/io/file.hpp>
+#include <ferry/io/settings.hpp>
 
 #include <functional>
 #include <map>
@@ -35,7 +35,8 @@ bool nvidia_fs_loaded();
 
 class backend {
  public:
-  explicit backend(const settings& s);
+  // `cuda_driver`: the CUDA driver library the device layer loads (FERRY_CUDA_DRIVER).
+  backend(const io_settings& s, const std::string& cuda_driver);
   ~backend();
   // Registers f's handle on first use; false (with why) when cuFile cannot serve this file. A file
   // system on which registration failed once is not tried again (the verdict is kept per st_dev).

@@ -6,7 +6,7 @@ namespace ferry {
 
 // ---- public ---------------------------------------------------------------------------------
 
-file_engine::file_engine(transfer_engine& x, device_registry& d, registration_cache& c, const settings& s)
+file_engine::file_engine(transfer_engine& x, device_registry& d, registration_cache& c, const io_settings& s)
     : impl_(std::make_unique<impl>(x, d, c, s)) {}
 file_engine::~file_engine() = default;
 ferry::stats& file_engine::counters() noexcept { return impl_->st; }
@@ -51,7 +51,7 @@ namespace {
 // range they cost one I/O and one batch of device copies instead of one of each per tensor. (Not
 // under FERRY_FILE_BACKEND=cufile, where each request must go through cuFile.) A group fails as a
 // whole: an I/O or device copy that fails fails every member.
-bool joins(const settings& cfg, const job& prev, const job& j) {
+bool joins(const io_settings& cfg, const job& prev, const job& j) {
   const std::uint64_t small = std::min(cfg.io_chunk, cfg.staging_bytes) / 4;
   const std::uint64_t most = std::min(cfg.io_chunk, cfg.staging_bytes) - 2 * 8192;
   return cfg.file_backend != file_backend_kind::cufile && !j.r.write && !prev.r.write && j.dev && j.dev == prev.dev &&

@@ -77,7 +77,7 @@ inline double cached_fraction(int fd, std::uint64_t off, std::uint64_t len) {
 
 // Whether a read of [off, off + len) goes around the page cache: FERRY_IO_DIRECT, and in automatic
 // mode whether the range is cached (bypassing a warm page cache is slower than copying from it).
-inline bool reads_direct(const settings& cfg, file& f, std::uint64_t off, std::uint64_t len) {
+inline bool reads_direct(const io_settings& cfg, file& f, std::uint64_t off, std::uint64_t len) {
   if (cfg.io_direct == direct_io::never || f.direct_fd() < 0) return false;
   return cfg.io_direct == direct_io::always || cached_fraction(f.fd(), off, len) < 0.9;
 }
@@ -211,7 +211,7 @@ struct file_engine::impl {
   transfer_engine& xfer;
   device_registry& devices;
   registration_cache& cache;
-  settings cfg;
+  io_settings cfg;
   ferry::stats st;
   // The counters every request touches, looked up once (a lookup takes the set's lock).
   counter &beside_others = st.get("requests.beside_others"), &reads_direct_n = st.get("reads.direct"),
@@ -240,7 +240,7 @@ struct file_engine::impl {
   std::unique_ptr<read_only_pins> mapped_pages;
 
   cufile::backend& cufile() {
-    std::call_once(cufile_once, [&] { cufile_ = std::make_unique<cufile::backend>(cfg); });
+    std::call_once(cufile_once, [&] { cufile_ = std::make_unique<cufile::backend>(cfg, devices.config().cuda_driver); });
     return *cufile_;
   }
   // cuFile for this job? (CUDA memory, backend not io_uring, and cuFile can serve the file)
@@ -255,7 +255,7 @@ struct file_engine::impl {
     return false;
   }
 
-  impl(transfer_engine& x, device_registry& d, registration_cache& c, const settings& s);
+  impl(transfer_engine& x, device_registry& d, registration_cache& c, const io_settings& s);
   ~impl();
 
   // ---- a worker: one ring, FERRY_IO_DEPTH slots shared by the requests it runs at once ----------

@@ -52,7 +52,7 @@ using cufile_error = cufile::cu_error;
 using cufile_descr = cufile::cu_descr;
 using cufile_handle = void*;
 
-capability probe_cufile(const settings& s, bool cuda_available, const std::string& path) {
+capability probe_cufile(const io_settings& s, bool cuda_available, const std::string& path) {
   capability c;
   c.name = "cufile";
   void* h = ::dlopen(s.cufile_library.c_str(), RTLD_NOW | RTLD_LOCAL);

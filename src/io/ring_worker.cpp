@@ -4,11 +4,11 @@
 
 namespace ferry {
 
-file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cache& c, const settings& s)
+file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cache& c, const io_settings& s)
     : xfer(x), devices(d), cache(c), cfg(s) {
   inject_partial = s.io_inject.find("partial") != std::string::npos;
   inject_eintr = s.io_inject.find("eintr") != std::string::npos;
-  if (s.io_mapped) mapped_pages = read_only_pins::make(s.cuda_driver);
+  if (s.io_mapped) mapped_pages = read_only_pins::make(d.config().cuda_driver);
   const int n = s.io_threads > 0 ? s.io_threads : default_io_threads();
   workers.resize(static_cast<std::size_t>(n));
   // Two at first (one if that is all there may be): a first small read needs no more. The first

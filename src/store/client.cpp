@@ -803,7 +803,7 @@ std::string read_secret_file(const std::string& path) {
   return s;
 }
 
-client_options client_options_from(const settings& s, registration_cache* cache, transfer_engine* engine) {
+client_options client_options_from(const store_settings& s, registration_cache* cache, transfer_engine* engine) {
   client_options o;
   o.timeout = s.deadline;
   if (!s.secret_file.empty()) o.secret = read_secret_file(s.secret_file);

@@ -31,7 +31,7 @@
 
 namespace ferry::store {
 
-http_options http_options_from(const settings& s, registration_cache* cache, transfer_engine* engine) {
+http_options http_options_from(const store_settings& s, registration_cache* cache, transfer_engine* engine) {
   http_options o;
   o.cache = cache;
   o.engine = engine;

@@ -1148,7 +1148,7 @@ std::uint64_t address_space::resident(const device& d) const {
   fail(errc::invalid_argument, "vm.space", d.id(), "not a device of this address space (" + impl_->device_list() + ")");
 }
 
-space_options space_options::from(const settings& s) {
+space_options space_options::from(const vm_settings& s) {
   space_options o;
   o.device_capacity = s.vm_capacity;
   o.reserve = s.vm_reserve;

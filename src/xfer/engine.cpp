@@ -90,7 +90,7 @@ thread_local std::array<known_stream, 4> t_known{};
 struct transfer_engine::impl {
   device_registry& devices;
   registration_cache& cache;
-  settings cfg;
+  xfer_settings cfg;
   ferry::stats st;
   int nworkers;  // the most workers; they are made as the queue asks for them (grow)
   std::mutex mu;
@@ -121,7 +121,7 @@ struct transfer_engine::impl {
   counter& c_on_caller = st.get("copies_on_caller");
   counter& c_made = st.get("workers.made");
   counter& c_cut = st.get("copies.cut_at_place");  // unified memory: pieces a place boundary cut short
-  impl(device_registry& d, registration_cache& c, const settings& s) : devices(d), cache(c), cfg(s) {
+  impl(device_registry& d, registration_cache& c, const xfer_settings& s) : devices(d), cache(c), cfg(s) {
     for (int p = 0; p <= static_cast<int>(transfer_path::host); ++p)
       path_count[p] = &st.get(fmt::format("path.{}", to_string(static_cast<transfer_path>(p))));
     nworkers = s.xfer_threads > 0 ? s.xfer_threads : default_xfer_threads();
@@ -627,7 +627,7 @@ transfer_batch make_batch(std::shared_ptr<transfer_batch::state> s) {
 
 // ---- engine -----------------------------------------------------------------------------------
 
-transfer_engine::transfer_engine(device_registry& devices, registration_cache& cache, const settings& s)
+transfer_engine::transfer_engine(device_registry& devices, registration_cache& cache, const xfer_settings& s)
     : impl_(std::make_unique<impl>(devices, cache, s)) {}
 transfer_engine::~transfer_engine() = default;
 ferry::stats& transfer_engine::counters() noexcept { return impl_->st; }

@@ -1,5 +1,5 @@
 #include <ferry/core/error.hpp>
-#include <ferry/core/settings.hpp>
+#include <ferry/settings.hpp>
 
 #include "support/env.hpp"
 
@@ -9,6 +9,9 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <set>
+#include <utility>
+#include <vector>
 
 using namespace ferry;
 using ::testing::HasSubstr;
@@ -127,4 +130,41 @@ TEST(Settings, FromProcessEnvironment) {
 TEST(Settings, UnknownNameInSetIsAnError) {
   settings s;
   EXPECT_THROW(s.set("FERRY_NOPE", "1"), error);
+}
+
+// Each layer owns its rows; the snapshot lists the layers' tables in layer order, core first, each name once.
+TEST(Settings, LayersTablesInLayerOrder) {
+  std::vector<std::string_view> want;
+  auto add = [&](auto rows) {
+    for (auto& r : rows) want.push_back(r.name);
+  };
+  add(core_settings::table());
+  add(mem_settings::table());
+  add(device_settings::table());
+  add(xfer_settings::table());
+  add(vm_settings::table());
+  add(io_settings::table());
+  add(store_settings::table());
+  add(gpu_settings::table());
+  EXPECT_EQ(settings::names(), want);
+  EXPECT_EQ(std::set<std::string_view>(want.begin(), want.end()).size(), want.size());
+}
+
+// A layer's struct taken from a snapshot sees the one core and mem part every layer shares, and keeps
+// it when copied; moving a snapshot keeps every value.
+TEST(Settings, LayerStructsShareCoreAndMem) {
+  settings s = settings::load(env_of({{"FERRY_DEADLINE", "45s"}, {"FERRY_STAGING_BYTES", "1MiB"}, {"FERRY_CUDA_DRIVER", "x.so"}}));
+  const io_settings& io = s;
+  const xfer_settings& xfer = s;
+  const gpu_settings& gpu = s;
+  EXPECT_EQ(io.deadline, std::chrono::seconds(45));
+  EXPECT_EQ(gpu.deadline, std::chrono::seconds(45));
+  EXPECT_EQ(io.staging_bytes, 1u << 20);
+  EXPECT_EQ(xfer.staging_bytes, 1u << 20);
+  const io_settings copy = s;
+  EXPECT_EQ(copy.deadline, std::chrono::seconds(45));
+  settings t;
+  t = std::move(s);
+  EXPECT_EQ(t.cuda_driver, "x.so");
+  EXPECT_EQ(t.deadline, std::chrono::seconds(45));
 }

@@ -3,6 +3,7 @@
 //   ferry_device_conformance --backend=cuda   (label "gpu"; exits 77 = skipped when no GPU is usable)
 #include <ferry/core/checksum.hpp>
 #include <ferry/device/registry.hpp>
+#include <ferry/settings.hpp>
 
 #include "support/errors.hpp"
 

@@ -2,6 +2,7 @@
 // (capacity, CPU faults on device memory, bad host pointers, slow engines and deadlines).
 #include <ferry/core/checksum.hpp>
 #include <ferry/device/registry.hpp>
+#include <ferry/settings.hpp>
 
 #include "support/errors.hpp"
 

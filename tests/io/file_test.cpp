@@ -29,7 +29,7 @@ using ::testing::HasSubstr;
 
 namespace {
 
-settings io_settings(direct_io direct = direct_io::automatic) {
+settings file_settings(direct_io direct = direct_io::automatic) {
   settings s;
   s.backend = backend_choice::sim;
   s.sim_capacity = 64ull << 20;
@@ -84,7 +84,7 @@ bool kernel_registers_files() {
 class FileRead : public ::testing::TestWithParam<direct_io> {};
 
 TEST_P(FileRead, EveryAlignmentOfOffsetLengthAndBufferIntoHostAndSim) {
-  runtime rt(io_settings(GetParam()));
+  runtime rt(file_settings(GetParam()));
   std::string p = temp_path("matrix");
   auto data = random_bytes(1 << 20, 1);
   write_file(p, data);
@@ -118,7 +118,7 @@ TEST_P(FileRead, EveryAlignmentOfOffsetLengthAndBufferIntoHostAndSim) {
 // A buffered read into host memory stops at the end of the file: the bytes after it in the caller's
 // buffer stay as they were.
 TEST(File, InPlaceReadAtEndOfFileWritesNothingPastIt) {
-  runtime rt(io_settings(direct_io::never));
+  runtime rt(file_settings(direct_io::never));
   std::string p = temp_path("eof-in-place");
   auto data = random_bytes(10000, 12);
   write_file(p, data);
@@ -185,7 +185,7 @@ TEST(File, CachedFractionOfALargeRangeIsEstimatedFromWindows) {
 // and a range partly there it finishes through the page cache. Either way the bytes are the file's,
 // at every alignment, into host memory and a device.
 TEST(File, SmallReadsTheCacheLacksAreReadDirectlyOrFinishedBuffered) {
-  runtime rt(io_settings(direct_io::automatic));
+  runtime rt(file_settings(direct_io::automatic));
   std::string p = temp_path("cold");
   auto data = random_bytes(1 << 20, 21);
   write_file(p, data);
@@ -253,7 +253,7 @@ TEST(File, SmallReadsTheCacheLacksAreReadDirectlyOrFinishedBuffered) {
 }
 
 TEST(File, ShortReadAtEndOfFileNeverGarbage) {
-  runtime rt(io_settings(direct_io::always));
+  runtime rt(file_settings(direct_io::always));
   std::string p = temp_path("eof");
   auto data = random_bytes(10000, 2);
   write_file(p, data);
@@ -266,7 +266,7 @@ TEST(File, ShortReadAtEndOfFileNeverGarbage) {
 }
 
 TEST(File, PartialCompletionsAndEintrAreRetried) {
-  settings s = io_settings(direct_io::never);
+  settings s = file_settings(direct_io::never);
   s.io_inject = "partial,eintr";
   runtime rt(s);
   std::string p = temp_path("inject");
@@ -287,7 +287,7 @@ TEST(File, PartialCompletionsAndEintrAreRetried) {
 }
 
 TEST(File, WriteThenReadRoundTripsThroughHostAndSim) {
-  runtime rt(io_settings());
+  runtime rt(file_settings());
   auto data = random_bytes((3 << 20) + 777, 4);
   auto f = file::open(temp_path("rw"), open_mode::create);
   // Unaligned offset so head and tail take the buffered path and the middle O_DIRECT.
@@ -309,7 +309,7 @@ TEST(File, WriteThenReadRoundTripsThroughHostAndSim) {
 }
 
 TEST(File, SparseFilesBeyondFourGiB) {
-  runtime rt(io_settings());
+  runtime rt(file_settings());
   auto f = file::open(temp_path("sparse"), open_mode::create);
   const std::uint64_t off = (5ull << 30) + 12345;
   auto data = random_bytes(200000, 5);
@@ -325,7 +325,7 @@ TEST(File, SparseFilesBeyondFourGiB) {
 }
 
 TEST(File, TruncatedWhileReadingIsAnErrorNotAHang) {
-  settings s = io_settings(direct_io::never);
+  settings s = file_settings(direct_io::never);
   s.io_depth = 2;
   s.sim_copy_gbps = 0.02;  // slow device copies keep the pipeline waiting
   runtime rt(s);
@@ -353,7 +353,7 @@ TEST(File, TruncatedWhileReadingIsAnErrorNotAHang) {
 
 TEST(File, RemovedWhileReadingStillReadsTheOpenFile) {
   // POSIX: an open file outlives its name; the read completes with the right data, no hang.
-  runtime rt(io_settings());
+  runtime rt(file_settings());
   std::string p = temp_path("removed");
   auto data = random_bytes(4 << 20, 7);
   write_file(p, data);
@@ -367,7 +367,7 @@ TEST(File, RemovedWhileReadingStillReadsTheOpenFile) {
 }
 
 TEST(File, ClearErrorsNamingThePath) {
-  runtime rt(io_settings());
+  runtime rt(file_settings());
   EXPECT_THAT(test::error_text([] { file::open("/nonexistent/dir/weights.bin", open_mode::read); }),
               HasSubstr("file.open /nonexistent/dir/weights.bin: cannot open for reading: No such file or directory"));
   EXPECT_THAT(test::error_text([] { file::open(::testing::TempDir(), open_mode::read); }), HasSubstr("is a directory"));
@@ -400,7 +400,7 @@ TEST(File, ClearErrorsNamingThePath) {
 // One worker runs several requests at once: a request queued behind a large one starts beside it
 // (slots are shared round-robin), it does not wait for it to end.
 TEST(File, OneWorkerRunsSeveralRequestsAtOnce) {
-  settings s = io_settings();
+  settings s = file_settings();
   s.io_threads = 1;
   s.io_direct = direct_io::never;
   runtime rt(s);
@@ -439,7 +439,7 @@ void make_workers(runtime& rt, const std::shared_ptr<file>& f, int n, int depth)
 }
 
 TEST(File, WorkersAreMadeAsTheWorkAsksForThem) {
-  settings s = io_settings();
+  settings s = file_settings();
   s.io_threads = 8;
   s.io_depth = 256;  // here only the bytes of a batch ask for workers
   s.io_direct = direct_io::never;
@@ -466,7 +466,7 @@ TEST(File, WorkersAreMadeAsTheWorkAsksForThem) {
 
 // Many requests at once ask for a worker per FERRY_IO_DEPTH of them, up to FERRY_IO_THREADS.
 TEST(File, ManyRequestsMakeAWorkerPerQueueDepth) {
-  settings s = io_settings();
+  settings s = file_settings();
   s.io_threads = 8;
   s.io_depth = 2;
   s.io_direct = direct_io::never;
@@ -487,7 +487,7 @@ TEST(File, ManyRequestsMakeAWorkerPerQueueDepth) {
 // Requests that come together go to different workers (a ring's kernel threads would copy a burst
 // of page-cache reads one after another): with four workers, four requests run one per worker.
 TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
-  settings s = io_settings();
+  settings s = file_settings();
   s.io_threads = 4;
   s.io_direct = direct_io::never;
   s.io_chunk = 1 << 20;  // one I/O each: not cut into pieces
@@ -513,7 +513,7 @@ TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
 // destination, one copy per piece), into device memory an I/O chunk (each I/O takes a staging
 // buffer); with inlining off, an I/O chunk for both.
 TEST(File, ASmallPageCacheReadIsCutInPiecesOfTheInlineSize) {
-  settings s = io_settings(direct_io::never);
+  settings s = file_settings(direct_io::never);
   s.io_threads = 4;
   s.io_chunk = 8ull << 20;
   std::string p = temp_path("inline-pieces");
@@ -550,7 +550,7 @@ TEST(File, ASmallPageCacheReadIsCutInPiecesOfTheInlineSize) {
 // file, nothing past it), whatever the alignment of its offset, length and memory.
 TEST(File, AdjacentSmallReadsIntoADeviceAreReadTogether) {
   for (direct_io direct : {direct_io::never, direct_io::always}) {
-    runtime rt(io_settings(direct));
+    runtime rt(file_settings(direct));
     std::string p = temp_path("grouped");
     auto data = random_bytes(256 << 10, 31);
     write_file(p, data);
@@ -604,7 +604,7 @@ TEST(File, AdjacentSmallReadsIntoADeviceAreReadTogether) {
 // worker: the pieces are equal (whole pages), not whole numbers of an aligned unit, which would have
 // left half the workers idle.
 TEST(File, ALoneReadIntoADeviceRunsOnEveryWorker) {
-  settings s = io_settings(direct_io::never);
+  settings s = file_settings(direct_io::never);
   s.io_threads = 6;
   s.io_chunk = 4ull << 20;
   s.io_inline = 1ull << 20;
@@ -622,7 +622,7 @@ TEST(File, ALoneReadIntoADeviceRunsOnEveryWorker) {
 // A read of many I/O chunks from the page cache is cut into pieces for several workers; the pieces
 // are one request: its bytes, its short read at the end of the file. Writes are not cut.
 TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
-  settings s = io_settings(direct_io::never);
+  settings s = file_settings(direct_io::never);
   s.io_threads = 4;
   runtime rt(s);
   std::string p = temp_path("pieces");
@@ -673,7 +673,7 @@ TEST(File, ALargeRequestIsCutIntoPiecesForSeveralWorkers) {
 
 // A batch without a handle: the completion comes once, with every result, bad requests included.
 TEST(File, ABatchWithoutAHandleReportsThroughItsCompletionOnce) {
-  runtime rt(io_settings());
+  runtime rt(file_settings());
   std::string p = temp_path("completion");
   auto data = random_bytes(300000, 9);
   write_file(p, data);
@@ -711,7 +711,7 @@ TEST(File, ABatchWithoutAHandleReportsThroughItsCompletionOnce) {
 // registered: more files than a worker keeps), and files replaced at their path (the new one may get
 // the old one's descriptor number, even its address), read each its own bytes.
 TEST_P(FileRead, FilesReadInTurnAndFilesReplacedAtTheirPathReadTheirOwnBytes) {
-  settings s = io_settings(GetParam());
+  settings s = file_settings(GetParam());
   s.io_threads = 1;
   runtime rt(s);
   constexpr int n = 48;  // more than a worker keeps registered
@@ -753,7 +753,7 @@ TEST_P(FileRead, FilesReadInTurnAndFilesReplacedAtTheirPathReadTheirOwnBytes) {
 // Registered descriptors let go while the worker runs (unused for a second) and when it has been
 // idle for a second: files read again afterwards read right.
 TEST(File, FilesReadAgainAfterTheirDescriptorsWereLetGoReadRight) {
-  settings s = io_settings(direct_io::never);
+  settings s = file_settings(direct_io::never);
   s.io_threads = 1;
   runtime rt(s);
   std::vector<std::shared_ptr<file>> f;
@@ -791,7 +791,7 @@ TEST(File, FilesReadAgainAfterTheirDescriptorsWereLetGoReadRight) {
 // looks its registered descriptor up when it runs it): a slot replaced or let go under an I/O would
 // read another file's bytes, or fail.
 TEST(File, ReadsInFlightKeepTheirRegisteredDescriptors) {
-  settings s = io_settings(direct_io::never);
+  settings s = file_settings(direct_io::never);
   s.io_threads = 1;
   s.io_depth = 16;
   s.io_chunk = 64 << 10;
@@ -829,7 +829,7 @@ TEST(File, ReadsInFlightKeepTheirRegisteredDescriptors) {
 
 // A descriptor opened elsewhere: regular files are read through the engine, others refused by name.
 TEST(File, AnAdoptedDescriptorIsReadLikeAnOpenedFile) {
-  runtime rt(io_settings());
+  runtime rt(file_settings());
   std::string p = temp_path("adopted");
   auto data = random_bytes(200000, 10);
   write_file(p, data);
@@ -874,7 +874,7 @@ class stalled_source final : public file_source {
 // cancel() ends a remote file's requests under way (its source sees the batch's deadline passed),
 // so a batch over a stalled server ends at once, not at its deadline; wait(t) returns at t meanwhile.
 TEST(File, CancelEndsRemoteRequestsUnderWay) {
-  runtime rt(io_settings());
+  runtime rt(file_settings());
   auto reg = register_file_scheme("stalled", [](const std::string&, open_mode) { return std::make_shared<stalled_source>(); });
   auto f = file::open("stalled://x", open_mode::read);
   std::vector<std::byte> buf(4096);
@@ -918,7 +918,7 @@ TEST(File, AForkedChildMakesARuntimeOfItsOwn) {
   std::vector<std::byte> data(1 << 20);
   for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::byte>(i * 7 + 3);
   { std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size())); }
-  auto parent = std::make_unique<runtime>(io_settings());
+  auto parent = std::make_unique<runtime>(file_settings());
   std::vector<std::byte> got(data.size());
   auto f = file::open(path.string(), open_mode::read);
   ASSERT_EQ(parent->files().read(*f, 0, got.data(), got.size()), got.size());  // its threads run now
@@ -934,7 +934,7 @@ TEST(File, AForkedChildMakesARuntimeOfItsOwn) {
     }
     parent.reset();  // must neither wait for the parent's threads nor terminate
     {
-      runtime mine(io_settings());
+      runtime mine(file_settings());
       std::vector<std::byte> b(data.size());
       if (mine.files().read(*f, 0, b.data(), b.size()) != b.size() || b != data) code = code ? code : 3;
     }

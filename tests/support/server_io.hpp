@@ -4,6 +4,7 @@
 // not register ferry:// for the tests' own clients. CPU only: servers read and write host memory.
 #include <ferry/io/file_engine.hpp>
 #include <ferry/mem/registration.hpp>
+#include <ferry/settings.hpp>
 #include <ferry/store/server.hpp>
 
 #include <chrono>

@@ -1,7 +1,7 @@
 #pragma once
 // Settings for a runtime on the simulated device: `capacity` bytes of device memory in chunks of
 // `granularity` (small chunks keep the tests quick; ferry's policies do not depend on the size).
-#include <ferry/core/settings.hpp>
+#include <ferry/settings.hpp>
 
 #include <cstdint>
 

@@ -2,6 +2,7 @@
 // keeps one value per physical copy and checks every hook call: copies only from existing copies,
 // mappings only to existing copies, never more pages on a device than its capacity.
 #include <ferry/vm/page_table.hpp>
+#include <ferry/settings.hpp>
 
 #include "support/errors.hpp"
 

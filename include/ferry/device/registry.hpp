@@ -5,8 +5,8 @@
 // first time a CUDA device or the CUDA status is asked for, so CPU-only work never pays for it.
 // Default device (FERRY_BACKEND): auto = gpu:0 when a driver and a GPU are present, else sim:0.
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
+#include <ferry/device/settings.hpp>
 
 #include <memory>
 #include <mutex>
@@ -33,7 +33,7 @@ struct peer_info {
 
 class FERRY_API device_registry {
  public:
-  explicit device_registry(settings s);
+  explicit device_registry(device_settings s);
   ~device_registry();
   device_registry(const device_registry&) = delete;
   device_registry& operator=(const device_registry&) = delete;
@@ -50,14 +50,14 @@ class FERRY_API device_registry {
   backend_status cuda_status();
   backend_status sim_status() const;
   peer_info peer(device& a, device& b);
-  const settings& config() const noexcept { return settings_; }
+  const device_settings& config() const noexcept { return settings_; }
   // Lets go of every device without ending it: in a process forked from the one that opened them,
   // whose threads and driver state stayed behind (the runtime's end there).
   void abandon() noexcept;
 
  private:
   device& lookup(device_kind kind, int index, std::string_view name);
-  settings settings_;
+  device_settings settings_;
   std::mutex mu_;
   std::vector<std::unique_ptr<device>> cuda_;
   std::vector<std::unique_ptr<device>> sim_;

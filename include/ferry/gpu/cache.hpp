@@ -9,10 +9,10 @@
 //   cudaStreamSynchronize(my_stream);
 //   c.check();                                 // throws what the kernel's failed accesses met
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
 #include <ferry/gpu/array.hpp>
 #include <ferry/gpu/proxy.hpp>
+#include <ferry/gpu/settings.hpp>
 #include <ferry/io/file.hpp>
 
 #include <chrono>
@@ -21,16 +21,16 @@
 namespace ferry::gpu {
 
 struct FERRY_API cache_options {
-  std::uint64_t bytes = settings::defaults().gpu_cache_bytes;      // frames, rounded down to whole pages
-  std::uint32_t page_bytes = settings::defaults().gpu_cache_page;  // a power of two, 4 KiB to 2 MiB
-  std::uint64_t landing_bytes = settings::defaults().gpu_cache_landing;  // pinned host memory pages pass through
+  std::uint64_t bytes = gpu_settings{}.gpu_cache_bytes;      // frames, rounded down to whole pages
+  std::uint32_t page_bytes = gpu_settings{}.gpu_cache_page;  // a power of two, 4 KiB to 2 MiB
+  std::uint64_t landing_bytes = gpu_settings{}.gpu_cache_landing;  // pinned host memory pages pass through
   std::uint32_t arrays = 256;                                      // how many ranges may be mapped
   // The longest a requester waits for each step: a slot, an answer, a frame. Longer than the proxy's
   // deadline per request (requests.deadline), so that a request the proxy gives up on is answered
   // (timed_out) before its requester stops waiting, and its landing slot is not retired.
-  std::chrono::nanoseconds wait = 2 * settings::defaults().deadline;
+  std::chrono::nanoseconds wait = 2 * core_settings{}.deadline;
   proxy_options requests;  // the ring, the proxy's deadline per request; by == host: host threads request
-  static cache_options from(const settings& s);
+  static cache_options from(const gpu_settings& s);
 };
 
 struct cache_stats {

@@ -6,9 +6,9 @@
 // fail as statuses in the kernel (the message stays here: errors()); every request has a deadline.
 // docs/design/gpu-access.md.
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
 #include <ferry/gpu/ring.hpp>
+#include <ferry/gpu/settings.hpp>
 #include <ferry/io/file_engine.hpp>
 
 #include <chrono>
@@ -24,12 +24,12 @@ namespace ferry::gpu {
 enum class requesters { device, host };
 
 struct FERRY_API proxy_options {
-  std::uint32_t slots = settings::defaults().gpu_ring_slots;  // per ring, a power of two
-  std::uint32_t rings = settings::defaults().gpu_proxy_rings;  // each with its own proxy thread
-  std::uint32_t batch = settings::defaults().gpu_proxy_batch;  // requests taken and served together, at most
+  std::uint32_t slots = gpu_settings{}.gpu_ring_slots;  // per ring, a power of two
+  std::uint32_t rings = gpu_settings{}.gpu_proxy_rings;  // each with its own proxy thread
+  std::uint32_t batch = gpu_settings{}.gpu_proxy_batch;  // requests taken and served together, at most
   requesters by = requesters::device;
-  std::chrono::nanoseconds deadline = settings::defaults().deadline;  // per request
-  static proxy_options from(const settings& s);
+  std::chrono::nanoseconds deadline = core_settings{}.deadline;  // per request
+  static proxy_options from(const gpu_settings& s);
 };
 
 struct proxy_stats {

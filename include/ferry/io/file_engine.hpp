@@ -4,8 +4,8 @@
 // semantics (transfer_batch: poll, wait with deadline, cancel, per-request results).
 // docs/design/file-engine.md has the decisions.
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/io/file.hpp>
+#include <ferry/io/settings.hpp>
 #include <ferry/xfer/engine.hpp>
 
 #include <memory>
@@ -32,7 +32,7 @@ struct file_backend_choice {
 
 class FERRY_API file_engine {
  public:
-  file_engine(transfer_engine& xfer, device_registry& devices, registration_cache& cache, const settings& s);
+  file_engine(transfer_engine& xfer, device_registry& devices, registration_cache& cache, const io_settings& s);
   ~file_engine();
   file_engine(const file_engine&) = delete;
   file_engine& operator=(const file_engine&) = delete;

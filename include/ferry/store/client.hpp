@@ -13,8 +13,8 @@
 // CUDA memory, pieces land in pinned host memory (the landing region, or the transfer engine's staging
 // buffers) and the engine copies them on; with a CUDA-capable UCX they go to the GPU directly.
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/net/protocol.hpp>
+#include <ferry/store/settings.hpp>
 
 #include <chrono>
 #include <functional>
@@ -39,24 +39,24 @@ struct client_options {
   // pointer is taken for host memory.
   registration_cache* cache = nullptr;
   transfer_engine* engine = nullptr;
-  std::uint64_t piece = settings::defaults().net_piece;      // bytes per wire request (FERRY_NET_PIECE)
-  std::uint64_t landing = settings::defaults().net_landing;  // the landing region lent to a same-host server (FERRY_NET_LANDING)
-  std::chrono::nanoseconds spin = settings::defaults().net_spin;
+  std::uint64_t piece = store_settings{}.net_piece;      // bytes per wire request (FERRY_NET_PIECE)
+  std::uint64_t landing = store_settings{}.net_landing;  // the landing region lent to a same-host server (FERRY_NET_LANDING)
+  std::chrono::nanoseconds spin = store_settings{}.net_spin;
   // After the server could not be reached, requests fail at once with that error this long
   // (FERRY_NET_RETRY_AFTER).
-  std::chrono::nanoseconds retry_after = settings::defaults().net_retry_after;
+  std::chrono::nanoseconds retry_after = store_settings{}.net_retry_after;
   // One connection attempt's wait for the server's welcome (FERRY_NET_CONNECT_TIMEOUT).
-  std::chrono::nanoseconds connect_timeout = settings::defaults().net_connect_timeout;
+  std::chrono::nanoseconds connect_timeout = store_settings{}.net_connect_timeout;
   // Connections (lanes) to the server, each with its own UCX worker and progress thread; pieces are
   // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
-  int lanes = settings::defaults().net_lanes;
+  int lanes = store_settings{}.net_lanes;
   // Lend a same-host server a shared-memory landing region (a sealed memfd): the server then reads
   // files straight into it and no data message is sent (FERRY_NET_MAP).
-  bool map = settings::defaults().net_map;
+  bool map = store_settings{}.net_map;
   // RMA for bulk data (FERRY_NET_RMA): "auto" when a lane has a transport with real RMA (verbs), "on"
   // always (UCX emulates it over tcp: for tests), "off" never. The client registers its memory for
   // the network through a registration cache of its own (cached, invalidated with the memory).
-  rma_use rma = settings::defaults().net_rma;
+  rma_use rma = store_settings{}.net_rma;
 };
 
 struct client_stats {
@@ -206,6 +206,6 @@ class FERRY_API client {
 };
 
 // Client options from settings (piece, landing region, spin, lanes, secret file) plus the runtime's cache and engine.
-FERRY_API client_options client_options_from(const settings& s, registration_cache* cache, transfer_engine* engine);
+FERRY_API client_options client_options_from(const store_settings& s, registration_cache* cache, transfer_engine* engine);
 
 }  // namespace ferry::store

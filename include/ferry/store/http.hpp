@@ -19,8 +19,8 @@
 // s3://bucket/key is such a request to the bucket's endpoint, signed (SigV4, by libcurl) with the
 // standard AWS environment or the shared credentials file; anonymous without either.
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/io/file_source.hpp>
+#include <ferry/store/settings.hpp>
 
 #include <chrono>
 #include <functional>
@@ -37,15 +37,15 @@ struct http_options {
   // Memory kinds and staging, as for the ferry:// client: without them every pointer is host memory.
   registration_cache* cache = nullptr;
   transfer_engine* engine = nullptr;
-  std::uint64_t piece = settings::defaults().http_piece;       // FERRY_HTTP_PIECE
-  int connections = settings::defaults().http_connections;     // FERRY_HTTP_CONNECTIONS
+  std::uint64_t piece = store_settings{}.http_piece;       // FERRY_HTTP_PIECE
+  int connections = store_settings{}.http_connections;     // FERRY_HTTP_CONNECTIONS
   int threads = 1;                                             // FERRY_HTTP_THREADS (resolved)
-  int retries = settings::defaults().http_retries;             // FERRY_HTTP_RETRIES
-  std::chrono::nanoseconds deadline = settings::defaults().deadline;  // no byte for this long: fail
-  std::string ca_file = settings::defaults().http_ca_file;     // FERRY_HTTP_CA_FILE
+  int retries = store_settings{}.http_retries;             // FERRY_HTTP_RETRIES
+  std::chrono::nanoseconds deadline = core_settings{}.deadline;  // no byte for this long: fail
+  std::string ca_file = store_settings{}.http_ca_file;     // FERRY_HTTP_CA_FILE
 };
 
-FERRY_API http_options http_options_from(const settings& s, registration_cache* cache, transfer_engine* engine);
+FERRY_API http_options http_options_from(const store_settings& s, registration_cache* cache, transfer_engine* engine);
 
 // Registers "http", "https" and "s3" with the file API; the options are taken on the first open.
 struct http_registration {

@@ -6,8 +6,8 @@
 // engine. Same-host clients lend memory the server reads files straight into.
 // docs/design/storage-service.md has the decisions.
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/net/protocol.hpp>
+#include <ferry/store/settings.hpp>
 
 #include <chrono>
 #include <memory>
@@ -30,21 +30,21 @@ struct server_options {
   std::uint32_t max_outstanding = 64;  // per connection (credits)
   std::uint64_t max_request = 1ull << 30;
   std::uint64_t chunk = 4ull << 20;    // bytes per data message (larger client data messages are refused)
-  int workers = settings::defaults().serve_workers;  // UCX workers (progress threads); clients spread their lanes over them
-  bool map = settings::defaults().net_map;           // serve regions lent by same-host clients directly
+  int workers = store_settings{}.serve_workers;  // UCX workers (progress threads); clients spread their lanes over them
+  bool map = store_settings{}.net_map;           // serve regions lent by same-host clients directly
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
   std::uint64_t max_write_buffer = 1ull << 30;  // write data buffered at once, all connections together
   std::uint64_t max_write_hint = 1ull << 40;    // the largest size an open write is given up front (sparse)
-  std::chrono::nanoseconds spin = settings::defaults().net_spin;  // progress back-off
+  std::chrono::nanoseconds spin = store_settings{}.net_spin;  // progress back-off
   std::chrono::nanoseconds fd_cache_ttl = std::chrono::seconds(1);  // open files reused at most this long
   // Connection limits (FERRY_SERVE_*): every resource a client can hold is bounded, and clients
   // that never complete their handshake cannot lock out one that does.
-  int max_connections = settings::defaults().serve_max_connections;
-  int max_unauthenticated = settings::defaults().serve_max_unauthenticated;
-  std::chrono::nanoseconds handshake_timeout = settings::defaults().serve_handshake_timeout;
-  std::chrono::nanoseconds idle_timeout = settings::defaults().serve_idle_timeout;
-  int auth_failures = settings::defaults().serve_auth_failures;  // per connection, then it is closed
-  int auth_rate = settings::defaults().serve_auth_rate;            // proofs checked per second, server-wide
+  int max_connections = store_settings{}.serve_max_connections;
+  int max_unauthenticated = store_settings{}.serve_max_unauthenticated;
+  std::chrono::nanoseconds handshake_timeout = store_settings{}.serve_handshake_timeout;
+  std::chrono::nanoseconds idle_timeout = store_settings{}.serve_idle_timeout;
+  int auth_failures = store_settings{}.serve_auth_failures;  // per connection, then it is closed
+  int auth_rate = store_settings{}.serve_auth_rate;            // proofs checked per second, server-wide
   // Shared secret: when set, clients must answer a challenge with HMAC-SHA256(secret, server nonce |
   // client nonce) before any request. Empty: no authentication.
   std::string secret;
@@ -54,7 +54,7 @@ struct server_options {
 };
 // Server options from settings (threads, workers, map, spin, connection limits); root, address and
 // secret are the caller's.
-FERRY_API server_options server_options_from(const settings& s);
+FERRY_API server_options server_options_from(const store_settings& s);
 
 struct server_stats {
   std::uint64_t connections = 0, requests = 0, reads = 0, writes = 0, bytes_sent = 0, bytes_received = 0, errors = 0;

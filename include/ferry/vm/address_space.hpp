@@ -36,10 +36,10 @@
 // engine transfers into its pointers see the pages as they are; the space's memory is invalidated in
 // the caches when the space goes. Faults from inside a page_table callback on the same page deadlock.
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
 #include <ferry/mem/registration.hpp>
 #include <ferry/vm/page_table.hpp>
+#include <ferry/vm/settings.hpp>
 
 #include <memory>
 #include <span>
@@ -75,7 +75,7 @@ struct FERRY_API space_options {
   std::chrono::nanoseconds return_hold = std::chrono::seconds(1);
   bool report = false;  // print report() to stderr when the space ends (FERRY_VM_REPORT)
   // FERRY_VM_* and FERRY_DEADLINE (docs/settings.md).
-  static space_options from(const settings& s);
+  static space_options from(const vm_settings& s);
 };
 
 // Where a space's migrations spend their time (the CUDA VMM calls are the expensive part), in ns.

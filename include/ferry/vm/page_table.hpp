@@ -32,8 +32,8 @@
 // other's page. Pinned pages (a DMA registration uses them) are never moved; a change that would
 // move one waits for the unpin until its deadline.
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
+#include <ferry/vm/settings.hpp>
 
 #include <atomic>
 #include <chrono>

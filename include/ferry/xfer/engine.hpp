@@ -15,10 +15,10 @@
 // small requests are grouped into one work item. Every batch has a deadline; cancel() stops what
 // has not started; one failing request never hides the others: each has its own result.
 #include <ferry/core/export.hpp>
-#include <ferry/core/settings.hpp>
 #include <ferry/core/stats.hpp>
 #include <ferry/device/registry.hpp>
 #include <ferry/mem/registration.hpp>
+#include <ferry/xfer/settings.hpp>
 
 #include <functional>
 #include <memory>
@@ -114,7 +114,7 @@ class FERRY_API transfer_batch {
 
 class FERRY_API transfer_engine {
  public:
-  transfer_engine(device_registry& devices, registration_cache& cache, const settings& s);
+  transfer_engine(device_registry& devices, registration_cache& cache, const xfer_settings& s);
   ~transfer_engine();
   transfer_engine(const transfer_engine&) = delete;
   transfer_engine& operator=(const transfer_engine&) = delete;

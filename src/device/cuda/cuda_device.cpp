@@ -26,7 +26,7 @@ extern const std::size_t ferry_cuda_kernels_size;
 namespace ferry::cuda {
 namespace {
 
-const driver_api& api_or_throw(const settings& s, std::string_view op) {
+const driver_api& api_or_throw(const device_settings& s, std::string_view op) {
   const driver_status& st = load(s.cuda_driver);
   if (!st.api) fail(errc::unavailable, std::string(op), "cuda", st.reason);
   return *st.api;
@@ -70,7 +70,7 @@ class cuda_event final : public event {
 
 class cuda_device final : public device, public cupti::launch_sink {
  public:
-  cuda_device(int ordinal, const settings& s)
+  cuda_device(int ordinal, const device_settings& s)
       : device(make_info(ordinal, s), s.deadline), api_(api_or_throw(s, "cuda.open")), cupti_library_(s.cupti_library) {
     check(api_.cuDeviceGet(&dev_, ordinal), "cuda.open", id());
     check(api_.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuda.open", id());
@@ -125,7 +125,7 @@ class cuda_device final : public device, public cupti::launch_sink {
   }
 
  private:
-  static device_info make_info(int ordinal, const settings& s) {
+  static device_info make_info(int ordinal, const device_settings& s) {
     const driver_api& api = api_or_throw(s, "cuda.open");
     device_info i;
     i.backend = device_kind::cuda;
@@ -591,7 +591,7 @@ std::unique_ptr<stream> cuda_device::do_wrap_stream(native_stream n) { return st
 
 }  // namespace
 
-backend_probe probe(const settings& s) {
+backend_probe probe(const device_settings& s) {
   const driver_status& st = load(s.cuda_driver);
   backend_probe p;
   p.available = st.api != nullptr && st.device_count > 0;
@@ -601,11 +601,11 @@ backend_probe probe(const settings& s) {
   return p;
 }
 
-std::unique_ptr<device> create_device(int ordinal, const settings& s) {
+std::unique_ptr<device> create_device(int ordinal, const device_settings& s) {
   return std::make_unique<cuda_device>(ordinal, s);
 }
 
-peer_link query_peer(const settings& s, int a, int b) {
+peer_link query_peer(const device_settings& s, int a, int b) {
   const driver_api& api = api_or_throw(s, "cuda.peer");
   peer_link l;
   CUdevice da = 0, db = 0;

@@ -1,8 +1,8 @@
 #pragma once
 // The cuda backend: ferry's device interface on the CUDA driver VMM API (cuMemCreate, cuMemMap,
 // cuMemSetAccess, ...), streams and events, with the driver loaded at run time (driver.hpp).
-#include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
+#include <ferry/device/settings.hpp>
 
 #include <memory>
 #include <string>
@@ -15,9 +15,9 @@ struct backend_probe {
   int driver_version = 0;
   int device_count = 0;
 };
-backend_probe probe(const settings& s);
+backend_probe probe(const device_settings& s);
 
-std::unique_ptr<device> create_device(int ordinal, const settings& s);
+std::unique_ptr<device> create_device(int ordinal, const device_settings& s);
 
 struct peer_link {
   bool access = false;   // cuDeviceCanAccessPeer
@@ -25,6 +25,6 @@ struct peer_link {
   int performance_rank = -1;
   bool native_atomics = false;
 };
-peer_link query_peer(const settings& s, int a, int b);
+peer_link query_peer(const device_settings& s, int a, int b);
 
 }  // namespace ferry::cuda

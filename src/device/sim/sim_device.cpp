@@ -324,7 +324,7 @@ class sim_stream;
 
 class sim_device final : public device {
  public:
-  sim_device(int ordinal, const settings& s)
+  sim_device(int ordinal, const device_settings& s)
       : device(make_info(ordinal, s), s.deadline),
         peer_access_(s.sim_peer),
         capacity_(s.sim_capacity),
@@ -401,7 +401,7 @@ class sim_device final : public device {
   const backing& arena_ref() { return arena(); }
 
  private:
-  static device_info make_info(int ordinal, const settings& s) {
+  static device_info make_info(int ordinal, const device_settings& s) {
     device_info i;
     i.backend = device_kind::sim;
     i.ordinal = ordinal;
@@ -816,7 +816,7 @@ class sim_client final : public peer_memory_client {
 
 std::unique_ptr<peer_memory_client> make_client() { return std::make_unique<sim_client>(); }
 
-std::unique_ptr<device> create_device(int ordinal, const settings& s) {
+std::unique_ptr<device> create_device(int ordinal, const device_settings& s) {
   return std::make_unique<sim_device>(ordinal, s);
 }
 

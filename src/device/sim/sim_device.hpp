@@ -8,8 +8,8 @@
 //    arena, and host memory through process_vm_readv/writev, so a bad host pointer is an EFAULT
 //    error reported like a device error instead of a crash;
 //  - copies are validated when enqueued: an unmapped or inaccessible address is bad_address.
-#include <ferry/core/settings.hpp>
 #include <ferry/device/device.hpp>
+#include <ferry/device/settings.hpp>
 #include <ferry/mem/memory.hpp>
 
 #include <memory>
@@ -17,7 +17,7 @@
 namespace ferry::sim {
 
 // Creates sim device `ordinal` from the settings' FERRY_SIM_* values.
-std::unique_ptr<device> create_device(int ordinal, const settings& s);
+std::unique_ptr<device> create_device(int ordinal, const device_settings& s);
 
 // The peer-memory client that recognises addresses in any live sim device's ranges.
 std::unique_ptr<peer_memory_client> make_client();

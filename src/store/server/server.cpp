@@ -551,7 +551,7 @@ struct server::impl {
 
 };
 
-server_options server_options_from(const settings& s) {
+server_options server_options_from(const store_settings& s) {
   server_options o;
   o.workers = s.serve_workers;
   o.map = s.net_map;
