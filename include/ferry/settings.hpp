@@ -18,11 +18,14 @@
 #include <ferry/xfer/settings.hpp>
 
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace ferry {
 
 // core's and mem's are virtual bases of the layers' structs that read them: one of each here.
+// A defaulted move assignment may move a virtual base more than once: theirs must lose nothing that way.
+static_assert(std::is_trivially_copyable_v<core_settings> && std::is_trivially_copyable_v<mem_settings>);
 struct FERRY_API settings : virtual core_settings, virtual mem_settings, device_settings, xfer_settings, vm_settings,
                             io_settings, store_settings, gpu_settings {
   using lookup_fn = setting_lookup;

@@ -79,7 +79,7 @@ constexpr std::pair<std::string_view, log_level> log_levels[] = {
     {"warn", log_level::warn},   {"error", log_level::error}, {"off", log_level::off}};
 
 // clang-format off
-const setting_row<core_settings> rows[] = {
+constexpr setting_row<core_settings> rows[] = {
   {"FERRY_LOG", "Log level: trace|debug|info|warn|error|off. Logs go to stderr.",
    [](core_settings& s, std::string_view v) { s.log = parse_enum(v, log_levels); },
    [](const core_settings& s) { return std::string(to_string(s.log)); }},

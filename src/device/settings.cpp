@@ -11,7 +11,7 @@ constexpr std::pair<std::string_view, backend_choice> backends[] = {
     {"auto", backend_choice::automatic}, {"cuda", backend_choice::cuda}, {"sim", backend_choice::sim}};
 
 // clang-format off
-const setting_row<device_settings> rows[] = {
+constexpr setting_row<device_settings> rows[] = {
   {"FERRY_BACKEND", "Default device: auto (first CUDA GPU if a driver and GPU are present, else sim:0) | cuda | sim.",
    [](device_settings& s, std::string_view v) { s.backend = parse_enum(v, backends); },
    [](const device_settings& s) { return std::string(to_string(s.backend)); }},

@@ -8,7 +8,7 @@ namespace ferry {
 namespace {
 
 // clang-format off
-const setting_row<gpu_settings> rows[] = {
+constexpr setting_row<gpu_settings> rows[] = {
   {"FERRY_GPU_RING_SLOTS", "Request slots of a GPU request ring (kernels' requests to ferry's host proxy): a power of two. A full ring makes requesters wait (up to their deadline) until the proxy has taken requests out.",
    [](gpu_settings& s, std::string_view v) {
      auto n = parse_int(v, 2, 1 << 20);

@@ -16,7 +16,7 @@ constexpr std::pair<std::string_view, direct_io> direct_ios[] = {
     {"auto", direct_io::automatic}, {"always", direct_io::always}, {"never", direct_io::never}};
 
 // clang-format off
-const setting_row<io_settings> rows[] = {
+constexpr setting_row<io_settings> rows[] = {
   {"FERRY_CUFILE_LIBRARY", "cuFile (GPUDirect Storage) library loaded at run time (optional).",
    [](io_settings& s, std::string_view v) { s.cufile_library = nonempty(v); },
    [](const io_settings& s) { return s.cufile_library; }},

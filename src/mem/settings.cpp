@@ -8,7 +8,7 @@ namespace ferry {
 namespace {
 
 // clang-format off
-const setting_row<mem_settings> rows[] = {
+constexpr setting_row<mem_settings> rows[] = {
   {"FERRY_PIN_LIMIT", "Bytes the registration cache keeps pinned for unused registrations before evicting (LRU).",
    [](mem_settings& s, std::string_view v) { s.pin_limit = parse_size_in(v, 0, 1ull << 50); },
    [](const mem_settings& s) { return format_size(s.pin_limit); }},

@@ -13,7 +13,7 @@ namespace {
 constexpr std::pair<std::string_view, rma_use> rma_uses[] = {{"auto", rma_use::automatic}, {"on", rma_use::on}, {"off", rma_use::off}};
 
 // clang-format off
-const setting_row<store_settings> rows[] = {
+constexpr setting_row<store_settings> rows[] = {
   {"FERRY_SECRET_FILE", "File holding the shared secret for ferry:// servers started with --secret-file. Empty: none.",
    [](store_settings& s, std::string_view v) { s.secret_file = std::string(v); },
    [](const store_settings& s) { return s.secret_file; }},

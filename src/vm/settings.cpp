@@ -10,7 +10,7 @@ namespace {
 constexpr std::pair<std::string_view, page_replacement> replacements[] = {{"lru", page_replacement::lru}, {"fifo", page_replacement::fifo}};
 
 // clang-format off
-const setting_row<vm_settings> rows[] = {
+constexpr setting_row<vm_settings> rows[] = {
   {"FERRY_VM_CAPACITY", "Device memory one unified address space may use for its pages; beyond it pages are evicted to host memory. 0 = what the device has free when the space is made, minus FERRY_VM_RESERVE.",
    [](vm_settings& s, std::string_view v) { s.vm_capacity = parse_size_in(v, 0, 1ull << 50); },
    [](const vm_settings& s) { return format_size(s.vm_capacity); }},

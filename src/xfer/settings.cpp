@@ -14,7 +14,7 @@ constexpr std::pair<std::string_view, pageable_policy> pageable_policies[] = {
     {"auto", pageable_policy::automatic}, {"register", pageable_policy::always_register}, {"bounce", pageable_policy::always_bounce}};
 
 // clang-format off
-const setting_row<xfer_settings> rows[] = {
+constexpr setting_row<xfer_settings> rows[] = {
   {"FERRY_XFER_THREADS", "Most transfer engine worker threads (each drives its own streams and bounce copies), 0..256; 0 = half the cores, 2..16. They are made as the work asks for them: one when an item is queued and none is idle.",
    [](xfer_settings& s, std::string_view v) { s.xfer_threads = static_cast<int>(parse_int(v, 0, 256)); },
    [](const xfer_settings& s) { return std::to_string(s.xfer_threads); }},

@@ -18,7 +18,7 @@
 namespace ferry {
 
 // A value a row's parser refuses, and why; the loader adds the variable, the value and where it came from.
-struct bad_setting {
+struct FERRY_API bad_setting {
   std::string why;
 };
 
