@@ -77,11 +77,7 @@ class setting_tables {
   void set(T& t, std::string_view name, std::string_view value, std::string_view origin) const {
     const entry* e = find(name);
     if (!e) settings_detail::unknown(name, origin);
-    try {
-      e->parse(t, value);
-    } catch (const bad_setting& b) {
-      settings_detail::refused(name, value, origin, b.why);
-    }
+    apply(*e, t, value, origin);
   }
 
   T load(const setting_lookup& env) const {
@@ -90,7 +86,7 @@ class setting_tables {
       settings_detail::read_file(*cfg, [this](std::string_view n) { return find(n) != nullptr; },
                                  [&](std::string_view n, std::string_view v, std::string_view origin) { set(t, n, v, origin); });
     for (auto& e : rows_)
-      if (auto v = env(e.name)) set(t, e.name, *v, "environment");
+      if (auto v = env(e.name)) apply(e, t, *v, "environment");
     return t;
   }
 
@@ -121,6 +117,13 @@ class setting_tables {
     std::function<void(T&, std::string_view)> parse;
     std::function<std::string(const T&)> format;
   };
+  static void apply(const entry& e, T& t, std::string_view value, std::string_view origin) {
+    try {
+      e.parse(t, value);
+    } catch (const bad_setting& b) {
+      settings_detail::refused(e.name, value, origin, b.why);
+    }
+  }
   const entry* find(std::string_view name) const {
     for (auto& e : rows_)
       if (e.name == name) return &e;

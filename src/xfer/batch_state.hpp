@@ -91,9 +91,9 @@ struct transfer_batch::state {
     std::uint64_t len;
     const error* e;
   };
-  // The ends of several segments under one lock (a work item's blocks, synchronized once).
-  void finish_many(std::span<const item_end> xs) {
-    std::unique_lock l(mu);
+  // Under mu: the ends of several segments, an idle deadline restarted once after them; true when
+  // that made every request final.
+  bool finish_all_locked(std::span<const item_end> xs) {
     bool final_now = false, any_bytes = false;
     for (const item_end& x : xs) {
       // Bytes of a request already final (timed out or cancelled meanwhile) move no deadline on.
@@ -101,15 +101,19 @@ struct transfer_batch::state {
       final_now = finish_locked(x.i, x.len, x.e, request_state::failed, false) || final_now;
     }
     if (any_bytes) moved();
-    if (final_now) completed(l);
+    return final_now;
+  }
+  // The ends of several segments under one lock (a work item's blocks, synchronized once).
+  void finish_many(std::span<const item_end> xs) {
+    std::unique_lock l(mu);
+    if (finish_all_locked(xs)) completed(l);
   }
   // The ends of several work items under one lock (a worker reports what a round finished together):
   // finish() and item_done() for each, in that order of effects.
   void end_items(std::span<const item_end> xs) {
     std::function<void()> quiet;
     std::unique_lock l(mu);
-    bool final_now = false;
-    for (const item_end& x : xs) final_now = finish_locked(x.i, x.len, x.e, request_state::failed) || final_now;
+    const bool final_now = finish_all_locked(xs);
     items_inflight -= static_cast<int>(xs.size());
     if (items_inflight == 0) {
       quiet = std::move(on_quiet);

@@ -75,9 +75,6 @@ struct work_item {
 };
 
 
-}  // namespace
-
-namespace {
 std::atomic<std::uint64_t> next_engine_serial{0};
 struct known_stream {  // a helper stream of the calling thread (transfer_engine::impl::known_helper)
   std::uint64_t engine = 0;
