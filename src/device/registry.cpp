@@ -1,5 +1,6 @@
 #include <ferry/device/registry.hpp>
 
+#include "core/executor.hpp"
 #include "core/logging.hpp"
 #include "device/sim/sim_device.hpp"
 #ifdef FERRY_HAVE_CUDA
@@ -13,7 +14,8 @@
 
 namespace ferry {
 
-device_registry::device_registry(device_settings s) : settings_(std::move(s)) {
+device_registry::device_registry(device_settings s)
+    : settings_(std::move(s)), workers_(std::make_unique<detail::executor>()) {
   sim_.resize(static_cast<std::size_t>(settings_.sim_devices));
 }
 
@@ -23,6 +25,7 @@ device_registry::~device_registry() = default;
 void device_registry::abandon() noexcept {
   for (auto* v : {&cuda_, &sim_})
     for (auto& d : *v) (void)d.release();
+  (void)workers_.release();  // its threads stayed behind too
 }
 
 backend_status device_registry::cuda_status() {
@@ -75,7 +78,7 @@ device& device_registry::lookup(device_kind kind, int index, std::string_view na
       fail(errc::out_of_range, "device.lookup", res(),
            fmt::format("there are {} sim devices (FERRY_SIM_DEVICES)", sim_.size()));
     auto& d = sim_[static_cast<std::size_t>(index)];
-    if (!d) d = sim::create_device(index, settings_);
+    if (!d) d = sim::create_device(index, settings_, *workers_);
     return *d;
   }
 #ifdef FERRY_HAVE_CUDA

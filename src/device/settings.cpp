@@ -30,7 +30,7 @@ constexpr setting_row<device_settings> rows[] = {
   {"FERRY_SIM_GRANULARITY", "Physical chunk granularity of simulated devices (power of two, >= page size; CUDA uses 2MiB).",
    [](device_settings& s, std::string_view v) { s.sim_granularity = parse_size_in(v, 4 * KiB, 1 * GiB, true); },
    [](const device_settings& s) { return format_size(s.sim_granularity); }},
-  {"FERRY_SIM_COPY_ENGINES", "Worker threads acting as copy engines of each simulated device, 1..64.",
+  {"FERRY_SIM_COPY_ENGINES", "Copy engines of each simulated device (tasks on the library's executor at once), 1..64.",
    [](device_settings& s, std::string_view v) { s.sim_copy_engines = static_cast<int>(parse_int(v, 1, 64)); },
    [](const device_settings& s) { return std::to_string(s.sim_copy_engines); }},
   {"FERRY_SIM_COPY_GBPS", "Throttle of each simulated copy engine in GB/s (0 = unthrottled); models slow links in tests.",

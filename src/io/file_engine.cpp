@@ -239,16 +239,9 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       at.assign(first.begin(), first.end() - 1);
       for (std::size_t i = 0; i < jobs.size(); ++i) order[at[to[i]]++] = i;
     }
-    for (std::size_t k = 0; k < nw; ++k) {
-      if (first[k] == first[k + 1]) continue;
-      impl::worker& w = *I.workers[k];
-      {
-        std::lock_guard l(w.qmu);
-        for (std::size_t x = first[k]; x < first[k + 1]; ++x) w.queue.push_back(std::move(jobs[order[x]]));
-        w.queued = w.queue.size() - w.qhead;
-      }
-      w.wake();
-    }
+    for (std::size_t k = 0; k < nw; ++k)
+      if (first[k] != first[k + 1])
+        I.hand_over(k, jobs, std::span<const std::size_t>(order).subspan(first[k], first[k + 1] - first[k]));
   }
   jobs.clear();
   spare = std::move(mine);

@@ -9,13 +9,13 @@
 #include <ferry/mem/pinned_pool.hpp>
 #include <ferry/mem/registration.hpp>
 
+#include "core/executor.hpp"
 #include "core/logging.hpp"
 #include "io/cufile.hpp"
 #include "xfer/batch_state.hpp"
 #include "xfer/stream_gates.hpp"
 
 #include <fcntl.h>
-#include <pthread.h>
 #include <fmt/format.h>
 #include <liburing.h>
 #include <sys/eventfd.h>
@@ -221,16 +221,18 @@ struct file_engine::impl {
           &reads_missed_cache = st.get("reads.missed_cache"), &files_registered = st.get("files.registered");
   struct worker;
   std::atomic<bool> stop{false};
-  // Workers [0, live) run; the rest are made as the load asks for them (grow). A thread costs its
-  // creator a copy of every loaded library's thread-local storage, under the loader's lock: in a
-  // process that imported torch, a millisecond or more each, which a fresh process's first read
-  // paid for every thread it would never use. The vector is sized once and never moves.
+  // Workers [0, live) are made; the rest are made as the load asks for them (grow): a ring each, and
+  // the task that runs its loop on the executor starts when the worker is given work (a thread is
+  // made for it only when no executor worker is idle: a thread costs its creator a millisecond or
+  // more in a process that imported torch). The vector is sized once and never moves.
   std::vector<std::unique_ptr<worker>> workers;
   std::atomic<std::size_t> live{0};
   std::atomic<std::uint64_t> asked{0};  // bytes of local files' requests so far (how many workers the work is worth)
-  std::mutex grow_mu;  // making workers, and their threads
-  std::vector<std::thread> threads;
+  std::mutex grow_mu;  // making workers
+  detail::task_slots loops;  // the workers' loops on the executor (one at most per worker, with its qmu)
   void grow(std::size_t want);
+  // Hands jobs to worker k: its loop is woken, or started when it has none running.
+  void hand_over(std::size_t k, std::span<job> js, std::span<const std::size_t> which);
   bool inject_partial, inject_eintr;
   std::once_flag cufile_once;
   std::unique_ptr<cufile::backend> cufile_;
@@ -281,6 +283,7 @@ struct file_engine::impl {
     std::size_t qhead = 0;
     std::atomic<std::size_t> queued{0};  // jobs waiting, for submitters choosing a worker without its lock
     std::condition_variable cv;       // with qmu: its queue got work, or stop (it waits here when it runs nothing)
+    bool looping = false;             // with qmu: its loop is out on the executor (started, not yet ended)
     std::atomic<std::size_t> running_now{0};  // requests it runs (as of its last round)
     std::vector<slot> slots;
     std::list<running> runs;

@@ -5,7 +5,7 @@
 namespace ferry {
 
 file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cache& c, const io_settings& s)
-    : xfer(x), devices(d), cache(c), cfg(s) {
+    : xfer(x), devices(d), cache(c), cfg(s), loops(static_cast<unsigned>(s.io_threads > 0 ? s.io_threads : default_io_threads())) {
   inject_partial = s.io_inject.find("partial") != std::string::npos;
   inject_eintr = s.io_inject.find("eintr") != std::string::npos;
   if (s.io_mapped) mapped_pages = read_only_pins::make(d.config().cuda_driver);
@@ -14,17 +14,13 @@ file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cac
   // Two at first (one if that is all there may be): a first small read needs no more. The first
   // worker's failure (no io_uring) is the engine's.
   workers[0] = std::make_unique<worker>(*this);
-  threads.emplace_back([w = workers[0].get()] {
-    ::pthread_setname_np(::pthread_self(), "ferry-io");  // for top, perf and debuggers
-    w->loop();
-  });
   live = 1;
   st.get("workers.made").add(1);
   grow(2);
 }
 
 // Makes workers up to `want` (at most the configured number). A worker that cannot be made (no
-// thread, no ring) leaves the engine with those it has.
+// ring) leaves the engine with those it has.
 void file_engine::impl::grow(std::size_t want) {
   want = std::min(want, workers.size());
   if (live.load(std::memory_order_acquire) >= want) return;
@@ -32,10 +28,6 @@ void file_engine::impl::grow(std::size_t want) {
   for (std::size_t k = live.load(); k < want && !stop; ++k) {
     try {
       workers[k] = std::make_unique<worker>(*this);
-      threads.emplace_back([w = workers[k].get()] {
-        ::pthread_setname_np(::pthread_self(), "ferry-io");
-        w->loop();
-      });
     } catch (const std::exception& e) {
       workers[k].reset();
       log::warn("io", "file engine: a worker more could not be made ({}); going on with {}", e.what(), k);
@@ -47,14 +39,52 @@ void file_engine::impl::grow(std::size_t want) {
 }
 
 file_engine::impl::~impl() {
-  std::lock_guard g(grow_mu);
-  stop = true;
-  for (std::size_t k = 0; k < live.load(); ++k) {
-    auto& w = workers[k];
-    { std::lock_guard l(w->qmu); }  // a worker between its look at `stop` and its wait sees the wake
-    w->wake();
+  {
+    std::lock_guard g(grow_mu);
+    stop = true;
+    for (std::size_t k = 0; k < live.load(); ++k) {
+      auto& w = workers[k];
+      { std::lock_guard l(w->qmu); }  // a worker between its look at `stop` and its wait sees the wake
+      w->wake();
+    }
   }
-  for (auto& t : threads) t.join();
+  loops.wait_none();  // each ends what it runs and what is queued first
+}
+
+void file_engine::impl::hand_over(std::size_t k, std::span<job> js, std::span<const std::size_t> which) {
+  worker& w = *workers[k];
+  bool start = false;
+  {
+    std::lock_guard l(w.qmu);
+    for (std::size_t x : which) w.queue.push_back(std::move(js[x]));
+    w.queued = w.queue.size() - w.qhead;
+    if (!w.looping && loops.take()) start = w.looping = true;
+  }
+  if (!start) return w.wake();
+  try {
+    loops.start(devices.workers(), w.qmu, [&w] { w.loop(); });
+  } catch (const std::exception& ex) {
+    // No loop can run (no thread): what is queued on this worker fails, named, instead of waiting.
+    std::vector<job> gone;
+    {
+      std::lock_guard l(w.qmu);
+      w.looping = false;
+      gone.assign(std::make_move_iterator(w.queue.begin() + static_cast<std::ptrdiff_t>(w.qhead)),
+                  std::make_move_iterator(w.queue.end()));
+      w.queue.clear();
+      w.qhead = 0;
+      w.queued = 0;
+    }
+    for (job& j : gone) {
+      error x(errc::unavailable, j.r.write ? "file.write" : "file.read", j.r.f->path(), fmt::format("no worker to run it ({})", ex.what()));
+      std::vector<transfer_batch::state::item_end> es;
+      if (j.group)
+        for (const member& m : *j.group) es.push_back({m.idx, 0, &x});
+      else
+        es.push_back({j.idx, 0, &x});
+      j.b->end_items(es);
+    }
+  }
 }
 
 // Takes queued requests while a slot is free (waiting for one when it runs none); false: stop.
@@ -76,15 +106,28 @@ bool file_engine::impl::worker::admit() {
     std::unique_lock l(qmu);
     if (runs.empty()) {
       auto work = [&] { return e.stop.load() || qhead < queue.size(); };
-      // Idle for a second: its registered descriptors go (it may sleep for long).
-      if (registering() && !cv.wait_for(l, std::chrono::seconds(1), work)) {
-        l.unlock();
-        unregister(std::chrono::steady_clock::now(), true);
-        l.lock();
+      // Idle for a second: its registered descriptors go, and its loop ends (the executor's worker
+      // is free for other work; the next job handed over starts the loop again). A second, not at
+      // once: work that comes in bursts finds the loop still there.
+      if (!cv.wait_for(l, std::chrono::seconds(1), work)) {
+        if (registering()) {
+          l.unlock();
+          unregister(std::chrono::steady_clock::now(), true);
+          l.lock();
+        }
+        if (!work()) {
+          asleep = false;
+          looping = false;
+          e.loops.give_back();
+          return false;
+        }
       }
-      cv.wait(l, work);
     }
-    if (runs.empty() && qhead == queue.size()) return false;  // stopping, nothing left
+    if (runs.empty() && qhead == queue.size()) {  // stopping, nothing left
+      looping = false;
+      e.loops.give_back();
+      return false;
+    }
     while (qhead < queue.size() && runs.size() + took.size() < slots.size()) took.push_back(std::move(queue[qhead++]));
     // Taken jobs leave moved-from entries behind: dropped when the queue empties, or once they
     // are half of it (a queue that never empties stays bounded).

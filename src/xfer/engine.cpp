@@ -3,6 +3,7 @@
 #include <ferry/mem/pinned_pool.hpp>
 #include <ferry/xfer/engine.hpp>
 
+#include "core/executor.hpp"
 #include "core/logging.hpp"
 #include "mem/place_cuts.hpp"
 #include "xfer/batch_state.hpp"
@@ -10,8 +11,6 @@
 
 #include <fmt/format.h>
 
-#include <pthread.h>
-#include <sys/prctl.h>
 
 #include <algorithm>
 #include <array>
@@ -89,19 +88,14 @@ struct transfer_engine::impl {
   registration_cache& cache;
   xfer_settings cfg;
   ferry::stats st;
-  int nworkers;  // the most workers; they are made as the queue asks for them (grow)
+  // Queued items run on the executor (src/core/executor.hpp), in at most `nworkers` tasks at once,
+  // each taking items until the queue is empty.
+  int nworkers;
   std::mutex mu;
-  std::condition_variable cv;
-  std::deque<work_item> queue;
-  bool stop = false;
-  int idle = 0;  // with mu: workers waiting for an item
-  // Workers are made when an item is queued and no worker is idle, one per enqueue, up to
-  // nworkers: a thread costs its creator a copy of every loaded library's thread-local storage,
-  // under the loader's lock (in a process that imported torch, a millisecond or more), which a
-  // process's first small copy paid for every worker it would never use.
-  std::mutex grow_mu;
-  std::vector<std::thread> threads;  // with grow_mu
-  std::atomic<int> workers_made{0};
+  std::deque<work_item> queue;  // with mu
+  bool stop = false;            // with mu: the engine ends; items queued now fail
+  detail::task_slots drains;    // taken and given back with mu
+  unsigned most_drains = 0;     // with mu: the most tasks out at once so far ("tasks.most")
   std::mutex pools_mu;
   std::map<int, std::unique_ptr<pinned_pool>> pools;
   std::mutex peer_mu;
@@ -110,67 +104,55 @@ struct transfer_engine::impl {
   std::mutex seen_mu;
   std::list<std::pair<std::uintptr_t, std::uint64_t>> seen;
 
-  stream_gates gates{cache};  // stream order (transfer_options::on)
+  stream_gates gates{cache, devices.workers()};  // stream order (transfer_options::on)
 
   counter* path_count[7] = {};
   counter& c_requests = st.get("requests");  // per request: not looked up by name each time
   counter& c_bytes = st.get("bytes");
   counter& c_on_caller = st.get("copies_on_caller");
-  counter& c_made = st.get("workers.made");
+  counter& c_most = st.get("tasks.most");
   counter& c_cut = st.get("copies.cut_at_place");  // unified memory: pieces a place boundary cut short
-  impl(device_registry& d, registration_cache& c, const xfer_settings& s) : devices(d), cache(c), cfg(s) {
+  impl(device_registry& d, registration_cache& c, const xfer_settings& s)
+      : devices(d), cache(c), cfg(s), nworkers(s.xfer_threads > 0 ? s.xfer_threads : default_xfer_threads()),
+        drains(static_cast<unsigned>(nworkers)) {
     for (int p = 0; p <= static_cast<int>(transfer_path::host); ++p)
       path_count[p] = &st.get(fmt::format("path.{}", to_string(static_cast<transfer_path>(p))));
-    nworkers = s.xfer_threads > 0 ? s.xfer_threads : default_xfer_threads();
   }
   ~impl() {
     {
       std::lock_guard l(mu);
       stop = true;
     }
-    cv.notify_all();
-    // Joined outside grow_mu: a worker finishing a batch may submit again (and so call grow).
-    std::vector<std::thread> all;
-    {
-      std::lock_guard g(grow_mu);
-      all.swap(threads);
-    }
-    for (auto& t : all) t.join();
+    drains.wait_none();  // they run what is queued first
   }
-  // Workers for the queued items no idle worker will take, up to nworkers. One that cannot be made
-  // leaves the items to those there are; with none at all, the queued items fail (nothing else
-  // would run them: a batch with a completion has no waiter that helps).
-  void grow() noexcept {
-    std::size_t want = 0;
-    {
-      std::lock_guard l(mu);
-      if (stop || queue.size() <= static_cast<std::size_t>(idle)) return;
-      want = queue.size() - static_cast<std::size_t>(idle);
+  // Starts tasks for the queued items, as many as slots are free and items queued (called with mu).
+  // Every running task is busy with an item: one that runs out of items ends.
+  std::size_t take_drains() noexcept {
+    std::size_t n = 0;
+    while (n < queue.size() && drains.take()) ++n;
+    if (unsigned out = drains.out(); out > most_drains) {
+      c_most.add(out - most_drains);
+      most_drains = out;
     }
-    std::optional<error> none;  // no worker at all could be made
-    {
-      std::lock_guard g(grow_mu);
-      for (; want > 0 && workers_made.load() < nworkers; --want) {
+    return n;
+  }
+  // Starts the `n` tasks take_drains() counted (without mu). One that cannot be started gives its
+  // slot back; with no task out at all, the queued items fail (nothing else would run them: a batch
+  // with a completion has no waiter that helps).
+  void start_drains(std::size_t n) noexcept {
+    for (std::size_t k = 0; k < n; ++k) {
+      try {
+        drains.start(devices.workers(), mu, [this] { drain(); });
+      } catch (const std::exception& e) {
         {
           std::lock_guard l(mu);
-          if (stop) return;
+          for (std::size_t rest = k + 1; rest < n; ++rest) drains.give_back();
         }
-        try {
-          threads.emplace_back([this] {
-            ::pthread_setname_np(::pthread_self(), "ferry-xfer");  // for top, perf and debuggers
-            work();
-          });
-          workers_made.fetch_add(1);
-          c_made.add(1);
-        } catch (const std::exception& e) {
-          log::warn("xfer", "no more transfer workers ({}); {} run the copies", e.what(), workers_made.load());
-          if (workers_made.load() == 0) none = error(errc::unavailable, "xfer.worker", "thread", e.what());
-          break;
-        }
+        log::warn("xfer", "no more transfer tasks ({}); {} run the copies", e.what(), drains.out());
+        if (drains.out() == 0) fail_queued(error(errc::unavailable, "xfer.worker", "thread", e.what()));
+        return;
       }
     }
-    // Outside grow_mu: the batches' completions may submit again.
-    if (none) fail_queued(*none);
   }
   // Ends every queued item with `e` (no worker could be made to run them).
   void fail_queued(const error& e) noexcept {
@@ -262,6 +244,8 @@ struct transfer_engine::impl {
   // Streams of threads that help (callers in wait()), per thread and device; kept for the engine's life.
   std::mutex helper_mu;
   std::map<std::pair<std::thread::id, device*>, std::unique_ptr<stream>> helper_streams;
+  // The executor workers' streams, per worker and device (with helper_mu).
+  std::map<std::pair<int, device*>, std::unique_ptr<stream>> worker_streams;
   // The calling thread's last few of them, without the lock: a caller of single copies looks its
   // stream up twice per copy. Keyed by the engine's serial number, never its address (an engine made
   // where a destroyed one was must not find the old one's streams).
@@ -290,12 +274,13 @@ struct transfer_engine::impl {
         queue.erase(it);
       }
       if (!may_run_here(w)) {
+        std::size_t n;
         {
           std::lock_guard l(mu);
           queue.push_front(std::move(w));
+          n = take_drains();
         }
-        grow();
-        cv.notify_one();
+        start_drains(n);
         return;
       }
       run_here(w);
@@ -341,31 +326,45 @@ struct transfer_engine::impl {
 
   void enqueue(std::vector<work_item>& items) {
     if (items.empty()) return;
+    std::size_t n = 0;
+    bool ending = false;
     {
       std::lock_guard l(mu);
-      for (auto& w : items) queue.push_back(std::move(w));
+      if (!(ending = stop)) {
+        for (auto& w : items) queue.push_back(std::move(w));
+        n = take_drains();
+      }
     }
-    grow();
-    for (std::size_t i = 0; i < items.size() && i < static_cast<std::size_t>(workers_made.load()); ++i) cv.notify_one();
+    if (ending) {
+      error e(errc::cancelled, "xfer.request", "engine", "the transfer engine is ending");
+      for (auto& w : items) {
+        for (auto& sg : w.segs) w.b->finish(sg.req, sg.len, &e);
+        w.b->item_done();
+      }
+      return;
+    }
+    start_drains(n);
   }
 
-  void work() {
-    // Precise sleeps while polling for completion: the default timer slack is as long as a small copy.
-    ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-    std::map<device*, std::unique_ptr<stream>> streams;  // this worker's stream per device
+  // A task on the executor: runs queued items until none is left, each on the executor worker's own
+  // stream of its device (made on its first item there, kept for the engine's life).
+  void drain() {
     auto stream_of = [&](device* d) -> stream& {
-      auto& s = streams[d];
+      if (stream* s = known_helper(d)) return *s;
+      std::lock_guard l(helper_mu);
+      auto& s = worker_streams[{detail::executor::worker_id(), d}];
       if (!s) s = d->create_stream();
+      remember_helper(d, s.get());
       return *s;
     };
     for (;;) {
       work_item w;
       {
-        std::unique_lock l(mu);
-        ++idle;
-        cv.wait(l, [&] { return stop || !queue.empty(); });
-        --idle;
-        if (queue.empty()) return;
+        std::lock_guard l(mu);
+        if (queue.empty()) {
+          drains.give_back();
+          return;
+        }
         w = std::move(queue.front());
         queue.pop_front();
       }

@@ -15,7 +15,7 @@ constexpr std::pair<std::string_view, pageable_policy> pageable_policies[] = {
 
 // clang-format off
 constexpr setting_row<xfer_settings> rows[] = {
-  {"FERRY_XFER_THREADS", "Most transfer engine worker threads (each drives its own streams and bounce copies), 0..256; 0 = half the cores, 2..16. They are made as the work asks for them: one when an item is queued and none is idle.",
+  {"FERRY_XFER_THREADS", "Most transfer engine tasks at once on the library's executor (each runs queued copies on its worker's own streams, bounce copies too), 0..256; 0 = half the cores, 2..16. One starts when an item is queued and a slot is free, and ends when the queue is empty.",
    [](xfer_settings& s, std::string_view v) { s.xfer_threads = static_cast<int>(parse_int(v, 0, 256)); },
    [](const xfer_settings& s) { return std::to_string(s.xfer_threads); }},
   {"FERRY_XFER_SPLIT", "Split copy-engine requests (direct, peer, registered) into pieces of this size on several streams; 0 = never (one stream already saturates a link direction).",

@@ -4,7 +4,8 @@
 
 #include <fmt/format.h>
 
-#include <sys/prctl.h>
+#include "core/backoff.hpp"
+#include "core/logging.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -18,8 +19,7 @@ stream_gates::~stream_gates() {
     std::lock_guard l(mu_);
     stop_ = true;
   }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  watch_.wait_none();
 }
 
 std::string stream_gates::describe(stream& s) {
@@ -68,21 +68,33 @@ void stream_gates::watch(gate& g, std::uint32_t seq, deadline until, std::functi
   {
     std::lock_guard l(mu_);
     watching_.push_back({&g, seq, until, std::move(cancelled), std::move(then)});
-    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    if (!watch_.take()) return;  // the watching task runs, and sees it
   }
-  cv_.notify_one();
+  try {
+    watch_.start(x_, mu_, [this] { run(); });
+  } catch (const std::exception& e) {
+    // Nothing can watch: what is watched ends unreached (its batch fails; its number is released).
+    log::warn("xfer", "stream-ordered work cannot be watched ({}); it fails", e.what());
+    std::vector<watcher> gone;
+    {
+      std::lock_guard l(mu_);
+      gone.swap(watching_);
+    }
+    for (auto& w : gone) w.then(false);
+  }
 }
 
 // Polls the `started` words of what is watched: the stream's own work decides when, so there is
-// nothing to block on. A short sleep between looks, well below the time of a copy.
+// nothing to block on. A short sleep between looks, well below the time of a copy (the executor's
+// workers sleep with a fine timer slack). Ends when nothing is left to watch.
 void stream_gates::run() {
-  ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  using namespace std::chrono_literals;
+  detail::backoff wait({.nap = 10us, .most = 10us});
   std::unique_lock l(mu_);
   for (;;) {
-    if (stop_) return;
-    if (watching_.empty()) {
-      cv_.wait(l);
-      continue;
+    if (stop_ || watching_.empty()) {
+      watch_.give_back();
+      return;
     }
     auto now = std::chrono::steady_clock::now();
     std::vector<std::pair<std::function<void(bool)>, bool>> fire;
@@ -97,7 +109,9 @@ void stream_gates::run() {
       it = watching_.erase(it);
     }
     if (fire.empty()) {
-      cv_.wait_for(l, std::chrono::microseconds(10));
+      l.unlock();
+      wait.pause();
+      l.lock();
       continue;
     }
     l.unlock();

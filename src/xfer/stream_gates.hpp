@@ -12,7 +12,8 @@
 #include <ferry/device/device.hpp>
 #include <ferry/mem/registration.hpp>
 
-#include <condition_variable>
+#include "core/executor.hpp"
+
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -20,14 +21,13 @@
 #include <mutex>
 #include <optional>
 #include <set>
-#include <thread>
 #include <vector>
 
 namespace ferry {
 
 class stream_gates {
  public:
-  explicit stream_gates(registration_cache& cache) : cache_(cache) {}
+  stream_gates(registration_cache& cache, detail::executor& x) : cache_(cache), x_(x) {}
   ~stream_gates();
   stream_gates(const stream_gates&) = delete;
   stream_gates& operator=(const stream_gates&) = delete;
@@ -60,8 +60,9 @@ class stream_gates {
 
   // Number `seq` of gate g is done: the stream may pass it once those before it are too.
   void release(gate& g, std::uint32_t seq);
-  // Calls then(true) on the watching thread once the stream wrote started >= seq; then(false) once
-  // `until` passed or `cancelled()` says so first. `then` must not block.
+  // Calls then(true) on the watching task (on the executor) once the stream wrote started >= seq;
+  // then(false) once `until` passed or `cancelled()` says so first, or at once when no task could be
+  // started to watch. `then` must not block.
   void watch(gate& g, std::uint32_t seq, deadline until, std::function<bool()> cancelled, std::function<void(bool)> then);
 
   static std::string describe(stream& s);
@@ -78,13 +79,13 @@ class stream_gates {
 
   static constexpr std::size_t gate_bytes = 64, gate_count = 256;  // a cache line each; 16 KiB locked
   registration_cache& cache_;
+  detail::executor& x_;
   std::mutex mu_;
-  std::condition_variable cv_;
   std::unique_ptr<std::byte, void (*)(std::byte*)> words_{nullptr, [](std::byte* p) { std::free(p); }};
   std::optional<registration> pin_;  // after words_: unpinned before they are freed
   std::map<std::pair<device*, std::uintptr_t>, gate> gates_;
   std::vector<watcher> watching_;
-  std::thread thread_;
+  detail::task_slots watch_{1};  // the one task that watches, while anything is watched (with mu_)
   bool stop_ = false;
 };
 

@@ -131,18 +131,18 @@ TEST(Engine, MixedBatchOverEveryPathWithRandomData) {
   EXPECT_EQ(rt.engine().counters().get("copies_on_caller").value(), on_caller + 3);
 }
 
-// Workers are made as the queue asks for them: none for copies the caller runs itself, then one
-// per enqueue that finds no worker idle, never more than FERRY_XFER_THREADS.
-TEST(Engine, WorkersAreMadeAsTheQueueAsksForThem) {
+// Tasks run queued items on the executor as the queue asks for them: none for copies the caller
+// runs itself, never more at once than FERRY_XFER_THREADS.
+TEST(Engine, TasksStartAsTheQueueAsksForThem) {
   settings s = sim_settings();
   s.xfer_threads = 3;
   runtime rt(s);
-  auto made = [&] { return rt.engine().counters().get("workers.made").value(); };
+  auto made = [&] { return rt.engine().counters().get("tasks.most").value(); };
   device& d0 = rt.devices().get("sim:0");
   region a(d0, 16 << 20);
   auto src = random_bytes(16 << 20, 5);
   rt.engine().copy(a.p(), src.data(), 4096);
-  EXPECT_EQ(made(), 0u) << "a copy the caller runs makes no worker";
+  EXPECT_EQ(made(), 0u) << "a copy the caller runs starts no task";
   std::vector<transfer_request> reqs;
   for (int i = 0; i < 16; ++i) reqs.push_back({a.p(std::uint64_t(i) << 20), src.data() + (i << 20), 1 << 20});
   for (int round = 0; round < 8; ++round) {

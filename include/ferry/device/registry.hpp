@@ -15,6 +15,9 @@
 #include <vector>
 
 namespace ferry {
+namespace detail {
+class executor;
+}
 
 struct backend_status {
   std::string name;       // "cuda", "sim"
@@ -51,6 +54,9 @@ class FERRY_API device_registry {
   backend_status sim_status() const;
   peer_info peer(device& a, device& b);
   const device_settings& config() const noexcept { return settings_; }
+  // The library's worker threads (internal: src/core/executor.hpp), shared by the devices and the
+  // engines made on this registry.
+  detail::executor& workers() noexcept { return *workers_; }
   // Lets go of every device without ending it: in a process forked from the one that opened them,
   // whose threads and driver state stayed behind (the runtime's end there).
   void abandon() noexcept;
@@ -58,6 +64,7 @@ class FERRY_API device_registry {
  private:
   device& lookup(device_kind kind, int index, std::string_view name);
   device_settings settings_;
+  std::unique_ptr<detail::executor> workers_;  // before the devices: it outlives them (sim copy engines run on it)
   std::mutex mu_;
   std::vector<std::unique_ptr<device>> cuda_;
   std::vector<std::unique_ptr<device>> sim_;

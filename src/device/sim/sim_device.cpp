@@ -2,6 +2,8 @@
 
 #include <ferry/core/checksum.hpp>
 
+#include "core/backoff.hpp"
+#include "core/executor.hpp"
 #include "core/logging.hpp"
 
 #include <fmt/format.h>
@@ -156,25 +158,30 @@ struct stream_state {
   std::string name;
 };
 
+// The device's copy engines: at most `engines` tasks on the executor at once, each taking ready
+// streams' front ops until none is ready.
 class engine_pool {
  public:
-  engine_pool(int threads, double gbps) : gbps_(gbps) {
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { work(); });
-  }
+  engine_pool(detail::executor& x, int engines, double gbps) : x_(x), gbps_(gbps), engines_(static_cast<unsigned>(engines)) {}
   ~engine_pool() {
     {
       std::lock_guard l(mu_);
-      stop_ = true;
+      stop_ = true;  // a task polling parked streams (waits that will never be met) ends
     }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
+    engines_.wait_none();
   }
   void schedule(std::shared_ptr<stream_state> s) {
     {
       std::lock_guard l(mu_);
       ready_.push_back(std::move(s));
+      if (!engines_.take()) return;  // every engine runs: one of them takes it
     }
-    cv_.notify_one();
+    try {
+      engines_.start(x_, mu_, [this] { work(); });
+    } catch (const std::exception& e) {
+      // No engine could start (no thread): the stream's op fails instead of waiting forever.
+      fail_ready(error(errc::unavailable, "sim.stream", "copy engine", e.what()));
+    }
   }
   // A stream whose front op waits for a value: looked at again when an engine is idle (every 20 us).
   void park(std::shared_ptr<stream_state> s) {
@@ -191,13 +198,14 @@ class engine_pool {
 
  private:
   void work();
+  void fail_ready(const error& e);
+  detail::executor& x_;
   double gbps_;
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<stream_state>> ready_;
-  std::vector<std::shared_ptr<stream_state>> parked_;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
+  std::deque<std::shared_ptr<stream_state>> ready_;      // with mu_
+  std::vector<std::shared_ptr<stream_state>> parked_;  // with mu_
+  bool stop_ = false;                                    // with mu_
+  detail::task_slots engines_;  // taken and given back with mu_
 };
 
 class sim_event final : public event, public std::enable_shared_from_this<sim_event> {
@@ -245,20 +253,24 @@ class event_handle final : public event {
 };
 
 void engine_pool::work() {
+  using namespace std::chrono_literals;
+  detail::backoff wait({.nap = 20us, .most = 20us});
   for (;;) {
     std::shared_ptr<stream_state> s;
     {
       std::unique_lock l(mu_);
-      while (!stop_ && ready_.empty()) {
-        if (parked_.empty()) {
-          cv_.wait(l);
-        } else {
-          cv_.wait_for(l, std::chrono::microseconds(20));
-          for (auto& p : parked_) ready_.push_back(std::move(p));
-          parked_.clear();
+      while (ready_.empty()) {
+        if (parked_.empty() || stop_) {
+          engines_.give_back();  // nothing to do: the engine's task ends (a schedule starts another)
+          return;
         }
+        // Only streams waiting for a value: looked at again after a short sleep.
+        l.unlock();
+        wait.pause();
+        l.lock();
+        for (auto& p : parked_) ready_.push_back(std::move(p));
+        parked_.clear();
       }
-      if (ready_.empty()) return;  // stop_ and nothing left
       s = std::move(ready_.front());
       ready_.pop_front();
     }
@@ -311,6 +323,23 @@ void engine_pool::work() {
   }
 }
 
+// Ends the front op of every ready stream with `e` (their copies could not run).
+void engine_pool::fail_ready(const error& e) {
+  std::deque<std::shared_ptr<stream_state>> gone;
+  {
+    std::lock_guard l(mu_);
+    gone.swap(ready_);
+  }
+  for (auto& s : gone) {
+    std::lock_guard l(s->mu);
+    if (!s->err) s->err = e;
+    s->completed += s->ops.size();
+    s->ops.clear();
+    s->scheduled = false;
+    s->cv.notify_all();
+  }
+}
+
 // ---- device ------------------------------------------------------------------------------------
 
 // A resolved piece of a copy: engine-view pointer, or user (host) memory when `host` is set.
@@ -324,13 +353,13 @@ class sim_stream;
 
 class sim_device final : public device {
  public:
-  sim_device(int ordinal, const device_settings& s)
+  sim_device(int ordinal, const device_settings& s, detail::executor& x)
       : device(make_info(ordinal, s), s.deadline),
         peer_access_(s.sim_peer),
         capacity_(s.sim_capacity),
         granularity_(s.sim_granularity),
         alloc_(s.sim_capacity),
-        pool_(s.sim_copy_engines, s.sim_copy_gbps) {
+        pool_(x, s.sim_copy_engines, s.sim_copy_gbps) {
     std::lock_guard l(g_devices_mu);
     g_devices.push_back(this);
   }
@@ -542,7 +571,7 @@ class sim_device final : public device {
   std::vector<std::unique_ptr<chunk_rec>> graveyard_;
   std::atomic<std::uint64_t> streams_{0};
   stream_registry live_streams_;
-  engine_pool pool_;  // last: its threads stop before the memory they use goes away
+  engine_pool pool_;  // last: its tasks end before the memory they use goes away
 };
 
 std::vector<segment> sim_device::resolve(const void* p, std::size_t bytes, bool write, int engine_ordinal,
@@ -816,8 +845,8 @@ class sim_client final : public peer_memory_client {
 
 std::unique_ptr<peer_memory_client> make_client() { return std::make_unique<sim_client>(); }
 
-std::unique_ptr<device> create_device(int ordinal, const device_settings& s) {
-  return std::make_unique<sim_device>(ordinal, s);
+std::unique_ptr<device> create_device(int ordinal, const device_settings& s, detail::executor& workers) {
+  return std::make_unique<sim_device>(ordinal, s, workers);
 }
 
 }  // namespace ferry::sim
