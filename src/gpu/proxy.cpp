@@ -79,6 +79,7 @@ struct proxy::impl {
       st->synchronize(deadline_after(o.deadline));
     }
     spare.resize(o.rings);
+    // Dedicated, not the executor's: each polls its ring's memory for as long as the proxy lives.
     for (std::uint32_t k = 0; k < o.rings; ++k)
       th.emplace_back([this, k] {
         ::pthread_setname_np(::pthread_self(), "ferry-gpu-proxy");  // for top, perf and debuggers (15 characters at most)

@@ -374,6 +374,8 @@ registration_cache::registration_cache(std::vector<peer_memory_client*> clients,
     impl_->ap->pid = ::getpid();
     // Touches the cache only between a wake-up and the end of apply_pending(), and never once
     // `stopping` is set (the cache may be gone by then).
+    // Dedicated, not the executor's: a hook inside free() can only write an eventfd (no lock, no
+    // allocation), which a thread must sit on; and its state outlives the cache (above).
     impl_->applier = std::thread([this, st = impl_->ap] {
       for (;;) {
         std::uint64_t n = 0;

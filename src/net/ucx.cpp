@@ -555,6 +555,7 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::sha
   ::epoll_ctl(epoll_, EPOLL_CTL_ADD, efd_, &ev);
   ev.data.fd = wake_;
   ::epoll_ctl(epoll_, EPOLL_CTL_ADD, wake_, &ev);
+  // Dedicated, not the executor's: a UCX worker is progressed by one thread, which sleeps in its epoll.
   thread_ = std::thread([this] {
     // Its naps (reacquire) should be as short as asked: the default 50 us timer slack would make a
     // 10 us nap last 60, and a caller that stops driving waits for the nap to end.

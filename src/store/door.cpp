@@ -381,6 +381,7 @@ door::door(const std::string& host, std::uint16_t port, door_limits limits, issu
   if (d.epoll_fd < 0 || d.wake_fd < 0) fail_errno(errno, "store.serve", where, "epoll/eventfd");
   d.watch(d.listen_fd, EPOLLIN, EPOLL_CTL_ADD);
   d.watch(d.wake_fd, EPOLLIN, EPOLL_CTL_ADD);
+  // Dedicated, not the executor's: strangers' connections are taken here, apart from any work they could stall.
   d.thread = std::thread([&d] { d.loop(); });
 }
 

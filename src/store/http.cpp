@@ -478,6 +478,7 @@ class http_engine {
         curl_multi_setopt(l->multi, CURLMOPT_PIPELINING, static_cast<long>(CURLPIPE_NOTHING));
         lanes_.push_back(std::move(l));
       }
+      // Dedicated, not the executor's: each drives its libcurl multi handle, which one thread at a time may use.
       for (auto& l : lanes_)
         l->thread = std::thread([this, p = l.get()] {
           ::pthread_setname_np(::pthread_self(), "ferry-http");  // (named for top, perf and the benchmarks' CPU by thread)

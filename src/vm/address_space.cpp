@@ -395,6 +395,7 @@ struct address_space::impl final : page_mover, launch_observer {
       if (g_spaces[i].fd.load() == -1 && g_spaces[i].fd.compare_exchange_strong(none, -2)) slot = i;
     }
     if (slot < 0) fail(errc::busy, "vm.space", dev.id(), fmt::format("more than {} address spaces at once", max_spaces));
+    // Dedicated, not the executor's: it must run while any other thread, an executor worker too, is stopped at a fault.
     service = std::thread([this] { serve(); });
     g_spaces[slot].pid.store(::getpid());
     // A fault waits for the service thread's own deadline (o.deadline per batch) and then some.

@@ -131,6 +131,7 @@ struct server::impl {
         log::warn("store", "no lending socket ({}); same-host clients move data by messages", e.what());
       }
     }
+    // Dedicated, not the executor's: it must run when the server's other threads are stuck on a client.
     janitor_thread = std::thread([this] { janitor(); });
   }
   // A descriptor passed on the lending socket: kept for the live session the token names, until a
