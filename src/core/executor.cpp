@@ -37,9 +37,12 @@ std::size_t executor::idle() const {
   return idle_.size();
 }
 
-void executor::run(task t) {
+void executor::run(task t, bool in_slot) {
   {
     std::unique_lock l(mu_);
+    // As many workers as slots already, none idle: some worker's task gave its slot back and is
+    // about to be idle (every slot's task has a worker), so this task waits for it.
+    if (in_slot) idle_cv_.wait(l, [&] { return !idle_.empty() || made_ < slots_; });
     if (!idle_.empty()) {
       worker* w = idle_.back();
       idle_.pop_back();
@@ -57,13 +60,15 @@ void executor::run(task t) {
     std::lock_guard l(mu_);
     w->id = static_cast<int>(all_.size());
     all_.push_back(nullptr);  // its place, so that ids stay dense whatever else is made meanwhile
+    ++made_;
   }
   try {
     w->go.release();
     w->thread = std::thread([this, p = w.get()] { serve(*p); });
   } catch (const std::exception& e) {
     std::lock_guard l(mu_);
-    // Its place stays empty (ids are never given twice); the destructor skips it.
+    --made_;  // its place stays empty (ids are never given twice); the destructor skips it
+    idle_cv_.notify_all();
     throw error(errc::unavailable, "executor", "worker thread", fmt::format("no thread could be made ({}) and no worker is idle", e.what()));
   }
   std::lock_guard l(mu_);
@@ -90,6 +95,7 @@ void executor::serve(worker& w) {
     std::lock_guard l(mu_);
     if (stop_) return;
     idle_.push_back(&w);
+    idle_cv_.notify_one();
   }
 }
 
@@ -108,6 +114,18 @@ executor::~executor() {
     if (w && w->thread.joinable()) w->thread.join();
 }
 
+task_slots::task_slots(executor& x, unsigned most) : x_(x), most_(most ? most : 1) {
+  std::lock_guard l(x_.mu_);
+  x_.slots_ += most_;
+  x_.idle_cv_.notify_all();
+}
+
+task_slots::~task_slots() {
+  wait_none();
+  std::lock_guard l(x_.mu_);
+  x_.slots_ -= most_;
+}
+
 bool task_slots::take() noexcept {
   std::lock_guard l(mu_);
   if (out_ >= most_) return false;
@@ -120,9 +138,9 @@ void task_slots::give_back() noexcept {
   if (--out_ == 0) none_.notify_all();  // under the lock: a waiter may destroy this once it sees none
 }
 
-void task_slots::start(executor& x, std::mutex& client_mu, executor::task t) {
+void task_slots::start(std::mutex& client_mu, executor::task t) {
   try {
-    x.run(std::move(t));
+    x_.run(std::move(t), true);
   } catch (...) {
     std::lock_guard l(client_mu);
     give_back();

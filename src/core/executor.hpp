@@ -7,7 +7,9 @@
 // A task runs on an idle worker, or on a worker made for it: the executor keeps no queue. Each
 // client bounds the tasks it has out (task_slots below) and keeps its own queue of work, which its
 // tasks drain; so a task always finds a worker, and a task that blocks (a copy waiting for its
-// stream, a ring waiting for its I/O) never holds up another client's. A worker, once made, stays
+// stream, a ring waiting for its I/O) never holds up another client's. The workers are as many as
+// the clients' slots at most: a task's slot is given back a moment before its worker is idle, and
+// a task started in that moment waits for the worker instead of making another. A worker, once made, stays
 // until the executor ends: making a thread costs its maker the loader's lock (in a process that
 // imported torch, a millisecond or more), which work that comes in bursts would pay each time.
 //
@@ -37,8 +39,9 @@ class executor {
 
   // Runs `t` on an idle worker, or on one made for it. Throws error(unavailable) when no worker is
   // idle and no thread can be made. A task that throws has its exception logged and dropped: tasks
-  // report their failures through their clients' completions.
-  void run(task t);
+  // report their failures through their clients' completions. (Clients start their tasks through
+  // task_slots, which keeps the workers within the slots.)
+  void run(task t) { run(std::move(t), false); }
   // The calling thread's worker number (0, 1, ...: dense, so clients may index per-worker state by
   // it), or -1 off the executor.
   static int worker_id() noexcept;
@@ -47,11 +50,16 @@ class executor {
   std::size_t idle() const;
 
  private:
+  friend class task_slots;
   struct worker;
+  void run(task t, bool in_slot);
   void serve(worker& w);
   mutable std::mutex mu_;
+  std::condition_variable idle_cv_;           // a worker became idle (for a task in a slot waiting for one)
   std::vector<std::unique_ptr<worker>> all_;  // with mu_
   std::vector<worker*> idle_;                 // with mu_: the most recently idle last (its caches warm)
+  std::size_t made_ = 0;                      // with mu_: workers made (all_ without the places left empty)
+  std::size_t slots_ = 0;                     // with mu_: the clients' slots, all together
   bool stop_ = false;
 };
 
@@ -62,8 +70,8 @@ class executor {
 // sees the work.
 class task_slots {
  public:
-  explicit task_slots(unsigned most) : most_(most ? most : 1) {}
-  ~task_slots() { wait_none(); }
+  task_slots(executor& x, unsigned most);
+  ~task_slots();
   task_slots(const task_slots&) = delete;
   task_slots& operator=(const task_slots&) = delete;
 
@@ -72,15 +80,16 @@ class task_slots {
   // The calling task is done with its slot and touches nothing of the client after it (under the
   // client's lock; the task returns next).
   void give_back() noexcept;
-  // Runs `t` on `x` in a slot take() gave; if that fails, gives the slot back (taking `client_mu`,
-  // the client's lock) and rethrows.
-  void start(executor& x, std::mutex& client_mu, executor::task t);
+  // Runs `t` in a slot take() gave; if that fails, gives the slot back (taking `client_mu`, the
+  // client's lock) and rethrows. Called without the client's lock.
+  void start(std::mutex& client_mu, executor::task t);
   unsigned out() const noexcept;
   unsigned most() const noexcept { return most_; }
   // Until no task holds a slot.
   void wait_none() noexcept;
 
  private:
+  executor& x_;
   const unsigned most_;
   mutable std::mutex mu_;
   std::condition_variable none_;

@@ -5,7 +5,7 @@
 namespace ferry {
 
 file_engine::impl::impl(transfer_engine& x, device_registry& d, registration_cache& c, const io_settings& s)
-    : xfer(x), devices(d), cache(c), cfg(s), loops(static_cast<unsigned>(s.io_threads > 0 ? s.io_threads : default_io_threads())) {
+    : xfer(x), devices(d), cache(c), cfg(s), loops(d.workers(), static_cast<unsigned>(s.io_threads > 0 ? s.io_threads : default_io_threads())) {
   inject_partial = s.io_inject.find("partial") != std::string::npos;
   inject_eintr = s.io_inject.find("eintr") != std::string::npos;
   if (s.io_mapped) mapped_pages = read_only_pins::make(d.config().cuda_driver);
@@ -62,7 +62,7 @@ void file_engine::impl::hand_over(std::size_t k, std::span<job> js, std::span<co
   }
   if (!start) return w.wake();
   try {
-    loops.start(devices.workers(), w.qmu, [&w] { w.loop(); });
+    loops.start(w.qmu, [&w] { w.loop(); });
   } catch (const std::exception& ex) {
     // No loop can run (no thread): what is queued on this worker fails, named, instead of waiting.
     std::vector<job> gone;

@@ -114,7 +114,7 @@ struct transfer_engine::impl {
   counter& c_cut = st.get("copies.cut_at_place");  // unified memory: pieces a place boundary cut short
   impl(device_registry& d, registration_cache& c, const xfer_settings& s)
       : devices(d), cache(c), cfg(s), nworkers(s.xfer_threads > 0 ? s.xfer_threads : default_xfer_threads()),
-        drains(static_cast<unsigned>(nworkers)) {
+        drains(d.workers(), static_cast<unsigned>(nworkers)) {
     for (int p = 0; p <= static_cast<int>(transfer_path::host); ++p)
       path_count[p] = &st.get(fmt::format("path.{}", to_string(static_cast<transfer_path>(p))));
   }
@@ -142,7 +142,7 @@ struct transfer_engine::impl {
   void start_drains(std::size_t n) noexcept {
     for (std::size_t k = 0; k < n; ++k) {
       try {
-        drains.start(devices.workers(), mu, [this] { drain(); });
+        drains.start(mu, [this] { drain(); });
       } catch (const std::exception& e) {
         {
           std::lock_guard l(mu);

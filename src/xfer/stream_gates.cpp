@@ -71,7 +71,7 @@ void stream_gates::watch(gate& g, std::uint32_t seq, deadline until, std::functi
     if (!watch_.take()) return;  // the watching task runs, and sees it
   }
   try {
-    watch_.start(x_, mu_, [this] { run(); });
+    watch_.start(mu_, [this] { run(); });
   } catch (const std::exception& e) {
     // Nothing can watch: what is watched ends unreached (its batch fails; its number is released).
     log::warn("xfer", "stream-ordered work cannot be watched ({}); it fails", e.what());

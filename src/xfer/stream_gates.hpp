@@ -85,7 +85,7 @@ class stream_gates {
   std::optional<registration> pin_;  // after words_: unpinned before they are freed
   std::map<std::pair<device*, std::uintptr_t>, gate> gates_;
   std::vector<watcher> watching_;
-  detail::task_slots watch_{1};  // the one task that watches, while anything is watched (with mu_)
+  detail::task_slots watch_{x_, 1};  // the one task that watches, while anything is watched (with mu_)
   bool stop_ = false;
 };
 

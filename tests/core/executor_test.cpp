@@ -88,7 +88,7 @@ TEST(Executor, SlotsBoundAClientsTasksAndNoQueuedWorkIsLeftBehind) {
   detail::executor x;
   std::mutex mu;
   std::vector<int> queue;
-  detail::task_slots slots(3);
+  detail::task_slots slots(x, 3);
   std::atomic<int> done{0}, at_once{0}, most{0};
   auto drain = [&] {
     for (;;) {
@@ -113,12 +113,12 @@ TEST(Executor, SlotsBoundAClientsTasksAndNoQueuedWorkIsLeftBehind) {
       queue.push_back(i);
       start = slots.take();
     }
-    if (start) slots.start(x, mu, drain);
+    if (start) slots.start(mu, drain);
   }
   ASSERT_TRUE(eventually([&] { return done.load() == items; })) << "every queued item ran";
   slots.wait_none();
   EXPECT_LE(most.load(), 3);
-  EXPECT_LE(x.workers(), 3u);
+  EXPECT_LE(x.workers(), 3u) << "no more workers than slots, even as tasks end and start";
   EXPECT_EQ(slots.out(), 0u);
 }
 
@@ -127,14 +127,14 @@ TEST(Executor, SlotsBoundAClientsTasksAndNoQueuedWorkIsLeftBehind) {
 TEST(Executor, BlockingTasksOfTwoClientsDoNotDeadlock) {
   detail::executor x;
   std::mutex amu, bmu;
-  detail::task_slots a(4), b(4);
+  detail::task_slots a(x, 4), b(x, 4);
   std::atomic<int> waiting_for_b{0}, b_ran{0};
   for (int i = 0; i < 4; ++i) {
     {
       std::lock_guard l(amu);
       ASSERT_TRUE(a.take());
     }
-    a.start(x, amu, [&] {
+    a.start(amu, [&] {
       ++waiting_for_b;
       bool ok = eventually([&] { return b_ran.load() > 0; }, 5s);
       std::lock_guard l(amu);
@@ -147,7 +147,7 @@ TEST(Executor, BlockingTasksOfTwoClientsDoNotDeadlock) {
     std::lock_guard l(bmu);
     ASSERT_TRUE(b.take());
   }
-  b.start(x, bmu, [&] {
+  b.start(bmu, [&] {
     ++b_ran;
     std::lock_guard l(bmu);
     b.give_back();

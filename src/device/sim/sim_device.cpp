@@ -162,7 +162,7 @@ struct stream_state {
 // streams' front ops until none is ready.
 class engine_pool {
  public:
-  engine_pool(detail::executor& x, int engines, double gbps) : x_(x), gbps_(gbps), engines_(static_cast<unsigned>(engines)) {}
+  engine_pool(detail::executor& x, int engines, double gbps) : gbps_(gbps), engines_(x, static_cast<unsigned>(engines)) {}
   ~engine_pool() {
     {
       std::lock_guard l(mu_);
@@ -177,7 +177,7 @@ class engine_pool {
       if (!engines_.take()) return;  // every engine runs: one of them takes it
     }
     try {
-      engines_.start(x_, mu_, [this] { work(); });
+      engines_.start(mu_, [this] { work(); });
     } catch (const std::exception& e) {
       // No engine could start (no thread): the stream's op fails instead of waiting forever.
       fail_ready(error(errc::unavailable, "sim.stream", "copy engine", e.what()));
@@ -199,7 +199,6 @@ class engine_pool {
  private:
   void work();
   void fail_ready(const error& e);
-  detail::executor& x_;
   double gbps_;
   std::mutex mu_;
   std::deque<std::shared_ptr<stream_state>> ready_;      // with mu_
