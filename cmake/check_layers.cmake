@@ -28,15 +28,12 @@ foreach(_layer IN LISTS _layers)
   foreach(_file IN LISTS _files)
     file(STRINGS "${_file}" _includes REGEX "^[ \t]*#[ \t]*include[ \t]*[<\"]")
     foreach(_line IN LISTS _includes)
-      # The top-level headers (the runtime, every layer's settings gathered) sit above every layer.
-      # One layer header may use them: vm/cuda_managed.hpp, the header-only drop-in for programs
-      # written for CUDA managed memory, which makes a whole runtime of its own.
-      if(_line MATCHES "#[ \t]*include[ \t]*[<\"]ferry/(runtime|settings)\\.hpp[>\"]")
+      # The top-level headers (the runtime, every layer's settings gathered, the drop-in for programs
+      # written for CUDA managed memory) sit above every layer.
+      if(_line MATCHES "#[ \t]*include[ \t]*[<\"]ferry/(runtime|settings|cuda_managed)\\.hpp[>\"]")
         file(RELATIVE_PATH _rel "${ROOT}" "${_file}")
-        if(NOT _rel STREQUAL "include/ferry/vm/cuda_managed.hpp")
-          string(STRIP "${_line}" _line)
-          list(APPEND _violations "  ${_rel} (${_layer}) includes the top level: ${_line}")
-        endif()
+        string(STRIP "${_line}" _line)
+        list(APPEND _violations "  ${_rel} (${_layer}) includes the top level: ${_line}")
       endif()
       if(_line MATCHES "#[ \t]*include[ \t]*[<\"](ferry/)?([a-z_]+)/")
         set(_used "${CMAKE_MATCH_2}")

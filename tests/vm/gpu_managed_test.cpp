@@ -3,7 +3,7 @@
 // without a GPU). Everything else -- cudaMemAdvise, cudaMemPrefetchAsync, cudaFree,
 // cudaStreamDestroy -- is written as the program had it.
 #include <cuda_runtime.h>
-#include <ferry/vm/cuda_managed.hpp>  // the include added
+#include <ferry/cuda_managed.hpp>  // the include added
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -3,7 +3,7 @@
 // memory (UVM). Such a program switches with one include and one allocation call:
 //
 //   #include <cuda_runtime.h>
-//   #include <ferry/vm/cuda_managed.hpp>          // added
+//   #include <ferry/cuda_managed.hpp>             // added
 //   ferry::managed::malloc_managed(&x, bytes);    // was cudaMallocManaged(&x, bytes)
 //
 // cudaMemPrefetchAsync, cudaMemAdvise, cudaStreamAttachMemAsync, cudaFree and cudaStreamDestroy
