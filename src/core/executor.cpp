@@ -7,6 +7,8 @@
 #include <pthread.h>
 #include <sys/prctl.h>
 
+#include <atomic>
+#include <exception>
 #include <semaphore>
 #include <thread>
 
@@ -14,7 +16,16 @@ namespace ferry::detail {
 
 namespace {
 thread_local int t_worker = -1;
+thread_local const task_slots* t_slots = nullptr;  // the client whose task the calling worker runs
+// Forks so far, counted in the child: an executor made before the last fork has no workers in this
+// process (they stayed behind), and a task handed to one of them would never run.
+std::atomic<unsigned> g_forks{0};
+unsigned forks_now() {
+  static const bool once = [] { return ::pthread_atfork(nullptr, nullptr, [] { g_forks.fetch_add(1); }) == 0; }();
+  (void)once;
+  return g_forks.load(std::memory_order_relaxed);
 }
+}  // namespace
 
 struct executor::worker {
   int id = 0;
@@ -23,7 +34,7 @@ struct executor::worker {
   std::thread thread;
 };
 
-executor::executor() = default;
+executor::executor() : forks_(forks_now()) {}
 
 int executor::worker_id() noexcept { return t_worker; }
 
@@ -38,6 +49,9 @@ std::size_t executor::idle() const {
 }
 
 void executor::run(task t, bool in_slot) {
+  if (forks_now() != forks_)
+    throw error(errc::invalid_argument, "executor", "worker threads",
+                "this process was forked from the one that made them, and they did not come along; make a runtime in this process");
   {
     std::unique_lock l(mu_);
     // As many workers as slots already, none idle: some worker's task gave its slot back and is
@@ -140,7 +154,21 @@ void task_slots::give_back() noexcept {
 
 void task_slots::start(std::mutex& client_mu, executor::task t) {
   try {
-    x_.run(std::move(t), true);
+    x_.run(
+        [this, t = std::move(t)] {
+          t_slots = this;
+          try {
+            t();
+          } catch (const std::exception& e) {
+            // A client's task handles its own failures and gives its slot back; one that escapes left
+            // its client's state half done (a queue no task drains, a ring no loop runs): loud, as a
+            // thread of its own ending with an exception would be, rather than a hang.
+            log::error("executor", "a task escaped with an exception, which its client cannot recover from: {}", e.what());
+            std::terminate();
+          }
+          t_slots = nullptr;
+        },
+        true);
   } catch (...) {
     std::lock_guard l(client_mu);
     give_back();
@@ -154,6 +182,12 @@ unsigned task_slots::out() const noexcept {
 }
 
 void task_slots::wait_none() noexcept {
+  if (t_slots == this) {
+    // The client is being ended from one of its own tasks (a completion that let go of its owner):
+    // the wait would be for this very task.
+    log::error("executor", "a client of the executor is being destroyed from one of its own tasks, which would wait for itself");
+    std::terminate();
+  }
   std::unique_lock l(mu_);
   none_.wait(l, [&] { return out_ == 0; });
 }

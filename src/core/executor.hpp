@@ -61,6 +61,7 @@ class executor {
   std::size_t made_ = 0;                      // with mu_: workers made (all_ without the places left empty)
   std::size_t slots_ = 0;                     // with mu_: the clients' slots, all together
   bool stop_ = false;
+  unsigned forks_ = 0;                        // forks before it was made (run() refuses in a later child)
 };
 
 // How many tasks of one client run at once, at most, and a wait for them all to end (the client's
@@ -81,11 +82,14 @@ class task_slots {
   // client's lock; the task returns next).
   void give_back() noexcept;
   // Runs `t` in a slot take() gave; if that fails, gives the slot back (taking `client_mu`, the
-  // client's lock) and rethrows. Called without the client's lock.
+  // client's lock) and rethrows. Called without the client's lock. A task must give its slot back
+  // itself and handle its failures: one that ends with an exception ends the process, with it.
   void start(std::mutex& client_mu, executor::task t);
   unsigned out() const noexcept;
   unsigned most() const noexcept { return most_; }
-  // Until no task holds a slot.
+  // Until no task holds a slot. The client then takes and drops its own lock once: a task that gave
+  // its slot back may still be releasing that lock. (Called from one of the client's own tasks, it
+  // would wait for itself: that ends the process, with a message.)
   void wait_none() noexcept;
 
  private:

@@ -96,6 +96,11 @@ struct transfer_engine::impl {
   bool stop = false;            // with mu: the engine ends; items queued now fail
   detail::task_slots drains;    // taken and given back with mu
   unsigned most_drains = 0;     // with mu: the most tasks out at once so far ("tasks.most")
+  // A running task's streams, one per device, by the task's place 0..nworkers-1 (taken from
+  // `places` with mu when it starts, given back as it ends): as many streams per device as tasks
+  // may run at once, whichever executor workers run them.
+  std::vector<std::map<device*, std::unique_ptr<stream>>> place_streams;
+  std::vector<unsigned> places;  // with mu: the free ones
   std::mutex pools_mu;
   std::map<int, std::unique_ptr<pinned_pool>> pools;
   std::mutex peer_mu;
@@ -114,7 +119,8 @@ struct transfer_engine::impl {
   counter& c_cut = st.get("copies.cut_at_place");  // unified memory: pieces a place boundary cut short
   impl(device_registry& d, registration_cache& c, const xfer_settings& s)
       : devices(d), cache(c), cfg(s), nworkers(s.xfer_threads > 0 ? s.xfer_threads : default_xfer_threads()),
-        drains(d.workers(), static_cast<unsigned>(nworkers)) {
+        drains(d.workers(), static_cast<unsigned>(nworkers)), place_streams(static_cast<std::size_t>(nworkers)) {
+    for (int k = nworkers - 1; k >= 0; --k) places.push_back(static_cast<unsigned>(k));
     for (int p = 0; p <= static_cast<int>(transfer_path::host); ++p)
       path_count[p] = &st.get(fmt::format("path.{}", to_string(static_cast<transfer_path>(p))));
   }
@@ -124,6 +130,7 @@ struct transfer_engine::impl {
       stop = true;
     }
     drains.wait_none();  // they run what is queued first
+    std::lock_guard l(mu);  // the last of them may still be letting go of it
   }
   // Starts tasks for the queued items, as many as slots are free and items queued (called with mu).
   // Every running task is busy with an item: one that runs out of items ends.
@@ -244,8 +251,6 @@ struct transfer_engine::impl {
   // Streams of threads that help (callers in wait()), per thread and device; kept for the engine's life.
   std::mutex helper_mu;
   std::map<std::pair<std::thread::id, device*>, std::unique_ptr<stream>> helper_streams;
-  // The executor workers' streams, per worker and device (with helper_mu).
-  std::map<std::pair<int, device*>, std::unique_ptr<stream>> worker_streams;
   // The calling thread's last few of them, without the lock: a caller of single copies looks its
   // stream up twice per copy. Keyed by the engine's serial number, never its address (an engine made
   // where a destroyed one was must not find the old one's streams).
@@ -346,15 +351,19 @@ struct transfer_engine::impl {
     start_drains(n);
   }
 
-  // A task on the executor: runs queued items until none is left, each on the executor worker's own
-  // stream of its device (made on its first item there, kept for the engine's life).
+  // A task on the executor: runs queued items until none is left, each on its place's own stream of
+  // the item's device (made on first use there, kept for the engine's life).
   void drain() {
+    unsigned place;
+    {
+      std::lock_guard l(mu);
+      place = places.back();  // a slot is held: a place is free
+      places.pop_back();
+    }
+    auto& mine = place_streams[place];
     auto stream_of = [&](device* d) -> stream& {
-      if (stream* s = known_helper(d)) return *s;
-      std::lock_guard l(helper_mu);
-      auto& s = worker_streams[{detail::executor::worker_id(), d}];
+      auto& s = mine[d];
       if (!s) s = d->create_stream();
-      remember_helper(d, s.get());
       return *s;
     };
     for (;;) {
@@ -362,11 +371,23 @@ struct transfer_engine::impl {
       {
         std::lock_guard l(mu);
         if (queue.empty()) {
+          places.push_back(place);
           drains.give_back();
           return;
         }
         w = std::move(queue.front());
         queue.pop_front();
+      }
+      try {
+        // Its streams first: a device that cannot make one fails this item, named, not the task.
+        for (device* d : {w.dev, w.dev2})
+          if (d) stream_of(d);
+      } catch (const std::exception& ex) {
+        const error* fe = dynamic_cast<const error*>(&ex);
+        error e = fe ? *fe : error(errc::internal, "xfer.run", "stream", ex.what());
+        for (auto& sg : w.segs) w.b->finish(sg.req, sg.len, &e);
+        w.b->item_done();
+        continue;
       }
       run(w, stream_of);
       w.b->item_done();

@@ -20,6 +20,7 @@ stream_gates::~stream_gates() {
     stop_ = true;
   }
   watch_.wait_none();
+  std::lock_guard l(mu_);  // the watching task may still be letting go of it
 }
 
 std::string stream_gates::describe(stream& s) {

@@ -2,7 +2,12 @@
 // blocking tasks of two clients cannot hold each other up.
 #include "core/executor.hpp"
 
+#include <ferry/core/error.hpp>
+
 #include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -155,6 +160,34 @@ TEST(Executor, BlockingTasksOfTwoClientsDoNotDeadlock) {
   a.wait_none();
   b.wait_none();
   EXPECT_EQ(b_ran.load(), 1);
+}
+
+// A forked child has none of the parent's workers: a task handed to one would never run, so the
+// executor refuses it, saying why.
+TEST(Executor, AForkedChildIsRefusedWithTheReason) {
+  detail::executor x;
+  std::atomic<bool> ran{false};
+  x.run([&] { ran = true; });
+  ASSERT_TRUE(eventually([&] { return ran.load() && x.idle() == 1; }));
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    int code = 3;
+    try {
+      x.run([] {});
+      code = 1;  // accepted: it would never run
+    } catch (const error& e) {
+      code = e.code() == errc::invalid_argument && std::string(e.what()).find("forked") != std::string::npos ? 0 : 2;
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: the child's task was accepted; 2: another error";
+  ran = false;
+  x.run([&] { ran = true; });
+  EXPECT_TRUE(eventually([&] { return ran.load(); })) << "the parent's executor still serves";
 }
 
 }  // namespace
