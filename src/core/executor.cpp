@@ -149,10 +149,20 @@ bool task_slots::take() noexcept {
 
 void task_slots::give_back() noexcept {
   std::lock_guard l(mu_);
-  if (--out_ == 0) none_.notify_all();  // under the lock: a waiter may destroy this once it sees none
+  if (--out_ == 0 && running_ == 0) none_.notify_all();  // under the lock: a waiter may destroy this once it sees none
+}
+
+// The task's end, after it returned (and so let go of its client's lock, under which it gave its slot back).
+void task_slots::ended() noexcept {
+  std::lock_guard l(mu_);
+  if (--running_ == 0 && out_ == 0) none_.notify_all();
 }
 
 void task_slots::start(std::mutex& client_mu, executor::task t) {
+  {
+    std::lock_guard l(mu_);
+    ++running_;
+  }
   try {
     x_.run(
         [this, t = std::move(t)] {
@@ -167,11 +177,15 @@ void task_slots::start(std::mutex& client_mu, executor::task t) {
             std::terminate();
           }
           t_slots = nullptr;
+          ended();
         },
         true);
   } catch (...) {
-    std::lock_guard l(client_mu);
-    give_back();
+    {
+      std::lock_guard l(client_mu);
+      give_back();
+    }
+    ended();
     throw;
   }
 }
@@ -189,7 +203,7 @@ void task_slots::wait_none() noexcept {
     std::terminate();
   }
   std::unique_lock l(mu_);
-  none_.wait(l, [&] { return out_ == 0; });
+  none_.wait(l, [&] { return out_ == 0 && running_ == 0; });
 }
 
 }  // namespace ferry::detail

@@ -87,9 +87,9 @@ class task_slots {
   void start(std::mutex& client_mu, executor::task t);
   unsigned out() const noexcept;
   unsigned most() const noexcept { return most_; }
-  // Until no task holds a slot. The client then takes and drops its own lock once: a task that gave
-  // its slot back may still be releasing that lock. (Called from one of the client's own tasks, it
-  // would wait for itself: that ends the process, with a message.)
+  // Until no task holds a slot and every task started has returned (so has let go of the client's
+  // lock too). (Called from one of the client's own tasks, it would wait for itself: that ends the
+  // process, with a message.)
   void wait_none() noexcept;
 
  private:
@@ -97,7 +97,9 @@ class task_slots {
   const unsigned most_;
   mutable std::mutex mu_;
   std::condition_variable none_;
-  unsigned out_ = 0;
+  unsigned out_ = 0;      // slots taken
+  unsigned running_ = 0;  // tasks started and not yet returned
+  void ended() noexcept;
 };
 
 }  // namespace ferry::detail

@@ -49,7 +49,6 @@ file_engine::impl::~impl() {
     }
   }
   loops.wait_none();  // each ends what it runs and what is queued first
-  for (std::size_t k = 0; k < live.load(); ++k) std::lock_guard l(workers[k]->qmu);  // the last loops may still be letting go of theirs
 }
 
 void file_engine::impl::hand_over(std::size_t k, std::span<job> js, std::span<const std::size_t> which) {

@@ -130,7 +130,6 @@ struct transfer_engine::impl {
       stop = true;
     }
     drains.wait_none();  // they run what is queued first
-    std::lock_guard l(mu);  // the last of them may still be letting go of it
   }
   // Starts tasks for the queued items, as many as slots are free and items queued (called with mu).
   // Every running task is busy with an item: one that runs out of items ends.

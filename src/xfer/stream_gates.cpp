@@ -20,7 +20,6 @@ stream_gates::~stream_gates() {
     stop_ = true;
   }
   watch_.wait_none();
-  std::lock_guard l(mu_);  // the watching task may still be letting go of it
 }
 
 std::string stream_gates::describe(stream& s) {

@@ -169,7 +169,6 @@ class engine_pool {
       stop_ = true;  // a task polling parked streams (waits that will never be met) ends
     }
     engines_.wait_none();
-    std::lock_guard l(mu_);  // the last engine's task may still be letting go of it
   }
   void schedule(std::shared_ptr<stream_state> s) {
     {
