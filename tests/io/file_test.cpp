@@ -12,6 +12,7 @@
 #include <liburing.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -214,7 +215,6 @@ TEST(File, SmallReadsTheCacheLacksAreReadDirectlyOrFinishedBuffered) {
       ASSERT_EQ(std::memcmp(back.data(), data.data() + off, len), 0) << "sim " << off << " " << len;
     }
   }
-  EXPECT_GT(rt.files().counters().get("reads.missed_cache").value(), 0u) << "the reads the cache lacked went direct";
   // The first page of the range cached, the rest not: a short answer from the cache, the rest buffered.
   evict();
   {
@@ -250,6 +250,24 @@ TEST(File, SmallReadsTheCacheLacksAreReadDirectlyOrFinishedBuffered) {
   std::vector<unsigned char> back(64 << 10);
   rt.engine().copy(back.data(), dev.data(), back.size());
   EXPECT_EQ(std::memcmp(back.data(), data.data() + 100, back.size()), 0);
+  // The reads above that the cache lacked went direct, unless the disk won every race: an RWF_NOWAIT
+  // read starts the readahead of what it lacks, and a disk that answers before the read looks again
+  // (a RAM-backed virtual disk) leaves nothing missed. The engine must miss where a plain
+  // RWF_NOWAIT read of an evicted page misses.
+  auto missed = [&] { return rt.files().counters().get("reads.missed_cache").value() > 0; };
+  for (int i = 0; i < 50 && !missed(); ++i) {
+    evict();
+    ASSERT_EQ(rt.files().read(*f, 9 * 4096, host.data(), 4096), 4096u);
+  }
+  if (missed()) return;
+  int plain_misses = 0;
+  for (int i = 0; i < 50; ++i) {
+    evict();
+    iovec v{host.data(), 4096};
+    plain_misses += ::preadv2(f->fd(), &v, 1, 9 * 4096, RWF_NOWAIT) < 0 && errno == EAGAIN;
+  }
+  EXPECT_EQ(plain_misses, 0) << "RWF_NOWAIT reads of evicted pages missed, yet none of the engine's went direct";
+  GTEST_SKIP() << p << ": every RWF_NOWAIT read of an evicted page found it read (a disk that answers as it is asked)";
 }
 
 TEST(File, ShortReadAtEndOfFileNeverGarbage) {
