@@ -778,9 +778,24 @@ void ucx_worker::loop() {
   using clk = std::chrono::steady_clock;
   auto last = clk::now();
   unsigned idle = 0;
+  auto looked = last;
   std::unique_lock l(ucx_mu_);
   lock_owner();
   while (!stop_) {
+    // (`last` is read after each busy turn and each sleep: no clock reading of its own here.)
+    if (has_idle_.load(std::memory_order_acquire) && (kicked_.load(std::memory_order_acquire) || last - looked >= std::chrono::milliseconds(100))) {
+      kicked_.store(false, std::memory_order_relaxed);
+      unlock_owner();
+      l.unlock();
+      try {
+        idle_();
+      } catch (const std::exception& e) {
+        log::error("net", "{}: idle work failed: {}", name_, e.what());
+      }
+      reacquire(l, std::chrono::nanoseconds(0));
+      looked = last = clk::now();
+      continue;
+    }
     if (drivers_.load(std::memory_order_acquire) > 0) {
       // Callers driving is activity too: this thread stays awake (and the worker unarmed) for spin_
       // after they leave. An armed worker would make every peer that sends to it signal it through

@@ -198,6 +198,18 @@ class ucx_worker {
     sink_ = std::move(sink);
     data_done_ = std::move(done);
   }
+  // Work of the worker's owner that may wait (reconnecting, a deadline's look): run by the progress
+  // thread with the worker let go -- as any other thread would, so that what it waits for on this
+  // worker is driven by the wait itself -- at least every tenth of a second, and soon after kick().
+  // Set before the first connection; it must return soon when nothing is due.
+  void on_idle(std::function<void()> f) {
+    idle_ = std::move(f);
+    has_idle_.store(true, std::memory_order_release);  // (the loop reads idle_ only after this)
+  }
+  void kick() {
+    kicked_.store(true, std::memory_order_release);
+    post([] {});  // wakes a sleeping progress thread
+  }
   // Runs f on the progress thread (asynchronously).
   void post(std::function<void()> f);
   // Runs f at once when this thread may use the worker (it is the progress thread, or the worker is
@@ -224,6 +236,18 @@ class ucx_worker {
   template <typename F>
   auto call(F f, std::chrono::steady_clock::time_point until) -> decltype(f()) {
     using R = decltype(f());
+    if (on_progress_thread()) {
+      // The progress thread in its idle work (on_idle) has let the worker go: it takes it here, as
+      // a posted job would run (waiting for its own loop would wait forever).
+      if (owner_.load(std::memory_order_relaxed) == std::this_thread::get_id()) return f();
+      std::lock_guard l(ucx_mu_);
+      lock_owner();
+      struct release {
+        ucx_worker* w;
+        ~release() { w->unlock_owner(); }
+      } r{this};
+      return f();
+    }
     auto p = std::make_shared<std::promise<R>>();
     auto fut = p->get_future();
     post([p, f = std::move(f)]() mutable {
@@ -356,6 +380,8 @@ class ucx_worker {
   data_sink sink_;
   data_done data_done_;
   std::function<void(std::shared_ptr<connection>)> accepted_;
+  std::function<void()> idle_;
+  std::atomic<bool> has_idle_{false}, kicked_{false};
   std::unordered_map<ucp_ep_h, std::shared_ptr<connection>> conns_;  // progress thread
   std::thread thread_;
 };

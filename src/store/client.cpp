@@ -60,6 +60,10 @@ std::shared_ptr<client::impl::piece> client::impl::maybe_settle(const std::share
   }
   if (!p.err && p.reply)
     if (auto* cp = std::get_if<complete>(&p.reply->b)) (p.write ? n_written : n_read) += cp->bytes;
+  if (p.owner && !p.err) {  // a submitted request's deadline by progress moves on
+    p.owner->moved_at = clk::now();
+    if (p.owner->r.moved) p.owner->r.moved();
+  }
   // An answer (not a refusal): the caller's hook takes its ranges (copy_out), then the slot goes back.
   if (!p.err && p.answer && p.reply && std::holds_alternative<complete>(p.reply->b)) return keep;
   if (!p.err && !p.write && p.final_dst && p.received) {
@@ -104,13 +108,16 @@ void client::impl::answer_ranges(const std::shared_ptr<piece>& pp) {
       bad = error(errc::internal, "store.read", peer, "the caller's answer hook threw");
     }
   }
-  std::lock_guard l(mu);
-  if (bad) p.err = std::move(bad);
-  else p.counts = std::move(counts);
-  release_land(p, false);  // answered: the server is done with the slot
-  p.done.store(true, std::memory_order_release);
-  cv.notify_all();
-  ended(p);
+  {
+    std::lock_guard l(mu);
+    if (bad) p.err = std::move(bad);
+    else p.counts = std::move(counts);
+    release_land(p, false);  // answered: the server is done with the slot
+    p.done.store(true, std::memory_order_release);
+    cv.notify_all();
+    ended(p);
+  }
+  drain_if_any();
 }
 
 void client::impl::copy_out(std::shared_ptr<piece> pp) {
@@ -121,13 +128,16 @@ void client::impl::copy_out(std::shared_ptr<piece> pp) {
     auto& q = *pp;
     n_staged_pieces.fetch_add(1, std::memory_order_relaxed);
     copy_out_ns.fetch_add(static_cast<std::uint64_t>((clk::now() - q.landed).count()), std::memory_order_relaxed);
-    std::lock_guard l(mu);
-    if (e) q.err = *e;
-    else n_staged += q.received;
-    release_buffers(q);
-    q.done.store(true, std::memory_order_release);
-    cv.notify_all();
-    ended(q);
+    {
+      std::lock_guard l(mu);
+      if (e) q.err = *e;
+      else n_staged += q.received;
+      release_buffers(q);
+      q.done.store(true, std::memory_order_release);
+      cv.notify_all();
+      ended(q);
+    }
+    drain_if_any();
   };
   // A small piece for host memory is a short memcpy: cheaper right here than the hand-off to an
   // engine worker and back (a GPU cache's misses land hundreds at a time in pinned host memory).
@@ -201,7 +211,7 @@ void client::impl::take_inline(piece& p, message&& m, const std::byte* d, std::s
 }
 
 std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force,
-                                                        op* whole, ticket* t) {
+                                                        op* whole, ticket* t, bool wait, bool* all_down) {
   std::unique_lock l(mu);
   lane* ln = force;
   if (needs_credit) {
@@ -233,7 +243,12 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
       }
       return best;
     };
-    if (!cv.wait_until(l, until, [&] { return (ln = pick()) != nullptr || !any_up; }))
+    if (!wait) {
+      ln = pick();
+      if (all_down) *all_down = !any_up;
+      if (!ln) return nullptr;
+    }
+    if (wait && !cv.wait_until(l, until, [&] { return (ln = pick()) != nullptr || !any_up; }))
       fail(errc::timeout, "store.request", peer, "no credit from the server before the deadline (all lanes busy)");
     if (!ln)
       fail(errc::network_error, "store.request", peer, "connection lost" + (lost.empty() ? std::string(" (every lane is down)") : ": " + lost));
@@ -287,19 +302,16 @@ const memory_region* client::impl::buffer_region(const piece& p) {
   return nullptr;
 }
 
-client::ticket client::impl::start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
-                                   clk::time_point until, std::uint64_t handle, op* keep, client::ended_fn ended_fn) {
-  const char* opname = write ? "store.write" : "store.read";
-  std::shared_ptr<notice> ends = notice::make(std::move(ended_fn));
-  if (length && !mem) fail(errc::invalid_argument, opname, path, "null buffer");
-  if (offset + length < offset) fail(errc::invalid_argument, opname, path, "offset + length overflows");
+void client::impl::plan_request(plan& pl, clk::time_point until, bool connect) {
+  pl.opname = pl.write ? "store.write" : "store.read";
+  if (pl.length && !pl.mem) fail(errc::invalid_argument, pl.opname, pl.path, "null buffer");
+  if (pl.offset + pl.length < pl.offset) fail(errc::invalid_argument, pl.opname, pl.path, "offset + length overflows");
   // The caller's allocated buffer, mapped by every lane's server: straight in or out, for any size.
-  bool lent = buffers.covers(mem, length, all_lanes());
-  memory_region user;
-  bool staged = !lent && needs_staging(mem, length, opname, user);
-  ensure_connected(until);
-  if (write && !hello_reply.writable)
-    fail(errc::permission_denied, opname, fmt::format("{} {}", peer, printable(path)), "the server is read-only");
+  pl.lent = buffers.covers(pl.mem, pl.length, all_lanes());
+  pl.staged = !pl.lent && needs_staging(pl.mem, pl.length, pl.opname, pl.user);
+  if (connect) ensure_connected(until);
+  if (pl.write && !hello_reply.writable)
+    fail(errc::permission_denied, pl.opname, fmt::format("{} {}", peer, printable(pl.path)), "the server is read-only");
   // Through the landing region when the server maps it: reads always (a small one answered at once
   // also writes the slot's notify record, which the waiter sees before any message: sent inline,
   // the data would cross into this process twice -- the server copies it into UCX's queue, this side
@@ -307,114 +319,166 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   // (a small write is one message either way).
   // The region is looked up only where it may be used (a client across hosts never maps one), and
   // before the decision: one replaced meanwhile is found spent below, and its successor taken.
-  std::shared_ptr<detail::landing_region> lr;
-  bool direct = false;
-  if (lent || direct_available()) {
-    lr = current_landing();
-    direct = lent || !write || staged || length > (16u << 10);
+  if (pl.lent || direct_available()) {
+    pl.lr = current_landing();
+    pl.direct = pl.lent || !pl.write || pl.staged || pl.length > (16u << 10);
   }
-  if (direct && staged && o.cache && lr) lr->pinned(*o.cache, peer);  // pinned once, on first use
+  if (pl.direct && pl.staged && o.cache && pl.lr) pl.lr->pinned(*o.cache, peer);  // pinned once, on first use
   // RMA into/out of the caller's memory, registered for the network (cached); memory UCX cannot
   // register (GPU memory without CUDA support in UCX) keeps the staged path.
-  std::shared_ptr<registration> net;
-  std::vector<registration::piece> net_pieces;
-  if (!direct && !staged && use_rma && net_cache && length > (16u << 10)) {
+  if (!pl.direct && !pl.staged && use_rma && net_cache && pl.length > (16u << 10)) {
     try {
-      net = std::make_shared<registration>(net_cache->acquire(mem, length));
-      net_pieces = net->registered_pieces();
+      pl.net = std::make_shared<registration>(net_cache->acquire(pl.mem, pl.length));
+      pl.net_pieces = pl.net->registered_pieces();
     } catch (const error& e) {
-      log::debug("store", "{}: no network registration for {}+{} ({}); data moves by messages", peer, static_cast<void*>(mem), length, e.what());
-      net.reset();
+      log::debug("store", "{}: no network registration for {}+{} ({}); data moves by messages", peer, static_cast<void*>(pl.mem),
+                 pl.length, e.what());
+      pl.net.reset();
     }
   }
-  op o2{path, write, offset, length, until, {}, {}};
   // Staged through the engine's buffers, a piece is at most one of them (also through the landing
   // region: a request whose region is replaced may go on through them).
-  pinned_pool* pool = staged ? &o.engine->staging_for(user) : nullptr;
-  const std::uint64_t piece_len = pool ? std::min<std::uint64_t>(o.piece, pool->buffer_bytes()) : o.piece;
+  pl.pool = pl.staged ? &o.engine->staging_for(pl.user) : nullptr;
+  pl.piece_len = pl.pool ? std::min<std::uint64_t>(o.piece, pl.pool->buffer_bytes()) : o.piece;
+}
+
+std::shared_ptr<client::impl::piece> client::impl::next_piece(plan& pl, message& m, clk::time_point until, bool wait) {
+  const bool write = pl.write;
+  const std::uint64_t off = pl.off;
+  std::byte* const mem = pl.mem;
+  std::uint64_t n = std::min<std::uint64_t>(pl.piece_len, pl.length - off);
+  auto p = std::make_shared<piece>();
+  p->write = write;
+  p->until = until;
+  const registration::piece* rp = nullptr;
+  if (pl.net && n) {
+    auto a = reinterpret_cast<std::uintptr_t>(mem + off);
+    for (auto& x : pl.net_pieces)
+      if (a >= x.addr && a < x.addr + x.bytes) rp = &x;
+    if (rp) n = std::min<std::uint64_t>(n, rp->addr + rp->bytes - a);  // one wire piece, one network key
+  }
+  p->len = n;
+  if (!rp && pl.direct && n && !pl.lent) {
+    // A slot of the landing region. A spent region (half its slots lost to requests the server
+    // never answered) is replaced; where not every lane maps its successor yet, the rest of the
+    // request moves data by messages. Without waiting: a slot free now, else none (the lanes' idle
+    // look renews a spent region).
+    while ((p->land_slot = wait ? pl.lr->take_slot(n, until, peer) : pl.lr->try_take_slot(n)) < 0) {
+      if (!wait) {
+        if (pl.lr->spent()) {
+          renew_wanted = true;
+          kick();
+        }
+        return nullptr;
+      }
+      renew_landing(pl.lr, until);
+      pl.lr = current_landing();
+      if (!direct_available()) {
+        log::info("store", "{}: {} {}: the rest by messages until every lane maps the fresh landing region", peer, pl.opname,
+                  printable(pl.path));
+        pl.direct = false;
+        break;
+      }
+      if (pl.staged && o.cache) pl.lr->pinned(*o.cache, peer);
+    }
+    if (p->land_slot >= 0) p->region = pl.lr;
+  }
+  const std::string& path = pl.path;
+  const std::uint64_t at = pl.offset + off;
+  if (rp) {
+    auto key = ucx_net_client::rkey_of(rp->cookie);
+    std::vector<std::uint8_t> rk(reinterpret_cast<const std::uint8_t*>(key.data()), reinterpret_cast<const std::uint8_t*>(key.data()) + key.size());
+    auto addr = reinterpret_cast<std::uint64_t>(mem + off);
+    p->rma = true;
+    p->net = pl.net;
+    p->rma_mem = mem + off;
+    m = {0, 0, write ? body{write_rma{path, at, n, addr, std::move(rk), pl.handle}} : body{read_rma{path, at, n, addr, std::move(rk), pl.handle}}};
+  } else if (pl.direct && n) {
+    p->direct = true;
+    if (pl.lent) {
+      p->land = mem + off;
+      p->lent = true;
+    } else {
+      p->land = pl.lr->slot(p->land_slot);
+      if (write) {
+        copy_bytes(p->land, mem + off, n, false, pl.user, buffer_region(*p), until);
+      } else {
+        p->final_dst = mem + off;
+        p->user = pl.user;
+      }
+    }
+    auto addr = reinterpret_cast<std::uint64_t>(p->land);
+    auto& lr = pl.lr;
+    if (!write && n <= (16u << 10) && lr && (!p->region || p->region == lr) && (p->rec = lr->try_take_record()) >= 0) {
+      p->region = lr;
+      p->record = lr->record(p->rec);
+    }
+    m = {0, 0, write ? body{write_from{path, at, n, addr, pl.handle}}
+                     : body{read_into{path, at, n, addr, reinterpret_cast<std::uint64_t>(p->record), pl.handle}}};
+  } else {
+    if (pl.staged) {
+      p->slot = wait ? pl.pool->get(until) : pl.pool->try_get();
+      if (!p->slot) return nullptr;
+      if (write) copy_bytes(p->slot.data(), mem + off, n, false, pl.user, buffer_region(*p), until);
+      else p->final_dst = mem + off, p->user = pl.user;
+      p->land = p->slot.data();
+    } else {
+      p->land = mem ? mem + off : nullptr;
+    }
+    m = {0, 0, write ? body{write_req{path, at, n, pl.handle}} : body{read_req{path, at, n, pl.handle}}};
+  }
+  return p;
+}
+
+void client::impl::send_write_data(const std::shared_ptr<piece>& p) {
+  if (!p->write || !p->len || p->direct || p->rma) return;
+  // Data follows the frame, on the same connection, in messages of at most max_data (the server's limit).
+  std::shared_ptr<connection> cn;
+  {
+    std::lock_guard l(mu);
+    cn = p->ln->c;
+  }
+  for (std::uint64_t d = 0; cn && d < p->len; d += max_data) {
+    std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(max_data, p->len - d));
+    auto pp = p;
+    cn->send_data(p->rid, d, p->land + d, k, [this, pp](ucs_status_t s) {
+      if (s == UCS_OK) return;
+      {
+        std::lock_guard l(mu);
+        if (!pp->err) pp->err = error(errc::network_error, "store.write", peer, std::string("data send failed: ") + ucs_status_string(s));
+        (void)maybe_settle(pp);  // a write: nothing to copy on
+      }
+      drain_if_any();
+    });
+  }
+}
+
+client::ticket client::impl::start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
+                                   clk::time_point until, std::uint64_t handle, op* keep, client::ended_fn ended_fn) {
+  std::shared_ptr<notice> ends = notice::make(std::move(ended_fn));
+  plan pl;
+  pl.path = path;
+  pl.write = write;
+  pl.offset = offset;
+  pl.length = length;
+  pl.handle = handle;
+  pl.mem = mem;
+  plan_request(pl, until, true);
+  op o2{path, write, offset, length, until, {}, {}};
   // A read of one piece (most small ones) is registered with its piece, under one lock.
-  bool one_piece = !write && length <= piece_len && !net;
+  bool one_piece = !write && length <= pl.piece_len && !pl.net;
   ticket registered = 0;
   // The piece being made until it is registered: a failure before then gives its landing slot and
   // record back (the server never saw them), so that they are neither lost nor quarantined.
   std::shared_ptr<piece> unsent;
   try {
-    std::uint64_t off = 0;
     do {
-      std::uint64_t n = std::min<std::uint64_t>(piece_len, length - off);
-      auto p = std::make_shared<piece>();
+      message m;
+      auto p = next_piece(pl, m, until, true);
       unsent = p;
-      p->write = write;
-      p->until = until;
       if (ends) {
         ends->left.fetch_add(1, std::memory_order_relaxed);
         p->ends = ends;
-      }
-      message m;
-      const registration::piece* rp = nullptr;
-      if (net && n) {
-        auto a = reinterpret_cast<std::uintptr_t>(mem + off);
-        for (auto& x : net_pieces)
-          if (a >= x.addr && a < x.addr + x.bytes) rp = &x;
-        if (rp) n = std::min<std::uint64_t>(n, rp->addr + rp->bytes - a);  // one wire piece, one network key
-      }
-      p->len = n;
-      if (!rp && direct && n && !lent) {
-        // A slot of the landing region. A spent region (half its slots lost to requests the server
-        // never answered) is replaced; where not every lane maps its successor yet, the rest of the
-        // request moves data by messages.
-        while ((p->land_slot = lr->take_slot(n, until, peer)) < 0) {
-          renew_landing(lr, until);
-          lr = current_landing();
-          if (!direct_available()) {
-            log::info("store", "{}: {} {}: the rest by messages until every lane maps the fresh landing region", peer, opname,
-                      printable(path));
-            direct = false;
-            break;
-          }
-          if (staged && o.cache) lr->pinned(*o.cache, peer);
-        }
-        if (p->land_slot >= 0) p->region = lr;
-      }
-      if (rp) {
-        auto key = ucx_net_client::rkey_of(rp->cookie);
-        std::vector<std::uint8_t> rk(reinterpret_cast<const std::uint8_t*>(key.data()), reinterpret_cast<const std::uint8_t*>(key.data()) + key.size());
-        auto addr = reinterpret_cast<std::uint64_t>(mem + off);
-        p->rma = true;
-        p->net = net;
-        p->rma_mem = mem + off;
-        m = {0, 0, write ? body{write_rma{path, offset + off, n, addr, std::move(rk), handle}} : body{read_rma{path, offset + off, n, addr, std::move(rk), handle}}};
-      } else if (direct && n) {
-        p->direct = true;
-        if (lent) {
-          p->land = mem + off;
-          p->lent = true;
-        } else {
-          p->land = lr->slot(p->land_slot);
-          if (write) {
-            copy_bytes(p->land, mem + off, n, false, user, buffer_region(*p), until);
-          } else {
-            p->final_dst = mem + off;
-            p->user = user;
-          }
-        }
-        auto addr = reinterpret_cast<std::uint64_t>(p->land);
-        if (!write && n <= (16u << 10) && lr && (!p->region || p->region == lr) && (p->rec = lr->try_take_record()) >= 0) {
-          p->region = lr;
-          p->record = lr->record(p->rec);
-        }
-        m = {0, 0, write ? body{write_from{path, offset + off, n, addr, handle}}
-                         : body{read_into{path, offset + off, n, addr, reinterpret_cast<std::uint64_t>(p->record), handle}}};
-      } else {
-        if (staged) {
-          p->slot = pool->get(until);
-          if (write) copy_bytes(p->slot.data(), mem + off, n, false, user, buffer_region(*p), until);
-          else p->final_dst = mem + off, p->user = user;
-          p->land = p->slot.data();
-        } else {
-          p->land = mem ? mem + off : nullptr;
-        }
-        m = {0, 0, write ? body{write_req{path, offset + off, n, handle}} : body{read_req{path, offset + off, n, handle}}};
       }
       if (one_piece) {
         p = send(std::move(m), std::move(p), true, until, nullptr, &o2, keep ? nullptr : &registered);
@@ -426,26 +490,10 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
       p = send(std::move(m), std::move(p), true, until);
       unsent.reset();
       o2.pieces.push_back(p);
-      if (write && n && !p->direct && !p->rma) {
-        // Data follows the frame, on the same connection, in messages of at most max_data (the server's limit).
-        std::shared_ptr<connection> cn;
-        {
-          std::lock_guard l(mu);
-          cn = p->ln->c;
-        }
-        for (std::uint64_t d = 0; cn && d < n; d += max_data) {
-          std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(max_data, n - d));
-          auto pp = p;
-          cn->send_data(p->rid, d, p->land + d, k, [this, pp](ucs_status_t s) {
-            if (s == UCS_OK) return;
-            std::lock_guard l(mu);
-            if (!pp->err) pp->err = error(errc::network_error, "store.write", peer, std::string("data send failed: ") + ucs_status_string(s));
-            (void)maybe_settle(pp);  // a write: nothing to copy on
-          });
-        }
-      }
-      off += n;
-    } while (off < length);
+      send_write_data(p);
+      pl.off += p->len;
+      pl.sent_any = true;
+    } while (!pl.sent_all());
   } catch (...) {
     if (ends) ends->armed.store(false, std::memory_order_release);  // no ticket: nothing to tell
     if (unsent) {
@@ -541,6 +589,45 @@ client::ticket client::start_write(const write_handle& h, std::uint64_t offset, 
   // The buffer is only read (sent), never written.
   return impl_->start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id, nullptr, std::move(ended));
 }
+std::shared_ptr<client::impl::piece> client::impl::reads_piece(net::read_many& m, client::range_answer answer, clk::time_point until,
+                                                              bool wait) {
+  auto p = std::make_shared<piece>();
+  p->until = until;
+  p->len = net::read_many_answer_bytes(m.ranges);
+  p->answer = std::move(answer);
+  p->range_len.reserve(m.ranges.size());
+  for (const auto& g : m.ranges) p->range_len.push_back(g.length);
+  // On the same host the server writes the answer into a slot of the landing region and sends only
+  // its completion: no answer crosses UCX, and nothing is allocated here for it. A slot free at once
+  // that holds the answer (else it comes by messages, as from a server on another host): it goes
+  // back when the hook has taken the answer. A spent region is renewed here as a read's would be
+  // (by the lanes' idle look for a submitted request, which cannot wait).
+  if (direct_available()) {
+    auto lr = current_landing();
+    if (lr && lr->spent()) {
+      if (!wait) {
+        renew_wanted = true;
+        kick();
+        lr = nullptr;
+      } else {
+        renew_landing(lr, until);
+        lr = direct_available() ? current_landing() : nullptr;
+      }
+    }
+    if (lr && (p->land_slot = lr->try_take_slot(p->len)) >= 0) {
+      p->region = std::move(lr);
+      p->land = p->region->slot(p->land_slot);
+      p->direct = true;
+      m.into = reinterpret_cast<std::uint64_t>(p->land);
+    }
+  }
+  if (!p->land) {
+    p->owned.resize(p->len);
+    p->land = p->owned.data();
+  }
+  return p;
+}
+
 client::ticket client::start_reads(const std::string& path, std::span<const net::read_range> ranges, range_answer answer,
                                    clk::time_point until, std::uint64_t version, ended_fn ended) {
   auto& I = *impl_;
@@ -556,38 +643,12 @@ client::ticket client::start_reads(const std::string& path, std::span<const net:
   if (answer_bytes - 8 * ranges.size() > net::max_read_many_bytes)
     fail(errc::invalid_argument, "store.read", printable(path), fmt::format("ranges of more than {} bytes in all", net::max_read_many_bytes));
   I.ensure_connected(until);
-  auto p = std::make_shared<impl::piece>();
-  p->until = until;
-  p->len = answer_bytes;
-  p->answer = std::move(answer);
-  p->range_len.reserve(ranges.size());
-  for (const auto& g : ranges) p->range_len.push_back(g.length);
   impl::op whole{path, false, ranges.front().offset, answer_bytes, until, {}, true};
   std::shared_ptr<impl::notice> ends = impl::notice::make(std::move(ended));
+  auto p = I.reads_piece(m, std::move(answer), until, true);
   if (ends) {
     ends->left.fetch_add(1, std::memory_order_relaxed);
     p->ends = ends;
-  }
-  // On the same host the server writes the answer into a slot of the landing region and sends only
-  // its completion: no answer crosses UCX, and nothing is allocated here for it. A slot free at once
-  // that holds the answer (else it comes by messages, as from a server on another host): it goes
-  // back when the hook has taken the answer. A spent region is renewed here as a read's would be.
-  if (I.direct_available()) {
-    auto lr = I.current_landing();
-    if (lr && lr->spent()) {
-      I.renew_landing(lr, until);
-      lr = I.direct_available() ? I.current_landing() : nullptr;
-    }
-    if (lr && (p->land_slot = lr->try_take_slot(answer_bytes)) >= 0) {
-      p->region = std::move(lr);
-      p->land = p->region->slot(p->land_slot);
-      p->direct = true;
-      m.into = reinterpret_cast<std::uint64_t>(p->land);
-    }
-  }
-  if (!p->land) {
-    p->owned.resize(answer_bytes);
-    p->land = p->owned.data();
   }
   ticket t = 0;
   auto sent = p;  // (send takes p)

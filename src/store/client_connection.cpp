@@ -50,6 +50,7 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
         [this, received](connection&, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
           update(rid, [&](piece& pc) { received(pc, n, s); });
         });
+    w.on_idle([this] { tick(); });
     lanes.push_back(std::move(ln));
   }
   if (o.map) {
@@ -75,6 +76,21 @@ client::impl::~impl() {
 }
 
 void client::impl::shutdown() {
+  std::vector<std::shared_ptr<connection>> close;
+  {
+    // Submitted requests end (with the connections' closing, those under way); none is sent again.
+    std::lock_guard l(mu);
+    stopping = true;
+    afterwards.clear();
+    const error e(errc::cancelled, "store.request", peer, "the client is closing");
+    for (auto it = waiting.begin(); it != waiting.end();) {
+      auto a = *it++;  // (give_up takes it out of the queue)
+      give_up(*a, e, close);
+    }
+    for (auto& [id, a] : live)
+      if (a->need_stat) give_up(*a, e, close);
+  }
+  drain_if_any();
   for (auto& ln : lanes) {
     std::shared_ptr<connection> cn;
     {
@@ -82,6 +98,10 @@ void client::impl::shutdown() {
       cn = ln->c;
     }
     if (cn) cn->close();
+  }
+  if (!own_thread()) {  // (on a lane's own thread, the requests end as its worker stops)
+    std::unique_lock l(mu);
+    live_cv.wait_for(l, o.timeout, [&] { return live.empty(); });
   }
   // A copy on ends by its request's deadline at the latest (the engine's bound): its completion
   // must not outlive this client.
@@ -210,7 +230,7 @@ void client::impl::deallocate(void* p) {
 
 void client::impl::conn_failed(connection* cn, const std::string& why) {
   lane_events.fetch_add(1, std::memory_order_acq_rel);
-  std::lock_guard l(mu);
+  std::unique_lock l(mu);
   std::vector<std::shared_ptr<piece>> hit;
   for (auto& [id, p] : pend)
     if (p->conn == cn) hit.push_back(p);
@@ -219,6 +239,8 @@ void client::impl::conn_failed(connection* cn, const std::string& why) {
     (void)maybe_settle(p);  // failed: nothing to copy on
   }
   cv.notify_all();
+  l.unlock();
+  drain_if_any();
 }
 
 message client::impl::request(message m, clk::time_point until, bool needs_credit, lane* force, bool ask_caller) {
@@ -233,6 +255,16 @@ void client::impl::ensure_connected(clk::time_point until) {
   // lane (this runs per request).
   std::uint64_t seen = lane_events.load(std::memory_order_acquire);
   if (seen == lanes_checked.load(std::memory_order_relaxed)) return;
+  // One reconnect at a time. A lane's idle look never waits for another's: the one reconnecting may
+  // be waiting for this very lane's thread.
+  std::unique_lock one(connect_mu, std::defer_lock);
+  if (!in_tick) {
+    one.lock();
+  } else if (!one.try_lock()) {
+    fail(errc::busy, "store.connect", peer, "another thread is reconnecting");
+  }
+  seen = lane_events.load(std::memory_order_acquire);
+  if (seen == lanes_checked.load(std::memory_order_relaxed)) return;  // reconnected meanwhile
   {
     // A server just found unreachable is not tried again by every request (an attempt on a dead
     // server may take seconds): they fail at once, with its error, until the retry time; then the
@@ -327,6 +359,12 @@ welcome client::impl::knock(const std::vector<lane*>& down, clk::time_point unti
     // FERRY_NET_CONNECT_TIMEOUT, then the server counts as unreachable.
     const clk::time_point attempt_until = std::min(until, clk::now() + o.connect_timeout);
     try {
+      struct drive_own {
+        explicit drive_own(ucx_worker* w) {
+          if (w) detail::knock_waiting = [w] { w->drive([] { return false; }, clk::now() + std::chrono::microseconds(200)); };
+        }
+        ~drive_own() { detail::knock_waiting = nullptr; }
+      } own(own_worker());
       return detail::knock(host, port, o.secret, ports, attempt_until);
     } catch (const error& e) {
       if (e.code() == errc::timeout && attempt_until < until)
@@ -355,7 +393,18 @@ void client::impl::connect(lane& ln, const welcome& pass, clk::time_point until)
         if (c->alive() && detail::proof_matches(pass.ticket, t)) return (cn = c, true);
       return false;
     };
-    if (!cv.wait_until(l, attempt_until, found))
+    bool ok = false;
+    if (ln.w->on_progress_thread()) {
+      // The lane's own thread (its idle look reconnecting): what comes on the lane is driven here.
+      while (!(ok = found()) && clk::now() < attempt_until) {
+        l.unlock();
+        ln.w->drive([] { return false; }, std::min(attempt_until, clk::now() + std::chrono::milliseconds(1)));
+        l.lock();
+      }
+    } else {
+      ok = cv.wait_until(l, attempt_until, found);
+    }
+    if (!ok)
       throw error(error_info{attempt_until < until ? errc::network_error : errc::timeout, "store.connect", peer,
                              "cannot connect to the storage server",
                              fmt::format("lane {}: the server did not connect to it within {} (FERRY_NET_CONNECT_TIMEOUT; "

@@ -26,11 +26,13 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -44,6 +46,7 @@ using clk = std::chrono::steady_clock;
 
 struct client::impl {
   struct piece;
+  struct async_op;
   // A small piece: kept on the caller's home lane (send), landed in a small slot (make_landing).
   static constexpr std::uint64_t small_piece = 64u << 10;
   // One connection to the server with its own UCX worker (progress thread) and credits.
@@ -110,6 +113,7 @@ struct client::impl {
     std::optional<error> err;
     std::atomic<bool> done{false};
     std::shared_ptr<notice> ends;  // its request's, when the caller asked to be told
+    async_op* owner = nullptr;  // a submitted request's: moved on as the piece lands (mu)
     // The thread waiting for it, while it waits (wait_piece): a piece it settles itself, driving
     // its lane, it also copies on itself -- it would only wait for another thread to do it.
     std::atomic<std::thread::id> waiter{};
@@ -293,6 +297,111 @@ struct client::impl {
   // A request without data (stat, list), retried after a reconnect; a refusal is rethrown naming the path.
   message query(message m, std::string_view what, const std::string& path, std::chrono::nanoseconds timeout);
 
+  // What a data request decided once -- the memory's kind, the route (lent buffer, landing region,
+  // RMA, staging, messages) -- and how far its pieces went out.
+  struct plan {
+    std::string path;
+    bool write = false;
+    std::uint64_t offset = 0, length = 0, handle = 0;
+    std::byte* mem = nullptr;
+    const char* opname = "store.read";
+    bool lent = false, staged = false, direct = false;
+    memory_region user;
+    std::shared_ptr<detail::landing_region> lr;
+    std::shared_ptr<registration> net;
+    std::vector<registration::piece> net_pieces;
+    pinned_pool* pool = nullptr;
+    std::uint64_t piece_len = 0, off = 0;
+    bool sent_any = false;
+    bool sent_all() const { return sent_any && off >= length; }
+  };
+  // Checks the request and decides its route; `connect`: reconnects lanes that are down first.
+  void plan_request(plan& pl, clk::time_point until, bool connect);
+  // pl's next piece, with its message, from pl.off; `wait` false: null where it would wait for a
+  // landing slot or a staging buffer. The caller sends it and moves pl.off on by its length.
+  std::shared_ptr<piece> next_piece(plan& pl, message& m, clk::time_point until, bool wait);
+  // A write piece's data after its frame, on the same connection (not for the landing region or RMA).
+  void send_write_data(const std::shared_ptr<piece>& p);
+  // start_reads' one piece: the ranges' answer lands in a landing slot free at once, else in memory
+  // of its own.
+  std::shared_ptr<piece> reads_piece(net::read_many& m, client::range_answer answer, clk::time_point until, bool wait);
+
+  // ---- submitted requests (client_async.cpp) ----
+  // A request of submit(), from its queueing to its completion; owned by `live` (mu).
+  struct group;
+  struct async_op {
+    std::uint64_t id = 0;
+    client::request r;
+    plan pl;
+    op x;  // its pieces sent (their outcome is its result)
+    std::shared_ptr<notice> ends;
+    clk::time_point moved_at;
+    std::optional<error> lost;     // sent again after its connection was lost with this
+    std::optional<error> gave_up;  // ended by the lanes' look (deadline, cancel) with this
+    bool planned = false, need_stat = false, ended = false;
+    std::shared_ptr<group> grp;  // several small reads sent as one request: the reads it answers
+    clk::time_point deadline() const {
+      return r.idle.count() > 0 && moved_at + r.idle < r.until ? moved_at + r.idle : r.until;
+    }
+    bool over(clk::time_point now) const { return (r.cancelled && r.cancelled()) || now >= deadline(); }
+  };
+  // The reads one request answers. Each is ended once, by whichever takes it first: the answer's hook
+  // (its bytes copied into its memory; completed with the request) or the lanes' look (its deadline
+  // passed or it was cancelled while the others still wanted the answer).
+  struct group {
+    static constexpr int open = 0, answered = 1, ended = 2, copying = 3;  // copying: the hook is filling it
+    std::vector<std::shared_ptr<async_op>> members;
+    std::unique_ptr<std::atomic<int>[]> state;
+    std::vector<std::uint64_t> got;  // an answered read's bytes (written before its state says so)
+    bool take(std::size_t i, int how) {
+      int o = open;
+      return state[i].compare_exchange_strong(o, how, std::memory_order_acq_rel);
+    }
+    int at(std::size_t i) const { return state[i].load(std::memory_order_acquire); }
+    bool answer_in(std::size_t i) const { return at(i) == answered || at(i) == copying; }
+  };
+  std::map<std::uint64_t, std::shared_ptr<async_op>> live;  // mu
+  std::deque<std::shared_ptr<async_op>> waiting;  // pieces still to send, in order (mu)
+  std::uint64_t next_async = 1;                    // mu
+  std::set<std::string> one_by_one;                // paths whose server refused ranges in one request (mu)
+  std::mutex ended_mu;
+  std::vector<std::uint64_t> ended_ids;            // requests whose notice came (ended_mu)
+  std::atomic<bool> async_work{false};             // ended_ids or waiting may hold something
+  std::atomic<bool> pumping{false}, pump_again{false}, ticking{false}, renew_wanted{false}, stat_wanted{false}, stopping{false};
+  std::vector<std::function<void()>> afterwards;   // work for the lanes' idle look (mu)
+  std::condition_variable live_cv;                 // `live` emptied (mu)
+  std::mutex connect_mu;                           // one reconnect at a time
+  static thread_local bool in_tick;                // this thread runs a lane's idle look
+  void submit(std::span<client::request> rs) noexcept;
+  // A submitted request's notice: its id goes to ended_ids, for drain.
+  std::shared_ptr<notice> notice_for(std::uint64_t id);
+  // Starts what the queue holds while credits, slots and buffers allow, in order; never waits.
+  void pump();
+  // Runs the completions of requests that ended, then pumps; outside mu, on whatever thread ended them.
+  void drain();
+  void drain_if_any() {
+    if (async_work.load(std::memory_order_acquire)) drain();
+  }
+  // Sends what it can of `a`; true once every piece is out.
+  bool advance(const std::shared_ptr<async_op>& a, bool& all_down);
+  // Small reads after `a` in the queue (same file and version) joined with it into one request.
+  std::shared_ptr<async_op> gather(std::size_t& taken);
+  // A lane's idle look: deadlines and cancels, stats, a spent landing region, reconnects.
+  void tick();
+  // Ends `a` with `e` (under mu): its pieces under way fail once their connections are closed
+  // (returned, to close outside mu).
+  void give_up(async_op& a, const error& e, std::vector<std::shared_ptr<connection>>& close);
+  void conclude(const std::shared_ptr<async_op>& a);
+  // The lane whose thread runs waiting work: a lane that is down (its thread has nothing else to do), else lane 0.
+  void kick();
+  // The lane worker whose progress thread this is (null: none of this client's).
+  ucx_worker* own_worker() const {
+    for (auto& ln : lanes)
+      if (ln->w->on_progress_thread()) return ln->w.get();
+    return nullptr;
+  }
+  bool own_thread() const { return own_worker() != nullptr; }
+
   // ---- data path (client.cpp): caller threads ----
   // `handle`: the open write that write pieces fill (0 for reads). `keep`: the request is handed to
   // the caller, who finishes it (a synchronous call), instead of being registered under a ticket.
@@ -320,8 +429,10 @@ struct client::impl {
   // `until` bounds the wait for a credit.
   // `whole`: a request of this one piece, counted under the same lock, and registered there too when
   // `t` is given (its ticket goes to `t`).
+  // `wait` false: null (nothing sent, `p` untouched) where no lane has a credit; `all_down` then says
+  // whether every lane is down.
   std::shared_ptr<piece> send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force = nullptr,
-                              op* whole = nullptr, ticket* t = nullptr);
+                              op* whole = nullptr, ticket* t = nullptr, bool wait = true, bool* all_down = nullptr);
   // Waits for one piece until `until`; on timeout closes its connection so that nothing lands later.
   // `what` names the request in errors; it is built only when one is raised (formatting a string
   // per request would cost more than a shared-memory round trip). `cancelled` (when given, looked at
@@ -352,6 +463,8 @@ struct client::impl {
       return p.done.load(std::memory_order_acquire);
     };
     if (p.ln->w->drive(finished, until, o.spin)) return;
+    // On the lane's own thread (its idle look waits for a request) no other thread drives it.
+    if (p.ln->w->on_progress_thread() && p.ln->w->drive(finished, until)) return;
     std::unique_lock l(mu);
     bool gave_up = false;
     ask_caller = ask_caller && interruptible();
@@ -406,6 +519,7 @@ struct client::impl {
       due = maybe_settle(pp);
     }
     if (due) copy_out(std::move(due));
+    drain_if_any();
   }
   void on_frame(message m);
   void on_inline(message m, const std::byte* d, std::size_t n);

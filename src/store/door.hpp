@@ -66,6 +66,10 @@ class door {
 // timeout at `until`, protocol_error for anything else.
 net::welcome knock(const std::string& host, std::uint16_t port, const std::string& secret,
                    const std::vector<std::uint16_t>& lane_ports, door_clock::time_point until);
+// Set on a thread: knock's waits look at the door every millisecond and run it in between (a lane's
+// own thread reconnecting drives its worker there, or the server's connection to that lane would
+// wait for it).
+extern thread_local std::function<void()> knock_waiting;
 
 // The local address (numeric) this host reaches `host` from (a UDP socket's connect: nothing is
 // sent), where a client's lanes listen for the server. Throws network_error when there is none.

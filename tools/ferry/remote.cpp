@@ -75,6 +75,7 @@ int run_serve(runtime& rt, const serve_options& o) {
 
 int run_ls(runtime& rt, const std::string& uri, bool stat_only) {
   remote_uri r = parse_uri(uri);
+  // Direct: listing and stat are not data requests, and the file API has no listing (ferry cp's data goes through it).
   store::client c(r.host, r.port, store::client_options_from(rt.config(), nullptr, nullptr));
   if (stat_only) {
     auto s = c.stat(r.path);

@@ -12,6 +12,7 @@
 // reads files straight into. GPU and sim memory: when this UCX build cannot register
 // CUDA memory, pieces land in pinned host memory (the landing region, or the transfer engine's staging
 // buffers) and the engine copies them on; with a CUDA-capable UCX they go to the GPU directly.
+#include <ferry/core/error.hpp>
 #include <ferry/core/export.hpp>
 #include <ferry/net/protocol.hpp>
 #include <ferry/store/settings.hpp>
@@ -94,6 +95,51 @@ class FERRY_API client {
   ~client();
   client(const client&) = delete;
   client& operator=(const client&) = delete;
+
+  // One request with a completion: the asynchronous shape every non-blocking user takes (the
+  // ferry:// adapter of the file API, and through it Python and the GPU cache). submit() never waits
+  // for the network: a request the lanes have no credit (or landing slot, or staging buffer) for is
+  // queued in the client and started by whichever thread gives one back -- a lane's progress thread,
+  // mostly -- in the order submitted; work that must wait (reconnecting, the stat a versionless read
+  // of several pieces needs, a landing region's renewal) is done by a lane's progress thread between
+  // its polls. `done(bytes, err)` is called exactly once: with the bytes read (short at the end of
+  // the file) or written, or with the error naming the peer, path and offset; on the thread that
+  // ends the request (a lane's progress thread, a copy's engine worker, the caller's when it fails at
+  // once). It must not block or call this client's synchronous functions (submit is fine); the last
+  // reference to the client must not be dropped in it. Memory stays the request's until then.
+  // Reads are sent again once after their connection was lost (server restarted), within their
+  // deadline; a write is not (its open write went with the connection). Small reads of one file
+  // into host memory queued together go as one request (start_reads), cut apart again for their
+  // completions; a server that refuses that for a path has its reads of it go one by one.
+  struct request {
+    std::string path;
+    std::uint64_t offset = 0;
+    void* mem = nullptr;  // a read's destination, a write's source
+    std::uint64_t length = 0;
+    std::uint64_t write = 0;    // an open write's id (write_handle::id): a write into it; 0: a read
+    std::uint64_t version = 0;  // a read's file version (stat().version); 0: any (several pieces: one stat first)
+    // Deadline: fixed at `until`, or by progress -- with `idle` set, the request fails once none of
+    // its pieces moved for that long (each piece that lands moves it on). Looked at by the lanes'
+    // progress threads every tenth of a second, as is `cancelled` (true: the request ends with a
+    // `cancelled` error). A request given up under way closes its lane's connection first (its other
+    // requests there are sent again), so nothing lands in its memory after `done`.
+    std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max();
+    std::chrono::nanoseconds idle{0};
+    std::function<bool()> cancelled;  // must not block or call the client
+    std::function<void()> moved;      // told as each of its pieces lands (optional; as `cancelled`)
+    std::function<void(std::uint64_t bytes, const error* err)> done;
+  };
+  void submit(request r);
+  // Requests together (a batch): small reads of one file among them may go as one request. Never
+  // throws: each `done` is called once.
+  void submit(std::span<request> rs) noexcept;
+  // Runs `f` once on a lane's progress thread between its polls, where it may wait for this client
+  // (a synchronous call): for a completion with work that waits (a file's last holder commits its
+  // writes). False (nothing queued) once the client is going.
+  bool defer(std::function<void()> f);
+  // Whether the calling thread is one of this client's lanes' progress threads: a completion's. The
+  // client cannot be destroyed there (its threads would wait for themselves).
+  bool own_thread() const noexcept;
 
   // Asynchronous requests: many may be outstanding (the server's credits bound how many pieces are
   // on the wire; start_* waits for credits until `until`). Memory must stay valid until finish().

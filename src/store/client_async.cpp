@@ -1,0 +1,520 @@
+// The ferry:// client's submitted requests (see client_impl.hpp for its parts): a queue of requests
+// waiting for credits, landing slots or staging buffers, started by whichever thread gives one back;
+// completions told on the thread that ends a request; the lanes' idle look for what must wait
+// (deadlines, cancels, a reconnect, a stat, a landing region's renewal). No thread of its own: the
+// lanes' progress threads carry it.
+#include "store/client_impl.hpp"
+
+#include "core/logging.hpp"
+#include "store/lost_connection.hpp"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+namespace ferry::store {
+
+thread_local bool client::impl::in_tick = false;
+
+namespace {
+// Reads sent as one request: at most 64, 256 KiB in all, so that hundreds of misses still go as
+// several requests, spread over the lanes (and the server's workers) instead of one.
+constexpr std::size_t together_most = 64;
+constexpr std::uint64_t together_bytes = 256u << 10;
+
+// Each submitted request's error names the peer, the path and the offset it failed at.
+error request_error(errc code, const client::request& r, const std::string& peer, std::uint64_t at, std::string_view why) {
+  return error(code, r.write ? "store.write" : "store.read", fmt::format("{} {} offset {}", peer, printable(r.path), at), std::string(why));
+}
+}  // namespace
+
+std::shared_ptr<client::impl::notice> client::impl::notice_for(std::uint64_t id) {
+  auto n = std::make_shared<notice>();
+  n->fn = [this, id] {
+    std::lock_guard e(ended_mu);
+    ended_ids.push_back(id);
+    async_work = true;
+  };
+  return n;
+}
+
+void client::submit(request r) { impl_->submit({&r, 1}); }
+void client::submit(std::span<request> rs) noexcept { impl_->submit(rs); }
+bool client::defer(std::function<void()> f) {
+  auto& I = *impl_;
+  {
+    std::lock_guard l(I.mu);
+    if (I.stopping) return false;
+    I.afterwards.push_back(std::move(f));
+  }
+  I.kick();
+  return true;
+}
+bool client::own_thread() const noexcept { return impl_->own_thread(); }
+
+void client::impl::submit(std::span<client::request> rs) noexcept {
+  const auto now = clk::now();
+  for (auto& r : rs) {
+    std::shared_ptr<async_op> a;
+    try {
+      a = std::make_shared<async_op>();
+      a->r = std::move(r);
+      a->moved_at = now;
+      // Several pieces of a file that may change come from one version of it: a stat first (the
+      // lanes' idle look makes it: it waits for an answer).
+      a->need_stat = !a->r.write && !a->r.version && a->r.length > o.piece;
+      std::lock_guard l(mu);
+      if (stopping) fail(errc::cancelled, "store.request", peer, "the client is closing");
+      a->id = next_async++;
+      a->ends = notice_for(a->id);
+      live.emplace(a->id, a);
+      if (a->need_stat) stat_wanted = true;  // (queued once the idle look has its version)
+      else waiting.push_back(a);
+      async_work = true;
+    } catch (const std::exception& e) {
+      const error err = dynamic_cast<const error*>(&e) ? *dynamic_cast<const error*>(&e)
+                                                       : error(errc::out_of_memory, "store.request", peer, e.what());
+      auto& done = a ? a->r.done : r.done;
+      if (done) done(0, &err);
+    }
+  }
+  pump();
+  drain_if_any();
+  if (stat_wanted.exchange(false)) kick();
+}
+
+void client::impl::kick() {
+  lane* to = lanes[0].get();
+  {
+    std::lock_guard l(mu);
+    for (auto& ln : lanes)
+      if (!ln->c || !ln->c->alive()) {
+        to = ln.get();
+        break;
+      }
+  }
+  to->w->kick();
+}
+
+std::shared_ptr<client::impl::async_op> client::impl::gather(std::size_t& taken) {
+  // mu held; waiting.front() is a small read into host memory.
+  const auto& first = waiting.front();
+  auto small = [&](const async_op& x) {
+    return !x.r.write && !x.lost && !x.grp && !x.need_stat && x.r.length > 0 && x.r.length <= net::max_read_range &&
+           x.r.path == first->r.path && x.r.version == first->r.version && !x.ended && !x.planned &&
+           (!o.cache || [&] {
+             const auto t = o.cache->classify(x.r.mem, x.r.length).type;
+             return t == memory_type::host_pageable || t == memory_type::host_pinned;
+           }());
+  };
+  taken = 0;
+  if (one_by_one.contains(first->r.path) || !small(*first)) return nullptr;
+  std::uint64_t bytes = 0;
+  std::size_t j = 0;
+  while (j < waiting.size() && j < together_most && bytes + waiting[j]->r.length <= together_bytes && small(*waiting[j]))
+    bytes += waiting[j++]->r.length;
+  if (j < 2) return nullptr;
+  auto g = std::make_shared<async_op>();
+  g->grp = std::make_shared<group>();
+  g->grp->state.reset(new std::atomic<int>[j]);
+  g->grp->got.resize(j);
+  g->r.path = first->r.path;
+  g->r.version = first->r.version;
+  g->r.until = clk::time_point::min();
+  g->moved_at = clk::now();
+  for (std::size_t i = 0; i < j; ++i) {
+    auto& m = waiting[i];
+    g->grp->state[i].store(group::open);
+    g->r.until = std::max(g->r.until, m->deadline());  // each member ends at its own (the idle look)
+    live.erase(m->id);
+    g->grp->members.push_back(m);
+  }
+  g->id = next_async++;
+  g->ends = notice_for(g->id);
+  g->planned = true;
+  live.emplace(g->id, g);
+  taken = j;
+  return g;
+}
+
+bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
+  async_op& x = *a;
+  if (x.grp) {
+    std::vector<net::read_range> ranges;
+    for (auto& m : x.grp->members) ranges.push_back({m->r.offset, m->r.length});
+    net::read_many m{x.r.path, x.r.version, std::move(ranges)};
+    // Each read's bytes go into its memory as the answer comes, on the thread that takes it, unless
+    // the idle look ended the read first.
+    auto answer = [g = x.grp](std::size_t i, const std::byte* data, std::uint64_t n) {
+      if (!g->take(i, group::copying)) return;
+      std::memcpy(g->members[i]->r.mem, data, n);
+      g->got[i] = n;
+      g->state[i].store(group::answered, std::memory_order_release);
+    };
+    auto p = reads_piece(m, std::move(answer), x.r.until, false);
+    p->owner = a.get();
+    p->ends = x.ends;
+    x.ends->left.fetch_add(1, std::memory_order_relaxed);
+    x.x = op{x.r.path, false, x.grp->members.front()->r.offset, p->len, x.r.until, {}, true};
+    auto sent = send({0, 0, std::move(m)}, p, true, x.r.until, nullptr, nullptr, nullptr, false, &all_down);
+    if (!sent) {
+      x.ends->left.fetch_sub(1, std::memory_order_relaxed);
+      std::lock_guard l(mu);
+      release_land(*p, false);
+      return false;
+    }
+    std::lock_guard l(mu);
+    x.x.pieces.push_back(sent);
+    n_requests++;
+    return true;
+  }
+  while (!x.pl.sent_all()) {
+    {
+      std::lock_guard l(mu);
+      if (x.gave_up) return false;
+    }
+    message m;
+    const auto until = std::min(x.deadline(), clk::now() + o.timeout);  // (a bound for the copies on)
+    auto p = next_piece(x.pl, m, until, false);
+    if (!p) return false;
+    p->owner = a.get();
+    p->ends = x.ends;
+    x.ends->left.fetch_add(1, std::memory_order_relaxed);
+    auto sent = send(std::move(m), p, true, until, nullptr, nullptr, nullptr, false, &all_down);
+    if (!sent) {
+      x.ends->left.fetch_sub(1, std::memory_order_relaxed);
+      std::lock_guard l(mu);
+      p->slot.reset();
+      release_land(*p, false);  // never sent: the server never saw its slot
+      return false;
+    }
+    {
+      std::lock_guard l(mu);
+      x.x.pieces.push_back(sent);
+      if (!x.pl.sent_any) n_requests++;
+    }
+    send_write_data(sent);
+    x.pl.off += sent->len;
+    x.pl.sent_any = true;
+  }
+  return true;
+}
+
+void client::impl::pump() {
+  // One thread pumps at a time; another that would have asks it to look again.
+  pump_again = true;
+  bool expected = false;
+  while (pump_again.load() && pumping.compare_exchange_strong(expected, true)) {
+    pump_again = false;
+    bool down = false;
+    for (;;) {
+      std::shared_ptr<async_op> a;
+      {
+        std::lock_guard l(mu);
+        while (!waiting.empty() && (waiting.front()->ended || waiting.front()->need_stat)) {
+          down = down || waiting.front()->need_stat;  // (the idle look stats it, then queues it again)
+          waiting.pop_front();
+        }
+        if (waiting.empty() || stopping) break;
+        std::size_t taken = 0;
+        if (!waiting.front()->planned) {
+          if (auto g = gather(taken)) {
+            for (std::size_t i = 0; i < taken; ++i) waiting.pop_front();
+            waiting.push_front(g);
+          }
+        }
+        a = waiting.front();
+      }
+      if (!a->planned) {
+        a->pl = plan{};
+        a->pl.path = a->r.path;
+        a->pl.write = a->r.write != 0;
+        a->pl.offset = a->r.offset;
+        a->pl.length = a->r.length;
+        a->pl.handle = a->r.write ? a->r.write : a->r.version;
+        a->pl.mem = static_cast<std::byte*>(a->r.mem);
+        try {
+          plan_request(a->pl, a->deadline(), false);
+          a->planned = true;
+        } catch (const error& e) {
+          std::vector<std::shared_ptr<connection>> none;
+          std::lock_guard l(mu);
+          give_up(*a, e, none);  // nothing sent: it ends now
+          continue;
+        }
+      }
+      bool out = false;
+      try {
+        out = advance(a, down);
+      } catch (const std::exception& e) {  // (a staged write's copy, memory): the request fails, the queue goes on
+        const error err = dynamic_cast<const error*>(&e) ? *dynamic_cast<const error*>(&e) : error(errc::internal, "store.request", peer, e.what());
+        std::vector<std::shared_ptr<connection>> none;
+        std::lock_guard l(mu);
+        give_up(*a, err, none);
+        continue;
+      }
+      std::lock_guard l(mu);
+      // Given up meanwhile (the idle look took it out of the queue and let its notice go): the next.
+      if (a->gave_up || waiting.empty() || waiting.front() != a) continue;
+      if (!out) break;  // waits for credits (or every lane is down: the look reconnects)
+      waiting.pop_front();
+      a->ends->release();  // every piece is out: the last one to land tells
+    }
+    {
+      std::lock_guard l(mu);
+      if (!waiting.empty()) async_work = true;  // the next credit given back pumps again
+    }
+    pumping = false;
+    if (down) kick();
+    expected = false;
+  }
+}
+
+void client::impl::give_up(async_op& a, const error& e, std::vector<std::shared_ptr<connection>>& close) {
+  if (a.gave_up || a.ended) return;
+  a.gave_up = e;
+  const bool queued = std::find_if(waiting.begin(), waiting.end(), [&](auto& w) { return w.get() == &a; }) != waiting.end();
+  if (queued) std::erase_if(waiting, [&](auto& w) { return w.get() == &a; });
+  a.x.pieces.each([&](const std::shared_ptr<piece>& p) {
+    if (p->settled) return;
+    if (!p->err) p->err = e;
+    // An RMA piece's memory may still be written by the server: revoke its network key.
+    if (p->rma && net_cache) net_cache->invalidate(reinterpret_cast<std::uintptr_t>(p->rma_mem), p->len);
+    if (p->ln->c && std::find(close.begin(), close.end(), p->ln->c) == close.end()) close.push_back(p->ln->c);
+  });
+  // Still queued (its sending's hold not let go), or waiting for its stat: the hold goes now.
+  if (queued || a.need_stat) a.ends->release();
+}
+
+void client::impl::tick() {
+  bool expected = false;
+  if (stopping || !ticking.compare_exchange_strong(expected, true)) return;
+  in_tick = true;
+  struct done_ticking {
+    std::atomic<bool>& f;
+    ~done_ticking() {
+      f = false;
+      in_tick = false;
+    }
+  } guard{ticking};
+  const auto now = clk::now();
+  std::vector<std::shared_ptr<connection>> close;
+  std::vector<std::shared_ptr<async_op>> ended_members, stats;
+  std::vector<std::function<void()>> later;
+  bool want_connection = false;
+  {
+    std::lock_guard l(mu);
+    later.swap(afterwards);
+    for (auto& [id, ap] : live) {
+      async_op& a = *ap;
+      if (a.ended || a.gave_up) continue;
+      if (a.grp) {
+        // Members over end now (unless their answer came); once none is left open and none was
+        // answered, the request is given up.
+        bool open = false, answered = false;
+        for (std::size_t i = 0; i < a.grp->members.size(); ++i) {
+          if (a.grp->at(i) == group::open && a.grp->members[i]->over(now) && a.grp->take(i, group::ended))
+            ended_members.push_back(a.grp->members[i]);
+          open = open || a.grp->at(i) == group::open;
+          answered = answered || a.grp->answer_in(i);
+        }
+        if (!open && !answered) give_up(a, request_error(errc::cancelled, a.r, peer, a.r.offset, "every read of the request ended"), close);
+        continue;
+      }
+      if (a.over(now)) {
+        const bool cancelled = a.r.cancelled && a.r.cancelled();
+        // The first byte not in: the pieces go out in order, and those before it are done.
+        std::uint64_t at = a.r.offset;
+        bool gap = false;
+        a.x.pieces.each([&](const std::shared_ptr<piece>& p) {
+          gap = gap || !p->done.load(std::memory_order_acquire);
+          if (!gap) at += p->len;
+        });
+        log::warn("store", "{}: {} {} offset {} {}; closing its connection", peer, a.r.write ? "write of" : "read of", printable(a.r.path), at,
+                  cancelled ? "cancelled" : "timed out");
+        give_up(a, request_error(cancelled ? errc::cancelled : errc::timeout, a.r, peer, at,
+                                 cancelled ? "cancelled while under way" : "no progress before the deadline"),
+                close);
+        continue;
+      }
+      if (a.need_stat) stats.push_back(ap);
+    }
+    want_connection = !waiting.empty() || !stats.empty();
+  }
+  for (auto& m : ended_members) {
+    const bool cancelled = m->r.cancelled && m->r.cancelled();
+    error e = request_error(cancelled ? errc::cancelled : errc::timeout, m->r, peer, m->r.offset,
+                            cancelled ? "cancelled while under way" : "no answer before the deadline");
+    m->r.done(0, &e);
+  }
+  for (auto& c : close) c->close();  // its pieces fail there (conn_failed): nothing lands after
+  for (auto& f : later) f();
+  if (want_connection && lane_events.load() != lanes_checked.load()) {
+    {
+      try {
+        ensure_connected(now + o.timeout);
+      } catch (const error& e) {
+        if (e.code() == errc::busy) return;  // another thread is reconnecting: the next look goes on
+        // The server cannot be reached: what waits for a lane fails with that (a request sent again
+        // says both).
+        std::vector<std::shared_ptr<async_op>> hit;
+        {
+          std::lock_guard l(mu);
+          bool any_up = false;
+          for (auto& ln : lanes) any_up = any_up || (ln->c && ln->c->alive());
+          if (!any_up) {
+            for (auto& a : waiting) hit.push_back(a);
+            for (auto& a : stats) hit.push_back(a);
+          }
+        }
+        for (auto& a : hit) {
+          std::lock_guard l(mu);
+          give_up(*a, a->lost && e.op() == "store.connect" ? detail::lost_and_unreachable(*a->lost, e) : e, close);
+        }
+        stats.clear();
+      }
+    }
+  }
+  if (lane_events.load() != lanes_checked.load()) stats.clear();  // (the next look, once connected)
+  for (auto& a : stats) {
+    std::optional<error> failed;
+    try {
+      auto st = std::get<stat_reply>(query({0, 0, stat_req{a->r.path}}, "store.stat", a->r.path,
+                                             std::min<clk::duration>(a->deadline() - clk::now(), o.timeout)).b);
+      a->r.version = st.version;
+    } catch (const error& e) {
+      failed = e;
+    }
+    std::lock_guard l(mu);
+    if (failed) give_up(*a, *failed, close);
+    a->need_stat = false;
+    if (!failed && !a->ended && !a->gave_up) waiting.push_back(a);
+  }
+  if (renew_wanted.exchange(false)) {
+    if (auto lr = current_landing(); lr && lr->spent()) {
+      try {
+        renew_landing(lr, clk::now() + o.timeout);
+      } catch (const error& e) {
+        log::info("store", "{}: the landing region was not renewed: {}", peer, e.what());
+      }
+    }
+  }
+  pump();
+  drain();
+}
+
+void client::impl::drain() {
+  thread_local bool in_drain = false;
+  if (in_drain) return;  // (a completion that submits: the outer loop takes what it ended)
+  in_drain = true;
+  struct leave {
+    ~leave() { in_drain = false; }
+  } g;
+  for (;;) {
+    async_work = false;
+    std::vector<std::uint64_t> ids;
+    {
+      std::lock_guard l(ended_mu);
+      ids.swap(ended_ids);
+    }
+    pump();
+    if (ids.empty()) {
+      std::lock_guard l(ended_mu);
+      if (ended_ids.empty()) break;
+      continue;
+    }
+    for (auto id : ids) {
+      std::shared_ptr<async_op> a;
+      {
+        std::lock_guard l(mu);
+        auto it = live.find(id);
+        if (it == live.end()) continue;
+        a = it->second;
+      }
+      conclude(a);
+    }
+  }
+  if (stat_wanted.exchange(false)) kick();  // (a read sent again that needs its version)
+}
+
+void client::impl::conclude(const std::shared_ptr<async_op>& a) {
+  std::optional<error> err;
+  std::uint64_t n = 0;
+  if (a->gave_up) {
+    err = a->gave_up;
+  } else {
+    try {
+      n = finish(a->x);  // every piece is done: nothing waits here
+    } catch (const error& e) {
+      err = e;
+    } catch (const std::exception& e) {
+      err = error(errc::internal, "store.request", peer, e.what());
+    }
+  }
+  // Sent again (once) within its deadline: a read whose connection was lost, a small read of a group
+  // the server refused (ranges in one request only from local file systems).
+  auto again = [&](const std::shared_ptr<async_op>& x, const error& e, bool grouped) {
+    if (x->r.write || x->lost || stopping || x->over(clk::now())) return false;
+    if (e.code() != errc::network_error && !(grouped && e.code() == errc::not_supported)) return false;
+    std::lock_guard l(mu);
+    x->lost = e;
+    x->planned = x->ended = false;
+    x->gave_up.reset();
+    x->x = op{};
+    x->ends = notice_for(x->id);
+    x->need_stat = !x->r.version && x->r.length > o.piece;
+    live.emplace(x->id, x);
+    if (x->need_stat) stat_wanted = true;
+    else waiting.push_back(x);
+    async_work = true;
+    return true;
+  };
+  auto tell = [&](const std::shared_ptr<async_op>& x, std::uint64_t bytes, const error* e) {
+    if (e && x->r.cancelled && x->r.cancelled() && e->code() != errc::cancelled) {
+      // Another request's cancel closed the lane under it, and its own batch was cancelled too.
+      const error c = request_error(errc::cancelled, x->r, peer, x->r.offset, std::string("cancelled: ") + e->what());
+      return x->r.done(0, &c);
+    }
+    if (e && x->lost && x->lost->code() == errc::network_error && e->op() == "store.connect") {
+      const error both = detail::lost_and_unreachable(*x->lost, *e);
+      return x->r.done(0, &both);
+    }
+    x->r.done(bytes, e);
+  };
+  {
+    std::lock_guard l(mu);
+    a->ended = true;
+    live.erase(a->id);
+    if (err && err->code() == errc::not_supported && a->grp) one_by_one.insert(a->r.path);
+  }
+  if (a->grp) {
+    group& g = *a->grp;
+    for (std::size_t i = 0; i < g.members.size(); ++i) {
+      // (A hook still copying -- only where the request was given up while its answer was being
+      // handed over -- is a memcpy away from answered.)
+      while (g.at(i) == group::copying) std::this_thread::yield();
+      auto& m = g.members[i];
+      if (g.at(i) == group::answered) {
+        tell(m, g.got[i], nullptr);
+      } else if (g.take(i, group::ended)) {
+        const error e = err ? *err : request_error(errc::internal, m->r, peer, m->r.offset, "the answer did not hand this range over");
+        // (A member of a refused group goes alone, not as its one retry.)
+        if (err && err->code() == errc::not_supported && !m->lost) {
+          std::lock_guard l(mu);
+          m->ended = false;
+          live.emplace(m->id, m);
+          waiting.push_back(m);
+          async_work = true;
+        } else if (!err || !again(m, e, true)) {
+          tell(m, 0, &e);
+        }
+      }
+    }
+  } else if (!err || !again(a, *err, false)) {
+    tell(a, n, err ? &*err : nullptr);
+  }
+  std::lock_guard l(mu);
+  if (live.empty()) live_cv.notify_all();
+}
+
+}  // namespace ferry::store

@@ -1,0 +1,227 @@
+// client::submit against loopback servers: every completion told once, with the bytes or an error
+// naming the peer, path and offset; deadlines by progress and cancels against a stopped server
+// (SIGSTOP), and a server killed and started again under a read.
+#include <ferry/store/client.hpp>
+#include <ferry/store/server.hpp>
+
+#include "support/served_process.hpp"
+#include "support/server_io.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace ferry;
+using ::testing::HasSubstr;
+using clk = std::chrono::steady_clock;
+
+namespace {
+
+std::vector<unsigned char> make_file(const std::filesystem::path& p, std::size_t n, unsigned seed) {
+  std::vector<unsigned char> d(n);
+  std::mt19937_64 rng(seed);
+  for (auto& c : d) c = static_cast<unsigned char>(rng());
+  std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(d.data()), static_cast<std::streamsize>(d.size()));
+  return d;
+}
+
+// Completions counted: each must come once; wait() returns once `n` came (or at the deadline).
+struct tally {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int> told;
+  std::vector<std::uint64_t> bytes;
+  std::vector<std::string> errors;
+  explicit tally(std::size_t n) : told(n), bytes(n), errors(n) {}
+  std::function<void(std::uint64_t, const error*)> done(std::size_t i) {
+    return [this, i](std::uint64_t b, const error* e) {
+      std::lock_guard l(mu);
+      told[i]++;
+      bytes[i] = b;
+      if (e) errors[i] = e->what();
+      cv.notify_all();
+    };
+  }
+  bool wait(std::chrono::seconds t) {
+    std::unique_lock l(mu);
+    return cv.wait_for(l, t, [&] { return std::all_of(told.begin(), told.end(), [](int x) { return x > 0; }); });
+  }
+};
+
+std::filesystem::path fresh_root(const char* name) {
+  auto root = std::filesystem::path(::testing::TempDir()) / (std::string(name) + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  return root;
+}
+
+}  // namespace
+
+// Small reads (sent together), a large one and a write: each completion once, with its bytes.
+TEST(StoreSubmit, EveryRequestIsToldOnceWithItsBytes) {
+  auto root = fresh_root("ferry-submit");
+  auto data = make_file(root / "f.bin", 5 << 20, 3);
+  store::server_options so;
+  so.root = root.string();
+  so.writable = true;
+  so.insecure = true;
+  auto srv = std::make_unique<store::server>(test::server_io(), so);
+  store::client_options co;
+  co.piece = 1 << 20;
+  store::client c("127.0.0.1", srv->port(), co);
+  const std::uint64_t version = c.stat("f.bin").version;
+  constexpr std::size_t small = 100;
+  std::vector<std::vector<unsigned char>> bufs;
+  std::vector<store::client::request> rs;
+  tally t(small + 2);
+  for (std::size_t i = 0; i < small; ++i) {
+    bufs.emplace_back(4096, 0);
+    store::client::request r;
+    r.path = "f.bin";
+    r.offset = i * 40000 + 7;
+    r.mem = bufs.back().data();
+    r.length = 4096;
+    r.version = version;
+    r.until = clk::now() + std::chrono::seconds(10);
+    r.done = t.done(i);
+    rs.push_back(std::move(r));
+  }
+  bufs.emplace_back(3 << 20, 0);
+  store::client::request big;
+  big.path = "f.bin";
+  big.offset = 12345;
+  big.mem = bufs.back().data();
+  big.length = 3 << 20;  // several pieces, no version: a stat first
+  big.idle = std::chrono::seconds(10);
+  big.done = t.done(small);
+  rs.push_back(std::move(big));
+  c.submit(rs);
+  auto h = c.open_write("w.bin", net::write_mode::replace);
+  std::vector<unsigned char> src(2 << 20, 0x5a);
+  store::client::request w;
+  w.path = "w.bin";
+  w.write = h.id;
+  w.mem = src.data();
+  w.length = src.size();
+  w.until = clk::now() + std::chrono::seconds(10);
+  w.done = t.done(small + 1);
+  c.submit(std::move(w));
+  ASSERT_TRUE(t.wait(std::chrono::seconds(20)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a second completion would come meanwhile
+  for (std::size_t i = 0; i < small + 2; ++i) {
+    EXPECT_EQ(t.told[i], 1) << "request " << i;
+    EXPECT_EQ(t.errors[i], "") << "request " << i;
+  }
+  for (std::size_t i = 0; i < small; ++i) {
+    EXPECT_EQ(t.bytes[i], 4096u);
+    EXPECT_EQ(0, std::memcmp(bufs[i].data(), data.data() + i * 40000 + 7, 4096)) << "read " << i;
+  }
+  EXPECT_EQ(t.bytes[small], 3u << 20);
+  EXPECT_EQ(0, std::memcmp(bufs[small].data(), data.data() + 12345, 3 << 20));
+  EXPECT_EQ(t.bytes[small + 1], src.size());
+  EXPECT_EQ(c.commit(h, src.size()), src.size());
+  EXPECT_LT(c.stats().requests, small + 4) << "the small reads went one by one";
+  srv.reset();
+  std::filesystem::remove_all(root);
+}
+
+// A server that stops answering (SIGSTOP): a read with a deadline by progress fails once nothing
+// moved for that long, naming the peer, path and offset; one whose cancel turns true ends then.
+TEST(StoreSubmit, DeadlineByProgressAndCancelAgainstAStoppedServer) {
+  auto root = fresh_root("ferry-submit-stall");
+  make_file(root / "f.bin", 4 << 20, 5);
+  test::served_process srv(FERRY_TEST_CLI, root);
+  store::client_options co;
+  co.timeout = std::chrono::seconds(5);
+  store::client c("127.0.0.1", srv.port, co);
+  const auto peer = "127.0.0.1:" + std::to_string(srv.port);
+  std::vector<unsigned char> a(1 << 20), b(1 << 20);
+  srv.stop();
+  tally t(2);
+  std::atomic<bool> cancel{false};
+  store::client::request r;
+  r.path = "f.bin";
+  r.offset = 8192;
+  r.mem = a.data();
+  r.length = a.size();
+  r.version = 1;  // (never looked at: nothing answers)
+  r.idle = std::chrono::milliseconds(500);
+  r.done = t.done(0);
+  store::client::request q;
+  q.path = "f.bin";
+  q.offset = 4096;
+  q.mem = b.data();
+  q.length = b.size();
+  q.version = 1;
+  q.cancelled = [&] { return cancel.load(); };
+  q.done = t.done(1);
+  const auto t0 = clk::now();
+  c.submit(std::move(r));
+  c.submit(std::move(q));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  cancel = true;
+  ASSERT_TRUE(t.wait(std::chrono::seconds(10)));
+  EXPECT_LT(clk::now() - t0, std::chrono::seconds(3));
+  EXPECT_EQ(t.told[0], 1);
+  EXPECT_EQ(t.told[1], 1);
+  EXPECT_THAT(t.errors[0], HasSubstr("[timeout]"));
+  EXPECT_THAT(t.errors[0], HasSubstr(peer + " f.bin offset 8192"));
+  EXPECT_THAT(t.errors[1], HasSubstr("[cancelled]"));
+  EXPECT_THAT(t.errors[1], HasSubstr(peer));
+  srv.resume();
+}
+
+// A server killed under a large read and started again on its port: the read is sent again once
+// and reads what the file holds, or fails naming the server; told once either way, and the next
+// request succeeds.
+TEST(StoreSubmit, AServerRestartedUnderAReadIsReadAgainOrNamed) {
+  auto root = fresh_root("ferry-submit-restart");
+  auto data = make_file(root / "f.bin", 32 << 20, 9);
+  auto srv = std::make_unique<test::served_process>(FERRY_TEST_CLI, root);
+  const std::uint16_t port = srv->port;
+  store::client_options co;
+  co.timeout = std::chrono::seconds(5);
+  co.retry_after = std::chrono::nanoseconds::zero();
+  store::client c("127.0.0.1", port, co);
+  const std::uint64_t version = c.stat("f.bin").version;
+  std::vector<unsigned char> buf(data.size());
+  auto read = [&](tally& t) {
+    store::client::request r;
+    r.path = "f.bin";
+    r.mem = buf.data();
+    r.length = buf.size();
+    r.version = version;
+    r.idle = std::chrono::seconds(10);
+    r.done = t.done(0);
+    c.submit(std::move(r));
+  };
+  tally t(1);
+  read(t);
+  srv->kill();
+  srv = std::make_unique<test::served_process>(FERRY_TEST_CLI, root, port);
+  ASSERT_TRUE(t.wait(std::chrono::seconds(30)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(t.told[0], 1);
+  if (t.errors[0].empty()) {
+    EXPECT_EQ(t.bytes[0], data.size());
+    EXPECT_EQ(0, std::memcmp(buf.data(), data.data(), data.size()));
+  } else {
+    EXPECT_THAT(t.errors[0], HasSubstr("127.0.0.1:" + std::to_string(port)));
+  }
+  tally t2(1);
+  std::fill(buf.begin(), buf.end(), 0);
+  read(t2);
+  ASSERT_TRUE(t2.wait(std::chrono::seconds(30)));
+  EXPECT_EQ(t2.errors[0], "");
+  EXPECT_EQ(0, std::memcmp(buf.data(), data.data(), data.size()));
+  EXPECT_GE(c.stats().reconnects, 1u);
+}
