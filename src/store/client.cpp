@@ -60,7 +60,7 @@ std::shared_ptr<client::impl::piece> client::impl::maybe_settle(const std::share
   }
   if (!p.err && p.reply)
     if (auto* cp = std::get_if<complete>(&p.reply->b)) (p.write ? n_written : n_read) += cp->bytes;
-  if (p.owner && !p.err) {  // a submitted request's deadline by progress moves on
+  if (p.owner && !p.err) {  // a submitted request's deadline by progress moves on (owner: still under way)
     p.owner->moved_at = clk::now();
     if (p.owner->r.moved) p.owner->r.moved();
   }
@@ -228,9 +228,12 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
     // a stream-ordered read behind it) until the deadline.
     bool any_up = false;
     std::string lost;
+    // (A lane whose connection is being closed to end a request counts as up -- its credits come
+    // back as its closing fails its pieces -- but takes nothing more: what went there would fail too.)
+    auto usable = [&](const lane& x) { return closing.empty() || !closing.contains(x.c.get()); };
     auto pick = [&]() -> lane* {
       any_up = false;
-      if (home && home->c && home->c->alive() && home->inflight < home->credits) return home;
+      if (home && home->c && home->c->alive() && home->inflight < home->credits && usable(*home)) return home;
       lane* best = nullptr;
       for (auto& x : lanes) {
         if (!x->c || !x->c->alive()) {
@@ -239,7 +242,7 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
           continue;
         }
         any_up = true;
-        if (x->inflight < x->credits && (!best || x->inflight < best->inflight)) best = x.get();
+        if (x->inflight < x->credits && usable(*x) && (!best || x->inflight < best->inflight)) best = x.get();
       }
       return best;
     };
@@ -366,13 +369,21 @@ std::shared_ptr<client::impl::piece> client::impl::next_piece(plan& pl, message&
     while ((p->land_slot = wait ? pl.lr->take_slot(n, until, peer) : pl.lr->try_take_slot(n)) < 0) {
       if (!wait) {
         if (pl.lr->spent()) {
-          renew_wanted = true;
-          kick();
+          // Renewed since the request was planned (it waited in the queue): the fresh region.
+          if (auto fresh = current_landing(); fresh && fresh != pl.lr && !fresh->spent()) {
+            pl.lr = fresh;
+          } else {
+            renew_wanted = true;
+            kick();
+            return nullptr;
+          }
+        } else {
+          return nullptr;  // a slot given back pumps the queue again
         }
-        return nullptr;
+      } else {
+        renew_landing(pl.lr, until);
+        pl.lr = current_landing();
       }
-      renew_landing(pl.lr, until);
-      pl.lr = current_landing();
       if (!direct_available()) {
         log::info("store", "{}: {} {}: the rest by messages until every lane maps the fresh landing region", peer, pl.opname,
                   printable(pl.path));

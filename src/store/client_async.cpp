@@ -51,6 +51,7 @@ bool client::defer(std::function<void()> f) {
   return true;
 }
 bool client::own_thread() const noexcept { return impl_->own_thread(); }
+bool client::may_wait() const noexcept { return impl::in_tick || !impl_->own_thread(); }
 
 void client::impl::submit(std::span<client::request> rs) noexcept {
   const auto now = clk::now();
@@ -87,6 +88,7 @@ void client::impl::kick() {
   lane* to = lanes[0].get();
   {
     std::lock_guard l(mu);
+    if (stopping) return;  // (the lanes are going)
     for (auto& ln : lanes)
       if (!ln->c || !ln->c->alive()) {
         to = ln.get();
@@ -224,6 +226,7 @@ void client::impl::pump() {
           }
         }
         a = waiting.front();
+        a->advancing = true;
       }
       if (!a->planned) {
         a->pl = plan{};
@@ -239,6 +242,7 @@ void client::impl::pump() {
         } catch (const error& e) {
           std::vector<std::shared_ptr<connection>> none;
           std::lock_guard l(mu);
+          a->advancing = false;
           give_up(*a, e, none);  // nothing sent: it ends now
           continue;
         }
@@ -248,14 +252,33 @@ void client::impl::pump() {
         out = advance(a, down);
       } catch (const std::exception& e) {  // (a staged write's copy, memory): the request fails, the queue goes on
         const error err = dynamic_cast<const error*>(&e) ? *dynamic_cast<const error*>(&e) : error(errc::internal, "store.request", peer, e.what());
-        std::vector<std::shared_ptr<connection>> none;
-        std::lock_guard l(mu);
-        give_up(*a, err, none);
+        std::vector<std::shared_ptr<connection>> close;
+        {
+          std::lock_guard l(mu);
+          a->advancing = false;
+          if (!a->gave_up) {
+            give_up(*a, err, close);
+          } else {
+            abandon_pieces(*a, *a->gave_up, close);
+            if (std::exchange(a->hold_to_pump, false)) a->ends->release();
+          }
+        }
+        close_for(close);
         continue;
       }
-      std::lock_guard l(mu);
-      // Given up meanwhile (the idle look took it out of the queue and let its notice go): the next.
-      if (a->gave_up || waiting.empty() || waiting.front() != a) continue;
+      std::vector<std::shared_ptr<connection>> close;
+      std::unique_lock l(mu);
+      a->advancing = false;
+      if (a->gave_up) {
+        // Given up while its pieces were being sent (the idle look took it out of the queue): those
+        // sent since fail too, and the sending's hold goes now. Then the next.
+        abandon_pieces(*a, *a->gave_up, close);
+        if (std::exchange(a->hold_to_pump, false)) a->ends->release();
+        l.unlock();
+        close_for(close);
+        continue;
+      }
+      if (waiting.empty() || waiting.front() != a) continue;
       if (!out) break;  // waits for credits (or every lane is down: the look reconnects)
       waiting.pop_front();
       a->ends->release();  // every piece is out: the last one to land tells
@@ -265,9 +288,27 @@ void client::impl::pump() {
       if (!waiting.empty()) async_work = true;  // the next credit given back pumps again
     }
     pumping = false;
-    if (down) kick();
+    if (down && !stopping) kick();
     expected = false;
   }
+}
+
+void client::impl::abandon_pieces(async_op& a, const error& e, std::vector<std::shared_ptr<connection>>& close) {
+  a.x.pieces.each([&](const std::shared_ptr<piece>& p) {
+    if (p->settled) return;
+    if (!p->err) p->err = e;
+    // An RMA piece's memory may still be written by the server: revoke its network key.
+    if (p->rma && net_cache) net_cache->invalidate(reinterpret_cast<std::uintptr_t>(p->rma_mem), p->len);
+    // Its connection, unless the lane was connected again since (the old one failed the piece).
+    auto& c = p->ln->c;
+    if (!c || c.get() != p->conn || closing.contains(c.get())) return;
+    closing.emplace(c.get(), c);
+    close.push_back(c);
+  });
+}
+
+void client::impl::close_for(const std::vector<std::shared_ptr<connection>>& close) {
+  for (auto& c : close) c->close();  // its pieces fail there (conn_failed): nothing lands after
 }
 
 void client::impl::give_up(async_op& a, const error& e, std::vector<std::shared_ptr<connection>>& close) {
@@ -275,15 +316,11 @@ void client::impl::give_up(async_op& a, const error& e, std::vector<std::shared_
   a.gave_up = e;
   const bool queued = std::find_if(waiting.begin(), waiting.end(), [&](auto& w) { return w.get() == &a; }) != waiting.end();
   if (queued) std::erase_if(waiting, [&](auto& w) { return w.get() == &a; });
-  a.x.pieces.each([&](const std::shared_ptr<piece>& p) {
-    if (p->settled) return;
-    if (!p->err) p->err = e;
-    // An RMA piece's memory may still be written by the server: revoke its network key.
-    if (p->rma && net_cache) net_cache->invalidate(reinterpret_cast<std::uintptr_t>(p->rma_mem), p->len);
-    if (p->ln->c && std::find(close.begin(), close.end(), p->ln->c) == close.end()) close.push_back(p->ln->c);
-  });
-  // Still queued (its sending's hold not let go), or waiting for its stat: the hold goes now.
-  if (queued || a.need_stat) a.ends->release();
+  abandon_pieces(a, e, close);
+  // Still queued (its sending's hold not let go), or waiting for its stat: the hold goes now --
+  // unless pump is sending it, which lets it go once it is done with it.
+  if (queued && a.advancing) a.hold_to_pump = true;
+  else if (queued || a.need_stat) a.ends->release();
 }
 
 void client::impl::tick() {
@@ -297,6 +334,7 @@ void client::impl::tick() {
       in_tick = false;
     }
   } guard{ticking};
+  if (stopping) return;  // (shutdown set it, then waits for `ticking` to fall: one of the two sees the other)
   const auto now = clk::now();
   std::vector<std::shared_ptr<connection>> close;
   std::vector<std::shared_ptr<async_op>> ended_members, stats;
@@ -347,7 +385,8 @@ void client::impl::tick() {
                             cancelled ? "cancelled while under way" : "no answer before the deadline");
     m->r.done(0, &e);
   }
-  for (auto& c : close) c->close();  // its pieces fail there (conn_failed): nothing lands after
+  close_for(close);
+  close.clear();
   for (auto& f : later) f();
   if (want_connection && lane_events.load() != lanes_checked.load()) {
     {
@@ -389,6 +428,15 @@ void client::impl::tick() {
     if (failed) give_up(*a, *failed, close);
     a->need_stat = false;
     if (!failed && !a->ended && !a->gave_up) waiting.push_back(a);
+  }
+  close_for(close);  // (what the failures above gave up was not under way: normally none)
+  {
+    // A closing that found its connection already failed (its pieces failed then): nothing more
+    // will come of it once no lane holds that connection.
+    std::lock_guard l(mu);
+    std::erase_if(closing, [&](const auto& kv) {
+      return !kv.second->alive() && std::none_of(lanes.begin(), lanes.end(), [&](auto& ln) { return ln->c == kv.second; });
+    });
   }
   if (renew_wanted.exchange(false)) {
     if (auto lr = current_landing(); lr && lr->spent()) {
@@ -453,11 +501,21 @@ void client::impl::conclude(const std::shared_ptr<async_op>& a) {
   }
   // Sent again (once) within its deadline: a read whose connection was lost, a small read of a group
   // the server refused (ranges in one request only from local file systems).
+  // A loss that was another request's ending (its connection closed under this one) is not this
+  // one's retry: it goes again as often as that happens, within its deadline.
+  bool victim = false;
+  {
+    std::lock_guard l(mu);
+    a->x.pieces.each([&](const std::shared_ptr<piece>& p) {
+      victim = victim || (p->victim && p->err && p->err->code() == errc::network_error);
+      p->owner = nullptr;  // (the request ends: a piece that lands later moves nothing on)
+    });
+  }
   auto again = [&](const std::shared_ptr<async_op>& x, const error& e, bool grouped) {
-    if (x->r.write || x->lost || stopping || x->over(clk::now())) return false;
+    if (x->r.write || (x->lost && !victim) || stopping || x->over(clk::now())) return false;
     if (e.code() != errc::network_error && !(grouped && e.code() == errc::not_supported)) return false;
     std::lock_guard l(mu);
-    x->lost = e;
+    if (!victim || e.code() != errc::network_error) x->lost = e;
     x->planned = x->ended = false;
     x->gave_up.reset();
     x->x = op{};

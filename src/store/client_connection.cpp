@@ -91,6 +91,10 @@ void client::impl::shutdown() {
       if (a->need_stat) give_up(*a, e, close);
   }
   drain_if_any();
+  // A lane's idle look or a pump under way on another thread uses the lanes: it ends before they go
+  // (neither starts again once `stopping` is seen). A lane's own thread does not wait for itself.
+  if (!in_tick)
+    while (ticking.load() || pumping.load()) std::this_thread::yield();
   for (auto& ln : lanes) {
     std::shared_ptr<connection> cn;
     {
@@ -232,8 +236,17 @@ void client::impl::conn_failed(connection* cn, const std::string& why) {
   lane_events.fetch_add(1, std::memory_order_acq_rel);
   std::unique_lock l(mu);
   std::vector<std::shared_ptr<piece>> hit;
+  // Closed to end another request: the other pieces it fails are sent again as not their own loss.
+  std::shared_ptr<connection> closed_for_another;
+  if (auto it = closing.find(cn); it != closing.end()) {
+    closed_for_another = std::move(it->second);  // (let go outside mu, below)
+    closing.erase(it);
+  }
   for (auto& [id, p] : pend)
-    if (p->conn == cn) hit.push_back(p);
+    if (p->conn == cn) {
+      p->victim = closed_for_another != nullptr;
+      hit.push_back(p);
+    }
   for (auto& p : hit) {
     if (!p->err) p->err = error(errc::network_error, "store.request", peer, "connection lost: " + why);
     (void)maybe_settle(p);  // failed: nothing to copy on

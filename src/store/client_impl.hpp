@@ -113,7 +113,10 @@ struct client::impl {
     std::optional<error> err;
     std::atomic<bool> done{false};
     std::shared_ptr<notice> ends;  // its request's, when the caller asked to be told
-    async_op* owner = nullptr;  // a submitted request's: moved on as the piece lands (mu)
+    async_op* owner = nullptr;  // a submitted request's: moved on as the piece lands (mu; cleared as it ends)
+    // Failed because its connection was closed to end another request (mu): a loss that is not its
+    // own, so not its one retry.
+    bool victim = false;
     // The thread waiting for it, while it waits (wait_piece): a piece it settles itself, driving
     // its lane, it also copies on itself -- it would only wait for another thread to do it.
     std::atomic<std::thread::id> waiter{};
@@ -339,6 +342,10 @@ struct client::impl {
     std::optional<error> lost;     // sent again after its connection was lost with this
     std::optional<error> gave_up;  // ended by the lanes' look (deadline, cancel) with this
     bool planned = false, need_stat = false, ended = false;
+    // Being planned and sent by pump (outside mu): a give_up meanwhile leaves the sending's hold
+    // and the pieces sent after it to pump (`hold_to_pump`), so that the request cannot end -- and
+    // its piece list be read -- while pieces are still being added.
+    bool advancing = false, hold_to_pump = false;
     std::shared_ptr<group> grp;  // several small reads sent as one request: the reads it answers
     clk::time_point deadline() const {
       return r.idle.count() > 0 && moved_at + r.idle < r.until ? moved_at + r.idle : r.until;
@@ -371,6 +378,9 @@ struct client::impl {
   std::vector<std::function<void()>> afterwards;   // work for the lanes' idle look (mu)
   std::condition_variable live_cv;                 // `live` emptied (mu)
   std::mutex connect_mu;                           // one reconnect at a time
+  // Connections closed to end a submitted request, until their closing lands (mu): no piece is sent
+  // on them meanwhile, and the other pieces they fail are sent again as not their own loss.
+  std::map<const connection*, std::shared_ptr<connection>> closing;
   static thread_local bool in_tick;                // this thread runs a lane's idle look
   void submit(std::span<client::request> rs) noexcept;
   // A submitted request's notice: its id goes to ended_ids, for drain.
@@ -391,6 +401,10 @@ struct client::impl {
   // Ends `a` with `e` (under mu): its pieces under way fail once their connections are closed
   // (returned, to close outside mu).
   void give_up(async_op& a, const error& e, std::vector<std::shared_ptr<connection>>& close);
+  // Fails `a`'s pieces still under way with `e` and names their connections to close (mu).
+  void abandon_pieces(async_op& a, const error& e, std::vector<std::shared_ptr<connection>>& close);
+  // Closes what give_up and abandon_pieces named (outside mu).
+  void close_for(const std::vector<std::shared_ptr<connection>>& close);
   void conclude(const std::shared_ptr<async_op>& a);
   // The lane whose thread runs waiting work: a lane that is down (its thread has nothing else to do), else lane 0.
   void kick();

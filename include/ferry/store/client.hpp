@@ -140,6 +140,9 @@ class FERRY_API client {
   // Whether the calling thread is one of this client's lanes' progress threads: a completion's. The
   // client cannot be destroyed there (its threads would wait for themselves).
   bool own_thread() const noexcept;
+  // Whether the calling thread may make a synchronous call of this client: any thread but its lanes'
+  // progress threads, and those in the work `defer` runs.
+  bool may_wait() const noexcept;
 
   // Asynchronous requests: many may be outstanding (the server's credits bound how many pieces are
   // on the wire; start_* waits for credits until `until`). Memory must stay valid until finish().

@@ -7,8 +7,8 @@
 // closed before the runtime goes.
 //
 // One store::client per host:port is shared by every file opened there (its lanes, credits and
-// landing region serve them all). A request is started and finished on the client's own threads, so
-// submit() never blocks on the network; a read or write whose connection was lost (server restarted)
+// landing region serve them all). A request goes to the client's queue (client::submit) and is completed on
+// the thread that ends it, mostly a lane's progress thread, so submit() never blocks on the network; a read or write whose connection was lost (server restarted)
 // is retried once after reconnecting, within the request's deadline. Modes: read (the file must
 // exist), read_write (the server must be writable; a missing file is created by the first write);
 // create is refused (the protocol has no truncate).
