@@ -339,12 +339,20 @@ ucx_context::ucx_context(const std::string& net_device) {
                        "forkserver, or forked while its parent had no ferry:// connection or server)",
                        ::getpid(), g_ucx_process));
   }
-  // A restarted server must get its well-known port back while the old connections sit in
-  // TIME_WAIT (UCX's default is not to set SO_REUSEADDR). UCX reads this transport setting only
-  // from the environment (ucp_config_modify accepts it but the worker rejects it), so it is set
-  // there once, before the first UCX context, unless the user set it.
+  // Two transport settings UCX reads only from the environment (ucp_config_modify accepts them but
+  // the worker rejects them), so they are set there once, before the first UCX context, unless the
+  // user set them:
+  // - a restarted server must get its well-known port back while the old connections sit in
+  //   TIME_WAIT (UCX's default is not to set SO_REUSEADDR);
+  // - UCX 1.13's tcp PUT (the rendezvous a large data message takes over tcp) aborts the sending
+  //   process on an assertion (tcp_ep.c, PUT_TX_WAITING_ACK) when the receiver closes its endpoint
+  //   as a put is acknowledged: a client cancelling its reads took the server down. Without it the
+  //   rendezvous data goes as active messages on the same connection, sent without a copy still.
   static std::once_flag once;
-  std::call_once(once, [] { ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0); });
+  std::call_once(once, [] {
+    ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
+    ::setenv("UCX_TCP_PUT_ENABLE", "n", 0);
+  });
   // Shared-memory transports are left out of endpoints that ask for peer error handling (which
   // ferry needs) unless UCX_MM_ERROR_HANDLING=y (UCX 1.13). ferry does not set it: with shm lanes
   // UCX 1.13 does not always report a peer's close to the other side (requests then end only at

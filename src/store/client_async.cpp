@@ -393,7 +393,10 @@ void client::impl::tick() {
       try {
         ensure_connected(now + o.timeout);
       } catch (const error& e) {
-        if (e.code() == errc::busy) return;  // another thread is reconnecting: the next look goes on
+        if (e.code() == errc::busy) {  // another thread is reconnecting: the next look goes on,
+          drain();                     // and what ended meanwhile (given up, say) is told now
+          return;
+        }
         // The server cannot be reached: what waits for a lane fails with that (a request sent again
         // says both).
         std::vector<std::shared_ptr<async_op>> hit;

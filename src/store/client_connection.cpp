@@ -37,6 +37,7 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
       return pc.land + off;
     };
     auto received = [this](piece& pc, std::size_t n, ucs_status_t s) {
+      pc.receiving--;
       if (s != UCS_OK && !pc.err)
         pc.err = error(errc::network_error, "store.read", peer, std::string("data receive failed: ") + ucs_status_string(s));
       pc.received += n;
@@ -45,7 +46,10 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
         [this, sink](connection&, std::uint64_t rid, std::uint64_t off, std::size_t n) -> void* {
           std::lock_guard l(mu);
           auto it = pend.find(rid);
-          return it == pend.end() ? nullptr : sink(*it->second, off, n);
+          if (it == pend.end() || it->second->settled) return nullptr;
+          void* at = sink(*it->second, off, n);
+          if (at) it->second->receiving++;  // (its end, `received` below, is always told)
+          return at;
         },
         [this, received](connection&, std::uint64_t rid, std::uint64_t, std::size_t n, ucs_status_t s) {
           update(rid, [&](piece& pc) { received(pc, n, s); });

@@ -108,6 +108,10 @@ struct client::impl {
     clk::time_point until{};         // the request's deadline (its copy on has the same)
     clk::time_point landed{};        // staged reads: when the piece went to the engine
     std::uint64_t received = 0, expect = 0;
+    // Data messages being received into `land` (mu): from the sink that gave UCX the address to the
+    // receive's end. A piece is never settled while one is under way, failed or not -- its memory
+    // (the caller's, or a staging buffer given back) would still be written after its completion.
+    int receiving = 0;
     bool replied = false, settled = false, credit = false;
     std::optional<message> reply;
     std::optional<error> err;
@@ -503,15 +507,13 @@ struct client::impl {
     log::warn("store", "{}: {} {}; closing the connection", peer, what(), gave_up ? "cancelled" : "timed out");
     // An RMA piece's memory may still be written by the server: revoke its network key.
     if (p.rma && net_cache) net_cache->invalidate(reinterpret_cast<std::uintptr_t>(p.rma_mem), p.len);
-    if (cn) {
-      cn->close();
-      try {
-        p.ln->w->call([] {}, clk::now() + std::chrono::seconds(5));  // the close has run: no more data lands
-      } catch (...) {
-      }
-    }
+    if (cn) cn->close();
+    // The close fails the piece once it has run and the receives under way on it have ended. On the
+    // lane's own thread nothing else runs the close: this thread drives the worker until then.
+    const auto settle_by = clk::now() + std::chrono::seconds(5);
+    if (p.ln->w->on_progress_thread()) (void)p.ln->w->drive([&] { return p.done.load(std::memory_order_acquire); }, settle_by);
     l.lock();
-    cv.wait_until(l, clk::now() + std::chrono::seconds(5), [&] { return p.done.load(); });
+    cv.wait_until(l, settle_by, [&] { return p.done.load(); });
     if (gave_up) fail(errc::cancelled, "store.request", peer, fmt::format("{}: cancelled", what()));
     fail(errc::timeout, "store.request", peer, fmt::format("{}: no answer before the deadline", what()));
   }
@@ -545,6 +547,7 @@ struct client::impl {
   void take_inline(piece& p, message&& m, const std::byte* d, std::size_t n);
   // A piece is finished when its reply came and all its data arrived, or when it failed. Called with mu held.
   static bool ready(const piece& p) {
+    if (p.receiving) return false;
     return p.err || (p.replied && (!p.reply || !std::holds_alternative<complete>(p.reply->b) || p.write || p.received >= p.expect));
   }
   // Settles a piece that is ready. Returns it when its data must still be copied on from where it

@@ -1,6 +1,7 @@
 // client::submit against loopback servers: every completion told once, with the bytes or an error
 // naming the peer, path and offset; deadlines by progress and cancels against a stopped server
-// (SIGSTOP), and a server killed and started again under a read.
+// (SIGSTOP), a server killed and started again under a read, and cancels under way that leave
+// nothing written after their completions and the server up.
 #include <ferry/store/client.hpp>
 #include <ferry/store/server.hpp>
 
@@ -224,4 +225,66 @@ TEST(StoreSubmit, AServerRestartedUnderAReadIsReadAgainOrNamed) {
   EXPECT_EQ(t2.errors[0], "");
   EXPECT_EQ(0, std::memcmp(buf.data(), data.data(), data.size()));
   EXPECT_GE(c.stats().reconnects, 1u);
+}
+
+// Reads by messages into the caller's memory, cancelled as their pieces land: once a completion is
+// told, nothing more is written there (the caller may reuse it at once, as here, from the
+// completion itself). Every read ends once, whole or cancelled, and the server (its own process, as
+// users run it) lives through the connections closed under its sends.
+TEST(StoreSubmit, NothingLandsInACancelledReadsMemoryAfterItsCompletion) {
+  auto root = fresh_root("ferry-submit-cancel");
+  auto data = make_file(root / "f.bin", 16 << 20, 11);
+  test::served_process srvp(FERRY_TEST_CLI, root);
+  store::client_options co;
+  co.map = false;  // no landing region: the data comes by messages, straight into `mem`
+  co.piece = 1 << 20;
+  co.lanes = 2;
+  store::client c("127.0.0.1", srvp.port, co);
+  const std::uint64_t version = c.stat("f.bin").version;
+  constexpr int rounds = 150;
+  std::vector<unsigned char> buf(data.size());
+  int cancelled = 0;
+  for (int round = 0; round < rounds; ++round) {
+    tally t(1);
+    std::atomic<int> landed{0};
+    const int cancel_after = round % 8;  // pieces landed before the cancel turns true
+    store::client::request r;
+    r.path = "f.bin";
+    r.mem = buf.data();
+    r.length = buf.size();
+    r.version = version;
+    r.idle = std::chrono::seconds(10);
+    r.moved = [&] { landed++; };
+    r.cancelled = [&] { return landed.load() >= cancel_after; };
+    auto told = t.done(0);
+    r.done = [&, told](std::uint64_t n, const error* e) {
+      std::memset(buf.data(), 0xab, buf.size());  // the caller's memory, taken back
+      told(n, e);
+    };
+    c.submit(std::move(r));
+    ASSERT_TRUE(t.wait(std::chrono::seconds(30))) << "round " << round;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_EQ(t.told[0], 1) << "round " << round;
+    cancelled += !t.errors[0].empty();
+    if (!t.errors[0].empty()) {
+      EXPECT_THAT(t.errors[0], HasSubstr("[cancelled]")) << "round " << round;
+    }
+    const auto at = std::find_if(buf.begin(), buf.end(), [](unsigned char x) { return x != 0xab; });
+    ASSERT_EQ(at, buf.end()) << "round " << round << ": byte " << (at - buf.begin()) << " written after the completion";
+  }
+  EXPECT_GT(cancelled, 0) << "no read was cancelled under way";
+  tally t(1);
+  store::client::request r;
+  r.path = "f.bin";
+  r.mem = buf.data();
+  r.length = buf.size();
+  r.version = version;
+  r.idle = std::chrono::seconds(10);
+  r.done = t.done(0);
+  c.submit(std::move(r));
+  ASSERT_TRUE(t.wait(std::chrono::seconds(30)));
+  EXPECT_EQ(t.errors[0], "") << "the client reads on after the cancels";
+  EXPECT_EQ(0, std::memcmp(buf.data(), data.data(), data.size()));
+  EXPECT_EQ(store::data_route(c.stats()), "messages");
+  std::filesystem::remove_all(root);
 }
