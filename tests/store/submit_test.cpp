@@ -65,6 +65,19 @@ std::filesystem::path fresh_root(const char* name) {
   return root;
 }
 
+// A whole-buffer read of `path` with a deadline by progress (10 s), told to `done`.
+store::client::request whole_read(const char* path, std::vector<unsigned char>& buf, std::uint64_t version,
+                                  std::function<void(std::uint64_t, const error*)> done) {
+  store::client::request r;
+  r.path = path;
+  r.mem = buf.data();
+  r.length = buf.size();
+  r.version = version;
+  r.idle = std::chrono::seconds(10);
+  r.done = std::move(done);
+  return r;
+}
+
 }  // namespace
 
 // Small reads (sent together), a large one and a write: each completion once, with its bytes.
@@ -195,16 +208,7 @@ TEST(StoreSubmit, AServerRestartedUnderAReadIsReadAgainOrNamed) {
   store::client c("127.0.0.1", port, co);
   const std::uint64_t version = c.stat("f.bin").version;
   std::vector<unsigned char> buf(data.size());
-  auto read = [&](tally& t) {
-    store::client::request r;
-    r.path = "f.bin";
-    r.mem = buf.data();
-    r.length = buf.size();
-    r.version = version;
-    r.idle = std::chrono::seconds(10);
-    r.done = t.done(0);
-    c.submit(std::move(r));
-  };
+  auto read = [&](tally& t) { c.submit(whole_read("f.bin", buf, version, t.done(0))); };
   tally t(1);
   read(t);
   srv->kill();
@@ -248,19 +252,13 @@ TEST(StoreSubmit, NothingLandsInACancelledReadsMemoryAfterItsCompletion) {
     tally t(1);
     std::atomic<int> landed{0};
     const int cancel_after = round % 8;  // pieces landed before the cancel turns true
-    store::client::request r;
-    r.path = "f.bin";
-    r.mem = buf.data();
-    r.length = buf.size();
-    r.version = version;
-    r.idle = std::chrono::seconds(10);
-    r.moved = [&] { landed++; };
-    r.cancelled = [&] { return landed.load() >= cancel_after; };
     auto told = t.done(0);
-    r.done = [&, told](std::uint64_t n, const error* e) {
+    auto r = whole_read("f.bin", buf, version, [&, told](std::uint64_t n, const error* e) {
       std::memset(buf.data(), 0xab, buf.size());  // the caller's memory, taken back
       told(n, e);
-    };
+    });
+    r.moved = [&] { landed++; };
+    r.cancelled = [&] { return landed.load() >= cancel_after; };
     c.submit(std::move(r));
     ASSERT_TRUE(t.wait(std::chrono::seconds(30))) << "round " << round;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -274,14 +272,7 @@ TEST(StoreSubmit, NothingLandsInACancelledReadsMemoryAfterItsCompletion) {
   }
   EXPECT_GT(cancelled, 0) << "no read was cancelled under way";
   tally t(1);
-  store::client::request r;
-  r.path = "f.bin";
-  r.mem = buf.data();
-  r.length = buf.size();
-  r.version = version;
-  r.idle = std::chrono::seconds(10);
-  r.done = t.done(0);
-  c.submit(std::move(r));
+  c.submit(whole_read("f.bin", buf, version, t.done(0)));
   ASSERT_TRUE(t.wait(std::chrono::seconds(30)));
   EXPECT_EQ(t.errors[0], "") << "the client reads on after the cancels";
   EXPECT_EQ(0, std::memcmp(buf.data(), data.data(), data.size()));
