@@ -60,8 +60,9 @@ std::shared_ptr<client::impl::piece> client::impl::maybe_settle(const std::share
   }
   if (!p.err && p.reply)
     if (auto* cp = std::get_if<complete>(&p.reply->b)) (p.write ? n_written : n_read) += cp->bytes;
+  if (!p.err) moved_at = clk::now();  // the client moved (what waits in its queue is not idle)
   if (p.owner && !p.err) {  // a submitted request's deadline by progress moves on (owner: still under way)
-    p.owner->moved_at = clk::now();
+    p.owner->moved_at = moved_at;
     if (p.owner->r.moved) p.owner->r.moved();
   }
   // An answer (not a refusal): the caller's hook takes its ranges (copy_out), then the slot goes back.
@@ -158,6 +159,11 @@ void client::impl::copy_out(std::shared_ptr<piece> pp) {
     copies_running++;
   }
   o.engine->submit({&r, 1}, {p.until}, [this, finished](std::span<const request_result> res) {
+    // (The client's shutdown waits for this very completion: nothing it runs may end the client.)
+    struct own {
+      own() { in_copy_end = true; }
+      ~own() { in_copy_end = false; }
+    } mark;
     finished(res[0].err ? &*res[0].err : nullptr);
     std::lock_guard l(copies_mu);
     if (--copies_running == 0) copies_cv.notify_all();

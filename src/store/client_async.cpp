@@ -15,6 +15,7 @@
 namespace ferry::store {
 
 thread_local bool client::impl::in_tick = false;
+thread_local bool client::impl::in_copy_end = false;
 
 namespace {
 // Reads sent as one request: at most 64, 256 KiB in all, so that hundreds of misses still go as
@@ -243,7 +244,10 @@ void client::impl::pump() {
           std::vector<std::shared_ptr<connection>> none;
           std::lock_guard l(mu);
           a->advancing = false;
-          give_up(*a, e, none);  // nothing sent: it ends now
+          // Nothing sent: it ends now -- and if the look gave it up meanwhile, the sending's hold
+          // left to this thread goes now.
+          if (!a->gave_up) give_up(*a, e, none);
+          else if (std::exchange(a->hold_to_pump, false)) a->ends->release();
           continue;
         }
       }
@@ -346,6 +350,9 @@ void client::impl::tick() {
     for (auto& [id, ap] : live) {
       async_op& a = *ap;
       if (a.ended || a.gave_up) continue;
+      // A deadline by progress is the client's: a request queued here or at the server behind others
+      // that move has not stalled (as a batch's moving deadline: nothing in it moved for that long).
+      a.moved_at = std::max(a.moved_at, moved_at);
       if (a.grp) {
         // Members over end now (unless their answer came); once none is left open and none was
         // answered, the request is given up.
@@ -491,9 +498,14 @@ void client::impl::drain() {
 void client::impl::conclude(const std::shared_ptr<async_op>& a) {
   std::optional<error> err;
   std::uint64_t n = 0;
-  if (a->gave_up) {
+  {
+    // Ended from here on (the look gives up no ended request), and what the look gave it up with
+    // read under the lock it writes under.
+    std::lock_guard l(mu);
+    a->ended = true;
     err = a->gave_up;
-  } else {
+  }
+  if (!err) {
     try {
       n = finish(a->x);  // every piece is done: nothing waits here
     } catch (const error& e) {
@@ -515,9 +527,11 @@ void client::impl::conclude(const std::shared_ptr<async_op>& a) {
     });
   }
   auto again = [&](const std::shared_ptr<async_op>& x, const error& e, bool grouped) {
-    if (x->r.write || (x->lost && !victim) || stopping || x->over(clk::now())) return false;
+    if (x->r.write || (x->lost && !victim) || x->over(clk::now())) return false;
     if (e.code() != errc::network_error && !(grouped && e.code() == errc::not_supported)) return false;
+    // (Under the lock shutdown's sweep of the queue takes: queued before it, or not at all.)
     std::lock_guard l(mu);
+    if (stopping) return false;
     if (!victim || e.code() != errc::network_error) x->lost = e;
     x->planned = x->ended = false;
     x->gave_up.reset();
@@ -560,13 +574,18 @@ void client::impl::conclude(const std::shared_ptr<async_op>& a) {
       } else if (g.take(i, group::ended)) {
         const error e = err ? *err : request_error(errc::internal, m->r, peer, m->r.offset, "the answer did not hand this range over");
         // (A member of a refused group goes alone, not as its one retry.)
+        bool alone = false;
         if (err && err->code() == errc::not_supported && !m->lost) {
           std::lock_guard l(mu);
-          m->ended = false;
-          live.emplace(m->id, m);
-          waiting.push_back(m);
-          async_work = true;
-        } else if (!err || !again(m, e, true)) {
+          if ((alone = !stopping)) {  // (as `again`: queued before shutdown's sweep, or told)
+            m->ended = false;
+            live.emplace(m->id, m);
+            waiting.push_back(m);
+            async_work = true;
+          }
+        }
+        if (alone) continue;
+        if (!err || !again(m, e, true)) {
           tell(m, 0, &e);
         }
       }

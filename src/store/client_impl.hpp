@@ -385,7 +385,13 @@ struct client::impl {
   // Connections closed to end a submitted request, until their closing lands (mu): no piece is sent
   // on them meanwhile, and the other pieces they fail are sent again as not their own loss.
   std::map<const connection*, std::shared_ptr<connection>> closing;
+  // When a piece last landed (mu): a request waiting behind others (in the queue for credits, slots
+  // and buffers, or at the server) has not stalled while they move; its deadline by progress follows this.
+  clk::time_point moved_at{};
   static thread_local bool in_tick;                // this thread runs a lane's idle look
+  // This thread (an engine task) runs a staged piece's completion: for what that may end (a
+  // request's completion, the caller's last reference to the client), it is the client's own thread.
+  static thread_local bool in_copy_end;
   void submit(std::span<client::request> rs) noexcept;
   // A submitted request's notice: its id goes to ended_ids, for drain.
   std::shared_ptr<notice> notice_for(std::uint64_t id);
@@ -418,7 +424,7 @@ struct client::impl {
       if (ln->w->on_progress_thread()) return ln->w.get();
     return nullptr;
   }
-  bool own_thread() const { return own_worker() != nullptr; }
+  bool own_thread() const { return in_copy_end || own_worker() != nullptr; }
 
   // ---- data path (client.cpp): caller threads ----
   // `handle`: the open write that write pieces fill (0 for reads). `keep`: the request is handed to

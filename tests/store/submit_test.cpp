@@ -279,3 +279,37 @@ TEST(StoreSubmit, NothingLandsInACancelledReadsMemoryAfterItsCompletion) {
   EXPECT_EQ(store::data_route(c.stats()), "messages");
   std::filesystem::remove_all(root);
 }
+
+// Requests queued behind others (more than the lanes have credits for) with a deadline by progress
+// shorter than the whole transfer: none times out while those ahead of it move.
+TEST(StoreSubmit, QueuedRequestsDoNotTimeOutWhileThoseAheadMove) {
+  auto root = fresh_root("ferry-submit-queued");
+  auto data = make_file(root / "f.bin", 64 << 20, 13);
+  test::served_process srvp(FERRY_TEST_CLI, root);
+  store::client_options co;
+  co.map = false;  // by messages: slower than the idle deadline for the whole batch
+  co.lanes = 1;
+  store::client c("127.0.0.1", srvp.port, co);
+  const std::uint64_t version = c.stat("f.bin").version;
+  constexpr std::size_t n = 96;
+  constexpr auto idle = std::chrono::milliseconds(150);
+  std::vector<std::vector<unsigned char>> bufs(n, std::vector<unsigned char>(4 << 20));
+  tally t(n);
+  const auto t0 = clk::now();
+  std::vector<store::client::request> rs;
+  for (std::size_t i = 0; i < n; ++i) {
+    auto r = whole_read("f.bin", bufs[i], version, t.done(i));
+    r.offset = (i % 16) * (4 << 20);
+    r.idle = idle;
+    rs.push_back(std::move(r));
+  }
+  c.submit(rs);
+  ASSERT_TRUE(t.wait(std::chrono::seconds(60)));
+  const auto took = clk::now() - t0;
+  for (std::size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(t.errors[i], "") << "request " << i;
+    EXPECT_EQ(0, std::memcmp(bufs[i].data(), data.data() + (i % 16) * (4 << 20), 4 << 20)) << "request " << i;
+  }
+  if (took < 2 * idle) GTEST_SKIP() << "the whole batch took " << took / std::chrono::milliseconds(1) << " ms: nothing waited in the queue past the deadline";
+  std::filesystem::remove_all(root);
+}

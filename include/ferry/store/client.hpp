@@ -137,11 +137,12 @@ class FERRY_API client {
   // (a synchronous call): for a completion with work that waits (a file's last holder commits its
   // writes). False (nothing queued) once the client is going.
   bool defer(std::function<void()> f);
-  // Whether the calling thread is one of this client's lanes' progress threads: a completion's. The
-  // client cannot be destroyed there (its threads would wait for themselves).
+  // Whether the calling thread is one of this client's: a lane's progress thread, or an engine task
+  // running a staged piece's completion -- where completions run. The client cannot be destroyed
+  // there (it would wait for itself).
   bool own_thread() const noexcept;
-  // Whether the calling thread may make a synchronous call of this client: any thread but its lanes'
-  // progress threads, and those in the work `defer` runs.
+  // Whether the calling thread may make a synchronous call of this client: any thread but its own
+  // (above), and those in the work `defer` runs.
   bool may_wait() const noexcept;
 
   // Asynchronous requests: many may be outstanding (the server's credits bound how many pieces are
