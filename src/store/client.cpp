@@ -257,8 +257,27 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
       if (all_down) *all_down = !any_up;
       if (!ln) return nullptr;
     }
-    if (wait && !cv.wait_until(l, until, [&] { return (ln = pick()) != nullptr || !any_up; }))
-      fail(errc::timeout, "store.request", peer, "no credit from the server before the deadline (all lanes busy)");
+    if (wait) {
+      // On a lane's own thread (its idle look: a stat, a deferred commit) nothing else takes that
+      // lane's answers, which give its credits back: this thread drives its worker meanwhile.
+      ucx_worker* own = own_worker();
+      while ((ln = pick()) == nullptr && any_up) {
+        if (clk::now() >= until)
+          fail(errc::timeout, "store.request", peer, "no credit from the server before the deadline (all lanes busy)");
+        if (!own) {
+          cv.wait_until(l, until);
+          continue;
+        }
+        l.unlock();
+        (void)own->drive(
+            [&] {
+              std::lock_guard g(mu);
+              return pick() != nullptr || !any_up;
+            },
+            std::min(until, clk::now() + std::chrono::milliseconds(10)));
+        l.lock();
+      }
+    }
     if (!ln)
       fail(errc::network_error, "store.request", peer, "connection lost" + (lost.empty() ? std::string(" (every lane is down)") : ": " + lost));
     ln->inflight++;

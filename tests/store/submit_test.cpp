@@ -313,3 +313,42 @@ TEST(StoreSubmit, QueuedRequestsDoNotTimeOutWhileThoseAheadMove) {
   if (took < 2 * idle) GTEST_SKIP() << "the whole batch took " << took / std::chrono::milliseconds(1) << " ms: nothing waited in the queue past the deadline";
   std::filesystem::remove_all(root);
 }
+
+// One lane, few credits, all of them held by reads under way, and a read of several pieces without
+// a version: its stat is made by the lane's own thread (its idle look), which must take the answers
+// that give the credits back while it waits for one -- no other thread would.
+TEST(StoreSubmit, TheIdleLookWaitsForACreditWithoutStallingItsLane) {
+  auto root = fresh_root("ferry-submit-credit");
+  auto data = make_file(root / "f.bin", 16 << 20, 17);
+  store::server_options so;
+  so.root = root.string();
+  so.insecure = true;
+  so.max_outstanding = 2;
+  so.workers = 1;
+  auto srv = std::make_unique<store::server>(test::server_io(), so);
+  store::client_options co;
+  co.lanes = 1;
+  co.piece = 1 << 20;
+  co.timeout = std::chrono::seconds(3);
+  store::client c("127.0.0.1", srv->port(), co);
+  const std::uint64_t version = c.stat("f.bin").version;
+  constexpr std::size_t n = 48;
+  std::vector<std::vector<unsigned char>> bufs(n + 1, std::vector<unsigned char>(1 << 20));
+  bufs[n].resize(8 << 20);
+  tally t(n + 1);
+  std::vector<store::client::request> rs;
+  for (std::size_t i = 0; i < n; ++i) {
+    auto r = whole_read("f.bin", bufs[i], version, t.done(i));
+    r.offset = (i % 16) << 20;
+    rs.push_back(std::move(r));
+  }
+  rs.push_back(whole_read("f.bin", bufs[n], 0, t.done(n)));  // no version: a stat first, in the idle look
+  const auto t0 = clk::now();
+  c.submit(rs);
+  ASSERT_TRUE(t.wait(std::chrono::seconds(30)));
+  for (std::size_t i = 0; i <= n; ++i) EXPECT_EQ(t.errors[i], "") << "request " << i;
+  EXPECT_EQ(0, std::memcmp(bufs[n].data(), data.data(), 8 << 20));
+  EXPECT_LT(clk::now() - t0, co.timeout) << "the stat waited out the timeout for a credit";
+  srv.reset();
+  std::filesystem::remove_all(root);
+}
