@@ -118,8 +118,9 @@ class FERRY_API client {
     std::uint64_t length = 0;
     std::uint64_t write = 0;    // an open write's id (write_handle::id): a write into it; 0: a read
     std::uint64_t version = 0;  // a read's file version (stat().version); 0: any (several pieces: one stat first)
-    // Deadline: fixed at `until`, or by progress -- with `idle` set, the request fails once none of
-    // its pieces moved for that long (each piece that lands moves it on). Looked at by the lanes'
+    // Deadline: fixed at `until`, or by progress -- with `idle` set, the request fails once nothing
+    // moved for that long: none of its pieces, and none of the client's (a request waiting behind
+    // others that move, in the client's queue or at the server, has not stalled). Looked at by the lanes'
     // progress threads every tenth of a second, as is `cancelled` (true: the request ends with a
     // `cancelled` error). A request given up under way closes its lane's connection first (its other
     // requests there are sent again), so nothing lands in its memory after `done`.
