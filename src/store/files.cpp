@@ -163,6 +163,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
     std::optional<client::write_handle> h;
     std::optional<error> failed;
     {
+      std::lock_guard o(open_mu_);  // (an opening under way is taken with the writes before it)
       std::lock_guard l(mu_);
       h = std::exchange(h_, std::nullopt);
       failed = std::exchange(failed_, std::nullopt);
@@ -258,16 +259,28 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
   }
 
  private:
+  // The open write, opened by the first write that needs it. Opening waits for the server under
+  // open_mu_ only: a write's completion that records a failure (mu_, on a lane's thread) never waits
+  // behind the network, nor holds up the answer the opening waits for.
   client::write_handle handle() {
+    std::lock_guard o(open_mu_);
+    bool create = false;
+    {
+      std::lock_guard l(mu_);
+      if (h_) return *h_;
+      create = mode_ == open_mode::create && !created_;
+    }
+    auto h = ep_->c().open_write(path_, create ? net::write_mode::replace : net::write_mode::keep, ep_->timeout());
     std::lock_guard l(mu_);
-    if (!h_) h_ = ep_->c().open_write(path_, mode_ == open_mode::create && !created_ ? net::write_mode::replace : net::write_mode::keep, ep_->timeout());
+    h_ = h;
     created_ = true;
-    return *h_;
+    return h;
   }
   std::shared_ptr<remote_endpoint> ep_;
   std::string path_;
   open_mode mode_;
   std::uint64_t version_ = 0;
+  std::mutex open_mu_;  // held while the open write is being opened (handle) or taken (sync)
   std::mutex mu_;
   std::optional<client::write_handle> h_;
   std::optional<error> failed_;
