@@ -60,7 +60,9 @@ std::shared_ptr<client::impl::piece> client::impl::maybe_settle(const std::share
   }
   if (!p.err && p.reply)
     if (auto* cp = std::get_if<complete>(&p.reply->b)) (p.write ? n_written : n_read) += cp->bytes;
-  if (!p.err) moved_at = clk::now();  // the client moved (what waits in its queue is not idle)
+  // The client moved: a submitted request waiting behind this one is not idle. (No clock read for
+  // a synchronous call's piece when no request is submitted.)
+  if (!p.err && !live.empty()) moved_at = clk::now();
   if (p.owner && !p.err) {  // a submitted request's deadline by progress moves on (owner: still under way)
     p.owner->moved_at = moved_at;
     if (p.owner->r.moved) p.owner->r.moved();

@@ -112,8 +112,8 @@ std::shared_ptr<client::impl::async_op> client::impl::gather(std::size_t& taken)
   };
   taken = 0;
   if (one_by_one.contains(first->r.path) || !small(*first)) return nullptr;
-  std::uint64_t bytes = 0;
-  std::size_t j = 0;
+  std::uint64_t bytes = first->r.length;
+  std::size_t j = 1;  // (the first is small: asked above)
   while (j < waiting.size() && j < together_most && bytes + waiting[j]->r.length <= together_bytes && small(*waiting[j]))
     bytes += waiting[j++]->r.length;
   if (j < 2) return nullptr;

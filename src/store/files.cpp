@@ -53,7 +53,6 @@ uri parse_uri(const std::string& text) {
 
 namespace {
 
-
 // One client per host:port, shared by the files opened there. It has no thread of its own, nor does
 // this adapter: requests go to the client's queue (client::submit) and their completions run where
 // the client ends them -- its lanes' progress threads, mostly.
@@ -106,13 +105,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
       new std::shared_ptr<remote_endpoint>(std::move(ep_));
       return;
     }
-    std::optional<client::write_handle> h;
-    std::optional<error> failed;
-    {
-      std::lock_guard l(mu_);
-      h = std::exchange(h_, std::nullopt);
-      failed = std::exchange(failed_, std::nullopt);
-    }
+    auto [h, failed] = take_writes();
     if (h && !ep_->c().may_wait()) {
       // Let go last in a completion on a lane's thread (its caller let go of the file meanwhile):
       // the commit waits for the server's answer, which that thread must not, so the lanes' idle
@@ -128,15 +121,26 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
     }
     keep_if_last(std::move(ep_));
   }
-  // Commits a closing file's writes (aborts them after a failed write), saying so when that fails.
+  // The open write and the first failure of a write into it, taken (an opening under way is taken
+  // with the writes before it).
+  std::pair<std::optional<client::write_handle>, std::optional<error>> take_writes() {
+    std::lock_guard o(open_mu_);
+    std::lock_guard l(mu_);
+    return {std::exchange(h_, std::nullopt), std::exchange(failed_, std::nullopt)};
+  }
+  // Commits the writes taken, or aborts them and throws the failure.
+  static void end_writes(remote_endpoint& ep, const std::optional<client::write_handle>& h, const std::optional<error>& failed) {
+    if (failed) {
+      if (h) ep.c().abort(*h);
+      throw *failed;
+    }
+    if (h) ep.c().commit(*h, std::nullopt, ep.timeout());
+  }
+  // A closing file's end_writes, saying so when it fails.
   static void close_writes(remote_endpoint& ep, const std::string& path, const std::optional<client::write_handle>& h,
                            const std::optional<error>& failed) {
     try {
-      if (failed) {
-        if (h) ep.c().abort(*h);
-        throw *failed;
-      }
-      if (h) ep.c().commit(*h, std::nullopt, ep.timeout());
+      end_writes(ep, h, failed);
     } catch (const error& e) {
       log::warn("store", "{}: closing {} without committing its writes: {}", ep.c().peer(), printable(path), e.what());
     }
@@ -160,23 +164,8 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
                        data_route(st), st.staged_bytes ? " -> copied on from where it landed" : "");
   }
   void sync() override {
-    std::optional<client::write_handle> h;
-    std::optional<error> failed;
-    {
-      std::lock_guard o(open_mu_);  // (an opening under way is taken with the writes before it)
-      std::lock_guard l(mu_);
-      h = std::exchange(h_, std::nullopt);
-      failed = std::exchange(failed_, std::nullopt);
-    }
-    if (!h) {
-      if (failed) throw *failed;
-      return;
-    }
-    if (failed) {
-      ep_->c().abort(*h);
-      throw *failed;
-    }
-    ep_->c().commit(*h, std::nullopt, ep_->timeout());
+    auto [h, failed] = take_writes();
+    end_writes(*ep_, h, failed);
   }
   // Never waits for the network: a write whose file has no open write yet opens it on the client's
   // lane thread (defer), where waiting is allowed.
@@ -280,7 +269,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
   std::string path_;
   open_mode mode_;
   std::uint64_t version_ = 0;
-  std::mutex open_mu_;  // held while the open write is being opened (handle) or taken (sync)
+  std::mutex open_mu_;  // held while the open write is being opened (handle) or taken (take_writes)
   std::mutex mu_;
   std::optional<client::write_handle> h_;
   std::optional<error> failed_;
