@@ -56,30 +56,52 @@ bool client::may_wait() const noexcept { return impl::in_tick || !impl_->own_thr
 
 void client::impl::submit(std::span<client::request> rs) noexcept {
   const auto now = clk::now();
-  for (auto& r : rs) {
-    std::shared_ptr<async_op> a;
-    try {
-      a = std::make_shared<async_op>();
+  auto fail_one = [&](client::request& r, const std::exception& e) {
+    const error err = dynamic_cast<const error*>(&e) ? *dynamic_cast<const error*>(&e) : error(errc::out_of_memory, "store.request", peer, e.what());
+    if (r.done) r.done(0, &err);
+  };
+  // Made first, then queued under one lock: the requests of a batch are all in the queue before a
+  // pump looks (a lane's, on a credit given back, may run meanwhile), so that its small reads go
+  // together (gather) rather than in whatever handful had been queued by then.
+  std::vector<std::shared_ptr<async_op>> made;
+  std::vector<std::pair<std::shared_ptr<async_op>, error>> refused;
+  try {
+    made.reserve(rs.size());
+    refused.reserve(rs.size());
+    for (auto& r : rs) {
+      auto a = std::make_shared<async_op>();
       a->r = std::move(r);
       a->moved_at = now;
       // Several pieces of a file that may change come from one version of it: a stat first (the
       // lanes' idle look makes it: it waits for an answer).
       a->need_stat = !a->r.write && !a->r.version && a->r.length > o.piece;
-      std::lock_guard l(mu);
-      if (stopping) fail(errc::cancelled, "store.request", peer, "the client is closing");
-      a->id = next_async++;
-      a->ends = notice_for(a->id);
-      live.emplace(a->id, a);
-      if (a->need_stat) stat_wanted = true;  // (queued once the idle look has its version)
-      else waiting.push_back(a);
-      async_work = true;
-    } catch (const std::exception& e) {
-      const error err = dynamic_cast<const error*>(&e) ? *dynamic_cast<const error*>(&e)
-                                                       : error(errc::out_of_memory, "store.request", peer, e.what());
-      auto& done = a ? a->r.done : r.done;
-      if (done) done(0, &err);
+      made.push_back(std::move(a));
     }
+  } catch (const std::exception& e) {
+    for (auto& a : made) fail_one(a->r, e);
+    for (std::size_t i = made.size(); i < rs.size(); ++i) fail_one(rs[i], e);
+    return;
   }
+  {
+    std::lock_guard l(mu);
+    for (auto& a : made) {
+      try {
+        if (stopping) fail(errc::cancelled, "store.request", peer, "the client is closing");
+        a->id = next_async++;
+        a->ends = notice_for(a->id);
+        live.emplace(a->id, a);
+        if (a->need_stat) stat_wanted = true;  // (queued once the idle look has its version)
+        else waiting.push_back(a);
+      } catch (const std::exception& e) {
+        live.erase(a->id);
+        refused.emplace_back(a, dynamic_cast<const error*>(&e) ? *dynamic_cast<const error*>(&e)
+                                                               : error(errc::out_of_memory, "store.request", peer, e.what()));
+      }
+    }
+    async_work = true;
+  }
+  for (auto& [a, e] : refused)
+    if (a->r.done) a->r.done(0, &e);
   pump();
   drain_if_any();
   if (stat_wanted.exchange(false)) kick();
