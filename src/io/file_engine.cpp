@@ -79,6 +79,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   file* sized = nullptr;
   std::uint64_t size = 0;
   const std::shared_ptr<file>* run = nullptr;  // the first request of the current run on one file
+  const file* named = nullptr;                 // the remote file the last request's name is of
   // More workers when the work asks for them: a worker for every FERRY_IO_DEPTH requests waiting
   // or running, and for every 32 MiB asked of the engine so far (what a new worker's copies must
   // cover to be worth its making, a thread costing a millisecond or more in a process that imported
@@ -105,10 +106,15 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     try {
       check_request(r, i);
       if (r.f->source()) {  // a remote file: its source moves the data (and classifies the memory)
-        r.f->source()->check_process("file.submit", describe(r, i));
-        // A timeout names it.
+        // Once per run of requests on one file: the process check (a system call) and the name a
+        // timeout gives (the offset is put in words only then).
+        if (r.f.get() != named) {
+          r.f->source()->check_process("file.submit", describe(r, i));
+          b->names.push_back(uri_for_messages(r.f->path()));
+          named = r.f.get();
+        }
         if (b->labels.empty()) b->labels.resize(reqs.size());
-        b->labels[i] = fmt::format("{} offset {}", uri_for_messages(r.f->path()), r.offset);
+        b->labels[i] = {static_cast<std::uint32_t>(b->names.size()), r.offset};
         b->segs_left[i] = 1;
         b->results[i].path = transfer_path::none;
         remote.push_back(i);

@@ -7,6 +7,8 @@
 #include <condition_variable>
 #include <mutex>
 #include <span>
+#include <fmt/format.h>
+
 #include <string>
 
 namespace ferry {
@@ -16,8 +18,19 @@ struct transfer_batch::state {
   std::condition_variable cv;
   std::vector<request_result> results;
   std::vector<std::uint64_t> sizes;
-  // Per request, where known (remote files'): what a timeout names instead of the request's index.
-  std::vector<std::string> labels;
+  // Per request, where known (remote files'): what a timeout names instead of the request's index --
+  // its file (one of `names`, one per file of the batch) and offset, put in words only when needed.
+  struct label {
+    std::uint32_t name = 0;
+    std::uint64_t offset = 0;
+  };
+  std::vector<std::string> names;
+  std::vector<label> labels;  // empty, or one per request (name 0: none)
+  std::string label_of(std::size_t i) const {
+    if (i < labels.size() && labels[i].name > 0 && labels[i].name <= names.size())
+      return fmt::format("{} offset {}", names[labels[i].name - 1], labels[i].offset);
+    return fmt::format("request {}", i);
+  }
   std::vector<int> segs_left;
   std::size_t unfinished = 0;
   int items_inflight = 0;  // queued or running work items

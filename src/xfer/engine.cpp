@@ -582,7 +582,7 @@ bool transfer_batch::wait() {
       r.state = request_state::timed_out;
       bool unreached = s_->order == state::ordering::waiting_for_stream;
       r.err = error(errc::timeout, "xfer.wait",
-                    i < s_->labels.size() && !s_->labels[i].empty() ? s_->labels[i] : fmt::format("request {}", i),
+                    s_->label_of(i),
                     fmt::format("deadline passed with {} of {} bytes done{}", r.bytes_done, s_->sizes[i],
                                 unreached ? " (its stream had not reached it: the work enqueued before it had not finished; the stream is released)" : ""));
       --s_->unfinished;

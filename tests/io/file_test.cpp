@@ -872,13 +872,16 @@ TEST(File, AnAdoptedDescriptorIsReadLikeAnOpenedFile) {
 // source must: by watching source_deadline::at(). Each request waits on a thread of its own.
 class stalled_source final : public file_source {
  public:
+  // `late`: how long after the deadline a request ends (a source slow to notice it).
+  explicit stalled_source(std::chrono::milliseconds late = {}) : late_(late) {}
   ~stalled_source() override {
     for (auto& t : threads_) t.join();
   }
   std::uint64_t size() override { return 1 << 20; }
   void start(bool, std::uint64_t, void*, std::uint64_t, const source_deadline& until, completion done) override {
-    threads_.emplace_back([until, done = std::move(done)] {
+    threads_.emplace_back([until, late = late_, done = std::move(done)] {
       while (std::chrono::steady_clock::now() < until.at()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      std::this_thread::sleep_for(late);
       error e = until.cancelled() ? error(errc::cancelled, "stalled.read", "stalled://x", "cancelled")
                                   : error(errc::timeout, "stalled.read", "stalled://x", "deadline passed");
       done(0, &e);
@@ -886,8 +889,29 @@ class stalled_source final : public file_source {
   }
 
  private:
+  std::chrono::milliseconds late_;
   std::vector<std::thread> threads_;
 };
+
+// A batch whose remote requests outlive its deadline: wait() ends them as timed out, each error
+// naming its file and offset (not the request's index).
+TEST(File, ARemoteRequestPastItsDeadlineIsNamedByFileAndOffset) {
+  runtime rt(file_settings());
+  auto reg = register_file_scheme("stalled", [](const std::string&, open_mode) {
+    return std::make_shared<stalled_source>(std::chrono::milliseconds(400));
+  });
+  auto f = file::open("stalled://x", open_mode::read);
+  std::vector<std::byte> buf(8192);
+  std::vector<file_request> rs{{f, 0, buf.data(), 4096, false}, {f, 12345, buf.data() + 4096, 4096, false}};
+  transfer_options fixed;
+  fixed.until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+  transfer_batch b = rt.files().submit(rs, fixed);
+  EXPECT_FALSE(b.wait());
+  ASSERT_EQ(b.results()[1].state, request_state::timed_out);
+  EXPECT_THAT(b.results()[0].err->what(), HasSubstr("stalled://x offset 0"));
+  EXPECT_THAT(b.results()[1].err->what(), HasSubstr("stalled://x offset 12345"));
+  EXPECT_THAT(b.results()[1].err->what(), HasSubstr("deadline passed with 0 of 4096 bytes"));
+}
 
 // cancel() ends a remote file's requests under way (its source sees the batch's deadline passed),
 // so a batch over a stalled server ends at once, not at its deadline; wait(t) returns at t meanwhile.
