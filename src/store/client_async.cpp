@@ -166,6 +166,7 @@ bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
   async_op& x = *a;
   if (x.grp) {
     std::vector<net::read_range> ranges;
+    ranges.reserve(x.grp->members.size());
     for (auto& m : x.grp->members) ranges.push_back({m->r.offset, m->r.length});
     net::read_many m{x.r.path, x.r.version, std::move(ranges)};
     // Each read's bytes go into its memory as the answer comes, on the thread that takes it, unless
