@@ -502,7 +502,7 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   pl.handle = handle;
   pl.mem = mem;
   plan_request(pl, until, true);
-  op o2{path, write, offset, length, until, {}, {}};
+  op o2{path, write, offset, length, until, {}};
   // A read of one piece (most small ones) is registered with its piece, under one lock.
   bool one_piece = !write && length <= pl.piece_len && !pl.net;
   ticket registered = 0;
@@ -565,7 +565,6 @@ std::uint64_t client::impl::finish(ticket t, const std::function<bool()>* cancel
     std::lock_guard l(mu);
     auto it = ops.find(t);
     if (it == ops.end()) fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "unknown or already finished");
-    if (it->second.many) fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "from start_reads: finish it with finish_reads");
     x = std::move(it->second);
     ops.erase(it);
   }
@@ -627,8 +626,7 @@ client::ticket client::start_write(const write_handle& h, std::uint64_t offset, 
   // The buffer is only read (sent), never written.
   return impl_->start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id, nullptr, std::move(ended));
 }
-std::shared_ptr<client::impl::piece> client::impl::reads_piece(net::read_many& m, client::range_answer answer, clk::time_point until,
-                                                              bool wait) {
+std::shared_ptr<client::impl::piece> client::impl::reads_piece(net::read_many& m, range_answer answer, clk::time_point until) {
   auto p = std::make_shared<piece>();
   p->until = until;
   p->len = net::read_many_answer_bytes(m.ranges);
@@ -638,19 +636,14 @@ std::shared_ptr<client::impl::piece> client::impl::reads_piece(net::read_many& m
   // On the same host the server writes the answer into a slot of the landing region and sends only
   // its completion: no answer crosses UCX, and nothing is allocated here for it. A slot free at once
   // that holds the answer (else it comes by messages, as from a server on another host): it goes
-  // back when the hook has taken the answer. A spent region is renewed here as a read's would be
-  // (by the lanes' idle look for a submitted request, which cannot wait).
+  // back when the hook has taken the answer. A spent region is renewed by the lanes' idle look (a
+  // submitted request cannot wait for that here).
   if (direct_available()) {
     auto lr = current_landing();
     if (lr && lr->spent()) {
-      if (!wait) {
-        renew_wanted = true;
-        kick();
-        lr = nullptr;
-      } else {
-        renew_landing(lr, until);
-        lr = direct_available() ? current_landing() : nullptr;
-      }
+      renew_wanted = true;
+      kick();
+      lr = nullptr;
     }
     if (lr && (p->land_slot = lr->try_take_slot(p->len)) >= 0) {
       p->region = std::move(lr);
@@ -664,65 +657,6 @@ std::shared_ptr<client::impl::piece> client::impl::reads_piece(net::read_many& m
     p->land = p->owned.data();
   }
   return p;
-}
-
-client::ticket client::start_reads(const std::string& path, std::span<const net::read_range> ranges, range_answer answer,
-                                   clk::time_point until, std::uint64_t version, ended_fn ended) {
-  auto& I = *impl_;
-  if (!answer) fail(errc::invalid_argument, "store.read", printable(path), "ranges in one request need an answer hook to take them");
-  if (ranges.empty() || ranges.size() > net::max_read_ranges)
-    fail(errc::invalid_argument, "store.read", printable(path), fmt::format("{} ranges in one request (1 to {})", ranges.size(), net::max_read_ranges));
-  net::read_many m{path, version, {ranges.begin(), ranges.end()}};
-  for (const auto& g : ranges)
-    if (g.length == 0 || g.length > net::max_read_range || g.offset + g.length < g.offset)
-      fail(errc::invalid_argument, "store.read", printable(path),
-           fmt::format("range at offset {}: no bytes, more than {} bytes or past 2^64", g.offset, net::max_read_range));
-  const std::uint64_t answer_bytes = net::read_many_answer_bytes(m.ranges);
-  if (answer_bytes - 8 * ranges.size() > net::max_read_many_bytes)
-    fail(errc::invalid_argument, "store.read", printable(path), fmt::format("ranges of more than {} bytes in all", net::max_read_many_bytes));
-  I.ensure_connected(until);
-  impl::op whole{path, false, ranges.front().offset, answer_bytes, until, {}, true};
-  std::shared_ptr<impl::notice> ends = impl::notice::make(std::move(ended));
-  auto p = I.reads_piece(m, std::move(answer), until, true);
-  if (ends) {
-    ends->left.fetch_add(1, std::memory_order_relaxed);
-    p->ends = ends;
-  }
-  ticket t = 0;
-  auto sent = p;  // (send takes p)
-  try {
-    I.send({0, 0, std::move(m)}, std::move(p), true, until, nullptr, &whole, &t);
-  } catch (...) {
-    if (ends) ends->armed.store(false, std::memory_order_release);
-    // Refused before it went out (no credit, every lane down): the server never saw its slot.
-    std::lock_guard l(I.mu);
-    if (!sent->rid) I.release_land(*sent, false);
-    throw;
-  }
-  if (ends) ends->release();
-  return t;
-}
-
-bool client::host_memory(const void* p, std::uint64_t n) const {
-  if (!impl_->o.cache) return true;
-  const memory_type t = impl_->o.cache->classify(p, n).type;
-  return t == memory_type::host_pageable || t == memory_type::host_pinned;
-}
-
-std::vector<std::uint64_t> client::finish_reads(ticket t, const std::function<bool()>& cancelled) {
-  auto& I = *impl_;
-  impl::op x;
-  {
-    std::lock_guard l(I.mu);
-    auto it = I.ops.find(t);
-    if (it == I.ops.end() || !it->second.many)
-      fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "unknown, already finished, or not from start_reads");
-    x = std::move(it->second);
-    I.ops.erase(it);
-  }
-  I.finish(x, &cancelled);  // (throws what the request failed with)
-  std::lock_guard l(I.mu);  // the counts, set where the answer settled
-  return std::move(x.pieces.first->counts);
 }
 
 std::uint64_t client::finish(ticket t) { return impl_->finish(t); }

@@ -177,11 +177,11 @@ bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
       g->got[i] = n;
       g->state[i].store(group::answered, std::memory_order_release);
     };
-    auto p = reads_piece(m, std::move(answer), x.r.until, false);
+    auto p = reads_piece(m, std::move(answer), x.r.until);
     p->owner = a.get();
     p->ends = x.ends;
     x.ends->left.fetch_add(1, std::memory_order_relaxed);
-    x.x = op{x.r.path, false, x.grp->members.front()->r.offset, p->len, x.r.until, {}, true};
+    x.x = op{x.r.path, false, x.grp->members.front()->r.offset, p->len, x.r.until, {}};
     auto sent = send({0, 0, std::move(m)}, p, true, x.r.until, nullptr, nullptr, nullptr, false, &all_down);
     if (!sent) {
       x.ends->left.fetch_sub(1, std::memory_order_relaxed);

@@ -49,6 +49,8 @@ struct client::impl {
   struct async_op;
   // A small piece: kept on the caller's home lane (send), landed in a small slot (make_landing).
   static constexpr std::uint64_t small_piece = 64u << 10;
+  // Told each range of a read_many answer, (i, data, n): `data` valid only during the call.
+  using range_answer = std::function<void(std::size_t, const std::byte*, std::uint64_t)>;
   // One connection to the server with its own UCX worker (progress thread) and credits.
   struct lane {
     int index = 0;
@@ -93,9 +95,10 @@ struct client::impl {
     std::byte* rma_mem = nullptr;
     std::byte* land = nullptr;       // where read data lands (the destination, a staging buffer or a landing slot)
     std::vector<std::byte> owned;    // read_many by messages: the answer lands here, then goes to the caller's hook
-    // read_many: the caller's hook (start_reads' `answer`), each range's size, and the counts the answer
-    // gave, once the hook was told them (on the thread that settled the piece, before it is done).
-    client::range_answer answer;
+    // read_many: the hook that takes each range's bytes (a group's: into its reads' memory), each
+    // range's size, and the counts the answer gave, once the hook was told them (on the thread that
+    // settled the piece, before it is done).
+    range_answer answer;
     std::vector<std::uint64_t> range_len, counts;
     std::uint64_t len = 0;
     std::byte* final_dst = nullptr;  // staged reads: copied here by the transfer engine
@@ -145,7 +148,6 @@ struct client::impl {
     std::uint64_t offset = 0, length = 0;
     clk::time_point until;
     piece_list pieces;
-    bool many = false;  // from start_reads (finished with finish_reads)
   };
   // A map whose nodes are recycled: every request inserts and erases one entry in `pend` and in
   // `ops`, and the allocator round trips would cost more than the entries' bookkeeping.
@@ -329,9 +331,9 @@ struct client::impl {
   std::shared_ptr<piece> next_piece(plan& pl, message& m, clk::time_point until, bool wait);
   // A write piece's data after its frame, on the same connection (not for the landing region or RMA).
   void send_write_data(const std::shared_ptr<piece>& p);
-  // start_reads' one piece: the ranges' answer lands in a landing slot free at once, else in memory
-  // of its own.
-  std::shared_ptr<piece> reads_piece(net::read_many& m, client::range_answer answer, clk::time_point until, bool wait);
+  // A group's one piece: the ranges' answer lands in a landing slot free at once, else in memory of
+  // its own.
+  std::shared_ptr<piece> reads_piece(net::read_many& m, range_answer answer, clk::time_point until);
 
   // ---- submitted requests (client_async.cpp) ----
   // A request of submit(), from its queueing to its completion; owned by `live` (mu).

@@ -1068,28 +1068,49 @@ TEST(StoreHardening, ACancelledBatchOfAGroupedReadEndsAndItsMemoryIsLeftAlone) {
       });
 }
 
-// Ranges in one request whose answer does not come in time (the server stopped): finish_reads fails
-// within the deadline, naming it; the hook is never told afterwards, not even once the server goes on
-// and answers; the landing slot the answer was to go into is never used again (the server may still
-// write it: quarantined); and the client goes on.
-TEST(StoreHardening, RangesInOneRequestThatTimeOutAreNeverHandedOverLater) {
+// Small reads sent as one request whose answer does not come in time (the server stopped): each read
+// fails within its deadline, naming it; nothing lands in their memory afterwards, not even once the
+// server goes on and answers; the landing slot the answer was to go into is never used again (the
+// server may still write it: quarantined); and the client goes on.
+TEST(StoreHardening, SmallReadsInOneRequestThatTimeOutNeverLandLater) {
   served_pages pages("ferry-many-timeout");
   auto& srv = *pages.srv;
   store::client_options co;
   co.map = true;  // (same host: the answer goes into a landing slot)
   store::client c("127.0.0.1", srv.port, co);
   ASSERT_EQ(c.stat("pages.bin").size, pages.data.size());
-  std::vector<net::read_range> ranges = {{100, 4096}, {9000, 4096}};
-  std::atomic<int> told{0};
-  auto hook = [&told](std::size_t, const std::byte*, std::uint64_t) { ++told; };
+  std::vector<std::vector<unsigned char>> bufs(2, std::vector<unsigned char>(4096, 0xee));
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> errors(2);
+  int told = 0;
   srv.stop();
   const auto t0 = clk::now();
-  auto t = c.start_reads("pages.bin", ranges, hook, t0 + std::chrono::milliseconds(500));
-  EXPECT_THAT(test::error_text([&] { c.finish_reads(t, [] { return false; }); }), HasSubstr("deadline"));
+  std::vector<store::client::request> rs(2);
+  for (std::size_t i = 0; i < 2; ++i) {
+    rs[i].path = "pages.bin";
+    rs[i].offset = i ? 9000 : 100;
+    rs[i].mem = bufs[i].data();
+    rs[i].length = 4096;
+    rs[i].until = t0 + std::chrono::milliseconds(500);
+    rs[i].done = [&, i](std::uint64_t, const error* e) {
+      std::lock_guard l(mu);
+      errors[i] = e ? e->what() : "";
+      ++told;
+      cv.notify_all();
+    };
+  }
+  c.submit(rs);
+  {
+    std::unique_lock l(mu);
+    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(8), [&] { return told == 2; })) << "the reads were not told within their deadline";
+  }
   EXPECT_LT(clk::now() - t0, std::chrono::seconds(8));
+  for (auto& e : errors) EXPECT_THAT(e, HasSubstr("deadline"));
   srv.resume();
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  EXPECT_EQ(told.load(), 0) << "ranges handed over after their request had failed";
+  for (auto& b : bufs) EXPECT_EQ(b, std::vector<unsigned char>(4096, 0xee)) << "data landed after its read had failed";
+  EXPECT_EQ(told, 2);
   EXPECT_GE(c.stats().quarantined, 1u) << "the slot the server may still write went back into use";
   std::vector<char> one(4096);
   EXPECT_EQ(c.read("pages.bin", 77, one.data(), one.size(), std::chrono::seconds(10)), one.size());

@@ -14,6 +14,7 @@
 
 #include <cstring>
 #include <atomic>
+#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <filesystem>
@@ -26,6 +27,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
 
 using namespace ferry;
 using ::testing::AllOf;
@@ -103,32 +105,71 @@ TEST(StoreService, LargeReadsAreRequestsOfTheFileEngine) {
 }
 
 namespace {
-// Ranges for start_reads, each with the buffer its hook copies the answer into.
-struct ranges_into {
-  std::vector<net::read_range> ranges;
-  std::vector<unsigned char*> dst;
-  void add(std::uint64_t offset, unsigned char* mem, std::uint64_t length) {
-    ranges.push_back({offset, length});
-    dst.push_back(mem);
+// Small reads of one file submitted together, as the ferry:// adapter submits a batch's: they go as
+// one read_many request (up to 64 of them). Started by start(), waited for by wait(): each read's
+// bytes, error and how often it was told. The state is shared with the completions, so a read told
+// late touches nothing freed.
+struct reads_together {
+  struct outcome {
+    std::uint64_t bytes = 0;
+    std::string error;  // empty: none
+    int told = 0;
+  };
+  struct state {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<outcome> out;
+    std::size_t left = 0;
+  };
+  std::shared_ptr<state> st = std::make_shared<state>();
+  // `reads`: (offset, length) each, into `mem`'s buffer of the same index.
+  void start(store::client& c, const std::string& path, const std::vector<std::pair<std::uint64_t, std::uint64_t>>& reads,
+             const std::vector<unsigned char*>& mem, std::uint64_t version = 0,
+             std::chrono::steady_clock::time_point until = std::chrono::steady_clock::now() + std::chrono::seconds(10)) {
+    st->out.assign(reads.size(), {});
+    st->left = reads.size();
+    std::vector<store::client::request> rs;
+    for (std::size_t i = 0; i < reads.size(); ++i) {
+      store::client::request r;
+      r.path = path;
+      r.offset = reads[i].first;
+      r.length = reads[i].second;
+      r.mem = mem[i];
+      r.version = version;
+      r.until = until;
+      r.done = [s = st, i](std::uint64_t n, const error* e) {
+        std::lock_guard l(s->mu);
+        auto& o = s->out[i];
+        if (++o.told == 1) --s->left;
+        o.bytes = n;
+        if (e) o.error = e->what();
+        s->cv.notify_all();
+      };
+      rs.push_back(std::move(r));
+    }
+    c.submit(rs);
   }
-  store::client::range_answer copy() {
-    return [this](std::size_t i, const std::byte* data, std::uint64_t n) { std::memcpy(dst.at(i), data, n); };
+  std::vector<outcome> wait(std::chrono::seconds within = std::chrono::seconds(30)) {
+    std::unique_lock l(st->mu);
+    EXPECT_TRUE(st->cv.wait_for(l, within, [&] { return st->left == 0; })) << st->left << " reads never told";
+    return st->out;
   }
 };
+std::vector<unsigned char*> pointers(std::vector<std::vector<unsigned char>>& bufs, std::size_t skip = 0) {
+  std::vector<unsigned char*> p;
+  for (auto& b : bufs) p.push_back(b.data() + skip);
+  return p;
+}
 }  // namespace
 
-// Small reads of one file as one request (a GPU cache's misses): each range gets exactly its bytes,
-// short at the end of the file and none past it; one request on the wire for all of them; bad ranges,
-// a missing hook and a file replaced since the version asked for are refused.
+// Small reads of one file submitted together (a GPU cache's misses) go as one request: each read gets
+// exactly its bytes, short at the end of the file and none past it, told once; a missing file, a file
+// replaced since the version asked for, and a path outside the root fail every read, naming it.
 TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
   served s;
   const std::uint64_t size = s.data.size();
   const std::vector<std::pair<std::uint64_t, std::uint64_t>> want = {
       {0, 4096}, {4097, 1}, {123457, 5000}, {size - 100, 4096}, {size + 5, 10}, {8 << 20, 65536}, {77, 3}};
-  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  std::vector<std::vector<unsigned char>> bufs;
-  ranges_into into;
-  store::client::ticket t = 0;
   // The answer written into the client's landing region (same host), and sent as a message.
   std::optional<store::client> held;
   for (bool map : {false, true}) {
@@ -137,107 +178,47 @@ TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
     co.map = map;
     held.emplace("127.0.0.1", s.srv->port(), co);
     auto& c = *held;
-    bufs.clear();
-    into = {};
-    for (auto [off, len] : want) {
-      bufs.emplace_back(len + 2, 0xee);
-      into.add(off, bufs.back().data() + 1, len);
-    }
+    std::vector<std::vector<unsigned char>> bufs;
+    for (auto [off, len] : want) bufs.emplace_back(len + 2, 0xee);
+    const std::uint64_t version = c.stat("data/shard.bin").version;
     const auto requests = s.srv->stats().requests;
-    t = c.start_reads("data/shard.bin", into.ranges, into.copy(), until, c.stat("data/shard.bin").version);
-    EXPECT_THAT(test::error_text([&] { c.finish(t); }), HasSubstr("finish_reads"));  // (the ticket stays)
-    auto got = c.finish_reads(t, [] { return false; });
-    EXPECT_EQ(s.srv->stats().requests - requests, 2u) << "the stat and one request for all the ranges";
+    reads_together r;
+    r.start(c, "data/shard.bin", want, pointers(bufs, 1), version);
+    auto got = r.wait();
+    EXPECT_EQ(s.srv->stats().requests - requests, 1u) << "one request for all the reads";
     EXPECT_EQ(c.stats().direct_pieces, map ? 1u : 0u);
-    ASSERT_EQ(got.size(), want.size());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a second completion would come meanwhile
     for (std::size_t i = 0; i < want.size(); ++i) {
       auto [off, len] = want[i];
       std::uint64_t n = off >= size ? 0 : std::min(len, size - off);
-      EXPECT_EQ(got[i], n) << "range " << i;
-      EXPECT_EQ(std::memcmp(bufs[i].data() + 1, s.data.data() + std::min(off, size), n), 0) << "range " << i;
-      EXPECT_EQ(bufs[i][0], 0xee) << "range " << i;
-      EXPECT_EQ(bufs[i][n + 1], 0xee) << "nothing past the bytes read, range " << i;
+      EXPECT_EQ(r.st->out[i].told, 1) << "read " << i;
+      EXPECT_EQ(got[i].error, "") << "read " << i;
+      EXPECT_EQ(got[i].bytes, n) << "read " << i;
+      EXPECT_EQ(std::memcmp(bufs[i].data() + 1, s.data.data() + std::min(off, size), n), 0) << "read " << i;
+      EXPECT_EQ(bufs[i][0], 0xee) << "read " << i;
+      EXPECT_EQ(bufs[i][n + 1], 0xee) << "nothing past the bytes read, read " << i;
     }
   }
   auto& c = *held;
-  EXPECT_THAT(test::error_text([&] { c.finish_reads(t, [] { return false; }); }), HasSubstr("unknown"));
-  // Refused before anything is sent.
-  auto none_taken = [](std::size_t, const std::byte*, std::uint64_t) {};
-  std::vector<net::read_range> none;
-  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", none, none_taken, until); }), HasSubstr("0 ranges"));
-  std::vector<net::read_range> empty = {{0, 0}};
-  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", empty, none_taken, until); }), HasSubstr("no bytes"));
-  std::vector<net::read_range> too_much;
-  for (std::uint64_t at = 0; at < net::max_read_many_bytes + net::max_read_range; at += net::max_read_range) too_much.push_back({at, net::max_read_range});
-  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", too_much, none_taken, until); }), HasSubstr("in all"));
-  std::vector<net::read_range> too_long = {{0, net::max_read_range + 1}};
-  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", too_long, none_taken, until); }), HasSubstr("more than 65536 bytes"));
-  std::vector<net::read_range> one = {{0, 16}, {100, 1}};
-  EXPECT_THAT(test::error_text([&] { c.start_reads("data/shard.bin", one, {}, until); }), HasSubstr("answer hook"));
-  // A missing file, and a version the file no longer has: the request fails, naming the path.
-  auto missing = c.start_reads("data/none.bin", one, none_taken, until);
-  EXPECT_THAT(test::error_text([&] { c.finish_reads(missing, [] { return false; }); }), HasSubstr("none.bin"));
-  auto old = c.start_reads("data/shard.bin", one, none_taken, until, 12345);
-  EXPECT_THAT(test::error_text([&] { c.finish_reads(old, [] { return false; }); }), HasSubstr("shard.bin"));
-  // Outside the root: refused as a read is, nothing of the file handed over.
-  bool told = false;
-  auto out = c.start_reads("escape", one, [&](std::size_t, const std::byte*, std::uint64_t) { told = true; }, until);
-  EXPECT_THAT(test::error_text([&] { c.finish_reads(out, [] { return false; }); }), HasSubstr("leads outside the root"));
-  EXPECT_FALSE(told);
-}
-
-// The answer's hook: each range handed over exactly once, before the request's notice and before
-// finish_reads returns, with exactly its bytes. A hook that throws fails its request, naming the
-// hook, and the client goes on.
-TEST(StoreService, SmallReadsAreHandedToTheirHookOnce) {
-  served s;
-  const std::uint64_t size = s.data.size();
-  const std::vector<std::pair<std::uint64_t, std::uint64_t>> want = {{0, 4096}, {4097, 1}, {123457, 5000}, {size - 100, 4096}, {size + 5, 10}};
-  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  for (bool map : {false, true}) {
-    SCOPED_TRACE(map ? "into the landing region" : "by messages");
-    store::client_options co;
-    co.map = map;
-    store::client c("127.0.0.1", s.srv->port(), co);
-    std::vector<net::read_range> ranges;
-    for (auto [off, len] : want) ranges.push_back({off, len});
-    std::vector<std::vector<unsigned char>> got(want.size());
-    std::mutex mu;
-    std::vector<int> told(want.size(), 0);
-    std::atomic<bool> ended{false}, before_end{true};
-    auto answer = [&](std::size_t i, const std::byte* data, std::uint64_t n) {
-      std::lock_guard l(mu);
-      if (ended.load()) before_end = false;
-      ++told[i];
-      got[i].assign(reinterpret_cast<const unsigned char*>(data), reinterpret_cast<const unsigned char*>(data) + n);
-    };
-    auto t = c.start_reads("data/shard.bin", ranges, answer, until, 0, [&] { ended = true; });
-    auto counts = c.finish_reads(t, [] { return false; });
-    EXPECT_TRUE(ended.load());
-    EXPECT_TRUE(before_end.load()) << "a range was handed over after the request's notice";
-    ASSERT_EQ(counts.size(), want.size());
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      auto [off, len] = want[i];
-      const std::uint64_t n = off >= size ? 0 : std::min(len, size - off);
-      EXPECT_EQ(told[i], 1) << "range " << i;
-      EXPECT_EQ(counts[i], n) << "range " << i;
-      ASSERT_EQ(got[i].size(), n) << "range " << i;
-      if (n) {
-        EXPECT_EQ(std::memcmp(got[i].data(), s.data.data() + std::min(off, size), n), 0) << "range " << i;
-      }
-    }
-    auto bad = c.start_reads("data/shard.bin", ranges, [](std::size_t, const std::byte*, std::uint64_t) { throw std::runtime_error("no room"); }, until);
-    EXPECT_THAT(test::error_text([&] { c.finish_reads(bad, [] { return false; }); }), HasSubstr("answer hook threw: no room"));
-    std::vector<unsigned char> one(4096);
-    EXPECT_EQ(c.read("data/shard.bin", 5, one.data(), one.size(), std::chrono::seconds(5)), one.size());
-    EXPECT_EQ(std::memcmp(one.data(), s.data.data() + 5, one.size()), 0);
+  // A missing file, a version the file no longer has, a path outside the root: every read fails,
+  // naming the path; nothing of the file is handed over.
+  const std::vector<std::pair<std::uint64_t, std::uint64_t>> two = {{0, 16}, {100, 1}};
+  for (auto [path, version, says] : {std::tuple<const char*, std::uint64_t, const char*>{"data/none.bin", 0, "none.bin"},
+                                     {"data/shard.bin", 12345, "shard.bin"},
+                                     {"escape", 0, "leads outside the root"}}) {
+    SCOPED_TRACE(path);
+    std::vector<std::vector<unsigned char>> bufs(2, std::vector<unsigned char>(16, 0xee));
+    reads_together r;
+    r.start(c, path, two, pointers(bufs), version);
+    for (auto& o : r.wait()) EXPECT_THAT(o.error, HasSubstr(says));
+    for (auto& b : bufs) EXPECT_EQ(b, std::vector<unsigned char>(16, 0xee));
   }
 }
 
 // Answers into the landing region take a slot only when one is free at once (else they come as
-// messages) and give it back as soon as their hook has taken them, so many tickets never wait for a
-// slot, nor does a read between them, and the slots are all free again once the tickets are
-// finished. An answer larger than a slot never goes into one. Every range exact either way.
+// messages) and give it back as soon as their reads have taken them, so many requests never wait for
+// a slot, nor does a read between them, and the slots are all free again once the reads are told. An
+// answer larger than a slot never goes into one. Every read exact either way.
 TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
   served s;
   store::client_options co;
@@ -245,81 +226,81 @@ TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
   co.piece = 64 << 10;        // no small slots: a slot holds 64 KiB
   co.landing = 4 * co.piece;  // four of them
   store::client c("127.0.0.1", s.srv->port(), co);
-  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  auto read_all = [&](std::size_t tickets, std::size_t per, std::uint64_t len, bool read_between) {
-    std::vector<std::vector<unsigned char>> mem(tickets * per, std::vector<unsigned char>(len));
-    std::vector<ranges_into> into(tickets);
-    std::vector<store::client::ticket> ts;
-    for (std::size_t t = 0; t < tickets; ++t) {
-      for (std::size_t i = 0; i < per; ++i) into[t].add((t * per + i) * 10007, mem[t * per + i].data(), len);
-      ts.push_back(c.start_reads("data/shard.bin", into[t].ranges, into[t].copy(), until));
+  // `groups` submissions of `per` reads each, all under way at once.
+  auto read_all = [&](std::size_t groups, std::size_t per, std::uint64_t len, bool read_between) {
+    std::vector<std::vector<unsigned char>> mem(groups * per, std::vector<unsigned char>(len));
+    std::vector<reads_together> rs(groups);
+    for (std::size_t g = 0; g < groups; ++g) {
+      std::vector<std::pair<std::uint64_t, std::uint64_t>> reads;
+      std::vector<unsigned char*> into;
+      for (std::size_t i = 0; i < per; ++i) {
+        reads.push_back({(g * per + i) * 10007, len});
+        into.push_back(mem[g * per + i].data());
+      }
+      rs[g].start(c, "data/shard.bin", reads, into);
     }
     if (read_between) {  // a read of its own takes a slot (waiting for one if need be)
       std::vector<unsigned char> one(60000);
       EXPECT_EQ(c.read("data/shard.bin", 777, one.data(), one.size(), std::chrono::seconds(5)), one.size());
       EXPECT_EQ(std::memcmp(one.data(), s.data.data() + 777, one.size()), 0);
     }
-    for (auto t : ts)
-      for (auto n : c.finish_reads(t, [] { return false; })) EXPECT_EQ(n, len);
-    for (std::size_t k = 0; k < mem.size(); ++k) EXPECT_EQ(std::memcmp(mem[k].data(), s.data.data() + k * 10007, len), 0) << "range " << k;
+    for (auto& r : rs)
+      for (auto& o : r.wait()) {
+        EXPECT_EQ(o.error, "");
+        EXPECT_EQ(o.bytes, len);
+      }
+    for (std::size_t k = 0; k < mem.size(); ++k) EXPECT_EQ(std::memcmp(mem[k].data(), s.data.data() + k * 10007, len), 0) << "read " << k;
   };
   const auto started = std::chrono::steady_clock::now();
   const auto direct = [&] { return c.stats().direct_pieces; };
   const auto before = direct();
-  read_all(10, 8, 4096, true);  // answers of 8 x 4 KiB + counts fit a slot; ten tickets, four slots
-  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10)) << "a ticket or the read waited for a slot";
+  read_all(10, 8, 4096, true);  // answers of 8 x 4 KiB + counts fit a slot; ten requests, four slots
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10)) << "a request or the read waited for a slot";
   const auto after_ten = direct();
   EXPECT_GE(after_ten - before, 2u) << "answers went into the landing region";
   read_all(1, 16, 4096, false);  // 64 KiB of data and its counts: more than a slot holds
   EXPECT_EQ(direct(), after_ten) << "an answer larger than a slot went into one";
-  read_all(4, 8, 4096, false);  // every slot free again: each of four tickets takes one
+  read_all(4, 8, 4096, false);  // every slot free again: each of four requests takes one
   EXPECT_EQ(direct() - after_ten, 4u) << "slots were not given back as their answers were taken";
-  // Requests that end without an answer -- refused by the server, a hook that throws -- give their
-  // slots back too.
-  std::vector<net::read_range> one = {{0, 4096}};
-  auto none_taken = [](std::size_t, const std::byte*, std::uint64_t) {};
+  // Requests that end without an answer -- refused by the server -- give their slots back too.
   for (const char* path : {"escape", "data/none.bin"}) {
-    auto t = c.start_reads(path, one, none_taken, until);
-    EXPECT_THROW(c.finish_reads(t, [] { return false; }), error) << path;
+    std::vector<std::vector<unsigned char>> bufs(2, std::vector<unsigned char>(4096));
+    reads_together r;
+    r.start(c, path, {{0, 4096}, {8192, 4096}}, pointers(bufs));
+    for (auto& o : r.wait()) EXPECT_NE(o.error, "") << path;
   }
-  auto bad = c.start_reads("data/shard.bin", one, [](std::size_t, const std::byte*, std::uint64_t) { throw 1; }, until);
-  EXPECT_THAT(test::error_text([&] { c.finish_reads(bad, [] { return false; }); }), HasSubstr("answer hook threw"));
   const auto after_errors = direct();
   read_all(4, 8, 4096, false);
   EXPECT_EQ(direct() - after_errors, 4u) << "a request that ended without an answer kept its slot";
   EXPECT_EQ(c.stats().quarantined, 0u);
 }
 
-// A file that shrank after the server mapped it: ranges in one request count only the bytes the file
-// still has (those served from the mapping too, whose pages past the new end read as zeros), and
+// A file that shrank after the server mapped it: small reads in one request count only the bytes the
+// file still has (those served from the mapping too, whose pages past the new end read as zeros), and
 // nothing of the old content past the end arrives.
 TEST(StoreService, SmallReadsOfAShrunkenFileCountOnlyWhatItStillHas) {
   served s;
   store::client c("127.0.0.1", s.srv->port());
-  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   std::vector<unsigned char> first(4096);
-  ranges_into warm;
-  warm.add(0, first.data(), 4096);
-  auto t = c.start_reads("data/shard.bin", warm.ranges, warm.copy(), until);
-  ASSERT_EQ(c.finish_reads(t, [] { return false; }).at(0), 4096u);  // the server has the file open and mapped
+  ASSERT_EQ(c.read("data/shard.bin", 0, first.data(), first.size(), std::chrono::seconds(10)), 4096u);  // the server has the file open and mapped
   const std::uint64_t now_size = (1 << 20) + 1000;
   std::filesystem::resize_file(s.root / "data" / "shard.bin", now_size);
   const std::vector<std::pair<std::uint64_t, std::uint64_t>> want = {
       {8192, 4096}, {now_size - 3000, 4096}, {now_size - 1, 2}, {now_size + 10, 100}, {2 << 20, 4096}, {4096, 100}};
   std::vector<std::vector<unsigned char>> bufs;
-  ranges_into into;
-  for (auto [off, len] : want) {
-    bufs.emplace_back(len, 0xee);
-    into.add(off, bufs.back().data(), len);
-  }
-  t = c.start_reads("data/shard.bin", into.ranges, into.copy(), until);
-  auto got = c.finish_reads(t, [] { return false; });
+  for (auto [off, len] : want) bufs.emplace_back(len, 0xee);
+  const auto requests = s.srv->stats().requests;
+  reads_together r;
+  r.start(c, "data/shard.bin", want, pointers(bufs));
+  auto got = r.wait();
+  EXPECT_EQ(s.srv->stats().requests - requests, 1u) << "one request for all the reads";
   ASSERT_EQ(got.size(), want.size());
   for (std::size_t i = 0; i < want.size(); ++i) {
     auto [off, len] = want[i];
     std::uint64_t n = off >= now_size ? 0 : std::min(len, now_size - off);
-    EXPECT_EQ(got[i], n) << "range " << i;
-    EXPECT_EQ(std::memcmp(bufs[i].data(), s.data.data() + std::min(off, now_size), n), 0) << "range " << i;
+    EXPECT_EQ(got[i].error, "") << "read " << i;
+    EXPECT_EQ(got[i].bytes, n) << "read " << i;
+    EXPECT_EQ(std::memcmp(bufs[i].data(), s.data.data() + std::min(off, now_size), n), 0) << "read " << i;
   }
 }
 

@@ -109,7 +109,7 @@ class FERRY_API client {
   // reference to the client must not be dropped in it. Memory stays the request's until then.
   // Reads are sent again once after their connection was lost (server restarted), within their
   // deadline; a write is not (its open write went with the connection). Small reads of one file
-  // into host memory queued together go as one request (start_reads), cut apart again for their
+  // into host memory queued together go as one request (net::read_many), cut apart again for their
   // completions; a server that refuses that for a path has its reads of it go one by one.
   struct request {
     std::string path;
@@ -159,29 +159,6 @@ class FERRY_API client {
   using ended_fn = std::function<void()>;
   ticket start_read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                     std::chrono::steady_clock::time_point until, std::uint64_t version = 0, ended_fn ended = {});
-  // Small reads of one file as one request answered in one message (a GPU cache's misses: many pages
-  // of one file at once): 1 to net::max_read_ranges ranges of 1 to net::max_read_range bytes, at most
-  // net::max_read_many_bytes in all; invalid_argument otherwise. The answer is the caller's to take:
-  // `answer` is told each range's bytes, (i, data, n) -- short only at the end of the file, `data`
-  // valid only during the call -- on the thread that takes the answer (a lane's progress thread, or
-  // any thread driving the lanes: one waiting in a synchronous call of this client too), every range
-  // before `ended` and, unless finish_reads gave up waiting, before it returns; the client copies
-  // nothing anywhere, and the answer's landing slot goes back as soon as the hook returns. Not told
-  // when the request fails -- but an answer that comes just as finish_reads gives up may have been
-  // told; a hook that throws fails it (the ranges before were told). It must not
-  // block or call the client, and what it uses must outlive the request (a shared_ptr in it). A
-  // server whose file is not on a local file system refuses the request (not_supported): read the
-  // ranges one by one then.
-  using range_answer = std::function<void(std::size_t, const std::byte*, std::uint64_t)>;
-  ticket start_reads(const std::string& path, std::span<const net::read_range> ranges, range_answer answer,
-                     std::chrono::steady_clock::time_point until, std::uint64_t version = 0, ended_fn ended = {});
-  // Whether [p, p + n) is host memory, as this client's registration cache classifies it (without one,
-  // any memory is taken for host memory): what a caller copies answers into with the CPU.
-  bool host_memory(const void* p, std::uint64_t n) const;
-  // Waits for a start_reads ticket (as finish) and returns each range's byte count, every range
-  // handed to the request's `answer` by then.
-  std::vector<std::uint64_t> finish_reads(ticket t, const std::function<bool()>& cancelled);
-
   // Writes are atomic per file. open_write() starts a new version of `path` on the server, invisible
   // under its name (`keep`: a copy of its current content, for updates in place; `replace`: empty);
   // writes fill it from any memory; commit() puts it in place in one step -- a reader sees the old
