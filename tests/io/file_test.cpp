@@ -900,16 +900,23 @@ TEST(File, ARemoteRequestPastItsDeadlineIsNamedByFileAndOffset) {
   auto reg = register_file_scheme("stalled", [](const std::string&, open_mode) {
     return std::make_shared<stalled_source>(std::chrono::milliseconds(400));
   });
-  auto f = file::open("stalled://x", open_mode::read);
-  std::vector<std::byte> buf(8192);
-  std::vector<file_request> rs{{f, 0, buf.data(), 4096, false}, {f, 12345, buf.data() + 4096, 4096, false}};
+  auto x = file::open("stalled://x", open_mode::read);
+  auto y = file::open("stalled://y", open_mode::read);
+  std::vector<std::byte> buf(4 * 4096);
+  // Runs of requests on x, y, then x again: each named by its own file.
+  std::vector<file_request> rs{{x, 0, buf.data(), 4096, false},
+                               {y, 12345, buf.data() + 4096, 4096, false},
+                               {x, 777, buf.data() + 8192, 4096, false},
+                               {x, 99, buf.data() + 12288, 4096, false}};
   transfer_options fixed;
   fixed.until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
   transfer_batch b = rt.files().submit(rs, fixed);
   EXPECT_FALSE(b.wait());
   ASSERT_EQ(b.results()[1].state, request_state::timed_out);
   EXPECT_THAT(b.results()[0].err->what(), HasSubstr("stalled://x offset 0"));
-  EXPECT_THAT(b.results()[1].err->what(), HasSubstr("stalled://x offset 12345"));
+  EXPECT_THAT(b.results()[1].err->what(), HasSubstr("stalled://y offset 12345"));
+  EXPECT_THAT(b.results()[2].err->what(), HasSubstr("stalled://x offset 777"));
+  EXPECT_THAT(b.results()[3].err->what(), HasSubstr("stalled://x offset 99"));
   EXPECT_THAT(b.results()[1].err->what(), HasSubstr("deadline passed with 0 of 4096 bytes"));
 }
 

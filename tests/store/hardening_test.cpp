@@ -1075,15 +1075,16 @@ TEST(StoreHardening, ACancelledBatchOfAGroupedReadEndsAndItsMemoryIsLeftAlone) {
 TEST(StoreHardening, SmallReadsInOneRequestThatTimeOutNeverLandLater) {
   served_pages pages("ferry-many-timeout");
   auto& srv = *pages.srv;
-  store::client_options co;
-  co.map = true;  // (same host: the answer goes into a landing slot)
-  store::client c("127.0.0.1", srv.port, co);
-  ASSERT_EQ(c.stat("pages.bin").size, pages.data.size());
+  // (Before the client: a completion that comes while the client goes still finds them.)
   std::vector<std::vector<unsigned char>> bufs(2, std::vector<unsigned char>(4096, 0xee));
   std::mutex mu;
   std::condition_variable cv;
   std::vector<std::string> errors(2);
   int told = 0;
+  store::client_options co;
+  co.map = true;  // (same host: the answer goes into a landing slot)
+  store::client c("127.0.0.1", srv.port, co);
+  ASSERT_EQ(c.stat("pages.bin").size, pages.data.size());
   srv.stop();
   const auto t0 = clk::now();
   std::vector<store::client::request> rs(2);
@@ -1109,6 +1110,7 @@ TEST(StoreHardening, SmallReadsInOneRequestThatTimeOutNeverLandLater) {
   for (auto& e : errors) EXPECT_THAT(e, HasSubstr("deadline"));
   srv.resume();
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::lock_guard l(mu);
   for (auto& b : bufs) EXPECT_EQ(b, std::vector<unsigned char>(4096, 0xee)) << "data landed after its read had failed";
   EXPECT_EQ(told, 2);
   EXPECT_GE(c.stats().quarantined, 1u) << "the slot the server may still write went back into use";

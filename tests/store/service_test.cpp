@@ -188,6 +188,7 @@ TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
     EXPECT_EQ(s.srv->stats().requests - requests, 1u) << "one request for all the reads";
     EXPECT_EQ(c.stats().direct_pieces, map ? 1u : 0u);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a second completion would come meanwhile
+    std::lock_guard l(r.st->mu);
     for (std::size_t i = 0; i < want.size(); ++i) {
       auto [off, len] = want[i];
       std::uint64_t n = off >= size ? 0 : std::min(len, size - off);
@@ -226,6 +227,9 @@ TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
   co.piece = 64 << 10;        // no small slots: a slot holds 64 KiB
   co.landing = 4 * co.piece;  // four of them
   store::client c("127.0.0.1", s.srv->port(), co);
+  // Each submission reads a file of its own (links to one file): reads of one file queued together
+  // may join one request, and a submission must stay a request of its own here.
+  for (int g = 0; g < 10; ++g) std::filesystem::create_hard_link(s.root / "data" / "shard.bin", s.root / "data" / ("g" + std::to_string(g) + ".bin"));
   // `groups` submissions of `per` reads each, all under way at once.
   auto read_all = [&](std::size_t groups, std::size_t per, std::uint64_t len, bool read_between) {
     std::vector<std::vector<unsigned char>> mem(groups * per, std::vector<unsigned char>(len));
@@ -237,7 +241,7 @@ TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
         reads.push_back({(g * per + i) * 10007, len});
         into.push_back(mem[g * per + i].data());
       }
-      rs[g].start(c, "data/shard.bin", reads, into);
+      rs[g].start(c, "data/g" + std::to_string(g) + ".bin", reads, into);
     }
     if (read_between) {  // a read of its own takes a slot (waiting for one if need be)
       std::vector<unsigned char> one(60000);
