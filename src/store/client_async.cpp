@@ -75,6 +75,8 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
       // Several pieces of a file that may change come from one version of it: a stat first (the
       // lanes' idle look makes it: it waits for an answer).
       a->need_stat = !a->r.write && !a->r.version && a->r.length > o.piece;
+      a->id = next_async++;
+      a->ends = notice_for(a->id);
       made.push_back(std::move(a));
     }
   } catch (const std::exception& e) {
@@ -87,8 +89,6 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
     for (auto& a : made) {
       try {
         if (stopping) fail(errc::cancelled, "store.request", peer, "the client is closing");
-        a->id = next_async++;
-        a->ends = notice_for(a->id);
         live.emplace(a->id, a);
         if (a->need_stat) stat_wanted = true;  // (queued once the idle look has its version)
         else waiting.push_back(a);

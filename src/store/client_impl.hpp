@@ -375,7 +375,7 @@ struct client::impl {
   };
   std::map<std::uint64_t, std::shared_ptr<async_op>> live;  // mu
   std::deque<std::shared_ptr<async_op>> waiting;  // pieces still to send, in order (mu)
-  std::uint64_t next_async = 1;                    // mu
+  std::atomic<std::uint64_t> next_async{1};        // submitted requests' ids
   std::set<std::string> one_by_one;                // paths whose server refused ranges in one request (mu)
   std::mutex ended_mu;
   std::vector<std::uint64_t> ended_ids;            // requests whose notice came (ended_mu)
