@@ -238,7 +238,10 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
     std::string lost;
     // (A lane whose connection is being closed to end a request counts as up -- its credits come
     // back as its closing fails its pieces -- but takes nothing more: what went there would fail too.)
-    auto usable = [&](const lane& x) { return closing.empty() || !closing.contains(x.c.get()); };
+    // A lane being connected again has its new connection before its handshake is done: it takes
+    // requests only once `ready` (the server refuses a request before the handshake), and counts as
+    // up meanwhile (its credits come with the welcome).
+    auto usable = [&](const lane& x) { return x.ready && (closing.empty() || !closing.contains(x.c.get())); };
     auto pick = [&]() -> lane* {
       any_up = false;
       if (home && home->c && home->c->alive() && home->inflight < home->credits && usable(*home)) return home;
