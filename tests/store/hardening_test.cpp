@@ -15,6 +15,7 @@
 #include "support/sim.hpp"
 #include "support/served_process.hpp"
 #include "support/server_io.hpp"
+#include "support/tally.hpp"
 
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
@@ -1075,12 +1076,8 @@ TEST(StoreHardening, ACancelledBatchOfAGroupedReadEndsAndItsMemoryIsLeftAlone) {
 TEST(StoreHardening, SmallReadsInOneRequestThatTimeOutNeverLandLater) {
   served_pages pages("ferry-many-timeout");
   auto& srv = *pages.srv;
-  // (Before the client: a completion that comes while the client goes still finds them.)
   std::vector<std::vector<unsigned char>> bufs(2, std::vector<unsigned char>(4096, 0xee));
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::string> errors(2);
-  int told = 0;
+  test::tally t(2);
   store::client_options co;
   co.map = true;  // (same host: the answer goes into a landing slot)
   store::client c("127.0.0.1", srv.port, co);
@@ -1094,25 +1091,19 @@ TEST(StoreHardening, SmallReadsInOneRequestThatTimeOutNeverLandLater) {
     rs[i].mem = bufs[i].data();
     rs[i].length = 4096;
     rs[i].until = t0 + std::chrono::milliseconds(500);
-    rs[i].done = [&, i](std::uint64_t, const error* e) {
-      std::lock_guard l(mu);
-      errors[i] = e ? e->what() : "";
-      ++told;
-      cv.notify_all();
-    };
+    rs[i].done = t.done(i);
   }
   c.submit(rs);
-  {
-    std::unique_lock l(mu);
-    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(8), [&] { return told == 2; })) << "the reads were not told within their deadline";
-  }
+  ASSERT_TRUE(t.wait(std::chrono::seconds(8))) << "the reads were not told within their deadline";
   EXPECT_LT(clk::now() - t0, std::chrono::seconds(8));
-  for (auto& e : errors) EXPECT_THAT(e, HasSubstr("deadline"));
+  for (auto& e : t.errors) EXPECT_THAT(e, HasSubstr("deadline"));
   srv.resume();
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  std::lock_guard l(mu);
-  for (auto& b : bufs) EXPECT_EQ(b, std::vector<unsigned char>(4096, 0xee)) << "data landed after its read had failed";
-  EXPECT_EQ(told, 2);
+  {
+    auto l = t.lock();
+    for (auto& b : bufs) EXPECT_EQ(b, std::vector<unsigned char>(4096, 0xee)) << "data landed after its read had failed";
+    EXPECT_EQ(t.told, std::vector<int>(2, 1)) << "a read told twice";
+  }
   EXPECT_GE(c.stats().quarantined, 1u) << "the slot the server may still write went back into use";
   std::vector<char> one(4096);
   EXPECT_EQ(c.read("pages.bin", 77, one.data(), one.size(), std::chrono::seconds(10)), one.size());

@@ -6,6 +6,7 @@
 
 #include "support/errors.hpp"
 #include "support/server_io.hpp"
+#include "support/tally.hpp"
 #include "support/phased_clients.hpp"
 
 #include <gmock/gmock.h>
@@ -14,7 +15,6 @@
 
 #include <cstring>
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <filesystem>
@@ -106,55 +106,25 @@ TEST(StoreService, LargeReadsAreRequestsOfTheFileEngine) {
 
 namespace {
 // Small reads of one file submitted together, as the ferry:// adapter submits a batch's: they go as
-// one read_many request (up to 64 of them). Started by start(), waited for by wait(): each read's
-// bytes, error and how often it was told. The state is shared with the completions, so a read told
-// late touches nothing freed.
-struct reads_together {
-  struct outcome {
-    std::uint64_t bytes = 0;
-    std::string error;  // empty: none
-    int told = 0;
-  };
-  struct state {
-    std::mutex mu;
-    std::condition_variable cv;
-    std::vector<outcome> out;
-    std::size_t left = 0;
-  };
-  std::shared_ptr<state> st = std::make_shared<state>();
-  // `reads`: (offset, length) each, into `mem`'s buffer of the same index.
-  void start(store::client& c, const std::string& path, const std::vector<std::pair<std::uint64_t, std::uint64_t>>& reads,
-             const std::vector<unsigned char*>& mem, std::uint64_t version = 0,
-             std::chrono::steady_clock::time_point until = std::chrono::steady_clock::now() + std::chrono::seconds(10)) {
-    st->out.assign(reads.size(), {});
-    st->left = reads.size();
-    std::vector<store::client::request> rs;
-    for (std::size_t i = 0; i < reads.size(); ++i) {
-      store::client::request r;
-      r.path = path;
-      r.offset = reads[i].first;
-      r.length = reads[i].second;
-      r.mem = mem[i];
-      r.version = version;
-      r.until = until;
-      r.done = [s = st, i](std::uint64_t n, const error* e) {
-        std::lock_guard l(s->mu);
-        auto& o = s->out[i];
-        if (++o.told == 1) --s->left;
-        o.bytes = n;
-        if (e) o.error = e->what();
-        s->cv.notify_all();
-      };
-      rs.push_back(std::move(r));
-    }
-    c.submit(rs);
+// one read_many request (up to 64 of them). `reads`: (offset, length) each, into `mem`'s buffer of
+// the same index; each told to `t`.
+void submit_together(store::client& c, const std::string& path, const std::vector<std::pair<std::uint64_t, std::uint64_t>>& reads,
+                     const std::vector<unsigned char*>& mem, test::tally& t, std::uint64_t version = 0,
+                     std::chrono::steady_clock::time_point until = std::chrono::steady_clock::now() + std::chrono::seconds(10)) {
+  std::vector<store::client::request> rs;
+  for (std::size_t i = 0; i < reads.size(); ++i) {
+    store::client::request r;
+    r.path = path;
+    r.offset = reads[i].first;
+    r.length = reads[i].second;
+    r.mem = mem[i];
+    r.version = version;
+    r.until = until;
+    r.done = t.done(i);
+    rs.push_back(std::move(r));
   }
-  std::vector<outcome> wait(std::chrono::seconds within = std::chrono::seconds(30)) {
-    std::unique_lock l(st->mu);
-    EXPECT_TRUE(st->cv.wait_for(l, within, [&] { return st->left == 0; })) << st->left << " reads never told";
-    return st->out;
-  }
-};
+  c.submit(rs);
+}
 std::vector<unsigned char*> pointers(std::vector<std::vector<unsigned char>>& bufs, std::size_t skip = 0) {
   std::vector<unsigned char*> p;
   for (auto& b : bufs) p.push_back(b.data() + skip);
@@ -182,19 +152,19 @@ TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
     for (auto [off, len] : want) bufs.emplace_back(len + 2, 0xee);
     const std::uint64_t version = c.stat("data/shard.bin").version;
     const auto requests = s.srv->stats().requests;
-    reads_together r;
-    r.start(c, "data/shard.bin", want, pointers(bufs, 1), version);
-    auto got = r.wait();
+    test::tally t(want.size());
+    submit_together(c, "data/shard.bin", want, pointers(bufs, 1), t, version);
+    ASSERT_TRUE(t.wait(std::chrono::seconds(30)));
     EXPECT_EQ(s.srv->stats().requests - requests, 1u) << "one request for all the reads";
     EXPECT_EQ(c.stats().direct_pieces, map ? 1u : 0u);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a second completion would come meanwhile
-    std::lock_guard l(r.st->mu);
+    auto l = t.lock();
     for (std::size_t i = 0; i < want.size(); ++i) {
       auto [off, len] = want[i];
       std::uint64_t n = off >= size ? 0 : std::min(len, size - off);
-      EXPECT_EQ(r.st->out[i].told, 1) << "read " << i;
-      EXPECT_EQ(got[i].error, "") << "read " << i;
-      EXPECT_EQ(got[i].bytes, n) << "read " << i;
+      EXPECT_EQ(t.told[i], 1) << "read " << i;
+      EXPECT_EQ(t.errors[i], "") << "read " << i;
+      EXPECT_EQ(t.bytes[i], n) << "read " << i;
       EXPECT_EQ(std::memcmp(bufs[i].data() + 1, s.data.data() + std::min(off, size), n), 0) << "read " << i;
       EXPECT_EQ(bufs[i][0], 0xee) << "read " << i;
       EXPECT_EQ(bufs[i][n + 1], 0xee) << "nothing past the bytes read, read " << i;
@@ -209,9 +179,10 @@ TEST(StoreService, SmallReadsOfOneFileGoAsOneRequest) {
                                      {"escape", 0, "leads outside the root"}}) {
     SCOPED_TRACE(path);
     std::vector<std::vector<unsigned char>> bufs(2, std::vector<unsigned char>(16, 0xee));
-    reads_together r;
-    r.start(c, path, two, pointers(bufs), version);
-    for (auto& o : r.wait()) EXPECT_THAT(o.error, HasSubstr(says));
+    test::tally t(two.size());
+    submit_together(c, path, two, pointers(bufs), t, version);
+    ASSERT_TRUE(t.wait(std::chrono::seconds(30)));
+    for (auto& e : t.errors) EXPECT_THAT(e, HasSubstr(says));
     for (auto& b : bufs) EXPECT_EQ(b, std::vector<unsigned char>(16, 0xee));
   }
 }
@@ -233,7 +204,7 @@ TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
   // `groups` submissions of `per` reads each, all under way at once.
   auto read_all = [&](std::size_t groups, std::size_t per, std::uint64_t len, bool read_between) {
     std::vector<std::vector<unsigned char>> mem(groups * per, std::vector<unsigned char>(len));
-    std::vector<reads_together> rs(groups);
+    std::deque<test::tally> ts;
     for (std::size_t g = 0; g < groups; ++g) {
       std::vector<std::pair<std::uint64_t, std::uint64_t>> reads;
       std::vector<unsigned char*> into;
@@ -241,18 +212,20 @@ TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
         reads.push_back({(g * per + i) * 10007, len});
         into.push_back(mem[g * per + i].data());
       }
-      rs[g].start(c, "data/g" + std::to_string(g) + ".bin", reads, into);
+      submit_together(c, "data/g" + std::to_string(g) + ".bin", reads, into, ts.emplace_back(per));
     }
     if (read_between) {  // a read of its own takes a slot (waiting for one if need be)
       std::vector<unsigned char> one(60000);
       EXPECT_EQ(c.read("data/shard.bin", 777, one.data(), one.size(), std::chrono::seconds(5)), one.size());
       EXPECT_EQ(std::memcmp(one.data(), s.data.data() + 777, one.size()), 0);
     }
-    for (auto& r : rs)
-      for (auto& o : r.wait()) {
-        EXPECT_EQ(o.error, "");
-        EXPECT_EQ(o.bytes, len);
+    for (auto& t : ts) {
+      ASSERT_TRUE(t.wait(std::chrono::seconds(30)));
+      for (std::size_t i = 0; i < per; ++i) {
+        EXPECT_EQ(t.errors[i], "");
+        EXPECT_EQ(t.bytes[i], len);
       }
+    }
     for (std::size_t k = 0; k < mem.size(); ++k) EXPECT_EQ(std::memcmp(mem[k].data(), s.data.data() + k * 10007, len), 0) << "read " << k;
   };
   const auto started = std::chrono::steady_clock::now();
@@ -269,9 +242,10 @@ TEST(StoreService, SmallReadsNeverWaitForALandingSlot) {
   // Requests that end without an answer -- refused by the server -- give their slots back too.
   for (const char* path : {"escape", "data/none.bin"}) {
     std::vector<std::vector<unsigned char>> bufs(2, std::vector<unsigned char>(4096));
-    reads_together r;
-    r.start(c, path, {{0, 4096}, {8192, 4096}}, pointers(bufs));
-    for (auto& o : r.wait()) EXPECT_NE(o.error, "") << path;
+    test::tally t(2);
+    submit_together(c, path, {{0, 4096}, {8192, 4096}}, pointers(bufs), t);
+    ASSERT_TRUE(t.wait(std::chrono::seconds(30)));
+    for (auto& e : t.errors) EXPECT_NE(e, "") << path;
   }
   const auto after_errors = direct();
   read_all(4, 8, 4096, false);
@@ -294,16 +268,15 @@ TEST(StoreService, SmallReadsOfAShrunkenFileCountOnlyWhatItStillHas) {
   std::vector<std::vector<unsigned char>> bufs;
   for (auto [off, len] : want) bufs.emplace_back(len, 0xee);
   const auto requests = s.srv->stats().requests;
-  reads_together r;
-  r.start(c, "data/shard.bin", want, pointers(bufs));
-  auto got = r.wait();
+  test::tally t(want.size());
+  submit_together(c, "data/shard.bin", want, pointers(bufs), t);
+  ASSERT_TRUE(t.wait(std::chrono::seconds(30)));
   EXPECT_EQ(s.srv->stats().requests - requests, 1u) << "one request for all the reads";
-  ASSERT_EQ(got.size(), want.size());
   for (std::size_t i = 0; i < want.size(); ++i) {
     auto [off, len] = want[i];
     std::uint64_t n = off >= now_size ? 0 : std::min(len, now_size - off);
-    EXPECT_EQ(got[i].error, "") << "read " << i;
-    EXPECT_EQ(got[i].bytes, n) << "read " << i;
+    EXPECT_EQ(t.errors[i], "") << "read " << i;
+    EXPECT_EQ(t.bytes[i], n) << "read " << i;
     EXPECT_EQ(std::memcmp(bufs[i].data(), s.data.data() + std::min(off, now_size), n), 0) << "read " << i;
   }
 }

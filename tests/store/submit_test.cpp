@@ -7,6 +7,7 @@
 
 #include "support/served_process.hpp"
 #include "support/server_io.hpp"
+#include "support/tally.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -24,6 +25,7 @@
 using namespace ferry;
 using ::testing::HasSubstr;
 using clk = std::chrono::steady_clock;
+using test::tally;
 
 namespace {
 
@@ -34,29 +36,6 @@ std::vector<unsigned char> make_file(const std::filesystem::path& p, std::size_t
   std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(d.data()), static_cast<std::streamsize>(d.size()));
   return d;
 }
-
-// Completions counted: each must come once; wait() returns once `n` came (or at the deadline).
-struct tally {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<int> told;
-  std::vector<std::uint64_t> bytes;
-  std::vector<std::string> errors;
-  explicit tally(std::size_t n) : told(n), bytes(n), errors(n) {}
-  std::function<void(std::uint64_t, const error*)> done(std::size_t i) {
-    return [this, i](std::uint64_t b, const error* e) {
-      std::lock_guard l(mu);
-      told[i]++;
-      bytes[i] = b;
-      if (e) errors[i] = e->what();
-      cv.notify_all();
-    };
-  }
-  bool wait(std::chrono::seconds t) {
-    std::unique_lock l(mu);
-    return cv.wait_for(l, t, [&] { return std::all_of(told.begin(), told.end(), [](int x) { return x > 0; }); });
-  }
-};
 
 std::filesystem::path fresh_root(const char* name) {
   auto root = std::filesystem::path(::testing::TempDir()) / (std::string(name) + "-" + std::to_string(::getpid()));
