@@ -56,9 +56,11 @@ bool client::may_wait() const noexcept { return impl::in_tick || !impl_->own_thr
 
 void client::impl::submit(std::span<client::request> rs) noexcept {
   const auto now = clk::now();
-  auto fail_one = [&](client::request& r, const std::exception& e) {
-    const error err = dynamic_cast<const error*>(&e) ? *dynamic_cast<const error*>(&e) : error(errc::out_of_memory, "store.request", peer, e.what());
-    if (r.done) r.done(0, &err);
+  auto as_error = [&](const std::exception& e) {
+    return dynamic_cast<const error*>(&e) ? *dynamic_cast<const error*>(&e) : error(errc::out_of_memory, "store.request", peer, e.what());
+  };
+  auto tell = [](client::request& r, const error& e) {
+    if (r.done) r.done(0, &e);
   };
   // Made first, then queued under one lock: the requests of a batch are all in the queue before a
   // pump looks (a lane's, on a credit given back, may run meanwhile), so that its small reads go
@@ -80,28 +82,30 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
       made.push_back(std::move(a));
     }
   } catch (const std::exception& e) {
-    for (auto& a : made) fail_one(a->r, e);
-    for (std::size_t i = made.size(); i < rs.size(); ++i) fail_one(rs[i], e);
+    const error err = as_error(e);
+    for (auto& a : made) tell(a->r, err);
+    for (std::size_t i = made.size(); i < rs.size(); ++i) tell(rs[i], err);
     return;
   }
   {
     std::lock_guard l(mu);
     for (auto& a : made) {
+      if (stopping) {
+        refused.emplace_back(a, error(errc::cancelled, "store.request", peer, "the client is closing"));
+        continue;
+      }
       try {
-        if (stopping) fail(errc::cancelled, "store.request", peer, "the client is closing");
         live.emplace(a->id, a);
         if (a->need_stat) stat_wanted = true;  // (queued once the idle look has its version)
         else waiting.push_back(a);
       } catch (const std::exception& e) {
         live.erase(a->id);
-        refused.emplace_back(a, dynamic_cast<const error*>(&e) ? *dynamic_cast<const error*>(&e)
-                                                               : error(errc::out_of_memory, "store.request", peer, e.what()));
+        refused.emplace_back(a, as_error(e));
       }
     }
     async_work = true;
   }
-  for (auto& [a, e] : refused)
-    if (a->r.done) a->r.done(0, &e);
+  for (auto& [a, e] : refused) tell(a->r, e);
   pump();
   drain_if_any();
   if (stat_wanted.exchange(false)) kick();
