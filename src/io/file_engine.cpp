@@ -213,6 +213,12 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     std::size_t items = remote.size();
     for (const job& j : jobs) items += j.group ? j.group->size() : 1;
     b->items_inflight = static_cast<int>(items);
+    // The remote requests' completions point at the batch without owning it (a pointer and an
+    // index: std::function keeps that without an allocation per request); the batch holds itself
+    // until its last item is done.
+    if (!remote.empty()) b->on_quiet = [keep = b, then = std::move(b->on_quiet)] {
+      if (then) then();
+    };
   }
   if (!jobs.empty()) {
     // Each to the worker with the least work in bytes (what it has queued and running, as the
@@ -265,9 +271,9 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
       for (; k < remote.size() && reqs[remote[k]].f->source().get() == src; ++k) {
         const std::size_t i = remote[k];
         const file_request& r = reqs[i];
-        run_of.push_back({r.write, r.offset, r.mem, r.bytes, [b, i](std::uint64_t n, const error* e) {
-                            b->finish(i, n, e);
-                            b->item_done();
+        run_of.push_back({r.write, r.offset, r.mem, r.bytes, [s = b.get(), i](std::uint64_t n, const error* e) {
+                            s->finish(i, n, e);
+                            s->item_done();
                           }});
       }
       src->start_many(run_of, until);  // never throws: every request completes, failed or not

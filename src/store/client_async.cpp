@@ -78,8 +78,7 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
       // lanes' idle look makes it: it waits for an answer).
       a->need_stat = !a->r.write && !a->r.version && a->r.length > o.piece;
       a->id = next_async++;
-      a->ends = notice_for(a->id);
-      made.push_back(std::move(a));
+      made.push_back(std::move(a));  // (its notice once it is sent alone or ended unsent: ends_of)
     }
   } catch (const std::exception& e) {
     const error err = as_error(e);
@@ -106,8 +105,21 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
     async_work = true;
   }
   for (auto& [a, e] : refused) tell(a->r, e);
-  pump();
-  drain_if_any();
+  // One request the caller sends itself (a synchronous read waits for it: a hand-off would only add
+  // a thread's wake to its latency). Many a lane sends, running what ended meanwhile: the submitting
+  // thread (a GPU cache's proxy) only queues, as its cost per request bounds how fast it can ask --
+  // one hand-off per batch, none while a pump is under way (it looks at the queue again before it
+  // stops).
+  if (rs.size() == 1) {
+    pump();
+    drain_if_any();
+  } else {
+    pump_again = true;
+    if (!pumping.load()) lanes[next_pump.fetch_add(1, std::memory_order_relaxed) % lanes.size()]->w->post([this] {
+      pump();
+      drain_if_any();
+    });
+  }
   if (stat_wanted.exchange(false)) kick();
 }
 
@@ -255,6 +267,7 @@ void client::impl::pump() {
         }
         a = waiting.front();
         a->advancing = true;
+        ends_of(*a);
       }
       if (!a->planned) {
         a->pl = plan{};
@@ -351,7 +364,7 @@ void client::impl::give_up(async_op& a, const error& e, std::vector<std::shared_
   // Still queued (its sending's hold not let go), or waiting for its stat: the hold goes now --
   // unless pump is sending it, which lets it go once it is done with it.
   if (queued && a.advancing) a.hold_to_pump = true;
-  else if (queued || a.need_stat) a.ends->release();
+  else if (queued || a.need_stat) ends_of(a).release();
 }
 
 void client::impl::tick() {

@@ -376,6 +376,7 @@ struct client::impl {
   std::map<std::uint64_t, std::shared_ptr<async_op>> live;  // mu
   std::deque<std::shared_ptr<async_op>> waiting;  // pieces still to send, in order (mu)
   std::atomic<std::uint64_t> next_async{1};        // submitted requests' ids
+  std::atomic<unsigned> next_pump{0};              // the lane that pumps the next batch submitted
   std::set<std::string> one_by_one;                // paths whose server refused ranges in one request (mu)
   std::mutex ended_mu;
   std::vector<std::uint64_t> ended_ids;            // requests whose notice came (ended_mu)
@@ -397,6 +398,12 @@ struct client::impl {
   void submit(std::span<client::request> rs) noexcept;
   // A submitted request's notice: its id goes to ended_ids, for drain.
   std::shared_ptr<notice> notice_for(std::uint64_t id);
+  // A's notice, made when first needed (mu held): a small read sent as one of a group never needs
+  // one of its own.
+  notice& ends_of(async_op& a) {
+    if (!a.ends) a.ends = notice_for(a.id);
+    return *a.ends;
+  }
   // Starts what the queue holds while credits, slots and buffers allow, in order; never waits.
   void pump();
   // Runs the completions of requests that ended, then pumps; outside mu, on whatever thread ended them.

@@ -12,11 +12,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <charconv>
+#include <memory>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <span>
+#include <vector>
 
 namespace ferry::store {
 
@@ -63,29 +66,52 @@ class remote_endpoint {
   remote_endpoint& operator=(const remote_endpoint&) = delete;
   client& c() { return c_; }
   std::chrono::nanoseconds timeout() const { return timeout_; }
-  // A request of `path` with the batch's deadline: fixed, or moving with the batch's progress (each
-  // piece that lands moves it on), and the batch's cancel.
-  static client::request request(const std::string& path, std::uint64_t offset, void* mem, std::uint64_t bytes, const source_deadline& d,
-                                 file_source::completion done) {
+
+ private:
+  std::chrono::nanoseconds timeout_;
+  client c_;
+};
+
+// Requests of one batch on their way to the client: the batch's deadline and the callers'
+// completions in one record, which each request's functions point at (a pointer and an index,
+// which std::function holds without an allocation per request); the last completion frees it. The
+// client calls neither `moved` nor `cancelled` of a request after its `done`.
+struct request_run {
+  source_deadline until;
+  std::vector<file_source::completion> dones;
+  std::atomic<std::size_t> left{0};
+
+  // A record for `n` requests, each completion to be set with request().
+  static std::unique_ptr<request_run> make(const source_deadline& until, std::size_t n) {
+    auto run = std::make_unique<request_run>();
+    run->until = until;
+    run->dones.reserve(n);
+    return run;
+  }
+  // The next request of the run: [offset, offset+bytes) of `path`, `done` told as it ends.
+  client::request request(const std::string& path, std::uint64_t offset, void* mem, std::uint64_t bytes, file_source::completion done) {
+    const std::size_t i = dones.size();
+    dones.push_back(std::move(done));
+    left.fetch_add(1, std::memory_order_relaxed);
     client::request r;
     r.path = path;
     r.offset = offset;
     r.mem = mem;
     r.length = bytes;
-    if (d.idle().count() > 0) {
-      r.idle = d.idle();
-      r.moved = [d] { d.moved(); };
+    if (until.idle().count() > 0) {
+      r.idle = until.idle();
+      r.moved = [this] { until.moved(); };
     } else {
-      r.until = d.at();
+      r.until = until.at();
     }
-    r.cancelled = [d] { return d.cancelled(); };
-    r.done = std::move(done);
+    r.cancelled = [this] { return until.cancelled(); };
+    r.done = [this, i](std::uint64_t n, const error* e) {
+      auto d = std::move(dones[i]);
+      if (left.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+      d(n, e);
+    };
     return r;
   }
-
- private:
-  std::chrono::nanoseconds timeout_;
-  client c_;
 };
 
 // A remote file. Writes are atomic per file (the server's open writes): they fill a new version,
@@ -170,9 +196,11 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
   // Never waits for the network: a write whose file has no open write yet opens it on the client's
   // lane thread (defer), where waiting is allowed.
   void start(bool write, std::uint64_t offset, void* mem, std::uint64_t bytes, const source_deadline& until, completion done) override {
+    auto run = request_run::make(until, 1);
     if (!write) {
-      auto r = remote_endpoint::request(path_, offset, mem, bytes, until, std::move(done));
+      auto r = run->request(path_, offset, mem, bytes, std::move(done));
       r.version = version_;
+      run.release();  // (its request's completion frees it)
       ep_->c().submit({&r, 1});
       return;
     }
@@ -202,7 +230,8 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
       self.reset();
       d(n, e);
     };
-    auto r = remote_endpoint::request(path_, offset, mem, bytes, until, std::move(done));
+    auto r = run->request(path_, offset, mem, bytes, std::move(done));
+    run.release();
     std::optional<client::write_handle> h;
     {
       std::lock_guard l(mu_);
@@ -230,8 +259,10 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
   // one (as start).
   void start_many(std::span<request> rs, const source_deadline& until) override {
     std::vector<client::request> reads;
+    std::unique_ptr<request_run> run;
     try {
       reads.reserve(rs.size());
+      run = request_run::make(until, rs.size());
     } catch (const std::exception&) {
       file_source::start_many(rs, until);  // one by one
       return;
@@ -241,10 +272,12 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
         file_source::start_many({&r, 1}, until);
         continue;
       }
-      reads.push_back(remote_endpoint::request(path_, r.offset, r.mem, r.bytes, until, std::move(r.done)));
+      reads.push_back(run->request(path_, r.offset, r.mem, r.bytes, std::move(r.done)));
       reads.back().version = version_;
     }
-    if (!reads.empty()) ep_->c().submit(reads);
+    if (reads.empty()) return;
+    run.release();  // (the last of its requests' completions frees it)
+    ep_->c().submit(reads);
   }
 
  private:

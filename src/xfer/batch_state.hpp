@@ -57,8 +57,9 @@ struct transfer_batch::state {
   }
   void* engine = nullptr;  // transfer_engine::impl, for wait() to run its own queued work
   transfer_engine::completion on_done;  // set: called once when the last request is final (no handle waits)
-  // Set for a stream-ordered batch: called once when no work item is left (queued or running), so
-  // nothing touches the buffers any more -- the point at which the user's stream may go on.
+  // Called once when no work item is left (queued or running), so nothing touches the buffers any
+  // more: for a stream-ordered batch, the point at which the user's stream may go on; for one whose
+  // items hold it by pointer, where it lets go of itself.
   std::function<void()> on_quiet;
   enum class ordering { none, waiting_for_stream, stream_reached };
   std::atomic<ordering> order{ordering::none};

@@ -126,6 +126,7 @@ class FERRY_API client {
     // requests there are sent again), so nothing lands in its memory after `done`.
     std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max();
     std::chrono::nanoseconds idle{0};
+    // Neither is called once `done` has been.
     std::function<bool()> cancelled;  // must not block or call the client
     std::function<void()> moved;      // told as each of its pieces lands (optional; as `cancelled`)
     std::function<void(std::uint64_t bytes, const error* err)> done;
