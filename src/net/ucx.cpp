@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <set>
 #include <sstream>
 
@@ -60,6 +61,18 @@ sockaddr_storage make_addr(const std::string& host, std::uint16_t port) {
     fail(errc::invalid_argument, "net.address", host, "not an IPv4 or IPv6 address");
   }
   return ss;
+}
+
+// UCX 1.13 keeps an event it could not hand to a busy worker by its descriptor's number, and aborts
+// the process (async.c:643, openucx/ucx#9942, fixed in 1.17) when that worker, looking at it later,
+// finds the number taken meanwhile by an endpoint or listener of another worker -- as when a server
+// dies and one lane closes its connection while another makes its listener again. So endpoints and
+// listeners of every worker of the process are made and closed under this lock, and a worker that
+// closed some handles what UCX kept for it before letting go (forget_closed): no number is taken
+// while a worker still holds an event for it. Recursive: a worker's progress under it may accept.
+std::recursive_mutex& descriptors_mu() {
+  static std::recursive_mutex m;
+  return m;
 }
 
 // Closes an endpoint without waiting for the peer (its requests are cancelled).
@@ -541,7 +554,10 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::sha
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the progress thread, or a caller (drive, run_or_post), never both
-  st = ucp_worker_create(ctx_->handle(), &wp, &worker_);
+  {
+    std::lock_guard d(descriptors_mu());  // (its interfaces make descriptors too)
+    st = ucp_worker_create(ctx_->handle(), &wp, &worker_);
+  }
   check(st, "net.init", "ucp_worker_create");
   for (unsigned id : {am_frame, am_data, am_reply}) {
     ucp_am_handler_param_t hp{};
@@ -575,17 +591,26 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::sha
 
 ucx_worker::~ucx_worker() {
   post([this] {
+    std::lock_guard d(descriptors_mu());
+    std::vector<std::shared_ptr<connection>> closed;  // alive while the progress below may name them
     for (auto& [ep, c] : conns_) {
       close_ep(ep);
       c->ep = nullptr;
+      closed.push_back(c);
     }
     conns_.clear();
     if (listener_) ucp_listener_destroy(listener_);
     listener_ = nullptr;
+    forget_closed();
     stop_ = true;
   });
   thread_.join();
-  ucp_worker_destroy(worker_);
+  {
+    // Its async context goes with it, and with that what UCX kept for it: the descriptors it closes
+    // are free for others only then.
+    std::lock_guard d(descriptors_mu());
+    ucp_worker_destroy(worker_);
+  }
   ::close(wake_);
   ::close(epoll_);
 }
@@ -868,9 +893,18 @@ std::shared_ptr<connection> ucx_worker::adopt(ucp_ep_h ep, std::shared_ptr<conne
 void ucx_worker::drop(connection& c) {
   if (!c.ep) return;
   auto keep = c.shared_from_this();  // the map may hold the last reference
+  std::lock_guard d(descriptors_mu());
   conns_.erase(c.ep);
   close_ep(c.ep);
   c.ep = nullptr;
+  forget_closed();
+}
+
+void ucx_worker::forget_closed() {
+  // The first call handles the events kept before it began (those of the closed descriptors now
+  // find no handler); the second those kept while the first ran.
+  ucp_worker_progress(worker_);
+  ucp_worker_progress(worker_);
 }
 
 void ucx_worker::ep_error_cb(void* arg, ucp_ep_h, ucs_status_t status) {
@@ -899,7 +933,11 @@ void ucx_worker::accept(ucp_conn_request_h req, std::string peer) {
   p.err_handler.cb = ep_error_cb;
   p.err_handler.arg = c.get();
   ucp_ep_h ep = nullptr;
-  ucs_status_t st = ucp_ep_create(worker_, &p, &ep);
+  ucs_status_t st = UCS_OK;
+  {
+    std::lock_guard d(descriptors_mu());
+    st = ucp_ep_create(worker_, &p, &ep);
+  }
   if (st != UCS_OK) {
     log::warn("net", "{}: cannot accept {}: {}", name_, peer, status_text(st));
     return;
@@ -914,8 +952,12 @@ std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
   // The work owns what it uses: it may run after call() gave up waiting for it.
   return call(
       [this, ss, host, port, accepted = std::move(accepted)]() mutable -> std::uint16_t {
-        if (listener_) ucp_listener_destroy(listener_);  // one listener per worker: a new one replaces it
-        listener_ = nullptr;
+        std::lock_guard d(descriptors_mu());
+        if (listener_) {  // one listener per worker: a new one replaces it
+          ucp_listener_destroy(listener_);
+          listener_ = nullptr;
+          forget_closed();
+        }
         accepted_ = std::move(accepted);
         ucp_listener_params_t lp{};
         lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
@@ -936,8 +978,12 @@ std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
 void ucx_worker::stop_listening() {
   call(
       [this] {
-        if (listener_) ucp_listener_destroy(listener_);
-        listener_ = nullptr;
+        std::lock_guard d(descriptors_mu());
+        if (listener_) {
+          ucp_listener_destroy(listener_);
+          listener_ = nullptr;
+          forget_closed();
+        }
         accepted_ = nullptr;
       },
       std::chrono::steady_clock::now() + std::chrono::seconds(10));
@@ -962,7 +1008,10 @@ std::shared_ptr<connection> ucx_worker::connect(const std::string& host, std::ui
           p.err_handler.cb = ep_error_cb;
           p.err_handler.arg = c.get();
           ucp_ep_h ep = nullptr;
-          check(ucp_ep_create(worker_, &p, &ep), "net.connect", c->peer());
+          {
+            std::lock_guard d(descriptors_mu());
+            check(ucp_ep_create(worker_, &p, &ep), "net.connect", c->peer());
+          }
           return adopt(ep, c);
   };
   // Work posted to this worker (the holder) makes it at once; others hand it to the worker.

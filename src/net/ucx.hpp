@@ -351,6 +351,10 @@ class ucx_worker {
   // Closes c's endpoint and forgets it (progress thread): closed and failed connections hold no
   // UCX endpoint and no entry here.
   void drop(connection& c);
+  // After this worker closed endpoints or its listener (holder, under descriptors_mu): handles
+  // what UCX kept for it while it was busy, events of the closed descriptors included, before
+  // another worker may make a descriptor (see ucx.cpp).
+  void forget_closed();
 
   std::string name_;
   std::shared_ptr<ucx_context> ctx_;

@@ -353,24 +353,32 @@ void client::impl::offered(lane& ln, connection& c, std::vector<std::uint8_t> ti
 
 welcome client::impl::knock(const std::vector<lane*>& down, clk::time_point until) {
   const std::string me = detail::local_address(host, port);
-  std::vector<std::uint16_t> ports;
   for (lane* ln : down) {
-    {
-      std::lock_guard l(mu);
-      if (ln->c) ln->c->close();
-      ln->c = nullptr;
-      ln->ready = false;
-      ln->mapped = false;
-      all_mapped = false;
-      buffers.lane_lost(ln->index);
-      ln->arrived.clear();
-      ln->offers.clear();
-    }
-    ports.push_back(ln->w->listen(me, 0, [this, ln](std::shared_ptr<connection> c) {
-      std::lock_guard l(mu);
-      ln->arrived.push_back(std::move(c));
-    }));
+    std::lock_guard l(mu);
+    if (ln->c) ln->c->close();
+    ln->c = nullptr;
+    ln->ready = false;
+    ln->mapped = false;
+    all_mapped = false;
+    buffers.lane_lost(ln->index);
+    ln->arrived.clear();
+    ln->offers.clear();
   }
+  // The lanes listen once the door took a connection (made then, kept for the attempts after): while
+  // a server is gone, reconnecting makes nothing of UCX's. (UCX 1.13 aborts the process when one
+  // worker makes a listener with the descriptor number that another, still handling its connection's
+  // failure, has just closed and has an event left for: async.c:643, openucx/ucx#9942.)
+  std::vector<std::uint16_t> ports;
+  auto listen = [&] {
+    if (!ports.empty()) return ports;
+    std::vector<std::uint16_t> made;
+    for (lane* ln : down)
+      made.push_back(ln->w->listen(me, 0, [this, ln](std::shared_ptr<connection> c) {
+        std::lock_guard l(mu);
+        ln->arrived.push_back(std::move(c));
+      }));
+    return ports = std::move(made);
+  };
   for (int attempt = 0;; ++attempt) {
     // A server that died may leave an attempt without any error: it waits for the answer at most
     // FERRY_NET_CONNECT_TIMEOUT, then the server counts as unreachable.
@@ -382,7 +390,7 @@ welcome client::impl::knock(const std::vector<lane*>& down, clk::time_point unti
         }
         ~drive_own() { detail::knock_waiting = nullptr; }
       } own(own_worker());
-      return detail::knock(host, port, o.secret, ports, attempt_until);
+      return detail::knock(host, port, o.secret, listen, attempt_until);
     } catch (const error& e) {
       if (e.code() == errc::timeout && attempt_until < until)
         throw error(error_info{errc::network_error, "store.connect", peer, "cannot connect to the storage server",

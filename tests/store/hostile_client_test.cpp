@@ -55,7 +55,7 @@ struct raw_client {
       cv.notify_all();
     });
     const auto lane = w.listen("127.0.0.1", 0, [](std::shared_ptr<connection>) {});
-    pass = store::detail::knock("127.0.0.1", port, "", {lane}, clk::now() + std::chrono::seconds(5));
+    pass = store::detail::knock("127.0.0.1", port, "", [&] { return std::vector<std::uint16_t>{lane}; }, clk::now() + std::chrono::seconds(5));
     std::unique_lock l(mu);
     if (!cv.wait_for(l, std::chrono::seconds(5), [&] { return c != nullptr; }))
       throw std::runtime_error("the server did not connect to the raw lane");
