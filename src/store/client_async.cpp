@@ -426,14 +426,16 @@ void client::impl::tick() {
     }
     want_connection = !waiting.empty() || !stats.empty();
   }
+  // The connections of what was given up close before anything ended is told, as a request given up
+  // under way promises (client.hpp): a caller told may go on at once.
+  close_for(close);
+  close.clear();
   for (auto& m : ended_members) {
     const bool cancelled = m->r.cancelled && m->r.cancelled();
     error e = request_error(cancelled ? errc::cancelled : errc::timeout, m->r, peer, m->r.offset,
                             cancelled ? "cancelled while under way" : "no answer before the deadline");
     m->r.done(0, &e);
   }
-  close_for(close);
-  close.clear();
   for (auto& f : later) f();
   if (want_connection && lane_events.load() != lanes_checked.load()) {
     {
