@@ -482,7 +482,7 @@ std::string local_address(const std::string& host, std::uint16_t port) {
 }
 
 net::welcome knock(const std::string& host, std::uint16_t port, const std::string& secret,
-                   const std::function<std::vector<std::uint16_t>()>& listen, door_clock::time_point until) {
+                   const std::function<std::vector<std::uint16_t>()>& listen_lanes, door_clock::time_point until) {
   const std::string where = fmt::format("{}:{}", host, port);
   addr a = resolve(host, port, false, "store.connect");
   socket_fd s;
@@ -498,7 +498,7 @@ net::welcome knock(const std::string& host, std::uint16_t port, const std::strin
     ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len);
     if (err != 0) unreachable(where, err, std::strerror(err));
   }
-  const std::vector<std::uint16_t> lane_ports = listen();
+  const std::vector<std::uint16_t> lane_ports = listen_lanes();
   auto nonce = random_nonce();
   net::hello h{1, 1, 64, nonce, static_cast<std::uint16_t>(lane_ports.size()), {}, lane_ports};
   send_all(s.fd, net::encode({1, 0, h}), until, where);

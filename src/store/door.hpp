@@ -63,10 +63,10 @@ class door {
 // `local_address` below), answers the challenge with `secret` if the server sends one, and returns the
 // server's welcome (its ticket). Throws network_error (unreachable, closed before its answer: a flooded server
 // displaces connections in their handshake), permission_denied (a secret needed or refused),
-// timeout at `until`, protocol_error for anything else. `lane_ports` makes the lanes' listeners and
+// timeout at `until`, protocol_error for anything else. `listen_lanes` makes the lanes' listeners and
 // gives their ports, once the door took the connection: a server that is gone costs the lanes nothing.
 net::welcome knock(const std::string& host, std::uint16_t port, const std::string& secret,
-                   const std::function<std::vector<std::uint16_t>()>& lane_ports, door_clock::time_point until);
+                   const std::function<std::vector<std::uint16_t>()>& listen_lanes, door_clock::time_point until);
 // Set on a thread: knock's waits look at the door every millisecond and run it in between (a lane's
 // own thread reconnecting drives its worker there, or the server's connection to that lane would
 // wait for it).
