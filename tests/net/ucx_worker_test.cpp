@@ -26,11 +26,17 @@ using clk = std::chrono::steady_clock;
 // a callback that sends on another worker is inside one already, and must not wait for the maker
 // in turn: both would stand still until the maker's bound (10 s) ran out.
 TEST(UcxWorkers, CallbacksSendingOnOtherWorkersGoOnWhileDescriptorsAreMade) {
-  ucx_worker echo{"t-echo"}, a{"t-a"}, b{"t-b"};
+  // What the workers' callbacks and sends use is made before them, so that it outlives them: data
+  // sent in the last hops may still be arriving while the test ends.
+  constexpr int hops_wanted = 2000;
+  const std::vector<std::byte> payload(256 << 10, std::byte{7});
+  std::vector<std::byte> sink(1 << 20);  // the echo's data lands here, overwritten each time
   std::mutex mu;
+  std::condition_variable cv;
+  std::atomic<int> hops{0};
+  ucx_worker echo{"t-echo"}, a{"t-a"}, b{"t-b"};
   std::vector<std::shared_ptr<connection>> taken;  // the echo's ends, kept for the test's length
   echo.on_frame([](connection& c, message m) { c.send_frame(m); });
-  std::vector<std::byte> sink(1 << 20);  // the echo's data lands here, overwritten each time
   echo.on_data([&](connection&, std::uint64_t, std::uint64_t, std::size_t len) -> void* { return len <= sink.size() ? sink.data() : nullptr; },
                [](connection&, std::uint64_t, std::uint64_t, std::size_t, ucs_status_t) {});
   const std::uint16_t port = echo.listen("127.0.0.1", 0, [&](std::shared_ptr<connection> c) {
@@ -41,10 +47,6 @@ TEST(UcxWorkers, CallbacksSendingOnOtherWorkersGoOnWhileDescriptorsAreMade) {
   std::shared_ptr<connection> ca = a.connect("127.0.0.1", port, until);
   std::shared_ptr<connection> cb = b.connect("127.0.0.1", port, until);
 
-  constexpr int hops_wanted = 2000;
-  const std::vector<std::byte> payload(256 << 10, std::byte{7});
-  std::atomic<int> hops{0};
-  std::condition_variable cv;
   auto pass_on = [&](const std::shared_ptr<connection>& next) {
     return [&, next](connection&, message m) {
       const int h = ++hops;
