@@ -12,6 +12,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cstdio>
@@ -66,14 +67,65 @@ sockaddr_storage make_addr(const std::string& host, std::uint16_t port) {
 // UCX 1.13 keeps an event it could not hand to a busy worker by its descriptor's number, and aborts
 // the process (async.c:643, openucx/ucx#9942, fixed in 1.17) when that worker, looking at it later,
 // finds the number taken meanwhile by an endpoint or listener of another worker -- as when a server
-// dies and one lane closes its connection while another makes its listener again. So endpoints and
-// listeners of every worker of the process are made and closed under this lock, and a worker that
-// closed some handles what UCX kept for it before letting go (forget_closed): no number is taken
-// while a worker still holds an event for it. Recursive: a worker's progress under it may accept.
-std::recursive_mutex& descriptors_mu() {
-  static std::recursive_mutex m;
-  return m;
+// dies and one lane closes its connection while another makes its listener again. A worker holds
+// such an event only between closing a descriptor and its next look at what UCX kept, and UCX looks
+// at the end of every progress call. So descriptors are made and closed by one thread at a time
+// (`making`, recursive: its own progress under it may close more), only while no other worker is
+// inside a progress call (where UCX closes a failed connection's descriptors by itself), and a
+// worker that closed some looks before letting go (forget_closed). Progress calls take no lock of
+// the process: each worker says it is inside one on a cache line of its own, and waits at the door
+// while descriptors are being made.
+namespace {
+struct descriptor_gate {
+  std::recursive_mutex mu;
+  std::atomic<bool> making{false};
+  struct worker_flag {
+    const std::atomic<bool>* inside;  // the worker's "inside a progress call"
+    const std::string* name;
+  };
+  std::vector<worker_flag> workers;  // (under mu)
+};
+descriptor_gate& gate() {
+  static descriptor_gate g;
+  return g;
 }
+thread_local int making_depth = 0;                            // this thread holds the gate (nested)
+thread_local const std::atomic<bool>* progressing = nullptr;  // the worker whose progress this thread is inside
+
+// Held while descriptors are made or closed.
+class making_descriptors {
+ public:
+  making_descriptors() {
+    auto& g = gate();
+    g.mu.lock();
+    if (making_depth++ > 0) return;
+    g.making.store(true, std::memory_order_seq_cst);
+    // A progress call ends within microseconds; one that does not (a callback that blocks) is
+    // waited for a bounded while, then this goes on, said in the log, rather than hang.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (const auto& w : g.workers) {
+      if (w.inside == progressing) continue;  // this thread's own worker: its events are its own
+      ferry::detail::backoff b({std::chrono::microseconds(20), std::chrono::milliseconds(1), std::chrono::microseconds(50),
+                                std::chrono::milliseconds(1)});
+      while (w.inside->load(std::memory_order_seq_cst)) {
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= until) {
+          log::warn("net", "{} stayed inside one progress call for 10 s; making descriptors beside it", *w.name);
+          break;
+        }
+        b.pause();
+      }
+    }
+  }
+  ~making_descriptors() {
+    auto& g = gate();
+    if (--making_depth == 0) g.making.store(false, std::memory_order_release);
+    g.mu.unlock();
+  }
+  making_descriptors(const making_descriptors&) = delete;
+  making_descriptors& operator=(const making_descriptors&) = delete;
+};
+}  // namespace
 
 // Closes an endpoint without waiting for the peer (its requests are cancelled).
 void close_ep(ucp_ep_h ep) {
@@ -555,8 +607,9 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::sha
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the progress thread, or a caller (drive, run_or_post), never both
   {
-    std::lock_guard d(descriptors_mu());  // (its interfaces make descriptors too)
+    making_descriptors d;  // (its interfaces make descriptors too)
     st = ucp_worker_create(ctx_->handle(), &wp, &worker_);
+    if (st == UCS_OK) gate().workers.push_back({&inside_.v, &name_});
   }
   check(st, "net.init", "ucp_worker_create");
   for (unsigned id : {am_frame, am_data, am_reply}) {
@@ -591,7 +644,7 @@ ucx_worker::ucx_worker(std::string name, std::chrono::nanoseconds spin, std::sha
 
 ucx_worker::~ucx_worker() {
   post([this] {
-    std::lock_guard d(descriptors_mu());
+    making_descriptors d;
     std::vector<std::shared_ptr<connection>> closed;  // alive while the progress below may name them
     for (auto& [ep, c] : conns_) {
       close_ep(ep);
@@ -599,7 +652,10 @@ ucx_worker::~ucx_worker() {
       closed.push_back(c);
     }
     conns_.clear();
-    if (listener_) ucp_listener_destroy(listener_);
+    if (listener_) {
+      reject_conn_requests();
+      ucp_listener_destroy(listener_);
+    }
     listener_ = nullptr;
     forget_closed();
     stop_ = true;
@@ -608,7 +664,8 @@ ucx_worker::~ucx_worker() {
   {
     // Its async context goes with it, and with that what UCX kept for it: the descriptors it closes
     // are free for others only then.
-    std::lock_guard d(descriptors_mu());
+    making_descriptors d;
+    std::erase_if(gate().workers, [this](const auto& w) { return w.inside == &inside_.v; });
     ucp_worker_destroy(worker_);
   }
   ::close(wake_);
@@ -666,6 +723,14 @@ int ucx_worker::enter() {
     }
     how = entered_took;
   }
+  if (progressing && nposted_.load(std::memory_order_acquire) != 0) {
+    // Inside another worker's progress call (a callback sending here): the work waiting on this
+    // worker may make or close descriptors, which must not happen inside a progress call
+    // (making_descriptors), so this goes behind it instead.
+    ucx_mu_.unlock();
+    if (how == entered_took) callers_.fetch_sub(1, std::memory_order_seq_cst);
+    return 0;
+  }
   lock_owner();
   try {
     drain_posted();  // earlier work first
@@ -682,7 +747,7 @@ void ucx_worker::leave(int how, bool settles) {
   if (how != entered_took && how != entered_quiet) return;
   // Push what was started (the progress thread may be asleep), unless it finished at once.
   if (!settles || pending_ > 0)
-    while (ucp_worker_progress(worker_) != 0) {
+    while (progress() != 0) {
     }
   unlock_owner();  // released before the lock (and the announcement) go
   ucx_mu_.unlock();
@@ -738,7 +803,7 @@ void ucx_worker::send_held(connection& c, unsigned id, std::vector<std::byte>& a
 
 void ucx_worker::progress_once() {
   drain_posted();
-  while (ucp_worker_progress(worker_) != 0) {
+  while (progress() != 0) {
   }
 }
 
@@ -844,7 +909,7 @@ void ucx_worker::loop() {
       continue;
     }
     bool busy = drain_posted();
-    while (ucp_worker_progress(worker_) != 0) busy = true;
+    while (progress() != 0) busy = true;
     if (busy) {
       last = clk::now();
       continue;
@@ -893,7 +958,7 @@ std::shared_ptr<connection> ucx_worker::adopt(ucp_ep_h ep, std::shared_ptr<conne
 void ucx_worker::drop(connection& c) {
   if (!c.ep) return;
   auto keep = c.shared_from_this();  // the map may hold the last reference
-  std::lock_guard d(descriptors_mu());
+  making_descriptors d;
   conns_.erase(c.ep);
   close_ep(c.ep);
   c.ep = nullptr;
@@ -903,8 +968,32 @@ void ucx_worker::drop(connection& c) {
 void ucx_worker::forget_closed() {
   // The first call handles the events kept before it began (those of the closed descriptors now
   // find no handler); the second those kept while the first ran.
-  ucp_worker_progress(worker_);
-  ucp_worker_progress(worker_);
+  progress();
+  progress();
+}
+
+unsigned ucx_worker::progress() {
+  // See making_descriptors: not while another thread makes descriptors (unless this one is it).
+  // Inside another worker's progress call (a callback sending on this worker's connection) this
+  // thread already counts as inside one: a maker waits for that outer call, so none can be making
+  // now, and waiting here would wait for a maker that waits for this thread.
+  if (progressing) return ucp_worker_progress(worker_);
+  const bool maker = making_depth > 0;
+  if (!maker) {
+    auto& g = gate();
+    for (;;) {
+      inside_.v.store(true, std::memory_order_seq_cst);
+      if (!g.making.load(std::memory_order_seq_cst)) break;
+      inside_.v.store(false, std::memory_order_seq_cst);
+      while (g.making.load(std::memory_order_acquire)) std::this_thread::yield();  // (a maker's section is short)
+    }
+  }
+  const auto* outer = progressing;
+  progressing = &inside_.v;
+  const unsigned n = ucp_worker_progress(worker_);
+  progressing = outer;
+  if (!maker) inside_.v.store(false, std::memory_order_release);
+  return n;
 }
 
 void ucx_worker::ep_error_cb(void* arg, ucp_ep_h, ucs_status_t status) {
@@ -921,10 +1010,17 @@ void ucx_worker::conn_cb(ucp_conn_request_h req, void* arg) {
   a.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
   std::string peer = "?";
   if (ucp_conn_request_query(req, &a) == UCS_OK) peer = addr_text(a.client_address);
-  self->accept(req, std::move(peer));
+  // Accepted after this progress call, not inside it: an endpoint is a descriptor made, and no
+  // worker may be inside a progress call while one is made (making_descriptors).
+  self->conn_requests_.push_back(req);
+  self->post([self, req, peer = std::move(peer)]() mutable { self->accept(req, std::move(peer)); });
 }
 
 void ucx_worker::accept(ucp_conn_request_h req, std::string peer) {
+  // Refused meanwhile (its listener went: reject_conn_requests).
+  auto it = std::find(conn_requests_.begin(), conn_requests_.end(), req);
+  if (it == conn_requests_.end()) return;
+  conn_requests_.erase(it);
   auto c = std::make_shared<connection>(*this, peer);
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
@@ -935,7 +1031,7 @@ void ucx_worker::accept(ucp_conn_request_h req, std::string peer) {
   ucp_ep_h ep = nullptr;
   ucs_status_t st = UCS_OK;
   {
-    std::lock_guard d(descriptors_mu());
+    making_descriptors d;
     st = ucp_ep_create(worker_, &p, &ep);
   }
   if (st != UCS_OK) {
@@ -946,14 +1042,20 @@ void ucx_worker::accept(ucp_conn_request_h req, std::string peer) {
   if (accepted_) accepted_(c);
 }
 
+void ucx_worker::reject_conn_requests() {
+  for (ucp_conn_request_h req : conn_requests_) ucp_listener_reject(listener_, req);
+  conn_requests_.clear();
+}
+
 std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
                                  std::function<void(std::shared_ptr<connection>)> accepted) {
   sockaddr_storage ss = make_addr(host, port);
   // The work owns what it uses: it may run after call() gave up waiting for it.
   return call(
       [this, ss, host, port, accepted = std::move(accepted)]() mutable -> std::uint16_t {
-        std::lock_guard d(descriptors_mu());
+        making_descriptors d;
         if (listener_) {  // one listener per worker: a new one replaces it
+          reject_conn_requests();
           ucp_listener_destroy(listener_);
           listener_ = nullptr;
           forget_closed();
@@ -978,8 +1080,9 @@ std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
 void ucx_worker::stop_listening() {
   call(
       [this] {
-        std::lock_guard d(descriptors_mu());
+        making_descriptors d;
         if (listener_) {
+          reject_conn_requests();
           ucp_listener_destroy(listener_);
           listener_ = nullptr;
           forget_closed();
@@ -1009,7 +1112,7 @@ std::shared_ptr<connection> ucx_worker::connect(const std::string& host, std::ui
           p.err_handler.arg = c.get();
           ucp_ep_h ep = nullptr;
           {
-            std::lock_guard d(descriptors_mu());
+            making_descriptors d;
             check(ucp_ep_create(worker_, &p, &ep), "net.connect", c->peer());
           }
           return adopt(ep, c);

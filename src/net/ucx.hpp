@@ -341,6 +341,9 @@ class ucx_worker {
   void step_aside(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: let callers have the worker
   void reacquire(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: take the worker back after callers
   void accept(ucp_conn_request_h req, std::string peer);
+  void reject_conn_requests();  // before the listener goes: those not accepted yet are refused
+  // UCX progress: every call goes through here (see making_descriptors in ucx.cpp).
+  unsigned progress();
   void lock_owner() { owner_.store(std::this_thread::get_id(), std::memory_order_relaxed); }
   void unlock_owner() { owner_.store(std::thread::id(), std::memory_order_relaxed); }
   connection* find(ucp_ep_h ep) {
@@ -351,7 +354,7 @@ class ucx_worker {
   // Closes c's endpoint and forgets it (progress thread): closed and failed connections hold no
   // UCX endpoint and no entry here.
   void drop(connection& c);
-  // After this worker closed endpoints or its listener (holder, under descriptors_mu): handles
+  // After this worker closed endpoints or its listener (holder, making descriptors): handles
   // what UCX kept for it while it was busy, events of the closed descriptors included, before
   // another worker may make a descriptor (see ucx.cpp).
   void forget_closed();
@@ -384,6 +387,11 @@ class ucx_worker {
   data_sink sink_;
   data_done data_done_;
   std::function<void(std::shared_ptr<connection>)> accepted_;
+  std::vector<ucp_conn_request_h> conn_requests_;  // taken by the listener, accepted by posted work (holder only)
+  struct alignas(64) own_line {
+    std::atomic<bool> v{false};
+  };
+  own_line inside_;  // inside a progress call (a cache line of its own: written at every call)
   std::function<void()> idle_;
   std::atomic<bool> has_idle_{false}, kicked_{false};
   std::unordered_map<ucp_ep_h, std::shared_ptr<connection>> conns_;  // progress thread

@@ -293,6 +293,7 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
   p->ln = ln;
   p->rid = m.request_id = next_id++;
   p->conn = cn.get();
+  p->conn_no = ln->conn_no;
   pend.put(p->rid, p);
   n_pieces++;
   if (p->rma) n_rma++;

@@ -74,6 +74,7 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
       auto a = std::make_shared<async_op>();
       a->r = std::move(r);
       a->moved_at = now;
+      a->began_after = connects.load(std::memory_order_acquire);
       // Several pieces of a file that may change come from one version of it: a stat first (the
       // lanes' idle look makes it: it waits for an answer).
       a->need_stat = !a->r.write && !a->r.version && a->r.length > o.piece;
@@ -163,8 +164,10 @@ std::shared_ptr<client::impl::async_op> client::impl::gather(std::size_t& taken)
   g->r.version = first->r.version;
   g->r.until = clk::time_point::min();
   g->moved_at = clk::now();
+  g->began_after = waiting[0]->began_after;
   for (std::size_t i = 0; i < j; ++i) {
     auto& m = waiting[i];
+    g->began_after = std::min(g->began_after, m->began_after);
     g->grp->state[i].store(group::open);
     g->r.until = std::max(g->r.until, m->deadline());  // each member ends at its own (the idle look)
     live.erase(m->id);

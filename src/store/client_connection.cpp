@@ -248,7 +248,9 @@ void client::impl::conn_failed(connection* cn, const std::string& why) {
   }
   for (auto& [id, p] : pend)
     if (p->conn == cn) {
-      p->victim = closed_for_another != nullptr;
+      // Not its own loss: closed to end another request, or a connection made before its request
+      // was queued (a server gone before it, noticed only now).
+      p->victim = closed_for_another != nullptr || (p->owner && p->conn_no <= p->owner->began_after);
       hit.push_back(p);
     }
   for (auto& p : hit) {
@@ -437,6 +439,7 @@ void client::impl::connect(lane& ln, const welcome& pass, clk::time_point until)
                                          ln.index, format_duration(o.connect_timeout)),
                              0, 0});
     ln.c = cn;
+    ln.conn_no = ++connects;
   }
   connection* raw = cn.get();
   cn->on_failure([this, raw](const std::string& why) { conn_failed(raw, why); });

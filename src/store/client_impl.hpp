@@ -61,6 +61,7 @@ struct client::impl {
     std::vector<std::shared_ptr<connection>> arrived;
     std::vector<std::pair<std::shared_ptr<connection>, std::vector<std::uint8_t>>> offers;
     std::uint32_t credits = 1, inflight = 0;      // mu
+    std::uint64_t conn_no = 0;                    // its connection's number (connects when it was made; mu)
     bool mapped = false;                          // the server mapped our landing region (mu)
     bool ready = false;                           // handshake done, `lending` and `token` set (mu)
     // From its welcome: where to pass regions it may map, and the session's token (written under
@@ -124,6 +125,7 @@ struct client::impl {
     // Failed because its connection was closed to end another request (mu): a loss that is not its
     // own, so not its one retry.
     bool victim = false;
+    std::uint64_t conn_no = 0;  // the number of the connection it was sent on (lane::conn_no)
     // The thread waiting for it, while it waits (wait_piece): a piece it settles itself, driving
     // its lane, it also copies on itself -- it would only wait for another thread to do it.
     std::atomic<std::thread::id> waiter{};
@@ -251,6 +253,7 @@ struct client::impl {
   // Connection failures (and closes) counted, and the count when every lane was last seen alive:
   // while they are equal, requests skip the per-lane check.
   std::atomic<std::uint64_t> lane_events{1}, lanes_checked{0};
+  std::atomic<std::uint64_t> connects{0};  // lanes' connections made so far (lane::conn_no)
 
   std::vector<std::unique_ptr<lane>> lanes;  // last: their progress threads (and callbacks) stop first
 
@@ -346,6 +349,10 @@ struct client::impl {
     std::shared_ptr<notice> ends;
     clk::time_point moved_at;
     std::optional<error> lost;     // sent again after its connection was lost with this
+    // Connections made before it was queued: a loss of one of those is not its own -- the server went
+    // before this request could tell, and a lane notices that only when its connection ends (its one
+    // retry is for a connection made for it).
+    std::uint64_t began_after = 0;
     std::optional<error> gave_up;  // ended by the lanes' look (deadline, cancel) with this
     bool planned = false, need_stat = false, ended = false;
     // Being planned and sent by pump (outside mu): a give_up meanwhile leaves the sending's hold
