@@ -108,7 +108,8 @@ class FERRY_API client {
   // once). It must not block or call this client's synchronous functions (submit is fine); the last
   // reference to the client must not be dropped in it. Memory stays the request's until then.
   // Reads are sent again once after their connection was lost (server restarted), within their
-  // deadline; a write is not (its open write went with the connection). Small reads of one file
+  // deadline -- a loss on a connection made before the request was queued (a server gone before it,
+  // noticed only then) does not count; a write is not (its open write went with the connection). Small reads of one file
   // into host memory queued together go as one request (net::read_many), cut apart again for their
   // completions; a server that refuses that for a path has its reads of it go one by one.
   struct request {
