@@ -652,11 +652,7 @@ ucx_worker::~ucx_worker() {
       closed.push_back(c);
     }
     conns_.clear();
-    if (listener_) {
-      reject_conn_requests();
-      ucp_listener_destroy(listener_);
-    }
-    listener_ = nullptr;
+    close_listener();
     forget_closed();
     stop_ = true;
   });
@@ -703,6 +699,10 @@ int ucx_worker::enter() {
     // (order is kept by posting behind it).
     return nposted_.load(std::memory_order_acquire) != 0 ? 0 : entered_holder;
   }
+  // Inside another worker's progress call (a callback sending here): the work waiting on this worker
+  // may make or close descriptors, which must not happen inside a progress call
+  // (making_descriptors), so this goes behind it instead.
+  if (progressing && nposted_.load(std::memory_order_acquire) != 0) return 0;
   // Free (the progress thread naps while callers drive, or sleeps): take it without a word. Each
   // atomic read-modify-write costs 20-30 ns on the GPU machine's VM, and a small request makes
   // dozens; the progress thread takes the worker back only after callers_ and drivers_ stayed zero
@@ -722,14 +722,6 @@ int ucx_worker::enter() {
       cpu_relax();
     }
     how = entered_took;
-  }
-  if (progressing && nposted_.load(std::memory_order_acquire) != 0) {
-    // Inside another worker's progress call (a callback sending here): the work waiting on this
-    // worker may make or close descriptors, which must not happen inside a progress call
-    // (making_descriptors), so this goes behind it instead.
-    ucx_mu_.unlock();
-    if (how == entered_took) callers_.fetch_sub(1, std::memory_order_seq_cst);
-    return 0;
   }
   lock_owner();
   try {
@@ -988,10 +980,9 @@ unsigned ucx_worker::progress() {
       while (g.making.load(std::memory_order_acquire)) std::this_thread::yield();  // (a maker's section is short)
     }
   }
-  const auto* outer = progressing;
   progressing = &inside_.v;
   const unsigned n = ucp_worker_progress(worker_);
-  progressing = outer;
+  progressing = nullptr;
   if (!maker) inside_.v.store(false, std::memory_order_release);
   return n;
 }
@@ -1017,7 +1008,7 @@ void ucx_worker::conn_cb(ucp_conn_request_h req, void* arg) {
 }
 
 void ucx_worker::accept(ucp_conn_request_h req, std::string peer) {
-  // Refused meanwhile (its listener went: reject_conn_requests).
+  // Refused meanwhile (its listener went: close_listener).
   auto it = std::find(conn_requests_.begin(), conn_requests_.end(), req);
   if (it == conn_requests_.end()) return;
   conn_requests_.erase(it);
@@ -1042,9 +1033,13 @@ void ucx_worker::accept(ucp_conn_request_h req, std::string peer) {
   if (accepted_) accepted_(c);
 }
 
-void ucx_worker::reject_conn_requests() {
-  for (ucp_conn_request_h req : conn_requests_) ucp_listener_reject(listener_, req);
+bool ucx_worker::close_listener() {
+  if (!listener_) return false;
+  for (ucp_conn_request_h req : conn_requests_) ucp_listener_reject(listener_, req);  // not accepted yet
   conn_requests_.clear();
+  ucp_listener_destroy(listener_);
+  listener_ = nullptr;
+  return true;
 }
 
 std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
@@ -1054,12 +1049,7 @@ std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
   return call(
       [this, ss, host, port, accepted = std::move(accepted)]() mutable -> std::uint16_t {
         making_descriptors d;
-        if (listener_) {  // one listener per worker: a new one replaces it
-          reject_conn_requests();
-          ucp_listener_destroy(listener_);
-          listener_ = nullptr;
-          forget_closed();
-        }
+        if (close_listener()) forget_closed();  // one listener per worker: a new one replaces it
         accepted_ = std::move(accepted);
         ucp_listener_params_t lp{};
         lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
@@ -1081,12 +1071,7 @@ void ucx_worker::stop_listening() {
   call(
       [this] {
         making_descriptors d;
-        if (listener_) {
-          reject_conn_requests();
-          ucp_listener_destroy(listener_);
-          listener_ = nullptr;
-          forget_closed();
-        }
+        if (close_listener()) forget_closed();
         accepted_ = nullptr;
       },
       std::chrono::steady_clock::now() + std::chrono::seconds(10));

@@ -341,7 +341,9 @@ class ucx_worker {
   void step_aside(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: let callers have the worker
   void reacquire(std::unique_lock<std::mutex>& l, std::chrono::nanoseconds grace);  // progress thread: take the worker back after callers
   void accept(ucp_conn_request_h req, std::string peer);
-  void reject_conn_requests();  // before the listener goes: those not accepted yet are refused
+  // Refuses the connection requests not accepted yet and destroys the listener (holder, making
+  // descriptors); false when there was none.
+  bool close_listener();
   // UCX progress: every call goes through here (see making_descriptors in ucx.cpp).
   unsigned progress();
   void lock_owner() { owner_.store(std::this_thread::get_id(), std::memory_order_relaxed); }
