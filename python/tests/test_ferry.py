@@ -395,6 +395,54 @@ def test_a_forked_child_gets_a_runtime_of_its_own(served, parent_remote):
         assert got["remote"] is True, got
 
 
+FORKED_UNDER_MUNMAP = r"""
+import json, mmap, os, select, sys, threading, numpy as np, ferry
+local, remote, forks = sys.argv[1], sys.argv[2], int(sys.argv[3])
+want = np.fromfile(local, dtype=np.uint8)
+ferry.open(local).read_into(np.zeros_like(want))  # the parent's runtime: its memory hooks are installed
+stop = False
+def churn():  # another thread of the parent maps and unmaps all the time (a loader's allocator)
+    while not stop:
+        mmap.mmap(-1, 1 << 16).close()
+threading.Thread(target=churn, daemon=True).start()
+out = {"forks": forks, "hung": [], "wrong": []}
+for i in range(forks):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        b = np.zeros_like(want)
+        try:
+            ferry.open(remote).read_into(b); got = bool((b == want).all())
+        except ferry.Error as e:
+            got = str(e)
+        os.write(w, json.dumps(got).encode()); os._exit(0)
+    os.close(w)
+    if select.select([r], [], [], 20)[0]:
+        got = json.loads(os.read(r, 1 << 16).decode())
+        if got is not True:
+            out["wrong"].append([i, got])
+    else:
+        out["hung"].append(i); os.kill(pid, 9)
+    os.close(r); os.waitpid(pid, 0)
+stop = True
+print(json.dumps(out))
+"""
+
+
+def test_children_forked_while_the_parent_unmaps_memory_read_ferry_uris(served):
+    """Children forked while another thread of the parent unmaps memory (UCX's memory hooks are inside
+    their lock then, and the child inherits it held) each read a ferry:// file, every one, none waiting
+    forever (before: about one child in five hung in UCX's start)."""
+    root, uri = served
+    random_file(root / "f.bin", (1 << 20) + 77)
+    p = subprocess.run([sys.executable, "-c", FORKED_UNDER_MUNMAP, str(root / "f.bin"), f"{uri}/f.bin", "40"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["hung"] == [] and got["wrong"] == [], got
+
+
 def test_ctrl_c_ends_a_read_from_a_stopped_server_at_once(served):
     """The user's Ctrl-C during a ferry:// read of a server that stopped answering (SIGSTOP):
     KeyboardInterrupt now, not at the deadline (30 s)."""

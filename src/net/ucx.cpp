@@ -2,6 +2,8 @@
 
 #include "core/logging.hpp"
 
+#include <ucs/config/global_opts.h>
+
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <fmt/format.h>
@@ -392,6 +394,19 @@ namespace {
 std::mutex g_ucx_mu;
 long g_ucx_process = 0;
 int g_ucx_contexts = 0;
+
+// Held while a context is made or ended, and by the forking thread across a fork: ucp_init and
+// ucp_cleanup add and remove libucm handlers under libucm's lock held for writing, and a child forked
+// meanwhile would inherit that lock so held (its thread not in the child): every hooked mmap of the
+// child would wait for it forever. The child makes the mutex anew (its holder there is itself).
+std::mutex g_context_making_mu;
+void hold_context_making_across_fork() {
+  static const int e = ::pthread_atfork([] { g_context_making_mu.lock(); }, [] { g_context_making_mu.unlock(); },
+                                        [] { new (&g_context_making_mu) std::mutex; });
+  if (e != 0)
+    log::warn("net", "pthread_atfork: {}; a child forked while a UCX context is made may wait forever in its first mmap",
+              std::strerror(e));
+}
 }  // namespace
 
 ucx_context::ucx_context(const std::string& net_device) {
@@ -444,12 +459,29 @@ ucx_context::ucx_context(const std::string& net_device) {
   // until their deadlines. A probe per endpoint each second costs a few bytes and reports the death
   // in one or two seconds. Unless the user set UCX_KEEPALIVE_INTERVAL.
   if (!std::getenv("UCX_KEEPALIVE_INTERVAL")) ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", "1s");
+  // A process forked after this one's memory hooks were installed may hold libucm's event lock
+  // forever (mem::memory_hooks_inherited says why): UCX must then add no memory-event handler, or
+  // ucp_init waits for that lock. Its handlers belong to registration caches (ucp's own, and the
+  // ib, knem and gdr_copy domains') and to the memory-type cache: all off in such a child, where
+  // each registration is made when it is used (ferry registers its own buffers once anyway).
+  if (memory_hooks_inherited()) {
+    if (!std::getenv("UCX_RCACHE_ENABLE")) ucp_config_modify(cfg, "RCACHE_ENABLE", "n");
+    // Only for domains the machine has: UCX warns of a setting no domain took.
+    if (::access("/dev/knem", F_OK) == 0 || ::access("/dev/gdrdrv", F_OK) == 0) ucp_config_modify(cfg, "RCACHE", "n");
+    if (rdma_device_present()) ucp_config_modify(cfg, "REG_METHODS", "odp,direct");
+    ucs_global_opts.enable_memtype_cache = UCS_NO;
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP | UCP_FEATURE_RMA;
   params.name = "ferry";
   params.mt_workers_shared = 1;  // several workers (lanes), each on its own thread
-  ucs_status_t st = ucp_init(&params, cfg, &ctx_);
+  hold_context_making_across_fork();
+  ucs_status_t st;
+  {
+    std::lock_guard making(g_context_making_mu);
+    st = ucp_init(&params, cfg, &ctx_);
+  }
   ucp_config_release(cfg);
   check(st, "net.init", "ucp_init");
   ucp_context_attr_t ca{};
@@ -461,7 +493,10 @@ ucx_context::ucx_context(const std::string& net_device) {
 }
 
 ucx_context::~ucx_context() {
-  ucp_cleanup(ctx_);
+  {
+    std::lock_guard making(g_context_making_mu);
+    ucp_cleanup(ctx_);
+  }
   std::lock_guard l(g_ucx_mu);
   --g_ucx_contexts;
 }

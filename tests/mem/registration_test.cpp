@@ -10,8 +10,10 @@
 
 #include <malloc.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <map>
 #include <optional>
@@ -268,6 +270,58 @@ TEST(RegistrationCache, HostMunmapInvalidatesThroughMemoryHooks) {
   EXPECT_FALSE(r.valid());
   EXPECT_EQ(cache.classify(p, n).type, memory_type::unknown);
   EXPECT_THROW(cache.acquire(p, n), error);
+}
+
+// A process forks while another of its threads unmaps memory all the time (a data loader's worker
+// forked from a busy trainer): that thread may be inside the memory hook, holding the caches' list,
+// at the fork. The child makes a cache of its own and its hooks still work -- it never waits for a
+// lock the thread (which is not in the child) held.
+TEST(RegistrationCache, ChildrenForkedWhileTheParentUnmapsMakeCachesOfTheirOwn) {
+  auto host = make_host_client("/nonexistent/libcuda.so.1");
+  registration_cache parent_cache({host.get()}, 64 << 20);  // the memory hooks are installed
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop) {
+      void* p = ::mmap(nullptr, 1 << 16, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p != MAP_FAILED) ::munmap(p, 1 << 16);
+    }
+  });
+  int hung = 0, failed = 0;
+  for (int i = 0; i < 300; ++i) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      int code = 0;
+      try {
+        registration_cache c({host.get()}, 64 << 20);
+        std::string why;
+        auto m = map_and_register(c, 1 << 20, why);
+        if (m) {
+          ::munmap(m->p, 1 << 20);
+          if (c.cached(m->p, 1 << 20)) code = 3;  // the hook did not reach the child's cache
+        }
+      } catch (...) {
+        code = 2;
+      }
+      ::_exit(code);
+    }
+    ASSERT_GT(pid, 0);
+    int status = 0;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > until) {
+        ++hung;
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) != 0) ++failed;
+  }
+  stop = true;
+  churn.join();
+  EXPECT_EQ(hung, 0) << "children waited 10 s for a lock a thread of their parent held at the fork";
+  EXPECT_EQ(failed, 0);
 }
 
 // A registration of heap memory, then free() gives the heap's top back (sbrk, inside the allocator,

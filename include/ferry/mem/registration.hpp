@@ -124,6 +124,13 @@ class FERRY_API registration_cache {
 FERRY_API void add_process_client(peer_memory_client* c);
 FERRY_API void remove_process_client(peer_memory_client* c) noexcept;
 
+// True in a process forked from the one that installed the process's memory hooks (libucm's). Such a
+// child may have inherited libucm's event lock held by a thread of its parent that was inside an
+// munmap at the fork (the thread is not in the child, so it is never let go). Readers still pass
+// then, but nothing in the child may add or remove a hook handler (it would wait forever): the
+// child's UCX is configured not to (net/ucx.cpp).
+FERRY_API bool memory_hooks_inherited() noexcept;
+
 // Peer-memory client for host memory: pins with cuMemHostRegister when a CUDA driver is present,
 // else mlock (so the cache's behaviour is the same on CPU-only machines).
 FERRY_API std::unique_ptr<peer_memory_client> make_host_client(const std::string& cuda_driver);
