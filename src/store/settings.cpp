@@ -32,14 +32,8 @@ constexpr setting_row<store_settings> rows[] = {
   {"FERRY_NET_CONNECT_TIMEOUT", "How long one connection attempt of a ferry:// client waits for the server's answer to its handshake (within the request's own deadline). A server that died may leave the attempt without any error: past this it counts as unreachable (FERRY_NET_RETRY_AFTER) instead of holding the request to its deadline.",
    [](store_settings& s, std::string_view v) { s.net_connect_timeout = parse_duration_in(v, std::chrono::milliseconds(1), std::chrono::hours(1)); },
    [](const store_settings& s) { return format_duration(s.net_connect_timeout); }},
-  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`: 1. More is refused: with this UCX (1.13) several workers abort the server when connections come and go under load, strangers' included (openucx/ucx#9942, #11455; docs/design/storage-service.md).",
-   [](store_settings& s, std::string_view v) {
-     const auto n = parse_int(v, 1, 64);
-     if (n > 1)
-       throw bad_setting{"more than 1 is refused: several UCX workers abort the server when connections come and go under load "
-                       "(UCX 1.13, openucx/ucx#9942; docs/design/storage-service.md)"};
-     s.serve_workers = static_cast<int>(n);
-   },
+  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`; each authenticated client's lanes are spread over them, so several serve connections in parallel.",
+   [](store_settings& s, std::string_view v) { s.serve_workers = static_cast<int>(parse_int(v, 1, 64)); },
    [](const store_settings& s) { return std::to_string(s.serve_workers); }},
   {"FERRY_SERVE_MAX_CONNECTIONS", "Authenticated connections (lanes) `ferry serve` keeps at once; past it a new lane is refused, naming this setting.",
    [](store_settings& s, std::string_view v) { s.serve_max_connections = static_cast<int>(parse_int(v, 1, 1 << 20)); },

@@ -88,14 +88,6 @@ struct server::impl {
            "refusing to serve writable without a shared secret (give a secret file, or --insecure to let anyone write)");
     expects(core.o.chunk > 0 && core.o.max_outstanding > 0 && core.o.workers > 0, "store.serve", core.o.root,
             "chunk, credits and workers must be positive");
-    // Several UCX workers in one process abort in UCX's asynchronous event handling when connections
-    // come and go under load (openucx/ucx#9942, #11455): a loaded soak with strangers at the door
-    // aborted a four-worker server in both runs, and never a one-worker one (docs/design/storage-service.md).
-    // FERRY_SERVE_WORKERS refuses more than one; a program that asks for more here is told.
-    if (core.o.workers > 1)
-      log::warn("store", "{} UCX workers (FERRY_SERVE_WORKERS): with UCX {} several workers can abort the server when "
-                "connections come and go under load (openucx/ucx#9942); one worker is the safe setting",
-                core.o.workers, ucp_get_version_string());
     auto ctx = std::make_shared<ucx_context>(interface_for(core.o.host, true));
     for (int i = 0; i < core.o.workers; ++i) {
       auto& w = *workers.emplace_back(std::make_unique<ucx_worker>(fmt::format("ferry-serve-{}", i), core.o.spin, ctx));
