@@ -273,15 +273,10 @@ struct registration_cache::impl {
 
 namespace {
 
-// Set on the thread that forks while it holds the caches' locks (fork_prepare to fork_parent): an
-// munmap of a fork handler run after ours reaches the hook on that thread, which holds them already.
-thread_local bool t_forking = false;
-
 void on_vm_unmapped(ucm_event_type_t, ucm_event_t* ev, void*) {
   auto b = reinterpret_cast<std::uintptr_t>(ev->vm_unmapped.address);
   std::uint64_t n = ev->vm_unmapped.size;
-  std::shared_lock l(g_caches_mu, std::defer_lock);
-  if (!t_forking) l.lock();
+  std::shared_lock l(g_caches_mu);
   for (registration_cache* c : g_caches)
     if (c) c->invalidate_soon(b, n);
 }
@@ -290,27 +285,16 @@ void on_vm_unmapped(ucm_event_type_t, ucm_event_t* ev, void*) {
 std::atomic<pid_t> g_hooks_pid{0};
 
 // fork() copies the locks below as they are, held or not, and only the forking thread into the
-// child: a lock a hook or a cache of another thread held at the fork would never be let go there,
-// and the child's first cache would wait for it forever. So the forking thread holds them across
-// the fork (no cache is made or ended, no hook is inside the list meanwhile); the parent lets them
-// go, the child starts them anew (the thread that held them there is itself) with no cache listed:
-// every cache alive at the fork is the parent's, and one of its threads may have been inside the
-// cache's recorded ranges (a spin flag) when it was copied.
-void fork_prepare() {
-  g_process_mu.lock();
-  g_caches_mu.lock();
-  t_forking = true;
-}
-void fork_parent() {
-  t_forking = false;
-  g_caches_mu.unlock();
-  g_process_mu.unlock();
-}
+// child: a lock a hook or a cache of another thread held at the fork is never let go there, and the
+// child's first cache waited for it forever (or its munmaps spun on a copied cache's range flag). The
+// child starts them anew, with no cache and no process client listed: every one alive at the fork is
+// the parent's. Nothing is held across the fork in the parent: the CUDA driver's own fork handlers
+// wait for its threads, one of which may be inside this hook (an munmap of the driver's) at that time.
 void fork_child() {
-  t_forking = false;
   new (&g_process_mu) std::mutex;
   new (&g_caches_mu) std::shared_mutex;
   std::fill(std::begin(g_caches), std::end(g_caches), nullptr);
+  new (&g_process_clients) std::vector<peer_memory_client*>;  // the parent's vector is left as it was
 }
 
 void install_hooks_once() {
@@ -323,7 +307,7 @@ void install_hooks_once() {
       return;
     }
     g_hooks_pid = ::getpid();
-    if (const int e = ::pthread_atfork(fork_prepare, fork_parent, fork_child); e != 0)
+    if (const int e = ::pthread_atfork(nullptr, nullptr, fork_child); e != 0)
       log::warn("mem", "pthread_atfork: {}; a process forked from this one may wait forever for a lock a thread held "
                 "at the fork", std::strerror(e));
   });

@@ -395,14 +395,23 @@ std::mutex g_ucx_mu;
 long g_ucx_process = 0;
 int g_ucx_contexts = 0;
 
-// Held while a context is made or ended, and by the forking thread across a fork: ucp_init and
-// ucp_cleanup add and remove libucm handlers under libucm's lock held for writing, and a child forked
-// meanwhile would inherit that lock so held (its thread not in the child): every hooked mmap of the
-// child would wait for it forever. The child makes the mutex anew (its holder there is itself).
-std::mutex g_context_making_mu;
+// Held while a context is made or ended. ucp_init and ucp_cleanup add and remove libucm handlers
+// under libucm's lock held for writing: a child forked meanwhile would inherit it so held (its thread
+// not in the child) and every hooked mmap of the child would wait for it forever. So a fork waits for
+// a context being made, but at most a second: another library's fork handler that ran before this one
+// may hold what ucp_init waits for (the CUDA driver's lock, for UCX's CUDA transports).
+std::timed_mutex g_context_making_mu;
+thread_local bool t_fork_holds_making = false;
 void hold_context_making_across_fork() {
-  static const int e = ::pthread_atfork([] { g_context_making_mu.lock(); }, [] { g_context_making_mu.unlock(); },
-                                        [] { new (&g_context_making_mu) std::mutex; });
+  static const int e = ::pthread_atfork(
+      [] { t_fork_holds_making = g_context_making_mu.try_lock_for(std::chrono::seconds(1)); },
+      [] {
+        if (std::exchange(t_fork_holds_making, false)) g_context_making_mu.unlock();
+      },
+      [] {
+        t_fork_holds_making = false;
+        new (&g_context_making_mu) std::timed_mutex;
+      });
   if (e != 0)
     log::warn("net", "pthread_atfork: {}; a child forked while a UCX context is made may wait forever in its first mmap",
               std::strerror(e));
