@@ -288,8 +288,9 @@ std::atomic<pid_t> g_hooks_pid{0};
 // child: a lock a hook or a cache of another thread held at the fork is never let go there, and the
 // child's first cache waited for it forever (or its munmaps spun on a copied cache's range flag). The
 // child starts them anew, with no cache and no process client listed: every one alive at the fork is
-// the parent's. Nothing is held across the fork in the parent: the CUDA driver's own fork handlers
-// wait for its threads, one of which may be inside this hook (an munmap of the driver's) at that time.
+// the parent's. Nothing is held across the fork in the parent: with the locks held there, forks of a
+// process using CUDA hung (likely a fork handler of the driver waiting for a driver thread inside this
+// hook, which waited for the lock; docs/design/transfer-engine.md).
 void fork_child() {
   new (&g_process_mu) std::mutex;
   new (&g_caches_mu) std::shared_mutex;

@@ -109,9 +109,10 @@ class FERRY_API client {
   // reference to the client must not be dropped in it. Memory stays the request's until then.
   // Reads are sent again once after their connection was lost (server restarted), within their
   // deadline -- a loss on a connection made before the request was queued (a server gone before it,
-  // noticed only then) does not count; a write is not (its open write went with the connection). Small reads of one file
-  // into host memory queued together go as one request (net::read_many), cut apart again for their
-  // completions; a server that refuses that for a path has its reads of it go one by one.
+  // noticed only then) does not count; a write is not (its open write went with the connection).
+  // Small reads of one file into host memory queued together go as one request (net::read_many), cut
+  // apart again for their completions; a server that refuses that for a path has its reads of it go
+  // one by one.
   struct request {
     std::string path;
     std::uint64_t offset = 0;
