@@ -23,6 +23,19 @@ namespace {
 constexpr std::size_t together_most = 64;
 constexpr std::uint64_t together_bytes = 256u << 10;
 
+// The end of the run of reads from `at` that may go as one request with it: same file and version,
+// at most together_most of them and together_bytes in all; `ok(k)` says whether the k-th may at all.
+template <typename At, typename Ok>
+std::size_t run_end(std::size_t at, std::size_t n, const At& item, const Ok& ok) {
+  const auto& first = item(at);
+  std::uint64_t bytes = first.r.length;
+  std::size_t j = at + 1;
+  while (j < n && j - at < together_most && bytes + item(j).r.length <= together_bytes && ok(j) && item(j).r.path == first.r.path &&
+         item(j).r.version == first.r.version)
+    bytes += item(j++).r.length;
+  return j;
+}
+
 // Each submitted request's error names the peer, the path and the offset it failed at.
 error request_error(errc code, const client::request& r, const std::string& peer, std::uint64_t at, std::string_view why) {
   return error(code, r.write ? "store.write" : "store.read", fmt::format("{} {} offset {}", peer, printable(r.path), at), std::string(why));
@@ -87,11 +100,41 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
     for (std::size_t i = made.size(); i < rs.size(); ++i) tell(rs[i], err);
     return;
   }
+  // Small reads of one file into host memory next to each other in the batch go as one request,
+  // joined here: a read queued alone costs an entry in `live` and in the queue, made and taken
+  // again by the pump's gather -- most of what a batch's read costs the thread that submits it.
+  // The requests are made outside the lock (the lanes take it for every answer), which is held
+  // only to queue them.
+  std::vector<std::shared_ptr<async_op>> units;  // groups, and reads that go alone
+  try {
+    std::vector<char> may_group(made.size());
+    memory_region known{};
+    for (std::size_t i = 0; i < made.size(); ++i) may_group[i] = made.size() > 1 && groupable(*made[i], known);
+    if (refused_ranges.load(std::memory_order_acquire)) {
+      std::lock_guard l(mu);
+      for (std::size_t i = 0; i < made.size(); ++i) may_group[i] = may_group[i] && !one_by_one.contains(made[i]->r.path);
+    }
+    units.reserve(made.size());
+    for (std::size_t i = 0; i < made.size();) {
+      std::size_t j = i + 1;
+      if (may_group[i])
+        j = run_end(i, made.size(), [&](std::size_t k) -> const async_op& { return *made[k]; }, [&](std::size_t k) { return may_group[k] != 0; });
+      if (j - i > 1) units.push_back(make_group(std::span(made).subspan(i, j - i)));
+      else units.push_back(made[i]);
+      i = j;
+    }
+  } catch (const std::exception&) {
+    units = made;  // (memory: each goes alone, as the pump's gather finds them)
+  }
   {
     std::lock_guard l(mu);
-    for (auto& a : made) {
+    for (auto& a : units) {
+      auto refuse = [&](const error& e) {
+        if (!a->grp) return void(refused.emplace_back(a, e));
+        for (auto& m : a->grp->members) refused.emplace_back(m, e);
+      };
       if (stopping) {
-        refused.emplace_back(a, error(errc::cancelled, "store.request", peer, "the client is closing"));
+        refuse(error(errc::cancelled, "store.request", peer, "the client is closing"));
         continue;
       }
       try {
@@ -100,7 +143,7 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
         else waiting.push_back(a);
       } catch (const std::exception& e) {
         live.erase(a->id);
-        refused.emplace_back(a, as_error(e));
+        refuse(as_error(e));
       }
     }
     async_work = true;
@@ -138,44 +181,53 @@ void client::impl::kick() {
   to->w->kick();
 }
 
-std::shared_ptr<client::impl::async_op> client::impl::gather(std::size_t& taken) {
-  // mu held; waiting.front() is a small read into host memory.
-  const auto& first = waiting.front();
-  auto small = [&](const async_op& x) {
-    return !x.r.write && !x.lost && !x.grp && !x.need_stat && x.r.length > 0 && x.r.length <= net::max_read_range &&
-           x.r.path == first->r.path && x.r.version == first->r.version && !x.ended && !x.planned &&
-           (!o.cache || [&] {
-             const auto t = o.cache->classify(x.r.mem, x.r.length).type;
-             return t == memory_type::host_pageable || t == memory_type::host_pinned;
-           }());
-  };
-  taken = 0;
-  if (one_by_one.contains(first->r.path) || !small(*first)) return nullptr;
-  std::uint64_t bytes = first->r.length;
-  std::size_t j = 1;  // (the first is small: asked above)
-  while (j < waiting.size() && j < together_most && bytes + waiting[j]->r.length <= together_bytes && small(*waiting[j]))
-    bytes += waiting[j++]->r.length;
-  if (j < 2) return nullptr;
+bool client::impl::groupable(const async_op& x, memory_region& known) const {
+  if (x.r.write || x.lost || x.grp || x.need_stat || x.ended || x.planned || x.r.length == 0 || x.r.length > net::max_read_range) return false;
+  if (!o.cache) return true;
+  // A batch's reads land mostly in one buffer (a GPU cache's staging area): one classification
+  // serves them all, each a look-up under the registration cache's lock.
+  if (known.type == memory_type::unknown || !known.contains(reinterpret_cast<std::uintptr_t>(x.r.mem), x.r.length))
+    known = o.cache->classify(x.r.mem, x.r.length);
+  return known.type == memory_type::host_pageable || known.type == memory_type::host_pinned;
+}
+
+std::shared_ptr<client::impl::async_op> client::impl::make_group(std::span<const std::shared_ptr<async_op>> members) {
+  const std::size_t j = members.size();
+  const auto& first = members.front();
   auto g = std::make_shared<async_op>();
   g->grp = std::make_shared<group>();
   g->grp->state.reset(new std::atomic<int>[j]);
   g->grp->got.resize(j);
+  g->grp->members.reserve(j);
   g->r.path = first->r.path;
   g->r.version = first->r.version;
   g->r.until = clk::time_point::min();
   g->moved_at = clk::now();
-  g->began_after = waiting[0]->began_after;
+  g->began_after = first->began_after;
   for (std::size_t i = 0; i < j; ++i) {
-    auto& m = waiting[i];
+    const auto& m = members[i];
     g->began_after = std::min(g->began_after, m->began_after);
     g->grp->state[i].store(group::open);
     g->r.until = std::max(g->r.until, m->deadline());  // each member ends at its own (the idle look)
-    live.erase(m->id);
     g->grp->members.push_back(m);
   }
   g->id = next_async++;
   g->ends = notice_for(g->id);
   g->planned = true;
+  return g;
+}
+
+std::shared_ptr<client::impl::async_op> client::impl::gather(std::size_t& taken) {
+  // mu held; waiting.front() is a small read into host memory.
+  taken = 0;
+  memory_region known{};
+  if (one_by_one.contains(waiting.front()->r.path) || !groupable(*waiting.front(), known)) return nullptr;
+  const std::size_t j = run_end(0, waiting.size(), [&](std::size_t k) -> const async_op& { return *waiting[k]; },
+                                [&](std::size_t k) { return groupable(*waiting[k], known); });
+  if (j < 2) return nullptr;
+  const std::vector<std::shared_ptr<async_op>> members(waiting.begin(), waiting.begin() + static_cast<std::ptrdiff_t>(j));
+  auto g = make_group(members);
+  for (std::size_t i = 0; i < j; ++i) live.erase(waiting[i]->id);
   live.emplace(g->id, g);
   taken = j;
   return g;
@@ -605,7 +657,10 @@ void client::impl::conclude(const std::shared_ptr<async_op>& a) {
     std::lock_guard l(mu);
     a->ended = true;
     live.erase(a->id);
-    if (err && err->code() == errc::not_supported && a->grp) one_by_one.insert(a->r.path);
+    if (err && err->code() == errc::not_supported && a->grp) {
+      one_by_one.insert(a->r.path);
+      refused_ranges.store(true, std::memory_order_release);
+    }
   }
   if (a->grp) {
     group& g = *a->grp;

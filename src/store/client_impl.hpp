@@ -385,6 +385,7 @@ struct client::impl {
   std::atomic<std::uint64_t> next_async{1};        // submitted requests' ids
   std::atomic<unsigned> next_pump{0};              // the lane that pumps the next batch submitted
   std::set<std::string> one_by_one;                // paths whose server refused ranges in one request (mu)
+  std::atomic<bool> refused_ranges{false};         // one_by_one holds a path
   std::mutex ended_mu;
   std::vector<std::uint64_t> ended_ids;            // requests whose notice came (ended_mu)
   std::atomic<bool> async_work{false};             // ended_ids or waiting may hold something
@@ -422,6 +423,11 @@ struct client::impl {
   bool advance(const std::shared_ptr<async_op>& a, bool& all_down);
   // Small reads after `a` in the queue (same file and version) joined with it into one request.
   std::shared_ptr<async_op> gather(std::size_t& taken);
+  // Whether `x` alone may be a range of a request of several (a small read into host memory);
+  // `known`: the last memory classified, asked again only for memory outside it.
+  bool groupable(const async_op& x, memory_region& known) const;
+  // Reads of one file as one request (next_async and notice_for only: no lock needed).
+  std::shared_ptr<async_op> make_group(std::span<const std::shared_ptr<async_op>> members);
   // A lane's idle look: deadlines and cancels, stats, a spent landing region, reconnects.
   void tick();
   // Ends `a` with `e` (under mu): its pieces under way fail once their connections are closed
