@@ -218,16 +218,40 @@ std::shared_ptr<client::impl::async_op> client::impl::make_group(std::span<const
 }
 
 std::shared_ptr<client::impl::async_op> client::impl::gather(std::size_t& taken) {
-  // mu held; waiting.front() is a small read into host memory.
+  // mu held. What the queue holds at its front of one file -- reads alone, and groups not sent yet
+  // (a batch's, joined as it was submitted) -- goes as one request: batches of a few reads each,
+  // queued while the lanes were busy, still make full requests.
   taken = 0;
   memory_region known{};
-  if (one_by_one.contains(waiting.front()->r.path) || !groupable(*waiting.front(), known)) return nullptr;
-  const std::size_t j = run_end(0, waiting.size(), [&](std::size_t k) -> const async_op& { return *waiting[k]; },
-                                [&](std::size_t k) { return groupable(*waiting[k], known); });
-  if (j < 2) return nullptr;
-  const std::vector<std::shared_ptr<async_op>> members(waiting.begin(), waiting.begin() + static_cast<std::ptrdiff_t>(j));
+  const async_op& front = *waiting.front();
+  if (one_by_one.contains(front.r.path)) return nullptr;
+  std::vector<std::shared_ptr<async_op>> members;
+  std::uint64_t bytes = 0;
+  std::size_t j = 0;
+  for (; j < waiting.size(); ++j) {
+    const auto& x = waiting[j];
+    if (x->r.path != front.r.path || x->r.version != front.r.version) break;
+    if (unsent_group(*x)) {
+      // Its reads still open (the lanes' look may have ended some at their deadlines: told already).
+      std::size_t n = 0;
+      std::uint64_t b = 0;
+      for (std::size_t k = 0; k < x->grp->members.size(); ++k)
+        if (x->grp->at(k) == group::open) ++n, b += x->grp->members[k]->r.length;
+      if (members.size() + n > together_most || bytes + b > together_bytes) break;
+      for (std::size_t k = 0; k < x->grp->members.size(); ++k)
+        if (x->grp->at(k) == group::open) members.push_back(x->grp->members[k]);
+      bytes += b;
+    } else if (groupable(*x, known)) {
+      if (members.size() + 1 > together_most || bytes + x->r.length > together_bytes) break;
+      members.push_back(x);
+      bytes += x->r.length;
+    } else {
+      break;
+    }
+  }
+  if (j < 2 || members.size() < 2) return nullptr;
   auto g = make_group(members);
-  for (std::size_t i = 0; i < j; ++i) live.erase(waiting[i]->id);
+  for (std::size_t i = 0; i < j; ++i) live.erase(waiting[i]->id);  // (a group taken in is dropped untold: its reads are g's)
   live.emplace(g->id, g);
   taken = j;
   return g;
@@ -314,7 +338,7 @@ void client::impl::pump() {
         }
         if (waiting.empty() || stopping) break;
         std::size_t taken = 0;
-        if (!waiting.front()->planned) {
+        if (!waiting.front()->planned || unsent_group(*waiting.front())) {
           if (auto g = gather(taken)) {
             for (std::size_t i = 0; i < taken; ++i) waiting.pop_front();
             waiting.push_front(g);

@@ -138,6 +138,7 @@ struct client::impl {
       if (!first) first = std::move(p);
       else rest.push_back(std::move(p));
     }
+    bool empty() const { return !first; }
     template <typename F>
     void each(F&& f) const {
       if (first) f(first);
@@ -421,8 +422,12 @@ struct client::impl {
   }
   // Sends what it can of `a`; true once every piece is out.
   bool advance(const std::shared_ptr<async_op>& a, bool& all_down);
-  // Small reads after `a` in the queue (same file and version) joined with it into one request.
+  // Small reads at the front of the queue (same file and version) joined into one request.
   std::shared_ptr<async_op> gather(std::size_t& taken);
+  // A group queued and not sent yet (nothing of it under way): gather may take its reads in.
+  static bool unsent_group(const async_op& x) {
+    return x.grp && x.x.pieces.empty() && !x.advancing && !x.ended && !x.gave_up;
+  }
   // Whether `x` alone may be a range of a request of several (a small read into host memory);
   // `known`: the last memory classified, asked again only for memory outside it.
   bool groupable(const async_op& x, memory_region& known) const;
