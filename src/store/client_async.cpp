@@ -83,15 +83,19 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
   try {
     made.reserve(rs.size());
     refused.reserve(rs.size());
-    for (auto& r : rs) {
-      auto a = std::make_shared<async_op>();
-      a->r = std::move(r);
+    // One allocation for the batch (each request's pointer shares it): the thread that submits pays
+    // for every allocation, and the lanes that end the requests for every free.
+    auto block = std::make_shared<async_op[]>(rs.size());
+    std::uint64_t id = next_async.fetch_add(rs.size());
+    for (std::size_t i = 0; i < rs.size(); ++i) {
+      std::shared_ptr<async_op> a(block, &block[i]);
+      a->r = std::move(rs[i]);
       a->moved_at = now;
       a->began_after = connects.load(std::memory_order_acquire);
       // Several pieces of a file that may change come from one version of it: a stat first (the
       // lanes' idle look makes it: it waits for an answer).
       a->need_stat = !a->r.write && !a->r.version && a->r.length > o.piece;
-      a->id = next_async++;
+      a->id = id++;
       made.push_back(std::move(a));  // (its notice once it is sent alone or ended unsent: ends_of)
     }
   } catch (const std::exception& e) {
