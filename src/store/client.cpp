@@ -630,33 +630,24 @@ client::ticket client::start_write(const write_handle& h, std::uint64_t offset, 
   // The buffer is only read (sent), never written.
   return impl_->start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id, nullptr, std::move(ended));
 }
-std::shared_ptr<client::impl::piece> client::impl::reads_piece(net::read_many& m, range_answer answer, clk::time_point until) {
+std::shared_ptr<client::impl::piece> client::impl::reads_piece(net::read_many& m, range_answer answer, clk::time_point until,
+                                                               std::shared_ptr<detail::landing_region> lr, int slot) {
   auto p = std::make_shared<piece>();
   p->until = until;
   p->len = net::read_many_answer_bytes(m.ranges);
   p->answer = std::move(answer);
   p->range_len.reserve(m.ranges.size());
   for (const auto& g : m.ranges) p->range_len.push_back(g.length);
-  // On the same host the server writes the answer into a slot of the landing region and sends only
-  // its completion: no answer crosses UCX, and nothing is allocated here for it. A slot free at once
-  // that holds the answer (else it comes by messages, as from a server on another host): it goes
-  // back when the hook has taken the answer. A spent region is renewed by the lanes' idle look (a
-  // submitted request cannot wait for that here).
-  if (direct_available()) {
-    auto lr = current_landing();
-    if (lr && lr->spent()) {
-      renew_wanted = true;
-      kick();
-      lr = nullptr;
-    }
-    if (lr && (p->land_slot = lr->try_take_slot(p->len)) >= 0) {
-      p->region = std::move(lr);
-      p->land = p->region->slot(p->land_slot);
-      p->direct = true;
-      m.into = reinterpret_cast<std::uint64_t>(p->land);
-    }
-  }
-  if (!p->land) {
+  // On the same host the server writes the answer into the slot and sends only its completion: no
+  // answer crosses UCX, and nothing is allocated here for it. The slot goes back when the hook has
+  // taken the answer.
+  if (slot >= 0) {
+    p->land_slot = slot;
+    p->region = std::move(lr);
+    p->land = p->region->slot(slot);
+    p->direct = true;
+    m.into = reinterpret_cast<std::uint64_t>(p->land);
+  } else {
     p->owned.resize(p->len);
     p->land = p->owned.data();
   }

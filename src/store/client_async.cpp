@@ -261,9 +261,59 @@ std::shared_ptr<client::impl::async_op> client::impl::gather(std::size_t& taken)
   return g;
 }
 
+bool client::impl::split_group(const std::shared_ptr<async_op>& a, std::size_t keep) {
+  std::lock_guard l(mu);
+  auto& ms = a->grp->members;
+  std::vector<std::shared_ptr<async_op>> rest;
+  std::shared_ptr<async_op> g;
+  try {
+    for (std::size_t i = keep; i < ms.size(); ++i)
+      if (a->grp->at(i) == group::open) rest.push_back(ms[i]);  // (the others ended at their deadlines: told)
+    if (!rest.empty()) {
+      g = make_group(rest);
+      live.emplace(g->id, g);
+      auto at = std::find(waiting.begin(), waiting.end(), a);
+      waiting.insert(at == waiting.end() ? waiting.end() : std::next(at), g);
+    }
+  } catch (const std::exception&) {
+    if (g) live.erase(g->id);
+    return false;
+  }
+  ms.resize(keep);
+  return true;
+}
+
 bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
   async_op& x = *a;
   if (x.grp) {
+    // On one host the answer lands in a slot of the landing region, taken now. A group of more reads
+    // than any free slot holds goes with those the smallest slot holds (the others stay queued as a
+    // group of their own), and with no slot free it waits for one: an answer sent by messages costs
+    // the server and the lanes far more than that wait, and every answer gives a slot back.
+    std::shared_ptr<detail::landing_region> lr;
+    int slot = -1;
+    if (direct_available()) {
+      lr = current_landing();
+      if (lr && lr->spent()) {  // (renewed by the lanes' idle look: a submitted request cannot wait for it here)
+        renew_wanted = true;
+        kick();
+        lr = nullptr;
+      }
+    }
+    if (lr) {
+      const auto& ms = x.grp->members;
+      std::uint64_t all = 0, fit = 0;
+      std::size_t k = 0;
+      for (auto& mb : ms) all += 8 + mb->r.length;
+      for (; k < ms.size() && fit + 8 + ms[k]->r.length <= lr->smallest_slot(); ++k) fit += 8 + ms[k]->r.length;
+      if ((slot = lr->try_take_slot(all)) < 0 && k > 0 && k < ms.size() && (slot = lr->try_take_slot(fit)) >= 0 && !split_group(a, k)) {
+        lr->give_back_slot(slot, true);
+        slot = -1;
+      }
+      // (A first read no slot holds at all -- pieces set smaller than a read -- comes by messages.)
+      if (slot < 0 && (k > 0 || all <= lr->largest_slot())) return false;
+      if (slot < 0) lr = nullptr;
+    }
     std::vector<net::read_range> ranges;
     ranges.reserve(x.grp->members.size());
     for (auto& m : x.grp->members) ranges.push_back({m->r.offset, m->r.length});
@@ -276,7 +326,7 @@ bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
       g->got[i] = n;
       g->state[i].store(group::answered, std::memory_order_release);
     };
-    auto p = reads_piece(m, std::move(answer), x.r.until);
+    auto p = reads_piece(m, std::move(answer), x.r.until, std::move(lr), slot);
     p->owner = a.get();
     p->ends = x.ends;
     x.ends->left.fetch_add(1, std::memory_order_relaxed);

@@ -335,9 +335,10 @@ struct client::impl {
   std::shared_ptr<piece> next_piece(plan& pl, message& m, clk::time_point until, bool wait);
   // A write piece's data after its frame, on the same connection (not for the landing region or RMA).
   void send_write_data(const std::shared_ptr<piece>& p);
-  // A group's one piece: the ranges' answer lands in a landing slot free at once, else in memory of
-  // its own.
-  std::shared_ptr<piece> reads_piece(net::read_many& m, range_answer answer, clk::time_point until);
+  // A group's one piece: the ranges' answer lands in `slot` of `lr` (taken by the caller), or with
+  // none (-1) in memory of its own (it comes by messages).
+  std::shared_ptr<piece> reads_piece(net::read_many& m, range_answer answer, clk::time_point until,
+                                     std::shared_ptr<detail::landing_region> lr, int slot);
 
   // ---- submitted requests (client_async.cpp) ----
   // A request of submit(), from its queueing to its completion; owned by `live` (mu).
@@ -420,6 +421,9 @@ struct client::impl {
   void drain_if_any() {
     if (async_work.load(std::memory_order_acquire)) drain();
   }
+  // Leaves group `a` (queued, not sent) its first `keep` reads; the others it still has open go right
+  // after it in the queue as a group of their own. False (nothing changed) when memory ran out.
+  bool split_group(const std::shared_ptr<async_op>& a, std::size_t keep);
   // Sends what it can of `a`; true once every piece is out.
   bool advance(const std::shared_ptr<async_op>& a, bool& all_down);
   // Small reads at the front of the queue (same file and version) joined into one request.

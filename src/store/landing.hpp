@@ -45,6 +45,9 @@ class landing_region {
   // A free slot that holds `bytes`, at once, or -1 (none free, more bytes than a slot holds, or the
   // region spent): for a caller that has another way to go rather than wait.
   int try_take_slot(std::uint64_t bytes);
+  // The bytes the smallest slot and the largest hold.
+  std::uint64_t smallest_slot() const { return small_slots_ ? small_bytes_ : slot_bytes_; }
+  std::uint64_t largest_slot() const { return slot_bytes_; }
   // Slots and records taken and not given back (in flight, or held by a request about to send).
   int in_use() const;
   // Half the slots of either size or more are quarantined.
