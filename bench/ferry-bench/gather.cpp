@@ -18,7 +18,8 @@
 // requests/s (4 KiB pages by default) and hit rate, next to the file engine alone reading the same pages
 // into pinned host memory (the proxy's ceiling from the page cache through ferry) and io_uring alone
 // (as many threads as the file engine has, each its own ring, FERRY_IO_DEPTH reads under way each:
-// what the same cores reach with nothing of ferry's between the pages and the memory).
+// what the same cores reach with nothing of ferry's between the pages and the memory), and the file
+// engine alone from the ferry:// source (the network client's ceiling, without the proxy and the GPU).
 #include "bench.hpp"
 #include "child.hpp"
 #include "kernels.hpp"
@@ -291,13 +292,16 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
       // The file engine alone on the same pages (each distinct page the accesses touch, once), into
       // pinned host memory, in batches of the proxy's size with as many requests under way as the
       // ring has credits: what the proxy's misses could reach from this machine's page cache.
-      {
-        std::vector<std::uint64_t> distinct;
-        distinct.reserve(n);
-        for (auto i : idx) distinct.push_back((i * esize) >> page_shift);
-        std::sort(distinct.begin(), distinct.end());
-        distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
-        const std::uint64_t batch = std::max<std::uint32_t>(1, rt.config().gpu_proxy_batch), most = rt.config().gpu_ring_slots;
+      std::vector<std::uint64_t> distinct;
+      distinct.reserve(n);
+      for (auto i : idx) distinct.push_back((i * esize) >> page_shift);
+      std::sort(distinct.begin(), distinct.end());
+      distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+      const std::uint64_t batch = std::max<std::uint32_t>(1, rt.config().gpu_proxy_batch), most = rt.config().gpu_ring_slots;
+      double engine_rate = 0;
+      // Reads/s of the file engine alone from `src` (the local file, or the ferry:// source: the
+      // network client's ceiling, without the proxy and the GPU).
+      auto engine_alone = [&](const std::shared_ptr<file>& src, const char* what) {
         std::vector<double> eng;
         for (int round = 0; round < o.rounds; ++round) {
           std::atomic<std::uint64_t> under_way{0}, failed_reads{0};
@@ -307,7 +311,7 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
             while (under_way.load() + k > most) std::this_thread::yield();
             std::vector<file_request> rs;
             for (std::uint64_t j = 0; j < k; ++j)
-              rs.push_back({f, distinct[at + j] * page, static_cast<char*>(staging) + ((at + j) % step_pages) * page, page, false});
+              rs.push_back({src, distinct[at + j] * page, static_cast<char*>(staging) + ((at + j) % step_pages) * page, page, false});
             under_way += k;
             rt.files().submit(rs, {}, [&under_way, &failed_reads, k](std::span<const request_result> res) {
               for (auto& x : res) failed_reads += x.state != request_state::done;
@@ -318,15 +322,19 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
           eng.push_back(secs_since(t));
           if (failed_reads) {
             all_ok = false;
-            say(fmt::format("  FAILED: {} reads of the file engine alone failed", failed_reads.load()));
+            say(fmt::format("  FAILED: {} reads of the file engine alone from {} failed", failed_reads.load(), what));
           }
         }
         std::sort(eng.begin(), eng.end());
-        const double rate = static_cast<double>(distinct.size()) / eng[eng.size() / 2];
+        return std::pair(static_cast<double>(distinct.size()) / eng[eng.size() / 2], eng[eng.size() / 2]);
+      };
+      {
+        const auto [rate, eng_s] = engine_alone(f, "the file");
+        engine_rate = rate;
         say(fmt::format("  {:>2} B {:<7} file engine alone: {:.0f} reads/s of {} pages ({} distinct); ferry's proxy (cold) {:.2f}x that",
                         esize, dist, rate, format_size(page), distinct.size(), proxy_rate / rate));
         rows.push_back(json{{"method", "file engine alone"}, {"element_bytes", esize}, {"distribution", dist},
-                            {"pages", distinct.size()}, {"seconds", eng[eng.size() / 2]}, {"reads_per_s", rate},
+                            {"pages", distinct.size()}, {"seconds", eng_s}, {"reads_per_s", rate},
                             {"proxy_vs_engine", proxy_rate / rate}});
 
         // io_uring alone: the same pages, threads as many as the file engine's, each its own ring.
@@ -468,6 +476,20 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
           all_ok = false;
           remote_failed = true;
           say(fmt::format("  FAILED: the ferry:// gather: {}", e.what()));
+        }
+      }
+      // The file engine alone from the ferry:// source, after its gather (as the file's comes after the
+      // file's gather): the network client's ceiling, without the proxy and the GPU.
+      if (remote) {
+        try {
+          const auto [remote_engine, remote_s] = engine_alone(remote, "the ferry:// source");
+          say(fmt::format("  {:>2} B {:<7} file engine alone from the ferry:// source: {:.0f} reads/s ({:.2f}x the file's)", esize, dist,
+                          remote_engine, remote_engine / engine_rate));
+          rows.push_back(json{{"method", "file engine alone, ferry://"}, {"element_bytes", esize}, {"distribution", dist},
+                              {"pages", distinct.size()}, {"seconds", remote_s}, {"reads_per_s", remote_engine}});
+        } catch (const std::exception& e) {
+          all_ok = false;
+          say(fmt::format("  FAILED: the file engine alone from the ferry:// source: {}", e.what()));
         }
       }
       say(fmt::format("  {:>2} B {:<7} ferry warm / zero-copy {:.2f}x, / staged {:.2f}x, / unified {:.2f}x; ferry:// warm / zero-copy {:.2f}x, "
