@@ -331,3 +331,71 @@ TEST(StoreSubmit, TheIdleLookWaitsForACreditWithoutStallingItsLane) {
   srv.reset();
   std::filesystem::remove_all(root);
 }
+
+// Batches of two small reads each, queued while the client's one lane is held up (its thread inside a
+// completion) and the server gives one credit: each batch is joined into a request of its own as it
+// is submitted, and the pump takes queued ones in together, so a hundred batches go as a few requests
+// of up to 64 reads -- and every read gets exactly its bytes.
+TEST(StoreSubmit, SmallBatchesQueuedBehindABusyLaneGoAsFewRequests) {
+  auto root = fresh_root("ferry-submit-merge");
+  auto data = make_file(root / "f.bin", 1 << 20, 23);
+  store::server_options so;
+  so.root = root.string();
+  so.insecure = true;
+  so.max_outstanding = 1;
+  so.workers = 1;
+  auto srv = std::make_unique<store::server>(test::server_io(), so);
+  store::client_options co;
+  co.lanes = 1;
+  store::client c("127.0.0.1", srv->port(), co);
+  const std::uint64_t version = c.stat("f.bin").version;
+  // The first read's completion holds the lane's thread until every batch is queued. (A completion
+  // must not block; this one waits at most ten seconds, for the test's sake.)
+  std::mutex m;
+  std::condition_variable cv;
+  bool inside = false, queued = false;
+  std::vector<unsigned char> first(4096);
+  tally t0(1);
+  c.submit(whole_read("f.bin", first, version, [&, d = t0.done(0)](std::uint64_t n, const error* e) {
+    std::unique_lock l(m);
+    inside = true;
+    cv.notify_all();
+    cv.wait_for(l, std::chrono::seconds(10), [&] { return queued; });
+    d(n, e);
+  }));
+  {
+    std::unique_lock l(m);
+    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(10), [&] { return inside; }));
+  }
+  const auto before = srv->stats();
+  constexpr std::size_t batches = 100;
+  std::vector<std::vector<unsigned char>> bufs(2 * batches, std::vector<unsigned char>(4096));
+  tally t(2 * batches);
+  for (std::size_t b = 0; b < batches; ++b) {
+    std::vector<store::client::request> rs;
+    for (std::size_t k = 2 * b; k < 2 * b + 2; ++k) {
+      auto r = whole_read("f.bin", bufs[k], version, t.done(k));
+      r.offset = (k * 7919 * 4096) % ((1 << 20) - 4096);
+      rs.push_back(std::move(r));
+    }
+    c.submit(rs);
+  }
+  {
+    std::lock_guard l(m);
+    queued = true;
+  }
+  cv.notify_all();
+  ASSERT_TRUE(t.wait(std::chrono::seconds(30)));
+  ASSERT_TRUE(t0.wait(std::chrono::seconds(30)));
+  EXPECT_EQ(t0.errors[0], "");
+  for (std::size_t k = 0; k < 2 * batches; ++k) {
+    EXPECT_EQ(t.errors[k], "") << "read " << k;
+    EXPECT_EQ(t.bytes[k], 4096u) << "read " << k;
+    EXPECT_EQ(0, std::memcmp(bufs[k].data(), data.data() + (k * 7919 * 4096) % ((1 << 20) - 4096), 4096)) << "read " << k;
+  }
+  const auto after = srv->stats();
+  EXPECT_EQ(after.reads - before.reads, 2 * batches);
+  EXPECT_LE(after.requests - before.requests, 8u) << "queued batches did not go together";
+  srv.reset();
+  std::filesystem::remove_all(root);
+}
