@@ -128,7 +128,13 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
       i = j;
     }
   } catch (const std::exception&) {
-    units = made;  // (memory: each goes alone, as the pump's gather finds them)
+    try {
+      units = made;  // (memory: each goes alone, as the pump's gather finds them)
+    } catch (const std::exception& e) {
+      const error err = as_error(e);
+      for (auto& a : made) tell(a->r, err);
+      return;
+    }
   }
   {
     std::lock_guard l(mu);
@@ -263,6 +269,7 @@ std::shared_ptr<client::impl::async_op> client::impl::gather(std::size_t& taken)
 
 bool client::impl::split_group(const std::shared_ptr<async_op>& a, std::size_t keep) {
   std::lock_guard l(mu);
+  if (stopping || a->gave_up) return false;  // (the shutdown's sweep, or the look, has it: nothing new is queued)
   auto& ms = a->grp->members;
   std::vector<std::shared_ptr<async_op>> rest;
   std::shared_ptr<async_op> g;
@@ -300,18 +307,25 @@ bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
         lr = nullptr;
       }
     }
+    // The slot taken, until the piece has it.
+    struct held_slot {
+      std::shared_ptr<detail::landing_region>& lr;
+      int& slot;
+      ~held_slot() {
+        if (lr && slot >= 0) lr->give_back_slot(std::exchange(slot, -1), true);
+      }
+    } hold{lr, slot};
     if (lr) {
       const auto& ms = x.grp->members;
       std::uint64_t all = 0, fit = 0;
       std::size_t k = 0;
       for (auto& mb : ms) all += 8 + mb->r.length;
       for (; k < ms.size() && fit + 8 + ms[k]->r.length <= lr->smallest_slot(); ++k) fit += 8 + ms[k]->r.length;
-      if ((slot = lr->try_take_slot(all)) < 0 && k > 0 && k < ms.size() && (slot = lr->try_take_slot(fit)) >= 0 && !split_group(a, k)) {
-        lr->give_back_slot(slot, true);
-        slot = -1;
-      }
-      // (A first read no slot holds at all -- pieces set smaller than a read -- comes by messages.)
-      if (slot < 0 && (k > 0 || all <= lr->largest_slot())) return false;
+      if ((slot = lr->try_take_slot(all)) < 0 && k > 0 && k < ms.size() && (slot = lr->try_take_slot(fit)) >= 0 && !split_group(a, k))
+        lr->give_back_slot(std::exchange(slot, -1), true);
+      // A group whose first read no small slot holds comes by messages when no slot is free: it would
+      // wait for the few piece-sized slots, which the synchronous reads' waits take first.
+      if (slot < 0 && k > 0) return false;
       if (slot < 0) lr = nullptr;
     }
     std::vector<net::read_range> ranges;
@@ -326,11 +340,16 @@ bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
       g->got[i] = n;
       g->state[i].store(group::answered, std::memory_order_release);
     };
-    auto p = reads_piece(m, std::move(answer), x.r.until, std::move(lr), slot);
+    auto p = reads_piece(m, std::move(answer), x.r.until, lr, slot);
+    slot = -1;  // (the piece's now)
     p->owner = a.get();
     p->ends = x.ends;
     x.ends->left.fetch_add(1, std::memory_order_relaxed);
-    x.x = op{x.r.path, false, x.grp->members.front()->r.offset, p->len, x.r.until, {}};
+    {
+      op sent_as{x.r.path, false, x.grp->members.front()->r.offset, p->len, x.r.until, {}};
+      std::lock_guard l(mu);  // (the look reads x.x under it)
+      x.x = std::move(sent_as);
+    }
     auto sent = send({0, 0, std::move(m)}, p, true, x.r.until, nullptr, nullptr, nullptr, false, &all_down);
     if (!sent) {
       x.ends->left.fetch_sub(1, std::memory_order_relaxed);
@@ -567,7 +586,9 @@ void client::impl::tick() {
     const bool cancelled = m->r.cancelled && m->r.cancelled();
     error e = request_error(cancelled ? errc::cancelled : errc::timeout, m->r, peer, m->r.offset,
                             cancelled ? "cancelled while under way" : "no answer before the deadline");
-    m->r.done(0, &e);
+    std::exchange(m->r.done, nullptr)(0, &e);
+    m->r.cancelled = nullptr;
+    m->r.moved = nullptr;
   }
   for (auto& f : later) f();
   if (want_connection && lane_events.load() != lanes_checked.load()) {
@@ -720,16 +741,21 @@ void client::impl::conclude(const std::shared_ptr<async_op>& a) {
     return true;
   };
   auto tell = [&](const std::shared_ptr<async_op>& x, std::uint64_t bytes, const error* e) {
-    if (e && x->r.cancelled && x->r.cancelled() && e->code() != errc::cancelled) {
+    // The caller's functions go as the request is told: a batch's requests share one allocation,
+    // which lives as long as the last of them (what they capture need not).
+    const auto done = std::exchange(x->r.done, nullptr);
+    const auto cancelled = std::exchange(x->r.cancelled, nullptr);
+    x->r.moved = nullptr;
+    if (e && cancelled && cancelled() && e->code() != errc::cancelled) {
       // Another request's cancel closed the lane under it, and its own batch was cancelled too.
       const error c = request_error(errc::cancelled, x->r, peer, x->r.offset, std::string("cancelled: ") + e->what());
-      return x->r.done(0, &c);
+      return done(0, &c);
     }
     if (e && x->lost && x->lost->code() == errc::network_error && e->op() == "store.connect") {
       const error both = detail::lost_and_unreachable(*x->lost, *e);
-      return x->r.done(0, &both);
+      return done(0, &both);
     }
-    x->r.done(bytes, e);
+    done(bytes, e);
   };
   {
     std::lock_guard l(mu);
@@ -740,6 +766,7 @@ void client::impl::conclude(const std::shared_ptr<async_op>& a) {
       refused_ranges.store(true, std::memory_order_release);
     }
   }
+  bool told = true;
   if (a->grp) {
     group& g = *a->grp;
     for (std::size_t i = 0; i < g.members.size(); ++i) {
@@ -770,8 +797,16 @@ void client::impl::conclude(const std::shared_ptr<async_op>& a) {
     }
   } else if (!err || !again(a, *err, false)) {
     tell(a, n, err ? &*err : nullptr);
+  } else {
+    told = false;  // (queued again: the pump plans it anew)
   }
   std::lock_guard l(mu);
+  if (told) {
+    // What it held for its sending (registrations, the landing region, its pieces) goes now, not with
+    // its batch's allocation.
+    a->pl = plan{};
+    a->x = op{};
+  }
   if (live.empty()) live_cv.notify_all();
 }
 
