@@ -579,6 +579,7 @@ std::uint64_t client::impl::finish(op& x, const std::function<bool()>* cancelled
   const char* opname = x.write ? "store.write" : "store.read";
   std::optional<error> first;
   x.pieces.each([&](const std::shared_ptr<piece>& p) {
+    if (p->done.load(std::memory_order_acquire)) return;  // (a submitted request's, when it ends: all of them)
     try {
       wait_piece(p, x.until, [&] { return fmt::format("{} {} offset {}", opname, printable(x.path), x.offset); }, cancelled);
     } catch (const error& e) {

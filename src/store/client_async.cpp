@@ -232,6 +232,7 @@ std::shared_ptr<client::impl::async_op> client::impl::gather(std::size_t& taken)
   // (a batch's, joined as it was submitted) -- goes as one request: batches of a few reads each,
   // queued while the lanes were busy, still make full requests.
   taken = 0;
+  if (waiting.size() < 2) return nullptr;  // (nothing to join: a request submitted alone asks nothing more)
   memory_region known{};
   const async_op& front = *waiting.front();
   if (one_by_one.contains(front.r.path)) return nullptr;
