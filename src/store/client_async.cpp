@@ -18,10 +18,8 @@ thread_local bool client::impl::in_tick = false;
 thread_local bool client::impl::in_copy_end = false;
 
 namespace {
-// Reads sent as one request: at most 64, 256 KiB in all, so that hundreds of misses still go as
-// several requests, spread over the lanes (and the server's workers) instead of one.
-constexpr std::size_t together_most = 64;
-constexpr std::uint64_t together_bytes = 256u << 10;
+constexpr std::size_t together_most = client::impl::together_most;
+constexpr std::uint64_t together_bytes = client::impl::together_bytes;
 
 // The end of the run of reads from `at` that may go as one request with it: same file and version,
 // at most together_most of them and together_bytes in all; `ok(k)` says whether the k-th may at all.
@@ -294,10 +292,11 @@ bool client::impl::split_group(const std::shared_ptr<async_op>& a, std::size_t k
 bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
   async_op& x = *a;
   if (x.grp) {
-    // On one host the answer lands in a slot of the landing region, taken now. A group of more reads
-    // than any free slot holds goes with those the smallest slot holds (the others stay queued as a
-    // group of their own), and with no slot free it waits for one: an answer sent by messages costs
-    // the server and the lanes far more than that wait, and every answer gives a slot back.
+    // On one host the answer lands in a slot of the landing region, taken now: a group slot (sized for
+    // a whole answer), else any that holds it. A group of more reads than any free slot holds goes with
+    // those the smallest slot holds (the others stay queued as a group of their own), and with no slot
+    // free it waits for one: an answer sent by messages costs the server and the lanes far more than
+    // that wait, and every answer gives a slot back.
     std::shared_ptr<detail::landing_region> lr;
     int slot = -1;
     if (direct_available()) {
@@ -322,7 +321,8 @@ bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
       std::size_t k = 0;
       for (auto& mb : ms) all += 8 + mb->r.length;
       for (; k < ms.size() && fit + 8 + ms[k]->r.length <= lr->smallest_slot(); ++k) fit += 8 + ms[k]->r.length;
-      if ((slot = lr->try_take_slot(all)) < 0 && k > 0 && k < ms.size() && (slot = lr->try_take_slot(fit)) >= 0 && !split_group(a, k))
+      if ((slot = lr->try_take_group_slot(all)) < 0 && (slot = lr->try_take_slot(all)) < 0 && k > 0 && k < ms.size() &&
+          (slot = lr->try_take_slot(fit)) >= 0 && !split_group(a, k))
         lr->give_back_slot(std::exchange(slot, -1), true);
       // A group whose first read no small slot holds comes by messages when no slot is free: it would
       // wait for the few piece-sized slots, which the synchronous reads' waits take first.

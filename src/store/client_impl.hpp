@@ -49,6 +49,12 @@ struct client::impl {
   struct async_op;
   // A small piece: kept on the caller's home lane (send), landed in a small slot (make_landing).
   static constexpr std::uint64_t small_piece = 64u << 10;
+  // Reads sent as one request: at most 64, 256 KiB in all, so that hundreds of misses still go as
+  // several requests, spread over the lanes (and the server's workers) instead of one. Their answer
+  // (a count per read, then the data) lands in a group slot, page-rounded.
+  static constexpr std::size_t together_most = 64;
+  static constexpr std::uint64_t together_bytes = 256u << 10;
+  static constexpr std::uint64_t group_answer = (together_bytes + 8 * together_most + 4095) & ~std::uint64_t{4095};
   // Told each range of a read_many answer, (i, data, n): `data` valid only during the call.
   using range_answer = std::function<void(std::size_t, const std::byte*, std::uint64_t)>;
   // One connection to the server with its own UCX worker (progress thread) and credits.
@@ -294,12 +300,15 @@ struct client::impl {
   void renew_landing(const std::shared_ptr<detail::landing_region>& spent, clk::time_point until);
   // A landing region of FERRY_NET_LANDING / FERRY_NET_PIECE slots (at least 2), a quarter as much again
   // in slots of the small-piece size (64 KiB, where a piece is larger) for small reads, as many of
-  // them as notify records, and 256 notify records.
+  // them as notify records, an eighth in slots for the answers of small reads sent as one request
+  // (where a piece is larger than one), and 256 notify records.
   std::shared_ptr<detail::landing_region> make_landing() const {
     const std::uint64_t small = o.piece > small_piece ? small_piece : 0;
     const int n_small = small ? static_cast<int>(std::clamp<std::uint64_t>(o.landing / 4 / small, 1, 256)) : 0;
+    const std::uint64_t answers = o.piece > group_answer ? group_answer : 0;
+    const int n_answers = answers ? static_cast<int>(std::clamp<std::uint64_t>(o.landing / 8 / answers, 1, 64)) : 0;
     return std::make_shared<detail::landing_region>(o.piece, static_cast<int>(std::max<std::uint64_t>(2, o.landing / o.piece)), 256,
-                                                    small, n_small);
+                                                    small, n_small, answers, n_answers);
   }
   void* allocate(std::uint64_t bytes);
   void deallocate(void* p);

@@ -10,14 +10,23 @@
 
 namespace ferry::store::detail {
 
-landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records, std::uint64_t small_bytes, int small_slots)
-    : slot_bytes_(slot_bytes), small_bytes_(small_bytes), slots_(slots), small_slots_(small_bytes ? small_slots : 0), records_n_(records) {
-  std::size_t slot_area = static_cast<std::size_t>(slots) * slot_bytes + static_cast<std::size_t>(small_slots_) * small_bytes;
+landing_region::landing_region(std::uint64_t slot_bytes, int slots, int records, std::uint64_t small_bytes, int small_slots,
+                               std::uint64_t group_bytes, int group_slots)
+    : slot_bytes_(slot_bytes),
+      small_bytes_(small_bytes),
+      group_bytes_(group_bytes),
+      slots_(slots),
+      small_slots_(small_bytes ? small_slots : 0),
+      group_slots_(group_bytes ? group_slots : 0),
+      records_n_(records) {
+  std::size_t slot_area = static_cast<std::size_t>(slots) * slot_bytes + static_cast<std::size_t>(small_slots_) * small_bytes +
+                          static_cast<std::size_t>(group_slots_) * group_bytes;
   std::size_t record_area = (static_cast<std::size_t>(records) * 64 + 4095) & ~std::size_t{4095};
   mem_ = std::make_unique<shared_region>(slot_area + record_area);
   records_ = mem_->data() + slot_area;
   for (int i = slots - 1; i >= 0; --i) free_slots_.push_back(i);
   for (int i = slots + small_slots_ - 1; i >= slots; --i) free_small_.push_back(i);
+  for (int i = slots + small_slots_ + group_slots_ - 1; i >= slots + small_slots_; --i) free_group_.push_back(i);
   for (int i = records - 1; i >= 0; --i) free_records_.push_back(i);
 }
 
@@ -45,10 +54,20 @@ int landing_region::try_take_slot(std::uint64_t bytes) {
   return s;
 }
 
+int landing_region::try_take_group_slot(std::uint64_t bytes) {
+  if (!group_slots_ || bytes > group_bytes_) return -1;
+  std::lock_guard l(mu_);
+  if (free_group_.empty() || spent()) return -1;
+  int s = free_group_.back();
+  free_group_.pop_back();
+  return s;
+}
+
 int landing_region::in_use() const {
   std::lock_guard l(mu_);
-  return slots_ + small_slots_ - static_cast<int>(free_slots_.size() + free_small_.size()) -
-         static_cast<int>(quarantined_slots_.load(std::memory_order_relaxed) + quarantined_small_.load(std::memory_order_relaxed)) +
+  return slots_ + small_slots_ + group_slots_ - static_cast<int>(free_slots_.size() + free_small_.size() + free_group_.size()) -
+         static_cast<int>(quarantined_slots_.load(std::memory_order_relaxed) + quarantined_small_.load(std::memory_order_relaxed) +
+                          quarantined_group_.load(std::memory_order_relaxed)) +
          records_n_ - static_cast<int>(free_records_.size()) - static_cast<int>(quarantined_records_.load(std::memory_order_relaxed));
 }
 

@@ -126,6 +126,38 @@ TEST(StoreLanding, SmallPiecesTakeSmallSlotsAndLargeOnesNever) {
 
 // A request takes an allocated buffer's fast path only when the buffer is live and every lane's
 // server mapped it; a freed buffer is never found again, and its entry stays valid for a racing reader.
+// Group slots (for the answers of reads sent as one request) lie after the small ones, are taken
+// only by try_take_group_slot and only for what they hold, come back like the others, and half of
+// them lost spends the region.
+TEST(StoreLanding, GroupSlotsLieAfterTheSmallOnesAndAreTakenOnlyForAnswers) {
+  landing_region lr(1 << 20, 2, 4, 64 << 10, 2, 260 << 10, 4);
+  EXPECT_GE(lr.region().size(), 2u * (1 << 20) + 2u * (64 << 10) + 4u * (260 << 10) + 4 * 64);
+  EXPECT_EQ(lr.try_take_group_slot((260 << 10) + 1), -1) << "an answer larger than a group slot took one";
+  std::set<int> group;
+  for (int i = 0; i < 4; ++i) {
+    int s = lr.try_take_group_slot(256 << 10);
+    ASSERT_GE(s, 4) << "a group answer took a piece's or a small slot";
+    EXPECT_EQ(lr.slot(s), lr.slot(0) + 2 * (1 << 20) + 2 * (64 << 10) + static_cast<std::ptrdiff_t>(s - 4) * (260 << 10));
+    EXPECT_LE(lr.slot(s) + (260 << 10), reinterpret_cast<const std::byte*>(lr.record(0))) << "a group slot runs into the records";
+    group.insert(s);
+  }
+  EXPECT_EQ(group.size(), 4u);
+  EXPECT_EQ(lr.try_take_group_slot(4096), -1) << "no group slot free";
+  int small = lr.try_take_slot(4096), big = lr.try_take_slot(1 << 20);
+  EXPECT_TRUE(small >= 2 && small < 4) << "a small piece took a group slot: " << small;
+  EXPECT_LT(big, 2);
+  EXPECT_EQ(lr.in_use(), 6);
+  auto it = group.begin();
+  lr.give_back_slot(*it, true);
+  EXPECT_EQ(lr.try_take_group_slot(8192), *it) << "an answered group slot did not come back";
+  lr.give_back_slot(*it++, false);
+  EXPECT_FALSE(lr.spent());
+  lr.give_back_slot(*it++, false);
+  EXPECT_TRUE(lr.spent()) << "half the group slots lost and the region not spent";
+  EXPECT_EQ(lr.try_take_group_slot(4096), -1) << "a spent region handed out a group slot";
+  EXPECT_EQ(lr.quarantined(), 2u);
+}
+
 TEST(StoreLanding, AllocatedBuffersAreFoundOnlyWhileLiveAndMappedByEveryLane) {
   lent_buffers lb;
   const std::uint64_t all = 0b11;
