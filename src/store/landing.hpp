@@ -1,8 +1,8 @@
 // The client's landing region: shared memory (a sealed memfd) lent to a same-host server, cut into
 // slots of one piece where reads land and writes are staged, small slots for small pieces (a 4 KiB
 // read holding a slot of a whole piece left a few slots for many small reads in flight, and they
-// queued for them), group slots for the answers of small reads sent as one request (a piece's slot
-// each, they were the few to be had), plus notify records that a server
+// queued for them), group slots for the answers of small reads sent as one request (in a piece's slot
+// each, few could be under way), plus notify records that a server
 // answering a small read at once writes after the data (the waiting caller polls its record instead
 // of taking the completion off the queue). A slot or record is given back once the server answered
 // for it; one whose request was abandoned while the server might still write is never reused
