@@ -695,12 +695,23 @@ void client::impl::drain() {
 void client::impl::conclude(const std::shared_ptr<async_op>& a) {
   std::optional<error> err;
   std::uint64_t n = 0;
+  // Sent again (once) within its deadline: a read whose connection was lost, a small read of a group
+  // the server refused (ranges in one request only from local file systems).
+  // A loss that was another request's ending (its connection closed under this one) is not this
+  // one's retry: it goes again as often as that happens, within its deadline.
+  bool victim = false;
   {
-    // Ended from here on (the look gives up no ended request), and what the look gave it up with
-    // read under the lock it writes under.
+    // Ended from here on (the look gives up no ended request), what the look gave it up with read
+    // under the lock it writes under, and out of `live` (sent again, it goes back in) -- one lock
+    // for all of it: the lanes take it for every answer.
     std::lock_guard l(mu);
     a->ended = true;
     err = a->gave_up;
+    a->x.pieces.each([&](const std::shared_ptr<piece>& p) {
+      victim = victim || (p->victim && p->err && p->err->code() == errc::network_error);
+      p->owner = nullptr;  // (the request ends: a piece that lands later moves nothing on)
+    });
+    live.erase(a->id);
   }
   if (!err) {
     try {
@@ -710,18 +721,6 @@ void client::impl::conclude(const std::shared_ptr<async_op>& a) {
     } catch (const std::exception& e) {
       err = error(errc::internal, "store.request", peer, e.what());
     }
-  }
-  // Sent again (once) within its deadline: a read whose connection was lost, a small read of a group
-  // the server refused (ranges in one request only from local file systems).
-  // A loss that was another request's ending (its connection closed under this one) is not this
-  // one's retry: it goes again as often as that happens, within its deadline.
-  bool victim = false;
-  {
-    std::lock_guard l(mu);
-    a->x.pieces.each([&](const std::shared_ptr<piece>& p) {
-      victim = victim || (p->victim && p->err && p->err->code() == errc::network_error);
-      p->owner = nullptr;  // (the request ends: a piece that lands later moves nothing on)
-    });
   }
   auto again = [&](const std::shared_ptr<async_op>& x, const error& e, bool grouped) {
     if (x->r.write || (x->lost && !victim) || x->over(clk::now())) return false;
@@ -758,14 +757,10 @@ void client::impl::conclude(const std::shared_ptr<async_op>& a) {
     }
     done(bytes, e);
   };
-  {
+  if (err && err->code() == errc::not_supported && a->grp) {
     std::lock_guard l(mu);
-    a->ended = true;
-    live.erase(a->id);
-    if (err && err->code() == errc::not_supported && a->grp) {
-      one_by_one.insert(a->r.path);
-      refused_ranges.store(true, std::memory_order_release);
-    }
+    one_by_one.insert(a->r.path);
+    refused_ranges.store(true, std::memory_order_release);
   }
   bool told = true;
   if (a->grp) {
