@@ -18,20 +18,27 @@ thread_local bool client::impl::in_tick = false;
 thread_local bool client::impl::in_copy_end = false;
 
 namespace {
-constexpr std::size_t together_most = client::impl::together_most;
-constexpr std::uint64_t together_bytes = client::impl::together_bytes;
-
 // The end of the run of reads from `at` that may go as one request with it: same file and version,
-// at most together_most of them and together_bytes in all; `ok(k)` says whether the k-th may at all.
+// at most impl::together_most of them and impl::together_bytes in all; `ok(k)` says whether the k-th may.
 template <typename At, typename Ok>
 std::size_t run_end(std::size_t at, std::size_t n, const At& item, const Ok& ok) {
   const auto& first = item(at);
   std::uint64_t bytes = first.r.length;
   std::size_t j = at + 1;
-  while (j < n && j - at < together_most && bytes + item(j).r.length <= together_bytes && ok(j) && item(j).r.path == first.r.path &&
+  while (j < n && j - at < client::impl::together_most && bytes + item(j).r.length <= client::impl::together_bytes && ok(j) &&
+         item(j).r.path == first.r.path &&
          item(j).r.version == first.r.version)
     bytes += item(j++).r.length;
   return j;
+}
+
+// A request being told: its completion, taken with the caller's other functions, which go with it --
+// a batch's requests share one allocation, which lives as long as the last of them (what the
+// functions capture need not).
+auto let_go(client::request& r) {
+  r.cancelled = nullptr;
+  r.moved = nullptr;
+  return std::exchange(r.done, nullptr);
 }
 
 // Each submitted request's error names the peer, the path and the offset it failed at.
@@ -108,10 +115,11 @@ void client::impl::submit(std::span<client::request> rs) noexcept {
   // The requests are made outside the lock (the lanes take it for every answer), which is held
   // only to queue them.
   std::vector<std::shared_ptr<async_op>> units;  // groups, and reads that go alone
-  try {
+  if (made.size() == 1) units = std::move(made);  // (nothing to join)
+  else try {
     std::vector<char> may_group(made.size());
     memory_region known{};
-    for (std::size_t i = 0; i < made.size(); ++i) may_group[i] = made.size() > 1 && groupable(*made[i], known);
+    for (std::size_t i = 0; i < made.size(); ++i) may_group[i] = groupable(*made[i], known);
     if (refused_ranges.load(std::memory_order_acquire)) {
       std::lock_guard l(mu);
       for (std::size_t i = 0; i < made.size(); ++i) may_group[i] = may_group[i] && !one_by_one.contains(made[i]->r.path);
@@ -587,9 +595,7 @@ void client::impl::tick() {
     const bool cancelled = m->r.cancelled && m->r.cancelled();
     error e = request_error(cancelled ? errc::cancelled : errc::timeout, m->r, peer, m->r.offset,
                             cancelled ? "cancelled while under way" : "no answer before the deadline");
-    std::exchange(m->r.done, nullptr)(0, &e);
-    m->r.cancelled = nullptr;
-    m->r.moved = nullptr;
+    let_go(m->r)(0, &e);
   }
   for (auto& f : later) f();
   if (want_connection && lane_events.load() != lanes_checked.load()) {
@@ -741,12 +747,9 @@ void client::impl::conclude(const std::shared_ptr<async_op>& a) {
     return true;
   };
   auto tell = [&](const std::shared_ptr<async_op>& x, std::uint64_t bytes, const error* e) {
-    // The caller's functions go as the request is told: a batch's requests share one allocation,
-    // which lives as long as the last of them (what they capture need not).
-    const auto done = std::exchange(x->r.done, nullptr);
-    const auto cancelled = std::exchange(x->r.cancelled, nullptr);
-    x->r.moved = nullptr;
-    if (e && cancelled && cancelled() && e->code() != errc::cancelled) {
+    const bool cancelled = e && x->r.cancelled && x->r.cancelled();
+    const auto done = let_go(x->r);
+    if (cancelled && e->code() != errc::cancelled) {
       // Another request's cancel closed the lane under it, and its own batch was cancelled too.
       const error c = request_error(errc::cancelled, x->r, peer, x->r.offset, std::string("cancelled: ") + e->what());
       return done(0, &c);

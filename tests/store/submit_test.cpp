@@ -44,6 +44,16 @@ std::filesystem::path fresh_root(const char* name) {
   return root;
 }
 
+// A server of `root` with one worker that gives each connection `credits` requests at a time.
+std::unique_ptr<store::server> one_worker_server(const std::filesystem::path& root, std::uint32_t credits) {
+  store::server_options so;
+  so.root = root.string();
+  so.insecure = true;
+  so.max_outstanding = credits;
+  so.workers = 1;
+  return std::make_unique<store::server>(test::server_io(), so);
+}
+
 // A whole-buffer read of `path` with a deadline by progress (10 s), told to `done`.
 store::client::request whole_read(const char* path, std::vector<unsigned char>& buf, std::uint64_t version,
                                   std::function<void(std::uint64_t, const error*)> done) {
@@ -299,12 +309,7 @@ TEST(StoreSubmit, QueuedRequestsDoNotTimeOutWhileThoseAheadMove) {
 TEST(StoreSubmit, TheIdleLookWaitsForACreditWithoutStallingItsLane) {
   auto root = fresh_root("ferry-submit-credit");
   auto data = make_file(root / "f.bin", 16 << 20, 17);
-  store::server_options so;
-  so.root = root.string();
-  so.insecure = true;
-  so.max_outstanding = 2;
-  so.workers = 1;
-  auto srv = std::make_unique<store::server>(test::server_io(), so);
+  auto srv = one_worker_server(root, 2);
   store::client_options co;
   co.lanes = 1;
   co.piece = 1 << 20;
@@ -339,12 +344,7 @@ TEST(StoreSubmit, TheIdleLookWaitsForACreditWithoutStallingItsLane) {
 TEST(StoreSubmit, SmallBatchesQueuedBehindABusyLaneGoAsFewRequests) {
   auto root = fresh_root("ferry-submit-merge");
   auto data = make_file(root / "f.bin", 1 << 20, 23);
-  store::server_options so;
-  so.root = root.string();
-  so.insecure = true;
-  so.max_outstanding = 1;
-  so.workers = 1;
-  auto srv = std::make_unique<store::server>(test::server_io(), so);
+  auto srv = one_worker_server(root, 1);
   store::client_options co;
   co.lanes = 1;
   store::client c("127.0.0.1", srv->port(), co);
