@@ -32,7 +32,7 @@ constexpr setting_row<store_settings> rows[] = {
   {"FERRY_NET_CONNECT_TIMEOUT", "How long one connection attempt of a ferry:// client waits for the server's answer to its handshake (within the request's own deadline). A server that died may leave the attempt without any error: past this it counts as unreachable (FERRY_NET_RETRY_AFTER) instead of holding the request to its deadline.",
    [](store_settings& s, std::string_view v) { s.net_connect_timeout = parse_duration_in(v, std::chrono::milliseconds(1), std::chrono::hours(1)); },
    [](const store_settings& s) { return format_duration(s.net_connect_timeout); }},
-  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`; each authenticated client's lanes are spread over them, so several serve connections in parallel.",
+  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`; each authenticated client's lanes are spread over them, so several serve connections in parallel. On one host a worker copies each small read out of the file itself: several raise the rate of many small reads (a GPU cache's misses; best with FERRY_NET_LANES=8 on the clients), but slowed large single reads there (docs/design/storage-service.md).",
    [](store_settings& s, std::string_view v) { s.serve_workers = static_cast<int>(parse_int(v, 1, 64)); },
    [](const store_settings& s) { return std::to_string(s.serve_workers); }},
   {"FERRY_SERVE_MAX_CONNECTIONS", "Authenticated connections (lanes) `ferry serve` keeps at once; past it a new lane is refused, naming this setting.",
