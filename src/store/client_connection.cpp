@@ -87,10 +87,9 @@ void client::impl::shutdown() {
     stopping = true;
     afterwards.clear();
     const error e(errc::cancelled, "store.request", peer, "the client is closing");
-    for (auto it = waiting.begin(); it != waiting.end();) {
-      auto a = *it++;  // (give_up takes it out of the queue)
-      give_up(*a, e, close);
-    }
+    // (From a copy: give_up takes each out of the queue, which moves the others in it.)
+    const auto queued = waiting;
+    for (const auto& a : queued) give_up(*a, e, close);
     for (auto& [id, a] : live)
       if (a->need_stat) give_up(*a, e, close);
   }

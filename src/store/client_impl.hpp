@@ -262,7 +262,6 @@ struct client::impl {
   std::atomic<std::uint64_t> lane_events{1}, lanes_checked{0};
   std::atomic<std::uint64_t> connects{0};  // lanes' connections made so far (lane::conn_no)
 
-  std::vector<std::unique_ptr<lane>> lanes;  // last: their progress threads (and callbacks) stop first
 
   // ---- connection (client_connection.cpp) ----
   impl(const std::string& h, std::uint16_t p, client_options opt);
@@ -634,5 +633,9 @@ struct client::impl {
       }
     }
   }
+  // Declared last, so destroyed first: their progress threads (and the callbacks they run -- a close
+  // shutdown asked for fails its pieces under mu, in `closing`) stop while the rest of the client is
+  // whole. A member declared after this would go while they still run.
+  std::vector<std::unique_ptr<lane>> lanes;
 };
 }  // namespace ferry::store
