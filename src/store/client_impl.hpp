@@ -262,7 +262,6 @@ struct client::impl {
   std::atomic<std::uint64_t> lane_events{1}, lanes_checked{0};
   std::atomic<std::uint64_t> connects{0};  // lanes' connections made so far (lane::conn_no)
 
-
   // ---- connection (client_connection.cpp) ----
   impl(const std::string& h, std::uint16_t p, client_options opt);
   ~impl();

@@ -138,10 +138,9 @@ TEST(StoreSubmit, EveryRequestIsToldOnceWithItsBytes) {
 }
 
 // A client destroyed with requests queued and under way: every one is told once, and the client
-// goes at once. Its shutdown gave up every other queued request only (it walked the queue while
-// giving them up, which takes each out of it): the rest were never told and the destructor waited
-// its whole timeout for them. And the closes it asks for run on the lanes' threads, which stopped
-// only after part of the client's state was gone (a use after free under ASan within a few rounds).
+// goes at once. Giving the queued ones up takes each out of the queue (a walk of the queue itself
+// would skip some, which then hold the destructor to its timeout); the closes of the connections the
+// others went on run on the lanes' threads, which must stop while the client's state is still whole.
 TEST(StoreSubmit, AClientDestroyedUnderItsRequestsEndsThemWhileItIsWhole) {
   auto root = fresh_root("ferry-submit-destroyed");
   make_file(root / "f.bin", 8 << 20, 13);
