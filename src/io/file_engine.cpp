@@ -222,11 +222,12 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   }
   if (!jobs.empty()) {
     // Each to the worker with the least work in bytes (what it has queued and running, as the
-    // workers last said, counted as an I/O chunk each), the first of equals, the largest jobs
-    // placed first: the batch ends when its last worker does, so the bytes are spread, not the
-    // requests (a checkpoint's requests run from a few KiB to hundreds of MiB). Requests that come
-    // together spread over the workers, one after another they stay on the first few (awake, their
-    // rings' kernel threads warm). Each worker runs its share in the batch's order; it is handed
+    // workers last said, counted as an I/O chunk each), the first of equals from the submitting
+    // thread's own first worker, the largest jobs placed first: the batch ends when its last worker
+    // does, so the bytes are spread, not the requests (a checkpoint's requests run from a few KiB to
+    // hundreds of MiB). Requests that come together spread over the workers, one thread's one after
+    // another stay on its first few (awake, their rings' kernel threads warm). Each worker runs its
+    // share in the batch's order; it is handed
     // over under the worker's own lock, with a wake.
     std::vector<std::size_t>& load = mine.load;
     load.resize(nw);
@@ -240,8 +241,18 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     to.resize(jobs.size());
     std::vector<std::size_t>& first = mine.first;  // worker k's jobs: order[first[k] .. first[k + 1])
     first.assign(nw + 1, 0);
+    // Equal loads (an idle engine) are broken from this thread's own first worker: threads that
+    // submit at the same moment (a server's progress threads, each with a piece of one client
+    // read) cannot see each other's jobs in the loads yet, and from the first worker they would
+    // all pile onto the same few. One thread's batches still start on the same worker.
+    const std::size_t home = static_cast<std::size_t>((std::uint64_t{mine.home} * nw) >> 32);
     for (std::size_t i : order) {
-      to[i] = static_cast<std::uint32_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      std::size_t best = home;
+      for (std::size_t d = 1; d < nw; ++d) {
+        const std::size_t k = home + d < nw ? home + d : home + d - nw;
+        if (load[k] < load[best]) best = k;
+      }
+      to[i] = static_cast<std::uint32_t>(best);
       load[to[i]] += jobs[i].r.bytes;
       ++first[to[i] + 1];
     }

@@ -113,8 +113,20 @@ struct job {
   std::optional<std::uint64_t> size;   // a piece of a read: the file's size when the request was cut
 };
 
+// Where a submitting thread's search for the least loaded worker starts, as a fraction of the
+// workers (of 2^32): the bits of the thread's number reversed, so that threads numbered one after
+// another -- a server's progress threads, made together -- start evenly spread over the workers.
+inline std::uint32_t first_look() {
+  static std::atomic<std::uint32_t> threads{0};
+  std::uint32_t n = threads.fetch_add(1, std::memory_order_relaxed), r = 0;
+  for (int i = 0; i < 32; ++i, n >>= 1) r = (r << 1) | (n & 1);
+  return r;
+}
+
 // What file_engine::start builds per batch, kept by the submitting thread for its next one.
 struct scratch {
+  // Where this thread's search for the least loaded worker starts (see file_engine::start).
+  std::uint32_t home = first_look();
   std::vector<job> jobs;
   std::vector<std::size_t> load;
   std::vector<std::uint32_t> to;

@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <barrier>
 #include <csignal>
 #include <condition_variable>
 #include <filesystem>
@@ -525,6 +526,47 @@ TEST(File, RequestsThatComeTogetherSpreadOverTheWorkers) {
   b.check();
   EXPECT_EQ(got, data);
   EXPECT_EQ(rt.files().counters().get("requests.beside_others").value(), beside);
+}
+
+// Threads that submit at the same moment cannot see each other's jobs in the workers' loads yet;
+// each breaks equal loads from a worker of its own, so four threads' requests submitted together
+// run on four workers, not one behind another on the first (a server's progress threads, each
+// with a piece of one client's read, submit so).
+TEST(File, RequestsOfThreadsSubmittingTogetherSpreadOverTheWorkers) {
+  settings s = file_settings(direct_io::never);
+  s.io_threads = 4;
+  s.io_chunk = 4 << 20;  // one I/O each, not cut into pieces
+  s.io_inline = 0;
+  runtime rt(s);
+  std::string p = temp_path("spread-threads");
+  auto data = random_bytes(16 << 20, 19);
+  write_file(p, data);
+  auto f = file::open(p, open_mode::read);
+  make_workers(rt, f, 4, s.io_depth);
+  const auto beside = rt.files().counters().get("requests.beside_others").value();
+  constexpr int rounds = 150;
+  std::barrier together(4);
+  std::vector<std::thread> threads;
+  std::vector<std::vector<unsigned char>> got(4, std::vector<unsigned char>(4 << 20));
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (int r = 0; r < rounds; ++r) {
+        together.arrive_and_wait();
+        file_request q{f, std::uint64_t(t) << 22, got[t].data(), 4 << 20, false};
+        transfer_batch b = rt.files().submit({&q, 1});
+        if (!b.wait() || b.results()[0].bytes_done != (4u << 20) ||
+            std::memcmp(got[t].data(), data.data() + (std::size_t(t) << 22), 4 << 20) != 0)
+          wrong++;
+        // The workers' loads say "running" until their loop's next round: let it come before the
+        // next round's requests look at them.
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(rt.files().counters().get("requests.beside_others").value(), beside)
+      << "a request of one thread ran on a worker beside another's in " << rounds << " rounds of four threads";
 }
 
 // Into host memory the unit of those pieces is the inline size (the kernel copies straight into the
