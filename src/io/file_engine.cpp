@@ -221,8 +221,8 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     };
   }
   if (!jobs.empty()) {
-    // Each to the worker with the least work in bytes (what it has queued and running, as the
-    // workers last said, counted as an I/O chunk each), the first of equals from the submitting
+    // Each to the worker with the least work (the load_of what it has queued and running, as the
+    // workers last said), the first of equals from the submitting
     // thread's own first worker, the largest jobs placed first: the batch ends when its last worker
     // does, so the bytes are spread, not the requests (a checkpoint's requests run from a few KiB to
     // hundreds of MiB). Requests that come together spread over the workers, one thread's one after
@@ -232,7 +232,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
     std::vector<std::size_t>& load = mine.load;
     load.resize(nw);
     for (std::size_t k = 0; k < nw; ++k)
-      load[k] = (I.workers[k]->queued.load() + I.workers[k]->running_now.load()) * I.cfg.io_chunk;
+      load[k] = I.workers[k]->queued_load.load(std::memory_order_relaxed) + I.workers[k]->running_load.load(std::memory_order_relaxed);
     std::vector<std::size_t>& order = mine.order;
     order.resize(jobs.size());
     for (std::size_t i = 0; i < jobs.size(); ++i) order[i] = i;
@@ -253,7 +253,7 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
         if (load[k] < load[best]) best = k;
       }
       to[i] = static_cast<std::uint32_t>(best);
-      load[to[i]] += jobs[i].r.bytes;
+      load[to[i]] += load_of(jobs[i]);
       ++first[to[i] + 1];
     }
     for (std::size_t k = 0; k < nw; ++k) first[k + 1] += first[k];

@@ -123,6 +123,11 @@ inline std::uint32_t first_look() {
   return r;
 }
 
+// What a job weighs in a worker's load: its bytes, and for the I/O it costs beside its copy (a
+// system call and a completion, about as long as a 64 KiB copy) 64 KiB more, so that many small
+// jobs weigh as they take. One measure for the jobs a worker has and those a batch adds to it.
+inline std::uint64_t load_of(const job& j) { return j.r.bytes + (64u << 10); }
+
 // What file_engine::start builds per batch, kept by the submitting thread for its next one.
 struct scratch {
   // Where this thread's search for the least loaded worker starts (see file_engine::start).
@@ -294,9 +299,12 @@ struct file_engine::impl {
     std::vector<job> queue;
     std::size_t qhead = 0;
     std::atomic<std::size_t> queued{0};  // jobs waiting, for submitters choosing a worker without its lock
+    // The load_of its jobs waiting (written with qmu) and running (as of its last round): what
+    // submitters choose the least loaded worker by.
     std::condition_variable cv;       // with qmu: its queue got work, or stop (it waits here when it runs nothing)
     bool looping = false;             // with qmu: its loop is out on the executor (started, not yet ended)
     std::atomic<std::size_t> running_now{0};  // requests it runs (as of its last round)
+    std::atomic<std::uint64_t> queued_load{0}, running_load{0};
     std::vector<slot> slots;
     std::list<running> runs;
     bool to_submit = false;

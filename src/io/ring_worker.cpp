@@ -56,8 +56,13 @@ void file_engine::impl::hand_over(std::size_t k, std::span<job> js, std::span<co
   bool start = false;
   {
     std::lock_guard l(w.qmu);
-    for (std::size_t x : which) w.queue.push_back(std::move(js[x]));
+    std::uint64_t load = 0;
+    for (std::size_t x : which) {
+      load += load_of(js[x]);
+      w.queue.push_back(std::move(js[x]));
+    }
     w.queued = w.queue.size() - w.qhead;
+    w.queued_load.fetch_add(load, std::memory_order_relaxed);
     if (!w.looping && loops.take()) start = w.looping = true;
   }
   if (!start) return w.wake();
@@ -74,6 +79,7 @@ void file_engine::impl::hand_over(std::size_t k, std::span<job> js, std::span<co
       w.queue.clear();
       w.qhead = 0;
       w.queued = 0;
+      w.queued_load = 0;
     }
     for (job& j : gone) {
       error x(errc::unavailable, j.r.write ? "file.write" : "file.read", j.r.f->path(), fmt::format("no worker to run it ({})", ex.what()));
@@ -128,7 +134,11 @@ bool file_engine::impl::worker::admit() {
       e.loops.give_back();
       return false;
     }
-    while (qhead < queue.size() && runs.size() + took.size() < slots.size()) took.push_back(std::move(queue[qhead++]));
+    std::uint64_t taken = 0;
+    while (qhead < queue.size() && runs.size() + took.size() < slots.size()) {
+      taken += load_of(queue[qhead]);
+      took.push_back(std::move(queue[qhead++]));
+    }
     // Taken jobs leave moved-from entries behind: dropped when the queue empties, or once they
     // are half of it (a queue that never empties stays bounded).
     if (qhead == queue.size() || qhead * 2 >= queue.size()) {
@@ -136,7 +146,12 @@ bool file_engine::impl::worker::admit() {
       qhead = 0;
     }
     queued = queue.size() - qhead;
+    queued_load.fetch_sub(taken, std::memory_order_relaxed);
     running_now = runs.size() + took.size();
+    std::uint64_t load = 0;
+    for (const running& r : runs) load += load_of(r.j);
+    for (const job& j : took) load += load_of(j);
+    running_load.store(load, std::memory_order_relaxed);
   }
   for (auto& j : took) {
     // Counted: a request that starts beside others on this worker (not behind them).
@@ -216,6 +231,9 @@ void file_engine::impl::worker::loop() {
       }
     }
     running_now = runs.size();
+    std::uint64_t load = 0;
+    for (const running& r : runs) load += load_of(r.j);
+    running_load.store(load, std::memory_order_relaxed);
     report();
   }
 }
