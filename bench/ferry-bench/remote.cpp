@@ -32,11 +32,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -134,7 +136,7 @@ perf_result perftest(const std::string& exe, const std::map<std::string, std::st
 
 struct run_result {
   double gbps = 0, iops = 0, p50_us = 0, p99_us = 0;
-  double start_p50_us = 0;  // time inside start_read/start_write (the caller's send side), p50
+  double start_p50_us = 0;  // time inside submit (the caller's send side), p50
   std::uint64_t requests = 0;
 };
 
@@ -163,18 +165,26 @@ class lent_or_endpoint {
 
 // `reqs` requests of `size` bytes with `qd` outstanding; request i uses buffer slot i % qd and file
 // offset (i * size) mod (file - size), 4 KiB aligned.
-// At queue depth 1 the synchronous calls are used unless `async` (start/finish, for comparison).
+// At queue depth 1 the synchronous calls are used unless `async` (submit, for comparison).
 run_result measure(store::client& c, bool write, const std::string& path, std::byte* base, std::uint64_t size, int qd,
                    std::uint64_t reqs, std::uint64_t file_bytes, std::chrono::nanoseconds timeout, bool async = false) {
   std::vector<double> lat, in_start;
   lat.reserve(reqs);
   in_start.reserve(reqs);
   bool timing = false;
+  // Submitted requests, oldest first; their completions (on the client's threads) mark them done.
   struct slot {
-    store::client::ticket t;
     clk::time_point t0;
+    std::uint64_t bytes = 0;
+    std::optional<error> err;
+    bool done = false;
   };
-  std::deque<slot> q;
+  struct ends {
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto e = std::make_shared<ends>();  // outlives this call if a request does (a deadline thrown past)
+  std::deque<std::shared_ptr<slot>> q;
   const std::uint64_t span = file_bytes - size;
   // Writes go into one new version of the file (writes are atomic per file), committed at the end of
   // the timed run: a write counts once it is in place. The version starts as a copy of the file
@@ -185,9 +195,16 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
   auto finish_one = [&](bool record) {
     auto s = q.front();
     q.pop_front();
-    std::uint64_t n = c.finish(s.t);
-    if (n != size) fail(errc::io_error, "bench remote", path, fmt::format("short transfer: {} of {} bytes", n, size));
-    if (record) lat.push_back(std::chrono::duration<double, std::micro>(clk::now() - s.t0).count());
+    // Waited for as a caller of the file API waits for its batch. The request's own deadline ends it
+    // (its completion says so); the bound only guards the wait.
+    {
+      std::unique_lock l(e->mu);
+      if (!e->cv.wait_until(l, s->t0 + timeout + std::chrono::seconds(10), [&] { return s->done; }))
+        fail(errc::timeout, "bench remote", path, "a request was not completed past its deadline");
+    }
+    if (s->err) throw *s->err;
+    if (s->bytes != size) fail(errc::io_error, "bench remote", path, fmt::format("short transfer: {} of {} bytes", s->bytes, size));
+    if (record) lat.push_back(std::chrono::duration<double, std::micro>(clk::now() - s->t0).count());
   };
   auto offset_of = [&](std::uint64_t i) { return span ? ((i * size) % span) & ~std::uint64_t{4095} : 0; };
   // Queue depth 1: one synchronous read() or write() after the other, as a caller that waits for
@@ -201,15 +218,29 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
     if (n != size) fail(errc::io_error, "bench remote", path, fmt::format("short transfer: {} of {} bytes", n, size));
   };
   auto issue = [&](std::uint64_t i) {
-    std::uint64_t off = offset_of(i);
-    std::byte* p = base + (i % static_cast<std::uint64_t>(qd)) * size;
-    auto t0 = clk::now();
-    auto until = t0 + timeout;
-    auto t = write ? c.start_write(h, off, p, size, until) : c.start_read(path, off, p, size, until);
-    // The time spent in start_* on every 8th request only: a clock reading inside the measured
+    auto s = std::make_shared<slot>();
+    s->t0 = clk::now();
+    store::client::request r;
+    r.path = path;
+    r.offset = offset_of(i);
+    r.mem = base + (i % static_cast<std::uint64_t>(qd)) * size;
+    r.length = size;
+    r.write = write ? h.id : 0;
+    r.until = s->t0 + timeout;
+    r.done = [s, e](std::uint64_t n, const error* err) {
+      {
+        std::lock_guard l(e->mu);
+        s->bytes = n;
+        if (err) s->err = *err;
+        s->done = true;
+      }
+      e->cv.notify_all();
+    };
+    c.submit(std::move(r));
+    // The time spent in submit on every 8th request only: a clock reading inside the measured
     // span costs 50-70 ns on some VMs, which the raw baseline's loop (rdtsc) does not pay.
-    if (timing && (i & 7) == 0) in_start.push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count());
-    q.push_back({t, t0});
+    if (timing && (i & 7) == 0) in_start.push_back(std::chrono::duration<double, std::micro>(clk::now() - s->t0).count());
+    q.push_back(std::move(s));
   };
   // Warm-up: a few rounds of the same pattern.
   std::uint64_t warm = std::min<std::uint64_t>(reqs, 2 * static_cast<std::uint64_t>(qd) + 8);
@@ -433,7 +464,7 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
     fmt::print("{:>5} {:>6} {:>10} {:>4} {:>9} {:>10} {:>9} {:>9} {:>8}\n", "mem", "op", "block", "qd", "GB/s", "IOPS", "p50 us",
                "p99 us", "vs best");
     std::map<std::string, double> best_ratio_1m;  // per mem/op: min over sizes >= 1 MiB of (best over qd) / baseline
-    // Per memory: 4 KiB QD1 read() p50; start_read/finish at QD1 p50, of which in start_read.
+    // Per memory: 4 KiB QD1 read() p50; submit and its completion at QD1 p50, of which in submit.
     std::map<std::string, std::tuple<std::vector<double>, double, double>> lat4k;
     // Host memory the client allocated (client::allocate): where the server maps it (shared memory)
     // requests on it move no data message and make no copy in the client -- measured beside the
@@ -523,8 +554,8 @@ int run_bench_remote(runtime& rt, const bench_remote_options& o) {
       fmt::print("SUMMARY {} 4 KiB read QD1{} p50 {:.2f} us (median of {}: {}) = {:.2f}x raw AM RTT 4 KiB ({:.2f} us), {:.2f}x RTT 8 B ({:.2f} us)\n",
                  tl, into, p50, runs.size(), each, p50 / rtt4k, rtt4k, rtt8 > 0 ? p50 / rtt8 : 0, rtt8);
       // The asynchronous calls at the same depth, and where their time goes: the caller's send side
-      // (start_read) vs the rest (network, server, reply).
-      fmt::print("  (read() above; start_read + finish at QD1: p50 {:.2f} us = {:.2f}x, of which in start_read {:.2f} us)\n", async_p50,
+      // (submit) vs the rest (network, server, reply).
+      fmt::print("  (read() above; submit + its completion at QD1: p50 {:.2f} us = {:.2f}x, of which in submit {:.2f} us)\n", async_p50,
                  async_p50 / rtt4k, start);
       summary.push_back({{"transport", tl}, {"what", "4KiB read QD1" + into + " p50 / raw AM RTT 4KiB"}, {"ratio", p50 / rtt4k},
                          {"p50_us", p50}, {"p50_runs_us", runs}, {"rtt_4k_us", rtt4k}, {"rtt_8b_us", rtt8}});

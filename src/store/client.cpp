@@ -219,7 +219,7 @@ void client::impl::take_inline(piece& p, message&& m, const std::byte* d, std::s
 }
 
 std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force,
-                                                        op* whole, ticket* t, bool wait, bool* all_down) {
+                                                        op* whole, bool wait, bool* all_down) {
   std::unique_lock l(mu);
   lane* ln = force;
   if (needs_credit) {
@@ -301,10 +301,6 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
   if (p->lent) n_lent++;
   if (whole) {
     whole->pieces.push_back(p);
-    if (t) {
-      *t = next_ticket++;
-      ops.put(*t, std::move(*whole));
-    }
     n_requests++;
   }
   l.unlock();
@@ -495,9 +491,8 @@ void client::impl::send_write_data(const std::shared_ptr<piece>& p) {
   }
 }
 
-client::ticket client::impl::start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
-                                   clk::time_point until, std::uint64_t handle, op* keep, client::ended_fn ended_fn) {
-  std::shared_ptr<notice> ends = notice::make(std::move(ended_fn));
+void client::impl::start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
+                         clk::time_point until, std::uint64_t handle, op& keep) {
   plan pl;
   pl.path = path;
   pl.write = write;
@@ -507,9 +502,8 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   pl.mem = mem;
   plan_request(pl, until, true);
   op o2{path, write, offset, length, until, {}};
-  // A read of one piece (most small ones) is registered with its piece, under one lock.
+  // A read of one piece (most small ones) is counted with its piece, under one lock.
   bool one_piece = !write && length <= pl.piece_len && !pl.net;
-  ticket registered = 0;
   // The piece being made until it is registered: a failure before then gives its landing slot and
   // record back (the server never saw them), so that they are neither lost nor quarantined.
   std::shared_ptr<piece> unsent;
@@ -518,16 +512,11 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
       message m;
       auto p = next_piece(pl, m, until, true);
       unsent = p;
-      if (ends) {
-        ends->left.fetch_add(1, std::memory_order_relaxed);
-        p->ends = ends;
-      }
       if (one_piece) {
-        p = send(std::move(m), std::move(p), true, until, nullptr, &o2, keep ? nullptr : &registered);
+        p = send(std::move(m), std::move(p), true, until, nullptr, &o2);
         unsent.reset();
-        if (keep) *keep = std::move(o2);
-        if (ends) ends->release();
-        return registered;
+        keep = std::move(o2);
+        return;
       }
       p = send(std::move(m), std::move(p), true, until);
       unsent.reset();
@@ -537,7 +526,6 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
       pl.sent_any = true;
     } while (!pl.sent_all());
   } catch (...) {
-    if (ends) ends->armed.store(false, std::memory_order_release);  // no ticket: nothing to tell
     if (unsent) {
       std::lock_guard l(mu);
       release_land(*unsent, false);  // never sent: the server never saw its slot
@@ -553,35 +541,16 @@ client::ticket client::impl::start(const std::string& path, std::uint64_t offset
   }
   std::lock_guard l(mu);
   n_requests++;
-  if (keep) {
-    *keep = std::move(o2);
-    return 0;
-  }
-  ticket t = next_ticket++;
-  ops.put(t, std::move(o2));
-  if (ends) ends->release();  // (under mu: told after the ticket is known, never before)
-  return t;
+  keep = std::move(o2);
 }
 
-std::uint64_t client::impl::finish(ticket t, const std::function<bool()>* cancelled) {
-  op x;
-  {
-    std::lock_guard l(mu);
-    auto it = ops.find(t);
-    if (it == ops.end()) fail(errc::invalid_argument, "store.finish", fmt::format("ticket {}", t), "unknown or already finished");
-    x = std::move(it->second);
-    ops.erase(it);
-  }
-  return finish(x, cancelled);
-}
-
-std::uint64_t client::impl::finish(op& x, const std::function<bool()>* cancelled) {
+std::uint64_t client::impl::finish(op& x) {
   const char* opname = x.write ? "store.write" : "store.read";
   std::optional<error> first;
   x.pieces.each([&](const std::shared_ptr<piece>& p) {
     if (p->done.load(std::memory_order_acquire)) return;  // (a submitted request's, when it ends: all of them)
     try {
-      wait_piece(p, x.until, [&] { return fmt::format("{} {} offset {}", opname, printable(x.path), x.offset); }, cancelled);
+      wait_piece(p, x.until, [&] { return fmt::format("{} {} offset {}", opname, printable(x.path), x.offset); });
     } catch (const error& e) {
       if (!first) first = e;
     }
@@ -620,17 +589,6 @@ client::~client() = default;
 const std::string& client::peer() const noexcept { return impl_->peer; }
 bool client::writable() const noexcept { return impl_->hello_reply.writable; }
 
-client::ticket client::start_read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
-                                  clk::time_point until, std::uint64_t version, ended_fn ended) {
-  if (!version && length > impl_->o.piece) version = stat(path, until - clk::now()).version;
-  return impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, version, nullptr, std::move(ended));
-}
-client::ticket client::start_write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
-                                   clk::time_point until, ended_fn ended) {
-  if (!h.id) fail(errc::invalid_argument, "store.write", h.path, "not an open write (use open_write)");
-  // The buffer is only read (sent), never written.
-  return impl_->start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id, nullptr, std::move(ended));
-}
 std::shared_ptr<client::impl::piece> client::impl::reads_piece(net::read_many& m, range_answer answer, clk::time_point until,
                                                                std::shared_ptr<detail::landing_region> lr, int slot) {
   auto p = std::make_shared<piece>();
@@ -655,26 +613,8 @@ std::shared_ptr<client::impl::piece> client::impl::reads_piece(net::read_many& m
   return p;
 }
 
-std::uint64_t client::finish(ticket t) { return impl_->finish(t); }
-std::uint64_t client::finish(ticket t, const std::function<bool()>& cancelled) { return impl_->finish(t, &cancelled); }
-void client::progress(std::chrono::nanoseconds spin, const std::function<bool()>& stop) {
-  auto& I = *impl_;
-  std::vector<ucx_worker*> busy;  // (the workers live as long as the client)
-  {
-    std::lock_guard l(I.mu);
-    for (auto& x : I.lanes)
-      if (x->inflight > 0) busy.push_back(x->w.get());
-  }
-  const auto until = clk::now() + spin;
-  while (!busy.empty()) {
-    for (ucx_worker* w : busy)
-      if (w->drive(stop, clk::now() + std::chrono::microseconds(1))) return;
-    if (clk::now() >= until) return;
-  }
-}
 void* client::allocate(std::uint64_t bytes) { return impl_->allocate(bytes); }
 void client::deallocate(void* buffer) { impl_->deallocate(buffer); }
-
 std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                            std::chrono::nanoseconds timeout) {
   return read(path, offset, dst, length, clk::now() + timeout);
@@ -687,8 +627,8 @@ std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* 
         // what the file held then is what the read must return.
         std::optional<net::stat_reply> st;
         if (length > impl_->o.piece) st = stat(path, until - clk::now());
-        impl::op x;  // waited for here: no ticket
-        impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, st ? st->version : 0, &x);
+        impl::op x;  // waited for here
+        impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, st ? st->version : 0, x);
         std::uint64_t got = impl_->finish(x);
         std::uint64_t held = st && st->size > offset ? std::min(length, st->size - offset) : 0;
         if (got < held)
@@ -709,10 +649,19 @@ client::write_handle client::open_write(const std::string& path, net::write_mode
   return {cp->bytes, path};
 }
 
+std::uint64_t client::impl::write_now(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
+                                      clk::time_point until) {
+  if (!h.id) fail(errc::invalid_argument, "store.write", h.path, "not an open write (use open_write)");
+  op x;
+  // The buffer is only read (sent), never written.
+  start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id, x);
+  return finish(x);
+}
+
 void client::write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
                    std::chrono::nanoseconds timeout) {
   // Not retried: the open write goes with a lost connection (the caller starts it again).
-  finish(start_write(h, offset, src, length, clk::now() + timeout));
+  impl_->write_now(h, offset, src, length, clk::now() + timeout);
 }
 
 std::uint64_t client::commit(const write_handle& h, std::optional<std::uint64_t> size, std::chrono::nanoseconds timeout) {
@@ -742,7 +691,7 @@ void client::put(const std::string& path, const void* src, std::uint64_t length,
       [&] {
         auto h = open_write(path, net::write_mode::replace, until - clk::now(), length);
         try {
-          finish(start_write(h, 0, src, length, until));
+          impl_->write_now(h, 0, src, length, until);
         } catch (...) {
           abort(h, std::chrono::seconds(1));
           throw;

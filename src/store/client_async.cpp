@@ -359,7 +359,7 @@ bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
       std::lock_guard l(mu);  // (the look reads x.x under it)
       x.x = std::move(sent_as);
     }
-    auto sent = send({0, 0, std::move(m)}, p, true, x.r.until, nullptr, nullptr, nullptr, false, &all_down);
+    auto sent = send({0, 0, std::move(m)}, p, true, x.r.until, nullptr, nullptr, false, &all_down);
     if (!sent) {
       x.ends->left.fetch_sub(1, std::memory_order_relaxed);
       std::lock_guard l(mu);
@@ -383,7 +383,7 @@ bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
     p->owner = a.get();
     p->ends = x.ends;
     x.ends->left.fetch_add(1, std::memory_order_relaxed);
-    auto sent = send(std::move(m), p, true, until, nullptr, nullptr, nullptr, false, &all_down);
+    auto sent = send(std::move(m), p, true, until, nullptr, nullptr, false, &all_down);
     if (!sent) {
       x.ends->left.fetch_sub(1, std::memory_order_relaxed);
       std::lock_guard l(mu);

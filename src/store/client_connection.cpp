@@ -75,7 +75,6 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
 client::impl::~impl() {
   shutdown();
   std::lock_guard l(mu);  // network registrations held by unfinished requests go before their cache
-  ops.clear();
   pend.clear();
 }
 
@@ -263,7 +262,7 @@ void client::impl::conn_failed(connection* cn, const std::string& why) {
 
 message client::impl::request(message m, clk::time_point until, bool needs_credit, lane* force, bool ask_caller) {
   auto p = send(std::move(m), std::make_shared<piece>(), needs_credit, until, force);
-  wait_piece(p, until, [] { return std::string("request"); }, nullptr, ask_caller);
+  wait_piece(p, until, [] { return std::string("request"); }, ask_caller);
   if (p->err) throw *p->err;
   return *p->reply;
 }

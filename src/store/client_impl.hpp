@@ -75,21 +75,13 @@ struct client::impl {
     std::string lending;
     std::vector<std::uint8_t> token;
   };
-  // A request's `ended` notice: told when its last piece is done. `left` counts its pieces not done
-  // plus one held while they are being sent, so that it is not told between two of them.
+  // A submitted request's `ended` notice: told when its last piece is done. `left` counts its pieces
+  // not done plus one held while they are being sent, so that it is not told between two of them.
   struct notice {
     std::atomic<int> left{1};
-    std::atomic<bool> armed{true};  // false: start_* threw, the request has no ticket to tell of
-    client::ended_fn fn;
-    // None for a caller that asked not to be told.
-    static std::shared_ptr<notice> make(client::ended_fn f) {
-      if (!f) return nullptr;
-      auto n = std::make_shared<notice>();
-      n->fn = std::move(f);
-      return n;
-    }
+    std::function<void()> fn;
     void release() {
-      if (left.fetch_sub(1, std::memory_order_acq_rel) == 1 && armed.load(std::memory_order_acquire)) fn();
+      if (left.fetch_sub(1, std::memory_order_acq_rel) == 1) fn();
     }
   };
   // One wire request.
@@ -210,8 +202,6 @@ struct client::impl {
   std::condition_variable cv;
   std::uint64_t next_id = 1;
   recycling_map<std::uint64_t, std::shared_ptr<piece>> pend;  // by request id, until settled
-  recycling_map<ticket, op> ops;
-  ticket next_ticket = 1;
   welcome hello_reply;
   bool connected_once = false;
   // The server could not be reached: requests until `down_until` fail at once with `down_err` (mu).
@@ -465,17 +455,17 @@ struct client::impl {
   bool own_thread() const { return in_copy_end || own_worker() != nullptr; }
 
   // ---- data path (client.cpp): caller threads ----
-  // `handle`: the open write that write pieces fill (0 for reads). `keep`: the request is handed to
-  // the caller, who finishes it (a synchronous call), instead of being registered under a ticket.
-  // `handle`: a write's open write; for a read, the file version it must come from (0: any).
-  ticket start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
-               clk::time_point until, std::uint64_t handle = 0, op* keep = nullptr, client::ended_fn ended = {});
+  // A synchronous read's request, sent; `keep` gets it, for finish. `handle`: for a read, the file
+  // version it must come from (0: any); for a write, its open write.
+  void start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
+             clk::time_point until, std::uint64_t handle, op& keep);
   // A piece is done: its request's notice, if any, counts it.
   static void ended(piece& p) {
     if (p.ends) p.ends->release();
   }
-  std::uint64_t finish(ticket t, const std::function<bool()>* cancelled = nullptr);
-  std::uint64_t finish(op& x, const std::function<bool()>* cancelled = nullptr);
+  std::uint64_t finish(op& x);
+  // A synchronous write into an open write: start, then finish.
+  std::uint64_t write_now(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length, clk::time_point until);
   // Does [p, p+n) need host staging (GPU or sim memory UCX cannot reach)? `r` gets what it is: the
   // one classification of the caller's memory for the whole request.
   bool needs_staging(const void* p, std::uint64_t n, const char* what, memory_region& r);
@@ -489,19 +479,18 @@ struct client::impl {
                   const memory_region* buf, clk::time_point until);
   // Registers a piece and sends its frame on `force` or the least loaded lane with a credit.
   // `until` bounds the wait for a credit.
-  // `whole`: a request of this one piece, counted under the same lock, and registered there too when
-  // `t` is given (its ticket goes to `t`).
+  // `whole`: a request of this one piece, counted under the same lock.
   // `wait` false: null (nothing sent, `p` untouched) where no lane has a credit; `all_down` then says
   // whether every lane is down.
   std::shared_ptr<piece> send(message m, std::shared_ptr<piece> p, bool needs_credit, clk::time_point until, lane* force = nullptr,
-                              op* whole = nullptr, ticket* t = nullptr, bool wait = true, bool* all_down = nullptr);
+                              op* whole = nullptr, bool wait = true, bool* all_down = nullptr);
   // Waits for one piece until `until`; on timeout closes its connection so that nothing lands later.
   // `what` names the request in errors; it is built only when one is raised (formatting a string
-  // per request would cost more than a shared-memory round trip). `cancelled` (when given, looked at
-  // every tenth of a second): the caller gave up -- as at the deadline, but a `cancelled` error.
+  // per request would cost more than a shared-memory round trip). `ask_caller`: the caller's check
+  // (interrupted(), looked at every tenth of a second) may give up -- as at the deadline, but a
+  // `cancelled` error.
   template <typename What>
-  void wait_piece(const std::shared_ptr<piece>& pp, clk::time_point until, const What& what,
-                  const std::function<bool()>* cancelled = nullptr, bool ask_caller = false) {
+  void wait_piece(const std::shared_ptr<piece>& pp, clk::time_point until, const What& what, bool ask_caller = false) {
     piece& p = *pp;
     p.waiter.store(std::this_thread::get_id(), std::memory_order_release);
     // Drive the worker from this thread for a while: a small request then completes without any
@@ -530,15 +519,12 @@ struct client::impl {
     std::unique_lock l(mu);
     bool gave_up = false;
     ask_caller = ask_caller && interruptible();
-    if (!cancelled && !ask_caller) {
+    if (!ask_caller) {
       if (cv.wait_until(l, until, [&] { return p.done.load(); })) return;
     } else {
-      for (;;) {  // in slices: a cancel is a flag, not a notification
-        // (Looked at first: a caller that saw the cancel asks to give up at once.)
-        if ((gave_up = cancelled && !p.done.load() && (*cancelled)())) break;
+      for (;;) {  // in slices: the caller's check is a question, not a notification
         if (cv.wait_until(l, std::min(until, clk::now() + std::chrono::milliseconds(100)), [&] { return p.done.load(); })) return;
         if (clk::now() >= until) break;
-        if (!ask_caller) continue;
         l.unlock();  // the caller's check (a Python signal handler) runs without the client's lock
         gave_up = interrupted();
         l.lock();

@@ -48,6 +48,11 @@ class tally {
       c->cv.notify_all();
     };
   }
+  // Waits for completion `i` alone (requests kept in flight: wait for the oldest, submit the next).
+  bool wait_one(std::size_t i, std::chrono::seconds t) {
+    std::unique_lock l(c_->mu);
+    return c_->cv.wait_for(l, t, [&] { return told[i] > 0; });
+  }
   bool wait(std::chrono::seconds t) {
     std::unique_lock l(c_->mu);
     return c_->cv.wait_for(l, t, [&] { return std::all_of(told.begin(), told.end(), [](int x) { return x > 0; }); });

@@ -149,19 +149,6 @@ class FERRY_API client {
   // (above), and those in the work `defer` runs.
   bool may_wait() const noexcept;
 
-  // Asynchronous requests: many may be outstanding (the server's credits bound how many pieces are
-  // on the wire; start_* waits for credits until `until`). Memory must stay valid until finish().
-  // A read comes from one version of the file: `version` (stat().version) names it, and a file
-  // replaced since fails the read (io_error) instead of mixing two; 0: a read of more than one piece
-  // looks it up first (one stat), a read of one piece is one request anyway.
-  using ticket = std::uint64_t;
-  // `ended` (optional): told once the request has ended -- answered, failed, or given up on the wire --
-  // on whichever thread ended it (a lane's progress thread, a copy's worker, the one starting it);
-  // finish() then returns at once. It must not block or call the client. Not told when start_*
-  // throws.
-  using ended_fn = std::function<void()>;
-  ticket start_read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
-                    std::chrono::steady_clock::time_point until, std::uint64_t version = 0, ended_fn ended = {});
   // Writes are atomic per file. open_write() starts a new version of `path` on the server, invisible
   // under its name (`keep`: a copy of its current content, for updates in place; `replace`: empty);
   // writes fill it from any memory; commit() puts it in place in one step -- a reader sees the old
@@ -176,8 +163,6 @@ class FERRY_API client {
   // without extending it).
   write_handle open_write(const std::string& path, net::write_mode mode = net::write_mode::replace,
                           std::chrono::nanoseconds timeout = std::chrono::seconds(30), std::uint64_t size_hint = 0);
-  ticket start_write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
-                     std::chrono::steady_clock::time_point until, ended_fn ended = {});
   void write(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
              std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   // `size`: the file's size is set to it first (a replacement then has exactly the bytes written,
@@ -189,18 +174,6 @@ class FERRY_API client {
   // connection it starts again once, from the beginning.
   void put(const std::string& path, const void* src, std::uint64_t length,
            std::chrono::nanoseconds timeout = std::chrono::seconds(30));
-  // Waits for a ticket (until its deadline) and returns the bytes read (short at EOF) or written.
-  // Throws an error naming the peer and the path; after a timeout the connection is closed first,
-  // so nothing lands in the buffer afterwards (the next request reconnects).
-  std::uint64_t finish(ticket t);
-  // The same, giving up when `cancelled()` turns true (looked at every tenth of a second, under the
-  // client's lock: it must not block or call the client): as at the deadline, the connection is
-  // closed first (the lane's other requests fail and reconnect), and the error is `cancelled`.
-  std::uint64_t finish(ticket t, const std::function<bool()>& cancelled);
-  // Drives this client's connections from the calling thread until `stop()` is true or `spin` has
-  // passed: answers that come meanwhile are taken here (their `ended` notices run here), without
-  // waking the connections' own threads. For a caller that expects answers soon.
-  void progress(std::chrono::nanoseconds spin, const std::function<bool()>& stop);
 
   // Host memory that this client's server can reach directly, for buffers used again and again (as
   // memory registered for RDMA is): shared memory lent to a same-host server, which then reads files
@@ -220,7 +193,7 @@ class FERRY_API client {
   // when it began (the file shrank under it) is an io_error naming the offset, never a short success.
   // A small read (one piece) into host memory or an allocated buffer is the quickest request there
   // is: the calling thread sends it and takes its answer itself, with nothing registered for other
-  // threads in between (start_read/finish cannot: the caller may do anything between the two).
+  // threads in between (a submitted request cannot: its caller may do anything meanwhile).
   std::uint64_t read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
                      std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   std::uint64_t read(const std::string& path, std::uint64_t offset, void* dst, std::uint64_t length,
