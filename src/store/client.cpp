@@ -226,10 +226,17 @@ std::shared_ptr<client::impl::piece> client::impl::send(message m, std::shared_p
     // Small pieces stay on the calling thread's own lane while it has credit: the caller drives
     // that lane's worker while it waits, so their replies are handled on this thread, without
     // waking the other lanes' progress threads (spread over four lanes, 4 KiB reads at queue
-    // depth 4 took longer than one at a time). Large pieces spread for bandwidth.
+    // depth 4 took longer than one at a time). Large pieces whose data travels on the lane (by
+    // messages or RMA) spread for bandwidth; a direct piece's data does not (the server reads or
+    // writes the landing region or a lent buffer itself), and it follows its request's first piece
+    // while that lane has credit: spread over the lanes, one request's pieces keep a progress
+    // thread busy on each lane and on each server worker for nothing (the server's file engine
+    // copies them in parallel whichever worker took them). docs/design/storage-service.md.
     // (Not ranges in one request: their caller waits for none of them, and spread over the lanes,
     // their answers are handed over on several threads at once.)
-    lane* home = p->len <= small_piece && lanes.size() > 1 && !p->answer ? lanes[home_lane()].get() : nullptr;
+    lane* home = p->prefer                                                  ? p->prefer
+                 : p->len <= small_piece && lanes.size() > 1 && !p->answer ? lanes[home_lane()].get()
+                                                                           : nullptr;
     // Credit comes back with the answers of a lane that is up. With every lane down none will come,
     // and only a request reconnects (ensure_connected): the request fails at once with what the
     // connection died of, and the caller's retry reconnects -- waiting for credit here held it (and
@@ -433,6 +440,7 @@ std::shared_ptr<client::impl::piece> client::impl::next_piece(plan& pl, message&
     m = {0, 0, write ? body{write_rma{path, at, n, addr, std::move(rk), pl.handle}} : body{read_rma{path, at, n, addr, std::move(rk), pl.handle}}};
   } else if (pl.direct && n) {
     p->direct = true;
+    p->prefer = pl.first_lane;
     if (pl.lent) {
       p->land = mem + off;
       p->lent = true;
@@ -520,6 +528,7 @@ void client::impl::start(const std::string& path, std::uint64_t offset, std::byt
       }
       p = send(std::move(m), std::move(p), true, until);
       unsent.reset();
+      if (!pl.first_lane) pl.first_lane = p->ln;
       o2.pieces.push_back(p);
       send_write_data(p);
       pl.off += p->len;

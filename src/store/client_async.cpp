@@ -391,6 +391,7 @@ bool client::impl::advance(const std::shared_ptr<async_op>& a, bool& all_down) {
       release_land(*p, false);  // never sent: the server never saw its slot
       return false;
     }
+    if (!x.pl.first_lane) x.pl.first_lane = sent->ln;
     {
       std::lock_guard l(mu);
       x.x.pieces.push_back(sent);

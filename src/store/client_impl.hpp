@@ -88,6 +88,7 @@ struct client::impl {
   struct piece {
     std::uint64_t rid = 0;
     lane* ln = nullptr;
+    lane* prefer = nullptr;  // a direct piece: the lane its request's first piece went on (see send)
     connection* conn = nullptr;
     bool write = false, direct = false, rma = false, lent = false;
     std::shared_ptr<registration> net;  // network registration of the memory an RMA piece uses
@@ -322,6 +323,7 @@ struct client::impl {
     std::vector<registration::piece> net_pieces;
     pinned_pool* pool = nullptr;
     std::uint64_t piece_len = 0, off = 0;
+    lane* first_lane = nullptr;  // the lane the first piece went on
     bool sent_any = false;
     bool sent_all() const { return sent_any && off >= length; }
   };

@@ -340,6 +340,40 @@ TEST(StoreService, RefusalsNameThePeerAndPath) {
   EXPECT_EQ(c.read("data/shard.bin", 0, buf.data(), 100), 100u);
 }
 
+// A direct read's pieces (their data goes through shared memory, not on the lane) follow the
+// request's first piece onto its lane, so one server worker takes them all; pieces whose data
+// travels on the lanes (no shared memory) spread over the lanes, and so over the workers.
+TEST(StoreService, ADirectReadsPiecesFollowItsFirstLaneOthersSpread) {
+  served s;
+  for (bool map : {true, false}) {
+    SCOPED_TRACE(map ? "through the landing region" : "by messages");
+    store::client_options co;
+    co.lanes = 4;
+    co.piece = 1 << 20;
+    co.map = map;
+    store::client c("127.0.0.1", s.srv->port(), co);
+    std::vector<unsigned char> buf(8 << 20);
+    ASSERT_EQ(c.read("data/shard.bin", 0, buf.data(), 1), 1u);  // connected (and the landing region lent)
+    const auto before = s.srv->stats().worker_requests;
+    const auto direct_before = c.stats().direct_pieces;
+    ASSERT_EQ(c.read("data/shard.bin", 0, buf.data(), buf.size(), std::chrono::seconds(30)), buf.size());
+    EXPECT_EQ(std::memcmp(buf.data(), s.data.data(), buf.size()), 0);
+    const auto after = s.srv->stats().worker_requests;
+    ASSERT_EQ(after.size(), 4u);
+    std::vector<std::uint64_t> took;
+    for (std::size_t k = 0; k < after.size(); ++k) took.push_back(after[k] - before[k]);
+    const auto most = *std::max_element(took.begin(), took.end());
+    const auto workers = std::count_if(took.begin(), took.end(), [](std::uint64_t n) { return n > 0; });
+    if (map) {
+      ASSERT_EQ(c.stats().direct_pieces - direct_before, 8u) << "the pieces went through the landing region";
+      EXPECT_GE(most, 8u) << "the 8 pieces on one worker; requests each worker took: " << ::testing::PrintToString(took);
+    } else {
+      EXPECT_GE(workers, 3) << "requests each worker took: " << ::testing::PrintToString(took);
+      EXPECT_LT(most, 8u);
+    }
+  }
+}
+
 // A client that keeps every credit in use sends its next request the moment an answer arrives:
 // the server must have given that request's credit back before answering, or the next one is
 // refused as one too many. Reads answered by I/O threads (above the inline size), one lane, two

@@ -66,6 +66,7 @@ struct server_stats {
   std::uint64_t mapped_sessions = 0;  // connections whose lent region is mapped here
   std::uint64_t rma_puts = 0, rma_gets = 0;  // requests served by RMA into / out of registered client memory
   std::vector<std::uint64_t> worker_connections;  // connections (lanes) each worker took, the first worker first
+  std::vector<std::uint64_t> worker_requests;     // requests each worker's progress thread handled, likewise
   std::uint64_t unauthenticated = 0;   // connections at the door, in their handshake now
   std::uint64_t refused = 0;           // lanes refused (the server at FERRY_SERVE_MAX_CONNECTIONS)
   std::uint64_t closed_handshake = 0;  // door connections closed at the handshake deadline or displaced by newer ones

@@ -578,8 +578,10 @@ server_stats server::stats() const {
   for (auto& [c, s] : i.sessions) mapped += s->mapped.load();
   const detail::door_counts door = i.front ? i.front->counts() : detail::door_counts{};
   detail::worker_counts sum;  // the workers' own counts
+  std::vector<std::uint64_t> requests_of;
   for (std::size_t k = 0; k < i.workers.size(); ++k) {
     auto& w = i.core.counts[k];
+    requests_of.push_back(w.requests.value());
     for (auto [to, from] : {std::pair{&sum.requests, &w.requests}, {&sum.reads, &w.reads}, {&sum.writes, &w.writes},
                             {&sum.bytes_sent, &w.bytes_sent}, {&sum.inline_replies, &w.inline_replies},
                             {&sum.mapped_reads, &w.mapped_reads}, {&sum.direct_reads, &w.direct_reads},
@@ -603,6 +605,7 @@ server_stats server::stats() const {
           i.core.rma_puts.load(),
           i.core.rma_gets.load(),
           per_worker(i),
+          std::move(requests_of),
           door.waiting,
           i.core.refused.load(),
           door.displaced + door.closed_deadline + i.core.closed_handshake.load(),
