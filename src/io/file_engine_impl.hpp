@@ -114,8 +114,9 @@ struct job {
 };
 
 // Where a submitting thread's search for the least loaded worker starts, as a fraction of the
-// workers (of 2^32): the bits of the thread's number reversed, so that threads numbered one after
-// another -- a server's progress threads, made together -- start evenly spread over the workers.
+// workers (of 2^32): the bits of the thread's number reversed. Threads are numbered as they first
+// submit, in the whole process; any run of consecutive numbers (a server's progress threads taking
+// their first requests together, say) starts evenly spread over the workers, others nearly so.
 inline std::uint32_t first_look() {
   static std::atomic<std::uint32_t> threads{0};
   std::uint32_t n = threads.fetch_add(1, std::memory_order_relaxed), r = 0;
@@ -299,11 +300,12 @@ struct file_engine::impl {
     std::vector<job> queue;
     std::size_t qhead = 0;
     std::atomic<std::size_t> queued{0};  // jobs waiting, for submitters choosing a worker without its lock
-    // The load_of its jobs waiting (written with qmu) and running (as of its last round): what
-    // submitters choose the least loaded worker by.
     std::condition_variable cv;       // with qmu: its queue got work, or stop (it waits here when it runs nothing)
     bool looping = false;             // with qmu: its loop is out on the executor (started, not yet ended)
     std::atomic<std::size_t> running_now{0};  // requests it runs (as of its last round)
+    // The load_of its jobs waiting (written with qmu) and running (as of its last round, and without
+    // those it is ending, before it tells their batches): what submitters choose the least loaded
+    // worker by.
     std::atomic<std::uint64_t> queued_load{0}, running_load{0};
     std::vector<slot> slots;
     std::list<running> runs;

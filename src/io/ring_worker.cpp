@@ -221,8 +221,15 @@ void file_engine::impl::worker::loop() {
       else if (now >= r.j.b->until() && !(r.issued() && !r.busy))
         abort(r, error(errc::timeout, op, r.j.r.f->path(), "deadline passed"));
     }
+    // The load without the requests that end here, said before their batches are told: a caller
+    // that a batch's end lets submit again sees this worker as it is by then.
+    auto ending = [](const running& r) { return !r.busy && (r.err || r.issued()); };
+    std::uint64_t load = 0;
+    for (const running& r : runs)
+      if (!ending(r)) load += load_of(r.j);
+    running_load.store(load, std::memory_order_relaxed);
     for (auto it = runs.begin(); it != runs.end();) {
-      if (!it->busy && (it->err || it->issued())) {
+      if (ending(*it)) {
         end(*it);
         *it = running{};  // lets go of its file, memory and batch now
         spare.splice(spare.begin(), runs, it++);
@@ -231,9 +238,6 @@ void file_engine::impl::worker::loop() {
       }
     }
     running_now = runs.size();
-    std::uint64_t load = 0;
-    for (const running& r : runs) load += load_of(r.j);
-    running_load.store(load, std::memory_order_relaxed);
     report();
   }
 }

@@ -119,7 +119,7 @@ struct client::impl {
     std::optional<message> reply;
     std::optional<error> err;
     std::atomic<bool> done{false};
-    std::shared_ptr<notice> ends;  // its request's, when the caller asked to be told
+    std::shared_ptr<notice> ends;  // a submitted request's
     async_op* owner = nullptr;  // a submitted request's: moved on as the piece lands (mu; cleared as it ends)
     // Failed because its connection was closed to end another request (mu): a loss that is not its
     // own, so not its one retry.
@@ -457,8 +457,8 @@ struct client::impl {
   bool own_thread() const { return in_copy_end || own_worker() != nullptr; }
 
   // ---- data path (client.cpp): caller threads ----
-  // A synchronous read's request, sent; `keep` gets it, for finish. `handle`: for a read, the file
-  // version it must come from (0: any); for a write, its open write.
+  // A synchronous read's or write's request, sent; `keep` gets it, for finish. `handle`: for a read,
+  // the file version it must come from (0: any); for a write, its open write.
   void start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
              clk::time_point until, std::uint64_t handle, op& keep);
   // A piece is done: its request's notice, if any, counts it.

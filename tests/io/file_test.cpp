@@ -558,9 +558,6 @@ TEST(File, RequestsOfThreadsSubmittingTogetherSpreadOverTheWorkers) {
         if (!b.wait() || b.results()[0].bytes_done != (4u << 20) ||
             std::memcmp(got[t].data(), data.data() + (std::size_t(t) << 22), 4 << 20) != 0)
           wrong++;
-        // The workers' loads say "running" until their loop's next round: let it come before the
-        // next round's requests look at them.
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
       }
     });
   for (auto& t : threads) t.join();

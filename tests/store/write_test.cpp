@@ -137,6 +137,10 @@ TEST(StoreWrite, ManyOutstandingRequestsOnOneConnection) {
   writable_server s;
   auto data = random_bytes(16 << 20, 9);
   {
+    // The reads' memory and ends outlive the client, whose requests write them.
+    std::vector<std::vector<unsigned char>> bufs(200);
+    std::vector<std::uint64_t> offs(bufs.size());
+    test::tally tr(bufs.size());
     store::client c("127.0.0.1", s.srv->port(), s.opts(256 << 10));
     // 64 writes in flight at once (more pieces than credits: the client queues them, never fails).
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -160,11 +164,7 @@ TEST(StoreWrite, ManyOutstandingRequestsOnOneConnection) {
     EXPECT_EQ(slurp(s.root / "out" / "many.bin"), data);
     // 200 reads of random sizes and offsets, up to 64 outstanding.
     std::mt19937_64 rng(3);
-    std::vector<std::vector<unsigned char>> bufs(200);
-    std::vector<std::uint64_t> offs(bufs.size());
-    test::tally tr(bufs.size());
     auto check = [&](std::size_t k) {
-      ASSERT_TRUE(tr.wait_one(k, std::chrono::seconds(60))) << "read " << k;
       auto l = tr.lock();
       EXPECT_EQ(tr.bytes[k], bufs[k].size()) << tr.errors[k];
       EXPECT_EQ(std::memcmp(bufs[k].data(), data.data() + offs[k], bufs[k].size()), 0) << "read " << k;
@@ -181,9 +181,15 @@ TEST(StoreWrite, ManyOutstandingRequestsOnOneConnection) {
       r.until = until;
       r.done = tr.done(k);
       c.submit(std::move(r));
-      if (k >= 63) check(k - 63);
+      if (k >= 63) {
+        ASSERT_TRUE(tr.wait_one(k - 63, std::chrono::seconds(60))) << "read " << k - 63;
+        check(k - 63);
+      }
     }
-    for (std::size_t k = bufs.size() - 63; k < bufs.size(); ++k) check(k);
+    for (std::size_t k = bufs.size() - 63; k < bufs.size(); ++k) {
+      ASSERT_TRUE(tr.wait_one(k, std::chrono::seconds(60))) << "read " << k;
+      check(k);
+    }
     if (c.stats().data_path.find("mapped") != std::string::npos)
       EXPECT_GT(s.srv->stats().direct_reads, 0u) << "reads went into the mapped landing region";
     else
