@@ -222,13 +222,12 @@ void file_engine::start(const std::shared_ptr<transfer_batch::state>& b, std::sp
   }
   if (!jobs.empty()) {
     // Each to the worker with the least work (the load_of what it has queued and running, as the
-    // workers last said), the first of equals from the submitting
-    // thread's own first worker, the largest jobs placed first: the batch ends when its last worker
-    // does, so the bytes are spread, not the requests (a checkpoint's requests run from a few KiB to
-    // hundreds of MiB). Requests that come together spread over the workers, one thread's one after
-    // another stay on its first few (awake, their rings' kernel threads warm). Each worker runs its
-    // share in the batch's order; it is handed
-    // over under the worker's own lock, with a wake.
+    // workers last said), the first of equals from the submitting thread's own first worker, the
+    // largest jobs placed first: the batch ends when its last worker does, so the bytes are spread,
+    // not the requests (a checkpoint's requests run from a few KiB to hundreds of MiB). Requests that
+    // come together spread over the workers, one thread's one after another stay on its first few
+    // (awake, their rings' kernel threads warm). Each worker runs its share in the batch's order; it
+    // is handed over under the worker's own lock, with a wake.
     std::vector<std::size_t>& load = mine.load;
     load.resize(nw);
     for (std::size_t k = 0; k < nw; ++k)

@@ -148,10 +148,8 @@ bool file_engine::impl::worker::admit() {
     queued = queue.size() - qhead;
     queued_load.fetch_sub(taken, std::memory_order_relaxed);
     running_now = runs.size() + took.size();
-    std::uint64_t load = 0;
-    for (const running& r : runs) load += load_of(r.j);
-    for (const job& j : took) load += load_of(j);
-    running_load.store(load, std::memory_order_relaxed);
+    // (Taken jobs that fail as they start leave it high until the round's end says it again.)
+    running_load.fetch_add(taken, std::memory_order_relaxed);
   }
   for (auto& j : took) {
     // Counted: a request that starts beside others on this worker (not behind them).

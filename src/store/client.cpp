@@ -499,8 +499,8 @@ void client::impl::send_write_data(const std::shared_ptr<piece>& p) {
   }
 }
 
-void client::impl::start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
-                         clk::time_point until, std::uint64_t handle, op& keep) {
+client::impl::op client::impl::start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length,
+                                     bool write, clk::time_point until, std::uint64_t handle) {
   plan pl;
   pl.path = path;
   pl.write = write;
@@ -523,8 +523,7 @@ void client::impl::start(const std::string& path, std::uint64_t offset, std::byt
       if (one_piece) {
         p = send(std::move(m), std::move(p), true, until, nullptr, &o2);
         unsent.reset();
-        keep = std::move(o2);
-        return;
+        return o2;
       }
       p = send(std::move(m), std::move(p), true, until);
       unsent.reset();
@@ -550,7 +549,7 @@ void client::impl::start(const std::string& path, std::uint64_t offset, std::byt
   }
   std::lock_guard l(mu);
   n_requests++;
-  keep = std::move(o2);
+  return o2;
 }
 
 std::uint64_t client::impl::finish(op& x) {
@@ -636,8 +635,7 @@ std::uint64_t client::read(const std::string& path, std::uint64_t offset, void* 
         // what the file held then is what the read must return.
         std::optional<net::stat_reply> st;
         if (length > impl_->o.piece) st = stat(path, until - clk::now());
-        impl::op x;  // waited for here
-        impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, st ? st->version : 0, x);
+        impl::op x = impl_->start(path, offset, static_cast<std::byte*>(dst), length, false, until, st ? st->version : 0);
         std::uint64_t got = impl_->finish(x);
         std::uint64_t held = st && st->size > offset ? std::min(length, st->size - offset) : 0;
         if (got < held)
@@ -661,9 +659,8 @@ client::write_handle client::open_write(const std::string& path, net::write_mode
 std::uint64_t client::impl::write_now(const write_handle& h, std::uint64_t offset, const void* src, std::uint64_t length,
                                       clk::time_point until) {
   if (!h.id) fail(errc::invalid_argument, "store.write", h.path, "not an open write (use open_write)");
-  op x;
   // The buffer is only read (sent), never written.
-  start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id, x);
+  op x = start(h.path, offset, static_cast<std::byte*>(const_cast<void*>(src)), length, true, until, h.id);
   return finish(x);
 }
 

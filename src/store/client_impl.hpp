@@ -457,10 +457,10 @@ struct client::impl {
   bool own_thread() const { return in_copy_end || own_worker() != nullptr; }
 
   // ---- data path (client.cpp): caller threads ----
-  // A synchronous read's or write's request, sent; `keep` gets it, for finish. `handle`: for a read,
-  // the file version it must come from (0: any); for a write, its open write.
-  void start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
-             clk::time_point until, std::uint64_t handle, op& keep);
+  // A synchronous read's or write's request, sent, for finish. `handle`: for a read, the file
+  // version it must come from (0: any); for a write, its open write.
+  op start(const std::string& path, std::uint64_t offset, std::byte* mem, std::uint64_t length, bool write,
+           clk::time_point until, std::uint64_t handle);
   // A piece is done: its request's notice, if any, counts it.
   static void ended(piece& p) {
     if (p.ends) p.ends->release();
