@@ -546,6 +546,7 @@ void client::impl::tick() {
   std::vector<std::shared_ptr<async_op>> ended_members, stats;
   std::vector<std::function<void()>> later;
   bool want_connection = false;
+  clk::time_point need_by = now + o.timeout;
   {
     std::lock_guard l(mu);
     later.swap(afterwards);
@@ -587,6 +588,11 @@ void client::impl::tick() {
       if (a.need_stat) stats.push_back(ap);
     }
     want_connection = !waiting.empty() || !stats.empty();
+    // A reconnect holds this lane's thread, the only one left when the client has one lane: it waits
+    // no longer than the nearest deadline of what waits for it, so that each of those still ends at
+    // its own deadline (by the next look, naming its file and offset).
+    for (auto& a : waiting) need_by = std::min(need_by, a->deadline());
+    for (auto& a : stats) need_by = std::min(need_by, a->deadline());
   }
   // The connections of what was given up close before anything ended is told, as a request given up
   // under way promises (client.hpp): a caller told may go on at once.
@@ -602,10 +608,14 @@ void client::impl::tick() {
   if (want_connection && lane_events.load() != lanes_checked.load()) {
     {
       try {
-        ensure_connected(now + o.timeout);
+        ensure_connected(need_by);
       } catch (const error& e) {
         if (e.code() == errc::busy) {  // another thread is reconnecting: the next look goes on,
           drain();                     // and what ended meanwhile (given up, say) is told now
+          return;
+        }
+        if (e.code() == errc::timeout && need_by < now + o.timeout && clk::now() >= need_by) {
+          drain();  // cut short by a waiting request's deadline: the next look ends it, and tries again
           return;
         }
         // The server cannot be reached: what waits for a lane fails with that (a request sent again

@@ -16,9 +16,10 @@ namespace ferry::store {
 
 client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
     : o(std::move(opt)), host(h), port(p), peer(fmt::format("{}:{}", h, p)) {
+  if (o.lanes == 0) o.lanes = default_net_lanes();
   expects(o.piece >= 4096 && o.piece <= max_data, "store.client", peer,
           fmt::format("piece size {} must be between 4KiB and {}", o.piece, max_data));
-  expects(o.lanes >= 1 && o.lanes <= 64, "store.client", peer, fmt::format("lanes {} must be between 1 and 64", o.lanes));
+  expects(o.lanes >= 1 && o.lanes <= 64, "store.client", peer, fmt::format("lanes {} must be between 0 (one per four cores) and 64", o.lanes));
   ctx = std::make_shared<ucx_context>(interface_for(host, false));
   for (int i = 0; i < o.lanes; ++i) {
     auto ln = std::make_unique<lane>();

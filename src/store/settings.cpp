@@ -32,7 +32,7 @@ constexpr setting_row<store_settings> rows[] = {
   {"FERRY_NET_CONNECT_TIMEOUT", "How long one connection attempt of a ferry:// client waits for the server's answer to its handshake (within the request's own deadline). A server that died may leave the attempt without any error: past this it counts as unreachable (FERRY_NET_RETRY_AFTER) instead of holding the request to its deadline.",
    [](store_settings& s, std::string_view v) { s.net_connect_timeout = parse_duration_in(v, std::chrono::milliseconds(1), std::chrono::hours(1)); },
    [](const store_settings& s) { return format_duration(s.net_connect_timeout); }},
-  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`; each authenticated client's lanes are spread over them, so several serve connections in parallel. On one host a worker copies each small read out of the file itself: several raise the rate of many small reads (a GPU cache's misses; best with FERRY_NET_LANES=8 on the clients), but slowed large single reads there (docs/design/storage-service.md).",
+  {"FERRY_SERVE_WORKERS", "UCX workers (progress threads) of `ferry serve`; each authenticated client's lanes are spread over them, so several serve connections in parallel. On one host a worker copies each small read out of the file itself: several raise the rate of many small reads (a GPU cache's misses; best with FERRY_NET_LANES=8 on the clients), and one large read's pieces stay with one worker; small reads one at a time are somewhat slower with several (docs/design/storage-service.md).",
    [](store_settings& s, std::string_view v) { s.serve_workers = static_cast<int>(parse_int(v, 1, 64)); },
    [](const store_settings& s) { return std::to_string(s.serve_workers); }},
   {"FERRY_SERVE_MAX_CONNECTIONS", "Authenticated connections (lanes) `ferry serve` keeps at once; past it a new lane is refused, naming this setting.",
@@ -53,8 +53,8 @@ constexpr setting_row<store_settings> rows[] = {
   {"FERRY_SERVE_AUTH_RATE", "Wrong answers to the secret's challenge `ferry serve` tells per second, all connections together (1..100000); more wait their turn, in arrival order, and their connections cannot guess again meanwhile. A right answer is welcomed at once: no address is refused and no client waits behind guessers.",
    [](store_settings& s, std::string_view v) { s.serve_auth_rate = static_cast<int>(parse_int(v, 1, 100000)); },
    [](const store_settings& s) { return std::to_string(s.serve_auth_rate); }},
-  {"FERRY_NET_LANES", "Connections a ferry:// client opens to a server, each with its own UCX worker and progress thread; pieces are spread over them (one tcp connection is bound by one thread's copies).",
-   [](store_settings& s, std::string_view v) { s.net_lanes = static_cast<int>(parse_int(v, 1, 64)); },
+  {"FERRY_NET_LANES", "Connections a ferry:// client opens to a server, each with its own UCX worker and progress thread; pieces are spread over them (one tcp connection is bound by one thread's copies). 0 = one per four cores, between 1 and 4: each lane's thread polls after activity, and on a machine of few cores more lanes than that take turns with the caller and the server.",
+   [](store_settings& s, std::string_view v) { s.net_lanes = static_cast<int>(parse_int(v, 0, 64)); },
    [](const store_settings& s) { return std::to_string(s.net_lanes); }},
   {"FERRY_HTTP_PIECE", "http:// and https:// reads are split into range requests of at most this size, served in parallel over FERRY_HTTP_CONNECTIONS connections; a piece into GPU or sim memory is also at most one staging buffer (FERRY_STAGING_BYTES). An s3:// write larger than this goes up as a multipart upload in parts of this size (at least 5 MiB, and at most 10,000 parts).",
    [](store_settings& s, std::string_view v) { s.http_piece = parse_size_in(v, 64 * KiB, 1ull << 30); },
@@ -91,6 +91,14 @@ int default_http_threads() noexcept {
   // the cores, 1..16 (docs/design/remote-sources.md).
   unsigned n = std::thread::hardware_concurrency();
   return static_cast<int>(std::clamp(n / 2, 1u, 16u));
+}
+
+int default_net_lanes() noexcept {
+  // Each lane's progress thread polls for FERRY_NET_SPIN after activity: on a machine of few cores,
+  // more lanes than this take turns with the caller and the server's threads, and small reads slow
+  // down (docs/design/storage-service.md, "Several lanes per client").
+  unsigned n = std::thread::hardware_concurrency();
+  return static_cast<int>(std::clamp(n / 4, 1u, 4u));
 }
 
 }  // namespace ferry

@@ -381,6 +381,33 @@ TEST(StoreService, ADirectReadsPiecesFollowItsFirstLaneOthersSpread) {
   }
 }
 
+// Lanes by default follow the machine (one per four cores, 1..4: each lane's thread polls after
+// activity, and more lanes than that take turns with the caller and the server on a small machine);
+// a count out of range is refused with the count named.
+TEST(StoreService, DefaultLanesFollowTheCoresAndABadCountIsRefused) {
+  served s;
+  store::server_options o;
+  o.root = s.root.string();
+  store::server srv(test::server_io(), o);
+  const unsigned cores = std::thread::hardware_concurrency();
+  const int want = static_cast<int>(std::clamp(cores / 4, 1u, 4u));
+  EXPECT_EQ(default_net_lanes(), want);
+  EXPECT_EQ(store_settings{}.net_lanes, 0);
+  store::client_options co;  // lanes 0: the default
+  store::client c("127.0.0.1", srv.port(), co);
+  std::vector<unsigned char> buf(4096);
+  EXPECT_EQ(c.read("data/shard.bin", 0, buf.data(), buf.size(), std::chrono::steady_clock::now() + std::chrono::seconds(30)), 4096u);
+  EXPECT_EQ(c.stats().lanes, want);
+  co.lanes = 65;
+  try {
+    store::client bad("127.0.0.1", srv.port(), co);
+    FAIL() << "65 lanes were taken";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("lanes 65"), std::string::npos) << e.what();
+  }
+}
+
 // A client that keeps every credit in use sends its next request the moment an answer arrives:
 // the server must have given that request's credit back before answering, or the next one is
 // refused as one too many. Reads answered by I/O threads (above the inline size), one lane, two
@@ -424,7 +451,12 @@ TEST(StoreService, ThirtyTwoConcurrentClients) {
   served s;
   std::atomic<int> good{0};
   test::phased_clients(
-      32, [&](int) { return std::make_unique<store::client>("127.0.0.1", s.srv->port()); },
+      32,
+      [&](int) {
+        store::client_options co;
+        co.lanes = 4;  // as many as the server's workers: one on each
+        return std::make_unique<store::client>("127.0.0.1", s.srv->port(), co);
+      },
       [&](store::client& c, int i) {
         std::vector<unsigned char> buf(1 << 20);
         std::uint64_t off = static_cast<std::uint64_t>(i) * 200000;
@@ -435,7 +467,7 @@ TEST(StoreService, ThirtyTwoConcurrentClients) {
   EXPECT_EQ(good.load(), 32);
   // Each client opened its lanes (one connection each): lane 0 on the first worker, one further lane
   // on each other worker.
-  EXPECT_EQ(s.srv->stats().connections, 32u * static_cast<unsigned>(store::client_options{}.lanes));
+  EXPECT_EQ(s.srv->stats().connections, 32u * 4u);
   EXPECT_THAT(s.srv->stats().worker_connections, ::testing::Each(32u));
   // Every client has gone: the server let go of their sessions.
   for (int i = 0; i < 50 && s.srv->stats().live_sessions > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -171,12 +171,17 @@ TEST(StoreSubmit, AClientDestroyedUnderItsRequestsEndsThemWhileItIsWhole) {
 
 // A server that stops answering (SIGSTOP): a read with a deadline by progress fails once nothing
 // moved for that long, naming the peer, path and offset; one whose cancel turns true ends then.
+// With one lane too: the cancel closes the only connection, and the lane's thread, reconnecting to
+// the stopped server, must still end the other request at its own deadline.
 TEST(StoreSubmit, DeadlineByProgressAndCancelAgainstAStoppedServer) {
+  for (int lanes : {1, 4}) {
+  SCOPED_TRACE(std::to_string(lanes) + " lanes");
   auto root = fresh_root("ferry-submit-stall");
   make_file(root / "f.bin", 4 << 20, 5);
   test::served_process srv(FERRY_TEST_CLI, root);
   store::client_options co;
   co.timeout = std::chrono::seconds(5);
+  co.lanes = lanes;
   store::client c("127.0.0.1", srv.port, co);
   const auto peer = "127.0.0.1:" + std::to_string(srv.port);
   std::vector<unsigned char> a(1 << 20), b(1 << 20);
@@ -213,6 +218,7 @@ TEST(StoreSubmit, DeadlineByProgressAndCancelAgainstAStoppedServer) {
   EXPECT_THAT(t.errors[1], HasSubstr("[cancelled]"));
   EXPECT_THAT(t.errors[1], HasSubstr(peer));
   srv.resume();
+  }
 }
 
 // A server killed under a large read and started again on its port: the read is sent again once

@@ -49,7 +49,8 @@ struct client_options {
   // One connection attempt's wait for the server's welcome (FERRY_NET_CONNECT_TIMEOUT).
   std::chrono::nanoseconds connect_timeout = store_settings{}.net_connect_timeout;
   // Connections (lanes) to the server, each with its own UCX worker and progress thread; pieces are
-  // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies.
+  // spread over them (FERRY_NET_LANES). One tcp connection is bound by one thread's copies. 0: one per
+  // four cores, 1..4 (default_net_lanes()).
   int lanes = store_settings{}.net_lanes;
   // Lend a same-host server a shared-memory landing region (a sealed memfd): the server then reads
   // files straight into it and no data message is sent (FERRY_NET_MAP).

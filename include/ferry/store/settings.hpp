@@ -18,6 +18,7 @@ enum class rma_use { automatic, on, off };
 FERRY_API std::string_view to_string(rma_use v) noexcept;
 
 FERRY_API int default_http_threads() noexcept;  // half the hardware threads, 1..16
+FERRY_API int default_net_lanes() noexcept;  // a ferry:// client's lanes: one per four cores, 1..4
 
 // With core's (FERRY_DEADLINE: a request's wait).
 struct FERRY_API store_settings : virtual core_settings {
@@ -34,7 +35,7 @@ struct FERRY_API store_settings : virtual core_settings {
   std::chrono::nanoseconds serve_idle_timeout = std::chrono::minutes(10);      // no request for this long: closed
   int serve_auth_failures = 3;          // failed authentications per connection before it is closed
   int serve_auth_rate = 20;  // secret proofs `ferry serve` checks per second, all connections together
-  int net_lanes = 4;                    // connections (each its own worker) per ferry:// client
+  int net_lanes = 0;                    // connections (each its own worker) per ferry:// client; 0: default_net_lanes()
   // http://, https:// sources
   std::uint64_t http_piece = 8ull << 20;   // bytes per range request
   int http_connections = 16;               // pieces under way at once (each its connection)
