@@ -546,7 +546,6 @@ void client::impl::tick() {
   std::vector<std::shared_ptr<async_op>> ended_members, stats;
   std::vector<std::function<void()>> later;
   bool want_connection = false;
-  clk::time_point need_by = now + o.timeout;
   {
     std::lock_guard l(mu);
     later.swap(afterwards);
@@ -588,11 +587,6 @@ void client::impl::tick() {
       if (a.need_stat) stats.push_back(ap);
     }
     want_connection = !waiting.empty() || !stats.empty();
-    // A reconnect holds this lane's thread, the only one left when the client has one lane: it waits
-    // no longer than the nearest deadline of what waits for it, so that each of those still ends at
-    // its own deadline (by the next look, naming its file and offset).
-    for (auto& a : waiting) need_by = std::min(need_by, a->deadline());
-    for (auto& a : stats) need_by = std::min(need_by, a->deadline());
   }
   // The connections of what was given up close before anything ended is told, as a request given up
   // under way promises (client.hpp): a caller told may go on at once.
@@ -606,6 +600,15 @@ void client::impl::tick() {
   }
   for (auto& f : later) f();
   if (want_connection && lane_events.load() != lanes_checked.load()) {
+    // A reconnect holds this lane's thread, the only one left when the client has one lane: it waits
+    // no longer than the nearest deadline of what waits for it, so that each of those still ends at
+    // its own deadline (by the next look, naming its file and offset).
+    clk::time_point need_by = now + o.timeout;
+    {
+      std::lock_guard l(mu);
+      for (auto& a : waiting) need_by = std::min(need_by, a->deadline());
+      for (auto& a : stats) need_by = std::min(need_by, a->deadline());
+    }
     {
       try {
         ensure_connected(need_by);
