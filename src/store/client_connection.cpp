@@ -16,6 +16,7 @@ namespace ferry::store {
 
 client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
     : o(std::move(opt)), host(h), port(p), peer(fmt::format("{}:{}", h, p)) {
+  ferry::detail::make_adaptive(mu);
   if (o.lanes == 0) o.lanes = default_net_lanes();
   expects(o.piece >= 4096 && o.piece <= max_data, "store.client", peer,
           fmt::format("piece size {} must be between 4KiB and {}", o.piece, max_data));

@@ -16,6 +16,7 @@
 #include <ferry/store/client.hpp>
 #include <ferry/xfer/engine.hpp>
 
+#include "core/adaptive_mutex.hpp"
 #include "core/logging.hpp"
 #include "net/ucx.hpp"
 #include "store/landing.hpp"
@@ -199,7 +200,7 @@ struct client::impl {
   std::string host;
   std::uint16_t port;
   std::string peer;
-  std::mutex mu;
+  std::mutex mu;  // adaptive (the constructor): taken by every lane for every answer and by the threads that submit
   std::condition_variable cv;
   std::uint64_t next_id = 1;
   recycling_map<std::uint64_t, std::shared_ptr<piece>> pend;  // by request id, until settled
