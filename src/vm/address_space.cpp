@@ -270,6 +270,17 @@ struct address_space::impl final : page_mover, launch_observer {
   // tables for the whole chunk), so it is paid only when the CPU touches the page (a fault) or a
   // transfer pins it.
   std::unique_ptr<std::atomic<std::uint8_t>[]> cpu;
+  // A page on the host stays where it is through a launch when it is not returned (held, no room,
+  // earlier work still running, or no return at launch), and the kernel reaches it in place over the
+  // bus. A CPU write then must not run beside the launched work: a GPU atomic there is not atomic
+  // with the CPU's, and a CPU store could land in the middle of what a kernel reads. So a launch
+  // takes the CPU's write access to such pages (read stays), and the CPU's next write faults and
+  // waits for the work of the attached streams first -- the wait a CPU fault on a device page makes.
+  // `cpu_writable`: pages the CPU was let write since the last launch (writable_mu); `write_taken`:
+  // per page, its write access was taken by a launch (page lock).
+  std::mutex writable_mu;
+  std::vector<std::uint64_t> cpu_writable;
+  std::vector<char> write_taken;
   std::mutex slot_mu;
   physical_chunk zero;                      // a zeroed host chunk at the end of the host mirror
   physical_chunk pad_before, pad_after;     // mapped on each side of `shared`
@@ -361,6 +372,7 @@ struct address_space::impl final : page_mover, launch_observer {
     shared_mapped.assign(npages, 0);
     shared_at.assign(npages, -1);
     host_w.assign(npages, 0);
+    write_taken.assign(npages, 0);
     cpu.reset(new std::atomic<std::uint8_t>[npages]);
     for (std::uint64_t i = 0; i < npages; ++i) cpu[i] = 0;
     zero = dev.allocate(page, ferry::location::on_host());
@@ -558,6 +570,10 @@ struct address_space::impl final : page_mover, launch_observer {
   void grant_cpu(std::uint64_t p) {
     if (!shared_mapped[p] || shared_at[p] != host) return;
     if (cpu[p].load() == (host_w[p] ? 3 : 1)) return;
+    if (write_taken[p] && host_w[p]) {
+      quiesce();  // the launched work that may use the page in place (see cpu_writable)
+      write_taken[p] = 0;
+    }
     std::vector<std::uint64_t> one{p};
     grant_shared_cpu(one);
   }
@@ -574,6 +590,39 @@ struct address_space::impl final : page_mover, launch_observer {
         dev.set_access(shared.at(first * page), n * page, g);
         for (std::uint64_t p = first; p < first + n; ++p) cpu[p] = w ? 3 : 1;
       });
+      if (w && !these.empty()) {
+        std::lock_guard l(writable_mu);
+        cpu_writable.insert(cpu_writable.end(), these.begin(), these.end());
+      }
+    }
+  }
+  // At a launch: the CPU keeps reading the host pages it may write (cpu_writable) but writes them
+  // only after the launched work (grant_cpu). Each page under its lock, so that no fault switches it
+  // meanwhile.
+  void take_cpu_writes() noexcept {
+    std::vector<std::uint64_t> pages;
+    {
+      std::lock_guard l(writable_mu);
+      pages.swap(cpu_writable);
+    }
+    if (pages.empty()) return;
+    std::sort(pages.begin(), pages.end());
+    pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+    for (auto p : pages) {
+      try {
+        table->locked(p, [&] {
+          if (!shared_mapped[p] || shared_at[p] != host || cpu[p].load() != 3) return;
+          timed tm{t.access};
+          auto g = device_grants();
+          g.push_back({ferry::location::on_host(), access::read});
+          dev.set_access(shared.at(p * page), page, g);
+          cpu[p] = 1;
+          write_taken[p] = 1;
+        });
+      } catch (const std::exception& e) {
+        // The page stays writable: a CPU write may then run beside the kernel, as before this step.
+        log::warn("vm", "{}: taking the CPU's write access to page {} for a launch failed: {}", dev.id(), p, e.what());
+      }
     }
   }
   // Calls f(first page, count) for each run of consecutive pages in `pages` (sorted here).
@@ -595,6 +644,7 @@ struct address_space::impl final : page_mover, launch_observer {
         shared_mapped[p] = 0;
         shared_at[p] = -1;
         cpu[p] = 0;
+        write_taken[p] = 0;
       }
     });
   }
@@ -605,6 +655,7 @@ struct address_space::impl final : page_mover, launch_observer {
     shared_at[p] = at;
     host_w[p] = at == host && writable;
     cpu[p] = 0;
+    write_taken[p] = 0;
   }
   void grant_shared(std::vector<std::uint64_t> pages) {
     timed tm{t.access};
@@ -761,6 +812,10 @@ struct address_space::impl final : page_mover, launch_observer {
     }
     launches++;
     if (ahead_mu.try_lock_for(o.deadline)) ahead_mu.unlock();
+    struct then_writes {  // after the return (or none): what stays on the host
+      impl* s;
+      ~then_writes() { s->take_cpu_writes(); }
+    } tw{this};
     if (!o.return_at_launch) return;
     std::unique_lock r(return_mu, std::defer_lock);
     if (!r.try_lock_for(o.deadline)) {

@@ -784,6 +784,12 @@ void page_table::set_preferred(std::uint64_t page, location at) {
   if (at == host) impl_->untake(page, impl_->pg[page]);
 }
 
+void page_table::locked(std::uint64_t page, const std::function<void()>& f) {
+  impl_->check(page, host, "vm.locked");
+  std::lock_guard l(impl_->pg[page].mu);
+  f();
+}
+
 std::uint64_t page_table::cpu_taken() const noexcept { return impl_->ntaken.load(); }
 
 std::uint64_t page_table::return_taken(std::chrono::nanoseconds quiet, std::uint64_t max_pages, std::uint64_t batch,

@@ -739,6 +739,52 @@ TEST(VmSpace, ACpuTouchWhileAStreamRunsWaitsAndIsToldOnce) {
   EXPECT_EQ(said.find("while the program's work"), said.rfind("while the program's work")) << "said more than once:\n" << said;
 }
 
+// A page that stays on the host through a launch (here: its PREFERRED_LOCATION) is reached by the
+// kernel in place. While the launched work may run, the CPU still reads the page at once, but its
+// write waits for that work: a CPU write (an atomic counter both sides add to, say) never runs
+// beside a kernel on the same page, whose atomics over the bus are not atomic with the CPU's.
+TEST(VmSpace, ACpuWriteToAHostPageWaitsForTheWorkLaunchedSince) {
+  settings c = sim_cfg();
+  c.sim_granularity = 1 << 20;
+  runtime rt(c);
+  device& dev = rt.devices().get("sim:0");
+  vm::address_space as(dev, 8 << 20, placed());
+  ASSERT_TRUE(as.returns_pages()) << "the sim reports its launches";
+  const std::size_t n = 2 << 20;
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  as.advise(p, n, vm::advice::preferred_location, memory_kind::host);
+  fill(p, n, 500);  // the CPU writes both pages: on the host, writable
+  auto s = dev.create_stream();
+  as.attach_stream(*s);
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round);
+    alignas(4) std::uint32_t hold = 0;
+    s->wait_value(&hold, 1);  // the program's work, running until released
+    std::uint64_t got = 0;
+    s->checksum(p, n, &got);  // a launch: the pages stay on the host
+    std::thread release([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      std::atomic_ref<std::uint32_t>(hold).store(1);
+    });
+    auto t0 = std::chrono::steady_clock::now();
+    volatile std::byte b = p[1 << 20];  // a read goes on at once
+    (void)b;
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(100)) << "a read waited for the stream";
+    t0 = std::chrono::steady_clock::now();
+    p[round] = std::byte{9};  // a write waits for it
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    release.join();
+    EXPECT_GE(waited, std::chrono::milliseconds(120)) << "the CPU wrote beside the launched work";
+    EXPECT_EQ(p[round], std::byte{9});
+    s->synchronize();
+    t0 = std::chrono::steady_clock::now();
+    p[(1 << 20) + round] = std::byte{9};  // with nothing launched since, the next page's write goes on
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(as.resident(dev), 0u) << "the pages stayed on the host throughout";
+  as.detach_stream(*s);
+}
+
 // Unified memory as a DMA target: file reads into a unified pointer while another thread keeps
 // moving its pages between host and device. The space is a peer-memory client of the runtime's
 // registration cache: each request pins the pages it uses (in place, exclusive) only while it runs.

@@ -180,6 +180,8 @@ class FERRY_API page_table {
   void set_preferred(std::uint64_t page, location at);
   // Pages the CPU took from a device that are still on the host (see "return" above).
   std::uint64_t cpu_taken() const noexcept;
+  // Runs f with page `page` locked (no change of the page runs meanwhile).
+  void locked(std::uint64_t page, const std::function<void()>& f);
   // Moves up to `max_pages` taken pages that the CPU took at least `quiet` ago, and that are not
   // held, back to their device, in batches, into free room only. Returns the pages moved. `ready`,
   // when given, is asked once there are pages to move (a caller waits there for work that may use
