@@ -13,13 +13,15 @@
 namespace ferry::detail {
 
 // `m`: constructed and never locked yet.
-inline void make_adaptive(std::mutex& m) noexcept {
+inline void make_adaptive([[maybe_unused]] std::mutex& m) noexcept {
+#ifdef __GLIBC__  // PTHREAD_MUTEX_ADAPTIVE_NP is glibc's; elsewhere the mutex stays as it is
   static_assert(std::is_same_v<std::mutex::native_handle_type, pthread_mutex_t*>, "std::mutex is not a pthread mutex here");
   pthread_mutexattr_t a;
   pthread_mutexattr_init(&a);
   pthread_mutexattr_settype(&a, PTHREAD_MUTEX_ADAPTIVE_NP);
   pthread_mutex_init(m.native_handle(), &a);
   pthread_mutexattr_destroy(&a);
+#endif
 }
 
 }  // namespace ferry::detail

@@ -567,12 +567,15 @@ struct address_space::impl final : page_mover, launch_observer {
   std::vector<access_desc> grants() const { return device_grants(); }
   // Lets the CPU reach page p through the shared range if it is mapped to its host chunk (page
   // locked or pinned): read, or read+write when the mapping may be written.
-  void grant_cpu(std::uint64_t p) {
+  // Page locked. `cpu_write`: a CPU fault's, which waits for the work launched since a launch took
+  // the page's write access (see cpu_writable); a transfer's pin does not (it runs under the
+  // registration cache's lock, and its copy goes on as before a launch took the page).
+  void grant_cpu(std::uint64_t p, bool cpu_write = true) {
     if (!shared_mapped[p] || shared_at[p] != host) return;
     if (cpu[p].load() == (host_w[p] ? 3 : 1)) return;
     if (write_taken[p] && host_w[p]) {
-      quiesce();  // the launched work that may use the page in place (see cpu_writable)
       write_taken[p] = 0;
+      if (cpu_write) wait_for_launched_work();
     }
     std::vector<std::uint64_t> one{p};
     grant_shared_cpu(one);
@@ -590,12 +593,34 @@ struct address_space::impl final : page_mover, launch_observer {
         dev.set_access(shared.at(first * page), n * page, g);
         for (std::uint64_t p = first; p < first + n; ++p) cpu[p] = w ? 3 : 1;
       });
-      if (w && !these.empty()) {
+      if (w && !these.empty() && watching.load()) {  // (emptied by launches: only while they are watched)
         std::lock_guard l(writable_mu);
         cpu_writable.insert(cpu_writable.end(), these.begin(), these.end());
       }
     }
   }
+  // The work launched since a launch took a page's write access ends before the CPU writes it: the
+  // attached streams' and, as far as the devices tell, any other stream's. Bounded: past the
+  // deadline, or on a stream's error, the write goes on (as it did before launches took pages),
+  // said once -- a CPU writing a page no kernel uses must not end the process for a long kernel.
+  void wait_for_launched_work() noexcept {
+    try {
+      timed tm{t.quiesce};
+      const deadline until = deadline_after(o.deadline);  // one deadline for it all: the faulting thread waits two
+      {
+        std::lock_guard l(streams_mu);
+        for (auto* st : streams)
+          if (!st->capturing()) st->synchronize(until);
+      }
+      if (!detail::poll_until(until, [&] { return launched_work_done(); }))
+        fail(errc::timeout, "vm.fault", dev.id(), "launched work still runs");
+    } catch (const std::exception& e) {
+      if (!told_write_wait.exchange(true))
+        log::warn("vm", "{}: a CPU write to a host page waited for the work launched since, which did not end ({}); the write "
+                  "goes on beside it (said once)", dev.id(), e.what());
+    }
+  }
+  std::atomic<bool> told_write_wait{false};
   // At a launch: the CPU keeps reading the host pages it may write (cpu_writable) but writes them
   // only after the launched work (grant_cpu). Each page under its lock, so that no fault switches it
   // meanwhile.
@@ -808,6 +833,7 @@ struct address_space::impl final : page_mover, launch_observer {
       log::error("vm", "{}: a launch waited {} ms for a background return of pages; it goes ahead", dev.id(),
                  std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline).count());
       ungated.push_back(this);
+      take_cpu_writes();
       return;
     }
     launches++;
@@ -1010,7 +1036,8 @@ std::uint64_t unified_client::pin(const memory_region&, std::uintptr_t base, std
   try {
     for (; done < end; ++done) {
       s_.table->pin_in_place(done, deadline_after(s_.o.deadline));
-      s_.grant_cpu(done);  // a transfer may reach host pages through the CPU (pread, memcpy)
+      // A transfer may reach host pages through the CPU (pread, memcpy).
+      s_.table->locked(done, [&] { s_.grant_cpu(done, false); });
     }
   } catch (...) {
     for (std::uint64_t p = first; p < done; ++p) s_.table->unpin(p);
