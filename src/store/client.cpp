@@ -68,7 +68,8 @@ std::shared_ptr<client::impl::piece> client::impl::maybe_settle(const std::share
     if (p.owner->r.moved) p.owner->r.moved();
     // Cancelled meanwhile: the lanes' look gives it up at its next turn, not at its next quiet moment
     // (a lane busy with the request's own pieces may have none before they are all in).
-    if (p.owner->r.cancelled && p.owner->r.cancelled()) lanes[0]->w->kick();
+    // (mu held: a shutdown that stops the lanes has not begun while `stopping` is false.)
+    if (!stopping && p.owner->r.cancelled && p.owner->r.cancelled()) lanes[0]->w->kick();
   }
   // An answer (not a refusal): the caller's hook takes its ranges (copy_out), then the slot goes back.
   if (!p.err && p.answer && p.reply && std::holds_alternative<complete>(p.reply->b)) return keep;
