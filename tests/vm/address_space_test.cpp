@@ -786,6 +786,39 @@ TEST(VmSpace, ACpuWriteToAHostPageWaitsForTheWorkLaunchedSince) {
   as.detach_stream(*s);
 }
 
+// The wait of such a write is bounded: work that outlasts the space's deadline (a kernel that waits for
+// the CPU, or a long one beside a CPU producer) lets the write go on beside it, said once -- it
+// neither hangs the CPU nor ends the process.
+TEST(VmSpace, ACpuWriteWaitsForLaunchedWorkOnlyUntilTheDeadline) {
+  settings c = sim_cfg();
+  c.sim_granularity = 1 << 20;
+  runtime rt(c);
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o = placed();
+  o.deadline = std::chrono::milliseconds(300);
+  vm::address_space as(dev, 8 << 20, o);
+  auto* p = static_cast<std::byte*>(as.alloc(1 << 20));
+  as.advise(p, 1 << 20, vm::advice::preferred_location, memory_kind::host);
+  fill(p, 1 << 20, 600);
+  auto s = dev.create_stream();
+  as.attach_stream(*s);
+  alignas(4) std::uint32_t hold = 0;
+  s->wait_value(&hold, 1);  // work that ends only after the write below
+  std::uint64_t got = 0;
+  s->checksum(p, 1 << 20, &got);  // a launch
+  ::testing::internal::CaptureStderr();
+  const auto t0 = std::chrono::steady_clock::now();
+  p[0] = std::byte{5};
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_GE(waited, std::chrono::milliseconds(250)) << "the write did not wait for the launched work";
+  EXPECT_EQ(p[0], std::byte{5});
+  EXPECT_THAT(said, HasSubstr("the write goes on beside it"));
+  std::atomic_ref<std::uint32_t>(hold).store(1);
+  s->synchronize();
+  as.detach_stream(*s);
+}
+
 // Unified memory as a DMA target: file reads into a unified pointer while another thread keeps
 // moving its pages between host and device. The space is a peer-memory client of the runtime's
 // registration cache: each request pins the pages it uses (in place, exclusive) only while it runs.
