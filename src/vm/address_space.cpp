@@ -275,7 +275,7 @@ struct address_space::impl final : page_mover, launch_observer {
   // bus. A CPU write then must not run beside the launched work: a GPU atomic there is not atomic
   // with the CPU's, and a CPU store could land in the middle of what a kernel reads. So a launch
   // takes the CPU's write access to such pages (read stays), and the CPU's next write faults and
-  // waits for the work of the attached streams first -- the wait a CPU fault on a device page makes.
+  // waits for the work launched since (wait_for_launched_work), as a CPU fault on a device page waits.
   // `cpu_writable`: pages the CPU was let write since the last launch (writable_mu); `write_taken`:
   // per page, its write access was taken by a launch (page lock).
   std::mutex writable_mu;
@@ -544,9 +544,12 @@ struct address_space::impl final : page_mover, launch_observer {
   // (that would end the user's capture with an error): it is passed over.
   void quiesce() {
     timed tm{t.quiesce};
+    quiesce(deadline_after(o.deadline));
+  }
+  void quiesce(deadline until) {
     std::lock_guard l(streams_mu);
     for (auto* s : streams)
-      if (!s->capturing()) s->synchronize(deadline_after(o.deadline));
+      if (!s->capturing()) s->synchronize(until);
   }
   // No work the devices were seen to launch (kernels, graphs, the runtime API's copies and memsets,
   // on any stream, attached or not) is still running: the moves the space makes on its own (returns,
@@ -566,10 +569,10 @@ struct address_space::impl final : page_mover, launch_observer {
   // The devices only: a GPU cannot fault, so always rw; the CPU is granted on its first touch.
   std::vector<access_desc> grants() const { return device_grants(); }
   // Lets the CPU reach page p through the shared range if it is mapped to its host chunk (page
-  // locked or pinned): read, or read+write when the mapping may be written.
-  // Page locked. `cpu_write`: a CPU fault's, which waits for the work launched since a launch took
-  // the page's write access (see cpu_writable); a transfer's pin does not (it runs under the
-  // registration cache's lock, and its copy goes on as before a launch took the page).
+  // locked): read, or read+write when the mapping may be written. `cpu_write`: a CPU fault's, which
+  // waits for the work launched since a launch took the page's write access (see cpu_writable); a
+  // transfer's pin does not (it runs under the registration cache's lock, and its copy goes on as
+  // before a launch took the page).
   void grant_cpu(std::uint64_t p, bool cpu_write = true) {
     if (!shared_mapped[p] || shared_at[p] != host) return;
     if (cpu[p].load() == (host_w[p] ? 3 : 1)) return;
@@ -607,11 +610,7 @@ struct address_space::impl final : page_mover, launch_observer {
     try {
       timed tm{t.quiesce};
       const deadline until = deadline_after(o.deadline);  // one deadline for it all: the faulting thread waits two
-      {
-        std::lock_guard l(streams_mu);
-        for (auto* st : streams)
-          if (!st->capturing()) st->synchronize(until);
-      }
+      quiesce(until);
       if (!detail::poll_until(until, [&] { return launched_work_done(); }))
         fail(errc::timeout, "vm.fault", dev.id(), "launched work still runs");
     } catch (const std::exception& e) {
@@ -633,13 +632,19 @@ struct address_space::impl final : page_mover, launch_observer {
     if (pages.empty()) return;
     std::sort(pages.begin(), pages.end());
     pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+    std::vector<access_desc> g;
+    try {
+      g = device_grants();
+      g.push_back({ferry::location::on_host(), access::read});
+    } catch (const std::exception& e) {
+      log::warn("vm", "{}: taking the CPU's write access for a launch failed: {}", dev.id(), e.what());
+      return;
+    }
     for (auto p : pages) {
       try {
         table->locked(p, [&] {
           if (!shared_mapped[p] || shared_at[p] != host || cpu[p].load() != 3) return;
           timed tm{t.access};
-          auto g = device_grants();
-          g.push_back({ferry::location::on_host(), access::read});
           dev.set_access(shared.at(p * page), page, g);
           cpu[p] = 1;
           write_taken[p] = 1;
