@@ -83,19 +83,57 @@ BENCHMARK(BM_DriverCopyAndSync)->Apply(sizes);
 
 // How ferry's streams wait: the stream writes a sequence number into a pinned word after the copy,
 // and the thread watches the word (no driver call per look).
+void copy_and_wait(gpu& g, benchmark::State& st, std::uint32_t& seq) {
+  const auto n = static_cast<std::size_t>(st.range(0));
+  g.api->cuMemcpyAsync(g.b, g.src(st), n, g.s);
+  g.api->cuStreamWriteValue32(g.s, reinterpret_cast<CUdeviceptr>(g.word), ++seq, CU_STREAM_WRITE_VALUE_DEFAULT);
+  while (std::atomic_ref<std::uint32_t>(*g.word).load(std::memory_order_acquire) != seq) {
+  }
+}
+
 void BM_DriverCopyAndWriteValue(benchmark::State& st) {
   NEED_GPU(st);
   auto n = static_cast<std::size_t>(st.range(0));
   std::uint32_t seq = *g.word;
+  for (auto _ : st) copy_and_wait(g, st, seq);
+  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * n));
+}
+BENCHMARK(BM_DriverCopyAndWriteValue)->Apply(sizes);
+
+// The driver's copy waited for as ferry's streams wait, then both sides asked again, as the engine
+// asks them for each copy: by the driver alone (the buffer id, what the registration cache checks a
+// remembered device pointer with), and through the registration cache. Against
+// BM_DriverCopyAndWriteValue, what asking costs right after a copy.
+void BM_DriverCopyThenBufferIds(benchmark::State& st) {
+  NEED_GPU(st);
+  auto n = static_cast<std::size_t>(st.range(0));
+  std::uint32_t seq = *g.word;
+  CUpointer_attribute a = CU_POINTER_ATTRIBUTE_BUFFER_ID;
   for (auto _ : st) {
-    g.api->cuMemcpyAsync(g.b, g.src(st), n, g.s);
-    g.api->cuStreamWriteValue32(g.s, reinterpret_cast<CUdeviceptr>(g.word), ++seq, CU_STREAM_WRITE_VALUE_DEFAULT);
-    while (std::atomic_ref<std::uint32_t>(*g.word).load(std::memory_order_acquire) != seq) {
+    copy_and_wait(g, st, seq);
+    for (CUdeviceptr p : {g.b, g.src(st)}) {
+      unsigned long long id = 0;
+      void* d = &id;
+      g.api->cuPointerGetAttributes(1, &a, &d, p);
+      benchmark::DoNotOptimize(id);
     }
   }
   st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * n));
 }
-BENCHMARK(BM_DriverCopyAndWriteValue)->Apply(sizes);
+BENCHMARK(BM_DriverCopyThenBufferIds)->Apply(sizes);
+
+void BM_DriverCopyThenClassify(benchmark::State& st) {
+  NEED_GPU(st);
+  auto n = static_cast<std::size_t>(st.range(0));
+  std::uint32_t seq = *g.word;
+  for (auto _ : st) {
+    copy_and_wait(g, st, seq);
+    benchmark::DoNotOptimize(g.rt->registrations().classify(reinterpret_cast<void*>(g.b), n));
+    benchmark::DoNotOptimize(g.rt->registrations().classify(reinterpret_cast<void*>(g.src(st)), n));
+  }
+  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * n));
+}
+BENCHMARK(BM_DriverCopyThenClassify)->Apply(sizes);
 
 void BM_StreamCopyAndSync(benchmark::State& st) {
   NEED_GPU(st);

@@ -314,8 +314,9 @@ struct address_space::impl final : page_mover, launch_observer {
   std::thread service;
   std::unique_ptr<unified_client> client;
   struct {
-    std::atomic<std::uint64_t> quiesce{0}, allocate{0}, unmap{0}, map{0}, access{0}, copy_wait{0}, cpu_fault{0};
+    std::atomic<std::uint64_t> quiesce{0}, allocate{0}, unmap{0}, map{0}, access{0}, copy_wait{0}, cpu_fault{0}, write_wait{0};
   } t;
+  std::atomic<std::uint64_t> write_waits{0};  // CPU writes that waited for launched work (wait_for_launched_work)
   const std::chrono::steady_clock::time_point made = std::chrono::steady_clock::now();
   // Batches between start() and finish().
   struct flight {
@@ -607,8 +608,9 @@ struct address_space::impl final : page_mover, launch_observer {
   // deadline, or on a stream's error, the write goes on (as it did before launches took pages),
   // said once -- a CPU writing a page no kernel uses must not end the process for a long kernel.
   void wait_for_launched_work() noexcept {
+    write_waits++;
     try {
-      timed tm{t.quiesce};
+      timed tm{t.write_wait};
       const deadline until = deadline_after(o.deadline);  // one deadline for it all: the faulting thread waits two
       quiesce(until);
       if (!detail::poll_until(until, [&] { return launched_work_done(); }))
@@ -1184,7 +1186,7 @@ bool address_space::returns_pages() const noexcept { return impl_->watching; }
 space_timings address_space::timings() const noexcept {
   auto& t = impl_->t;
   return {t.quiesce.load(), t.allocate.load(), t.unmap.load(), t.map.load(), t.access.load(), t.copy_wait.load(),
-          t.cpu_fault.load()};
+          t.cpu_fault.load(), t.write_wait.load()};
 }
 
 std::string address_space::report() const {
@@ -1205,14 +1207,19 @@ std::string address_space::report() const {
   const std::uint64_t remap = t.unmap + t.map + t.access;
   r += fmt::format("  time: new chunks {:.3f} s, remapping {:.3f} s, waiting for the program's streams {:.3f} s, waiting for "
                    "copies {:.3f} s\n", sec(t.allocate), sec(remap), sec(t.quiesce), sec(t.copy_wait));
+  r += fmt::format("  CPU writes to host pages after a launch {} (waiting for the work launched since {:.3f} s)\n", I.write_waits.load(),
+                   sec(t.write_wait));
   // The largest part, and what usually makes it smaller.
   const std::pair<std::uint64_t, const char*> parts[] = {
-      {t.cpu_fault, "serving CPU faults: the CPU touches pages a device holds; a prefetch to the host "
+      {t.cpu_fault - std::min(t.cpu_fault, t.write_wait), "serving CPU faults: the CPU touches pages a device holds; a prefetch to the host "
                     "(cudaMemPrefetchAsync to cudaCpuDeviceId) before the CPU reads them moves them in batches"},
       {t.allocate, "making memory for pages used the first time somewhere; larger pages (FERRY_VM_PAGE) mean fewer"},
       {remap, "remapping pages as they move; larger pages (FERRY_VM_PAGE) mean fewer remaps"},
       {t.quiesce, "waiting for the program's work on its streams before pages move; prefetches before the kernels "
                   "that need the pages move them while nothing runs"},
+      {t.write_wait, "CPU writes waiting for kernels: the CPU writes a page kept on the host (which kernels reach over "
+                     "the link) only after the kernels launched since it last wrote it, so CPU threads that write such "
+                     "pages while kernels run take turns with those kernels"},
       {t.copy_wait, st.evictions > st.migrations_h2d / 2 ? "copying pages, many of them evicted and brought back: the "
                                                             "working set is larger than the device capacity (FERRY_VM_CAPACITY)"
                                                           : "copying pages over the link; prefetches move them in larger batches"},

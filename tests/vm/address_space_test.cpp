@@ -783,6 +783,12 @@ TEST(VmSpace, ACpuWriteToAHostPageWaitsForTheWorkLaunchedSince) {
     EXPECT_EQ(p[(1 << 20) + round], std::byte{9});
   }
   EXPECT_EQ(as.resident(dev), 0u) << "the pages stayed on the host throughout";
+  // The user can tell where the time went: the writes' waits, apart from the faults' own work.
+  EXPECT_GE(as.timings().write_wait, 2 * 250'000'000ull);
+  const std::string said = as.report();
+  EXPECT_THAT(said, HasSubstr("CPU writes to host pages after a launch"));
+  EXPECT_THAT(said, HasSubstr("most of it")) << said;
+  EXPECT_THAT(said, HasSubstr("CPU writes waiting for kernels")) << said;
   as.detach_stream(*s);
 }
 

@@ -85,6 +85,9 @@ struct space_timings {
   std::uint64_t unmap = 0, map = 0, access = 0;  // shared-range remaps
   std::uint64_t copy_wait = 0;  // waiting for a batch's copies
   std::uint64_t cpu_fault = 0;  // serving CPU faults, each from its message to its page mapped (the faulting thread waits)
+  // CPU writes to host pages waiting for the work launched since a launch took their write access
+  // (part of cpu_fault: such a write faults).
+  std::uint64_t write_wait = 0;
 };
 
 // The size of a space that can hold all the memory a program could have with `dev`: the device's
