@@ -886,24 +886,30 @@ struct address_space::impl final : page_mover, launch_observer {
   // One background step (service thread): a batch of pages quiet for return_quiet, when no launch
   // is under way, the attached streams are idle and no launched work still runs. True when more
   // may be waiting.
-  bool return_in_background() {
+  // Nothing it calls may end the service thread: a stream's query fails too (the driver shut down at
+  // the process's exit while pages were still taken), and the pages then stay where they are.
+  bool return_in_background() noexcept {
     if (!watching || o.return_quiet.count() <= 0 || table->cpu_taken() == 0) return false;
     std::unique_lock g(gate, std::try_to_lock);
     if (!g) return false;
-    {
-      std::lock_guard l(streams_mu);
-      for (auto* s : streams)
-        if (!s->capturing() && !s->idle()) return false;
-    }
     try {
+      {
+        std::lock_guard l(streams_mu);
+        for (auto* s : streams)
+          if (!s->capturing() && !s->idle()) return false;
+      }
       auto keep = std::chrono::steady_clock::now() - cpu_heading_since < o.return_hold ? cpu_heading
                                                                                          : std::pair<std::uint64_t, std::uint64_t>{0, 0};
       return table->return_taken(o.return_quiet, o.batch, o.batch, [&] { return launched_work_finished(); }, keep) > 0;
     } catch (const std::exception& e) {
-      log::warn("vm", "{}: returning quiet pages to the device failed: {}", dev.id(), e.what());
+      if (!told_return_failed.exchange(true))
+        log::warn("vm", "{}: returning quiet pages to the device failed: {} (said once; the pages stay where they are)", dev.id(), e.what());
+      else
+        log::debug("vm", "{}: returning quiet pages to the device failed: {}", dev.id(), e.what());
       return false;
     }
   }
+  std::atomic<bool> told_return_failed{false};
 
   // ---- CPU faults ----
   void serve() {

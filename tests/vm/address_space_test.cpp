@@ -251,6 +251,62 @@ TEST(VmSpace, QuietPagesGoBackInTheBackgroundAndAPageKeptInUseStays) {
   EXPECT_EQ(sum(p, n), want) << "the CPU's view after the moves";
 }
 
+// An attached stream whose queries fail (the driver shut down at the process's exit while pages were
+// still taken): the background return gives up, said once, and the service thread goes on -- it
+// serves the next CPU fault. Before, the failure left the service thread and ended the process.
+namespace {
+class failing_stream final : public stream {
+ public:
+  explicit failing_stream(device& d) : stream(d, true) {}
+  std::atomic<int> asked{0};
+
+ private:
+  [[noreturn]] void gone() {
+    asked++;
+    fail(errc::unavailable, "stream.query", "test stream", "the driver has shut down");
+  }
+  void do_copy(void*, const void*, std::size_t) override { gone(); }
+  void do_fill_pattern(void*, std::size_t, std::uint64_t) override { gone(); }
+  void do_checksum(const void*, std::size_t, std::uint64_t*) override { gone(); }
+  std::unique_ptr<event> do_record() override { gone(); }
+  void do_wait(event&) override { gone(); }
+  bool do_idle() override { gone(); }
+  void do_synchronize(deadline) override { gone(); }
+  void do_write_value(std::uint32_t*, std::uint32_t) override { gone(); }
+  void do_wait_value(const std::uint32_t*, std::uint32_t) override { gone(); }
+  native_stream do_native_handle() const noexcept override { return {77}; }
+};
+}  // namespace
+
+TEST(VmSpace, AStreamThatCannotBeAskedStopsTheBackgroundReturnNotTheService) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o;
+  o.return_at_launch = false;
+  o.return_quiet = std::chrono::milliseconds(20);
+  vm::address_space as(dev, 16 * (64 << 10), o);
+  ASSERT_TRUE(as.returns_pages());
+  const std::size_t pg = as.page_bytes();
+  auto* p = static_cast<std::byte*>(as.alloc(4 * pg));
+  fill(p, pg, 700);  // the CPU takes page 0: the background return will look at it
+  ASSERT_EQ(as.pages().cpu_taken(), 1u);
+  failing_stream bad(dev);
+  ::testing::internal::CaptureStderr();
+  as.attach_stream(bad);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (bad.asked.load() < 3 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_GE(bad.asked.load(), 3) << "the background return did not look again after the first failure";
+  EXPECT_THAT(said, HasSubstr("returning quiet pages to the device failed"));
+  EXPECT_THAT(said, HasSubstr("said once"));
+  EXPECT_EQ(as.pages().snapshot(0).valid, 1u) << "the taken page stays on the host";
+  as.detach_stream(bad);
+  fill(p + 2 * pg, pg, 701);  // the service thread still serves faults
+  std::vector<std::byte> want(pg);
+  fill(want.data(), pg, 701);
+  EXPECT_EQ(sum(p + 2 * pg, pg), sum(want.data(), pg));
+}
+
 // A sequential CPU writer slower than the quiet time: the pages moved ahead of it are not returned
 // in the background before it gets to them (each would fault back and be held on the host as a
 // page the CPU keeps using); once it has passed them they go back.
