@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -142,6 +143,50 @@ TEST(PreloadManaged, ManagedMemoryIsFerrysAndEverythingElseReachesTheDriver) {
   EXPECT_GE(d.calls("cuCtxSynchronize"), 1);
   EXPECT_EQ(free(0x1000), CUDA_SUCCESS);
   EXPECT_EQ(d.calls("cuMemFree"), 1);
+}
+
+// Small allocations share pages (a page each would hold a page of memory for every small one, 32 MiB
+// by default), each as UVM's reads before it is written: zero, also when its block was used before.
+TEST(PreloadManaged, SmallAllocationsSharePagesAndEachStartsZeroed) {
+  auto& d = driver();
+  auto alloc = d.entry<CUresult (*)(CUdeviceptr*, size_t, unsigned)>("cuMemAllocManaged");
+  auto free = d.entry<CUresult (*)(CUdeviceptr)>("cuMemFree");
+  ASSERT_TRUE(alloc && free);
+  constexpr int count = 64;
+  constexpr std::size_t n = 3000;
+  std::vector<CUdeviceptr> ps(count);
+  for (auto& p : ps) {
+    ASSERT_EQ(alloc(&p, n, CU_MEM_ATTACH_GLOBAL), CUDA_SUCCESS);
+    EXPECT_EQ(p % 256, 0u) << "not aligned as cudaMallocManaged's";
+  }
+  const auto [lo, hi] = std::minmax_element(ps.begin(), ps.end());
+  EXPECT_LT(*hi - *lo, CUdeviceptr{1} << 20) << "64 allocations of 3000 bytes spread over pages of their own";
+  for (int i = 0; i < count; ++i) {
+    auto* b = reinterpret_cast<unsigned char*>(ps[i]);
+    for (int j = 0; j < count; ++j) {
+      if (j == i) continue;
+      EXPECT_TRUE(ps[j] + n <= ps[i] || ps[i] + n <= ps[j]) << "allocations " << i << " and " << j << " overlap";
+    }
+    EXPECT_EQ(*std::max_element(b, b + n), 0) << "allocation " << i << " did not start zeroed";
+    std::memset(b, 0xa5, n);
+  }
+  // Freed and made again: the blocks are used again, written all over before, and read as zeros.
+  for (auto p : ps) EXPECT_EQ(free(p), CUDA_SUCCESS);
+  std::vector<CUdeviceptr> again(count);
+  for (auto& p : again) ASSERT_EQ(alloc(&p, n, CU_MEM_ATTACH_GLOBAL), CUDA_SUCCESS);
+  std::sort(ps.begin(), ps.end());
+  int reused = 0;
+  for (auto p : again) {
+    reused += std::binary_search(ps.begin(), ps.end(), p);
+    auto* b = reinterpret_cast<unsigned char*>(p);
+    EXPECT_EQ(*std::max_element(b, b + n), 0) << "a block used before was handed out unzeroed";
+  }
+  EXPECT_GT(reused, 0) << "no block was used again (nothing tested the zeroing)";
+  for (auto p : again) EXPECT_EQ(free(p), CUDA_SUCCESS);
+  CUdeviceptr inside = 0;
+  ASSERT_EQ(alloc(&inside, n, CU_MEM_ATTACH_GLOBAL), CUDA_SUCCESS);
+  EXPECT_EQ(free(inside + 256), CUDA_ERROR_INVALID_VALUE) << "a pointer inside an allocation was freed";
+  EXPECT_EQ(free(inside), CUDA_SUCCESS);
 }
 
 }  // namespace

@@ -17,13 +17,17 @@
 #include <ferry/core/error.hpp>
 #include <ferry/core/log.hpp>
 #include <ferry/device/registry.hpp>
+#include <ferry/runtime.hpp>
 #include <ferry/vm/address_space.hpp>
+#include <ferry/vm/block_pool.hpp>
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -51,16 +55,42 @@ Fn real(slot& s) {
 
 struct heap {
   device& dev;
+  runtime& rt;
   bool report;
   vm::address_space space;
+  // Allocations of up to a quarter of a page share pages, blocks of their power-of-two class: a page
+  // (32 MiB by default) for each small allocation would make a program of many small ones hold a page
+  // of device and host memory for each, and move a page for each. Freed whole-page allocations go back
+  // to the space at once (keep 1 byte): only small blocks are reused, and zeroed when they are.
+  vm::block_pool pool{space, 1};
+  std::mutex alloc_mu;    // one allocation at a time: whether it reused a block is told by the pool's count
+  std::byte* zeros = nullptr;  // small_max() zero bytes, the source that zeroes a reused block
   std::mutex mu;
   std::vector<std::pair<std::uintptr_t, std::unique_ptr<stream>>> attached;
   std::vector<std::uintptr_t> foreign;  // streams that could not be attached (another device's)
 
-  heap(device& d, const settings& s)
-      : dev(d), report(s.vm_report), space(d, vm::whole_memory_size(d), vm::space_options::from(s)) {
+  heap(device& d, runtime& r, const settings& s)
+      : dev(d), rt(r), report(s.vm_report), space(d, vm::whole_memory_size(d), vm::space_options::from(s)) {
     // The report is printed at exit by managed_at_exit (the space is never destroyed).
     attach(native_stream::legacy().handle);
+  }
+  // A managed allocation, zeroed as UVM's memory reads before it is written (fresh pages are; a reused
+  // block is zeroed by the transfer engine, which keeps its page in place meanwhile).
+  void* alloc(std::uint64_t bytes) {
+    std::lock_guard l(alloc_mu);
+    const std::uint64_t before = pool.stats().reused;
+    void* p = pool.alloc(bytes, 0);  // one stream: cuMemFree waits for the context's work
+    if (pool.stats().reused == before) return p;
+    try {
+      const std::uint64_t n = std::min(bytes, pool.small_max());
+      if (!zeros) zeros = static_cast<std::byte*>(std::calloc(pool.small_max(), 1));
+      if (!zeros) fail(errc::out_of_memory, "preload.managed", "zeroing a reused block", "no host memory for its source");
+      rt.engine().copy(p, zeros, n);
+    } catch (...) {
+      pool.free(p);
+      throw;
+    }
+    return p;
   }
   bool owns(CUdeviceptr p) const {
     const auto b = reinterpret_cast<CUdeviceptr>(space.base());
@@ -127,7 +157,7 @@ heap* heap_for_allocation() {
     } else {
       d = &r->devices().default_device();
     }
-    auto* h = new heap(*d, r->config());
+    auto* h = new heap(*d, *r, r->config());
     the_heap.store(h, std::memory_order_release);
     say(log_level::info, "managed memory is ferry's unified memory on " + d->id());
     return h;
@@ -179,7 +209,7 @@ CUresult alloc_managed(CUdeviceptr* p, size_t bytes, unsigned flags) {
   if (!h) return real<PFN_cuMemAllocManaged_v6000>(s_alloc)(p, bytes, flags);
   if (!p || bytes == 0 || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST)) return CUDA_ERROR_INVALID_VALUE;
   try {
-    *p = reinterpret_cast<CUdeviceptr>(h->space.alloc(bytes));
+    *p = reinterpret_cast<CUdeviceptr>(h->alloc(bytes));
     return CUDA_SUCCESS;
   } catch (const std::exception& e) {
     return failed(e);
@@ -193,7 +223,7 @@ CUresult mem_free(CUdeviceptr p) {
   if (auto sync = reinterpret_cast<CUresult (*)()>(driver_entry("cuCtxSynchronize", 2000)))
     if (CUresult r = sync(); r != CUDA_SUCCESS) return r;
   try {
-    h->space.free(reinterpret_cast<void*>(p));
+    h->pool.free(reinterpret_cast<void*>(p));
     return CUDA_SUCCESS;
   } catch (const std::exception& e) {
     return failed(e);
