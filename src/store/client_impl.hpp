@@ -21,6 +21,7 @@
 #include "net/ucx.hpp"
 #include "store/landing.hpp"
 #include "store/lost_connection.hpp"
+#include "store/recycling_map.hpp"
 #include "store/lending.hpp"
 
 #include <fmt/format.h>
@@ -152,50 +153,6 @@ struct client::impl {
     clk::time_point until;
     piece_list pieces;
   };
-  // A map whose nodes are recycled: every request inserts and erases one entry in `pend` and in
-  // `ops`, and the allocator round trips would cost more than the entries' bookkeeping.
-  template <typename K, typename V>
-  struct recycling_map {
-    std::map<K, V> m;
-    std::vector<typename std::map<K, V>::node_type> spare;
-    void put(K k, V v) {
-      if (spare.empty()) {
-        m.insert_or_assign(k, std::move(v));
-        return;
-      }
-      auto nh = std::move(spare.back());
-      spare.pop_back();
-      nh.key() = k;
-      nh.mapped() = std::move(v);
-      auto r = m.insert(std::move(nh));
-      if (!r.inserted) r.position->second = std::move(r.node.mapped());
-    }
-    void erase(typename std::map<K, V>::iterator it) {
-      auto nh = m.extract(it);
-      nh.mapped() = V{};
-      if (spare.size() < 64) spare.push_back(std::move(nh));
-    }
-    void erase(const K& k) {
-      auto it = m.find(k);
-      if (it != m.end()) erase(it);
-    }
-    // Removes k's entry and returns its value (moved out), or a default value.
-    V take(const K& k) {
-      auto it = m.find(k);
-      if (it == m.end()) return V{};
-      V v = std::move(it->second);
-      erase(it);
-      return v;
-    }
-    auto find(const K& k) { return m.find(k); }
-    auto begin() { return m.begin(); }
-    auto end() { return m.end(); }
-    void clear() {
-      m.clear();
-      spare.clear();
-    }
-  };
-
   client_options o;
   std::string host;
   std::uint16_t port;
@@ -203,7 +160,7 @@ struct client::impl {
   std::mutex mu;  // adaptive (the constructor): taken by every lane for every answer and by the threads that submit
   std::condition_variable cv;
   std::uint64_t next_id = 1;
-  recycling_map<std::uint64_t, std::shared_ptr<piece>> pend;  // by request id, until settled
+  detail::recycling_map<std::uint64_t, std::shared_ptr<piece>> pend;  // by request id, until settled
   welcome hello_reply;
   bool connected_once = false;
   // The server could not be reached: requests until `down_until` fail at once with `down_err` (mu).

@@ -4,13 +4,13 @@
 
 #include "core/backoff.hpp"
 #include "core/logging.hpp"
+#include "vm/replacement_order.hpp"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <bit>
 #include <chrono>
-#include <list>
 #include <set>
 #include <mutex>
 #include <thread>
@@ -76,13 +76,6 @@ struct page_table::impl {
     std::int64_t taken_at = 0, returned_at = 0, cpu_hold_until = 0;  // mu
     int hold_shift = 0;                // mu
   };
-  // Replacement order of one device's resident pages: front = keep, back = evict first.
-  struct order {
-    std::mutex mu;
-    std::list<std::uint64_t> l;
-    std::vector<std::list<std::uint64_t>::iterator> where;
-    std::vector<bool> in;
-  };
 
   std::uint64_t n, bytes;
   std::vector<std::uint64_t> cap;
@@ -94,7 +87,7 @@ struct page_table::impl {
   std::mutex taken_mu;
   std::set<std::uint64_t> taken;  // taken_mu: pages with came_from >= 0
   std::atomic<std::uint64_t> ntaken{0};
-  std::vector<std::unique_ptr<order>> ord;          // per location (host's unused)
+  std::vector<std::unique_ptr<replacement_order>> ord;  // per device location (the host's: null)
   std::unique_ptr<std::atomic<std::uint64_t>[]> used;  // pages holding a valid copy, per location
   struct counters {
     std::atomic<std::uint64_t> faults{0}, populated{0}, h2d{0}, d2h{0}, d2d{0}, duplicates{0}, invalidations{0}, evictions{0},
@@ -110,12 +103,7 @@ struct page_table::impl {
     used.reset(new std::atomic<std::uint64_t>[cap.size()]);
     for (std::size_t d = 0; d < cap.size(); ++d) {
       used[d] = 0;
-      auto o = std::make_unique<order>();
-      if (d != 0) {
-        o->where.resize(n);
-        o->in.assign(n, false);
-      }
-      ord.push_back(std::move(o));
+      ord.push_back(d == 0 ? nullptr : std::make_unique<replacement_order>(n, pol != replacement::fifo));
     }
   }
 
@@ -163,30 +151,6 @@ struct page_table::impl {
     return g.preferred > 0 ? g.preferred : g.came_from;
   }
 
-  // ---- replacement order (device locations) ----
-  void order_insert(location d, std::uint64_t p) {
-    auto& o = *ord[d];
-    std::lock_guard l(o.mu);
-    if (o.in[p]) return;
-    o.l.push_front(p);
-    o.where[p] = o.l.begin();
-    o.in[p] = true;
-  }
-  void order_touch(location d, std::uint64_t p) {
-    if (pol == replacement::fifo) return;  // FIFO: arrival order only
-    auto& o = *ord[d];
-    std::lock_guard l(o.mu);
-    if (!o.in[p]) return;
-    o.l.splice(o.l.begin(), o.l, o.where[p]);
-  }
-  void order_remove(location d, std::uint64_t p) {
-    auto& o = *ord[d];
-    std::lock_guard l(o.mu);
-    if (!o.in[p]) return;
-    o.l.erase(o.where[p]);
-    o.in[p] = false;
-  }
-
   // Drops location d's copy, pointing the mapping at another valid copy first if it was d's.
   void drop_copy_remapped(std::uint64_t p, page& g, location d) {
     if (g.mapped == d) {
@@ -204,7 +168,7 @@ struct page_table::impl {
     mv.drop(p, d);
     g.valid &= ~bit(d);
     if (d != host) {
-      order_remove(d, p);
+      ord[d]->remove(p);
       if (release_room) used[d]--;
     }
   }
@@ -218,12 +182,10 @@ struct page_table::impl {
   // locked by someone else (try_lock only: a fault never waits for another page's lock).
   bool evict_one(location d, std::uint64_t except) {
     std::uint64_t victim = n;
-    {
-      auto& o = *ord[d];
-      std::lock_guard l(o.mu);
+    ord[d]->coldest([&](auto first, auto last) {
       // First pass: pages that do not prefer this device (PREFERRED_LOCATION); then any.
       for (int pass = 0; pass < 2 && victim == n; ++pass)
-        for (auto it = o.l.rbegin(); it != o.l.rend(); ++it) {
+        for (auto it = first; it != last; ++it) {
           if (*it == except) continue;
           if (!pg[*it].mu.try_lock()) continue;
           if (pg[*it].pins.load() != 0 || (pass == 0 && pg[*it].preferred == d)) {
@@ -233,7 +195,7 @@ struct page_table::impl {
           victim = *it;
           break;
         }
-    }
+    });
     if (victim == n) return false;
     page& g = pg[victim];
     std::lock_guard l(g.mu, std::adopt_lock);
@@ -323,7 +285,7 @@ struct page_table::impl {
     bool alone = g.valid == bit(at);
     if (here && (!write || alone)) {
       point_at(p, g, at);  // a READ_MOSTLY duplicate: switch the mapping, copy nothing
-      if (at != host) order_touch(at, p);
+      if (at != host) ord[at]->touch(p);
       return true;
     }
     wait_unpinned(p, l, until);
@@ -340,7 +302,7 @@ struct page_table::impl {
         throw;
       }
       g.valid = bit(at);
-      if (at != host) order_insert(at, p);
+      if (at != host) ord[at]->insert(p);
       st.populated++;
     } else if (!(g.valid & bit(at))) {
       location from = (g.valid & bit(host)) ? host : std::countr_zero(g.valid);
@@ -354,7 +316,7 @@ struct page_table::impl {
       if (at != host) untake(p, g);
       else if (fault && !g.read_mostly) take(p, g, from, true);
       g.valid |= bit(at);
-      if (at != host) order_insert(at, p);
+      if (at != host) ord[at]->insert(p);
       point_at(p, g, at);  // map the new copy before any old one goes: no access finds nothing mapped
       if (g.read_mostly && !write) {
         st.duplicates++;
@@ -372,7 +334,7 @@ struct page_table::impl {
         }
     }
     point_at(p, g, at);  // writable now if `at` is alone
-    if (at != host) order_touch(at, p);
+    if (at != host) ord[at]->touch(p);
     return true;
   }
   // ---- batched migrations ----
@@ -414,11 +376,9 @@ struct page_table::impl {
   // lowered). Victims are taken with try_lock only and never among pages `a` or `b` hold.
   std::uint64_t evict_batch(location d, std::uint64_t k, const batch* a, const batch* b) {
     std::vector<std::uint64_t> victims;
-    {
-      auto& o = *ord[d];
-      std::lock_guard l(o.mu);
+    ord[d]->coldest([&](auto first, auto last) {
       for (int pass = 0; pass < 2 && victims.size() < k; ++pass)
-        for (auto it = o.l.rbegin(); it != o.l.rend() && victims.size() < k; ++it) {
+        for (auto it = first; it != last && victims.size() < k; ++it) {
           std::uint64_t v = *it;
           if (holds(a, v) || holds(b, v) || std::find(victims.begin(), victims.end(), v) != victims.end()) continue;
           if (!pg[v].mu.try_lock()) continue;
@@ -428,7 +388,7 @@ struct page_table::impl {
           }
           victims.push_back(v);
         }
-    }
+    });
     if (victims.empty()) return 0;
     std::vector<page_mover::step> steps;
     for (auto v : victims) {
@@ -487,7 +447,7 @@ struct page_table::impl {
       bool odd = mode == range_mode::prefetch || p == fault_page;
       if (g.valid & bit(at)) {
         if ((g.valid == bit(at) || g.read_mostly) && g.mapped == at) {
-          if (at != host) order_touch(at, p);
+          if (at != host) ord[at]->touch(p);
         } else if (odd) {
           slow.push_back(p);
         }
@@ -533,7 +493,7 @@ struct page_table::impl {
       page& g = pg[s.page];
       count_move(s.from, s.to);
       g.valid |= bit(s.to);
-      if (s.to != host) order_insert(s.to, s.page);
+      if (s.to != host) ord[s.to]->insert(s.page);
       g.mapped = s.to;
       g.writable = s.writable;
       if (s.to != host) {
@@ -718,7 +678,7 @@ location page_table::populate_fresh(std::uint64_t page, location prefer, deadlin
     throw;
   }
   g.valid |= bit(at);
-  if (at != host && !had) I.order_insert(at, page);
+  if (at != host && !had) I.ord[at]->insert(page);
   // The zeroed copy is the only one: the others (an earlier allocation's) go, the mapping moved
   // off them first.
   for (location d = 0; d < static_cast<location>(I.cap.size()); ++d)

@@ -284,6 +284,7 @@ TEST(VmSpace, AStreamThatCannotBeAskedStopsTheBackgroundReturnNotTheService) {
   vm::space_options o;
   o.return_at_launch = false;
   o.return_quiet = std::chrono::milliseconds(20);
+  o.fault_ahead = 1;  // no pages moved ahead of the fault: the one taken is the one touched
   vm::address_space as(dev, 16 * (64 << 10), o);
   ASSERT_TRUE(as.returns_pages());
   const std::size_t pg = as.page_bytes();
