@@ -1,10 +1,11 @@
-// A unified address space on ferry's device interface: page_mover hooks (chunks, mirrors, remaps)
-// and the CPU fault path (SIGSEGV handler -> service thread). See include/ferry/vm/address_space.hpp.
+// A unified address space on ferry's device interface: the page table's page_mover hooks (copies,
+// remaps, batches), what a CPU fault and a launch do, and the public calls. Its memory is
+// space_memory's, its shared range's mappings shared_range's, the fault path cpu_fault_service's.
+// See include/ferry/vm/address_space.hpp.
 #include <ferry/core/error.hpp>
 #include <ferry/core/units.hpp>
 #include <ferry/vm/address_space.hpp>
 
-#include "core/fault_note.hpp"
 #include "core/logging.hpp"
 #include "device/poll.hpp"
 #include "vm/cpu_faults.hpp"
@@ -12,20 +13,9 @@
 #include "vm/space_memory.hpp"
 
 #include <fmt/format.h>
-#include <linux/futex.h>
-#include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-#include <execinfo.h>
-#include <sys/prctl.h>
-#include <sys/syscall.h>
-#include <ucontext.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <climits>
-#include <pthread.h>
-#include <sys/mman.h>
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -90,7 +80,9 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
   // A launch's wait for earlier work ran out: later launches only look, until that work is seen done.
   std::atomic<bool> launches_only_look{false};
   std::unique_ptr<unified_client> client;
-  std::unique_ptr<cpu_fault_service> faults;  // made last: its thread calls serve_fault and between_faults
+  // Made at the end of the constructor and reset first in the destructor: its thread calls serve_fault,
+  // between_faults and work_waiting, which use the members above and below.
+  std::unique_ptr<cpu_fault_service> faults;
   std::atomic<std::uint64_t> write_waits{0};  // CPU writes that waited for launched work (wait_for_launched_work)
   const std::chrono::steady_clock::time_point made = std::chrono::steady_clock::now();
   // Batches between start() and finish().
@@ -118,6 +110,10 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
     return ds;
   }
 
+  static space_options valid(const space_options& opt, const device& d) {
+    expects(opt.batch > 0 && opt.fault_ahead > 0, "vm.space", d.id(), "batch and fault_ahead must be positive");
+    return opt;
+  }
   // The pages of a space of `bytes`: at least one.
   static std::uint64_t pages_for(std::uint64_t bytes, std::uint64_t page, const device& d) {
     const std::uint64_t n = (bytes + page - 1) / page;
@@ -128,12 +124,11 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
   impl(std::vector<device*> ds, std::uint64_t bytes, space_options opt)
       : devs(checked(std::move(ds))),
         dev(*devs[0]),
-        o(opt),
+        o(valid(opt, *devs[0])),
         page(space_memory::page_for(devs, o.page_bytes)),
         npages(pages_for(bytes, page, dev)),
         mem(devs, page, npages, o.deadline, t),
         range(mem, t) {
-    expects(o.batch > 0 && o.fault_ahead > 0, "vm.space", dev.id(), "batch and fault_ahead must be positive");
     cap.push_back(0);
     for (auto* d : devs) {
       std::uint64_t bytes_cap = o.device_capacity;
@@ -149,21 +144,28 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
     }
     table = std::make_unique<page_table>(npages, page, cap, o.policy, *this, thrash_policy{o.thrash_lapse, o.thrash_hold},
                                          o.return_hold);
-    // A fault waits for the service thread's own deadline (o.deadline per batch) and then some.
-    faults = std::make_unique<cpu_fault_service>(mem.shared.address(), mem.shared.size(), o.deadline * 2 + std::chrono::seconds(1),
-                                                 *this, dev.id());
     client = std::make_unique<unified_client>(*this);
     add_process_client(client.get());
-    if (o.return_at_launch || o.return_quiet.count() > 0) {
-      std::string why;
-      bool all = true;
-      for (auto* d : devs) all = all && d->watch_launches(*this, why);
-      watching = all;
-      range.remember_writes(all);
-      if (!all) {
-        for (auto* d : devs) d->unwatch_launches(*this);
-        log::info("vm", "{}: pages the CPU takes from the device stay on the host until a hint moves them: {}", dev.id(), why);
+    try {
+      if (o.return_at_launch || o.return_quiet.count() > 0) {
+        std::string why;
+        bool all = true;
+        for (auto* d : devs) all = all && d->watch_launches(*this, why);
+        watching = all;
+        range.remember_writes(all);
+        if (!all) {
+          for (auto* d : devs) d->unwatch_launches(*this);
+          log::info("vm", "{}: pages the CPU takes from the device stay on the host until a hint moves them: {}", dev.id(), why);
+        }
       }
+      // Nothing of the space is handed out yet: no fault can come before its service does. A fault
+      // waits for the service thread's own deadline (o.deadline per batch) and then some.
+      faults = std::make_unique<cpu_fault_service>(mem.shared.address(), mem.shared.size(), o.deadline * 2 + std::chrono::seconds(1),
+                                                   *this, dev.id());
+    } catch (...) {
+      for (auto* d : devs) d->unwatch_launches(*this);
+      remove_process_client(client.get());
+      throw;
     }
   }
   ~impl() override {
@@ -480,23 +482,26 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
       return false;
     }
   }
-  bool between_faults() noexcept override {
-    if (ahead_at >= ahead_end) return returning = return_in_background();
+  void between_faults() noexcept override {
+    if (ahead_at >= ahead_end) {
+      returning = return_in_background();
+      return;
+    }
     std::unique_lock l(ahead_mu);
     // A kernel launched since the fault, or one still running: no more moves to the host.
     if (launches.load() != ahead_epoch || !launched_work_done()) {
       ahead_at = ahead_end;
-      return returning;
+      return;
     }
     const std::uint64_t e = std::min(ahead_end, ahead_at + o.batch);
     try {
       table->move_ahead(ahead_at, e, host, o.batch);
     } catch (const std::exception& ex) {
-      log::warn("vm", "{}: moving pages {}..{} ahead_at of a CPU fault failed: {}", dev.id(), ahead_at, e - 1, ex.what());
+      log::warn("vm", "{}: moving pages {}..{} ahead of a CPU fault failed: {}", dev.id(), ahead_at, e - 1, ex.what());
     }
     ahead_at = e;
-    return true;
   }
+  bool work_waiting() noexcept override { return returning || ahead_at < ahead_end; }
 
   // A CPU fault that waited long for the program's streams touched memory while its kernels ran.
   // Said once per space: such a program may share memory between the CPU and a running kernel

@@ -235,11 +235,10 @@ cpu_fault_service::~cpu_fault_service() {
 
 void cpu_fault_service::serve() {
   g_spaces[slot_].service_tid.store(::syscall(SYS_gettid));
-  bool more = false;
   while (!stop_) {
     pollfd pf{pipe_rd_, POLLIN, 0};
-    if (::poll(&pf, 1, more ? 0 : 50) <= 0) {
-      more = target_.between_faults();
+    if (::poll(&pf, 1, target_.work_waiting() ? 0 : 50) <= 0) {
+      target_.between_faults();
       continue;
     }
     fault_message m{};
@@ -253,7 +252,6 @@ void cpu_fault_service::serve() {
     const int result = target_.serve_fault(r->addr, r->write) ? 1 : -1;
     r->state.store(result, std::memory_order_release);
     futex(&r->state, FUTEX_WAKE_PRIVATE, 1, nullptr);
-    more = true;  // the space's work after a fault (moves ahead of the CPU) starts without a wait
   }
 }
 

@@ -18,9 +18,10 @@ class fault_target {
   // log by the space: the faulting thread then ends the process).
   virtual bool serve_fault(std::uintptr_t addr, bool write) noexcept = 0;
   // While no fault waits: one step of the space's own work (pages moved ahead of the CPU, pages
-  // returned to a device). True when more is to do at once; otherwise the thread waits for a fault
-  // a while before it asks again. Asked at once after each fault served.
-  virtual bool between_faults() noexcept = 0;
+  // returned to a device).
+  virtual void between_faults() noexcept = 0;
+  // Whether a step is due at once; otherwise the thread waits a while for a fault before the next.
+  virtual bool work_waiting() noexcept = 0;
 
  protected:
   ~fault_target() = default;
