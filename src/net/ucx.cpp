@@ -463,6 +463,14 @@ ucx_context::ucx_context(const std::string& net_device) {
   // when the user set UCX_MAX_RNDV_RAILS or an RDMA device exists (its rendezvous is zero-copy).
   if (!std::getenv("UCX_MAX_RNDV_RAILS") && shm_connections_enabled() && !rdma_device_present())
     ucp_config_modify(cfg, "MAX_RNDV_RAILS", "0");
+  // UCX 1.13's tcp transport sends large active messages without a copy (zcopy): when the peer
+  // closes the connection while such a send is under way (a client cancelling its reads closes its
+  // lane), UCX completes the send a second time as it purges the failed endpoint and aborts the
+  // sending process on an assertion (uct_iface.h, `comp->count > 0`): a client could take the server
+  // down. With zcopy off the data is copied into UCX's buffers as it is sent, and nothing is
+  // completed twice. Not with an RDMA device (whose zero-copy sends carry the bulk data), and not
+  // when the user set UCX_ZCOPY_THRESH.
+  if (!std::getenv("UCX_ZCOPY_THRESH") && !rdma_device_present()) ucp_config_modify(cfg, "ZCOPY_THRESH", "inf");
   // A peer that dies while this side only waits for its replies (a server killed under a read whose
   // requests are all sent) is noticed by UCX's keepalive, every 20 s by default: requests would sit
   // until their deadlines. A probe per endpoint each second costs a few bytes and reports the death
