@@ -55,7 +55,7 @@ void* block_pool::space_alloc(std::uint64_t bytes) {
   return space_.alloc(bytes);
 }
 
-void* block_pool::alloc(std::uint64_t bytes, std::uintptr_t stream) {
+void* block_pool::alloc(std::uint64_t bytes, std::uintptr_t stream, bool* reused) {
   if (bytes == 0) fail(errc::invalid_argument, "vm.block_alloc", "0 bytes", "an allocation takes at least one byte");
   const bool small = bytes <= small_max();
   if (!small && bytes > ~std::uint64_t{0} - page_)
@@ -63,17 +63,19 @@ void* block_pool::alloc(std::uint64_t bytes, std::uintptr_t stream) {
   const std::uint64_t size = small ? std::max(least_class, std::bit_ceil(bytes)) : (bytes + page_ - 1) / page_ * page_;
   std::vector<std::uintptr_t> spare;  // kept blocks past the bound, from fenced ones kept now
   void* p = nullptr;
+  bool kept = false;
   try {
-    p = alloc_locked(size, small, stream, spare);
+    p = alloc_locked(size, small, stream, spare, kept);
   } catch (...) {
     give_back(spare);
     throw;
   }
   give_back(spare);
+  if (reused) *reused = kept;
   return p;
 }
 
-void* block_pool::alloc_locked(std::uint64_t size, bool small, std::uintptr_t stream, std::vector<std::uintptr_t>& spare) {
+void* block_pool::alloc_locked(std::uint64_t size, bool small, std::uintptr_t stream, std::vector<std::uintptr_t>& spare, bool& reused) {
   std::lock_guard l(mu_);
   reap_locked(spare);
   if (!spare.empty()) {  // before the space is asked: they may be what makes the request fit
@@ -98,6 +100,7 @@ void* block_pool::alloc_locked(std::uint64_t size, bool small, std::uintptr_t st
     st_.kept += page_ / size * size;
   } else {
     ++st_.reused;
+    reused = true;
   }
   auto& kept = found->second;
   void* p = kept.back();

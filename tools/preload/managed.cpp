@@ -63,7 +63,7 @@ struct heap {
   // of device and host memory for each, and move a page for each. Freed whole-page allocations go back
   // to the space at once (keep 1 byte): only small blocks are reused, and zeroed when they are.
   vm::block_pool pool{space, 1};
-  std::mutex alloc_mu;    // one allocation at a time: whether it reused a block is told by the pool's count
+  std::once_flag zeros_made;
   std::byte* zeros = nullptr;  // small_max() zero bytes, the source that zeroes a reused block
   std::mutex mu;
   std::vector<std::pair<std::uintptr_t, std::unique_ptr<stream>>> attached;
@@ -77,13 +77,12 @@ struct heap {
   // A managed allocation, zeroed as UVM's memory reads before it is written (fresh pages are; a reused
   // block is zeroed by the transfer engine, which keeps its page in place meanwhile).
   void* alloc(std::uint64_t bytes) {
-    std::lock_guard l(alloc_mu);
-    const std::uint64_t before = pool.stats().reused;
-    void* p = pool.alloc(bytes, 0);  // one stream: cuMemFree waits for the context's work
-    if (pool.stats().reused == before) return p;
+    bool reused = false;
+    void* p = pool.alloc(bytes, 0, &reused);  // one stream: cuMemFree waits for the context's work
+    if (!reused) return p;
     try {
       const std::uint64_t n = std::min(bytes, pool.small_max());
-      if (!zeros) zeros = static_cast<std::byte*>(std::calloc(pool.small_max(), 1));
+      std::call_once(zeros_made, [&] { zeros = static_cast<std::byte*>(std::calloc(pool.small_max(), 1)); });
       if (!zeros) fail(errc::out_of_memory, "preload.managed", "zeroing a reused block", "no host memory for its source");
       rt.engine().copy(p, zeros, n);
     } catch (...) {

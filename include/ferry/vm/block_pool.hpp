@@ -50,8 +50,10 @@ class FERRY_API block_pool {
   block_pool& operator=(const block_pool&) = delete;
 
   // A block of at least `bytes` (> 0) for work on `stream` (any value naming it; 0 is a stream too).
-  // Throws what the space's alloc throws when it cannot make the pages even after release().
-  void* alloc(std::uint64_t bytes, std::uintptr_t stream);
+  // `reused`, when given: whether the block is a kept one (its bytes may be a former block's), not
+  // fresh zeroed pages. Throws what the space's alloc throws when it cannot make the pages even
+  // after release().
+  void* alloc(std::uint64_t bytes, std::uintptr_t stream, bool* reused = nullptr);
   // A block alloc returned; kept for the next allocation like it on its stream. Throws
   // invalid_argument for a pointer this pool did not hand out (or handed back already).
   void free(void* p);
@@ -76,7 +78,7 @@ class FERRY_API block_pool {
   using key = std::pair<std::uintptr_t, std::uint64_t>;  // stream, class (below a page) or whole pages' bytes
 
   void* space_alloc(std::uint64_t bytes);  // releases kept blocks and retries once when the space is full
-  void* alloc_locked(std::uint64_t size, bool small, std::uintptr_t stream, std::vector<std::uintptr_t>& spare);
+  void* alloc_locked(std::uint64_t size, bool small, std::uintptr_t stream, std::vector<std::uintptr_t>& spare, bool& reused);
   std::uint64_t release_locked();
   // A freed block into its kept list; whole-page blocks past `keep_` leave (their pages into `out`).
   void keep_locked(void* p, std::uintptr_t stream, std::uint64_t size, std::uintptr_t in_page, std::vector<std::uintptr_t>& out);
