@@ -10,8 +10,8 @@
 #include <ferry/xfer/engine.hpp>
 
 #include "core/logging.hpp"
+#include "store/curl_api.hpp"
 
-#include <curl/curl.h>
 #include <fmt/format.h>
 #include <pthread.h>
 
@@ -49,12 +49,10 @@ namespace {
 using clk = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
-void global_init() {
-  static std::once_flag once;
-  static CURLcode rc = CURLE_OK;
-  std::call_once(once, [] { rc = curl_global_init(CURL_GLOBAL_DEFAULT); });
-  if (rc != CURLE_OK) fail(errc::unavailable, "http.init", "libcurl", curl_easy_strerror(rc));
-}
+using curl::lib;
+
+// libcurl, loaded and initialised once (curl::lib).
+void global_init() { (void)lib(); }
 
 errc code_of(CURLcode rc) {
   switch (rc) {
@@ -98,7 +96,7 @@ error status_error(long status, const char* op, const std::string& where) {
 }
 
 error curl_error(CURLcode rc, const char* errbuf, const char* op, const std::string& where) {
-  std::string detail = curl_easy_strerror(rc);
+  std::string detail = lib().easy_strerror(rc);
   if (errbuf && *errbuf) detail += std::string(": ") + errbuf;
   return error(code_of(rc), op, where, detail);
 }
@@ -112,41 +110,41 @@ struct s3_signing {
 // connecting and one for moving no byte, certificates always checked.
 void common(CURL* c, const std::string& url, const http_options& o, char* errbuf, const s3_signing* sign) {
   const long secs = std::max<long>(1, static_cast<long>(std::chrono::duration_cast<std::chrono::seconds>(o.deadline).count()));
-  curl_easy_setopt(c, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  lib().easy_setopt(c, CURLOPT_URL, url.c_str());
+  lib().easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
   // Redirects: never for a signed (S3) request, whose session token would go to the next host too;
   // from https only to https.
-  curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, sign ? 0L : 1L);
-  curl_easy_setopt(c, CURLOPT_MAXREDIRS, 8L);
-  curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
-  curl_easy_setopt(c, CURLOPT_REDIR_PROTOCOLS_STR, url.starts_with("https:") ? "https" : "http,https");
-  curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT, secs);
-  curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
-  curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, secs);
-  curl_easy_setopt(c, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_2TLS));
-  curl_easy_setopt(c, CURLOPT_USERAGENT, "ferry");
+  lib().easy_setopt(c, CURLOPT_FOLLOWLOCATION, sign ? 0L : 1L);
+  lib().easy_setopt(c, CURLOPT_MAXREDIRS, 8L);
+  lib().easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+  lib().easy_setopt(c, CURLOPT_REDIR_PROTOCOLS_STR, url.starts_with("https:") ? "https" : "http,https");
+  lib().easy_setopt(c, CURLOPT_CONNECTTIMEOUT, secs);
+  lib().easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
+  lib().easy_setopt(c, CURLOPT_LOW_SPEED_TIME, secs);
+  lib().easy_setopt(c, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_2TLS));
+  lib().easy_setopt(c, CURLOPT_USERAGENT, "ferry");
   // A receive buffer of 512 KiB (the most libcurl 7.88 takes; 16 KiB by default): a system call and a
   // write callback per 512 KiB of a body instead of per 16 KiB (docs/design/remote-sources.md).
-  curl_easy_setopt(c, CURLOPT_BUFFERSIZE, 512L << 10);
-  curl_easy_setopt(c, CURLOPT_ERRORBUFFER, errbuf);
-  if (!o.ca_file.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, o.ca_file.c_str());
+  lib().easy_setopt(c, CURLOPT_BUFFERSIZE, 512L << 10);
+  lib().easy_setopt(c, CURLOPT_ERRORBUFFER, errbuf);
+  if (!o.ca_file.empty()) lib().easy_setopt(c, CURLOPT_CAINFO, o.ca_file.c_str());
   if (sign) {
     const std::string how = "aws:amz:" + sign->region + ":s3";
-    curl_easy_setopt(c, CURLOPT_AWS_SIGV4, how.c_str());
-    curl_easy_setopt(c, CURLOPT_USERPWD, sign->userpwd.c_str());
+    lib().easy_setopt(c, CURLOPT_AWS_SIGV4, how.c_str());
+    lib().easy_setopt(c, CURLOPT_USERPWD, sign->userpwd.c_str());
   }
 }
 
 // The headers of a request: the version the ranges must come from, and what S3 signs.
 curl_slist* headers_for(const std::string& etag, const s3_signing* sign, bool put = false) {
   curl_slist* h = nullptr;
-  if (!etag.empty()) h = curl_slist_append(h, ("If-Match: " + etag).c_str());
-  if (put) h = curl_slist_append(h, "Expect:");  // no 100-continue round trip
+  if (!etag.empty()) h = lib().slist_append(h, ("If-Match: " + etag).c_str());
+  if (put) h = lib().slist_append(h, "Expect:");  // no 100-continue round trip
   if (sign) {
     // A GET or HEAD has no body: the SHA-256 of nothing; a PUT's body is not hashed (S3 allows it).
-    h = curl_slist_append(h, put ? "x-amz-content-sha256: UNSIGNED-PAYLOAD"
+    h = lib().slist_append(h, put ? "x-amz-content-sha256: UNSIGNED-PAYLOAD"
                                  : "x-amz-content-sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
-    if (!sign->token.empty()) h = curl_slist_append(h, ("x-amz-security-token: " + sign->token).c_str());
+    if (!sign->token.empty()) h = lib().slist_append(h, ("x-amz-security-token: " + sign->token).c_str());
   }
   return h;
 }
@@ -208,43 +206,43 @@ head_result head(const target& t, const http_options& o) {
   // HEAD; where the server refuses it (a presigned URL is signed for GET only, some servers take no
   // HEAD), the first byte by GET, whose Content-Range says the size.
   for (const bool by_get : {false, true}) {
-    std::unique_ptr<CURL, void (*)(CURL*)> c(curl_easy_init(), curl_easy_cleanup);
+    std::unique_ptr<CURL, void (*)(CURL*)> c(lib().easy_init(), lib().easy_cleanup);
     if (!c) fail(errc::out_of_memory, "http.open", t.name, "curl_easy_init failed");
     char err[CURL_ERROR_SIZE] = {};
     common(c.get(), t.url, o, err, t.sign.get());
     // Headers only (and a byte): the whole answer within the deadline, not just some progress.
-    curl_easy_setopt(c.get(), CURLOPT_TIMEOUT_MS, static_cast<long>(std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline).count()));
-    std::unique_ptr<curl_slist, void (*)(curl_slist*)> hdr(headers_for({}, t.sign.get()), curl_slist_free_all);
-    if (hdr) curl_easy_setopt(c.get(), CURLOPT_HTTPHEADER, hdr.get());
+    lib().easy_setopt(c.get(), CURLOPT_TIMEOUT_MS, static_cast<long>(std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline).count()));
+    std::unique_ptr<curl_slist, void (*)(curl_slist*)> hdr(headers_for({}, t.sign.get()), lib().slist_free_all);
+    if (hdr) lib().easy_setopt(c.get(), CURLOPT_HTTPHEADER, hdr.get());
     head_lines lines;
     std::uint64_t seen = 0;
     if (by_get) {
-      curl_easy_setopt(c.get(), CURLOPT_RANGE, "0-0");
-      curl_easy_setopt(c.get(), CURLOPT_WRITEFUNCTION, discard_body);
-      curl_easy_setopt(c.get(), CURLOPT_WRITEDATA, &seen);
+      lib().easy_setopt(c.get(), CURLOPT_RANGE, "0-0");
+      lib().easy_setopt(c.get(), CURLOPT_WRITEFUNCTION, discard_body);
+      lib().easy_setopt(c.get(), CURLOPT_WRITEDATA, &seen);
     } else {
-      curl_easy_setopt(c.get(), CURLOPT_NOBODY, 1L);
+      lib().easy_setopt(c.get(), CURLOPT_NOBODY, 1L);
     }
-    curl_easy_setopt(c.get(), CURLOPT_HEADERFUNCTION, on_head_line);
-    curl_easy_setopt(c.get(), CURLOPT_HEADERDATA, &lines);
+    lib().easy_setopt(c.get(), CURLOPT_HEADERFUNCTION, on_head_line);
+    lib().easy_setopt(c.get(), CURLOPT_HEADERDATA, &lines);
     if (interruptible()) {  // the caller's Ctrl-C ends the wait (libcurl asks about once a second)
-      curl_easy_setopt(c.get(), CURLOPT_NOPROGRESS, 0L);
-      curl_easy_setopt(c.get(), CURLOPT_XFERINFOFUNCTION,
+      lib().easy_setopt(c.get(), CURLOPT_NOPROGRESS, 0L);
+      lib().easy_setopt(c.get(), CURLOPT_XFERINFOFUNCTION,
                        +[](void*, curl_off_t, curl_off_t, curl_off_t, curl_off_t) -> int { return interrupted() ? 1 : 0; });
     }
-    CURLcode rc = curl_easy_perform(c.get());
+    CURLcode rc = lib().easy_perform(c.get());
     if (rc == CURLE_ABORTED_BY_CALLBACK) fail(errc::cancelled, "http.open", t.name, "interrupted by the caller");
     if (rc != CURLE_OK && !(by_get && rc == CURLE_WRITE_ERROR)) throw curl_error(rc, err, "http.open", t.name + " offset 0");
     long status = 0;
-    curl_easy_getinfo(c.get(), CURLINFO_RESPONSE_CODE, &status);
+    lib().easy_getinfo(c.get(), CURLINFO_RESPONSE_CODE, &status);
     if (!by_get && (status == 403 || status == 405 || status == 501)) continue;
     if (status < 200 || status >= 300) throw status_error(status, "http.open", t.name + " offset 0");
     curl_off_t len = -1;
-    curl_easy_getinfo(c.get(), CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len);
+    lib().easy_getinfo(c.get(), CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len);
     if (by_get && status == 206) len = lines.total;
     if (len < 0) fail(errc::not_supported, "http.open", t.name, "the server gives no size for it (no Content-Length)");
     char* at = nullptr;
-    curl_easy_getinfo(c.get(), CURLINFO_EFFECTIVE_URL, &at);
+    lib().easy_getinfo(c.get(), CURLINFO_EFFECTIVE_URL, &at);
     h.size = static_cast<std::uint64_t>(len);
     h.etag = lines.etag;
     if (at) h.url = at;
@@ -321,7 +319,7 @@ std::size_t on_data(char* b, std::size_t sz, std::size_t n, void* ud) {
   auto& p = *static_cast<piece*>(ud);
   const std::size_t bytes = sz * n;
   if (!p.status) {
-    curl_easy_getinfo(p.easy, CURLINFO_RESPONSE_CODE, &p.status);
+    lib().easy_getinfo(p.easy, CURLINFO_RESPONSE_CODE, &p.status);
     if (p.status == 206 && p.range_start >= 0 && p.range_start != static_cast<std::int64_t>(p.offset + p.got)) {
       p.bad = error(errc::protocol_error, "http.read", fmt::format("{} offset {}", p.h->name, p.offset + p.got),
                     fmt::format("the server answered a range from byte {} instead", p.range_start));
@@ -411,9 +409,9 @@ std::size_t on_header(char* b, std::size_t sz, std::size_t n, void* ud) {
 
 // The piece is off libcurl for good (curl thread only).
 void let_go(piece& p) {
-  if (p.easy) curl_easy_cleanup(p.easy);
+  if (p.easy) lib().easy_cleanup(p.easy);
   p.easy = nullptr;
-  if (p.headers) curl_slist_free_all(p.headers);
+  if (p.headers) lib().slist_free_all(p.headers);
   p.headers = nullptr;
 }
 
@@ -470,12 +468,12 @@ class http_engine {
     try {
       for (int i = 0; i < k; ++i) {
         auto l = std::make_unique<lane>();
-        l->multi = curl_multi_init();
+        l->multi = lib().multi_init();
         if (!l->multi) fail(errc::out_of_memory, "http.engine", "libcurl", "curl_multi_init failed");
-        curl_multi_setopt(l->multi, CURLMOPT_MAX_HOST_CONNECTIONS, static_cast<long>(per_lane_));
+        lib().multi_setopt(l->multi, CURLMOPT_MAX_HOST_CONNECTIONS, static_cast<long>(per_lane_));
         // Each piece on a connection of its own, HTTP/2 too: bulk data moves faster over several
         // TCP connections than as streams of one.
-        curl_multi_setopt(l->multi, CURLMOPT_PIPELINING, static_cast<long>(CURLPIPE_NOTHING));
+        lib().multi_setopt(l->multi, CURLMOPT_PIPELINING, static_cast<long>(CURLPIPE_NOTHING));
         lanes_.push_back(std::move(l));
       }
       // Dedicated, not the executor's: each drives its libcurl multi handle, which one thread at a time may use.
@@ -501,16 +499,16 @@ class http_engine {
       stop_ = true;
     }
     for (auto& l : lanes_)
-      if (l->multi) curl_multi_wakeup(l->multi);
+      if (l->multi) lib().multi_wakeup(l->multi);
     for (auto& l : lanes_)
       if (l->thread.joinable()) l->thread.join();  // each fails what is left, after the copies under way
     for (auto& l : lanes_)
-      if (l->multi) curl_multi_cleanup(l->multi);
+      if (l->multi) lib().multi_cleanup(l->multi);
     lanes_.clear();
   }
 
   std::string describe() const {
-    return fmt::format("HTTP (libcurl {}): {} requests, {} tried again{}", curl_version_info(CURLVERSION_NOW)->version,
+    return fmt::format("HTTP (libcurl {}): {} requests, {} tried again{}", lib().version_info(CURLVERSION_NOW)->version,
                        n_pieces_.load(), n_retries_.load(), n_staged_.load() ? " -> copy on (transfer engine)" : "");
   }
 
@@ -598,7 +596,7 @@ class http_engine {
       for (std::size_t i = 0; i < n; ++i) lanes_[(first + i) % lanes_.size()]->incoming.push_back(std::move(ps[i]));
     }
     n_pieces_ += n;
-    for (std::size_t i = 0; i < std::min(n, lanes_.size()); ++i) curl_multi_wakeup(lanes_[(first + i) % lanes_.size()]->multi);
+    for (std::size_t i = 0; i < std::min(n, lanes_.size()); ++i) lib().multi_wakeup(lanes_[(first + i) % lanes_.size()]->multi);
   }
 
   // One request with a small body and answer (the multipart upload's POSTs and DELETE), its answer
@@ -622,65 +620,65 @@ class http_engine {
   }
 
   void begin(lane& L, piece& p) {
-    if (!p.easy && !(p.easy = curl_easy_init())) fail(errc::out_of_memory, "http.read", p.h->name, "curl_easy_init failed");
+    if (!p.easy && !(p.easy = lib().easy_init())) fail(errc::out_of_memory, "http.read", p.h->name, "curl_easy_init failed");
     p.last_moved = clk::now();  // its stall clock starts with each attempt
-    curl_easy_reset(p.easy);
+    lib().easy_reset(p.easy);
     p.errbuf[0] = 0;
     p.status = 0;
     p.enough = false;
     common(p.easy, p.url.empty() ? p.h->url : p.url, o_, p.errbuf, p.h->sign.get());
     const bool sends = p.put || p.method;
     if (!p.headers) p.headers = headers_for(sends ? std::string() : p.h->etag, p.h->sign.get(), sends);
-    if (p.headers) curl_easy_setopt(p.easy, CURLOPT_HTTPHEADER, p.headers);
+    if (p.headers) lib().easy_setopt(p.easy, CURLOPT_HTTPHEADER, p.headers);
     if (p.method) {
       p.answer->clear();
       if (std::string_view(p.method) == "POST") {
-        curl_easy_setopt(p.easy, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(p.body.size()));
-        curl_easy_setopt(p.easy, CURLOPT_POSTFIELDS, p.body.c_str());
+        lib().easy_setopt(p.easy, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(p.body.size()));
+        lib().easy_setopt(p.easy, CURLOPT_POSTFIELDS, p.body.c_str());
       } else {
-        curl_easy_setopt(p.easy, CURLOPT_CUSTOMREQUEST, p.method);
+        lib().easy_setopt(p.easy, CURLOPT_CUSTOMREQUEST, p.method);
       }
-      curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, on_answer);
-      curl_easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
-      curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
-      if (curl_multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.write", p.h->name, "curl_multi_add_handle failed");
+      lib().easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, on_answer);
+      lib().easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
+      lib().easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
+      if (lib().multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.write", p.h->name, "curl_multi_add_handle failed");
       return;
     }
     if (p.put) {
       p.got = p.slot_at = p.slot_len = 0;  // an upload starts again from its first byte
       if (p.etag_out) p.etag_out->clear();  // this attempt's answer names it
-      curl_easy_setopt(p.easy, CURLOPT_UPLOAD, 1L);
-      curl_easy_setopt(p.easy, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(p.len));
-      curl_easy_setopt(p.easy, CURLOPT_READFUNCTION, on_send);
-      curl_easy_setopt(p.easy, CURLOPT_READDATA, &p);
-      curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, discard);
+      lib().easy_setopt(p.easy, CURLOPT_UPLOAD, 1L);
+      lib().easy_setopt(p.easy, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(p.len));
+      lib().easy_setopt(p.easy, CURLOPT_READFUNCTION, on_send);
+      lib().easy_setopt(p.easy, CURLOPT_READDATA, &p);
+      lib().easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, discard);
       if (p.etag_out) {
-        curl_easy_setopt(p.easy, CURLOPT_HEADERFUNCTION, on_part_header);
-        curl_easy_setopt(p.easy, CURLOPT_HEADERDATA, &p);
+        lib().easy_setopt(p.easy, CURLOPT_HEADERFUNCTION, on_part_header);
+        lib().easy_setopt(p.easy, CURLOPT_HEADERDATA, &p);
       }
-      curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
-      if (curl_multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.write", p.h->name, "curl_multi_add_handle failed");
+      lib().easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
+      if (lib().multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.write", p.h->name, "curl_multi_add_handle failed");
       return;
     }
     const std::string range = fmt::format("{}-{}", p.offset + p.got, p.offset + p.len - 1);
-    curl_easy_setopt(p.easy, CURLOPT_RANGE, range.c_str());
+    lib().easy_setopt(p.easy, CURLOPT_RANGE, range.c_str());
     p.range_start = -1;
-    curl_easy_setopt(p.easy, CURLOPT_HEADERFUNCTION, on_header);
-    curl_easy_setopt(p.easy, CURLOPT_HEADERDATA, &p);
+    lib().easy_setopt(p.easy, CURLOPT_HEADERFUNCTION, on_header);
+    lib().easy_setopt(p.easy, CURLOPT_HEADERDATA, &p);
     // libcurl's 16 KiB receive buffer costs a recv and a callback per 16 KiB, which bound a thread
     // well below its connections' rate; half a MiB still fits a core's cache for the copy out of it.
-    curl_easy_setopt(p.easy, CURLOPT_BUFFERSIZE, 512L << 10);
-    curl_easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, on_data);
-    curl_easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
-    curl_easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
-    if (curl_multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.read", p.h->name, "curl_multi_add_handle failed");
+    lib().easy_setopt(p.easy, CURLOPT_BUFFERSIZE, 512L << 10);
+    lib().easy_setopt(p.easy, CURLOPT_WRITEFUNCTION, on_data);
+    lib().easy_setopt(p.easy, CURLOPT_WRITEDATA, &p);
+    lib().easy_setopt(p.easy, CURLOPT_PRIVATE, &p);
+    if (lib().multi_add_handle(L.multi, p.easy) != CURLM_OK) fail(errc::internal, "http.read", p.h->name, "curl_multi_add_handle failed");
   }
 
   // The piece's end, on any thread: its buffer back, its request told when it was the last.
   void finish(const std::shared_ptr<piece>& p, const error* e) {
     if (p->slot) {
       p->slot = {};
-      for (auto& l : lanes_) curl_multi_wakeup(l->multi);  // pieces may be waiting for a buffer
+      for (auto& l : lanes_) lib().multi_wakeup(l->multi);  // pieces may be waiting for a buffer
     }
     request& r = *p->req;
     file_source::completion done;
@@ -698,7 +696,7 @@ class http_engine {
   // An answer ended (curl thread): landed, tried again later, or failed.
   void ended(std::shared_ptr<piece> p, CURLcode rc, std::vector<std::shared_ptr<piece>>& waiting) {
     long status = p->status;
-    if (!status) curl_easy_getinfo(p->easy, CURLINFO_RESPONSE_CODE, &status);
+    if (!status) lib().easy_getinfo(p->easy, CURLINFO_RESPONSE_CODE, &status);
     const std::uint64_t at = p->offset + (p->put ? 0 : p->got);  // an upload (a part) is sent again whole
     const std::string here = where(*p);
     if (p->bad) {
@@ -828,14 +826,14 @@ class http_engine {
         it = waiting.erase(it);
       }
       int still = 0;
-      curl_multi_perform(L.multi, &still);
+      lib().multi_perform(L.multi, &still);
       int left = 0;
       bool freed = false;  // a piece ended: one waiting may start now, not after the poll's timeout
-      while (CURLMsg* m = curl_multi_info_read(L.multi, &left)) {
+      while (CURLMsg* m = lib().multi_info_read(L.multi, &left)) {
         if (m->msg != CURLMSG_DONE) continue;
         CURL* easy = m->easy_handle;
         const CURLcode rc = m->data.result;
-        curl_multi_remove_handle(L.multi, easy);
+        lib().multi_remove_handle(L.multi, easy);
         auto it = std::find_if(running.begin(), running.end(), [&](auto& q) { return q->easy == easy; });
         if (it == running.end()) continue;
         auto p = std::move(*it);
@@ -858,7 +856,7 @@ class http_engine {
           ++it;
           continue;
         }
-        curl_multi_remove_handle(L.multi, q.easy);
+        lib().multi_remove_handle(L.multi, q.easy);
         error e = q.until.cancelled()
                       ? error(errc::cancelled, op_of(q), where(q), "the batch was cancelled")
                       : error(errc::timeout, op_of(q), where(q),
@@ -868,12 +866,12 @@ class http_engine {
         finish(*it, &e);
         it = running.erase(it);
       }
-      curl_multi_poll(L.multi, nullptr, 0, wait_ms, nullptr);
+      lib().multi_poll(L.multi, nullptr, 0, wait_ms, nullptr);
     }
     // Going: what is left fails; the engine's copies under way end first (they use this engine).
     error gone(errc::cancelled, "http", "http", "the runtime is going");
     for (auto& p : running) {
-      curl_multi_remove_handle(L.multi, p->easy);
+      lib().multi_remove_handle(L.multi, p->easy);
       let_go(*p);
       finish(p, &gone);
     }

@@ -228,6 +228,9 @@ cpu_fault_service::~cpu_fault_service() {
   g_spaces[slot_].service_tid.store(0);
   g_spaces[slot_].fd.store(-1);
   stop_ = true;
+  // Wakes the thread out of its poll now rather than at its next timeout (a process's exit waits for it).
+  const fault_message wake{};
+  [[maybe_unused]] const auto w = ::write(pipe_wr_, &wake, sizeof wake);
   thread_.join();
   ::close(pipe_rd_);
   ::close(pipe_wr_);
@@ -243,6 +246,7 @@ void cpu_fault_service::serve() {
     }
     fault_message m{};
     if (::read(pipe_rd_, &m, sizeof m) != static_cast<ssize_t>(sizeof m)) continue;
+    if (m.magic == 0 && stop_) break;  // the destructor's wake
     // Only a fault of this process, in this range, is served: anything else is not touched.
     if (m.magic != fault_magic || m.pid != ::getpid() || !m.record || m.addr < base_ || m.addr - base_ >= size_) {
       log::error("vm", "{}: ignoring a malformed fault message (pid {}, address {:#x})", name_, m.pid, m.addr);
