@@ -122,6 +122,16 @@ std::vector<device*> device_registry::all() {
   return out;
 }
 
+host_link_info device_registry::host_link(device& d) {
+  host_link_info l;
+#ifdef FERRY_HAVE_CUDA
+  if (d.info().backend == device_kind::cuda) l = cuda::query_host_link(settings_, d.info().pci_bus_id);
+#else
+  (void)d;
+#endif
+  return l;
+}
+
 peer_info device_registry::peer(device& a, device& b) {
   peer_info p;
   if (&a == &b) return {true, "self", 0};

@@ -11,11 +11,8 @@ namespace ferry::store::curl {
 
 namespace {
 
-// Debian's libcurl4 (OpenSSL), the package the build's headers come from.
-constexpr const char* library = "libcurl.so.4";
-
-api load() {
-  void* h = ::dlopen(library, RTLD_NOW | RTLD_LOCAL);
+api open(const std::string& library) {
+  void* h = ::dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!h) {
     const char* why = ::dlerror();
     fail(errc::unavailable, "http.init", library, std::string("cannot load libcurl (http://, https:// and s3:// need it): ") + (why ? why : "dlopen failed"));
@@ -34,14 +31,17 @@ api load() {
   return a;
 }
 
+api g_api;
+
 }  // namespace
 
-const api& lib() {
+const api& load(const std::string& library) {
   // A failed load is said again to each caller (call_once tries again after a throw).
   static std::once_flag once;
-  static api a;
-  std::call_once(once, [] { a = load(); });
-  return a;
+  std::call_once(once, [&] { g_api = open(library); });
+  return g_api;
 }
+
+const api& lib() noexcept { return g_api; }
 
 }  // namespace ferry::store::curl

@@ -5,6 +5,8 @@
 // start, `ferry run`'s program and the CLI before it included. Only curl.h's types and declarations are used.
 #include <curl/curl.h>
 
+#include <string>
+
 namespace ferry::store::curl {
 
 // Every libcurl entry point ferry uses, without the "curl_" of its name: a member named as the symbol
@@ -21,8 +23,10 @@ struct api {
 #undef FERRY_CURL_DECLARE
 };
 
-// The library (libcurl.so.4), loaded and curl_global_init'ed once per process; errc::unavailable with
-// the loader's reason when it cannot be.
-const api& lib();
+// Loads the library (the first successful caller's name holds for the process; FERRY_CURL_LIBRARY) and
+// runs curl_global_init; errc::unavailable naming it, with the loader's reason, when it cannot.
+const api& load(const std::string& library);
+// The loaded library: only after a load() that succeeded.
+const api& lib() noexcept;
 
 }  // namespace ferry::store::curl

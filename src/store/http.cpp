@@ -41,6 +41,7 @@ http_options http_options_from(const store_settings& s, registration_cache* cach
   o.retries = s.http_retries;
   o.deadline = s.deadline;
   o.ca_file = s.http_ca_file;
+  o.curl_library = s.curl_library;
   return o;
 }
 
@@ -51,8 +52,8 @@ using namespace std::chrono_literals;
 
 using curl::lib;
 
-// libcurl, loaded and initialised once (curl::lib).
-void global_init() { (void)lib(); }
+// libcurl, loaded and initialised once per process (curl::load), before any other call of it.
+void global_init(const http_options& o) { curl::load(o.curl_library); }
 
 errc code_of(CURLcode rc) {
   switch (rc) {
@@ -200,7 +201,7 @@ std::size_t discard_body(char*, std::size_t sz, std::size_t n, void* ud) {
 }
 
 head_result head(const target& t, const http_options& o) {
-  global_init();
+  global_init(o);
   head_result h;
   static_cast<target&>(h) = t;
   // HEAD; where the server refuses it (a presigned URL is signed for GET only, some servers take no
@@ -459,7 +460,7 @@ std::string encode_query(std::string_view v) {
 class http_engine {
  public:
   explicit http_engine(http_options o) : o_(std::move(o)) {
-    global_init();
+    global_init(o_);
     const int k = std::max(1, o_.threads);
     per_lane_ = static_cast<std::size_t>(std::max(1, o_.connections / k));
     // Lanes: a libcurl multi handle each, driven by a thread of its own that waits in

@@ -48,6 +48,7 @@ json collect(runtime& rt, const info_options& o) {
         device& d = rt.devices().get(fmt::format("cuda:{}", i));
         cuda_devs.push_back(&d);
         const device_info& in = d.info();
+        const host_link_info hl = rt.devices().host_link(d);
         memory_usage m = d.memory();
         g = {{"id", d.id()},
              {"name", in.name},
@@ -55,9 +56,9 @@ json collect(runtime& rt, const info_options& o) {
              {"pci_bus_id", in.pci_bus_id},
              {"memory_total", in.total_memory},
              {"memory_free", m.free},
-             {"bar1_total", in.bar1_total},
-             {"pcie_current", pcie(in.pcie_gen_current, in.pcie_width_current)},
-             {"pcie_max", pcie(in.pcie_gen_max, in.pcie_width_max)},
+             {"bar1_total", hl.bar1_total},
+             {"pcie_current", pcie(hl.pcie_gen_current, hl.pcie_width_current)},
+             {"pcie_max", pcie(hl.pcie_gen_max, hl.pcie_width_max)},
              {"numa_node", in.numa_node},
              {"compute_capability", fmt::format("{}.{}", in.cc_major, in.cc_minor)},
              {"copy_engines", in.copy_engines},

@@ -45,8 +45,6 @@ struct device_info {
   int cc_major = 0, cc_minor = 0;
   std::string pci_bus_id;  // "0000:18:00.0"
   int numa_node = -1;      // host NUMA node closest to the device
-  std::uint64_t bar1_total = 0;
-  int pcie_gen_current = 0, pcie_width_current = 0, pcie_gen_max = 0, pcie_width_max = 0;
   int copy_engines = 0;    // asynchronous copy engines
   // "cuda:0" / "sim:1": the canonical name used in URIs and errors.
   std::string id() const { return std::string(to_string(backend)) + ":" + std::to_string(ordinal); }

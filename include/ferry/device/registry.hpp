@@ -34,6 +34,14 @@ struct peer_info {
   int performance_rank = -1;
 };
 
+// A device's link to the host as NVML sees it (0 where unknown: no NVML, a sim device). Asked on request
+// only: loading and starting NVML costs a process tens of milliseconds, which opening a device does not pay.
+struct host_link_info {
+  std::uint64_t bar1_total = 0;  // the BAR1 aperture (host-visible device memory)
+  int pcie_gen_current = 0, pcie_width_current = 0, pcie_gen_max = 0, pcie_width_max = 0;
+  std::string error;             // why unknown, when NVML could not say
+};
+
 class FERRY_API device_registry {
  public:
   explicit device_registry(device_settings s);
@@ -53,6 +61,7 @@ class FERRY_API device_registry {
   backend_status cuda_status();
   backend_status sim_status() const;
   peer_info peer(device& a, device& b);
+  host_link_info host_link(device& d);
   const device_settings& config() const noexcept { return settings_; }
   // The library's worker threads (internal: src/core/executor.hpp), shared by the devices and the
   // engines made on this registry.

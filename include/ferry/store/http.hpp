@@ -43,6 +43,7 @@ struct http_options {
   int retries = store_settings{}.http_retries;             // FERRY_HTTP_RETRIES
   std::chrono::nanoseconds deadline = core_settings{}.deadline;  // no byte for this long: fail
   std::string ca_file = store_settings{}.http_ca_file;     // FERRY_HTTP_CA_FILE
+  std::string curl_library = store_settings{}.curl_library;  // FERRY_CURL_LIBRARY
 };
 
 FERRY_API http_options http_options_from(const store_settings& s, registration_cache* cache, transfer_engine* engine);

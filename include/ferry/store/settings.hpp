@@ -42,6 +42,7 @@ struct FERRY_API store_settings : virtual core_settings {
   int http_threads = 0;                    // libcurl threads (0: default_http_threads())
   int http_retries = 5;                    // attempts after the first, for a piece that failed on the way
   std::string http_ca_file;                // certificates to trust for https (empty: the system's)
+  std::string curl_library = "libcurl.so.4";  // loaded on the first URL a process opens
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host
   rma_use net_rma = rma_use::automatic;
 

@@ -156,13 +156,6 @@ class cuda_device final : public device, public cupti::launch_sink {
     i.copy_engines = attr(CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT, 0);
     char bus[32] = {};
     if (api.cuDeviceGetPCIBusId(bus, sizeof bus, d) == CUDA_SUCCESS) i.pci_bus_id = bus;
-    nvml::gpu_facts f = nvml::query(s.nvml_library, i.pci_bus_id);
-    if (!f.error.empty()) log::debug("cuda", "{}: NVML: {}", res, f.error);
-    i.bar1_total = f.bar1_total;
-    i.pcie_gen_current = f.pcie_gen_current;
-    i.pcie_width_current = f.pcie_width_current;
-    i.pcie_gen_max = f.pcie_gen_max;
-    i.pcie_width_max = f.pcie_width_max;
     return i;
   }
 
@@ -603,6 +596,10 @@ backend_probe probe(const device_settings& s) {
 
 std::unique_ptr<device> create_device(int ordinal, const device_settings& s) {
   return std::make_unique<cuda_device>(ordinal, s);
+}
+
+host_link_info query_host_link(const device_settings& s, const std::string& pci_bus_id) {
+  return nvml::query(s.nvml_library, pci_bus_id);
 }
 
 peer_link query_peer(const device_settings& s, int a, int b) {

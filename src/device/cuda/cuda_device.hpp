@@ -2,6 +2,7 @@
 // The cuda backend: ferry's device interface on the CUDA driver VMM API (cuMemCreate, cuMemMap,
 // cuMemSetAccess, ...), streams and events, with the driver loaded at run time (driver.hpp).
 #include <ferry/device/device.hpp>
+#include <ferry/device/registry.hpp>
 #include <ferry/device/settings.hpp>
 
 #include <memory>
@@ -26,5 +27,7 @@ struct peer_link {
   bool native_atomics = false;
 };
 peer_link query_peer(const device_settings& s, int a, int b);
+// NVML's facts of the device at that PCI bus id (device_registry::host_link).
+host_link_info query_host_link(const device_settings& s, const std::string& pci_bus_id);
 
 }  // namespace ferry::cuda

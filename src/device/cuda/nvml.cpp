@@ -17,7 +17,6 @@ struct bar1_memory {
 };
 constexpr int p2p_caps_index_nvlink = 2;  // NVML_P2P_CAPS_INDEX_NVLINK
 constexpr int p2p_status_ok = 0;          // NVML_P2P_STATUS_OK
-constexpr unsigned max_nvlinks = 18;      // NVML_NVLINK_MAX_LINKS
 
 struct api {
   nvml_return (*init)() = nullptr;
@@ -29,7 +28,6 @@ struct api {
   nvml_return (*gen_max)(nvml_device, unsigned*) = nullptr;
   nvml_return (*width_max)(nvml_device, unsigned*) = nullptr;
   nvml_return (*p2p)(nvml_device, nvml_device, int, int*) = nullptr;
-  nvml_return (*nvlink_state)(nvml_device, unsigned, int*) = nullptr;
   std::string error;
 };
 
@@ -53,7 +51,6 @@ const api& load(const std::string& library) {
     sym(a.gen_max, "nvmlDeviceGetMaxPcieLinkGeneration");
     sym(a.width_max, "nvmlDeviceGetMaxPcieLinkWidth");
     sym(a.p2p, "nvmlDeviceGetP2PStatus");
-    sym(a.nvlink_state, "nvmlDeviceGetNvLinkState");
     if (!a.init || !a.by_bus_id) {
       a.error = library + " lacks nvmlInit_v2/nvmlDeviceGetHandleByPciBusId_v2";
       a.init = nullptr;
@@ -90,7 +87,7 @@ std::string read_line(const std::string& path) {
   return l;
 }
 
-void sysfs_fallback(gpu_facts& f, const std::string& bus) {
+void sysfs_fallback(host_link_info& f, const std::string& bus) {
   std::string dir = "/sys/bus/pci/devices/" + lower(bus);
   if (!f.pcie_gen_current) f.pcie_gen_current = gen_from_speed(read_line(dir + "/current_link_speed"));
   if (!f.pcie_gen_max) f.pcie_gen_max = gen_from_speed(read_line(dir + "/max_link_speed"));
@@ -107,8 +104,8 @@ void sysfs_fallback(gpu_facts& f, const std::string& bus) {
 
 }  // namespace
 
-gpu_facts query(const std::string& library, const std::string& bus) {
-  gpu_facts f;
+host_link_info query(const std::string& library, const std::string& bus) {
+  host_link_info f;
   const api& a = load(library);
   nvml_device d = nullptr;
   if (!a.init) {
@@ -116,7 +113,6 @@ gpu_facts query(const std::string& library, const std::string& bus) {
   } else if (nvml_return r = a.by_bus_id(bus.c_str(), &d); r != 0) {
     f.error = fmt::format("nvmlDeviceGetHandleByPciBusId({}) failed: {}", bus, a.error_string ? a.error_string(r) : "?");
   } else {
-    f.known = true;
     unsigned v = 0;
     bar1_memory b{};
     if (a.bar1 && a.bar1(d, &b) == 0) f.bar1_total = b.total;
@@ -124,11 +120,6 @@ gpu_facts query(const std::string& library, const std::string& bus) {
     if (a.width_cur && a.width_cur(d, &v) == 0) f.pcie_width_current = static_cast<int>(v);
     if (a.gen_max && a.gen_max(d, &v) == 0) f.pcie_gen_max = static_cast<int>(v);
     if (a.width_max && a.width_max(d, &v) == 0) f.pcie_width_max = static_cast<int>(v);
-    if (a.nvlink_state)
-      for (unsigned l = 0; l < max_nvlinks; ++l) {
-        int active = 0;
-        if (a.nvlink_state(d, l, &active) == 0 && active) ++f.nvlinks_active;
-      }
   }
   sysfs_fallback(f, bus);
   return f;
