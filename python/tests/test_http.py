@@ -167,6 +167,26 @@ def test_bad_requests_are_clear_errors(web):
     assert e.value.code == "network_error"
 
 
+def test_a_libcurl_that_cannot_be_loaded_is_named_again_at_every_open():
+    # libcurl is loaded at a process's first URL; a failed load is an error naming the library, and a
+    # second open (a user's retry) is told the same instead of waiting.
+    code = r"""
+import json, ferry
+said = []
+for _ in range(2):
+    try:
+        ferry.open("http://127.0.0.1:9/x.bin")
+    except ferry.Error as e:
+        said.append([e.code, str(e)])
+print(json.dumps(said))
+"""
+    said = in_fresh_process(code, {"FERRY_CURL_LIBRARY": "/nonexistent/libcurl.so.4"}, timeout=60)
+    assert len(said) == 2
+    for code_, text in said:
+        assert code_ == "unavailable"
+        assert "/nonexistent/libcurl.so.4" in text and "cannot load libcurl" in text
+
+
 def test_a_file_replaced_after_it_was_opened_fails_its_reads(web):
     p = web.root / "changing.bin"
     p.write_bytes(b"a" * 100_000)

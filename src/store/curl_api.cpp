@@ -24,21 +24,30 @@ api open(const std::string& library) {
   if (!a.name) missing += (missing.empty() ? "curl_" : ", curl_") + std::string(#name);
   FERRY_CURL_FUNCTIONS(FERRY_CURL_RESOLVE)
 #undef FERRY_CURL_RESOLVE
-  // The handle stays open: the process keeps using the library until it ends.
-  if (!missing.empty()) fail(errc::unavailable, "http.init", library, "libcurl lacks " + missing + " (too old?)");
-  const CURLcode rc = a.global_init(CURL_GLOBAL_DEFAULT);
-  if (rc != CURLE_OK) fail(errc::unavailable, "http.init", library, a.easy_strerror(rc));
-  return a;
+  std::string why;
+  if (!missing.empty()) why = "libcurl lacks " + missing + " (too old?)";
+  else if (const CURLcode rc = a.global_init(CURL_GLOBAL_DEFAULT); rc != CURLE_OK) why = a.easy_strerror(rc);
+  if (!why.empty()) {
+    ::dlclose(h);
+    fail(errc::unavailable, "http.init", library, why);
+  }
+  return a;  // the handle stays open: the process uses the library until it ends
 }
 
-api g_api;
+std::mutex g_mu;
+bool g_loaded = false;  // g_mu
+api g_api;              // written once, under g_mu, before g_loaded
 
 }  // namespace
 
 const api& load(const std::string& library) {
-  // A failed load is said again to each caller (call_once tries again after a throw).
-  static std::once_flag once;
-  std::call_once(once, [&] { g_api = open(library); });
+  // A mutex, not call_once: a failed load throws, and each later caller tries again and is told
+  // (libstdc++'s call_once may block for good after its function threw).
+  std::lock_guard l(g_mu);
+  if (!g_loaded) {
+    g_api = open(library);
+    g_loaded = true;
+  }
   return g_api;
 }
 

@@ -599,7 +599,9 @@ std::unique_ptr<device> create_device(int ordinal, const device_settings& s) {
 }
 
 host_link_info query_host_link(const device_settings& s, const std::string& pci_bus_id) {
-  return nvml::query(s.nvml_library, pci_bus_id);
+  host_link_info l = nvml::query(s.nvml_library, pci_bus_id);
+  if (!l.error.empty()) log::debug("cuda", "{}: NVML: {}", pci_bus_id, l.error);
+  return l;
 }
 
 peer_link query_peer(const device_settings& s, int a, int b) {
