@@ -84,6 +84,7 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
   // between_faults and work_waiting, which use the members above and below.
   std::unique_ptr<cpu_fault_service> faults;
   std::atomic<std::uint64_t> write_waits{0};  // CPU writes that waited for launched work (wait_for_launched_work)
+  std::uint64_t watch_ns = 0;  // turning the launch callbacks on, in the constructor (the process's first space pays it)
   const std::chrono::steady_clock::time_point made = std::chrono::steady_clock::now();
   // Batches between start() and finish().
   struct flight {
@@ -150,7 +151,9 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
       if (o.return_at_launch || o.return_quiet.count() > 0) {
         std::string why;
         bool all = true;
+        const auto w0 = std::chrono::steady_clock::now();
         for (auto* d : devs) all = all && d->watch_launches(*this, why);
+        watch_ns = static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - w0).count());
         watching = all;
         range.remember_writes(all);
         if (!all) {
@@ -732,6 +735,8 @@ std::string address_space::report() const {
                    "copies {:.3f} s\n", sec(t.allocate), sec(remap), sec(t.quiesce), sec(t.copy_wait));
   r += fmt::format("  CPU writes to host pages after a launch {} (waiting for the work launched since {:.3f} s)\n", I.write_waits.load(),
                    sec(t.write_wait));
+  // A cost of the process's start that shows in programs of under a second (docs/design/unified-memory.md, "Start-up").
+  if (I.watching) r += fmt::format("  launch callbacks turned on in {:.3f} s when the space was made\n", sec(I.watch_ns));
   // The largest part, and what usually makes it smaller.
   const std::pair<std::uint64_t, const char*> parts[] = {
       {t.cpu_fault - std::min(t.cpu_fault, t.write_wait), "serving CPU faults: the CPU touches pages a device holds; a prefetch to the host "

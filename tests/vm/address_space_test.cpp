@@ -113,6 +113,8 @@ TEST(VmSpace, TheReportAtTheEndSaysWhereTheTimeWent) {
     EXPECT_GE(s.migrations_h2d, 4u);
     EXPECT_GT(as.timings().cpu_fault, 0u) << "the time serving CPU faults is counted";
     EXPECT_THAT(said, HasSubstr("most of it: "));
+    EXPECT_EQ(said.find("launch callbacks turned on in ") != std::string::npos, as.returns_pages())
+        << "the start-up cost of the launch callbacks is said when the space has them";
     testing::internal::CaptureStderr();
   }
   printed = testing::internal::GetCapturedStderr();
