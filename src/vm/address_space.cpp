@@ -246,7 +246,7 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
     // as soon as its last kernel is queued): its mapped copy is zeroed only after that work.
     if (range.mapped_at(p, at)) quiesce();
     mem.ensure_chunk(at, p);
-    mem.copy_sync(host, at, mem.mirror(at, p), mem.zeros());
+    mem.zero_sync(at, mem.mirror(at, p));
   }
   void drop(std::uint64_t p, location at) noexcept override { mem.drop(p, at); }
   void map(std::uint64_t p, location at, bool writable) override {

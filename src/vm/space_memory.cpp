@@ -8,7 +8,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstring>
 
 namespace ferry::vm {
 
@@ -31,7 +30,7 @@ space_memory::space_memory(const std::vector<device*>& ds, std::uint64_t pg, std
   pad = dev.granularity();
   padded = dev.reserve(npages * page + 2 * pad);
   shared = {padded.address() + pad, npages * page};
-  host_mirror = dev.reserve((npages + 1) * page);
+  host_mirror = dev.reserve(npages * page);
   for (std::size_t k = 0; k < devs.size(); ++k) {
     auto m = std::make_unique<devmem>();
     m->pool = dev.reserve(npages * page);
@@ -41,13 +40,10 @@ space_memory::space_memory(const std::vector<device*>& ds, std::uint64_t pg, std
     dm.push_back(std::move(m));
   }
   hostc.resize(npages);
-  zero_ = dev.allocate(page, ferry::location::on_host());
-  map_mirror(host_mirror.at(npages * page), zero_, true);
   pad_before_ = dev.allocate(pad, ferry::location::on_host());
   pad_after_ = dev.allocate(pad, ferry::location::on_host());
   map_mirror(padded.at(0), pad_before_, true);
   map_mirror(padded.at(pad + npages * page), pad_after_, true);
-  std::memset(host_mirror.at(npages * page), 0, page);
 }
 
 space_memory::~space_memory() {
@@ -134,6 +130,14 @@ void space_memory::trim() {
     }
     m->idle.clear();
   }
+}
+
+void space_memory::zero_sync(location at, std::byte* dst) {
+  devmem& m = engine(at, at);
+  std::lock_guard l(m.st_mu);
+  m.st->fill(dst, 0, page);
+  timed tm{t_.copy_wait};
+  m.st->synchronize(deadline_after(deadline_));
 }
 
 void space_memory::copy_sync(location from, location to, std::byte* dst, const std::byte* src) {

@@ -89,8 +89,10 @@ class space_memory {
   devmem& engine(location from, location to) { return on(to != host ? to : from != host ? from : loc_of(0)); }
   // One page from -> to, waited for.
   void copy_sync(location from, location to, std::byte* dst, const std::byte* src);
-  // A zeroed page, for pages made fresh.
-  const std::byte* zeros() const { return host_mirror.at(npages * page); }
+  // Page memory at dst (a mirror of location `at`) set to zeros by a memset on the engines of `at`
+  // (the home device's for a host chunk), waited for: a page made fresh, with no zeroed page to copy
+  // from over the bus.
+  void zero_sync(location at, std::byte* dst);
 
   const std::vector<device*>& devs;
   device& dev;
@@ -104,7 +106,7 @@ class space_memory {
   va_range padded;
   std::uint64_t pad = 0;
   view shared;
-  va_range host_mirror;                     // host mirror: per page, and a zeroed page after them
+  va_range host_mirror;                     // host mirror: a host chunk per page
   std::vector<std::unique_ptr<devmem>> dm;
   std::vector<physical_chunk> hostc;        // per page, kept once made; guarded by the page's lock
 
@@ -113,7 +115,6 @@ class space_memory {
   std::chrono::nanoseconds deadline_;
   space_clock& t_;
   std::mutex slot_mu_;
-  physical_chunk zero_;                     // the zeroed host chunk at the end of the host mirror
   physical_chunk pad_before_, pad_after_;   // mapped on each side of `shared`
 };
 
