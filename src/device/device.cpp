@@ -139,12 +139,6 @@ void stream::copy_batch(std::span<const copy_desc> copies) {
   c_copy_batches_->add();
 }
 
-void stream::fill(void* dst, std::uint8_t value, std::size_t bytes) {
-  if (bytes == 0) return;
-  if (!dst) fail(errc::invalid_argument, "stream.fill", fmt::format("{} {}", owner_->id(), describe_range(dst, bytes)), "destination is null");
-  do_fill(dst, value, bytes);
-}
-
 void stream::fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) {
   if (bytes == 0) return;
   if (!dst || reinterpret_cast<std::uintptr_t>(dst) % 8)

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace ferry::vm {
 
@@ -30,7 +31,7 @@ space_memory::space_memory(const std::vector<device*>& ds, std::uint64_t pg, std
   pad = dev.granularity();
   padded = dev.reserve(npages * page + 2 * pad);
   shared = {padded.address() + pad, npages * page};
-  host_mirror = dev.reserve(npages * page);
+  host_mirror = dev.reserve(npages * page + pad);
   for (std::size_t k = 0; k < devs.size(); ++k) {
     auto m = std::make_unique<devmem>();
     m->pool = dev.reserve(npages * page);
@@ -40,6 +41,9 @@ space_memory::space_memory(const std::vector<device*>& ds, std::uint64_t pg, std
     dm.push_back(std::move(m));
   }
   hostc.resize(npages);
+  zero_ = dev.allocate(pad, ferry::location::on_host());
+  map_mirror(host_mirror.at(npages * page), zero_, true);
+  std::memset(host_mirror.at(npages * page), 0, pad);
   pad_before_ = dev.allocate(pad, ferry::location::on_host());
   pad_after_ = dev.allocate(pad, ferry::location::on_host());
   map_mirror(padded.at(0), pad_before_, true);
@@ -133,9 +137,15 @@ void space_memory::trim() {
 }
 
 void space_memory::zero_sync(location at, std::byte* dst) {
-  devmem& m = engine(at, at);
+  // Copies by the copy engines, not a memset: a memset is a kernel, which waits behind a user's kernel
+  // that holds every SM (one that spins until the CPU acts), and the page is made fresh on the CPU's
+  // behalf (an allocation) while such a kernel may run.
+  const std::byte* zeros = host_mirror.at(npages * page);
+  std::vector<stream::copy_desc> copies;
+  for (std::uint64_t off = 0; off < page; off += pad) copies.push_back({dst + off, zeros, pad});
+  devmem& m = engine(host, at);
   std::lock_guard l(m.st_mu);
-  m.st->fill(dst, 0, page);
+  m.st->copy_batch(copies);
   timed tm{t_.copy_wait};
   m.st->synchronize(deadline_after(deadline_));
 }

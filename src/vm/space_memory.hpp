@@ -89,9 +89,9 @@ class space_memory {
   devmem& engine(location from, location to) { return on(to != host ? to : from != host ? from : loc_of(0)); }
   // One page from -> to, waited for.
   void copy_sync(location from, location to, std::byte* dst, const std::byte* src);
-  // Page memory at dst (a mirror of location `at`) set to zeros by a memset on the engines of `at`
-  // (the home device's for a host chunk), waited for: a page made fresh, with no zeroed page to copy
-  // from over the bus.
+  // Page memory at dst (a mirror of location `at`) set to zeros, waited for: a page made fresh, copied
+  // from one zeroed chunk of the device granularity (not a whole zeroed page: the space is made at a
+  // program's first allocation, and a page-sized pinned chunk is most of what that costs).
   void zero_sync(location at, std::byte* dst);
 
   const std::vector<device*>& devs;
@@ -106,7 +106,7 @@ class space_memory {
   va_range padded;
   std::uint64_t pad = 0;
   view shared;
-  va_range host_mirror;                     // host mirror: a host chunk per page
+  va_range host_mirror;                     // host mirror: a host chunk per page, and the zeroed chunk after them
   std::vector<std::unique_ptr<devmem>> dm;
   std::vector<physical_chunk> hostc;        // per page, kept once made; guarded by the page's lock
 
@@ -115,6 +115,7 @@ class space_memory {
   std::chrono::nanoseconds deadline_;
   space_clock& t_;
   std::mutex slot_mu_;
+  physical_chunk zero_;                     // `pad` zeroed bytes of host memory, at the end of the host mirror
   physical_chunk pad_before_, pad_after_;   // mapped on each side of `shared`
 };
 

@@ -160,38 +160,6 @@ TEST_F(DeviceConformance, DeviceChecksumAndPatternMatchTheCpu) {
   }
 }
 
-TEST_F(DeviceConformance, FillSetsExactlyTheBytesAskedOnDeviceAndHostChunks) {
-  // Device memory: an odd range across the two chunks' boundary; the bytes around it keep the pattern.
-  mapped_region r(dev(), 2);
-  auto s = dev().create_stream();
-  s->fill_pattern(r.va.base(), r.size(), 3);
-  const std::uint64_t off = gran() - 7, len = gran() + 3;
-  s->fill(r.va.at(off), 0xA5, len);
-  std::vector<unsigned char> back(r.size());
-  s->copy(back.data(), r.va.base(), r.size());
-  s->synchronize();
-  std::vector<unsigned char> want(r.size());
-  fill_pattern(want.data(), want.size(), 3);
-  std::memset(want.data() + off, 0xA5, len);
-  EXPECT_EQ(std::memcmp(back.data(), want.data(), want.size()), 0);
-  // A host chunk mapped for the device and the CPU: the device's memset, seen by the CPU.
-  std::uint64_t g = std::max(dev().granularity(location::on_host()), gran());
-  va_range hv = dev().reserve(g);
-  physical_chunk hc = dev().allocate(g, location::on_host());
-  dev().map(hv.base(), hc);
-  access_desc both[] = {{location::on_device(), access::read_write}, {location::on_host(), access::read_write}};
-  dev().set_access(hv.base(), hv.size(), both);
-  std::memset(hv.base(), 0xFF, hv.size());
-  s->fill(hv.base(), 0, hv.size());
-  s->synchronize();
-  std::vector<unsigned char> zeros(hv.size());
-  EXPECT_EQ(std::memcmp(hv.base(), zeros.data(), zeros.size()), 0);
-  // Nothing to do for no bytes; a null destination is named.
-  s->fill(nullptr, 0, 0);
-  EXPECT_THROW(s->fill(nullptr, 0, 8), error);
-  dev().unmap(hv.base(), hv.size());
-}
-
 TEST_F(DeviceConformance, HostChunkIsCoherentForCpuAndDeviceAtTheSameAddress) {
   std::uint64_t g = dev().granularity(location::on_host());
   va_range va = dev().reserve(std::max(g, gran()));

@@ -268,7 +268,6 @@ class failing_stream final : public stream {
     fail(errc::unavailable, "stream.query", "test stream", "the driver has shut down");
   }
   void do_copy(void*, const void*, std::size_t) override { gone(); }
-  void do_fill(void*, std::uint8_t, std::size_t) override { gone(); }
   void do_fill_pattern(void*, std::size_t, std::uint64_t) override { gone(); }
   void do_checksum(const void*, std::size_t, std::uint64_t*) override { gone(); }
   std::unique_ptr<event> do_record() override { gone(); }

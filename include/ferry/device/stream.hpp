@@ -50,9 +50,6 @@ class FERRY_API stream {
     std::size_t bytes;
   };
   void copy_batch(std::span<const copy_desc> copies);
-  // Sets `bytes` bytes at dst to `value`, on the device (a memset: no host buffer, no bus transfer
-  // for device memory).
-  void fill(void* dst, std::uint8_t value, std::size_t bytes);
   // Writes ferry's data pattern (core/checksum.hpp) with `seed` to dst (8-byte aligned), on the device.
   void fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed);
   // Computes checksum64 of src (8-byte aligned) on the device; *result (host memory) is valid
@@ -96,7 +93,6 @@ class FERRY_API stream {
   virtual void do_copy_batch(std::span<const copy_desc> copies) {
     for (auto& c : copies) do_copy(c.dst, c.src, c.bytes);
   }
-  virtual void do_fill(void* dst, std::uint8_t value, std::size_t bytes) = 0;
   virtual void do_fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) = 0;
   virtual void do_checksum(const void* src, std::size_t bytes, std::uint64_t* result) = 0;
   virtual std::unique_ptr<event> do_record() = 0;

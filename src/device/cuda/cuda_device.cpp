@@ -478,12 +478,6 @@ class cuda_stream final : public stream {
     check(api_.cuLaunchKernel(dev_.kernel(kernel), blocks, 1, 1, 256, 1, 1, 0, s_, args, nullptr), "stream.launch",
           fmt::format("{} {}", name_, kernel));
   }
-  void do_fill(void* dst, std::uint8_t value, std::size_t bytes) override {
-    dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.fill", "dst");
-    auto cs = dev_.make_current();
-    check(api_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(dst), value, bytes, s_), "stream.fill",
-          fmt::format("{} {}", name_, describe_range(dst, bytes)));
-  }
   void do_fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) override {
     dev_.check_access(dst, bytes, true, dev_.info().ordinal, "stream.fill_pattern", "dst");
     auto cs = dev_.make_current();

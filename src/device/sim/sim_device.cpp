@@ -682,23 +682,6 @@ class sim_stream final : public stream {
     explicit launch_scope(sim_device& dev) : d(dev) { d.kernel_launching(); }
     ~launch_scope() { d.kernel_launched(); }
   };
-  // A memset by the driver (cuMemsetD8Async), not a kernel: no launch is reported, as with copies.
-  void do_fill(void* dst, std::uint8_t value, std::size_t bytes) override {
-    auto d = resolve_any(dev_, dst, bytes, true, "stream.fill", "dst");
-    std::string name = state_->name;
-    enqueue_io([d = std::move(d), value, name, dst, bytes] {
-      std::vector<std::byte> tmp;
-      for (auto& seg : d) {
-        if (!seg.host) {
-          std::memset(seg.ptr, value, seg.len);
-          continue;
-        }
-        tmp.assign(seg.len, std::byte{value});
-        if (int e = host_transfer(tmp.data(), seg.ptr, seg.len, true))
-          fail_errno(e, "stream.fill", fmt::format("{} dst={}", name, describe_range(dst, bytes)));
-      }
-    });
-  }
   void do_fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed) override {
     launch_scope launch(dev_);
     auto d = resolve_any(dev_, dst, bytes, true, "stream.fill_pattern", "dst");
