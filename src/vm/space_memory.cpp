@@ -137,9 +137,9 @@ void space_memory::trim() {
 }
 
 void space_memory::zero_sync(location at, std::byte* dst) {
-  // Copies by the copy engines, not a memset: a memset is a kernel, which waits behind a user's kernel
-  // that holds every SM (one that spins until the CPU acts), and the page is made fresh on the CPU's
-  // behalf (an allocation) while such a kernel may run.
+  // Copies by the copy engines, not a memset: the driver may run a memset as a kernel, which would
+  // wait behind a user's kernel that holds every SM (one that spins until the CPU acts), and a page
+  // is made fresh for the CPU's allocations while such a kernel may run.
   const std::byte* zeros = host_mirror.at(npages * page);
   std::vector<stream::copy_desc> copies;
   for (std::uint64_t off = 0; off < page; off += pad) copies.push_back({dst + off, zeros, pad});
