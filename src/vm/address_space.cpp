@@ -190,13 +190,6 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
     for (auto* s : streams)
       if (!s->capturing()) s->synchronize(until);
   }
-  // Nothing is queued on the attached streams (quiesce would not wait); throws on a stream's error.
-  bool attached_streams_idle() {
-    std::lock_guard l(streams_mu);
-    for (auto* s : streams)
-      if (!s->capturing() && !s->idle()) return false;
-    return true;
-  }
   // No work the devices were seen to launch (kernels, graphs, the runtime API's copies and memsets,
   // on any stream, attached or not) is still running: the moves the space makes on its own (returns,
   // fault-ahead) switch no mapping under it.
@@ -227,20 +220,8 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
   // attached streams' and, as far as the devices tell, any other stream's. Bounded: past the
   // deadline, or on a stream's error, the write goes on (as it did before launches took pages),
   // said once -- a CPU writing a page no kernel uses must not end the process for a long kernel.
-  // After a wait ran out, later writes only look until that work is seen finished, as launches do:
-  // a kernel that waits for the CPU costs the deadline once, not once per page the CPU writes. Work
-  // on streams that are not attached is not held that way: a write waits for it again.
   void wait_for_launched_work() noexcept {
     write_waits++;
-    {
-      std::lock_guard l(ran_out_mu);
-      try {
-        while (!ran_out.empty() && ran_out.back()->done()) ran_out.pop_back();
-      } catch (const std::exception&) {
-        return;  // a stream's error: as a wait that failed, the write goes on
-      }
-      if (!ran_out.empty()) return;
-    }
     try {
       timed tm{t.write_wait};
       const deadline until = deadline_after(o.deadline);  // one deadline for it all: the faulting thread waits two
@@ -248,23 +229,12 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
       if (!detail::poll_until(until, [&] { return launched_work_done(); }))
         fail(errc::timeout, "vm.fault", dev.id(), "launched work still runs");
     } catch (const std::exception& e) {
-      // What the write waited for: events after the attached streams' work (the devices' record of
-      // other streams' launches also holds later launches, so it cannot tell when this work ended).
-      try {
-        std::lock_guard l(ran_out_mu);
-        std::lock_guard sl(streams_mu);
-        for (auto* s : streams)
-          if (!s->capturing()) ran_out.push_back(s->record());
-      } catch (const std::exception&) {
-      }
       if (!told_write_wait.exchange(true))
         log::warn("vm", "{}: a CPU write to a host page waited for the work launched since, which did not end ({}); the write "
                   "goes on beside it (said once)", dev.id(), e.what());
     }
   }
   std::atomic<bool> told_write_wait{false};
-  std::mutex ran_out_mu;
-  std::vector<std::unique_ptr<event>> ran_out;  // ran_out_mu: the work a CPU write's wait ran out on
   // ---- page_mover ----
   void copy(std::uint64_t p, location from, location to) override {
     quiesce();
@@ -456,7 +426,11 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
     std::unique_lock g(gate, std::try_to_lock);
     if (!g) return false;
     try {
-      if (!attached_streams_idle()) return false;
+      {
+        std::lock_guard l(streams_mu);
+        for (auto* s : streams)
+          if (!s->capturing() && !s->idle()) return false;
+      }
       auto keep = std::chrono::steady_clock::now() - cpu_heading_since < o.return_hold ? cpu_heading
                                                                                          : std::pair<std::uint64_t, std::uint64_t>{0, 0};
       return table->return_taken(o.return_quiet, o.batch, o.batch, [&] { return launched_work_finished(); }, keep) > 0;
