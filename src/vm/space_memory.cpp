@@ -137,15 +137,13 @@ void space_memory::trim() {
 }
 
 void space_memory::zero_sync(location at, std::byte* dst) {
-  // Copies by the copy engines, not a memset: the driver may run a memset as a kernel, which would
-  // wait behind a user's kernel that holds every SM (one that spins until the CPU acts), and a page
-  // is made fresh for the CPU's allocations while such a kernel may run.
+  // Copies, as the page moves' (a memset could be run by the driver as a kernel, which would wait
+  // behind a user's kernel that holds every SM -- one that spins until the CPU acts -- and a page is
+  // made fresh for the CPU's allocations while such a kernel may run).
   const std::byte* zeros = host_mirror.at(npages * page);
-  std::vector<stream::copy_desc> copies;
-  for (std::uint64_t off = 0; off < page; off += pad) copies.push_back({dst + off, zeros, pad});
   devmem& m = engine(host, at);
   std::lock_guard l(m.st_mu);
-  m.st->copy_batch(copies);
+  for (std::uint64_t off = 0; off < page; off += pad) m.st->copy(dst + off, zeros, pad);
   timed tm{t_.copy_wait};
   m.st->synchronize(deadline_after(deadline_));
 }

@@ -366,6 +366,37 @@ TEST(VmSpaceDeathTest, AFaultThatCannotBeServedInTimeEndsWithAMessage) {
 // touch): every byte is mapped and zero when alloc returns -- on the device while the space has
 // room there, in host memory beyond it -- and an allocation made again over freed pages is zero
 // again. (An unmapped page would fail the device's fill: "reserved but not mapped".)
+// A page larger than the device granularity is zeroed piece by piece (from one zeroed chunk of the
+// granularity): every piece, on the device and on the host, and again when the page is allocated anew.
+TEST(VmSpace, FreshPagesOfSeveralGranulesAreZeroEverywhere) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o = placed();
+  const std::uint64_t g = dev.granularity();
+  o.page_bytes = 4 * g;
+  o.device_capacity = 2 * o.page_bytes;
+  vm::address_space as(dev, 8 * o.page_bytes, o);
+  ASSERT_EQ(as.page_bytes(), 4 * g);
+  const std::size_t n = 3 * as.page_bytes();  // two pages on the device, the third on the host
+  std::vector<std::byte> zeros(n);
+  auto st = dev.create_stream();
+  as.attach_stream(*st);
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round);
+    auto* p = static_cast<std::byte*>(as.alloc(n));
+    EXPECT_EQ(as.pages().snapshot(2).mapped, vm::host) << "past the cap: host memory";
+    std::uint64_t got = 0;
+    st->checksum(p, n, &got);
+    st->synchronize();
+    EXPECT_EQ(got, checksum64(zeros.data(), n)) << "fresh memory reads as zeros on the device";
+    EXPECT_EQ(std::memcmp(p, zeros.data(), n), 0) << "and for the CPU, every granule";
+    st->fill_pattern(p, n, 77 + round);  // dirty every granule before the page is made fresh again
+    st->synchronize();
+    as.free(p);
+  }
+  as.detach_stream(*st);
+}
+
 TEST(VmSpace, ADeviceMayTouchFreshMemoryFirst) {
   runtime rt(sim_cfg());
   device& dev = rt.devices().get("sim:0");
