@@ -433,6 +433,33 @@ TEST(GpuVm, MigrationsWaitForKernelsOnAttachedStreams) {
   EXPECT_EQ(got, want) << "the CPU saw the kernel's finished data";
 }
 
+// A program built with per-thread default streams (what `ferry run` attaches for it: a view of
+// CU_STREAM_PER_THREAD): its kernel runs on this thread's own default stream while the CPU reads the
+// memory. The fault is served on the space's own thread, whose CU_STREAM_PER_THREAD is another stream;
+// the migration still waits for the kernel (the launch callbacks' record of every thread's per-thread
+// work), so the CPU reads what the kernel wrote.
+TEST(GpuVm, MigrationsWaitForKernelsOnThePerThreadDefaultStream) {
+  runtime rt(g_settings);
+  device& dev = rt.devices().get("cuda:0");
+  user_program u;
+  vm::address_space as(dev, 64 * dev.granularity());
+  ASSERT_TRUE(as.returns_pages()) << "no launch callbacks (CUPTI) here";
+  const std::size_t n = 2 * as.page_bytes(), words = n / 4;
+  auto* p = static_cast<unsigned*>(as.alloc(n));
+  auto view = dev.wrap_stream(native_stream::per_thread());
+  as.attach_stream(*view);
+  void* dst = p;
+  unsigned long long w = words, spin = 500'000'000ull;  // half a second, then the writes
+  unsigned seed = 3;
+  void* args[] = {&dst, &w, &seed, &spin};
+  CU(cuLaunchKernel(u.produce, 264, 1, 1, 256, 1, 1, 0, CU_STREAM_PER_THREAD, args, nullptr));
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < words; ++i) wrong += p[i] != value_at(i, seed);  // at once, not waited for
+  EXPECT_EQ(wrong, 0u) << "the CPU read before the kernel on the per-thread default stream had written";
+  CU(cuStreamSynchronize(CU_STREAM_PER_THREAD));
+  as.detach_stream(*view);
+}
+
 // A file read into a unified pointer while another thread keeps moving its pages (the space is a
 // peer-memory client of the runtime's registration cache: each request pins what it uses).
 TEST(GpuVm, FileReadsIntoUnifiedMemoryWhilePagesMigrate) {

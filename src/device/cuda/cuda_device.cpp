@@ -335,6 +335,20 @@ class cuda_device final : public device, public cupti::launch_sink {
     std::lock_guard l(launched_mu_);
     return prune_launched();
   }
+
+ public:
+  // The work last reported on every thread's per-thread default stream has finished. A view of
+  // CU_STREAM_PER_THREAD names the calling thread's own stream, and a space asks its attached streams
+  // from its fault service's thread: this is what that view can know of the program's threads' work.
+  bool per_thread_work_done() noexcept {
+    context_scope cs(api_, ctx_);
+    std::lock_guard l(launched_mu_);
+    for (auto& e : launched_)
+      if (e.stream == CU_STREAM_PER_THREAD && api_.cuEventQuery(e.event) == CUDA_ERROR_NOT_READY) return false;
+    return true;
+  }
+
+ private:
   void do_enable_peer_access(device& peer) override {
     auto* p = dynamic_cast<cuda_device*>(&peer);
     std::lock_guard l(numa_mu_);
@@ -520,6 +534,9 @@ class cuda_stream final : public stream {
     CUresult r = api_.cuStreamQuery(s_);
     if (r == CUDA_ERROR_NOT_READY) return false;
     check(r, "stream.query", name_);
+    // The query saw the calling thread's own per-thread stream only (a fault is served on the space's
+    // thread): the other threads' reported work on theirs counts too.
+    if (is_view() && s_ == CU_STREAM_PER_THREAD) return dev_.per_thread_work_done();
     return true;
   }
   // The stream writes a sequence number into a pinned word of its own after the work enqueued so
