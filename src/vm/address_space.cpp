@@ -220,8 +220,13 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
   // attached streams' and, as far as the devices tell, any other stream's. Bounded: past the
   // deadline, or on a stream's error, the write goes on (as it did before launches took pages),
   // said once -- a CPU writing a page no kernel uses must not end the process for a long kernel.
+  // Once a wait ran out, later writes go on at once until the next launch, as launches only look
+  // after theirs ran out: a kernel that outlasts the deadline (or waits for the CPU) costs it once,
+  // not once per page the CPU writes. Nothing is put on the program's streams to tell when that work
+  // ends (an event recorded on the legacy stream would hold every blocking stream behind it).
   void wait_for_launched_work() noexcept {
     write_waits++;
+    if (writes_ran_out_at.load() == launches.load()) return;
     try {
       timed tm{t.write_wait};
       const deadline until = deadline_after(o.deadline);  // one deadline for it all: the faulting thread waits two
@@ -229,12 +234,14 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
       if (!detail::poll_until(until, [&] { return launched_work_done(); }))
         fail(errc::timeout, "vm.fault", dev.id(), "launched work still runs");
     } catch (const std::exception& e) {
+      writes_ran_out_at = launches.load();
       if (!told_write_wait.exchange(true))
         log::warn("vm", "{}: a CPU write to a host page waited for the work launched since, which did not end ({}); the write "
                   "goes on beside it (said once)", dev.id(), e.what());
     }
   }
   std::atomic<bool> told_write_wait{false};
+  std::atomic<std::uint64_t> writes_ran_out_at{~0ull};  // `launches` when a CPU write's wait last ran out
   // ---- page_mover ----
   void copy(std::uint64_t p, location from, location to) override {
     quiesce();

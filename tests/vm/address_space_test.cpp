@@ -893,24 +893,47 @@ TEST(VmSpace, ACpuWriteWaitsForLaunchedWorkOnlyUntilTheDeadline) {
   vm::space_options o = placed();
   o.deadline = std::chrono::milliseconds(300);
   vm::address_space as(dev, 8 << 20, o);
-  auto* p = static_cast<std::byte*>(as.alloc(1 << 20));
-  as.advise(p, 1 << 20, vm::advice::preferred_location, memory_kind::host);
-  fill(p, 1 << 20, 600);
+  const std::size_t n = 2 << 20;  // two pages
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  as.advise(p, n, vm::advice::preferred_location, memory_kind::host);
+  fill(p, n, 600);
   auto s = dev.create_stream();
   as.attach_stream(*s);
+  using clk = std::chrono::steady_clock;
   alignas(4) std::uint32_t hold = 0;
-  s->wait_value(&hold, 1);  // work that ends only after the write below
+  s->wait_value(&hold, 1);  // work that ends only after the writes below
   std::uint64_t got = 0;
-  s->checksum(p, 1 << 20, &got);  // a launch
+  s->checksum(p, n, &got);  // a launch: it takes the CPU's write access to both pages
   ::testing::internal::CaptureStderr();
-  const auto t0 = std::chrono::steady_clock::now();
+  auto t0 = clk::now();
   p[0] = std::byte{5};
-  const auto waited = std::chrono::steady_clock::now() - t0;
+  const auto waited = clk::now() - t0;
+  // The same work still runs: a write to the other page only looks, it does not wait a deadline again.
+  t0 = clk::now();
+  p[1 << 20] = std::byte{6};
+  const auto waited_again = clk::now() - t0;
   const std::string said = ::testing::internal::GetCapturedStderr();
   EXPECT_GE(waited, std::chrono::milliseconds(250)) << "the write did not wait for the launched work";
+  EXPECT_LT(waited_again, std::chrono::milliseconds(150)) << "a second write waited the deadline again for the same work: " << said;
   EXPECT_EQ(p[0], std::byte{5});
+  EXPECT_EQ(p[1 << 20], std::byte{6});
   EXPECT_THAT(said, HasSubstr("the write goes on beside it"));
   std::atomic_ref<std::uint32_t>(hold).store(1);
+  s->synchronize();
+  // That work seen finished, a write after the next launch waits for its work again.
+  alignas(4) std::uint32_t hold2 = 0;
+  s->wait_value(&hold2, 1);
+  s->checksum(p, n, &got);
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::atomic_ref<std::uint32_t>(hold2).store(1);
+  });
+  t0 = clk::now();
+  p[1] = std::byte{7};
+  const auto waited_after = clk::now() - t0;
+  release.join();
+  EXPECT_GE(waited_after, std::chrono::milliseconds(150)) << "writes went on looking after the work had finished";
+  EXPECT_EQ(p[1], std::byte{7});
   s->synchronize();
   as.detach_stream(*s);
 }
