@@ -362,10 +362,6 @@ TEST(VmSpaceDeathTest, AFaultThatCannotBeServedInTimeEndsWithAMessage) {
       "fault could not be resolved");
 }
 
-// A device writes memory fresh from alloc before the CPU or a PREFETCH touched it (a kernel's first
-// touch): every byte is mapped and zero when alloc returns -- on the device while the space has
-// room there, in host memory beyond it -- and an allocation made again over freed pages is zero
-// again. (An unmapped page would fail the device's fill: "reserved but not mapped".)
 // A page larger than the device granularity is zeroed piece by piece (from one zeroed chunk of the
 // granularity): every piece, on the device and on the host, and again when the page is allocated anew.
 TEST(VmSpace, FreshPagesOfSeveralGranulesAreZeroEverywhere) {
@@ -397,6 +393,10 @@ TEST(VmSpace, FreshPagesOfSeveralGranulesAreZeroEverywhere) {
   as.detach_stream(*st);
 }
 
+// A device writes memory fresh from alloc before the CPU or a PREFETCH touched it (a kernel's first
+// touch): every byte is mapped and zero when alloc returns -- on the device while the space has
+// room there, in host memory beyond it -- and an allocation made again over freed pages is zero
+// again. (An unmapped page would fail the device's fill: "reserved but not mapped".)
 TEST(VmSpace, ADeviceMayTouchFreshMemoryFirst) {
   runtime rt(sim_cfg());
   device& dev = rt.devices().get("sim:0");

@@ -50,10 +50,11 @@ struct user_program : test::cuda_user {
         produce(fn("user_produce")),
         gather(fn("user_gather")),
         reread(fn("user_reread")) {}
-  void launch_produce(void* dst, std::uint64_t bytes, unsigned seed) {
-    unsigned long long words = bytes / 4, spin = 0;
+  // On the program's stream, or `on`; after spinning `spin_ns` first.
+  void launch_produce(void* dst, std::uint64_t bytes, unsigned seed, std::uint64_t spin_ns = 0, CUstream on = nullptr) {
+    unsigned long long words = bytes / 4, spin = spin_ns;
     void* args[] = {&dst, &words, &seed, &spin};
-    CU(cuLaunchKernel(produce, 264, 1, 1, 256, 1, 1, 0, s, args, nullptr));
+    CU(cuLaunchKernel(produce, 264, 1, 1, 256, 1, 1, 0, on ? on : s, args, nullptr));
   }
   void launch_gather(const void* src, std::uint64_t src_bytes, void* out, std::uint64_t out_bytes, unsigned seed) {
     unsigned long long words = src_bytes / 4, n = out_bytes / 4;
@@ -448,11 +449,8 @@ TEST(GpuVm, MigrationsWaitForKernelsOnThePerThreadDefaultStream) {
   auto* p = static_cast<unsigned*>(as.alloc(n));
   auto view = dev.wrap_stream(native_stream::per_thread());
   as.attach_stream(*view);
-  void* dst = p;
-  unsigned long long w = words, spin = 500'000'000ull;  // half a second, then the writes
-  unsigned seed = 3;
-  void* args[] = {&dst, &w, &seed, &spin};
-  CU(cuLaunchKernel(u.produce, 264, 1, 1, 256, 1, 1, 0, CU_STREAM_PER_THREAD, args, nullptr));
+  const unsigned seed = 3;
+  u.launch_produce(p, n, seed, 500'000'000ull, CU_STREAM_PER_THREAD);  // half a second, then the writes
   std::size_t wrong = 0;
   for (std::size_t i = 0; i < words; ++i) wrong += p[i] != value_at(i, seed);  // at once, not waited for
   EXPECT_EQ(wrong, 0u) << "the CPU read before the kernel on the per-thread default stream had written";

@@ -343,9 +343,8 @@ class cuda_device final : public device, public cupti::launch_sink {
   bool per_thread_work_done() noexcept {
     context_scope cs(api_, ctx_);
     std::lock_guard l(launched_mu_);
-    for (auto& e : launched_)
-      if (e.stream == CU_STREAM_PER_THREAD && api_.cuEventQuery(e.event) == CUDA_ERROR_NOT_READY) return false;
-    return true;
+    if (prune_launched()) return true;  // what is left still runs
+    return std::none_of(launched_.begin(), launched_.end(), [](const launched_on& e) { return e.stream == CU_STREAM_PER_THREAD; });
   }
 
  private:
