@@ -222,11 +222,14 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
   // said once -- a CPU writing a page no kernel uses must not end the process for a long kernel.
   // Once a wait ran out, later writes go on at once until the next launch, as launches only look
   // after theirs ran out: a kernel that outlasts the deadline (or waits for the CPU) costs it once,
-  // not once per page the CPU writes. Nothing is put on the program's streams to tell when that work
-  // ends (an event recorded on the legacy stream would hold every blocking stream behind it).
+  // not once per page the CPU writes; those writes do not wait for the attached streams either (work
+  // queued there since without a launch, a copy or a memset, is not waited for until the next launch).
+  // Nothing is put on the program's streams to tell when that work ends (an event recorded on the
+  // legacy stream would hold every blocking stream behind it).
   void wait_for_launched_work() noexcept {
     write_waits++;
-    if (writes_ran_out_at.load() == launches.load()) return;
+    const std::uint64_t at = launches.load();  // a launch during the wait is waited for by the next write
+    if (writes_ran_out_at.load() == at) return;
     try {
       timed tm{t.write_wait};
       const deadline until = deadline_after(o.deadline);  // one deadline for it all: the faulting thread waits two
@@ -234,13 +237,14 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
       if (!detail::poll_until(until, [&] { return launched_work_done(); }))
         fail(errc::timeout, "vm.fault", dev.id(), "launched work still runs");
     } catch (const std::exception& e) {
-      writes_ran_out_at = launches.load();
+      writes_ran_out_at = at;
       if (!told_write_wait.exchange(true))
         log::warn("vm", "{}: a CPU write to a host page waited for the work launched since, which did not end ({}); the write "
                   "goes on beside it (said once)", dev.id(), e.what());
     }
   }
   std::atomic<bool> told_write_wait{false};
+  std::atomic<bool> told_per_thread{false};
   std::atomic<std::uint64_t> writes_ran_out_at{~0ull};  // `launches` when a CPU write's wait last ran out
   // ---- page_mover ----
   void copy(std::uint64_t p, location from, location to) override {
@@ -376,6 +380,7 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
   // Launches on this thread that went ahead without the gate (a background return overran its deadline).
   static inline thread_local std::vector<const impl*> ungated;
   void before_launch() noexcept override {
+    launches++;  // (a launch that goes ahead without the gate is one too)
     if (!gate.try_lock_shared_for(o.deadline)) {
       log::error("vm", "{}: a launch waited {} ms for a background return of pages; it goes ahead", dev.id(),
                  std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline).count());
@@ -383,7 +388,6 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
       range.take_cpu_writes(*table);
       return;
     }
-    launches++;
     if (ahead_mu.try_lock_for(o.deadline)) ahead_mu.unlock();
     struct then_writes {  // after the return (or none): what stays on the host
       impl* s;
@@ -705,6 +709,11 @@ std::uint64_t address_space::page_bytes() const noexcept { return impl_->page; }
 void address_space::attach_stream(stream& s) {
   if (std::find(impl_->devs.begin(), impl_->devs.end(), &s.owner()) == impl_->devs.end())
     fail(errc::invalid_argument, "vm.stream", s.owner().id(), "a stream of another device than the space's (" + impl_->device_list() + ")");
+  // The per-thread default stream is every thread's own: the space, asking from its service thread,
+  // knows of the program's threads' work there only through the launches it watches.
+  if (s.is_view() && s.native_handle() == native_stream::per_thread() && !impl_->watching && !impl_->told_per_thread.exchange(true))
+    log::warn("vm", "{}: the per-thread default stream is attached, but launches are not watched here; migrations do not wait "
+              "for other threads' work on it (said once)", s.owner().id());
   std::lock_guard l(impl_->streams_mu);
   if (std::find(impl_->streams.begin(), impl_->streams.end(), &s) == impl_->streams.end()) impl_->streams.push_back(&s);
 }

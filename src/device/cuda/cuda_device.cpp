@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -275,12 +276,29 @@ class cuda_device final : public device, public cupti::launch_sink {
   // and a capturing stream must not be touched: the observers are not told.
   bool reported(CUstream s, bool known) noexcept override { return watched() && !(known && capturing(s)); }
   void on_launch(bool enter, CUstream s, bool known, bool ok) noexcept override {
+    auto& mine = t_entered_[this];
     if (enter) {
+      ++mine;
+      entered_++;
       launching();
       return;
     }
     if (ok && known) mark_launched(s);
+    if (mine > 0) {  // (an exit whose entry came before the watch began has none)
+      --mine;
+      entered_--;
+    }
     launched();
+  }
+  // Reported calls between their entry and their exit, on any thread: their work is on a stream
+  // already but its event comes only at the exit, so until then it is not known to be done.
+  std::atomic<int> entered_{0};
+  static inline thread_local std::map<const cuda_device*, int> t_entered_;  // this thread's share (kept at 0)
+  // No reported call of another thread is between its entry and its exit (the caller's own, a launch
+  // asking from inside its report, does not count).
+  bool others_entered() const noexcept {
+    auto it = t_entered_.find(this);
+    return entered_.load() > (it == t_entered_.end() ? 0 : it->second);
   }
   // After a reported call's work: an event per stream, recorded again by each call (in the caller's
   // context, which is this device's: the callback matched it). The per-thread default stream is one
@@ -331,6 +349,7 @@ class cuda_device final : public device, public cupti::launch_sink {
     return done;
   }
   bool do_launched_work_done() noexcept override {
+    if (others_entered()) return false;
     context_scope cs(api_, ctx_);
     std::lock_guard l(launched_mu_);
     return prune_launched();
@@ -341,6 +360,7 @@ class cuda_device final : public device, public cupti::launch_sink {
   // CU_STREAM_PER_THREAD names the calling thread's own stream, and a space asks its attached streams
   // from its fault service's thread: this is what that view can know of the program's threads' work.
   bool per_thread_work_done() noexcept {
+    if (others_entered()) return false;  // (which stream is not known until the exit)
     context_scope cs(api_, ctx_);
     std::lock_guard l(launched_mu_);
     if (prune_launched()) return true;  // what is left still runs
