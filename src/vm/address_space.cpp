@@ -496,7 +496,64 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
       return false;
     }
   }
+  // ---- prefetches the program does not wait for ----
+  // A prefetch is a hint that CUDA runs in its stream's order without holding the caller. When the
+  // attached streams' work does not end soon (prefetch_wait: a kernel that waits for the CPU to act
+  // after the call, a long kernel), the call returns and the service thread moves the pages once
+  // those streams are idle and no launch is under way; until then kernels reach the pages where they
+  // are. Later prefetches join the waiting ones, so that the moves keep the order they were asked in.
+  struct deferred_prefetch {
+    std::uint64_t first, end;
+    location at;
+  };
+  std::mutex deferred_mu;
+  std::vector<deferred_prefetch> deferred;  // in the order asked
+  std::atomic<bool> any_deferred{false};
+  bool attached_streams_idle() {
+    std::lock_guard l(streams_mu);
+    for (auto* s : streams)
+      if (!s->capturing() && !s->idle()) return false;
+    return true;
+  }
+  void defer_prefetch(std::uint64_t first, std::uint64_t end, location at) {
+    std::lock_guard l(deferred_mu);
+    deferred.push_back({first, end, at});
+    any_deferred = true;
+    log::debug("vm", "{}: prefetch of pages {}..{}: the attached streams are busy; it is done when they are idle", dev.id(),
+               first, end - 1);
+  }
+  // Pages freed meanwhile are not moved for an old hint.
+  void drop_deferred(std::uint64_t first, std::uint64_t end) {
+    std::lock_guard l(deferred_mu);
+    std::erase_if(deferred, [&](const deferred_prefetch& d) { return d.first < end && first < d.end; });
+    any_deferred = !deferred.empty();
+  }
+  void prefetch_deferred() noexcept {
+    if (!any_deferred.load()) return;
+    std::unique_lock g(gate, std::try_to_lock);  // (a launch under way holds it shared)
+    if (!g) return;
+    std::vector<deferred_prefetch> todo;
+    try {
+      if (!attached_streams_idle()) return;
+      std::lock_guard l(deferred_mu);
+      todo.swap(deferred);
+      any_deferred = false;
+    } catch (const std::exception& e) {
+      log::debug("vm", "{}: a deferred prefetch waits: {}", dev.id(), e.what());
+      return;
+    }
+    for (auto& d : todo) {
+      try {
+        table->prefetch_range(d.first, d.end, d.at, o.batch, o.deadline);
+      } catch (const std::exception& e) {
+        log::warn("vm", "{}: a deferred prefetch of pages {}..{} failed: {} (the pages stay where they are)", dev.id(), d.first,
+                  d.end - 1, e.what());
+      }
+    }
+  }
+
   void between_faults() noexcept override {
+    prefetch_deferred();
     if (ahead_at >= ahead_end) {
       returning = return_in_background();
       return;
@@ -659,6 +716,7 @@ void address_space::free(void* p) {
     n = it->second;
     I.used_ranges.erase(it);
   }
+  I.drop_deferred(first, first + n);
   // The bytes are dead: copies go without a write-back (device memory back to the pool), mappings
   // after the attached streams' earlier work; alloc makes the pages anew.
   for (std::uint64_t pg = first; pg < first + n; ++pg) I.table->discard(pg, deadline_after(I.o.deadline));
@@ -682,7 +740,12 @@ void address_space::advise(void* p, std::uint64_t bytes, advice a, ferry::locati
       fail(errc::invalid_argument, "vm.advise", fmt::format("{}:{}", to_string(I.dev.info().backend), where.id),
            fmt::format("not a device of this address space ({})", I.device_list()));
   }
-  if (a == advice::prefetch) return I.table->prefetch_range(first, end, at, I.o.batch, I.o.deadline);
+  if (a == advice::prefetch) {
+    // (behind a prefetch that waits, in order)
+    if (I.any_deferred.load() || !detail::poll_until(deadline_after(I.o.prefetch_wait), [&] { return I.attached_streams_idle(); }))
+      return I.defer_prefetch(first, end, at);
+    return I.table->prefetch_range(first, end, at, I.o.batch, I.o.deadline);
+  }
   for (std::uint64_t pg = first; pg < end; ++pg) {
     auto until = deadline_after(I.o.deadline);
     switch (a) {
@@ -800,6 +863,7 @@ space_options space_options::from(const vm_settings& s) {
   o.thrash_hold = s.vm_thrash_hold;
   o.return_at_launch = s.vm_return_at_launch;
   o.return_quiet = s.vm_return_quiet;
+  o.prefetch_wait = s.vm_prefetch_wait;
   o.return_hold = s.vm_return_hold;
   o.report = s.vm_report;
   return o;

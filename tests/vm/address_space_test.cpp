@@ -938,6 +938,44 @@ TEST(VmSpace, ACpuWriteWaitsForLaunchedWorkOnlyUntilTheDeadline) {
   as.detach_stream(*s);
 }
 
+// A prefetch does not hold the program while its stream's work runs (CUDA runs it in the stream's
+// order): a kernel that waits for the CPU to act after the call must not make the call wait for it
+// (a deadline, then an error, before). The pages move once the stream is idle.
+TEST(VmSpace, APrefetchBehindBusyStreamsReturnsAndMovesThePagesWhenTheyAreIdle) {
+  runtime rt(sim_cfg());
+  device& dev = rt.devices().get("sim:0");
+  vm::space_options o = placed();
+  o.deadline = std::chrono::seconds(5);
+  vm::address_space as(dev, 16 * (64 << 10), o);
+  const std::size_t n = 4 * (64 << 10);
+  auto* p = static_cast<std::byte*>(as.alloc(n));
+  as.advise(p, n, vm::advice::prefetch, memory_kind::host);
+  fill(p, n, 601);
+  const std::uint64_t before = sum(p, n);
+  ASSERT_EQ(as.resident(dev), 0u);
+  auto s = dev.create_stream();
+  as.attach_stream(*s);
+  alignas(4) std::uint32_t hold = 0;
+  s->wait_value(&hold, 1);  // work that ends only after the CPU acts, after the prefetch
+  using clk = std::chrono::steady_clock;
+  auto t0 = clk::now();
+  as.advise(p, n, vm::advice::prefetch, memory_kind::device);
+  EXPECT_LT(clk::now() - t0, std::chrono::seconds(1)) << "the prefetch waited for the stream's work";
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  EXPECT_EQ(as.resident(dev), 0u) << "pages moved while the stream's work still ran";
+  std::atomic_ref<std::uint32_t>(hold).store(1);
+  s->synchronize();
+  const auto settled = clk::now() + std::chrono::seconds(5);
+  while (as.resident(dev) != 4u && clk::now() < settled) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(as.resident(dev), 4u) << "the prefetch was not done once the stream was idle";
+  EXPECT_EQ(sum(p, n), before);
+  // A prefetch while the streams are idle is done before the call returns, as before.
+  as.advise(p, n, vm::advice::prefetch, memory_kind::host);
+  EXPECT_EQ(as.resident(dev), 0u);
+  as.detach_stream(*s);
+  as.free(p);
+}
+
 // Unified memory as a DMA target: file reads into a unified pointer while another thread keeps
 // moving its pages between host and device. The space is a peer-memory client of the runtime's
 // registration cache: each request pins the pages it uses (in place, exclusive) only while it runs.

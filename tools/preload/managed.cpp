@@ -229,8 +229,11 @@ CUresult mem_free(CUdeviceptr p) {
   }
 }
 
-// Prefetch: the stream is attached, so the pages move after the work queued on it and before the
-// work queued after the call; the move happens before the call returns, not later on the stream.
+// Prefetch: the stream is attached, so the pages move after the work queued on it. When that work
+// ends soon the move is made before the call returns (before the work queued after the call); else
+// (a kernel that waits for the CPU to act after the call) the call returns and the space moves the
+// pages once its streams are idle (FERRY_VM_PREFETCH_WAIT): kernels queued meanwhile reach them where
+// they are.
 template <bool PerThread>
 CUresult prefetch_to(heap& h, CUdeviceptr p, size_t n, ferry::location to, CUstream s) {
   try {

@@ -72,6 +72,8 @@ struct FERRY_API space_options {
   // (0: only at launches), and how long a page the CPU takes back soon stays on the host.
   bool return_at_launch = true;
   std::chrono::nanoseconds return_quiet = std::chrono::milliseconds(200);
+  // How long a prefetch waits for the attached streams' work before the service thread takes it over.
+  std::chrono::nanoseconds prefetch_wait = std::chrono::milliseconds(200);
   std::chrono::nanoseconds return_hold = std::chrono::seconds(1);
   bool report = false;  // print report() to stderr when the space ends (FERRY_VM_REPORT)
   // FERRY_VM_* and FERRY_DEADLINE (docs/settings.md).

@@ -29,6 +29,7 @@ struct FERRY_API vm_settings : virtual core_settings {
   // Pages the CPU took from a device go back: before kernel launches, and after this quiet time (0: only at launches).
   bool vm_return_at_launch = true;
   std::chrono::nanoseconds vm_return_quiet = std::chrono::milliseconds(200);
+  std::chrono::nanoseconds vm_prefetch_wait = std::chrono::milliseconds(200);
   std::chrono::nanoseconds vm_return_hold = std::chrono::seconds(1);  // a page the CPU takes back this soon stays (doubling)
   bool vm_report = false;                     // each unified address space prints where its time went when it ends
 
