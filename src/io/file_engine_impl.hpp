@@ -8,6 +8,7 @@
 #include <ferry/io/probe.hpp>
 #include <ferry/mem/pinned_pool.hpp>
 #include <ferry/mem/registration.hpp>
+#include <ferry/xfer/staged_copies.hpp>
 
 #include "core/executor.hpp"
 #include "core/logging.hpp"
@@ -311,6 +312,7 @@ struct file_engine::impl {
     std::list<running> runs;
     bool to_submit = false;
     std::uint64_t ops = 0;
+    staged_copies device_copies{e.xfer};  // (its end waits for them; the worker's loop has seen each end before)
     std::mutex copied_mu;
     std::vector<std::pair<std::size_t, std::optional<error>>> copied;  // device copies the engine finished
     // Registered descriptors (io_uring's fixed files): I/O on one takes no reference on the open
@@ -354,6 +356,7 @@ struct file_engine::impl {
       io_uring_register_iowq_max_workers(&ring, most);
     }
     ~worker() {
+      device_copies.wait();  // (their completions write wake_fd)
       io_uring_queue_exit(&ring);
       ::close(wake_fd);
     }
@@ -483,14 +486,10 @@ struct file_engine::impl {
     // Device copies of one slot (a group's members), one batch: one completion for them all.
     void copy(slot& s, std::span<const transfer_request> qs) {
       std::size_t i = index(s);
-      e.xfer.submit(qs, {s.r->j.b->until()}, [this, i](std::span<const request_result> res) {
-        std::optional<error> err;
-        for (const request_result& x : res)
-          if (!err && x.state != request_state::done)
-            err = x.err ? *x.err : error(errc::internal, "file.copy", "", "device copy did not finish");
+      device_copies.start(qs, s.r->j.b->until(), [this, i](const error* err) {
         {
           std::lock_guard l(copied_mu);
-          copied.emplace_back(i, std::move(err));
+          copied.emplace_back(i, err ? std::optional<error>(*err) : std::nullopt);
         }
         std::uint64_t one = 1;
         [[maybe_unused]] auto w = ::write(wake_fd, &one, sizeof one);

@@ -159,21 +159,15 @@ void client::impl::copy_out(std::shared_ptr<piece> pp) {
     }
     return finished(nullptr);
   }
-  transfer_request r{p.final_dst, p.land, p.received, p.user.type == memory_type::unknown ? nullptr : &p.user, buffer_region(p)};
-  {
-    std::lock_guard l(copies_mu);
-    copies_running++;
-  }
-  o.engine->submit({&r, 1}, {p.until}, [this, finished](std::span<const request_result> res) {
-    // (The client's shutdown waits for this very completion: nothing it runs may end the client.)
-    struct own {
-      own() { in_copy_end = true; }
-      ~own() { in_copy_end = false; }
-    } mark;
-    finished(res[0].err ? &*res[0].err : nullptr);
-    std::lock_guard l(copies_mu);
-    if (--copies_running == 0) copies_cv.notify_all();
-  });
+  copies->start({p.final_dst, p.land, p.received, p.user.type == memory_type::unknown ? nullptr : &p.user, buffer_region(p)}, p.until,
+                [finished](const error* e) {
+                  // (The client's shutdown waits for this very completion: nothing it runs may end the client.)
+                  struct own {
+                    own() { in_copy_end = true; }
+                    ~own() { in_copy_end = false; }
+                  } mark;
+                  finished(e);
+                });
 }
 
 void client::impl::on_frame(message m) {

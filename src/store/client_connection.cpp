@@ -18,6 +18,7 @@ client::impl::impl(const std::string& h, std::uint16_t p, client_options opt)
     : o(std::move(opt)), host(h), port(p), peer(fmt::format("{}:{}", h, p)) {
   ferry::detail::make_adaptive(mu);
   if (o.lanes == 0) o.lanes = default_net_lanes();
+  if (o.engine) copies.emplace(*o.engine);
   expects(o.piece >= 4096 && o.piece <= max_data, "store.client", peer,
           fmt::format("piece size {} must be between 4KiB and {}", o.piece, max_data));
   expects(o.lanes >= 1 && o.lanes <= 64, "store.client", peer, fmt::format("lanes {} must be between 0 (one per four cores) and 64", o.lanes));
@@ -113,8 +114,7 @@ void client::impl::shutdown() {
   }
   // A copy on ends by its request's deadline at the latest (the engine's bound): its completion
   // must not outlive this client.
-  std::unique_lock l(copies_mu);
-  copies_cv.wait(l, [&] { return copies_running == 0; });
+  if (copies) copies->wait();
 }
 
 bool client::impl::lend_to(lane& ln, const detail::shared_region& r, bool give_back, clk::time_point until) {

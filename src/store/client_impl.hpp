@@ -15,6 +15,7 @@
 #include <ferry/core/interrupt.hpp>
 #include <ferry/store/client.hpp>
 #include <ferry/xfer/engine.hpp>
+#include <ferry/xfer/staged_copies.hpp>
 
 #include "core/adaptive_mutex.hpp"
 #include "core/logging.hpp"
@@ -182,10 +183,8 @@ struct client::impl {
 
   // The copies on of landed pieces the engine still runs: their completions use this client, which
   // waits for them. (GPU/sim memory whose data moves by messages is staged in the transfer engine's
-  // pool near that memory.)
-  std::mutex copies_mu;
-  std::condition_variable copies_cv;
-  std::uint64_t copies_running = 0;  // copies_mu
+  // pool near that memory.) With an engine only.
+  std::optional<staged_copies> copies;
 
   // The landing region lent to the server (shared memory, mapped by a same-host server); null where
   // none could be made or FERRY_NET_MAP is off. Replaced by a fresh one when spent (renew_landing);

@@ -8,6 +8,7 @@
 #include <ferry/mem/pinned_pool.hpp>
 #include <ferry/mem/registration.hpp>
 #include <ferry/xfer/engine.hpp>
+#include <ferry/xfer/staged_copies.hpp>
 
 #include "core/logging.hpp"
 #include "store/curl_api.hpp"
@@ -460,6 +461,7 @@ std::string encode_query(std::string_view v) {
 class http_engine {
  public:
   explicit http_engine(http_options o) : o_(std::move(o)) {
+    if (o_.engine) copies_.emplace(*o_.engine);
     global_init(o_);
     const int k = std::max(1, o_.threads);
     per_lane_ = static_cast<std::size_t>(std::max(1, o_.connections / k));
@@ -753,25 +755,9 @@ class http_engine {
   // Every byte of the piece is in: done, or (staged) copied on by the transfer engine first.
   void landed(std::shared_ptr<piece> p) {
     if (!p->slot) return finish(p, nullptr);
-    transfer_request r{p->dst, p->slot.data(), p->len, &p->user, &p->slot.region()};
-    {
-      std::lock_guard l(mu_);
-      ++copies_;
-    }
     n_staged_ += p->len;
-    try {
-      o_.engine->submit({&r, 1}, {p->until.at()}, [this, p](std::span<const request_result> res) {
-        finish(p, res[0].err ? &*res[0].err : nullptr);
-        std::lock_guard l(mu_);
-        if (--copies_ == 0) copies_cv_.notify_all();
-      });
-    } catch (const error& e) {
-      {
-        std::lock_guard l(mu_);
-        if (--copies_ == 0) copies_cv_.notify_all();
-      }
-      finish(p, &e);
-    }
+    copies_->start({p->dst, p->slot.data(), p->len, &p->user, &p->slot.region()}, p->until.at(),
+                   [this, p](const error* e) { finish(p, e); });
   }
 
   void loop(lane& L) {
@@ -886,8 +872,7 @@ class http_engine {
         let_go(*p);
         finish(p, &gone);
       }
-    std::unique_lock l(mu_);
-    copies_cv_.wait(l, [&] { return copies_ == 0; });
+    if (copies_) copies_->wait();
   }
 
   http_options o_;
@@ -895,9 +880,8 @@ class http_engine {
   std::size_t per_lane_ = 1;                      // pieces under way per lane
   std::atomic<std::size_t> next_lane_{0};
   std::mutex mu_;
-  std::condition_variable copies_cv_;
+  std::optional<staged_copies> copies_;          // with an engine
   bool stop_ = false;                             // mu_
-  std::uint64_t copies_ = 0;                      // mu_
   std::atomic<std::uint64_t> n_pieces_{0}, n_retries_{0}, n_staged_{0};
 };
 

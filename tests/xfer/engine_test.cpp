@@ -1,6 +1,7 @@
 // The transfer engine on sim devices: every path, batches, deadlines, cancellation, per-request errors.
 #include <ferry/core/checksum.hpp>
 #include <ferry/runtime.hpp>
+#include <ferry/xfer/staged_copies.hpp>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -531,3 +532,34 @@ TEST(Engine, ABatchWithoutAHandleEndsAtItsDeadline) {
 }
 
 }  // namespace
+
+// The copy step of staged roads: copies from pinned host memory on to a device, each completion told
+// once with its error or none; wait() (and the end of the object) returns only after every one ran.
+TEST(StagedCopies, CompletionsAreToldOnceAndWaitedFor) {
+  runtime rt(sim_settings());
+  device& d = rt.devices().get("sim:0");
+  region r(d, 4 << 20);
+  auto src = random_bytes(4 << 20, 7);
+  registration pin = rt.registrations().acquire(src.data(), src.size());
+  std::atomic<int> told{0}, failed{0};
+  {
+    staged_copies copies(rt.engine());
+    for (std::uint64_t off = 0; off < src.size(); off += 1 << 20) {
+      transfer_request q{r.p(off), src.data() + off, 1 << 20};
+      copies.start(q, std::chrono::steady_clock::now() + std::chrono::seconds(10), [&](const error* e) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a slow completion is still waited for
+        (e ? failed : told)++;
+      });
+    }
+    // A copy that cannot be made (a pointer no memory backs) is told its error, not lost.
+    transfer_request bad{r.p(0), reinterpret_cast<const void*>(std::uintptr_t{16}), 4096};
+    std::string why;
+    copies.start(bad, std::chrono::steady_clock::now() + std::chrono::seconds(10), [&](const error* e) {
+      if (e) why = e->what();
+      (e ? failed : told)++;
+    });
+  }  // the end waits for them all
+  EXPECT_EQ(told.load(), 4);
+  EXPECT_EQ(failed.load(), 1);
+  EXPECT_EQ(device_checksum(d, r.p(0), src.size()), checksum64(src.data(), src.size()));
+}
