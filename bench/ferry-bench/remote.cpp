@@ -178,7 +178,6 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
     std::uint64_t bytes = 0;
     std::optional<error> err;
     bool done = false;
-    std::atomic<bool> fin{false};  // done, for the look of client::help (which takes no lock)
   };
   struct ends {
     std::mutex mu;
@@ -198,8 +197,6 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
     q.pop_front();
     // Waited for as a caller of the file API waits for its batch. The request's own deadline ends it
     // (its completion says so); the bound only guards the wait.
-    // The waiting thread lent to the client first (client::help), as the file API's batch wait does.
-    (void)c.help([&] { return s->fin.load(std::memory_order_acquire); }, s->t0 + timeout);
     {
       std::unique_lock l(e->mu);
       if (!e->cv.wait_until(l, s->t0 + timeout + std::chrono::seconds(10), [&] { return s->done; }))
@@ -236,7 +233,6 @@ run_result measure(store::client& c, bool write, const std::string& path, std::b
         s->bytes = n;
         if (err) s->err = *err;
         s->done = true;
-        s->fin.store(true, std::memory_order_release);
       }
       e->cv.notify_all();
     };

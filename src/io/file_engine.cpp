@@ -15,19 +15,8 @@ registration_cache& file_engine::registrations() noexcept { return impl_->cache;
 
 transfer_batch file_engine::submit(std::span<const file_request> reqs, transfer_options o) {
   auto b = make_batch_state(reqs.size(), o, impl_->cfg.deadline);
-  if (o.on) return start_on(b, reqs, *o.on), make_batch(std::move(b));
-  start(b, reqs);
-  // A thread that waits for the batch is lent to its remote source (the first: a batch's requests
-  // are mostly of one), which may take the answers on it (file_source::help). Set before the
-  // handle exists, so no wait reads it meanwhile; the batch does not keep the source alive.
-  for (const auto& r : reqs)
-    if (r.f && r.f->source()) {
-      b->helper = [w = std::weak_ptr<file_source>(r.f->source())](const std::function<bool()>& over, deadline until) {
-        auto src = w.lock();
-        return src ? src->help(over, until) : over();
-      };
-      break;
-    }
+  if (o.on) start_on(b, reqs, *o.on);
+  else start(b, reqs);
   return make_batch(std::move(b));
 }
 

@@ -267,8 +267,6 @@ class ucx_worker {
     return fut.get();
   }
   bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
-  // Whether the calling thread holds the worker now (inside a progress call: a callback).
-  bool held_here() const { return owner_.load(std::memory_order_relaxed) == std::this_thread::get_id(); }
   // Drives the worker from this thread until `done()` or `until` (the caller polls, like a UCX
   // benchmark loop): while a caller drives, the progress thread steps aside at once instead of
   // competing for the worker, so a small request is sent, answered and completed on one thread with

@@ -70,15 +70,6 @@ bool client::defer(std::function<void()> f) {
   return true;
 }
 bool client::own_thread() const noexcept { return impl_->own_thread(); }
-bool client::help(const std::function<bool()>& done, std::chrono::steady_clock::time_point until) {
-  auto& I = *impl_;
-  // Not from the client's own threads, nor from inside one of its callbacks (a completion run where
-  // the calling thread holds a lane's worker): there it would wait for itself.
-  if (I.own_thread() || impl::in_tick) return done();
-  for (auto& ln : I.lanes)
-    if (ln->w->held_here()) return done();
-  return I.lanes[I.home_lane()]->w->drive(done, until, I.o.spin);
-}
 bool client::may_wait() const noexcept { return impl::in_tick || !impl_->own_thread(); }
 
 void client::impl::submit(std::span<client::request> rs) noexcept {

@@ -279,7 +279,6 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
     run.release();  // (the last of its requests' completions frees it)
     ep_->c().submit(reads);
   }
-  bool help(const std::function<bool()>& over, std::chrono::steady_clock::time_point until) override { return ep_->c().help(over, until); }
 
  private:
   // The open write, opened by the first write that needs it. Opening waits for the server under

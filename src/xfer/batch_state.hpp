@@ -56,9 +56,6 @@ struct transfer_batch::state {
     }
   }
   void* engine = nullptr;  // transfer_engine::impl, for wait() to run its own queued work
-  // What the waiting thread is lent to before it sleeps (set by the file engine for a batch of a
-  // remote source: file_source::help), with the wait's look and deadline; returns whether it is over.
-  std::function<bool(const std::function<bool()>& over, deadline until)> helper;
   transfer_engine::completion on_done;  // set: called once when the last request is final (no handle waits)
   // Called once when no work item is left (queued or running), so nothing touches the buffers any
   // more: for a stream-ordered batch, the point at which the user's stream may go on; for one whose

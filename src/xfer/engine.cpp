@@ -559,16 +559,6 @@ bool transfer_batch::poll() const {
   return s_->unfinished == 0;
 }
 
-void transfer_batch::lend(deadline until) {
-  if (!s_->helper) return;
-  (void)s_->helper(
-      [s = s_.get()] {
-        std::lock_guard l(s->mu);
-        return s->unfinished == 0;
-      },
-      until);
-}
-
 bool transfer_batch::wait() {
   bool over = false;
   {
@@ -577,7 +567,6 @@ bool transfer_batch::wait() {
   }
   // Queued items of this batch run here (none left to look for once every request is final).
   if (!over && s_->engine) static_cast<transfer_engine::impl*>(s_->engine)->help(s_.get());
-  if (!over) lend(s_->until());
   std::unique_lock l(s_->mu);
   // The deadline may move on while this waits (progress): waited for again until it stays put.
   bool finished = false;
@@ -605,7 +594,6 @@ bool transfer_batch::wait() {
 }
 
 bool transfer_batch::wait(deadline t) {
-  lend(std::min(t, s_->until()));
   {
     std::unique_lock l(s_->mu);
     for (;;) {

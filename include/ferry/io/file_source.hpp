@@ -90,11 +90,6 @@ class FERRY_API file_source {
     completion done;
   };
   virtual void start_many(std::span<request> requests, const source_deadline& until);
-  // Lends a thread that waits for this source's requests (a batch's wait) to the source until
-  // `over()`, `until`, or a short spin: a source whose answers are taken by threads of its own may
-  // take them on the waiting thread instead, a wake-up less per answer (ferry://: the client's
-  // help). The default lends nothing. Returns over().
-  virtual bool help(const std::function<bool()>& over, std::chrono::steady_clock::time_point /*until*/) { return over(); }
 
  private:
   long pid_;

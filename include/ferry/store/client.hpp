@@ -142,14 +142,6 @@ class FERRY_API client {
   // (a synchronous call): for a completion with work that waits (a file's last holder commits its
   // writes). False (nothing queued) once the client is going.
   bool defer(std::function<void()> f);
-  // Lends the calling thread to the client while it waits for requests it submitted: it drives the
-  // lane this thread's small requests go on until `done()`, `until`, or the spin time
-  // (FERRY_NET_SPIN) is over, so that their answers -- and completions -- are taken on this thread,
-  // as a synchronous read's are, instead of by the lane's progress thread with a wake-up of the
-  // waiter each (at queue depth 16, small reads went several times slower without it). Returns
-  // done(); the caller then waits its own way (its completions still end it). On the client's own
-  // threads (own_thread) it only returns done().
-  bool help(const std::function<bool()>& done, std::chrono::steady_clock::time_point until);
   // Whether the calling thread is one of this client's: a lane's progress thread, or an engine task
   // running a staged piece's completion -- where completions run. The client cannot be destroyed
   // there (it would wait for itself).

@@ -109,7 +109,6 @@ class FERRY_API transfer_batch {
  private:
   friend class transfer_engine;
   friend transfer_batch make_batch(std::shared_ptr<state> s);
-  void lend(deadline until);  // the waiting thread to the batch's helper, if any (state::helper)
   std::shared_ptr<state> s_;
 };
 
