@@ -502,7 +502,7 @@ int run_bench_gather(runtime& rt, const bench_gather_options& o) {
     if (k.starts_with("reads.") || k.starts_with("requests")) counters += fmt::format(" {}={}", k, v);
   say("  file engine:" + counters);
   // How the ferry:// source's data moved (transports, landing region, copies on): where its time may go.
-  if (remote && remote->source()) say("  ferry:// source: " + remote->source()->describe());
+  if (remote) say("  ferry:// source: " + remote->describe());
   if (remote_failed) all_ok = false;
   remote.reset();
   server.reset();  // SIGKILL: the server's state does not matter any more

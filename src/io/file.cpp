@@ -46,6 +46,12 @@ std::shared_ptr<file> file::open(const std::string& path, open_mode mode) {
   if (auto opener = find_file_scheme(path)) {
     auto source = opener(path, mode);
     if (!source) fail(errc::internal, "file.open", path, "the scheme's opener returned nothing");
+    if (mode == open_mode::read)
+      if (int fd = source->take_descriptor(); fd >= 0) {
+        auto f = adopt(fd, path, false, true);
+        f->lent_ = true;
+        return f;
+      }
     return over(std::move(source), path, mode != open_mode::read);
   }
   int flags = mode == open_mode::read ? O_RDONLY : O_RDWR;
@@ -81,6 +87,11 @@ std::shared_ptr<file> file::adopt(int fd, std::string path, bool writable, bool 
   if (!S_ISREG(st.st_mode)) fail(errc::invalid_argument, "file.adopt", f->path_, "not a regular file");
   if (direct) open_direct(fmt::format("/proc/self/fd/{}", fd), writable ? O_RDWR : O_RDONLY, fd, f->dfd_, f->align_);
   return f;
+}
+
+std::string file::describe() const {
+  if (source_) return source_->describe();
+  return lent_ ? "the file itself, its descriptor lent by the server on this host (read as a local file)" : "a local file";
 }
 
 std::shared_ptr<file> file::borrow(int fd, std::string path, bool writable) {

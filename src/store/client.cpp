@@ -713,6 +713,38 @@ stat_reply client::stat(const std::string& path, std::chrono::nanoseconds timeou
   return std::get<stat_reply>(impl_->query({0, 0, stat_req{path}}, "store.stat", path, timeout).b);
 }
 
+int client::lent_file(const std::string& path, std::uint64_t version, std::chrono::nanoseconds timeout) {
+  auto& I = *impl_;
+  if (!I.o.files || !I.o.map) return -1;
+  const auto until = clk::now() + timeout;
+  I.ensure_connected(until);
+  // Any connected lane's session serves: the socket and the token come with its welcome.
+  std::string name;
+  std::vector<std::uint8_t> token;
+  {
+    std::lock_guard g(I.lend_mu);
+    for (auto& ln : I.lanes)
+      if (!ln->lending.empty() && !ln->token.empty()) {
+        name = ln->lending;
+        token = ln->token;
+        break;
+      }
+  }
+  std::string why;
+  int fd = detail::ask_file(name, token, path, until, why);
+  if (fd < 0) {
+    log::debug("store", "{}: {} is read through the server: {}", I.peer, printable(path), why);
+    return -1;
+  }
+  struct ::stat st{};
+  if (version && (::fstat(fd, &st) != 0 || net::file_version(st.st_dev, st.st_ino) != version)) {
+    log::debug("store", "{}: {} was replaced since it was looked up: read through the server", I.peer, printable(path));
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 std::vector<list_entry> client::list(const std::string& path, std::chrono::nanoseconds timeout) {
   std::vector<list_entry> all;
   list_req q{path, ""};
@@ -798,6 +830,7 @@ client_options client_options_from(const store_settings& s, registration_cache* 
   o.connect_timeout = s.net_connect_timeout;
   o.lanes = s.net_lanes;
   o.map = s.net_map;
+  o.files = s.net_files;
   o.rma = s.net_rma;
   return o;
 }

@@ -125,8 +125,12 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
   remote_file(std::shared_ptr<remote_endpoint> ep, std::string path, open_mode mode, std::uint64_t version)
       : ep_(std::move(ep)), path_(std::move(path)), mode_(mode), version_(mode == open_mode::read ? version : 0) {
     if (mode_ == open_mode::create) handle();  // the file is created (empty) even if nothing is written
+    // A server on this host lends a file opened for reading: read like a local file from then on.
+    if (mode_ == open_mode::read) lent_ = ep_->c().lent_file(path_, version_, ep_->timeout());
   }
+  int take_descriptor() override { return std::exchange(lent_, -1); }
   ~remote_file() override {
+    if (lent_ >= 0) ::close(lent_);
     if (opened_by() != ::getpid()) {  // a forked child's copy: the connection and its threads are the parent's
       new std::shared_ptr<remote_endpoint>(std::move(ep_));
       return;
@@ -302,6 +306,7 @@ class remote_file final : public file_source, public std::enable_shared_from_thi
   std::string path_;
   open_mode mode_;
   std::uint64_t version_ = 0;
+  int lent_ = -1;  // the descriptor the server lent, until taken
   std::mutex open_mu_;  // held while the open write is being opened (handle) or taken (take_writes)
   std::mutex mu_;
   std::optional<client::write_handle> h_;

@@ -20,6 +20,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <memory>
+#include <utility>
 
 namespace ferry::store::detail {
 
@@ -75,23 +77,29 @@ shared_region::~shared_region() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> token, int fd, std::uint64_t id,
-                 lending_clock::time_point until, std::string& why) {
+namespace {
+struct closer {
+  int fd;
+  ~closer() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// A connection to the server's lending socket (-1, with the reason in `why`, when there is none).
+int connect_lending(const std::string& socket_name, std::span<const std::uint8_t> token, lending_clock::time_point until,
+                    std::string& why) {
   if (socket_name.empty() || token.size() != token_bytes) {
     why = "the server offers no lending socket";
-    return false;
+    return -1;
   }
   // Non-blocking: a full backlog (another process flooding the socket) makes connect fail with
   // EAGAIN rather than wait; it is tried again until the deadline.
   int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (s < 0) {
     why = fmt::format("socket: {}", std::strerror(errno));
-    return false;
+    return -1;
   }
-  struct closer {
-    int fd;
-    ~closer() { ::close(fd); }
-  } c{s};
+  closer c{s};
   socklen_t len = 0;
   auto a = abstract_address(socket_name, len);
   ferry::detail::backoff busy({.nap = std::chrono::milliseconds(1), .most = std::chrono::milliseconds(1)});
@@ -103,8 +111,31 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
     why = errno == EAGAIN ? std::string("the server's lending socket stayed busy until the deadline")
                           : fmt::format("cannot reach the server's lending socket ({}): not on this host, or in another network namespace",
                                         std::strerror(errno));
-    return false;
+    return -1;
   }
+  c.fd = -1;
+  return s;
+}
+
+// Sends `h` on the non-blocking socket `s` by the deadline.
+bool send_by(int s, const msghdr& h, std::size_t bytes, lending_clock::time_point until, std::string& why) {
+  for (;;) {
+    if (::sendmsg(s, &h, MSG_NOSIGNAL) == static_cast<ssize_t>(bytes)) return true;
+    pollfd w{s, POLLOUT, 0};
+    if (errno != EAGAIN || ::poll(&w, 1, ms_until(until)) != 1) {
+      why = errno == EAGAIN ? std::string("the lending socket took no message before the deadline")
+                            : fmt::format("sendmsg to the lending socket: {}", std::strerror(errno));
+      return false;
+    }
+  }
+}
+}  // namespace
+
+bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> token, int fd, std::uint64_t id,
+                 lending_clock::time_point until, std::string& why) {
+  int s = connect_lending(socket_name, token, until, why);
+  if (s < 0) return false;
+  closer c{s};
   wire_message m{};
   std::memcpy(m.token, token.data(), token_bytes);
   m.id = id;
@@ -120,15 +151,7 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
   cm->cmsg_type = SCM_RIGHTS;
   cm->cmsg_len = CMSG_LEN(sizeof(int));
   std::memcpy(CMSG_DATA(cm), &fd, sizeof fd);
-  for (;;) {
-    if (::sendmsg(s, &h, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof m)) break;
-    pollfd w{s, POLLOUT, 0};
-    if (errno != EAGAIN || ::poll(&w, 1, ms_until(until)) != 1) {
-      why = errno == EAGAIN ? std::string("the lending socket took no message before the deadline")
-                            : fmt::format("sendmsg to the lending socket: {}", std::strerror(errno));
-      return false;
-    }
-  }
+  if (!send_by(s, h, sizeof m, until, why)) return false;
   pollfd p{s, POLLIN, 0};
   std::uint8_t answer = 0;
   int n = ::poll(&p, 1, ms_until(until));
@@ -140,9 +163,56 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
   return answer == 1;
 }
 
+int ask_file(const std::string& socket_name, std::span<const std::uint8_t> token, const std::string& path,
+             lending_clock::time_point until, std::string& why) {
+  if (path.empty() || path.size() > max_asked_path) {
+    why = fmt::format("a path of {} bytes cannot be asked for", path.size());
+    return -1;
+  }
+  int s = connect_lending(socket_name, token, until, why);
+  if (s < 0) return -1;
+  closer c{s};
+  wire_message m{};  // id 0: no region, a file
+  std::memcpy(m.token, token.data(), token_bytes);
+  iovec iov[2] = {{&m, sizeof m}, {const_cast<char*>(path.data()), path.size()}};
+  msghdr h{};
+  h.msg_iov = iov;
+  h.msg_iovlen = 2;
+  if (!send_by(s, h, sizeof m + path.size(), until, why)) return -1;
+  pollfd p{s, POLLIN, 0};
+  if (::poll(&p, 1, ms_until(until)) != 1) {
+    why = "no answer from the lending socket before the deadline";
+    return -1;
+  }
+  char answer[512];
+  iovec riov{answer, sizeof answer};
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * 4)] = {};
+  msghdr r{};
+  r.msg_iov = &riov;
+  r.msg_iovlen = 1;
+  r.msg_control = ctl;
+  r.msg_controllen = sizeof ctl;
+  ssize_t n = ::recvmsg(s, &r, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  std::vector<int> got;
+  for (cmsghdr* cm = n >= 0 ? CMSG_FIRSTHDR(&r) : nullptr; cm; cm = CMSG_NXTHDR(&r, cm))
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS)
+      for (std::size_t k = 0; k < (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++k) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(cm) + k * sizeof(int), sizeof fd);
+        got.push_back(fd);
+      }
+  if (n >= 1 && answer[0] == 1 && got.size() == 1) return got[0];
+  for (int fd : got) ::close(fd);
+  if (n < 1) why = "the lending socket closed without an answer";
+  else if (answer[0] == 0 && n > 1) why = std::string(answer + 1, static_cast<std::size_t>(n - 1));
+  else why = "the server's answer carried no descriptor";
+  return -1;
+}
+
 // ---- server ------------------------------------------------------------------------------------
 
-lending_socket::lending_socket(std::uint64_t instance, deposit_fn deposit) : deposit_(std::move(deposit)) {
+lending_socket::lending_socket(std::uint64_t instance, deposit_fn deposit, open_fn open)
+    : deposit_(std::move(deposit)), open_(std::move(open)) {
   name_ = fmt::format("ferry-serve-{:016x}-{}", instance, ::getpid());
   listen_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (listen_fd_ < 0) fail_errno(errno, "store.serve", "@" + name_, "lending socket");
@@ -206,15 +276,16 @@ void lending_socket::serve(std::chrono::milliseconds timeout) {
   }
 }
 
-// One message with one descriptor: handed on, answered, and the connection closed (fd = -1). Not
-// there yet: left pending.
+// One message -- a region with one descriptor, or a file asked for -- handled, answered, and the
+// connection closed (fd = -1). Not there yet: left pending.
 void lending_socket::receive(pending& p) {
   wire_message m{};
-  iovec iov{&m, sizeof m};
+  char path[max_asked_path + 1];
+  iovec iov[2] = {{&m, sizeof m}, {path, sizeof path}};
   alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * 4)] = {};
   msghdr h{};
-  h.msg_iov = &iov;
-  h.msg_iovlen = 1;
+  h.msg_iov = iov;
+  h.msg_iovlen = 2;
   h.msg_control = ctl;
   h.msg_controllen = sizeof ctl;
   ssize_t n = ::recvmsg(p.fd, &h, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
@@ -228,8 +299,14 @@ void lending_socket::receive(pending& p) {
         std::memcpy(&fd, CMSG_DATA(cm) + k * sizeof(int), sizeof fd);
         got.push_back(fd);
       }
+  const bool whole = n >= static_cast<ssize_t>(sizeof m) && !(h.msg_flags & (MSG_TRUNC | MSG_CTRUNC));
+  if (whole && got.empty() && m.id == 0 && n > static_cast<ssize_t>(sizeof m) && n <= static_cast<ssize_t>(sizeof m + max_asked_path)) {
+    answer_ask(std::exchange(p.fd, -1), std::span<const std::uint8_t>(m.token, token_bytes),
+               std::string(path, static_cast<std::size_t>(n) - sizeof m));
+    return;
+  }
   bool ok = false;
-  if (n == static_cast<ssize_t>(sizeof m) && !(h.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) && got.size() == 1) {
+  if (whole && n == static_cast<ssize_t>(sizeof m) && got.size() == 1 && m.id != 0) {
     ucred peer{};
     socklen_t len = sizeof peer;
     std::int64_t pid = ::getsockopt(p.fd, SOL_SOCKET, SO_PEERCRED, &peer, &len) == 0 ? peer.pid : 0;
@@ -241,6 +318,40 @@ void lending_socket::receive(pending& p) {
   [[maybe_unused]] auto r = ::send(p.fd, &answer, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
   ::close(p.fd);
   p.fd = -1;
+}
+
+// A file asked for: its descriptor with a byte 1, or a byte 0 and why not, sent on connection `s`
+// (owned here, closed once answered) by whichever thread answers. The socket is fresh and the answer
+// small: a send that would block (it cannot here) just fails, and the client's wait ends at its
+// deadline.
+void lending_socket::answer_ask(int s, std::span<const std::uint8_t> token, std::string path) {
+  std::shared_ptr<closer> conn(new closer{s});
+  answer_fn answer = [conn](int fd, const std::string& why) {
+    closer c{fd};
+    std::string reply(1, fd >= 0 ? '\1' : '\0');
+    if (fd < 0) reply += why.substr(0, 500);
+    iovec iov{reply.data(), reply.size()};
+    alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+    msghdr h{};
+    h.msg_iov = &iov;
+    h.msg_iovlen = 1;
+    if (fd >= 0) {
+      h.msg_control = ctl;
+      h.msg_controllen = sizeof ctl;
+      cmsghdr* cm = CMSG_FIRSTHDR(&h);
+      cm->cmsg_level = SOL_SOCKET;
+      cm->cmsg_type = SCM_RIGHTS;
+      cm->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+    }
+    [[maybe_unused]] auto r = ::sendmsg(conn->fd, &h, MSG_DONTWAIT | MSG_NOSIGNAL);
+  };
+  if (!open_) return answer(-1, "the server lends no files (FERRY_SERVE_LEND_FILES off)");
+  try {
+    open_(token, path, answer);
+  } catch (const std::exception& e) {
+    answer(-1, e.what());
+  }
 }
 
 lent_mapping::~lent_mapping() {

@@ -53,15 +53,31 @@ class shared_region {
 bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> token, int fd, std::uint64_t id,
                  lending_clock::time_point until, std::string& why);
 
-// The server's socket. Each connection carries one message, {token, region id} with one descriptor,
-// and gets one byte back (1: taken, 0: refused); connections that do not send it in time are closed,
-// and beyond a few waiting at once the oldest is.
+// The other way: asks the server at `socket_name`, for the session that `token` names, for a
+// read-only descriptor of `path` (beneath its root). Returns it (the caller owns it), or -1 with the
+// reason in `why` (another host, a server that lends no files, a path it refuses). Waits no later
+// than `until`.
+int ask_file(const std::string& socket_name, std::span<const std::uint8_t> token, const std::string& path,
+             lending_clock::time_point until, std::string& why);
+// The longest path ask_file sends.
+constexpr std::size_t max_asked_path = 4096;
+
+// The server's socket. Each connection carries one message and gets one answer, then is closed:
+// {token, region id} with one descriptor, answered by one byte (1: taken, 0: refused); or {token,
+// id 0, path} with none, answered by a byte 1 with the file's descriptor, or a byte 0 and the reason.
+// Connections that do not send in time are closed, and beyond a few waiting at once the oldest is.
 class lending_socket {
  public:
   // Takes a passed descriptor (the callee owns `fd` either way), with the process id of the client
   // that passed it (SO_PEERCRED; 0 if unknown); false refuses it.
   using deposit_fn = std::function<bool(std::span<const std::uint8_t> token, std::uint64_t id, int fd, std::int64_t pid)>;
-  lending_socket(std::uint64_t instance, deposit_fn deposit);
+  // The answer to a file asked for: the descriptor to pass (this closes it), or -1 and why not. Any
+  // thread may call it, once; the connection stays open until then.
+  using answer_fn = std::function<void(int fd, const std::string& why)>;
+  // Opens `path` for reading for the session that `token` names and answers, now or later (an open
+  // may wait on its file system: not on this socket's thread). Null: no file is lent.
+  using open_fn = std::function<void(std::span<const std::uint8_t> token, const std::string& path, answer_fn answer)>;
+  lending_socket(std::uint64_t instance, deposit_fn deposit, open_fn open = nullptr);
   ~lending_socket();
   lending_socket(const lending_socket&) = delete;
   lending_socket& operator=(const lending_socket&) = delete;
@@ -76,7 +92,9 @@ class lending_socket {
     lending_clock::time_point until;
   };
   void receive(pending& p);
+  void answer_ask(int fd, std::span<const std::uint8_t> token, std::string path);
   deposit_fn deposit_;
+  open_fn open_;
   std::string name_;
   int listen_fd_ = -1, wake_fd_ = -1;
   std::vector<pending> pending_;

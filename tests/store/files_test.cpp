@@ -49,7 +49,8 @@ void spill(const std::filesystem::path& p, const std::vector<unsigned char>& d) 
 struct fixture {
   std::filesystem::path root, secret_file;
   std::unique_ptr<store::server> srv;
-  explicit fixture(bool writable) {
+  // `lend`: the server lends files to the clients that ask (FERRY_SERVE_LEND_FILES).
+  explicit fixture(bool writable, bool lend = false) {
     root = std::filesystem::path(::testing::TempDir()) / ("ferry-files-" + std::to_string(::getpid()));
     std::filesystem::create_directories(root / "d");
     secret_file = root.string() + ".secret";
@@ -59,6 +60,7 @@ struct fixture {
     o.root = root.string();
     o.secret = "files secret 0123456789";
     o.writable = writable;
+    o.files = lend;
     srv = std::make_unique<store::server>(test::server_io(), o);
   }
   ~fixture() {
@@ -200,6 +202,62 @@ TEST(RemoteFiles, BatchReadsIntoHostAndSimMemory) {
   std::vector<unsigned char> small(4096);
   EXPECT_EQ(rt.files().read(*f, 12345, small.data(), small.size()), small.size());
   EXPECT_EQ(0, std::memcmp(small.data(), data.data() + 12345, small.size()));
+}
+
+// On the same host a file opened for reading is lent by the server (a read-only descriptor) and read
+// as a local file: every read exact, none through the server; written files still go through it.
+TEST(RemoteFiles, ASameHostServerLendsAFileOpenedForReading) {
+  fixture fx(true, true);
+  auto data = random_bytes((5 << 20) + 333, 43);
+  spill(fx.root / "d" / "data.bin", data);
+  runtime rt(fx.cfg());
+  auto f = file::open(fx.uri("d/data.bin"), open_mode::read);
+  EXPECT_GE(f->fd(), 0) << "the same-host server lent the file";
+  EXPECT_FALSE(f->source());
+  EXPECT_EQ(f->path(), fx.uri("d/data.bin")) << "errors name the URI";
+  EXPECT_EQ(f->size(), data.size());
+  EXPECT_EQ(fx.srv->stats().files_lent, 1u);
+
+  std::vector<unsigned char> host(3 << 20), tail(1 << 20);
+  mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), 4 << 20);
+  std::vector<file_request> reqs = {
+      {f, 7, host.data(), host.size(), false},
+      {f, 1 << 20, sim.data(), (2 << 20) + 5, false},
+      {f, data.size() - 1000, tail.data(), tail.size(), false},
+  };
+  auto b = rt.files().submit(reqs);
+  ASSERT_TRUE(b.wait());
+  auto res = b.results();
+  EXPECT_EQ(res[0].bytes_done, host.size());
+  EXPECT_EQ(res[1].bytes_done, (2u << 20) + 5);
+  EXPECT_EQ(res[2].bytes_done, 1000u);
+  EXPECT_EQ(0, std::memcmp(host.data(), data.data() + 7, host.size()));
+  EXPECT_EQ(0, std::memcmp(tail.data(), data.data() + data.size() - 1000, 1000));
+  auto st = rt.devices().get("sim:0").create_stream();
+  std::uint64_t sum = 0;
+  st->checksum(sim.data(), (2 << 20) + 5, &sum);
+  st->synchronize();
+  EXPECT_EQ(sum, checksum64(data.data() + (1 << 20), (2 << 20) + 5));
+  EXPECT_EQ(rt.files().counters().get("requests.remote").value(), 0u) << "no read went to the server";
+  EXPECT_EQ(fx.srv->stats().reads, 0u);
+
+  // Replaced on the server: the open file keeps reading the version it opened, as a local file does;
+  // a file opened again reads the new one.
+  auto fresh = random_bytes(4096, 44);
+  spill(fx.root / "d" / "new.bin", fresh);
+  std::filesystem::rename(fx.root / "d" / "new.bin", fx.root / "d" / "data.bin");
+  std::vector<unsigned char> small(4096);
+  EXPECT_EQ(rt.files().read(*f, 0, small.data(), small.size()), small.size());
+  EXPECT_EQ(0, std::memcmp(small.data(), data.data(), small.size()));
+  auto again = file::open(fx.uri("d/data.bin"), open_mode::read);
+  EXPECT_EQ(rt.files().read(*again, 0, small.data(), small.size()), small.size());
+  EXPECT_EQ(0, std::memcmp(small.data(), fresh.data(), small.size()));
+
+  // Opened for writing: through the server, never lent.
+  auto w = file::open(fx.uri("d/out.bin"), open_mode::create);
+  EXPECT_EQ(w->fd(), -1);
+  EXPECT_TRUE(w->source());
+  EXPECT_EQ(fx.srv->stats().files_lent, 2u);
 }
 
 // Many small reads of one ferry:// file in one batch (as a GPU cache's misses come) go as a few requests,
@@ -517,6 +575,17 @@ TEST(RemoteFiles, TheGpuCacheReadsThroughAFerrySource) {
   runtime rt(fx.cfg());
   cache_reads(rt, fx.uri("d/data.bin"), data);
   EXPECT_GT(fx.srv->stats().requests, 100u) << "the misses were the server's to serve";
+}
+
+// The same with the file lent (the default on one host): the misses are read from it here.
+TEST(RemoteFiles, TheGpuCacheReadsALentFerryFile) {
+  fixture fx(false, true);
+  auto data = random_bytes((4 << 20) + 77, 45);
+  spill(fx.root / "d" / "data.bin", data);
+  runtime rt(fx.cfg());
+  cache_reads(rt, fx.uri("d/data.bin"), data);
+  EXPECT_EQ(fx.srv->stats().files_lent, 1u);
+  EXPECT_EQ(fx.srv->stats().reads, 0u) << "no miss went to the server";
 }
 
 // The same over http:// from nginx: range requests land in the cache.

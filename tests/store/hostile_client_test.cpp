@@ -16,6 +16,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -100,6 +101,7 @@ struct exported {
     o.root = root.string();
     o.max_request = 64 << 10;
     o.max_outstanding = 2;
+    o.files = true;
     srv = std::make_unique<store::server>(test::server_io(), o);
   }
   ~exported() {
@@ -358,6 +360,65 @@ TEST(StoreHostile, ALentMappingIsNeverSharedWithADescriptorThatCouldNotWriteTheF
   EXPECT_EQ(lend_on(a, wa, sealable, 4, 4), 0u) << "a write-sealed file got the writable mapping";
   ::close(sealable);
 #endif
+}
+
+// A file asked for on the lending socket is lent only for a live session's token, only read-only,
+// and only where a read of that path would be served: beneath the root, a regular file. Everything
+// else is refused with the reason, and the server goes on serving.
+TEST(StoreHostile, FilesAreLentReadOnlyBeneathTheRootForALiveSessionOnly) {
+  exported e;
+  std::filesystem::create_directories(e.root / "sub");
+  auto outside = std::filesystem::path(::testing::TempDir()) / ("ferry-outside-" + std::to_string(::getpid()));
+  std::ofstream(outside) << "not for clients";
+  std::filesystem::create_symlink(outside, e.root / "escape");
+  ASSERT_EQ(::mkfifo((e.root / "fifo").c_str(), 0600), 0);
+  raw_client h(e.srv->port());
+  auto w = h.greet();
+  ASSERT_FALSE(w.lending.empty());
+  auto until = [] { return clk::now() + std::chrono::seconds(5); };
+  std::string why;
+  EXPECT_EQ(store::detail::ask_file(w.lending, std::vector<std::uint8_t>(lend_token_size, 0x42), "a.bin", until(), why), -1);
+  EXPECT_THAT(why, HasSubstr("no live session"));
+  struct bad_case {
+    std::string path;
+    const char* says;
+  };
+  for (const auto& c : std::vector<bad_case>{{"../a.bin", "'..' is not allowed"},
+                                             {"/etc/hostname", "absolute paths"},
+                                             {"escape", "outside the root"},
+                                             {"sub", "directory"},
+                                             {"fifo", "FIFO"},
+                                             {"missing.bin", "o such file"},
+                                             {std::string("a.bin\0x", 7), "NUL"}}) {
+    why.clear();
+    EXPECT_EQ(store::detail::ask_file(w.lending, w.token, c.path, until(), why), -1) << c.path << " was lent";
+    EXPECT_THAT(why, HasSubstr(c.says)) << c.path;
+  }
+  EXPECT_EQ(e.srv->stats().files_lent, 0u);
+  int fd = store::detail::ask_file(w.lending, w.token, "a.bin", until(), why);
+  ASSERT_GE(fd, 0) << why;
+  EXPECT_EQ(::fcntl(fd, F_GETFL) & O_ACCMODE, O_RDONLY);
+  char b[4] = {};
+  EXPECT_EQ(::pread(fd, b, sizeof b, 100), 4);
+  EXPECT_EQ(std::string(b, 4), "xxxx");
+  EXPECT_EQ(::pwrite(fd, "yy", 2, 0), -1) << "a lent file is written";
+  EXPECT_EQ(errno, EBADF);
+  ::close(fd);
+  EXPECT_EQ(e.srv->stats().files_lent, 1u);
+  std::filesystem::remove(outside);
+  // A server that lends no files says so.
+  store::server_options o;
+  o.root = e.root.string();
+  o.files = false;
+  store::server closed(test::server_io(), o);
+  raw_client h2(closed.port());
+  auto w2 = h2.greet();
+  EXPECT_EQ(store::detail::ask_file(w2.lending, w2.token, "a.bin", until(), why), -1);
+  EXPECT_THAT(why, HasSubstr("lends no files"));
+  // The first server still serves.
+  store::client good("127.0.0.1", e.srv->port());
+  std::vector<char> buf(100);
+  EXPECT_EQ(good.read("a.bin", 0, buf.data(), buf.size()), 100u);
 }
 
 // Connections to the lending socket that never send are closed, and a flood of them cannot keep a

@@ -66,7 +66,7 @@ double follow(transfer_batch& b, bool show, std::chrono::steady_clock::time_poin
 
 // How the file engine moved a file's data, for the summary line.
 std::string engine_path(const file& f, const transfer_batch& b) {
-  if (f.source()) return fmt::format("file engine ({})", f.source()->describe());
+  if (f.source() || f.path().find("://") != std::string::npos) return fmt::format("file engine ({})", f.describe());
   return b.results()[0].path == transfer_path::direct ? "file engine (cuFile)" : "file engine (io_uring)";
 }
 
@@ -88,7 +88,7 @@ int cp_from_remote(runtime& rt, const cp_options& o) {
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   bool ok = !o.verify || dst.checksum(moved) == file_checksum(rt, *f, moved);
   fmt::print("{} -> {}: {} in {:.3f} s ({}), path {} -> {}, checksum {}\n", o.src, o.dst, format_size(moved), secs,
-             format_rate(static_cast<double>(moved) / secs), f->source()->describe(), o.dst,
+             format_rate(static_cast<double>(moved) / secs), f->describe(), o.dst,
              !o.verify ? "not checked" : ok ? "verified" : "MISMATCH");
   if (!ok) fail(errc::internal, "cp", o.src + " -> " + o.dst, "destination checksum does not match what the server holds");
   return 0;
@@ -125,7 +125,7 @@ int cp_to_remote(runtime& rt, const cp_options& o) {
   {
     auto fout = file::open(o.dst, open_mode::create);
     rt.files().write(*fout, 0, src.data(), bytes, true);
-    route = fout->source()->describe();
+    route = fout->describe();
   }
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::string why;
@@ -135,7 +135,7 @@ int cp_to_remote(runtime& rt, const cp_options& o) {
     if (held != bytes) why = fmt::format("the server's file holds {} bytes, not the {} written", held, bytes);
     else if (src.checksum(bytes) != file_checksum(rt, *back, bytes)) why = "what the server holds does not match the source";
   }
-  std::string from = !fin ? o.src : fin->source() ? fin->source()->describe() + " -> " + via : "file -> " + via;
+  std::string from = !fin ? o.src : fin->source() ? fin->describe() + " -> " + via : "file -> " + via;
   fmt::print("{} -> {}: {} in {:.3f} s ({}), path {} -> {}, checksum {}\n", o.src, o.dst, format_size(bytes), secs,
              format_rate(static_cast<double>(bytes) / secs), from, route,
              !o.verify ? "not checked" : why.empty() ? "verified" : "MISMATCH");
@@ -197,7 +197,7 @@ int run_cp(runtime& rt, const cp_options& o) {
     }
     fout->sync();
     secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    path_used = fmt::format("{} -> {} -> file", fin->source() ? fin->source()->describe() : "file", via);
+    path_used = fmt::format("{} -> {} -> file", fin->describe(), via);
     if (o.verify) {
       want_sum = file_checksum(rt, *fin, moved);
       got_sum = file_checksum(rt, *fout, moved);

@@ -115,7 +115,7 @@ int run_job(runtime& rt, const job_options& o) {
   verify_all();
   auto st = srv.stats();
   // How the data came (transports, landing region or messages, copied on or not): the shared client's.
-  const std::string route = file::open(served + shard(0), open_mode::read)->source()->describe();
+  const std::string route = file::open(served + shard(0), open_mode::read)->describe();
   fmt::print("  {:<52} {:>10} {:>9} {:>12}\n", "stage", "bytes", "seconds", "throughput");
   auto row = [&](const std::string& what, std::uint64_t b, double s) {
     fmt::print("  {:<52} {:>10} {:>9.3f} {:>12}\n", what, format_size(b), s, format_rate(static_cast<double>(b) / s));

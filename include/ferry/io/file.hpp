@@ -60,8 +60,11 @@ class FERRY_API file {
   void write_here(const void* src, std::uint64_t bytes, std::uint64_t offset) const;
   bool writable() const noexcept { return writable_; }
   int fd() const noexcept { return fd_; }
-  // The remote side of a file opened through a scheme, else null.
+  // The remote side of a file opened through a scheme, else null (a local file, or one whose scheme's
+  // server on this host lent its descriptor: file_source::take_descriptor).
   const std::shared_ptr<file_source>& source() const noexcept { return source_; }
+  // Where its bytes come from, for a person to read: the source's description, or a local file's.
+  std::string describe() const;
   int direct_fd() const noexcept { return dfd_; }  // -1 when O_DIRECT is refused here
   std::uint32_t dio_align() const noexcept { return align_; }  // offset/length/buffer alignment for O_DIRECT
   // A number no other file object of this process has had (for what is kept per file beyond one
@@ -76,6 +79,7 @@ class FERRY_API file {
   std::uint32_t align_ = 4096;
   bool writable_ = false;
   bool owned_ = true;  // fd_ is closed with the file (not when borrowed)
+  bool lent_ = false;  // opened by URI, its descriptor lent by the scheme's server
   std::shared_ptr<file_source> source_;
 };
 

@@ -69,6 +69,10 @@ class FERRY_API file_source {
   void check_process(const char* op, const std::string& resource) const;
   virtual std::uint64_t size() = 0;
   virtual void sync() {}
+  // A read-only descriptor of the file itself, where this process may read it directly (a ferry://
+  // server on this host lent it): file::open then reads it as a local file and lets the source go.
+  // Handed over once (the taker owns it); -1: none, the source moves the data.
+  virtual int take_descriptor() { return -1; }
   // How its data has been moving, for a person to read (a summary line): the transport and the route.
   virtual std::string describe() { return {}; }
   // Starts moving [offset, offset+bytes) from the file into `mem` (or from `mem` into the file when

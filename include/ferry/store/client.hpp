@@ -55,6 +55,10 @@ struct client_options {
   // Lend a same-host server a shared-memory landing region (a sealed memfd): the server then reads
   // files straight into it and no data message is sent (FERRY_NET_MAP).
   bool map = store_settings{}.net_map;
+  // Same host: ask the server for a read-only descriptor of a file opened for reading through the
+  // file API (lent_file), which then reads it like a local file, where the server lends files
+  // (FERRY_NET_FILES here, FERRY_SERVE_LEND_FILES there).
+  bool files = store_settings{}.net_files;
   // RMA for bulk data (FERRY_NET_RMA): "auto" when a lane has a transport with real RMA (verbs), "on"
   // always (UCX emulates it over tcp: for tests), "off" never. The client registers its memory for
   // the network through a registration cache of its own (cached, invalidated with the memory).
@@ -201,6 +205,12 @@ class FERRY_API client {
                      std::chrono::steady_clock::time_point until);
   net::stat_reply stat(const std::string& path, std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   std::vector<net::list_entry> list(const std::string& path, std::chrono::nanoseconds timeout = std::chrono::seconds(30));
+  // A server on this host lends the file itself: a read-only descriptor of `path` (the caller owns
+  // it), of version `version` when not 0 (stat().version), which this process then reads like a
+  // local file. -1 when the server is on another host, lends no files (FERRY_SERVE_LEND_FILES off
+  // there, FERRY_NET_FILES off here) or refuses the path, or the file was replaced meanwhile: the
+  // caller reads through the server then, as before.
+  int lent_file(const std::string& path, std::uint64_t version, std::chrono::nanoseconds timeout = std::chrono::seconds(30));
   bool writable() const noexcept;  // what the server said at the handshake
   const std::string& peer() const noexcept;
   client_stats stats() const;

@@ -15,6 +15,8 @@ class FERRY_API root_dir {
  public:
   // Throws not_found / permission_denied / invalid_argument (not a directory) naming the path.
   explicit root_dir(const std::string& path);
+  // The same directory through `fd` (a descriptor of it, which this object owns from now on).
+  root_dir(int fd, std::string path) : path_(std::move(path)), fd_(fd) {}
   ~root_dir();
   root_dir(const root_dir&) = delete;
   root_dir& operator=(const root_dir&) = delete;

@@ -32,6 +32,9 @@ struct server_options {
   std::uint64_t chunk = 4ull << 20;    // bytes per data message (larger client data messages are refused)
   int workers = store_settings{}.serve_workers;  // UCX workers (progress threads); clients spread their lanes over them
   bool map = store_settings{}.net_map;           // serve regions lent by same-host clients directly
+  // Open files for reading for same-host clients that ask on the lending socket (needs `map`) and
+  // pass them the descriptor (FERRY_SERVE_LEND_FILES).
+  bool files = store_settings{}.serve_lend_files;
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
   std::uint64_t max_write_buffer = 1ull << 30;  // write data buffered at once, all connections together
   std::uint64_t max_write_hint = 1ull << 40;    // the largest size an open write is given up front (sparse)
@@ -75,6 +78,7 @@ struct server_stats {
   std::uint64_t open_writes = 0;       // writes opened and not yet committed or aborted
   std::uint64_t commits = 0;           // writes put in place
   std::uint64_t notify_records = 0;    // small direct reads answered with their notify record written
+  std::uint64_t files_lent = 0;        // read-only descriptors passed to same-host clients (FERRY_NET_FILES)
 };
 
 class FERRY_API server {

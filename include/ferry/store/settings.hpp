@@ -29,6 +29,7 @@ struct FERRY_API store_settings : virtual core_settings {
   std::chrono::nanoseconds net_retry_after = std::chrono::seconds(1);  // a server that could not be reached: not tried again before
   std::chrono::nanoseconds net_connect_timeout = std::chrono::seconds(5);  // one connection attempt's wait for the server's welcome
   int serve_workers = 1;                // UCX workers (progress threads) of `ferry serve`
+  bool serve_lend_files = false;        // `ferry serve` lends same-host clients the files they open for reading
   int serve_max_connections = 1024;     // connections a server keeps at once
   int serve_max_unauthenticated = 1024;  // connections at the door (4 KiB and a descriptor each)
   std::chrono::nanoseconds serve_handshake_timeout = std::chrono::seconds(5);  // hello..welcome
@@ -44,6 +45,7 @@ struct FERRY_API store_settings : virtual core_settings {
   std::string http_ca_file;                // certificates to trust for https (empty: the system's)
   std::string curl_library = "libcurl.so.4";  // loaded on the first URL a process opens
   bool net_map = true;                  // lend/map a shared-memory landing region when on the same host
+  bool net_files = true;                // same host: ask the server to lend files opened for reading (a descriptor)
   rma_use net_rma = rma_use::automatic;
 
   static std::span<const setting_row<store_settings>> table();

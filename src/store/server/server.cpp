@@ -64,6 +64,13 @@ struct server::impl {
   std::map<std::vector<std::uint8_t>, std::weak_ptr<session>> by_token;  // welcomed sessions, for the lending socket
   // Where same-host clients pass the regions they lend (null: none, FERRY_NET_MAP=0); served by the
   // janitor thread. Bytes mapped from all clients together are bounded (address space).
+  // Files lent (lend_file): opened and being opened, shared with the threads that open them.
+  struct lend_counts {
+    std::atomic<std::uint64_t> lent{0};
+    std::atomic<int> opening{0};
+  };
+  std::shared_ptr<lend_counts> lending_counts = std::make_shared<lend_counts>();
+  static constexpr int max_opening = 8;
   std::unique_ptr<lending_socket> lending;
   detail::lent_totals lent_total;
   static constexpr std::uint64_t max_lent_bytes = 1ull << 45, max_lent_regions = 16384;
@@ -116,9 +123,15 @@ struct server::impl {
     // Last: a constructor that threw above leaves no running thread behind.
     if (core.o.map) {
       try {
-        lending = std::make_unique<lending_socket>(core.instance, [this](std::span<const std::uint8_t> token, std::uint64_t id, int fd, std::int64_t pid) {
-          return take_passed(token, id, fd, pid);
-        });
+        lending_socket::open_fn files;
+        if (core.o.files)
+          files = [this](std::span<const std::uint8_t> token, const std::string& path, lending_socket::answer_fn answer) {
+            lend_file(token, path, std::move(answer));
+          };
+        lending = std::make_unique<lending_socket>(
+            core.instance,
+            [this](std::span<const std::uint8_t> token, std::uint64_t id, int fd, std::int64_t pid) { return take_passed(token, id, fd, pid); },
+            std::move(files));
       } catch (const error& e) {
         log::warn("store", "no lending socket ({}); same-host clients move data by messages", e.what());
       }
@@ -138,6 +151,50 @@ struct server::impl {
     }
     s->passed.push_back({id, fd, pid});
     return true;
+  }
+  // A file a same-host client asked for on the lending socket: a read-only descriptor, opened
+  // beneath the root as a read of it would be (a regular file, no way out of the root), for a live
+  // session the token names. The client then reads it itself, and what it could read through the
+  // server is all that descriptor gives it. The token is checked here (janitor thread); the open runs
+  // on a thread of its own that holds nothing of the server's (a copy of the root's descriptor, the
+  // counters), since an open may wait on a hung mount for good: the lending socket, the janitor and
+  // stop() never wait for it. At most `max_opening` at once; past them the client reads through the
+  // server.
+  void lend_file(std::span<const std::uint8_t> token, const std::string& path, lending_socket::answer_fn answer) {
+    {
+      std::lock_guard l(sess_mu);
+      auto it = by_token.find(std::vector<std::uint8_t>(token.begin(), token.end()));
+      auto s = it == by_token.end() ? nullptr : it->second.lock();
+      if (!s || s->closing) return answer(-1, "no live session of this server has that token");
+    }
+    if (lending_counts->opening.fetch_add(1) >= max_opening) {
+      lending_counts->opening--;
+      return answer(-1, "the server is opening too many files at once; read through it");
+    }
+    int dir = ::fcntl(core.root.fd(), F_DUPFD_CLOEXEC, 0);
+    if (dir < 0) {
+      lending_counts->opening--;
+      return answer(-1, fmt::format("dup of the root's descriptor: {}", std::strerror(errno)));
+    }
+    try {
+      std::thread([dir, root = core.root.path(), path, answer, counts = lending_counts] {
+        int fd = -1;
+        std::string why;
+        try {
+          root_dir r(dir, root);
+          fd = r.open_regular(path, O_RDONLY);
+          counts->lent++;
+        } catch (const std::exception& e) {
+          why = e.what();
+        }
+        answer(fd, why);
+        counts->opening--;
+      }).detach();
+    } catch (const std::exception& e) {
+      ::close(dir);
+      lending_counts->opening--;
+      answer(-1, e.what());
+    }
   }
   // No new client or request from here on; waits up to `wait` for the file requests in flight (their
   // completions use this server). Returns how many are still in the file system.
@@ -548,6 +605,7 @@ server_options server_options_from(const store_settings& s) {
   server_options o;
   o.workers = s.serve_workers;
   o.map = s.net_map;
+  o.files = s.serve_lend_files;
   o.spin = s.net_spin;
   o.max_connections = s.serve_max_connections;
   o.max_unauthenticated = s.serve_max_unauthenticated;
@@ -613,7 +671,8 @@ server_stats server::stats() const {
           door.auth_failures,
           open_writes,
           i.core.commits.load(),
-          sum.notify_records.value()};
+          sum.notify_records.value(),
+          i.lending_counts->lent.load()};
 }
 
 }  // namespace ferry::store
