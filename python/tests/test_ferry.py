@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -298,16 +299,16 @@ class _Served(tuple):
     pid = 0
 
 
-@pytest.fixture
-def served(tmp_path):
-    """`ferry serve` over tmp_path/root as a process of its own; yields (root, its ferry:// prefix)."""
+def _serve(tmp_path, env=None):
+    """`ferry serve` over tmp_path/root as a process of its own (with `env` added to its environment); yields
+    (root, its ferry:// prefix)."""
     binary = os.environ.get("FERRY_BINARY")
     if not binary:
         pytest.skip("FERRY_BINARY (the ferry program) not given")
     root = tmp_path / "root"
     root.mkdir()
     proc = subprocess.Popen([binary, "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--writable", "--insecure"],
-                            stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+                            stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env={**os.environ, **(env or {})})
     try:
         line = proc.stdout.readline()
         m = re.search(r"127\.0\.0\.1:(\d+)", line)
@@ -318,6 +319,43 @@ def served(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def served(tmp_path):
+    yield from _serve(tmp_path)
+
+
+@pytest.fixture
+def served_lending(tmp_path):
+    """The same, the server lending the files its same-host clients open for reading."""
+    yield from _serve(tmp_path, {"FERRY_SERVE_LEND_FILES": "1"})
+
+
+def test_a_server_that_lends_files_is_read_from_the_file_itself(served_lending):
+    """A same-host server started with FERRY_SERVE_LEND_FILES=1 passes the client a read-only descriptor of each file
+    opened for reading: reads and checkpoint loads are exact, and go on once the file is open even with the server
+    gone (they no longer go through it); writes still go through the server."""
+    root, uri = served_lending
+    want = random_file(root / "blob.bin", (3 << 20) + 77)
+    tensors = {k: torch.from_numpy(v) for k, v in checkpoint().items()}
+    ferry.safetensors.save(tensors, f"{uri}/ckpt.safetensors")
+    got = ferry.safetensors.load(f"{uri}/ckpt.safetensors", verify=True, progress=False)
+    for k, t in tensors.items():
+        assert torch.equal(got[k], t), k
+    f = ferry.open(f"{uri}/blob.bin")
+    os.kill(served_lending.pid, signal.SIGKILL)
+    for _ in range(200):  # dead (a zombie until the fixture reaps it)
+        with open(f"/proc/{served_lending.pid}/stat") as st:
+            if st.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        select.select([], [], [], 0.01)
+    b = np.empty_like(want)
+    assert f.read_into(b) == want.size
+    np.testing.assert_array_equal(b, want)
+    part = np.empty(4097, dtype=np.uint8)
+    assert f.read_into(part, offset=12345) == part.size
+    np.testing.assert_array_equal(part, want[12345:12345 + part.size])
 
 
 def test_ferry_uri_read_write_and_checkpoint(served):
