@@ -16,8 +16,9 @@
 // Threads that stay dedicated, and why (each where it is made): UCX progress (a lane's worker is
 // progressed by one thread), the vm fault service (it must run while every executor worker is
 // stopped at a fault), the GPU proxy rings (each polls its ring's memory as long as the kernel runs),
-// the registration cache's applier, the server's janitor and door, and the http lanes (libcurl's
-// multi handle is driven by one thread).
+// the registration cache's applier, the server's janitor and door, the http lanes (libcurl's
+// multi handle is driven by one thread), and the server's opens of files it lends (an open may never
+// return on a hung mount: nothing may wait for it, as an executor's end waits for its tasks).
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
