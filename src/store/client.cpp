@@ -718,6 +718,7 @@ int client::lent_file(const std::string& path, std::uint64_t version, std::chron
   if (!I.o.files || !I.o.map) return -1;
   const auto until = clk::now() + timeout;
   I.ensure_connected(until);
+  if (I.no_lending_at.load(std::memory_order_relaxed) == I.connects.load(std::memory_order_relaxed) + 1) return -1;
   // Any connected lane's session serves: the socket and the token come with its welcome.
   std::string name;
   std::vector<std::uint8_t> token;
@@ -731,7 +732,9 @@ int client::lent_file(const std::string& path, std::uint64_t version, std::chron
       }
   }
   std::string why;
-  int fd = detail::ask_file(name, token, path, until, why);
+  bool none = false;
+  int fd = detail::ask_file(name, token, path, until, why, &none);
+  if (none) I.no_lending_at.store(I.connects.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   if (fd < 0) {
     log::debug("store", "{}: {} is read through the server: {}", I.peer, printable(path), why);
     return -1;

@@ -209,6 +209,9 @@ struct client::impl {
   // while they are equal, requests skip the per-lane check.
   std::atomic<std::uint64_t> lane_events{1}, lanes_checked{0};
   std::atomic<std::uint64_t> connects{0};  // lanes' connections made so far (lane::conn_no)
+  // `connects` + 1 when the server lends no files at all (or its lending socket is out of reach):
+  // lent_file asks no more until a lane connects again (0: ask).
+  std::atomic<std::uint64_t> no_lending_at{0};
 
   // ---- connection (client_connection.cpp) ----
   impl(const std::string& h, std::uint16_t p, client_options opt);

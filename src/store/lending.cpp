@@ -164,13 +164,17 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
 }
 
 int ask_file(const std::string& socket_name, std::span<const std::uint8_t> token, const std::string& path,
-             lending_clock::time_point until, std::string& why) {
+             lending_clock::time_point until, std::string& why, bool* none) {
+  if (none) *none = false;
   if (path.empty() || path.size() > max_asked_path) {
     why = fmt::format("a path of {} bytes cannot be asked for", path.size());
     return -1;
   }
   int s = connect_lending(socket_name, token, until, why);
-  if (s < 0) return -1;
+  if (s < 0) {
+    if (none) *none = true;
+    return -1;
+  }
   closer c{s};
   wire_message m{};  // id 0: no region, a file
   std::memcpy(m.token, token.data(), token_bytes);
@@ -203,8 +207,10 @@ int ask_file(const std::string& socket_name, std::span<const std::uint8_t> token
       }
   if (n >= 1 && answer[0] == 1 && got.size() == 1) return got[0];
   for (int fd : got) ::close(fd);
+  if (none && n >= 1 && answer[0] == 2) *none = true;
   if (n < 1) why = "the lending socket closed without an answer";
   else if (answer[0] == 0 && n > 1) why = std::string(answer + 1, static_cast<std::size_t>(n - 1));
+  else if (answer[0] == 2) why = "the server lends no files (FERRY_SERVE_LEND_FILES off)";
   else why = "the server's answer carried no descriptor";
   return -1;
 }
@@ -328,7 +334,7 @@ void lending_socket::answer_ask(int s, std::span<const std::uint8_t> token, std:
   std::shared_ptr<closer> conn(new closer{s});
   answer_fn answer = [conn](int fd, const std::string& why) {
     closer c{fd};
-    std::string reply(1, fd >= 0 ? '\1' : '\0');
+    std::string reply(1, fd >= 0 ? '\1' : why.empty() ? '\2' : '\0');  // 2: this server lends no file
     if (fd < 0) reply += why.substr(0, 500);
     iovec iov{reply.data(), reply.size()};
     alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
@@ -346,7 +352,7 @@ void lending_socket::answer_ask(int s, std::span<const std::uint8_t> token, std:
     }
     [[maybe_unused]] auto r = ::sendmsg(conn->fd, &h, MSG_DONTWAIT | MSG_NOSIGNAL);
   };
-  if (!open_) return answer(-1, "the server lends no files (FERRY_SERVE_LEND_FILES off)");
+  if (!open_) return answer(-1, "");
   try {
     open_(token, path, answer);
   } catch (const std::exception& e) {

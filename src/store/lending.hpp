@@ -57,8 +57,10 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
 // read-only descriptor of `path` (beneath its root). Returns it (the caller owns it), or -1 with the
 // reason in `why` (another host, a server that lends no files, a path it refuses). Waits no later
 // than `until`.
+// `none`, when given, is set when the server lends no file at all (no socket here, or lending off)
+// rather than refusing this one.
 int ask_file(const std::string& socket_name, std::span<const std::uint8_t> token, const std::string& path,
-             lending_clock::time_point until, std::string& why);
+             lending_clock::time_point until, std::string& why, bool* none = nullptr);
 // The longest path ask_file sends.
 constexpr std::size_t max_asked_path = 4096;
 
