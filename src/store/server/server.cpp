@@ -26,6 +26,7 @@
 #include "store/door.hpp"
 #include "store/lending.hpp"
 #include "store/server/core.hpp"
+#include "store/server/lent_files.hpp"
 #include "store/server/reads.hpp"
 #include "store/server/writes.hpp"
 
@@ -64,13 +65,7 @@ struct server::impl {
   std::map<std::vector<std::uint8_t>, std::weak_ptr<session>> by_token;  // welcomed sessions, for the lending socket
   // Where same-host clients pass the regions they lend (null: none, FERRY_NET_MAP=0); served by the
   // janitor thread. Bytes mapped from all clients together are bounded (address space).
-  // Files lent (lend_file): opened and being opened, shared with the threads that open them.
-  struct lend_counts {
-    std::atomic<std::uint64_t> lent{0};
-    std::atomic<int> opening{0};
-  };
-  std::shared_ptr<lend_counts> lending_counts = std::make_shared<lend_counts>();
-  static constexpr int max_opening = 8;
+  detail::file_lender lender{core.root};  // the files lent to same-host clients (lend_file)
   std::unique_ptr<lending_socket> lending;
   detail::lent_totals lent_total;
   static constexpr std::uint64_t max_lent_bytes = 1ull << 45, max_lent_regions = 16384;
@@ -152,14 +147,9 @@ struct server::impl {
     s->passed.push_back({id, fd, pid});
     return true;
   }
-  // A file a same-host client asked for on the lending socket: a read-only descriptor, opened
-  // beneath the root as a read of it would be (a regular file, no way out of the root), for a live
-  // session the token names. The client then reads it itself, and what it could read through the
-  // server is all that descriptor gives it. The token is checked here (janitor thread); the open runs
-  // on a thread of its own that holds nothing of the server's (a copy of the root's descriptor, the
-  // counters), since an open may wait on a hung mount for good: the lending socket, the janitor and
-  // stop() never wait for it. At most `max_opening` at once; past them the client reads through the
-  // server.
+  // A file a same-host client asked for on the lending socket, for a live session the token names
+  // (checked here, on the janitor's thread); the lender opens it. The client then reads it itself,
+  // and what it could read through the server is all that descriptor gives it.
   void lend_file(std::span<const std::uint8_t> token, const std::string& path, lending_socket::answer_fn answer) {
     {
       std::lock_guard l(sess_mu);
@@ -167,34 +157,7 @@ struct server::impl {
       auto s = it == by_token.end() ? nullptr : it->second.lock();
       if (!s || s->closing) return answer(-1, "no live session of this server has that token");
     }
-    if (lending_counts->opening.fetch_add(1) >= max_opening) {
-      lending_counts->opening--;
-      return answer(-1, "the server is opening too many files at once; read through it");
-    }
-    int dir = ::fcntl(core.root.fd(), F_DUPFD_CLOEXEC, 0);
-    if (dir < 0) {
-      lending_counts->opening--;
-      return answer(-1, fmt::format("dup of the root's descriptor: {}", std::strerror(errno)));
-    }
-    try {
-      std::thread([dir, root = core.root.path(), path, answer, counts = lending_counts] {
-        int fd = -1;
-        std::string why;
-        try {
-          root_dir r(dir, root);
-          fd = r.open_regular(path, O_RDONLY);
-          counts->lent++;
-        } catch (const std::exception& e) {
-          why = e.what();
-        }
-        answer(fd, why);
-        counts->opening--;
-      }).detach();
-    } catch (const std::exception& e) {
-      ::close(dir);
-      lending_counts->opening--;
-      answer(-1, e.what());
-    }
+    lender.open(path, std::move(answer));
   }
   // No new client or request from here on; waits up to `wait` for the file requests in flight (their
   // completions use this server). Returns how many are still in the file system.
@@ -672,7 +635,7 @@ server_stats server::stats() const {
           open_writes,
           i.core.commits.load(),
           sum.notify_records.value(),
-          i.lending_counts->lent.load()};
+          i.lender.lent()};
 }
 
 }  // namespace ferry::store
