@@ -716,8 +716,15 @@ stat_reply client::stat(const std::string& path, std::chrono::nanoseconds timeou
 int client::lent_file(const std::string& path, std::uint64_t version, std::chrono::nanoseconds timeout) {
   auto& I = *impl_;
   if (!I.o.files || !I.o.map) return -1;
-  const auto until = clk::now() + timeout;
-  I.ensure_connected(until);
+  // An answer comes at once unless the server's open waits on its file system: then this file is
+  // read through the server after a connection attempt's wait, not the caller's whole timeout.
+  const auto until = clk::now() + std::min(timeout, std::chrono::duration_cast<std::chrono::nanoseconds>(I.o.connect_timeout));
+  try {
+    I.ensure_connected(until);
+  } catch (const error& e) {  // (its reads say what is wrong with the server)
+    log::debug("store", "{}: {} is not lent: {}", I.peer, printable(path), e.what());
+    return -1;
+  }
   if (I.no_lending_at.load(std::memory_order_relaxed) == I.connects.load(std::memory_order_relaxed) + 1) return -1;
   // Any connected lane's session serves: the socket and the token come with its welcome.
   std::string name;
