@@ -117,6 +117,31 @@ int connect_lending(const std::string& socket_name, std::span<const std::uint8_t
   return s;
 }
 
+// Control space for one descriptor, and `h` carrying `fd` in it (SCM_RIGHTS).
+using one_fd_space = char[CMSG_SPACE(sizeof(int))];
+void attach_fd(msghdr& h, one_fd_space& ctl, int fd) {
+  h.msg_control = ctl;
+  h.msg_controllen = sizeof ctl;
+  cmsghdr* cm = CMSG_FIRSTHDR(&h);
+  cm->cmsg_level = SOL_SOCKET;
+  cm->cmsg_type = SCM_RIGHTS;
+  cm->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+}
+
+// The descriptors a received message `h` brought (the caller's to close).
+std::vector<int> received_fds(msghdr& h) {
+  std::vector<int> got;
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&h); cm; cm = CMSG_NXTHDR(&h, cm))
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS)
+      for (std::size_t k = 0; k < (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++k) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(cm) + k * sizeof(int), sizeof fd);
+        got.push_back(fd);
+      }
+  return got;
+}
+
 // Sends `h` on the non-blocking socket `s` by the deadline.
 bool send_by(int s, const msghdr& h, std::size_t bytes, lending_clock::time_point until, std::string& why) {
   for (;;) {
@@ -140,17 +165,11 @@ bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> t
   std::memcpy(m.token, token.data(), token_bytes);
   m.id = id;
   iovec iov{&m, sizeof m};
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+  alignas(cmsghdr) one_fd_space ctl = {};
   msghdr h{};
   h.msg_iov = &iov;
   h.msg_iovlen = 1;
-  h.msg_control = ctl;
-  h.msg_controllen = sizeof ctl;
-  cmsghdr* cm = CMSG_FIRSTHDR(&h);
-  cm->cmsg_level = SOL_SOCKET;
-  cm->cmsg_type = SCM_RIGHTS;
-  cm->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+  attach_fd(h, ctl, fd);
   if (!send_by(s, h, sizeof m, until, why)) return false;
   pollfd p{s, POLLIN, 0};
   std::uint8_t answer = 0;
@@ -197,14 +216,7 @@ int ask_file(const std::string& socket_name, std::span<const std::uint8_t> token
   r.msg_control = ctl;
   r.msg_controllen = sizeof ctl;
   ssize_t n = ::recvmsg(s, &r, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-  std::vector<int> got;
-  for (cmsghdr* cm = n >= 0 ? CMSG_FIRSTHDR(&r) : nullptr; cm; cm = CMSG_NXTHDR(&r, cm))
-    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS)
-      for (std::size_t k = 0; k < (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++k) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(cm) + k * sizeof(int), sizeof fd);
-        got.push_back(fd);
-      }
+  std::vector<int> got = n >= 0 ? received_fds(r) : std::vector<int>{};
   if (n >= 1 && answer[0] == 1 && got.size() == 1) return got[0];
   for (int fd : got) ::close(fd);
   if (none && n >= 1 && answer[0] == 2) *none = true;
@@ -297,14 +309,7 @@ void lending_socket::receive(pending& p) {
   ssize_t n = ::recvmsg(p.fd, &h, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
   // Every descriptor that came along is ours to close, whatever else is wrong with the message.
-  std::vector<int> got;
-  for (cmsghdr* cm = CMSG_FIRSTHDR(&h); cm; cm = CMSG_NXTHDR(&h, cm))
-    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS)
-      for (std::size_t k = 0; k < (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++k) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(cm) + k * sizeof(int), sizeof fd);
-        got.push_back(fd);
-      }
+  std::vector<int> got = received_fds(h);
   const bool whole = n >= static_cast<ssize_t>(sizeof m) && !(h.msg_flags & (MSG_TRUNC | MSG_CTRUNC));
   if (whole && got.empty() && m.id == 0 && n > static_cast<ssize_t>(sizeof m) && n <= static_cast<ssize_t>(sizeof m + max_asked_path)) {
     answer_ask(std::exchange(p.fd, -1), std::span<const std::uint8_t>(m.token, token_bytes),
@@ -332,27 +337,23 @@ void lending_socket::receive(pending& p) {
 // deadline.
 void lending_socket::answer_ask(int s, std::span<const std::uint8_t> token, std::string path) {
   std::shared_ptr<closer> conn(new closer{s});
-  answer_fn answer = [conn](int fd, const std::string& why) {
-    closer c{fd};
-    std::string reply(1, fd >= 0 ? '\1' : why.empty() ? '\2' : '\0');  // 2: this server lends no file
-    if (fd < 0) reply += why.substr(0, 500);
+  // Code 1 with the descriptor, 0 and why not, 2: this server lends no file.
+  auto send_answer = [conn](char code, int fd, const std::string& why) {
+    std::string reply(1, code);
+    reply += why.substr(0, 500);
     iovec iov{reply.data(), reply.size()};
-    alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+    alignas(cmsghdr) one_fd_space ctl = {};
     msghdr h{};
     h.msg_iov = &iov;
     h.msg_iovlen = 1;
-    if (fd >= 0) {
-      h.msg_control = ctl;
-      h.msg_controllen = sizeof ctl;
-      cmsghdr* cm = CMSG_FIRSTHDR(&h);
-      cm->cmsg_level = SOL_SOCKET;
-      cm->cmsg_type = SCM_RIGHTS;
-      cm->cmsg_len = CMSG_LEN(sizeof(int));
-      std::memcpy(CMSG_DATA(cm), &fd, sizeof fd);
-    }
+    if (fd >= 0) attach_fd(h, ctl, fd);
     [[maybe_unused]] auto r = ::sendmsg(conn->fd, &h, MSG_DONTWAIT | MSG_NOSIGNAL);
   };
-  if (!open_) return answer(-1, "");
+  if (!open_) return send_answer(2, -1, "");
+  answer_fn answer = [send_answer](int fd, const std::string& why) {
+    closer c{fd};
+    send_answer(fd >= 0 ? 1 : 0, fd, fd >= 0 ? std::string() : why);
+  };
   try {
     open_(token, path, answer);
   } catch (const std::exception& e) {
