@@ -166,16 +166,9 @@ void cache_reads(runtime& rt, const std::string& uri, const std::vector<unsigned
 }  // namespace
 
 // One batch mixing host and sim memory, several offsets and a read past the end of the file.
-TEST(RemoteFiles, BatchReadsIntoHostAndSimMemory) {
-  fixture fx(false);
-  auto data = random_bytes((5 << 20) + 333, 41);
-  spill(fx.root / "d" / "data.bin", data);
-  runtime rt(fx.cfg());
-  auto f = file::open(fx.uri("d/data.bin"), open_mode::read);
-  EXPECT_EQ(f->size(), data.size());
-  EXPECT_EQ(f->fd(), -1);
-  ASSERT_TRUE(f->source());
-
+// One batch of three reads of `f` (holding `data`): unaligned into host memory (several pieces),
+// into sim memory (staged) and past the end (short); each exactly its bytes.
+void batch_reads_are_exact(runtime& rt, const std::shared_ptr<file>& f, const std::vector<unsigned char>& data) {
   std::vector<unsigned char> host(3 << 20), tail(1 << 20);
   mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), 4 << 20);
   std::vector<file_request> reqs = {
@@ -196,6 +189,19 @@ TEST(RemoteFiles, BatchReadsIntoHostAndSimMemory) {
   st->checksum(sim.data(), (2 << 20) + 5, &sum);
   st->synchronize();
   EXPECT_EQ(sum, checksum64(data.data() + (1 << 20), (2 << 20) + 5)) << "sim memory holds the range";
+}
+
+TEST(RemoteFiles, BatchReadsIntoHostAndSimMemory) {
+  fixture fx(false);
+  auto data = random_bytes((5 << 20) + 333, 41);
+  spill(fx.root / "d" / "data.bin", data);
+  runtime rt(fx.cfg());
+  auto f = file::open(fx.uri("d/data.bin"), open_mode::read);
+  EXPECT_EQ(f->size(), data.size());
+  EXPECT_EQ(f->fd(), -1);
+  ASSERT_TRUE(f->source());
+
+  batch_reads_are_exact(rt, f, data);
   EXPECT_EQ(rt.files().counters().get("requests.remote").value(), 3u);
 
   // The synchronous helper goes the same way.
@@ -218,26 +224,7 @@ TEST(RemoteFiles, ASameHostServerLendsAFileOpenedForReading) {
   EXPECT_EQ(f->size(), data.size());
   EXPECT_EQ(fx.srv->stats().files_lent, 1u);
 
-  std::vector<unsigned char> host(3 << 20), tail(1 << 20);
-  mapped_memory sim = allocate_mapped(rt.devices().get("sim:0"), 4 << 20);
-  std::vector<file_request> reqs = {
-      {f, 7, host.data(), host.size(), false},
-      {f, 1 << 20, sim.data(), (2 << 20) + 5, false},
-      {f, data.size() - 1000, tail.data(), tail.size(), false},
-  };
-  auto b = rt.files().submit(reqs);
-  ASSERT_TRUE(b.wait());
-  auto res = b.results();
-  EXPECT_EQ(res[0].bytes_done, host.size());
-  EXPECT_EQ(res[1].bytes_done, (2u << 20) + 5);
-  EXPECT_EQ(res[2].bytes_done, 1000u);
-  EXPECT_EQ(0, std::memcmp(host.data(), data.data() + 7, host.size()));
-  EXPECT_EQ(0, std::memcmp(tail.data(), data.data() + data.size() - 1000, 1000));
-  auto st = rt.devices().get("sim:0").create_stream();
-  std::uint64_t sum = 0;
-  st->checksum(sim.data(), (2 << 20) + 5, &sum);
-  st->synchronize();
-  EXPECT_EQ(sum, checksum64(data.data() + (1 << 20), (2 << 20) + 5));
+  batch_reads_are_exact(rt, f, data);
   EXPECT_EQ(rt.files().counters().get("requests.remote").value(), 0u) << "no read went to the server";
   EXPECT_EQ(fx.srv->stats().reads, 0u);
 
