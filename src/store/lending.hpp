@@ -53,10 +53,9 @@ class shared_region {
 bool pass_region(const std::string& socket_name, std::span<const std::uint8_t> token, int fd, std::uint64_t id,
                  lending_clock::time_point until, std::string& why);
 
-// The other way: asks the server at `socket_name`, for the session that `token` names, for a
-// read-only descriptor of `path` (beneath its root). Returns it (the caller owns it), or -1 with the
-// reason in `why` (another host, a server that lends no files, a path it refuses). Waits no later
-// than `until`.
+// Asks the server at `socket_name`, for the session that `token` names, for a read-only descriptor
+// of `path` (beneath its root). Returns it (the caller owns it), or -1 with the reason in `why`
+// (another host, a server that lends no files, a path it refuses). Waits no later than `until`.
 // `none`, when given, is set when the server lends no file at all (no socket here, or lending off)
 // rather than refusing this one.
 int ask_file(const std::string& socket_name, std::span<const std::uint8_t> token, const std::string& path,

@@ -78,7 +78,7 @@ struct server_stats {
   std::uint64_t open_writes = 0;       // writes opened and not yet committed or aborted
   std::uint64_t commits = 0;           // writes put in place
   std::uint64_t notify_records = 0;    // small direct reads answered with their notify record written
-  std::uint64_t files_lent = 0;        // read-only descriptors passed to same-host clients (FERRY_NET_FILES)
+  std::uint64_t files_lent = 0;        // read-only descriptors passed to same-host clients (FERRY_SERVE_LEND_FILES)
 };
 
 class FERRY_API server {
