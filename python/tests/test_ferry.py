@@ -323,20 +323,22 @@ def _serve(tmp_path, env=None):
 
 @pytest.fixture
 def served(tmp_path):
+    """A same-host server as started by default: it lends files on a local file system to the clients that read
+    them."""
     yield from _serve(tmp_path)
 
 
 @pytest.fixture
-def served_lending(tmp_path):
-    """The same, the server lending the files its same-host clients open for reading."""
-    yield from _serve(tmp_path, {"FERRY_SERVE_LEND_FILES": "1"})
+def served_through(tmp_path):
+    """The same, every read going through the server (FERRY_SERVE_LEND_FILES=0): the road of another host."""
+    yield from _serve(tmp_path, {"FERRY_SERVE_LEND_FILES": "0"})
 
 
-def test_a_server_that_lends_files_is_read_from_the_file_itself(served_lending):
-    """A same-host server started with FERRY_SERVE_LEND_FILES=1 passes the client a read-only descriptor of each file
+def test_a_same_host_server_lends_files_that_are_then_read_from_the_file_itself(served):
+    """A same-host server (by default) passes the client a read-only descriptor of each file on a local file system
     opened for reading: reads and checkpoint loads are exact, and go on once the file is open even with the server
     gone (they no longer go through it); writes still go through the server."""
-    root, uri = served_lending
+    root, uri = served
     want = random_file(root / "blob.bin", (3 << 20) + 77)
     tensors = {k: torch.from_numpy(v) for k, v in checkpoint().items()}
     ferry.safetensors.save(tensors, f"{uri}/ckpt.safetensors")
@@ -344,9 +346,9 @@ def test_a_server_that_lends_files_is_read_from_the_file_itself(served_lending):
     for k, t in tensors.items():
         assert torch.equal(got[k], t), k
     f = ferry.open(f"{uri}/blob.bin")
-    os.kill(served_lending.pid, signal.SIGKILL)
+    os.kill(served.pid, signal.SIGKILL)
     for _ in range(200):  # dead (a zombie until the fixture reaps it)
-        with open(f"/proc/{served_lending.pid}/stat") as st:
+        with open(f"/proc/{served.pid}/stat") as st:
             if st.read().rsplit(")", 1)[1].split()[0] == "Z":
                 break
         select.select([], [], [], 0.01)
@@ -358,8 +360,9 @@ def test_a_server_that_lends_files_is_read_from_the_file_itself(served_lending):
     np.testing.assert_array_equal(part, want[12345:12345 + part.size])
 
 
-def test_ferry_uri_read_write_and_checkpoint(served):
-    root, uri = served
+@pytest.mark.parametrize("road", ["served", "served_through"], ids=["lent", "through-the-server"])
+def test_ferry_uri_read_write_and_checkpoint(road, request):
+    root, uri = request.getfixturevalue(road)
     want = random_file(root / "blob.bin", (2 << 20) + 99)
     with ferry.open(f"{uri}/blob.bin") as f:
         got = np.empty_like(want)
@@ -411,14 +414,16 @@ print(json.dumps(child))
 """
 
 
+@pytest.mark.parametrize("road", ["served", "served_through"], ids=["lent", "through-the-server"])
 @pytest.mark.parametrize("parent_remote", [False, True], ids=["parent-local", "parent-remote"])
-def test_a_forked_child_gets_a_runtime_of_its_own(served, parent_remote):
+def test_a_forked_child_gets_a_runtime_of_its_own(road, parent_remote, request):
     """A process forked after ferry was used (a data loader's workers): ferry.runtime() makes it a runtime of its
     own and local files read right. ferry:// works there when the parent had no ferry:// connection at the fork;
     otherwise (UCX does not survive fork) it fails at once saying so, as does a remote file the parent opened;
-    the parent's runtime says what to use instead. Nothing waits for threads that stayed behind; the child ends
+    the parent's runtime says what to use instead. A file the server lent the parent is the file itself: the
+    child reads it on, as it does a local file. Nothing waits for threads that stayed behind; the child ends
     normally and the parent reads on."""
-    root, uri = served
+    root, uri = request.getfixturevalue(road)
     random_file(root / "f.bin", (1 << 20) + 77)
     p = subprocess.run([sys.executable, "-c", FORKED, str(root / "f.bin"), f"{uri}/f.bin", str(int(parent_remote))],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -427,7 +432,10 @@ def test_a_forked_child_gets_a_runtime_of_its_own(served, parent_remote):
     assert got["local"] and got["parent_after"] and got["status"] == 0 and got["seconds"] < 5, got
     assert "was forked from the one that made it" in got["old_runtime"], got
     if parent_remote:
-        assert "which this one was forked from" in got["inherited"] and "open the file again here" in got["inherited"], got
+        if road == "served":
+            assert got["inherited"] == "worked", got
+        else:
+            assert "which this one was forked from" in got["inherited"] and "open the file again here" in got["inherited"], got
         assert "does not survive fork" in got["remote"], got
     else:
         assert got["remote"] is True, got
@@ -481,9 +489,10 @@ def test_children_forked_while_the_parent_unmaps_memory_read_ferry_uris(served):
     assert got["hung"] == [] and got["wrong"] == [], got
 
 
-def test_ctrl_c_ends_a_read_from_a_stopped_server_at_once(served):
+def test_ctrl_c_ends_a_read_from_a_stopped_server_at_once(served_through):
     """The user's Ctrl-C during a ferry:// read of a server that stopped answering (SIGSTOP):
     KeyboardInterrupt now, not at the deadline (30 s)."""
+    served = served_through
     root, uri = served
     random_file(root / "big.bin", 32 << 20)
     code = ("import json, os, signal, sys, numpy as np, ferry\n"

@@ -35,7 +35,7 @@ same() {  # name, file a, file b
 }
 check "file -> ferry://" "checksum verified" "$FERRY" cp "file:$work/src.bin" "$remote/up.bin"
 same "file -> ferry:// (cmp)" "$work/src.bin" "$work/export/up.bin"
-check "ferry:// -> file" "UCX \[.*\], [0-9]+ requests? sent, data by .* -> host -> file, checksum verified" "$FERRY" cp "$remote/up.bin" "file:$work/down.bin"
+check "ferry:// -> file" "UCX \[.*\], [0-9]+ requests? sent, data by .* -> host -> file, checksum verified" env FERRY_NET_FILES=0 "$FERRY" cp "$remote/up.bin" "file:$work/down.bin"
 same "ferry:// -> file (cmp)" "$work/src.bin" "$work/down.bin"
 check "ferry:// -> file --via sim:0" "-> sim:0 -> file, checksum verified" "$FERRY" cp "$remote/up.bin" "file:$work/down2.bin" --via sim:0
 same "ferry:// -> file --via sim:0 (cmp)" "$work/src.bin" "$work/down2.bin"
@@ -43,9 +43,11 @@ check "ferry:// -> ferry://" "checksum verified" "$FERRY" cp "$remote/up.bin" "$
 same "ferry:// -> ferry:// (cmp)" "$work/src.bin" "$work/export/copy.bin"
 check "ferry:// -> ferry:// --via sim:1" "-> sim:1 -> UCX .*checksum verified" "$FERRY" cp "$remote/copy.bin" "$remote/copy2.bin" --via sim:1
 same "ferry:// -> ferry:// --via sim:1 (cmp)" "$work/src.bin" "$work/export/copy2.bin"
-# Same host, no settings: the data goes through the landing region the server maps; with
+# Same host, no settings: the server lends the file (on a local file system), read as a local file;
+# with FERRY_NET_FILES=0 the data goes through the landing region the server maps; with
 # FERRY_NET_MAP=0 it moves in messages.
-check "ferry:// -> host, same host" "data by mapped landing region -> .*host, checksum verified" "$FERRY" cp "$remote/up.bin" host
+check "ferry:// -> host, same host" "the file itself, its descriptor lent by the server on this host .*-> host, checksum verified" "$FERRY" cp "$remote/up.bin" host
+check "ferry:// -> host, FERRY_NET_FILES=0" "data by mapped landing region -> .*host, checksum verified" env FERRY_NET_FILES=0 "$FERRY" cp "$remote/up.bin" host
 check "ferry:// -> host, FERRY_NET_MAP=0" "data by messages -> host, checksum verified" env FERRY_NET_MAP=0 "$FERRY" cp "$remote/up.bin" host
 check "file -> ferry:// --size" "part.bin: 1 MiB in .*checksum verified" "$FERRY" cp "file:$work/src.bin" "$remote/part.bin" --size 1MiB
 check "missing remote source" "missing.bin.*(No such file|not_found)|(No such file|not_found).*missing.bin" \

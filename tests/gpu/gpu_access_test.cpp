@@ -488,7 +488,7 @@ TEST(GpuCache, AFerryServerKilledMidKernelIsAStatusInTheKernelAndAnExceptionOnTh
     ~gone() { std::filesystem::remove_all(p); }
   } cleanup{root};
   test::random_file d(root, "data.bin", 16ull << 20, 34);
-  test::served_process srv(g_ferry_binary, root);
+  test::served_process srv(g_ferry_binary, root, 0, {}, test::through_the_server);
   const std::string server = "127.0.0.1:" + std::to_string(srv.port);
   runtime rt(g_settings);
   user_program u;

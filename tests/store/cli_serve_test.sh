@@ -36,7 +36,7 @@ check "wrong secret" "authentication refused.*permission_denied" env FERRY_SECRE
 check "right secret" "12 bytes" env FERRY_SECRET_FILE="$work/secret" "$FERRY" stat "ferry://127.0.0.1:$port/a.txt"
 check "missing secret file" "cannot read the secret file" env FERRY_SECRET_FILE="$work/none" "$FERRY" stat "ferry://127.0.0.1:$port/a.txt"
 check "write to read-only" "the server is read-only" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp host "ferry://127.0.0.1:$port/w.bin" --size 1MiB
-check "file API (file:ferry://)" "file engine \(UCX \[.*\), checksum verified" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp "file:ferry://127.0.0.1:$port/a.txt" host
+check "file API (file:ferry://)" "file engine \(the file itself, its descriptor lent by the server on this host.*\), checksum verified" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp "file:ferry://127.0.0.1:$port/a.txt" host
 check "file API, missing file" "no_such|not_found|No such file.*missing.txt|missing.txt.*No such file" env FERRY_SECRET_FILE="$work/secret" "$FERRY" cp "file:ferry://127.0.0.1:$port/missing.txt" host
 check "ls of the root, names escaped" 'file +1  we\\x0aird\\x1b\[31m' env FERRY_SECRET_FILE="$work/secret" "$FERRY" ls "ferry://127.0.0.1:$port/"
 check "a secret file others can read" "readable or writable by group or others \(mode 644\); run: chmod 600" "$FERRY" serve --root "$work/export" --listen 127.0.0.1:0 --secret-file "$work/open-secret"

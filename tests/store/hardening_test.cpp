@@ -31,6 +31,7 @@
 #include <sys/sysmacros.h>
 #include <sys/resource.h>
 #include <sys/un.h>
+#include <sys/vfs.h>
 #include <sys/wait.h>
 #include <poll.h>
 #include <spawn.h>
@@ -597,6 +598,23 @@ TEST(StoreHardening, ABlockedFileDelaysOnlyItsOwnClients) {
     }
     EXPECT_LT(clk::now() - t0, std::chrono::seconds(2)) << "round " << round << ": a client waited behind the hung file";
   }
+  // The server lends files on a local file system, never one on the FUSE mount (whose readers above
+  // went through the server, which bounds how the mount is read).
+  {
+    store::client_options co;
+    co.timeout = std::chrono::seconds(5);
+    store::client c("127.0.0.1", srv.port, co);
+    struct ::statfs sfs{};
+    ASSERT_EQ(::statfs(root.c_str(), &sfs), 0);
+    if (sfs.f_type == 0xEF53 || sfs.f_type == 0x01021994 || sfs.f_type == 0x794C7630 || sfs.f_type == 0x58465342) {
+      const int fd = c.lent_file("big.bin", 0, std::chrono::seconds(5));
+      EXPECT_GE(fd, 0) << "a file on the root's local file system was not lent";
+      if (fd >= 0) ::close(fd);
+    }
+    const int hung = c.lent_file("hung/stuck", 0, std::chrono::seconds(5));
+    EXPECT_EQ(hung, -1) << "a file on a FUSE mount was lent";
+    if (hung >= 0) ::close(hung);
+  }
   EXPECT_EQ(stuck_done(), 0);
   // SIGTERM with reads still in the hung file system: the server exits (after FERRY_DEADLINE) instead
   // of waiting for them forever. The kernel keeps the threads of its reads that FUSE already handed
@@ -854,7 +872,7 @@ TEST(StoreHardening, AServerKilledUnderAStreamOrderedReadIsNoticedInSeconds) {
   device& d = rt.devices().get("sim:0");
   mapped_memory dst = allocate_mapped(d, n);
   for (int round = 0; round < 8; ++round) {
-    test::served_process srv(FERRY_TEST_CLI, root);
+    test::served_process srv(FERRY_TEST_CLI, root, 0, {}, test::through_the_server);
     auto f = file::open("ferry://127.0.0.1:" + std::to_string(srv.port) + "/data.bin", open_mode::read);
     alignas(4) std::uint32_t hold = 0, after = 0;  // before the stream: its work may touch them until it goes
     auto users = d.create_stream();
@@ -1013,7 +1031,7 @@ TEST(StoreHardening, AServerThatWentQuietAndCameBackIsReadThroughAFreshLandingRe
 
 namespace {
 // A 1 MiB file of known bytes, pages.bin, served by a `ferry serve` process from a directory of its
-// own (removed at the end).
+// own (removed at the end), which lends no file: its reads go through the server.
 struct served_pages {
   std::filesystem::path root;
   std::string data = std::string(1 << 20, '\0');
@@ -1023,7 +1041,7 @@ struct served_pages {
     std::filesystem::create_directories(root);
     for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 13 + 5);
     std::ofstream(root / "pages.bin", std::ios::binary) << data;
-    srv.emplace(FERRY_TEST_CLI, root);
+    srv.emplace(FERRY_TEST_CLI, root, 0, std::vector<std::string>{}, test::through_the_server);
   }
   ~served_pages() {
     srv->kill();

@@ -2,7 +2,9 @@
 // `ferry serve --root ROOT --listen 127.0.0.1:0` in a process of its own, which a test can kill
 // (SIGKILL: the server dies as a crashed one does, its connections reset). Its port is read from
 // the line it prints once it listens. `listen_port` 0 takes a free port; a given one lets a test start a
-// server again where a killed one listened.
+// server again where a killed one listened. `env` ("NAME=VALUE") is added to the server's environment,
+// replacing the test's own value of each name: `through_the_server` makes a server that lends no file,
+// so that a same-host client's reads take the road a client on another host takes.
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -23,13 +25,15 @@ extern char** environ;
 
 namespace ferry::test {
 
+inline const std::vector<std::string> through_the_server = {"FERRY_SERVE_LEND_FILES=0"};
+
 struct served_process {
   pid_t pid = -1;
   int out = -1;
   bool stopped = false;  // stop() saw it stopped, and no resume() since
   std::uint16_t port = 0;
   served_process(const std::string& ferry, const std::filesystem::path& root, std::uint16_t listen_port = 0,
-                 const std::vector<std::string>& extra = {}) {
+                 const std::vector<std::string>& extra = {}, const std::vector<std::string>& env = {}) {
     int p[2];
     if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
     posix_spawn_file_actions_t fa;
@@ -41,7 +45,17 @@ struct served_process {
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    int rc = ::posix_spawn(&pid, ferry.c_str(), &fa, nullptr, argv.data(), environ);
+    std::vector<std::string> vars;
+    for (char** e = environ; *e; ++e) {
+      bool replaced = false;
+      for (const auto& v : env) replaced = replaced || std::strncmp(*e, v.c_str(), v.find('=') + 1) == 0;
+      if (!replaced) vars.emplace_back(*e);
+    }
+    vars.insert(vars.end(), env.begin(), env.end());
+    std::vector<char*> envp;
+    for (auto& v : vars) envp.push_back(v.data());
+    envp.push_back(nullptr);
+    int rc = ::posix_spawn(&pid, ferry.c_str(), &fa, nullptr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&fa);
     ::close(p[1]);
     out = p[0];

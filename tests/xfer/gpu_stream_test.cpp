@@ -216,7 +216,7 @@ TEST(GpuStreams, AServerKilledUnderAStreamOrderedReadReleasesTheStream) {
   std::filesystem::create_directories(root);
   const std::size_t n = 256ull << 20;
   std::filesystem::rename(words_file(n, 5), root / "data.bin");
-  test::served_process srv(g_ferry_binary, root);
+  test::served_process srv(g_ferry_binary, root, 0, {}, test::through_the_server);
   runtime rt(g_settings);
   user_program u;
   CUstream s = nullptr;

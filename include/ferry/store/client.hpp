@@ -208,7 +208,8 @@ class FERRY_API client {
   // A server on this host lends the file itself: a read-only descriptor of `path` (the caller owns
   // it), of version `version` when not 0 (stat().version), which this process then reads like a
   // local file. -1 when the server is on another host, lends no files (FERRY_SERVE_LEND_FILES off
-  // there, FERRY_NET_FILES off here) or refuses the path, or the file was replaced meanwhile: the
+  // there, FERRY_NET_FILES off here) or refuses the path (one on a network or FUSE mount among
+  // them), or the file was replaced meanwhile: the
   // caller reads the file through the server then. Waits at most `timeout` or one connection
   // attempt's wait (FERRY_NET_CONNECT_TIMEOUT), whichever is shorter; never throws.
   int lent_file(const std::string& path, std::uint64_t version, std::chrono::nanoseconds timeout = std::chrono::seconds(30));

@@ -32,8 +32,8 @@ struct server_options {
   std::uint64_t chunk = 4ull << 20;    // bytes per data message (larger client data messages are refused)
   int workers = store_settings{}.serve_workers;  // UCX workers (progress threads); clients spread their lanes over them
   bool map = store_settings{}.net_map;           // serve regions lent by same-host clients directly
-  // Open files for reading for same-host clients that ask on the lending socket (needs `map`) and
-  // pass them the descriptor (FERRY_SERVE_LEND_FILES).
+  // Open files on a local file system for reading for same-host clients that ask on the lending
+  // socket (needs `map`) and pass them the descriptor (FERRY_SERVE_LEND_FILES).
   bool files = store_settings{}.serve_lend_files;
   std::uint64_t inline_max = 16 << 10; // reads up to this size are answered inline, in one message
   std::uint64_t max_write_buffer = 1ull << 30;  // write data buffered at once, all connections together

@@ -29,7 +29,7 @@ struct FERRY_API store_settings : virtual core_settings {
   std::chrono::nanoseconds net_retry_after = std::chrono::seconds(1);  // a server that could not be reached: not tried again before
   std::chrono::nanoseconds net_connect_timeout = std::chrono::seconds(5);  // one connection attempt's wait for the server's welcome
   int serve_workers = 1;                // UCX workers (progress threads) of `ferry serve`
-  bool serve_lend_files = false;        // `ferry serve` lends same-host clients the files they open for reading
+  bool serve_lend_files = true;         // `ferry serve` lends same-host clients the files they open for reading
   int serve_max_connections = 1024;     // connections a server keeps at once
   int serve_max_unauthenticated = 1024;  // connections at the door (4 KiB and a descriptor each)
   std::chrono::nanoseconds serve_handshake_timeout = std::chrono::seconds(5);  // hello..welcome

@@ -5,6 +5,7 @@
 #include <ferry/store/root.hpp>
 
 #include "store/lending.hpp"
+#include "store/server/open_files.hpp"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -18,6 +19,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 
 namespace ferry::store::detail {
 
@@ -25,7 +27,8 @@ class file_lender {
  public:
   explicit file_lender(const root_dir& root) : root_(root) {}
   // Opens `path` as a read of it would be opened (a regular file, no way out of the root), read-only,
-  // and answers with its descriptor or why not. The open runs on a thread of its own that holds
+  // and answers with its descriptor or why not. Only files on a local file system are lent: one on
+  // a network or FUSE file system is read through the server, whose workers bound how it is read. The open runs on a thread of its own that holds
   // nothing of the server's (a copy of the root's descriptor, the shared counts): an open may wait on
   // a hung mount for good, and neither the lending socket, the janitor nor the server's stop may wait
   // for it. At most `max_opening` at once; past them the client reads through the server.
@@ -41,16 +44,22 @@ class file_lender {
     }
     try {
       std::thread([dir, root = root_.path(), path, answer, counts = counts_] {
-        int fd = -1;
+        int fd = -1, other = -1;
         std::string why;
         try {
           root_dir r(dir, root);
           fd = r.open_regular(path, O_RDONLY);
-          counts->lent++;
+          if (!local_file_system(fd)) {
+            std::swap(fd, other);
+            why = "not on a local file system (a network or FUSE mount is read through the server)";
+          } else {
+            counts->lent++;
+          }
         } catch (const std::exception& e) {
           why = e.what();
         }
         answer(fd, why);
+        if (other >= 0) ::close(other);  // after the answer: closing a file on a mount that hangs may wait
         counts->opening--;
       }).detach();
     } catch (const std::exception& e) {

@@ -22,10 +22,12 @@ namespace ferry::store::detail {
 using clk = std::chrono::steady_clock;
 
 // Whether the file lives on a local disk or in memory, where a read waits at most for the disk: a
-// progress thread may read it itself. A network or FUSE file system may not answer for as long as
-// it likes (a hung mount, a daemon that stopped), which on a progress thread would stall every
-// client of that worker; such files are read only by file requests.
-bool local_file_system(int fd) {
+// progress thread may read it itself, and a same-host client may be lent it. A network or FUSE file
+// system may not answer for as long as it likes (a hung mount, a daemon that stopped), which on a
+// progress thread would stall every client of that worker; such files are read only by file
+// requests, and never lent (a client's own reads there would load the mount past the server's
+// bounds).
+inline bool local_file_system(int fd) {
   struct ::statfs fs{};
   if (::fstatfs(fd, &fs) != 0) return false;
   switch (static_cast<unsigned long>(fs.f_type)) {
