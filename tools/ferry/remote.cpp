@@ -44,8 +44,9 @@ int run_serve(runtime& rt, const serve_options& o) {
   so.writable = o.writable;
   so.insecure = o.insecure;
   store::server srv(rt.files(), so);
-  fmt::print("ferry serve: {} on {}:{} ({}, {})\n", o.root, so.host, srv.port(), so.writable ? "writable" : "read-only",
-             so.secret.empty() ? "no authentication" : "clients must know the secret");
+  fmt::print("ferry serve: {} on {}:{} ({}, {}{})\n", o.root, so.host, srv.port(), so.writable ? "writable" : "read-only",
+             so.secret.empty() ? "no authentication" : "clients must know the secret",
+             so.files && so.map ? ", lends same-host readers the files on local file systems" : "");
   std::fflush(stdout);
   timespec tick{1, 0};
   for (;;) {
@@ -53,9 +54,9 @@ int run_serve(runtime& rt, const serve_options& o) {
     if (sig == SIGTERM || sig == SIGINT) break;
     if (sig == SIGUSR1) {
       auto st = srv.stats();
-      fmt::print("ferry serve: {} connections ({} live), {} requests ({} reads, {} inline ({} mapped), {} writes), {} sent, {} received, {} errors\n",
+      fmt::print("ferry serve: {} connections ({} live), {} requests ({} reads, {} inline ({} mapped), {} writes), {} files lent, {} sent, {} received, {} errors\n",
                  st.connections, st.live_sessions, st.requests, st.reads, st.inline_replies, st.mapped_reads, st.writes,
-                 format_size(st.bytes_sent), format_size(st.bytes_received), st.errors);
+                 st.files_lent, format_size(st.bytes_sent), format_size(st.bytes_received), st.errors);
       std::fflush(stdout);
     }
   }
