@@ -312,8 +312,11 @@ void lending_socket::receive(pending& p) {
   std::vector<int> got = received_fds(h);
   const bool whole = n >= static_cast<ssize_t>(sizeof m) && !(h.msg_flags & (MSG_TRUNC | MSG_CTRUNC));
   if (whole && got.empty() && m.id == 0 && n > static_cast<ssize_t>(sizeof m) && n <= static_cast<ssize_t>(sizeof m + max_asked_path)) {
+    ucred peer{};
+    socklen_t len = sizeof peer;
+    const std::int64_t uid = ::getsockopt(p.fd, SOL_SOCKET, SO_PEERCRED, &peer, &len) == 0 ? std::int64_t{peer.uid} : -1;
     answer_ask(std::exchange(p.fd, -1), std::span<const std::uint8_t>(m.token, token_bytes),
-               std::string(path, static_cast<std::size_t>(n) - sizeof m));
+               std::string(path, static_cast<std::size_t>(n) - sizeof m), uid);
     return;
   }
   bool ok = false;
@@ -335,7 +338,7 @@ void lending_socket::receive(pending& p) {
 // (owned here, closed once answered) by whichever thread answers. The socket is fresh and the answer
 // small: a send that would block (it cannot here) just fails, and the client's wait ends at its
 // deadline.
-void lending_socket::answer_ask(int s, std::span<const std::uint8_t> token, std::string path) {
+void lending_socket::answer_ask(int s, std::span<const std::uint8_t> token, std::string path, std::int64_t uid) {
   std::shared_ptr<closer> conn(new closer{s});
   // Code 1 with the descriptor, 0 and why not, 2: this server lends no file.
   auto send_answer = [conn](char code, int fd, const std::string& why) {
@@ -355,7 +358,7 @@ void lending_socket::answer_ask(int s, std::span<const std::uint8_t> token, std:
     send_answer(fd >= 0 ? 1 : 0, fd, fd >= 0 ? std::string() : why);
   };
   try {
-    open_(token, path, answer);
+    open_(token, path, uid, answer);
   } catch (const std::exception& e) {
     answer(-1, e.what());
   }

@@ -76,8 +76,9 @@ class lending_socket {
   // thread may call it, once; the connection stays open until then.
   using answer_fn = std::function<void(int fd, const std::string& why)>;
   // Opens `path` for reading for the session that `token` names and answers, now or later (an open
-  // may wait on its file system: not on this socket's thread). Null: no file is lent.
-  using open_fn = std::function<void(std::span<const std::uint8_t> token, const std::string& path, answer_fn answer)>;
+  // may wait on its file system: not on this socket's thread). `uid`: the asking process's user
+  // (SO_PEERCRED; -1 if unknown). Null: no file is lent.
+  using open_fn = std::function<void(std::span<const std::uint8_t> token, const std::string& path, std::int64_t uid, answer_fn answer)>;
   lending_socket(std::uint64_t instance, deposit_fn deposit, open_fn open = nullptr);
   ~lending_socket();
   lending_socket(const lending_socket&) = delete;
@@ -93,7 +94,7 @@ class lending_socket {
     lending_clock::time_point until;
   };
   void receive(pending& p);
-  void answer_ask(int fd, std::span<const std::uint8_t> token, std::string path);
+  void answer_ask(int fd, std::span<const std::uint8_t> token, std::string path, std::int64_t uid);
   deposit_fn deposit_;
   open_fn open_;
   std::string name_;

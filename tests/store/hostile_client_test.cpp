@@ -18,6 +18,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -372,6 +373,9 @@ TEST(StoreHostile, FilesAreLentReadOnlyBeneathTheRootForALiveSessionOnly) {
   std::ofstream(outside) << "not for clients";
   std::filesystem::create_symlink(outside, e.root / "escape");
   ASSERT_EQ(::mkfifo((e.root / "fifo").c_str(), 0600), 0);
+  // Writable by others: a lent descriptor could be opened again for writing through /proc/self/fd.
+  std::ofstream(e.root / "shared.bin") << "anyone may write this";
+  ASSERT_EQ(::chmod((e.root / "shared.bin").c_str(), 0666), 0);
   raw_client h(e.srv->port());
   auto w = h.greet();
   ASSERT_FALSE(w.lending.empty());
@@ -405,6 +409,35 @@ TEST(StoreHostile, FilesAreLentReadOnlyBeneathTheRootForALiveSessionOnly) {
   EXPECT_EQ(errno, EBADF);
   ::close(fd);
   EXPECT_EQ(e.srv->stats().files_lent, 1u);
+  // A file writable by others is lent to the server's own user, who gains nothing by it; to a process
+  // of another user it is not (the descriptor could be opened again for writing through /proc,
+  // past directories that user may not search).
+  fd = store::detail::ask_file(w.lending, w.token, "shared.bin", until(), why);
+  EXPECT_GE(fd, 0) << why;
+  if (fd >= 0) ::close(fd);
+  if (::geteuid() == 0) {
+    int out[2];
+    ASSERT_EQ(::pipe(out), 0);
+    const pid_t child = ::fork();
+    if (child == 0) {
+      ::close(out[0]);
+      std::string reason;
+      int got = -2;
+      if (::setgid(65534) == 0 && ::setuid(65534) == 0) got = store::detail::ask_file(w.lending, w.token, "shared.bin", until(), reason);
+      const std::string said = std::to_string(got) + " " + reason;
+      [[maybe_unused]] auto n = ::write(out[1], said.data(), said.size());
+      ::_exit(0);
+    }
+    ::close(out[1]);
+    std::string said;
+    char c[256];
+    for (ssize_t n; (n = ::read(out[0], c, sizeof c)) > 0;) said.append(c, static_cast<std::size_t>(n));
+    ::close(out[0]);
+    ::waitpid(child, nullptr, 0);
+    EXPECT_THAT(said, ::testing::StartsWith("-1 ")) << "lent to another user";
+    EXPECT_THAT(said, HasSubstr("writable by group or others"));
+  }
+  EXPECT_EQ(e.srv->stats().files_lent, 2u);
   std::filesystem::remove(outside);
   // A server that lends no files says so.
   store::server_options o;

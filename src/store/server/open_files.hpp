@@ -61,7 +61,7 @@ struct open_file {
 
 // A read that names a version (net::file_version of the file its first look found) is served only
 // from that file: one replaced since fails the read, naming where, instead of mixing two versions.
-const std::shared_ptr<open_file>& same_version(const std::shared_ptr<open_file>& f, std::uint64_t version, const std::string& path,
+inline const std::shared_ptr<open_file>& same_version(const std::shared_ptr<open_file>& f, std::uint64_t version, const std::string& path,
                                                std::uint64_t offset) {
   if (version && net::file_version(f->dev, f->ino) != version)
     fail(errc::io_error, "store.read", fmt::format("{} offset {}", printable(path), offset),

@@ -120,8 +120,8 @@ struct server::impl {
       try {
         lending_socket::open_fn files;
         if (core.o.files)
-          files = [this](std::span<const std::uint8_t> token, const std::string& path, lending_socket::answer_fn answer) {
-            lend_file(token, path, std::move(answer));
+          files = [this](std::span<const std::uint8_t> token, const std::string& path, std::int64_t uid, lending_socket::answer_fn answer) {
+            lend_file(token, path, uid, std::move(answer));
           };
         lending = std::make_unique<lending_socket>(
             core.instance,
@@ -150,14 +150,14 @@ struct server::impl {
   // A file a same-host client asked for on the lending socket, for a live session the token names
   // (checked here, on the janitor's thread); the lender opens it. The client then reads it itself,
   // and what it could read through the server is all that descriptor gives it.
-  void lend_file(std::span<const std::uint8_t> token, const std::string& path, lending_socket::answer_fn answer) {
+  void lend_file(std::span<const std::uint8_t> token, const std::string& path, std::int64_t uid, lending_socket::answer_fn answer) {
     {
       std::lock_guard l(sess_mu);
       auto it = by_token.find(std::vector<std::uint8_t>(token.begin(), token.end()));
       auto s = it == by_token.end() ? nullptr : it->second.lock();
       if (!s || s->closing) return answer(-1, "no live session of this server has that token");
     }
-    lender.open(path, std::move(answer));
+    lender.open(path, uid, std::move(answer));
   }
   // No new client or request from here on; waits up to `wait` for the file requests in flight (their
   // completions use this server). Returns how many are still in the file system.
