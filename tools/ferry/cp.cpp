@@ -66,7 +66,7 @@ double follow(transfer_batch& b, bool show, std::chrono::steady_clock::time_poin
 
 // How the file engine moved a file's data, for the summary line.
 std::string engine_path(const file& f, const transfer_batch& b) {
-  if (f.source() || f.path().find("://") != std::string::npos) return fmt::format("file engine ({})", f.describe());
+  if (f.source() || f.lent()) return fmt::format("file engine ({})", f.describe());
   return b.results()[0].path == transfer_path::direct ? "file engine (cuFile)" : "file engine (io_uring)";
 }
 
@@ -135,7 +135,7 @@ int cp_to_remote(runtime& rt, const cp_options& o) {
     if (held != bytes) why = fmt::format("the server's file holds {} bytes, not the {} written", held, bytes);
     else if (src.checksum(bytes) != file_checksum(rt, *back, bytes)) why = "what the server holds does not match the source";
   }
-  std::string from = !fin ? o.src : fin->source() ? fin->describe() + " -> " + via : "file -> " + via;
+  std::string from = !fin ? o.src : fin->source() || fin->lent() ? fin->describe() + " -> " + via : "file -> " + via;
   fmt::print("{} -> {}: {} in {:.3f} s ({}), path {} -> {}, checksum {}\n", o.src, o.dst, format_size(bytes), secs,
              format_rate(static_cast<double>(bytes) / secs), from, route,
              !o.verify ? "not checked" : why.empty() ? "verified" : "MISMATCH");

@@ -63,6 +63,8 @@ class FERRY_API file {
   // The remote side of a file opened through a scheme, else null (a local file, or one whose scheme's
   // server on this host lent its descriptor: file_source::take_descriptor).
   const std::shared_ptr<file_source>& source() const noexcept { return source_; }
+  // Opened by URI, the descriptor lent by the scheme's server on this host: read as a local file.
+  bool lent() const noexcept { return lent_; }
   // Where its bytes come from, for a person to read: the source's description, or a local file's.
   std::string describe() const;
   int direct_fd() const noexcept { return dfd_; }  // -1 when O_DIRECT is refused here
