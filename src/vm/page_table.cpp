@@ -59,23 +59,33 @@ std::int64_t now_ns() {
 }
 }  // namespace
 
+// A page's state and the table's counters (page_table::impl's, by alias).
+namespace page_table_detail {
+struct page_state {
+  std::mutex mu;
+  std::uint64_t valid = 0;  // mu
+  location mapped = -1;     // mu
+  bool writable = false;    // mu: how it is mapped
+  bool read_mostly = false; // mu
+  location preferred = -1;  // mu
+  std::atomic<std::uint32_t> pins{0};  // changed under mu (pin) or without it (unpin)
+  std::int64_t evicted = 0;     // mu: when it was last evicted from a device (steady ns; 0: not since its last hold)
+  std::int64_t held_until = 0;  // mu: thrashing -- PREFETCH leaves it where it is until then
+  // Return (page_table.hpp): the device a CPU fault took it from (-1: not taken), when; when it
+  // last went back; how long the CPU keeps it (held until, and the doubling).
+  location came_from = -1;           // mu
+  std::int64_t taken_at = 0, returned_at = 0, cpu_hold_until = 0;  // mu
+  int hold_shift = 0;                // mu
+};
+struct table_counters {
+  std::atomic<std::uint64_t> faults{0}, populated{0}, h2d{0}, d2h{0}, d2d{0}, duplicates{0}, invalidations{0}, evictions{0},
+      writebacks{0}, clean_drops{0}, prefetches{0}, dontneeds{0}, fault_ahead{0}, batches{0}, thrash_holds{0},
+      held_prefetches{0}, returns{0}, return_holds{0};
+};
+}  // namespace page_table_detail
+
 struct page_table::impl {
-  struct page {
-    std::mutex mu;
-    std::uint64_t valid = 0;  // mu
-    location mapped = -1;     // mu
-    bool writable = false;    // mu: how it is mapped
-    bool read_mostly = false; // mu
-    location preferred = -1;  // mu
-    std::atomic<std::uint32_t> pins{0};  // changed under mu (pin) or without it (unpin)
-    std::int64_t evicted = 0;     // mu: when it was last evicted from a device (steady ns; 0: not since its last hold)
-    std::int64_t held_until = 0;  // mu: thrashing -- PREFETCH leaves it where it is until then
-    // Return (page_table.hpp): the device a CPU fault took it from (-1: not taken), when; when it
-    // last went back; how long the CPU keeps it (held until, and the doubling).
-    location came_from = -1;           // mu
-    std::int64_t taken_at = 0, returned_at = 0, cpu_hold_until = 0;  // mu
-    int hold_shift = 0;                // mu
-  };
+  using page = page_table_detail::page_state;
 
   std::uint64_t n, bytes;
   std::vector<std::uint64_t> cap;
@@ -89,11 +99,7 @@ struct page_table::impl {
   std::atomic<std::uint64_t> ntaken{0};
   std::vector<std::unique_ptr<replacement_order>> ord;  // per device location (the host's: null)
   std::unique_ptr<std::atomic<std::uint64_t>[]> used;  // pages holding a valid copy, per location
-  struct counters {
-    std::atomic<std::uint64_t> faults{0}, populated{0}, h2d{0}, d2h{0}, d2d{0}, duplicates{0}, invalidations{0}, evictions{0},
-        writebacks{0}, clean_drops{0}, prefetches{0}, dontneeds{0}, fault_ahead{0}, batches{0}, thrash_holds{0},
-        held_prefetches{0}, returns{0}, return_holds{0};
-  } st;
+  page_table_detail::table_counters st;
 
   impl(std::uint64_t pages, std::uint64_t page_bytes, std::vector<std::uint64_t> capacity, replacement p, page_mover& m,
        thrash_policy t, std::chrono::nanoseconds hold)
