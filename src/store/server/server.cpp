@@ -58,6 +58,23 @@ using namespace ferry::store::detail;
 using clk = std::chrono::steady_clock;
 
 
+namespace {
+// The host part of "host:port".
+std::string host_of(const std::string& peer) {
+  auto colon = peer.rfind(':');
+  return colon == std::string::npos ? peer : peer.substr(0, colon);
+}
+// Each connection costs descriptors (its sockets, UCX's); a server at the soft limit would refuse
+// everyone, so it runs at the hard limit, and max_connections bounds what clients may take.
+void raise_descriptor_limit() {
+  rlimit r{};
+  if (::getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur < r.rlim_max) {
+    r.rlim_cur = r.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &r);
+  }
+}
+}  // namespace
+
 struct server::impl {
   server_core core;
   std::mutex sess_mu;
@@ -199,19 +216,6 @@ struct server::impl {
       }
     }
     gone.clear();
-  }
-  static std::string host_of(const std::string& peer) {
-    auto colon = peer.rfind(':');
-    return colon == std::string::npos ? peer : peer.substr(0, colon);
-  }
-  // Each connection costs descriptors (its sockets, UCX's); a server at the soft limit would refuse
-  // everyone, so it runs at the hard limit, and max_connections bounds what clients may take.
-  static void raise_descriptor_limit() {
-    rlimit r{};
-    if (::getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur < r.rlim_max) {
-      r.rlim_cur = r.rlim_max;
-      ::setrlimit(RLIMIT_NOFILE, &r);
-    }
   }
   // Closes a session's connection (its session goes when the close is seen). sess_mu held.
   void close_locked(session& s, const std::string& why) {
