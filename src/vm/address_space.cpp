@@ -43,6 +43,47 @@ class unified_client final : public peer_memory_client {
   address_space::impl& s_;
 };
 
+namespace {
+std::vector<device*> checked(std::vector<device*> ds) {
+  expects(!ds.empty() && ds[0], "vm.space", "devices", "an address space needs a device");
+  expects(ds.size() < static_cast<std::size_t>(max_locations), "vm.space", ds[0]->id(),
+          fmt::format("at most {} devices per address space", max_locations - 1));
+  for (std::size_t i = 0; i < ds.size(); ++i) {
+    expects(ds[i] != nullptr, "vm.space", ds[0]->id(), "a null device");
+    if (ds[i]->info().backend != ds[0]->info().backend)
+      fail(errc::invalid_argument, "vm.space", ds[i]->id(), "the devices of a space must share a backend with " + ds[0]->id());
+    for (std::size_t j = 0; j < i; ++j)
+      if (ds[j] == ds[i]) fail(errc::invalid_argument, "vm.space", ds[i]->id(), "the device is given twice");
+  }
+  return ds;
+}
+
+space_options valid(const space_options& opt, const device& d) {
+  expects(opt.batch > 0 && opt.fault_ahead > 0, "vm.space", d.id(), "batch and fault_ahead must be positive");
+  return opt;
+}
+// The pages of a space of `bytes`: at least one.
+std::uint64_t pages_for(std::uint64_t bytes, std::uint64_t page, const device& d) {
+  const std::uint64_t n = (bytes + page - 1) / page;
+  expects(n > 0, "vm.space", d.id(), "an address space needs at least one page");
+  return n;
+}
+
+// Batches between start() and finish().
+struct flight {
+  std::vector<page_mover::step> steps;
+  std::vector<char> mapped_new;  // per step: the shared range points at `to`
+  std::vector<char> copied;      // per step: `to` memory was taken and a copy queued
+  std::vector<std::unique_ptr<event>> done;  // one per stream the copies went to
+};
+
+// A prefetch left to the service thread (address_space::impl, "prefetches the program does not wait for").
+struct deferred_prefetch {
+  std::uint64_t first, end;
+  location at;
+};
+}  // namespace
+
 struct address_space::impl final : page_mover, launch_observer, fault_target {
   // The space's devices; the first ("home") reserves the ranges and makes every chunk, the others'
   // memory included (device::allocate on a peer), so one range holds them all.
@@ -86,41 +127,9 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
   std::atomic<std::uint64_t> write_waits{0};  // CPU writes that waited for launched work (wait_for_launched_work)
   std::uint64_t watch_ns = 0;  // turning the launch callbacks on, in the constructor (the process's first space pays it)
   const std::chrono::steady_clock::time_point made = std::chrono::steady_clock::now();
-  // Batches between start() and finish().
-  struct flight {
-    std::vector<step> steps;
-    std::vector<char> mapped_new;  // per step: the shared range points at `to`
-    std::vector<char> copied;      // per step: `to` memory was taken and a copy queued
-    std::vector<std::unique_ptr<event>> done;  // one per stream the copies went to
-  };
   std::mutex flights_mu;
   std::map<std::uint64_t, flight> flights;
   std::uint64_t next_ticket = 0;
-
-  static std::vector<device*> checked(std::vector<device*> ds) {
-    expects(!ds.empty() && ds[0], "vm.space", "devices", "an address space needs a device");
-    expects(ds.size() < static_cast<std::size_t>(max_locations), "vm.space", ds[0]->id(),
-            fmt::format("at most {} devices per address space", max_locations - 1));
-    for (std::size_t i = 0; i < ds.size(); ++i) {
-      expects(ds[i] != nullptr, "vm.space", ds[0]->id(), "a null device");
-      if (ds[i]->info().backend != ds[0]->info().backend)
-        fail(errc::invalid_argument, "vm.space", ds[i]->id(), "the devices of a space must share a backend with " + ds[0]->id());
-      for (std::size_t j = 0; j < i; ++j)
-        if (ds[j] == ds[i]) fail(errc::invalid_argument, "vm.space", ds[i]->id(), "the device is given twice");
-    }
-    return ds;
-  }
-
-  static space_options valid(const space_options& opt, const device& d) {
-    expects(opt.batch > 0 && opt.fault_ahead > 0, "vm.space", d.id(), "batch and fault_ahead must be positive");
-    return opt;
-  }
-  // The pages of a space of `bytes`: at least one.
-  static std::uint64_t pages_for(std::uint64_t bytes, std::uint64_t page, const device& d) {
-    const std::uint64_t n = (bytes + page - 1) / page;
-    expects(n > 0, "vm.space", d.id(), "an address space needs at least one page");
-    return n;
-  }
 
   impl(std::vector<device*> ds, std::uint64_t bytes, space_options opt)
       : devs(checked(std::move(ds))),
@@ -502,10 +511,6 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
   // after the call, a long kernel), the call returns and the service thread moves the pages once
   // those streams are idle and no launch is under way; until then kernels reach the pages where they
   // are. Later prefetches join the waiting ones, so that the moves keep the order they were asked in.
-  struct deferred_prefetch {
-    std::uint64_t first, end;
-    location at;
-  };
   std::mutex deferred_mu;
   std::vector<deferred_prefetch> deferred;  // in the order asked
   std::atomic<bool> any_deferred{false};
