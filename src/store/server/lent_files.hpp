@@ -56,15 +56,14 @@ class file_lender {
           root_dir r(dir, root);
           fd = r.open_regular(path, O_RDONLY);
           struct ::stat st{};
-          const char* refused =
-              !local_file_system(fd) ? "not on a local file system (a network or FUSE mount is read through the server)"
-              : ::fstat(fd, &st) != 0 ||
-                      ((st.st_mode & (S_IWGRP | S_IWOTH)) && uid != std::int64_t{::geteuid()} && uid != std::int64_t{st.st_uid})
-                  ? "writable by group or others, and neither the server's user nor the file's owner asks (read through the server)"
-                  : nullptr;
-          if (refused) {
+          if (!local_file_system(fd))
+            why = "not on a local file system (a network or FUSE mount is read through the server)";
+          else if (::fstat(fd, &st) != 0)
+            why = fmt::format("fstat: {} (read through the server)", std::strerror(errno));
+          else if ((st.st_mode & (S_IWGRP | S_IWOTH)) && uid != std::int64_t{::geteuid()} && uid != std::int64_t{st.st_uid})
+            why = "writable by group or others, and neither the server's user nor the file's owner asks (read through the server)";
+          if (!why.empty()) {
             std::swap(fd, other);
-            why = refused;
           } else {
             counts->lent++;
           }
