@@ -82,6 +82,126 @@ struct deferred_prefetch {
   std::uint64_t first, end;
   location at;
 };
+
+// The page table's migration batches between start() and finish(): each step's memory taken and
+// its copy queued, the mappings switched around the copies, and on a failure every page put back as
+// it was. The caller has quiesced the attached streams first.
+class batch_moves {
+ public:
+  batch_moves(space_memory& m, shared_range& r, space_clock& clock, std::uint64_t page_bytes, std::chrono::nanoseconds deadline,
+              std::string dev_id)
+      : mem(m), range(r), t(clock), page(page_bytes), limit(deadline), id(std::move(dev_id)) {}
+  std::uint64_t start(const std::vector<page_mover::step>& steps) {
+    flight f;
+    f.steps = steps;
+    f.mapped_new.assign(steps.size(), 0);
+    f.copied.assign(steps.size(), 0);
+    try {
+      for (std::size_t i = 0; i < steps.size(); ++i)
+        if (steps[i].copy) {
+          mem.ensure_chunk(steps[i].to, steps[i].page);
+          f.copied[i] = 1;
+        }
+      std::vector<std::uint64_t> un, dev_mapped;
+      for (auto& s : steps)
+        if (s.map && range.mapped(s.page)) un.push_back(s.page);
+      range.unmap(un);
+      // Device targets are mapped before their data lands: the CPU cannot reach device chunks and
+      // attached streams are idle. Host targets are mapped after (a CPU access would see old bytes).
+      for (std::size_t i = 0; i < steps.size(); ++i)
+        if (steps[i].map && steps[i].to != host) {
+          range.map(steps[i].page, steps[i].to, true);
+          f.mapped_new[i] = 1;
+          dev_mapped.push_back(steps[i].page);
+        }
+      range.grant_devices(dev_mapped);
+      for (auto& m : mem.dm) {
+        bool any = false;
+        for (auto& s : steps) any = any || (s.copy && &mem.engine(s.from, s.to) == m.get());
+        if (!any) continue;
+        std::lock_guard l(m->st_mu);
+        for (auto& s : steps)
+          if (s.copy && &mem.engine(s.from, s.to) == m.get()) m->st->copy(mem.mirror(s.to, s.page), mem.mirror(s.from, s.page), page);
+        f.done.push_back(m->st->record());
+      }
+    } catch (...) {
+      rollback(f);
+      throw;
+    }
+    std::lock_guard l(flights_mu);
+    flights.emplace(++next_ticket, std::move(f));
+    return next_ticket;
+  }
+
+  void finish(std::uint64_t ticket) {
+    flight f;
+    {
+      std::lock_guard l(flights_mu);
+      auto it = flights.find(ticket);
+      if (it == flights.end()) fail(errc::internal, "vm.migrate", id, fmt::format("no batch {}", ticket));
+      f = std::move(it->second);
+      flights.erase(it);
+    }
+    try {
+      if (!f.done.empty()) {
+        timed tm{t.copy_wait};
+        auto until = deadline_after(limit);
+        for (auto& e : f.done) e->wait(until);
+      }
+      std::vector<std::uint64_t> hm, hc;  // host targets: for the device only / for the CPU as well
+      for (std::size_t i = 0; i < f.steps.size(); ++i) {
+        auto& s = f.steps[i];
+        if (!s.map || s.to != host) continue;
+        range.map(s.page, host, s.writable);
+        f.mapped_new[i] = 1;
+        (s.cpu ? hc : hm).push_back(s.page);
+      }
+      range.grant_devices(hm);
+      range.grant_cpu(hc);  // one set_access instead of two when the CPU is the reader
+    } catch (...) {
+      rollback(f);
+      throw;
+    }
+  }
+
+  private:
+  // Puts a failed batch's pages back as they were: old mappings, no memory at `to`.
+  void rollback(flight& f) noexcept {
+    if (!f.done.empty()) {
+      for (auto& m : mem.dm) {
+        try {
+          std::lock_guard l(m->st_mu);
+          m->st->synchronize(deadline_after(limit));  // nothing may still write into memory given back
+        } catch (const std::exception& e) {
+          log::error("vm", "{}: copies of a failed migration batch: {}", m->st->owner().id(), e.what());
+        }
+      }
+    }
+    for (std::size_t i = 0; i < f.steps.size(); ++i) {
+      auto& s = f.steps[i];
+      try {
+        if (f.mapped_new[i] && range.mapped(s.page)) range.unmap({s.page});
+        if (s.map && !range.mapped(s.page) && s.was_at >= 0) {
+          range.map(s.page, s.was_at, s.was_writable);
+          range.grant_devices({s.page});
+        }
+      } catch (const std::exception& e) {
+        log::error("vm", "{}: restoring the mapping of page {} after a failed migration failed: {}", id, s.page, e.what());
+      }
+      if (f.copied[i]) mem.drop(s.page, s.to);
+    }
+  }
+
+  space_memory& mem;
+  shared_range& range;
+  space_clock& t;
+  const std::uint64_t page;
+  const std::chrono::nanoseconds limit;
+  const std::string id;
+  std::mutex flights_mu;
+  std::map<std::uint64_t, flight> flights;
+  std::uint64_t next_ticket = 0;
+};
 }  // namespace
 
 struct address_space::impl final : page_mover, launch_observer, fault_target {
@@ -127,9 +247,7 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
   std::atomic<std::uint64_t> write_waits{0};  // CPU writes that waited for launched work (wait_for_launched_work)
   std::uint64_t watch_ns = 0;  // turning the launch callbacks on, in the constructor (the process's first space pays it)
   const std::chrono::steady_clock::time_point made = std::chrono::steady_clock::now();
-  std::mutex flights_mu;
-  std::map<std::uint64_t, flight> flights;
-  std::uint64_t next_ticket = 0;
+  batch_moves moves{mem, range, t, page, o.deadline, dev.id()};
 
   impl(std::vector<device*> ds, std::uint64_t bytes, space_options opt)
       : devs(checked(std::move(ds))),
@@ -286,104 +404,9 @@ struct address_space::impl final : page_mover, launch_observer, fault_target {
 
   std::uint64_t start(const std::vector<step>& steps) override {
     quiesce();
-    flight f;
-    f.steps = steps;
-    f.mapped_new.assign(steps.size(), 0);
-    f.copied.assign(steps.size(), 0);
-    try {
-      for (std::size_t i = 0; i < steps.size(); ++i)
-        if (steps[i].copy) {
-          mem.ensure_chunk(steps[i].to, steps[i].page);
-          f.copied[i] = 1;
-        }
-      std::vector<std::uint64_t> un, dev_mapped;
-      for (auto& s : steps)
-        if (s.map && range.mapped(s.page)) un.push_back(s.page);
-      range.unmap(un);
-      // Device targets are mapped before their data lands: the CPU cannot reach device chunks and
-      // attached streams are idle. Host targets are mapped after (a CPU access would see old bytes).
-      for (std::size_t i = 0; i < steps.size(); ++i)
-        if (steps[i].map && steps[i].to != host) {
-          range.map(steps[i].page, steps[i].to, true);
-          f.mapped_new[i] = 1;
-          dev_mapped.push_back(steps[i].page);
-        }
-      range.grant_devices(dev_mapped);
-      for (auto& m : mem.dm) {
-        bool any = false;
-        for (auto& s : steps) any = any || (s.copy && &mem.engine(s.from, s.to) == m.get());
-        if (!any) continue;
-        std::lock_guard l(m->st_mu);
-        for (auto& s : steps)
-          if (s.copy && &mem.engine(s.from, s.to) == m.get()) m->st->copy(mem.mirror(s.to, s.page), mem.mirror(s.from, s.page), page);
-        f.done.push_back(m->st->record());
-      }
-    } catch (...) {
-      rollback(f);
-      throw;
-    }
-    std::lock_guard l(flights_mu);
-    flights.emplace(++next_ticket, std::move(f));
-    return next_ticket;
+    return moves.start(steps);
   }
-
-  void finish(std::uint64_t ticket) override {
-    flight f;
-    {
-      std::lock_guard l(flights_mu);
-      auto it = flights.find(ticket);
-      if (it == flights.end()) fail(errc::internal, "vm.migrate", dev.id(), fmt::format("no batch {}", ticket));
-      f = std::move(it->second);
-      flights.erase(it);
-    }
-    try {
-      if (!f.done.empty()) {
-        timed tm{t.copy_wait};
-        auto until = deadline_after(o.deadline);
-        for (auto& e : f.done) e->wait(until);
-      }
-      std::vector<std::uint64_t> hm, hc;  // host targets: for the device only / for the CPU as well
-      for (std::size_t i = 0; i < f.steps.size(); ++i) {
-        auto& s = f.steps[i];
-        if (!s.map || s.to != host) continue;
-        range.map(s.page, host, s.writable);
-        f.mapped_new[i] = 1;
-        (s.cpu ? hc : hm).push_back(s.page);
-      }
-      range.grant_devices(hm);
-      range.grant_cpu(hc);  // one set_access instead of two when the CPU is the reader
-    } catch (...) {
-      rollback(f);
-      throw;
-    }
-  }
-
-  // Puts a failed batch's pages back as they were: old mappings, no memory at `to`.
-  void rollback(flight& f) noexcept {
-    if (!f.done.empty()) {
-      for (auto& m : mem.dm) {
-        try {
-          std::lock_guard l(m->st_mu);
-          m->st->synchronize(deadline_after(o.deadline));  // nothing may still write into memory given back
-        } catch (const std::exception& e) {
-          log::error("vm", "{}: copies of a failed migration batch: {}", m->st->owner().id(), e.what());
-        }
-      }
-    }
-    for (std::size_t i = 0; i < f.steps.size(); ++i) {
-      auto& s = f.steps[i];
-      try {
-        if (f.mapped_new[i] && range.mapped(s.page)) range.unmap({s.page});
-        if (s.map && !range.mapped(s.page) && s.was_at >= 0) {
-          range.map(s.page, s.was_at, s.was_writable);
-          range.grant_devices({s.page});
-        }
-      } catch (const std::exception& e) {
-        log::error("vm", "{}: restoring the mapping of page {} after a failed migration failed: {}", dev.id(), s.page, e.what());
-      }
-      if (f.copied[i]) drop(s.page, s.to);
-    }
-  }
+  void finish(std::uint64_t ticket) override { moves.finish(ticket); }
 
   // ---- return of taken pages ----
   // Launches on this thread that went ahead without the gate (a background return overran its deadline).
