@@ -1064,6 +1064,11 @@ void ucx_worker::accept(ucp_conn_request_h req, std::string peer) {
   auto it = std::find(conn_requests_.begin(), conn_requests_.end(), req);
   if (it == conn_requests_.end()) return;
   conn_requests_.erase(it);
+  if (!accepted_) {  // not listening (stop_listening): refused
+    making_descriptors d;
+    ucp_listener_reject(listener_, req);
+    return;
+  }
   auto c = std::make_shared<connection>(*this, peer);
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
@@ -1097,11 +1102,26 @@ bool ucx_worker::close_listener() {
 std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
                                  std::function<void(std::shared_ptr<connection>)> accepted) {
   sockaddr_storage ss = make_addr(host, port);
+  auto port_of = [](const sockaddr_storage& a) {
+    return a.ss_family == AF_INET ? ntohs(reinterpret_cast<const sockaddr_in*>(&a)->sin_port)
+                                  : ntohs(reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port);
+  };
   // The work owns what it uses: it may run after call() gave up waiting for it.
   return call(
-      [this, ss, host, port, accepted = std::move(accepted)]() mutable -> std::uint16_t {
+      [this, ss, host, port, port_of, accepted = std::move(accepted)]() mutable -> std::uint16_t {
         making_descriptors d;
-        if (close_listener()) forget_closed();  // one listener per worker: a new one replaces it
+        // A listener kept from an earlier call on the same address (any port asked) serves again.
+        // Otherwise one listener per worker: a new one replaces it.
+        if (listener_) {
+          ucp_listener_attr_t la{};
+          la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+          if (ucp_listener_query(listener_, &la) == UCS_OK && (port == 0 || port == port_of(la.sockaddr)) &&
+              addr_text(la.sockaddr) == addr_text(make_addr(host, port_of(la.sockaddr)))) {
+            accepted_ = std::move(accepted);
+            return port_of(la.sockaddr);
+          }
+          if (close_listener()) forget_closed();
+        }
         accepted_ = std::move(accepted);
         ucp_listener_params_t lp{};
         lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
@@ -1113,17 +1133,22 @@ std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
         ucp_listener_attr_t la{};
         la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
         check(ucp_listener_query(listener_, &la), "net.listen", "ucp_listener_query");
-        return la.sockaddr.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&la.sockaddr)->sin_port)
-                                                : ntohs(reinterpret_cast<sockaddr_in6*>(&la.sockaddr)->sin6_port);
+        return port_of(la.sockaddr);
       },
       std::chrono::steady_clock::now() + std::chrono::seconds(10));
 }
 
 void ucx_worker::stop_listening() {
+  // The listener stays until the worker goes, refusing what comes meanwhile: UCX 1.13 runs a
+  // connection request on the listener that accepted its connection, so a listener closed while one
+  // it accepted has not sent its request yet (a stranger's, a server's late connect) would have UCX
+  // run it on freed memory once it comes. The worker's end takes the listener and its accepted
+  // connections together.
   call(
       [this] {
         making_descriptors d;
-        if (close_listener()) forget_closed();
+        for (ucp_conn_request_h req : conn_requests_) ucp_listener_reject(listener_, req);
+        conn_requests_.clear();
         accepted_ = nullptr;
       },
       std::chrono::steady_clock::now() + std::chrono::seconds(10));

@@ -304,9 +304,11 @@ class ucx_worker {
 
   // Listens on host:port (port 0: any); returns the port. New connections get `accepted`, on this
   // worker's thread: a connection is served by the worker whose listener took it (handing it to
-  // another worker aborts UCX 1.13, async.c:643). One listener per worker: a new one replaces it.
+  // another worker aborts UCX 1.13, async.c:643). One listener per worker: a listen on another address
+  // replaces it.
   std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted);
-  // Stops listening: the listener goes, the connections it took stay. Idempotent.
+  // Stops listening: what connects from now on is refused, the connections taken stay; the listener
+  // itself stays (a listen on the same address takes it up again) until the worker goes. Idempotent.
   void stop_listening();
   // Connects to host:port; the endpoint is usable once this returns. Also from work running on this
   // worker (post): then at once, without waiting for the worker.

@@ -305,7 +305,8 @@ void client::impl::ensure_connected(clk::time_point until) {
     if (!cn || !cn->alive()) down.push_back(ln.get());
   }
   if (!down.empty()) {
-    // The lanes listen only while they are connected; what else their listeners took is closed.
+    // The lanes accept only while they are being connected (their listeners refuse until the next one);
+    // what else their listeners took is closed.
     auto done_listening = [&] {
       for (lane* ln : down) {
         ln->w->stop_listening();

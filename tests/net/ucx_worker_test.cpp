@@ -7,9 +7,15 @@
 
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -73,7 +79,9 @@ TEST(UcxWorkers, CallbacksSendingOnOtherWorkersGoOnWhileDescriptorsAreMade) {
     while (!stop.load()) {
       const auto t0 = clk::now();
       try {
-        m.listen("127.0.0.1", 0, [](std::shared_ptr<connection>) {});
+        // Another loopback address each time: a listen on the same address would take up the
+        // listener kept from the last one, and make no descriptor.
+        m.listen(listeners.load() % 2 ? "127.0.0.2" : "127.0.0.1", 0, [](std::shared_ptr<connection>) {});
         m.stop_listening();
       } catch (const error& e) {  // the maker's worker stood still past its call's deadline
         std::lock_guard l(mu);
@@ -101,4 +109,45 @@ TEST(UcxWorkers, CallbacksSendingOnOtherWorkersGoOnWhileDescriptorsAreMade) {
       << "a listener took that long to make and close (" << listeners.load() << " made)";
   std::printf("%d hops while %d listeners were made and closed; the slowest %.1f ms\n", hops.load(), listeners.load(),
               static_cast<double>(slowest_ns.load()) / 1e6);
+}
+
+// A stranger connects to a listening worker, stays silent until the worker has stopped listening,
+// then sends what UCX reads as a connection request (a length and a status, then that many bytes).
+// UCX 1.13 runs the request on the listener that accepted the connection: with that listener
+// closed, the process died there (a SEGV on UCX's async thread). The listener now stays until the
+// worker goes and refuses what comes after stop_listening; the worker goes on serving.
+TEST(UcxWorkers, AStrangerThatSpeaksAfterTheListenerStoppedIsRefused) {
+  ucx_worker w{"t-lane"};
+  std::atomic<int> accepted{0};
+  const std::uint16_t port = w.listen("127.0.0.1", 0, [&](std::shared_ptr<connection>) { accepted++; });
+  for (int round = 0; round < 3; ++round) {
+    int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(s, 0);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    to.sin_port = htons(port);
+    ASSERT_EQ(::connect(s, reinterpret_cast<sockaddr*>(&to), sizeof to), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // UCX's async thread accepts it
+    w.stop_listening();
+    unsigned char bytes[16 + 64];
+    std::fill(std::begin(bytes), std::end(bytes), 0x5a);
+    const std::uint64_t length = 64;
+    std::memcpy(bytes, &length, sizeof length);
+    bytes[8] = 0;
+    EXPECT_EQ(::send(s, bytes, sizeof bytes, MSG_NOSIGNAL), static_cast<ssize_t>(sizeof bytes));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // UCX reads it and runs the request
+    ::close(s);
+    EXPECT_EQ(accepted.load(), 0) << "a connection was accepted while not listening";
+    // Listening again on the same address takes up the same listener.
+    EXPECT_EQ(w.listen("127.0.0.1", 0, [&](std::shared_ptr<connection>) { accepted++; }), port);
+  }
+  // Still serving: another worker's connection is accepted while it listens.
+  ucx_worker other{"t-other"};
+  auto c = other.connect("127.0.0.1", port, clk::now() + std::chrono::seconds(10));
+  EXPECT_TRUE(c && c->alive());
+  const auto until = clk::now() + std::chrono::seconds(10);
+  while (accepted.load() == 0 && clk::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(accepted.load(), 1);
+  w.stop_listening();
 }
