@@ -50,6 +50,11 @@ std::string addr_text(const sockaddr_storage& ss) {
   return fmt::format("[{}]:{}", buf, ntohs(a->sin6_port));
 }
 
+std::uint16_t port_of(const sockaddr_storage& ss) {
+  return ss.ss_family == AF_INET ? ntohs(reinterpret_cast<const sockaddr_in*>(&ss)->sin_port)
+                                 : ntohs(reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_port);
+}
+
 sockaddr_storage make_addr(const std::string& host, std::uint16_t port) {
   sockaddr_storage ss{};
   auto* a4 = reinterpret_cast<sockaddr_in*>(&ss);
@@ -1102,13 +1107,9 @@ bool ucx_worker::close_listener() {
 std::uint16_t ucx_worker::listen(const std::string& host, std::uint16_t port,
                                  std::function<void(std::shared_ptr<connection>)> accepted) {
   sockaddr_storage ss = make_addr(host, port);
-  auto port_of = [](const sockaddr_storage& a) {
-    return a.ss_family == AF_INET ? ntohs(reinterpret_cast<const sockaddr_in*>(&a)->sin_port)
-                                  : ntohs(reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port);
-  };
   // The work owns what it uses: it may run after call() gave up waiting for it.
   return call(
-      [this, ss, host, port, port_of, accepted = std::move(accepted)]() mutable -> std::uint16_t {
+      [this, ss, host, port, accepted = std::move(accepted)]() mutable -> std::uint16_t {
         making_descriptors d;
         // A listener kept from an earlier call on the same address (any port asked) serves again.
         // Otherwise one listener per worker: a new one replaces it.

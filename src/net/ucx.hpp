@@ -305,7 +305,7 @@ class ucx_worker {
   // Listens on host:port (port 0: any); returns the port. New connections get `accepted`, on this
   // worker's thread: a connection is served by the worker whose listener took it (handing it to
   // another worker aborts UCX 1.13, async.c:643). One listener per worker: a listen on another address
-  // replaces it.
+  // replaces it (closing the old one while the worker lives, which stop_listening avoids: see there).
   std::uint16_t listen(const std::string& host, std::uint16_t port, std::function<void(std::shared_ptr<connection>)> accepted);
   // Stops listening: what connects from now on is refused, the connections taken stay; the listener
   // itself stays (a listen on the same address takes it up again) until the worker goes. Idempotent.
