@@ -110,8 +110,10 @@ def find_nginx(given: str = "") -> str:
 
 
 def start_nginx(nginx: str, root: str):
-    """nginx on a free loopback port serving `root` (sendfile on, a worker per core); (process, port, its
-    folder). Returns once the port accepts connections."""
+    """nginx on a free loopback port serving `root` (sendfile on, a worker per core, each with a listening socket
+    of its own: `reuseport`, so that the kernel spreads a client's connections over all workers instead of the
+    few that win the race for a shared socket); (process, port, its folder). Returns once the port accepts
+    connections."""
     conf_dir = tempfile.mkdtemp(prefix="ferry-bench-nginx-")
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
@@ -120,7 +122,7 @@ def start_nginx(nginx: str, root: str):
     with open(os.path.join(conf_dir, "nginx.conf"), "w") as f:
         f.write(f"{'user root;' if os.geteuid() == 0 else ''} daemon off; worker_processes auto; pid {conf_dir}/pid; "
                 f"error_log {conf_dir}/error.log; events {{ worker_connections 256; }} http {{ access_log off; {temp} "
-                f"sendfile on; server {{ listen 127.0.0.1:{port}; root {root}; }} }}")
+                f"sendfile on; server {{ listen 127.0.0.1:{port} reuseport; root {root}; }} }}")
     srv = subprocess.Popen([nginx, "-c", os.path.join(conf_dir, "nginx.conf"), "-p", conf_dir],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(200):

@@ -65,7 +65,7 @@ constexpr setting_row<store_settings> rows[] = {
   {"FERRY_HTTP_CONNECTIONS", "Range requests of http://, https:// and s3:// reads under way at once, each on a connection of its own (kept for the next), shared by FERRY_HTTP_THREADS.",
    [](store_settings& s, std::string_view v) { s.http_connections = static_cast<int>(parse_int(v, 1, 256)); },
    [](const store_settings& s) { return std::to_string(s.http_connections); }},
-  {"FERRY_HTTP_THREADS", "Threads that run http://, https:// and s3:// requests (each a libcurl multi handle; a read's pieces are spread over them), made on the first open; 0 = half the hardware threads, 1..16. Each receives and copies its connections' bytes, so one is bound by one core.",
+  {"FERRY_HTTP_THREADS", "Threads that run http://, https:// and s3:// requests (each a libcurl multi handle; a read's pieces are spread over them), made on the first open; 0 = one per hardware thread, 1..16. Each receives and copies its connections' bytes, so one is bound by one core; they are busy only while bytes arrive.",
    [](store_settings& s, std::string_view v) { s.http_threads = static_cast<int>(parse_int(v, 0, 64)); },
    [](const store_settings& s) { return std::to_string(s.http_threads); }},
   {"FERRY_HTTP_RETRIES", "Times a range request of an http:// or https:// read is tried again after a connection reset, a closed connection or a 5xx/429 answer, from the byte it reached, after a pause that doubles (0.1 s to 2 s); 0 = never. A request that moves no byte for FERRY_DEADLINE fails.",
@@ -96,10 +96,11 @@ std::span<const setting_row<store_settings>> store_settings::table() { return ro
 std::string_view to_string(rma_use v) noexcept { return enum_name(v, rma_uses); }
 
 int default_http_threads() noexcept {
-  // Each libcurl thread receives and copies its connections' bytes, so one is bound by one core: half
-  // the cores, 1..16 (docs/design/remote-sources.md).
+  // Each libcurl thread receives and copies its connections' bytes, so one is bound by one core: a
+  // thread per core, 1..16 (docs/design/remote-sources.md). They wait in poll between bytes, so a
+  // process that is not loading pays nothing for them.
   unsigned n = std::thread::hardware_concurrency();
-  return static_cast<int>(std::clamp(n / 2, 1u, 16u));
+  return static_cast<int>(std::clamp(n, 1u, 16u));
 }
 
 int default_net_lanes() noexcept {

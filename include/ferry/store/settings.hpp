@@ -17,7 +17,7 @@ namespace ferry {
 enum class rma_use { automatic, on, off };
 FERRY_API std::string_view to_string(rma_use v) noexcept;
 
-FERRY_API int default_http_threads() noexcept;  // half the hardware threads, 1..16
+FERRY_API int default_http_threads() noexcept;  // one per hardware thread, 1..16
 FERRY_API int default_net_lanes() noexcept;  // a ferry:// client's lanes: one per four cores, 1..4
 
 // With core's (FERRY_DEADLINE: a request's wait).
@@ -39,7 +39,7 @@ struct FERRY_API store_settings : virtual core_settings {
   int net_lanes = 0;                    // connections (each its own worker) per ferry:// client; 0: default_net_lanes()
   // http://, https:// sources
   std::uint64_t http_piece = 8ull << 20;   // bytes per range request
-  int http_connections = 16;               // pieces under way at once (each its connection)
+  int http_connections = 32;               // pieces under way at once (each its connection)
   int http_threads = 0;                    // libcurl threads (0: default_http_threads())
   int http_retries = 5;                    // attempts after the first, for a piece that failed on the way
   std::string http_ca_file;                // certificates to trust for https (empty: the system's)
