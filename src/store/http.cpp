@@ -11,6 +11,7 @@
 #include <ferry/xfer/staged_copies.hpp>
 
 #include "core/logging.hpp"
+#include "mem/streaming_copy.hpp"
 #include "store/curl_api.hpp"
 
 #include <fmt/format.h>
@@ -335,7 +336,10 @@ std::size_t on_data(char* b, std::size_t sz, std::size_t n, void* ud) {
     return 0;
   }
   const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(bytes, p.len - p.got));
-  std::memcpy((p.slot ? p.slot.data() : p.dst) + p.got, b, take);
+  // Into a staging buffer, which only the device's copy reads next: around the caches. Into the
+  // caller's memory, which the caller reads, as it comes.
+  if (p.slot) streaming_copy(p.slot.data() + p.got, b, take);
+  else std::memcpy(p.dst + p.got, b, take);
   p.got += take;
   progressed(p);
   if (take == bytes) return bytes;
